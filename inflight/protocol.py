@@ -1,0 +1,265 @@
+"""The wire protocol between the trainer and the engine workers.
+
+One module, imported by both sides; it imports neither vLLM nor the trainer, only
+msgspec. Every message is a frozen, tagged msgspec Struct encoded as msgpack, and each
+channel has one typed decoder, so a peer can only ever produce one of the types listed
+for that channel. There is no pickle anywhere on the wire.
+
+Channels:
+- control (trainer -> every engine worker, through the group's store):
+  ``UpdateAnnounce`` | ``Commit`` | ``Abort`` | ``Shutdown``
+- frames (trainer -> workers, in-band on the data plane): ``BucketHeader`` before each
+  bucket's bytes, or a single ``Abort`` when some worker refused the announce
+- replies (each worker -> trainer, through the store): ``Accepted`` | ``Staged`` | ``Rejected`` | ``Committed``
+- rollouts (engine -> trainer, through the rollout queue): ``RolloutSample``
+
+Ordering of one update (two-phase, so several engines commit the same versions):
+``UpdateAnnounce(v)`` -> every worker replies ``Accepted``/``Rejected`` -> if all accepted,
+frames ``BucketHeader(v, i)`` + bytes for i = 0..n-1, else one ``Abort`` frame -> every worker
+replies ``Staged``/``Rejected`` -> if all staged ``Commit(v)``, else ``Abort(v)`` -> every
+worker replies ``Committed``/``Rejected``. Every worker joins every frame broadcast, the
+refusing ones too, so the data plane never falls out of step.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+PROTOCOL_VERSION = 1
+
+# Names are torch dtype names without the "torch." prefix.
+WireDtype = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"]
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
+    "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1,
+}
+ChecksumAlgo = Literal["xxh3", "crc32", "wsum64"]
+RejectCode = Literal[
+    "bad_message", "stale_version", "unknown_tensor", "missing_tensor", "bad_shape",
+    "bad_dtype", "bad_layout", "checksum", "short_bucket", "bucket_order",
+    "incomplete", "commit_failed", "timeout", "aborted", "busy",
+]
+
+NonNeg = Annotated[int, Meta(ge=0)]
+Pos = Annotated[int, Meta(gt=0)]
+
+
+class ProtocolError(ValueError):
+    """A message that does not decode into the channel's types, or breaks an invariant."""
+
+
+class _Wire(Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind"):
+    """Base of every message: frozen, unknown fields rejected, tagged by ``kind``."""
+
+
+class TensorSpec(Struct, frozen=True, forbid_unknown_fields=True):
+    """Where one named tensor sits in the flat byte stream of an update."""
+
+    name: Annotated[str, Meta(min_length=1)]
+    shape: tuple[NonNeg, ...]
+    dtype: WireDtype
+    offset: NonNeg
+    nbytes: NonNeg
+
+    def __post_init__(self) -> None:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        if numel * DTYPE_ITEMSIZE[self.dtype] != self.nbytes:
+            raise ValueError(
+                f"tensor {self.name!r}: nbytes={self.nbytes} but shape {self.shape} of {self.dtype} "
+                f"needs {numel * DTYPE_ITEMSIZE[self.dtype]}"
+            )
+        if self.offset % DTYPE_ITEMSIZE[self.dtype]:
+            raise ValueError(f"tensor {self.name!r}: offset {self.offset} not aligned to {self.dtype}")
+
+
+class BucketSpec(Struct, frozen=True, forbid_unknown_fields=True):
+    """One fixed-size window ``[offset, offset + nbytes)`` of the flat stream."""
+
+    index: NonNeg
+    offset: NonNeg
+    nbytes: Pos
+    checksum: NonNeg
+
+
+class UpdateAnnounce(_Wire, tag="announce"):
+    """Trainer -> workers: the complete layout of policy version ``version``."""
+
+    version: NonNeg
+    total_bytes: NonNeg
+    bucket_bytes: Pos
+    checksum_algo: ChecksumAlgo
+    tensors: tuple[TensorSpec, ...]
+    buckets: tuple[BucketSpec, ...]
+    protocol: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        if self.protocol != PROTOCOL_VERSION:
+            raise ValueError(f"protocol {self.protocol} != {PROTOCOL_VERSION}")
+        end = 0
+        for i, b in enumerate(self.buckets):
+            if b.index != i or b.offset != end:
+                raise ValueError(f"bucket {b.index} at offset {b.offset}: buckets must tile the stream in order")
+            if b.nbytes > self.bucket_bytes:
+                raise ValueError(f"bucket {b.index} has {b.nbytes} bytes > bucket_bytes={self.bucket_bytes}")
+            end += b.nbytes
+        if end != self.total_bytes:
+            raise ValueError(f"buckets cover {end} bytes, total_bytes={self.total_bytes}")
+        names: set[str] = set()
+        for t in self.tensors:
+            if t.name in names:
+                raise ValueError(f"tensor {t.name!r} listed twice")
+            names.add(t.name)
+            if t.offset + t.nbytes > self.total_bytes:
+                raise ValueError(f"tensor {t.name!r} ends at {t.offset + t.nbytes} > total_bytes={self.total_bytes}")
+        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors if t.nbytes)
+        for (_, a_end, a), (b_start, _, b) in zip(spans, spans[1:]):
+            if b_start < a_end:
+                raise ValueError(f"tensors {a!r} and {b!r} overlap")
+
+
+class BucketHeader(_Wire, tag="bucket"):
+    """Sent in-band right before bucket ``index``'s bytes, so order and size are checked."""
+
+    version: NonNeg
+    index: NonNeg
+    offset: NonNeg
+    nbytes: Pos
+    checksum: NonNeg
+
+
+class Commit(_Wire, tag="commit"):
+    """Trainer -> workers: every bucket of ``version`` was sent; swap it in at the next step boundary."""
+
+    version: NonNeg
+
+
+class Abort(_Wire, tag="abort"):
+    """Trainer -> workers: drop the staged ``version``; live weights stay as they are."""
+
+    version: NonNeg
+    reason: str = ""
+
+
+class Shutdown(_Wire, tag="shutdown"):
+    """Trainer -> workers: the trainer is leaving the group; stop listening."""
+
+    reason: str = ""
+
+
+class Accepted(_Wire, tag="accepted"):
+    """Worker -> trainer: the announce is valid and staging is ready for its buckets."""
+
+    rank: NonNeg
+    version: NonNeg
+
+
+class Staged(_Wire, tag="staged"):
+    """Worker -> trainer: every bucket of ``version`` arrived and matched its checksum.
+
+    ``steps_during_transfer`` counts engine steps run while the buckets were arriving.
+    """
+
+    rank: NonNeg
+    version: NonNeg
+    receive_ms: Annotated[float, Meta(ge=0)]
+    steps_during_transfer: NonNeg
+
+
+class Rejected(_Wire, tag="rejected"):
+    """Worker -> trainer: the update was refused; live weights and version are unchanged."""
+
+    rank: NonNeg
+    version: NonNeg
+    code: RejectCode
+    reason: str
+    live_version: NonNeg
+
+
+class Committed(_Wire, tag="committed"):
+    """Worker -> trainer: ``version`` is live from engine step ``step`` on.
+
+    ``step`` counts model steps the engine ran before the commit, so the first token
+    tagged ``version`` comes from step ``step + 1``. ``tokens_at_commit`` maps each running
+    request (user id) to its number of output tokens at the commit: exactly the index of
+    its first token tagged ``version``. ``steps_since_first_bucket`` counts engine steps
+    run between the first bucket's arrival and the commit: decoding that the transfer
+    did not stop.
+    """
+
+    rank: NonNeg
+    version: NonNeg
+    step: NonNeg
+    commit_ms: Annotated[float, Meta(ge=0)]
+    steps_since_first_bucket: NonNeg
+    tokens_at_commit: dict[str, NonNeg] = {}
+
+
+class RolloutSample(_Wire, tag="sample"):
+    """One completion with its per-token behaviour log-probs and policy-version tags."""
+
+    sample_id: Annotated[str, Meta(min_length=1)]
+    group_id: Annotated[str, Meta(min_length=1)]
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[NonNeg]
+    reward: float
+    finish_reason: str = ""
+    prompt_text: str = ""
+    completion_text: str = ""
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"sample {self.sample_id!r}: {n} tokens but {len(self.logprobs)} log-probs "
+                f"and {len(self.versions)} version tags"
+            )
+
+
+ControlMessage = Union[UpdateAnnounce, Commit, Abort, Shutdown]
+FrameMessage = Union[BucketHeader, Abort]
+ReplyMessage = Union[Accepted, Staged, Rejected, Committed]
+
+_encoder = msgspec.msgpack.Encoder()
+_control_decoder = msgspec.msgpack.Decoder(ControlMessage)
+_frame_decoder = msgspec.msgpack.Decoder(FrameMessage)
+_reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
+_sample_decoder = msgspec.msgpack.Decoder(RolloutSample)
+
+
+def encode(msg: _Wire) -> bytes:
+    """Encode any protocol message as msgpack bytes."""
+    return _encoder.encode(msg)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes | memoryview, channel: str):
+    try:
+        return decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ProtocolError(f"bad {channel} message: {e}") from None
+
+
+def decode_control(data: bytes | memoryview) -> ControlMessage:
+    """Decode a trainer -> worker control message, or raise ``ProtocolError``."""
+    return _decode(_control_decoder, data, "control")
+
+
+def decode_frame(data: bytes | memoryview) -> FrameMessage:
+    """Decode an in-band frame (bucket header or abort), or raise ``ProtocolError``."""
+    return _decode(_frame_decoder, data, "frame")
+
+
+def decode_reply(data: bytes | memoryview) -> ReplyMessage:
+    """Decode a worker -> trainer reply, or raise ``ProtocolError``."""
+    return _decode(_reply_decoder, data, "reply")
+
+
+def decode_sample(data: bytes | memoryview) -> RolloutSample:
+    """Decode a rollout sample, or raise ``ProtocolError``."""
+    return _decode(_sample_decoder, data, "rollout sample")

@@ -1,0 +1,243 @@
+"""The data plane: stream an update's flat bytes bucket by bucket over the group.
+
+Sender (rank 0): ``pack`` casts every tensor once into a flat snapshot buffer and
+checksums each bucket, giving the ``UpdateAnnounce``; ``send`` broadcasts, per bucket, a
+fixed-size header frame and then the bucket's bytes. The snapshot is the sender's own
+copy, so the trainer may keep stepping its optimizer while the bytes are in flight.
+
+Receiver (workers): ``receive`` lands each bucket straight into the caller's flat buffer
+(no intermediate copy) after checking its header against the announce, and verifies the
+checksum. Ordering invariant: a receiver consumes exactly as many buckets as announced,
+each of the size its header declares, even when one is bad (it then lands in scratch),
+so the group stays in lockstep and the caller gets one ``UpdateRejected`` at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from inflight.protocol import (
+    Abort,
+    BucketHeader,
+    BucketSpec,
+    ChecksumAlgo,
+    FrameMessage,
+    ProtocolError,
+    RejectCode,
+    UpdateAnnounce,
+    decode_frame,
+    encode,
+)
+from inflight.transport.group import TransportError, WeightGroup
+from inflight.transport.layout import bucket_specs, checksum, dtype_name, pack_into, plan_tensors
+
+FRAME_BYTES = 256  # header frame: 4-byte little-endian length + msgpack, zero padded
+
+
+class UpdateRejected(Exception):
+    """A worker refuses an update; ``code`` is a protocol ``RejectCode``."""
+
+    def __init__(self, code: RejectCode, reason: str) -> None:
+        super().__init__(f"[{code}] {reason}")
+        self.code = code
+        self.reason = reason
+
+
+def _frame(msg: FrameMessage, device: torch.device) -> torch.Tensor:
+    body = encode(msg)
+    if len(body) > FRAME_BYTES - 4:
+        raise ValueError(f"frame of {len(body)} bytes does not fit {FRAME_BYTES} bytes")
+    raw = len(body).to_bytes(4, "little") + body
+    frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+    frame[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return frame.to(device)
+
+
+def _unframe(frame: torch.Tensor) -> FrameMessage:
+    raw = frame.cpu().numpy().tobytes()
+    n = int.from_bytes(raw[:4], "little")
+    if not 0 < n <= FRAME_BYTES - 4:
+        raise ProtocolError(f"frame declares {n} bytes")
+    return decode_frame(raw[4: 4 + n])
+
+
+@dataclass(frozen=True)
+class SendStats:
+    version: int
+    nbytes: int
+    buckets: int
+    pack_s: float
+    send_s: float
+
+
+# A fault-injection seam for tests and drills: may replace a bucket's header and bytes.
+Tamper = Callable[[BucketHeader, torch.Tensor], tuple[BucketHeader, torch.Tensor]]
+
+
+class BucketSender:
+    """Rank 0: owns the flat snapshot buffer, reused across versions."""
+
+    def __init__(self, group: WeightGroup, *, bucket_bytes: int, checksum_algo: ChecksumAlgo) -> None:
+        if group.rank != 0:
+            raise ValueError("only rank 0 sends weights")
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
+        self.group = group
+        self.bucket_bytes = bucket_bytes
+        self.checksum_algo = checksum_algo
+        self._flat = torch.empty(0, dtype=torch.uint8, device=group.device)
+        self.last_pack_s = 0.0
+
+    def pack(self, version: int, named: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> UpdateAnnounce:
+        """Snapshot ``named`` (cast to ``dtype`` if given) and describe it; the caller's tensors are free afterwards."""
+        t0 = time.perf_counter()
+        wire = {name: dtype_name(dtype or t.dtype) for name, t in named.items()}
+        tensors, total = plan_tensors((name, tuple(t.shape), wire[name]) for name, t in named.items())
+        if self._flat.numel() < total:
+            self._flat = torch.empty(total, dtype=torch.uint8, device=self.group.device)
+        self._flat[:total].zero_()  # alignment padding is part of the checksummed bytes
+        pack_into(self._flat, tensors, named)
+        announce = UpdateAnnounce(
+            version=version, total_bytes=total, bucket_bytes=self.bucket_bytes, checksum_algo=self.checksum_algo,
+            tensors=tensors, buckets=bucket_specs(self._flat, total, self.bucket_bytes, self.checksum_algo),
+        )
+        self.last_pack_s = time.perf_counter() - t0
+        return announce
+
+    def send(self, announce: UpdateAnnounce, *, tamper: Tamper | None = None) -> SendStats:
+        """Broadcast every bucket of the last ``pack``; returns when all broadcasts completed.
+
+        Keeps at most two buckets in flight, so the link stays busy while the receivers
+        verify the previous bucket.
+        """
+        t0 = time.perf_counter()
+        in_flight: list[tuple] = []
+        for b in announce.buckets:
+            header = BucketHeader(version=announce.version, index=b.index, offset=b.offset, nbytes=b.nbytes, checksum=b.checksum)
+            data = self._flat[b.offset: b.offset + b.nbytes]
+            if tamper is not None:
+                header, data = tamper(header, data)
+            v, n = announce.version, len(announce.buckets)
+            in_flight.append(self.group.start_broadcast(_frame(header, self.group.device), what=f"header of bucket {b.index} of v{v}"))
+            in_flight.append(self.group.start_broadcast(data, what=f"bucket {b.index}/{n} of v{v} ({data.numel()} B)"))
+            while len(in_flight) > 4:
+                self.group.wait(in_flight.pop(0))
+        for pending in in_flight:
+            self.group.wait(pending)
+        return SendStats(announce.version, announce.total_bytes, len(announce.buckets), self.last_pack_s, time.perf_counter() - t0)
+
+    def send_abort(self, version: int, reason: str) -> None:
+        """Broadcast the single ``Abort`` frame that replaces the buckets of a refused update."""
+        self.group.broadcast(_frame(Abort(version=version, reason=reason[:120]), self.group.device), what=f"abort frame of v{version}")
+
+
+class BucketReceiver:
+    """A worker: receives announced buckets into caller-provided flat storage."""
+
+    def __init__(self, group: WeightGroup) -> None:
+        self.group = group
+        # two header frames: the next bucket's header is posted while this bucket's bytes arrive
+        self._frames = [torch.zeros(FRAME_BYTES, dtype=torch.uint8, device=group.device) for _ in range(2)]
+        self._scratch = torch.empty(0, dtype=torch.uint8, device=group.device)
+
+    def _scratch_for(self, nbytes: int) -> torch.Tensor:
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        return self._scratch[:nbytes]
+
+    def receive(
+        self,
+        announce: UpdateAnnounce,
+        dest: torch.Tensor,
+        *,
+        on_bucket: Callable[[int], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Fill ``dest[:total_bytes]`` with the update; raise ``UpdateRejected`` if any bucket is bad.
+
+        Transport failures (timeouts, a dead peer) raise ``TransportError`` instead: the
+        group is then out of step and must be rebuilt.
+        """
+        if dest.dtype != torch.uint8 or dest.dim() != 1 or dest.numel() < announce.total_bytes:
+            raise ValueError(f"dest must be a 1-D uint8 tensor of >= {announce.total_bytes} bytes")
+        if dest.device != self.group.device:
+            raise ValueError(f"dest on {dest.device}, group data plane on {self.group.device}")
+        v = announce.version
+        first_error: UpdateRejected | None = None
+        landed: tuple[BucketSpec, torch.Tensor] | None = None  # received, not yet verified
+        n = len(announce.buckets)
+        next_header = self.group.start_broadcast(self._frames[0], what=f"header of bucket 0 of v{v}")
+        for spec in announce.buckets:
+            self.group.wait(next_header, timeout_s)
+            header: BucketHeader | None = None
+            try:
+                frame = _unframe(self._frames[spec.index % 2])
+            except ProtocolError as e:
+                error: UpdateRejected | None = UpdateRejected("bad_message", f"bucket {spec.index}: {e}")
+            else:
+                if isinstance(frame, Abort):
+                    if spec.index == 0:  # the trainer called the update off before any bytes
+                        raise UpdateRejected("aborted", f"v{v} aborted by the trainer: {frame.reason}")
+                    raise TransportError(f"rank {self.group.rank}: abort frame after bucket {spec.index - 1} of v{v}")
+                header = frame
+                error = self._check_header(header, spec, v)
+            # A declared size above bucket_bytes means the sender is not speaking this
+            # protocol: there is no safe place to land it, so the group must be rebuilt.
+            nbytes = spec.nbytes if header is None else header.nbytes
+            if nbytes > announce.bucket_bytes:
+                raise TransportError(
+                    f"rank {self.group.rank}: bucket {spec.index} of v{v} declares {nbytes} B > bucket_bytes "
+                    f"{announce.bucket_bytes}; the data plane is out of step"
+                )
+            first_error = first_error or error
+            good = first_error is None
+            window = dest[spec.offset: spec.offset + nbytes] if good else self._scratch_for(nbytes)
+            pending = self.group.start_broadcast(window, what=f"bucket {spec.index}/{n} of v{v}")
+            if spec.index + 1 < n:
+                next_header = self.group.start_broadcast(
+                    self._frames[(spec.index + 1) % 2], what=f"header of bucket {spec.index + 1} of v{v}"
+                )
+            if landed is not None:  # verify the previous bucket while this one is on the wire
+                first_error = first_error or self._verify(*landed, announce)
+            self.group.wait(pending, timeout_s)
+            landed = (spec, window) if good else None
+            if on_bucket is not None:
+                on_bucket(spec.index)
+        if landed is not None:
+            first_error = first_error or self._verify(*landed, announce)
+        if first_error is not None:
+            raise first_error
+
+    @staticmethod
+    def _verify(spec: BucketSpec, window: torch.Tensor, announce: UpdateAnnounce) -> UpdateRejected | None:
+        if checksum(window, announce.checksum_algo) == spec.checksum:
+            return None
+        return UpdateRejected("checksum", f"bucket {spec.index} of v{announce.version}: {announce.checksum_algo} mismatch")
+
+    def receive_abort(self, version: int, timeout_s: float | None = None) -> None:
+        """Join the single abort frame that follows an announce this worker refused."""
+        self.group.broadcast(self._frames[0], what=f"abort frame of v{version}", timeout_s=timeout_s)
+        try:
+            frame = _unframe(self._frames[0])
+        except ProtocolError as e:
+            raise TransportError(f"rank {self.group.rank}: expected the abort frame of v{version}: {e}") from None
+        if not isinstance(frame, Abort):
+            raise TransportError(f"rank {self.group.rank}: refused v{version} but the trainer sent buckets anyway")
+
+    @staticmethod
+    def _check_header(header: BucketHeader, spec: BucketSpec, version: int) -> UpdateRejected | None:
+        if header.version != version:
+            return UpdateRejected("bucket_order", f"bucket header says v{header.version}, update is v{version}")
+        if header.index != spec.index:
+            return UpdateRejected(
+                "bucket_order", f"expected bucket {spec.index} of v{version}, got bucket {header.index} (duplicate or out of order)"
+            )
+        if header.nbytes < spec.nbytes:
+            return UpdateRejected("short_bucket", f"bucket {spec.index} of v{version}: {header.nbytes} B, announced {spec.nbytes} B")
+        if header.offset != spec.offset or header.nbytes != spec.nbytes or header.checksum != spec.checksum:
+            return UpdateRejected("bad_layout", f"bucket {spec.index} of v{version}: header does not match the announce")
+        return None

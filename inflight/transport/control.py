@@ -1,0 +1,105 @@
+"""Control plane on the group's TCPStore: numbered control messages and their replies.
+
+Ordering invariant: the trainer posts message ``seq`` only after collecting every reply it
+needs for earlier messages, and each worker reads messages strictly in ``seq`` order, so
+both sides agree on the sequence without any further handshake. Keys:
+
+- ``msg/<seq>``: a control message (``UpdateAnnounce``, ``Commit``, ``Abort``, ``Shutdown``);
+- ``rep/<seq>/<phase>/<rank>``: worker ``rank``'s reply to message ``seq`` (see ``Phase``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Literal
+
+from inflight.protocol import (
+    ControlMessage,
+    ReplyMessage,
+    decode_control,
+    decode_reply,
+    encode,
+)
+from inflight.transport.group import TransportTimeout, WeightGroup
+
+Phase = Literal["ack", "staged"]
+"""An announce gets two replies: ``ack`` (accepted or not) and ``staged`` (buckets verified or not)."""
+
+_POLL_MAX_S = 0.005  # idle polling backs off to this; a blocking store wait would log a warning per timeout
+
+
+def _wait_key(group: WeightGroup, key: str, timeout_s: float | None, stop: threading.Event | None, what: str) -> bytes:
+    """Wait for ``key`` in the store; ``timeout_s=None`` waits until ``stop`` is set.
+
+    Polls with ``check`` (one small round trip) rather than ``store.wait``, whose timeouts
+    log a c10d warning each, so an idle worker stays quiet.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pause = 0.0002
+    while True:
+        try:
+            if group.store.check([key]):
+                return group.store.get(key)
+        except RuntimeError as e:  # the store's host (the trainer) is gone
+            raise TransportTimeout(f"rank {group.rank}: group store failed while waiting for {what}: {e}") from e
+        if stop is not None and stop.is_set():
+            raise InterruptedError(f"rank {group.rank}: stopped while waiting for {what}")
+        if deadline is not None and time.monotonic() > deadline:
+            raise TransportTimeout(f"rank {group.rank}: no {what} within {timeout_s:.1f}s")
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_MAX_S)
+
+
+class TrainerControl:
+    """Rank 0's side: post control messages, collect replies from every worker."""
+
+    def __init__(self, group: WeightGroup) -> None:
+        if group.rank != 0:
+            raise ValueError("TrainerControl belongs to rank 0")
+        self.group = group
+        self.seq = 0
+
+    def post(self, msg: ControlMessage) -> int:
+        seq = self.seq
+        self.group.store.set(f"msg/{seq}", encode(msg))
+        self.seq += 1
+        return seq
+
+    def replies(self, seq: int, timeout_s: float, what: str, phase: Phase = "ack") -> dict[int, ReplyMessage]:
+        """Each worker's reply to message ``seq``; raises naming the worker that stayed silent."""
+        out: dict[int, ReplyMessage] = {}
+        deadline = time.monotonic() + timeout_s
+        for rank in self.group.peers:
+            left = max(deadline - time.monotonic(), 0.001)
+            raw = _wait_key(self.group, f"rep/{seq}/{phase}/{rank}", left, None, f"reply from worker rank {rank} to {what}")
+            out[rank] = decode_reply(raw)
+        for rank in self.group.peers:
+            self.group.store.delete_key(f"rep/{seq}/{phase}/{rank}")
+        if seq > 0:  # every worker has read everything before ``seq``
+            self.group.store.delete_key(f"msg/{seq - 1}")
+        return out
+
+
+class WorkerControl:
+    """A worker's side: read control messages in order, reply to each."""
+
+    def __init__(self, group: WeightGroup) -> None:
+        if group.rank == 0:
+            raise ValueError("WorkerControl belongs to a worker rank")
+        self.group = group
+        self.seq = 0
+
+    def next(self, timeout_s: float | None, stop: threading.Event | None = None) -> tuple[int, ControlMessage]:
+        """The next message; ``timeout_s=None`` waits until one arrives or ``stop`` is set.
+
+        Raises ``ProtocolError`` for an undecodable message (its sequence number is consumed,
+        so the worker can reply and stay in step with the trainer).
+        """
+        seq = self.seq
+        raw = _wait_key(self.group, f"msg/{seq}", timeout_s, stop, f"control message #{seq} from the trainer")
+        self.seq += 1
+        return seq, decode_control(raw)
+
+    def reply(self, seq: int, msg: ReplyMessage, phase: Phase = "ack") -> None:
+        self.group.store.set(f"rep/{seq}/{phase}/{self.group.rank}", encode(msg))

@@ -1,0 +1,224 @@
+"""Worker side of a weight update: a state machine that stages while the engine decodes.
+
+``UpdateListener.run`` is the body of one background thread per engine worker. It reads
+control messages in order, lands buckets in a staging buffer, and hands a complete,
+verified version to a ``CommitTarget``, which swaps it in at a step boundary.
+
+Ordering invariants:
+- live weights are touched only by ``CommitTarget.commit``, only for a version whose every
+  bucket arrived and matched its checksum, and only after the trainer's ``Commit``;
+- a version is accepted only if it is newer than the live one and matches the schema
+  (names, shapes, dtypes) exactly, so nothing unknown, missing or mis-shaped is staged;
+- any failure before the commit drops the staging buffer and leaves the last good version
+  live; a commit that fails restores the previous weights before replying ``Rejected``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from inflight.protocol import (
+    Abort,
+    Accepted,
+    Commit,
+    Committed,
+    ProtocolError,
+    Rejected,
+    RejectCode,
+    Shutdown,
+    Staged,
+    UpdateAnnounce,
+)
+from inflight.transport.buckets import BucketReceiver, UpdateRejected
+from inflight.transport.control import Phase, WorkerControl
+from inflight.transport.group import TransportError, WeightGroup
+from inflight.transport.layout import ALIGN, tensor_views
+
+log = logging.getLogger("inflight.listener")
+
+
+@dataclass(frozen=True)
+class TensorSchema:
+    """Exactly what an update must contain: name -> (shape, wire dtype)."""
+
+    tensors: Mapping[str, tuple[tuple[int, ...], str]]
+
+    def check(self, announce: UpdateAnnounce) -> UpdateRejected | None:
+        names = {t.name for t in announce.tensors}
+        unknown = sorted(names - self.tensors.keys())
+        if unknown:
+            return UpdateRejected("unknown_tensor", f"v{announce.version} names tensors the engine does not have: {unknown[:5]}")
+        missing = sorted(self.tensors.keys() - names)
+        if missing:
+            return UpdateRejected("missing_tensor", f"v{announce.version} lacks {len(missing)} tensors, e.g. {missing[:5]}")
+        for t in announce.tensors:
+            shape, dtype = self.tensors[t.name]
+            if tuple(t.shape) != tuple(shape):
+                return UpdateRejected("bad_shape", f"{t.name}: shape {tuple(t.shape)}, engine has {tuple(shape)}")
+            if t.dtype != dtype:
+                return UpdateRejected("bad_dtype", f"{t.name}: dtype {t.dtype}, engine runs {dtype}")
+        bound = sum(-(-t.nbytes // ALIGN) * ALIGN for t in announce.tensors)
+        if announce.total_bytes > bound:
+            return UpdateRejected("bad_layout", f"total_bytes={announce.total_bytes} exceeds the {bound} B its tensors need")
+        return None
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    step: int
+    commit_ms: float
+    tokens_at_commit: dict[str, int] = field(default_factory=dict)
+
+
+class CommitFailed(RuntimeError):
+    """The commit did not take; the target already restored the previous weights."""
+
+
+class CommitTarget(Protocol):
+    """What the listener commits into: an engine worker, or a plain dict in tests."""
+
+    @property
+    def live_version(self) -> int: ...
+
+    def steps(self) -> int:
+        """Engine steps run so far (monotone), to measure decoding during a transfer."""
+        ...
+
+    def commit(self, version: int, weights: dict[str, torch.Tensor], previous: dict[str, torch.Tensor] | None) -> CommitInfo:
+        """Make ``weights`` live at a step boundary; on failure restore ``previous`` and raise ``CommitFailed``."""
+        ...
+
+
+class _Staged:
+    def __init__(self, announce: UpdateAnnounce, flat: torch.Tensor, first_bucket_step: int) -> None:
+        self.announce = announce
+        self.flat = flat
+        self.first_bucket_step = first_bucket_step
+
+    def views(self) -> dict[str, torch.Tensor]:
+        return tensor_views(self.flat, self.announce.tensors)
+
+
+class UpdateListener:
+    """One worker's update loop. ``run`` blocks; start it in a daemon thread."""
+
+    def __init__(self, group: WeightGroup, target: CommitTarget, schema: TensorSchema | None, *, stale_timeout_s: float = 60.0) -> None:
+        self.group = group
+        self.target = target
+        self.schema = schema
+        self.stale_timeout_s = stale_timeout_s
+        self.control = WorkerControl(group)
+        self.receiver = BucketReceiver(group)
+        self._spare = torch.empty(0, dtype=torch.uint8, device=group.device)
+        self._staged: _Staged | None = None
+        self._previous: _Staged | None = None  # bytes of the live version, for rollback
+        self.rejections: dict[str, int] = {}
+        self.committed = 0
+        self.last_error = ""
+
+    # -- the loop ---------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        """Serve until ``Shutdown`` or ``stop``; a transport failure drops staging and raises."""
+        try:
+            while not stop.is_set():
+                timeout = None if self._staged is None else self.stale_timeout_s
+                try:
+                    seq, msg = self.control.next(timeout, stop)
+                except ProtocolError as e:
+                    self._reject(seq=self.control.seq - 1, version=self.target.live_version, code="bad_message", reason=str(e))
+                    self.receiver.receive_abort(self.target.live_version)
+                    continue
+                if isinstance(msg, UpdateAnnounce):
+                    self._on_announce(seq, msg)
+                elif isinstance(msg, Commit):
+                    self._on_commit(seq, msg)
+                elif isinstance(msg, Abort):
+                    if self._staged is not None and self._staged.announce.version == msg.version:
+                        log.info("rank %d: v%d aborted by the trainer: %s", self.group.rank, msg.version, msg.reason)
+                        self._drop()
+                elif isinstance(msg, Shutdown):
+                    log.info("rank %d: trainer left the group: %s", self.group.rank, msg.reason)
+                    return
+        except InterruptedError:
+            return
+        except TransportError:
+            self._drop()
+            raise
+
+    def _on_announce(self, seq: int, a: UpdateAnnounce) -> None:
+        self._drop()  # a new announce supersedes anything staged but not committed
+        error = self._check_announce(a)
+        if error is not None:
+            self._reject(seq, a.version, error.code, error.reason)
+            self.receiver.receive_abort(a.version)
+            return
+        self.control.reply(seq, Accepted(rank=self.group.rank, version=a.version))
+        flat = self._buffer(a.total_bytes)
+        first_step: list[int] = []
+        t0 = time.perf_counter()
+        try:
+            self.receiver.receive(a, flat, on_bucket=lambda i: first_step.append(self.target.steps()) if i == 0 else None)
+        except UpdateRejected as e:
+            self._spare = flat
+            if e.code != "aborted":  # an aborted update was refused by another worker first
+                self._reject(seq, a.version, e.code, e.reason, phase="staged")
+            return
+        steps = self.target.steps() - first_step[0]
+        self._staged = _Staged(a, flat, first_step[0])
+        self.control.reply(seq, Staged(rank=self.group.rank, version=a.version,
+                                       receive_ms=1e3 * (time.perf_counter() - t0), steps_during_transfer=steps), phase="staged")
+
+    def _on_commit(self, seq: int, c: Commit) -> None:
+        staged = self._staged
+        if staged is None or staged.announce.version != c.version:
+            have = "nothing" if staged is None else f"v{staged.announce.version}"
+            self._reject(seq, c.version, "incomplete", f"commit of v{c.version} but {have} is fully staged")
+            return
+        previous = self._previous.views() if self._previous is not None else None
+        try:
+            info = self.target.commit(c.version, staged.views(), previous)
+        except CommitFailed as e:
+            self._drop()
+            self._reject(seq, c.version, "commit_failed", str(e))
+            return
+        self.committed += 1
+        self._staged = None
+        if self._previous is not None:
+            self._spare = self._previous.flat
+        self._previous = staged
+        self.control.reply(seq, Committed(
+            rank=self.group.rank, version=c.version, step=info.step, commit_ms=info.commit_ms,
+            steps_since_first_bucket=max(0, info.step - staged.first_bucket_step), tokens_at_commit=info.tokens_at_commit,
+        ))
+
+    # -- helpers ----------------------------------------------------------------------
+    def _check_announce(self, a: UpdateAnnounce) -> UpdateRejected | None:
+        if a.version <= self.target.live_version:
+            return UpdateRejected("stale_version", f"v{a.version} is not newer than the live v{self.target.live_version}")
+        return self.schema.check(a) if self.schema is not None else None
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        # Reuse the spare buffer (the version before the live one) when it is large enough.
+        if self._spare.numel() < nbytes:
+            self._spare = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        flat, self._spare = self._spare, torch.empty(0, dtype=torch.uint8, device=self.group.device)
+        return flat
+
+    def _drop(self) -> None:
+        if self._staged is not None:
+            self._spare = self._staged.flat
+            self._staged = None
+
+    def _reject(self, seq: int, version: int, code: RejectCode, reason: str, phase: Phase = "ack") -> None:
+        self.rejections[code] = self.rejections.get(code, 0) + 1
+        self.last_error = f"[{code}] {reason}"
+        log.warning("rank %d: refused v%d: [%s] %s", self.group.rank, version, code, reason)
+        self.control.reply(seq, Rejected(rank=self.group.rank, version=version, code=code, reason=reason,
+                                         live_version=self.target.live_version), phase=phase)

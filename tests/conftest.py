@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny models on disk, free ports, and the ``gpu`` marker.
+
+vLLM reads its environment at import, so the settings that make a CPU engine start in
+seconds are set here, before any test module imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory: pytest.TempPathFactory):
+    """A 2-layer Qwen2 (qkv bias, tied embeddings), fp32 on disk."""
+    from trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen"), default_corpus(), TinyModelConfig(arch="qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory):
+    """A 2-layer Llama (no bias, untied LM head, head_dim 64), fp32 on disk."""
+    from trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
+
+    cfg = TinyModelConfig(arch="llama", hidden_size=128, num_heads=2, num_kv_heads=1, tie_word_embeddings=False, seed=1)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), default_corpus(), cfg)

@@ -1,0 +1,189 @@
+"""Transport: bucketed transfer over a real gloo group, checksums, refusals, timeouts."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import zlib
+
+import msgspec
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from inflight.protocol import BucketHeader
+from inflight.transport.buckets import BucketReceiver, BucketSender
+from inflight.transport.group import GroupConfig, TransportTimeout, WeightGroup
+from inflight.transport.layout import ALIGN, bucket_windows, checksum, pack_into, plan_tensors, tensor_views
+from inflight.transport.listener import TensorSchema, UpdateListener
+from inflight.transport.peer import DictTarget, run_peer
+from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
+
+
+def _state_dict(path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+# -- layout and checksums -----------------------------------------------------------------
+
+def _wsum64_reference(data: bytes) -> int:
+    data = data + b"\0" * (-len(data) % 8)
+    words = [int.from_bytes(data[i:i + 8], "little", signed=True) for i in range(0, len(data), 8)]
+    return sum(w * (2 * i + 1) for i, w in enumerate(words)) % 2**64
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 4096 + 3])
+def test_checksums_match_references(n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    raw = data.numpy().tobytes()
+    assert checksum(data, "crc32") == zlib.crc32(raw)
+    assert checksum(data, "wsum64") == _wsum64_reference(raw)
+
+
+def test_wsum64_sees_swapped_words() -> None:
+    a = torch.arange(64, dtype=torch.uint8)
+    b = torch.cat([a[8:16], a[:8], a[16:]])
+    assert checksum(a, "wsum64") != checksum(b, "wsum64")
+
+
+def test_layout_views_are_aligned_and_exact() -> None:
+    named = {"w": torch.randn(5, 3), "b": torch.randn(7).to(torch.bfloat16), "i": torch.arange(3)}
+    specs, total = plan_tensors((k, tuple(v.shape), str(v.dtype)[6:]) for k, v in named.items())
+    assert all(s.offset % ALIGN == 0 for s in specs) and total % ALIGN == 0
+    flat = torch.zeros(total, dtype=torch.uint8)
+    pack_into(flat, specs, named)
+    views = tensor_views(flat, specs)
+    assert all(torch.equal(views[k], v) for k, v in named.items())
+    assert bucket_windows(total, 100)[-1][0] + bucket_windows(total, 100)[-1][1] == total
+
+
+# -- two processes, the real thing -----------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bucket_bytes", [3000, 8 << 20], ids=["bucket<tensor", "bucket>model"])
+def test_state_dict_crosses_processes_exactly(tiny_qwen, port, tmp_path, dtype: str, bucket_bytes: int) -> None:
+    sd = _state_dict(tiny_qwen)
+    largest = max(t.numel() * t.element_size() for t in sd.values())
+    assert bucket_bytes < largest or bucket_bytes > sum(t.numel() * 4 for t in sd.values())
+    group = GroupConfig(port=port, world_size=2, timeout_s=60)
+    peer = mp.get_context("spawn").Process(target=run_peer, args=(group, 1, str(tmp_path)), daemon=True)
+    peer.start()
+    pusher = WeightPusher(group, PushConfig(bucket_mb=bucket_bytes / 2**20, dtype=dtype))
+    try:
+        result = pusher.push(1, sd)
+    finally:
+        pusher.close()
+        peer.join(60)
+    assert peer.exitcode == 0
+    assert result.send.buckets == len(bucket_windows(result.send.nbytes, bucket_bytes))
+    got = load_file(str(tmp_path / "v1.safetensors"))
+    assert got.keys() == sd.keys()
+    for name, t in sd.items():
+        want = t.to(getattr(torch, dtype))
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+
+
+# -- one process, two threads: refusals leave the live version untouched ------------------
+
+class _Pair:
+    """Trainer rank 0 in the test thread, a listener (rank 1) in a background thread."""
+
+    def __init__(self, port: int, schema: TensorSchema | None, timeout_s: float = 20.0) -> None:
+        self.config = GroupConfig(port=port, world_size=2, timeout_s=timeout_s)
+        self.target = DictTarget()
+        self.error: BaseException | None = None
+        ready = threading.Event()
+
+        def serve() -> None:
+            try:
+                group = WeightGroup(self.config, 1)
+                self.listener = UpdateListener(group, self.target, schema)
+                ready.set()
+                self.listener.run(self.stop)
+            except BaseException as e:  # reported by the test
+                self.error = e
+                ready.set()
+
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+        self.pusher = WeightPusher(self.config, PushConfig(bucket_mb=0.01))
+        assert ready.wait(30)
+
+    def close(self) -> None:
+        self.pusher.close()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def pair(tiny_qwen, port):
+    sd = _state_dict(tiny_qwen)
+    schema = TensorSchema({k: (tuple(v.shape), "float32") for k, v in sd.items()})
+    p = _Pair(port, schema)
+    yield p, sd
+    p.close()
+
+
+def _expect_refusal(pair: _Pair, code: str, version: int, named, **kw) -> None:
+    live = dict(pair.target.live)
+    before = pair.target.live_version
+    with pytest.raises(PushRejected) as exc:
+        pair.pusher.push(version, named, **kw)
+    assert exc.value.codes == {code}, str(exc.value)
+    assert pair.target.live_version == before
+    assert live.keys() == pair.target.live.keys() and all(torch.equal(live[k], pair.target.live[k]) for k in live)
+
+
+def test_refusals_keep_last_good_version(pair) -> None:
+    p, sd = pair
+    p.pusher.push(1, sd)
+    assert p.target.live_version == 1
+    name = next(iter(sd))
+    _expect_refusal(p, "stale_version", 1, sd)
+    _expect_refusal(p, "unknown_tensor", 2, sd | {"extra.weight": torch.zeros(2)})
+    _expect_refusal(p, "missing_tensor", 2, {k: v for k, v in sd.items() if k != name})
+    _expect_refusal(p, "bad_shape", 2, sd | {name: sd[name][:-1]})
+    _expect_refusal(p, "bad_dtype", 2, sd | {name: sd[name].double()})
+
+    def corrupt(h: BucketHeader, data: torch.Tensor):
+        return h, (data.clone().bitwise_xor_(1) if h.index == 3 else data)
+
+    def short(h: BucketHeader, data: torch.Tensor):
+        if h.index != 2:
+            return h, data
+        return msgspec.structs.replace(h, nbytes=h.nbytes - 1), data[:-1]
+
+    def reorder(h: BucketHeader, data: torch.Tensor):  # bucket 1 sent again in place of bucket 2
+        return (msgspec.structs.replace(h, index=1), data) if h.index == 2 else (h, data)
+
+    _expect_refusal(p, "checksum", 2, {k: v + 1 for k, v in sd.items()}, tamper=corrupt)
+    _expect_refusal(p, "short_bucket", 2, {k: v + 1 for k, v in sd.items()}, tamper=short)
+    _expect_refusal(p, "bucket_order", 2, {k: v + 1 for k, v in sd.items()}, tamper=reorder)
+    with pytest.raises(PushRejected) as exc:  # commit of a version that was never staged
+        p.pusher.commit(5)
+    assert exc.value.codes == {"incomplete"}
+    # the next good update goes through
+    new = {k: v * 2 for k, v in sd.items()}
+    p.pusher.push(2, new)
+    assert p.target.live_version == 2 and all(torch.equal(p.target.live[k], new[k]) for k in sd)
+    assert p.listener.rejections == {
+        "stale_version": 1, "unknown_tensor": 1, "missing_tensor": 1, "bad_shape": 1, "bad_dtype": 1,
+        "checksum": 1, "short_bucket": 1, "bucket_order": 1, "incomplete": 1,
+    }
+    assert p.error is None
+
+
+def test_receiver_timeout_names_peer_and_bucket(port) -> None:
+    config = GroupConfig(port=port, world_size=2, timeout_s=10)
+    trainer: list[WeightGroup] = []
+    t = threading.Thread(target=lambda: trainer.append(WeightGroup(config, 0)))
+    t.start()
+    worker = WeightGroup(config, 1)
+    t.join()
+    announce = BucketSender(trainer[0], bucket_bytes=128, checksum_algo="crc32").pack(1, {"w": torch.ones(64)})
+    flat = torch.zeros(announce.total_bytes, dtype=torch.uint8)
+    with pytest.raises(TransportTimeout) as exc:  # the trainer announced but never sends bucket 0
+        BucketReceiver(worker).receive(announce, flat, timeout_s=1.0)
+    msg = str(exc.value)
+    assert "header of bucket 0 of v1" in msg and "trainer (rank 0)" in msg

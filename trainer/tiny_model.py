@@ -1,0 +1,109 @@
+"""Tiny causal LMs and a locally trained tokenizer, written to a directory vLLM can load.
+
+Nothing here touches a hub: the tokenizer is a byte-level BPE trained with ``tokenizers``
+on a corpus given by the caller, and the model is a randomly initialised Qwen2 or Llama
+built from a config. ``head_dim`` must be 32 or more because vLLM's CPU attention backend
+refuses 16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+SPECIAL_TOKENS = ("<unk>", "<|endoftext|>", "<|pad|>")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyModelConfig:
+    """Shape of a tiny test/demo model."""
+
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    """Architecture: qwen2 (qkv bias) or llama (no bias)."""
+    hidden_size: int = 128
+    """Model width."""
+    num_layers: int = 2
+    """Decoder layers."""
+    num_heads: int = 4
+    """Attention heads; hidden_size / num_heads must be 32 or 64."""
+    num_kv_heads: int = 2
+    """Key/value heads (GQA)."""
+    intermediate_size: int = 256
+    """MLP width."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding with the LM head."""
+    max_position_embeddings: int = 1024
+    """Longest sequence the model accepts."""
+    seed: int = 0
+    """Initialisation seed."""
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("qwen2", "llama"):
+            raise ValueError(f"TinyModelConfig.arch={self.arch!r} is not qwen2 or llama")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} not divisible by num_heads={self.num_heads}")
+        if self.hidden_size // self.num_heads not in (32, 64, 128):
+            raise ValueError(f"head_dim={self.hidden_size // self.num_heads}: vLLM's CPU attention needs 32, 64 or 128")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} not divisible by num_kv_heads={self.num_kv_heads}")
+
+
+def train_tokenizer(corpus: Iterable[str], out_dir: str | Path, vocab_size: int = 300) -> int:
+    """Train a byte-level BPE on ``corpus``, save it as a HF fast tokenizer; return its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|endoftext|>", pad_token="<|pad|>")
+    fast.save_pretrained(str(out_dir))
+    return len(fast)
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    corpus: Iterable[str],
+    config: TinyModelConfig = TinyModelConfig(),
+    *,
+    vocab_size: int = 300,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write tokenizer + randomly initialised model to ``out_dir``; return the path."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    train_tokenizer(corpus, out, vocab_size)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    common = dict(
+        vocab_size=len(tok), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.hidden_size // config.num_heads,
+        max_position_embeddings=config.max_position_embeddings, tie_word_embeddings=config.tie_word_embeddings,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(config.seed)
+    if config.arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    model.to(dtype).save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def default_corpus() -> list[str]:
+    """A small corpus of digits, arithmetic and words: enough merges for the demo task."""
+    lines = [f"{a}+{b}={a + b}" for a in range(40) for b in range(40)]
+    lines += [f"count {' '.join(str(i) for i in range(s, s + 6))}" for s in range(30)]
+    lines += ["the quick brown fox jumps over the lazy dog"] * 5
+    return lines
