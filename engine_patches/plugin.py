@@ -1,2 +1,13 @@
+"""vLLM plugin entry point (``vllm.general_plugins``): the one place `inflight` changes vLLM.
+
+vLLM calls ``register`` in every process it starts, before an EngineCore is built.
+"""
+
+from __future__ import annotations
+
+
 def register() -> None:
-    """Placeholder replaced below."""
+    """Apply the step-boundary patch; idempotent (vLLM may load plugins more than once)."""
+    from engine_patches.patch import patch_engine_core_step_boundary
+
+    patch_engine_core_step_boundary()

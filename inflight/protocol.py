@@ -40,7 +40,7 @@ ChecksumAlgo = Literal["xxh3", "crc32", "wsum64"]
 RejectCode = Literal[
     "bad_message", "stale_version", "unknown_tensor", "missing_tensor", "bad_shape",
     "bad_dtype", "bad_layout", "checksum", "short_bucket", "bucket_order",
-    "incomplete", "commit_failed", "timeout", "aborted", "busy",
+    "incomplete", "commit_failed", "timeout", "aborted", "nonfinite",
 ]
 
 NonNeg = Annotated[int, Meta(ge=0)]

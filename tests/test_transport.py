@@ -58,6 +58,19 @@ def test_layout_views_are_aligned_and_exact() -> None:
     assert bucket_windows(total, 100)[-1][0] + bucket_windows(total, 100)[-1][1] == total
 
 
+def test_named_weights_match_the_checkpoint(tiny_qwen, tiny_llama) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from inflight.transport.pusher import named_weights
+
+    for path in (tiny_qwen, tiny_llama):  # tied and untied LM heads
+        model = AutoModelForCausalLM.from_pretrained(str(path))
+        on_disk = _state_dict(path)
+        sent = named_weights(model)
+        assert sent.keys() == on_disk.keys()
+        assert all(torch.equal(sent[k], on_disk[k]) for k in sent)
+
+
 # -- two processes, the real thing -----------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -109,11 +109,15 @@ class _Staged:
 class UpdateListener:
     """One worker's update loop. ``run`` blocks; start it in a daemon thread."""
 
-    def __init__(self, group: WeightGroup, target: CommitTarget, schema: TensorSchema | None, *, stale_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, group: WeightGroup, target: CommitTarget, schema: TensorSchema | None, *,
+        stale_timeout_s: float = 60.0, check_finite: bool = True,
+    ) -> None:
         self.group = group
         self.target = target
         self.schema = schema
         self.stale_timeout_s = stale_timeout_s
+        self.check_finite = check_finite
         self.control = WorkerControl(group)
         self.receiver = BucketReceiver(group)
         self._spare = torch.empty(0, dtype=torch.uint8, device=group.device)
@@ -170,8 +174,14 @@ class UpdateListener:
             if e.code != "aborted":  # an aborted update was refused by another worker first
                 self._reject(seq, a.version, e.code, e.reason, phase="staged")
             return
+        staged = _Staged(a, flat, first_step[0])
+        bad = self._nonfinite(staged) if self.check_finite else None
+        if bad is not None:
+            self._spare = flat
+            self._reject(seq, a.version, "nonfinite", f"v{a.version}: {bad} has NaN or Inf values", phase="staged")
+            return
         steps = self.target.steps() - first_step[0]
-        self._staged = _Staged(a, flat, first_step[0])
+        self._staged = staged
         self.control.reply(seq, Staged(rank=self.group.rank, version=a.version,
                                        receive_ms=1e3 * (time.perf_counter() - t0), steps_during_transfer=steps), phase="staged")
 
@@ -199,6 +209,13 @@ class UpdateListener:
         ))
 
     # -- helpers ----------------------------------------------------------------------
+    @staticmethod
+    def _nonfinite(staged: _Staged) -> str | None:
+        for name, t in staged.views().items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return name
+        return None
+
     def _check_announce(self, a: UpdateAnnounce) -> UpdateRejected | None:
         if a.version <= self.target.live_version:
             return UpdateRejected("stale_version", f"v{a.version} is not newer than the live v{self.target.live_version}")

@@ -82,6 +82,12 @@ class PushResult:
         return self.commits[min(self.commits)].step
 
 
+def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A model's tensors by checkpoint name, each shared tensor once: what ``save_pretrained``
+    writes, so a tied LM head travels as the input embedding it is."""
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
 def _split(replies: dict[int, ReplyMessage], want: type) -> tuple[dict[int, object], dict[int, Rejected]]:
     good = {r: m for r, m in replies.items() if isinstance(m, want)}
     bad = {r: m for r, m in replies.items() if isinstance(m, Rejected)}

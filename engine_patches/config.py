@@ -1,0 +1,70 @@
+"""Configuration of an in-flight engine worker; travels to the worker as JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+
+from inflight.transport.group import GroupConfig
+
+WORKER_EXTENSION = "engine_patches.worker.InflightWorkerExtension"
+
+
+@dataclass(frozen=True, kw_only=True)
+class InflightConfig:
+    """What one engine worker needs to join the weight group and commit updates."""
+
+    group: GroupConfig
+    """Where the trainer's group lives; ``world_size`` counts the trainer and every engine worker."""
+    rank: int = 1
+    """This engine worker's rank in the weight group (1..world_size-1; the trainer is 0)."""
+    commit: Literal["auto", "reload", "copy"] = "auto"
+    """How staged weights become live: ``reload`` (layerwise reload, re-packs; CPU and quantized),
+    ``copy`` (one device copy per tensor; CUDA, unquantized), ``auto`` picks."""
+    commit_timeout_s: float = 30.0
+    """Longest wait for a step boundary once a commit is requested."""
+    stale_timeout_s: float = 60.0
+    """A staged version whose ``Commit`` does not come within this is dropped (the trainer died)."""
+    check_finite: bool = True
+    """Refuse updates with NaN or Inf in any floating tensor, before they are staged."""
+    require_processed_logprobs: bool = True
+    """Refuse to start unless the engine reports processed (temperature-scaled) log-probs,
+    the behaviour log-probs the trainer's importance ratios need."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.rank < self.group.world_size:
+            raise ValueError(f"InflightConfig.rank={self.rank} outside 1..{self.group.world_size - 1}")
+        if self.commit not in ("auto", "reload", "copy"):
+            raise ValueError(f"InflightConfig.commit={self.commit!r} is not auto, reload or copy")
+        for name in ("commit_timeout_s", "stale_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"InflightConfig.{name}={getattr(self, name)} must be > 0")
+
+    def to_json(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> InflightConfig:
+        return msgspec.json.decode(data, type=cls)
+
+
+def engine_kwargs(**overrides: object) -> dict[str, object]:
+    """Engine arguments an in-flight engine needs, for ``LLM(...)`` / ``AsyncEngineArgs(...)``.
+
+    - the worker extension that receives and commits weights;
+    - no prefix caching: a cached block computed under one version must never serve a
+      request under another, and block hashes are fixed when a request is admitted, not
+      when it is prefilled, so salting by version cannot guarantee it;
+    - no async scheduling: a commit must not race a batch already in flight;
+    - processed log-probs: behaviour log-probs of the distribution actually sampled from.
+    """
+    kwargs: dict[str, object] = dict(
+        worker_extension_cls=WORKER_EXTENSION,
+        enable_prefix_caching=False,
+        async_scheduling=False,
+        logprobs_mode="processed_logprobs",
+    )
+    kwargs.update(overrides)
+    return kwargs

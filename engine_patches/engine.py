@@ -1,0 +1,101 @@
+"""Engine-side helpers: start the in-flight worker on an ``LLM`` or ``AsyncLLM``, and read
+each completion's tokens, behaviour log-probs and per-token version tags.
+
+Request with ``SamplingParams(logprobs=0)`` so each output token carries its own
+(processed) log-prob; the version tags come from vLLM's ``weight_versions`` spans, whose
+boundaries the in-flight gate places exactly at the commits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from engine_patches.config import InflightConfig
+from inflight.versions import tags_from_spans
+
+
+@dataclass(frozen=True)
+class TaggedCompletion:
+    """One completion with a behaviour log-prob and a policy version per token."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str | None
+    text: str
+
+
+def _sampled_logprobs(completion: Any) -> list[float]:
+    if completion.logprobs is None:
+        raise ValueError("completion has no log-probs: request with SamplingParams(logprobs=0)")
+    if len(completion.logprobs) != len(completion.token_ids):
+        raise ValueError(f"{len(completion.token_ids)} tokens but {len(completion.logprobs)} log-prob entries")
+    return [float(step[tok].logprob) for tok, step in zip(completion.token_ids, completion.logprobs)]
+
+
+def tagged(completion: Any) -> TaggedCompletion:
+    """Tokens, behaviour log-probs and version tags of a *finished* ``CompletionOutput``."""
+    tokens = list(completion.token_ids)
+    return TaggedCompletion(tokens, _sampled_logprobs(completion), tags_from_spans(completion.weight_versions, len(tokens)),
+                            completion.finish_reason, completion.text)
+
+
+def start_inflight(llm: Any, config: InflightConfig) -> dict[str, Any]:
+    """Start the listener on an ``LLM``'s worker; returns the worker's report."""
+    return llm.collective_rpc("inflight_start", args=(config.to_json(),))[0]
+
+
+async def start_inflight_async(engine: Any, config: InflightConfig) -> dict[str, Any]:
+    """Start the listener on an ``AsyncLLM``'s worker."""
+    return (await engine.collective_rpc("inflight_start", args=(config.to_json(),)))[0]
+
+
+def inflight_status(llm: Any) -> dict[str, Any]:
+    return llm.collective_rpc("inflight_status")[0]
+
+
+async def inflight_status_async(engine: Any) -> dict[str, Any]:
+    return (await engine.collective_rpc("inflight_status"))[0]
+
+
+async def stream_tagged(engine: Any, prompt: Any, sampling_params: Any, request_id: str) -> AsyncIterator[tuple[Any, list[int]]]:
+    """``AsyncLLM.generate`` that also yields the version of every token seen so far.
+
+    Final outputs carry vLLM's spans; for intermediate ones the spans are read from the
+    front end's request state (vLLM 0.32 ``OutputProcessor.request_states``), which the
+    output handler fills before it hands the output to this generator. Needs ``n=1`` and
+    the default cumulative output kind.
+    """
+    from vllm.sampling_params import RequestOutputKind
+
+    if sampling_params.n != 1 or sampling_params.output_kind != RequestOutputKind.CUMULATIVE:
+        raise ValueError("stream_tagged needs n=1 and output_kind=CUMULATIVE")
+    processor = engine.output_processor
+    starts: list[tuple[str, int]] = []
+    async for out in engine.generate(prompt, sampling_params, request_id):
+        completion = out.outputs[0]
+        n = len(completion.token_ids)
+        if completion.weight_versions is not None:
+            yield out, tags_from_spans(completion.weight_versions, n)
+            continue
+        for internal_id in processor.external_req_ids.get(request_id, []):
+            state = processor.request_states.get(internal_id)
+            if state is not None:
+                starts = list(state.weight_version_starts)
+        yield out, _tags_from_starts(starts, n)
+
+
+class _Span(NamedTuple):
+    version: str
+    start: int
+    end: int
+
+
+def _tags_from_starts(starts: list[tuple[str, int]], n: int) -> list[int]:
+    """Spans from ``(version, first token)`` starts, cut at the ``n`` tokens this output shows
+    (the request state may already hold starts of later tokens)."""
+    cut = [(v, s) for v, s in starts if s < n]
+    ends = [s for _, s in cut[1:]] + [n]
+    return tags_from_spans([_Span(v, s, e) for (v, s), e in zip(cut, ends)] if n else None, n)

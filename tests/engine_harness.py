@@ -1,0 +1,93 @@
+"""A real vLLM CPU engine running the in-flight worker, its trainer-side pusher, and a
+transformers reference to check what the engine computes after an update."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from engine_patches.config import InflightConfig, engine_kwargs
+from engine_patches.engine import inflight_status, start_inflight, tagged
+from inflight.transport.group import GroupConfig
+from inflight.transport.pusher import PushConfig, PushResult, WeightPusher
+
+
+def perturbed(state: dict[str, torch.Tensor], seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+
+class Harness:
+    """``LLM`` (in-process engine) + ``WeightPusher`` (rank 0) on one gloo group."""
+
+    def __init__(self, model_dir: Path, dtype: str, port: int, **engine_overrides: object) -> None:
+        from vllm import LLM
+
+        self.model_dir = Path(model_dir)
+        self.dtype = dtype
+        self.llm = LLM(str(model_dir), enforce_eager=True, dtype=dtype, max_model_len=1024, seed=0,
+                       **engine_kwargs(**engine_overrides))
+        self.group = GroupConfig(port=port, world_size=2, timeout_s=60)
+        self.start_report = start_inflight(self.llm, InflightConfig(group=self.group))
+        self.pusher = WeightPusher(self.group, PushConfig(dtype=dtype, bucket_mb=0.25))
+        self.version = 0
+        self.base = load_file(str(self.model_dir / "model.safetensors"))
+
+    def push(self, state: dict[str, torch.Tensor]) -> PushResult:
+        self.version += 1
+        return self.pusher.push(self.version, state)
+
+    def gate(self):
+        from engine_patches.gate import _GATES
+
+        (gate,) = [g for g in _GATES.values() if g.instance_id == self.start_report["instance_id"]]
+        return gate
+
+    def greedy(self, prompts: list[str], max_tokens: int = 12):
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+        outs = self.llm.generate(prompts, sp, use_tqdm=False)
+        return [(list(o.prompt_token_ids), tagged(o.outputs[0])) for o in outs]
+
+    def status(self) -> dict:
+        return inflight_status(self.llm)
+
+    def close(self) -> None:
+        self.pusher.close()
+        self.llm.collective_rpc("inflight_stop")
+        del self.llm
+        gc.collect()
+
+
+class Reference:
+    """The same model in transformers, loaded with any state."""
+
+    def __init__(self, model_dir: Path, dtype: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+
+    def load(self, state: dict[str, torch.Tensor]) -> Reference:
+        with torch.no_grad():
+            result = self.model.load_state_dict({k: v.to(self.model.dtype) for k, v in state.items()}, strict=False)
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        assert not result.unexpected_keys and set(result.missing_keys) <= ({"lm_head.weight"} if tied else set()), result
+        return self
+
+    @torch.no_grad()
+    def logprobs(self, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
+        """Log-prob of each completion token, teacher-forced, in float64 from the model's logits."""
+        ids = torch.tensor([prompt + completion])
+        logits = self.model(ids).logits[0, len(prompt) - 1: -1].double() / temperature
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        ids = list(prompt)
+        for _ in range(n):
+            ids.append(int(self.model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt):]

@@ -1,0 +1,84 @@
+"""The in-flight worker behind ``AsyncLLM``: EngineCore in its own process, streaming tags."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from engine_patches.config import InflightConfig, engine_kwargs
+from engine_patches.engine import inflight_status_async, start_inflight_async, stream_tagged, tagged
+from inflight.transport.group import GroupConfig
+from inflight.transport.pusher import PushConfig, WeightPusher
+from inflight.versions import boundaries, is_monotone
+from tests.conftest import free_port
+from tests.engine_harness import Reference, perturbed
+
+
+async def _run(model_dir) -> None:
+    from safetensors.torch import load_file
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(model=str(model_dir), enforce_eager=True, dtype="float32", max_model_len=1024, seed=0,
+                           **engine_kwargs())
+    engine = AsyncLLM.from_engine_args(args)
+    group = GroupConfig(port=free_port(), world_size=2, timeout_s=60)
+    try:
+        await start_inflight_async(engine, InflightConfig(group=group))
+        pusher = await asyncio.to_thread(WeightPusher, group, PushConfig(bucket_mb=0.25))
+        base = load_file(str(model_dir / "model.safetensors"))
+        n_req, n_tok, versions = 6, 300, 3
+        progress = [0] * n_req
+        commits = []
+
+        async def consume(i: int):
+            sp = SamplingParams(temperature=1.0, max_tokens=n_tok, logprobs=0, ignore_eos=True, seed=i)
+            seen: list[int] = []
+            async for out, tags in stream_tagged(engine, f"{i}+{i}=", sp, request_id=f"req-{i}"):
+                assert tags[: len(seen)] == seen, "a streamed tag changed after it was reported"
+                assert len(tags) == len(out.outputs[0].token_ids)
+                seen = tags
+                progress[i] = len(tags)
+            final = tagged(out.outputs[0])
+            assert final.versions == seen
+            return out.request_id, final
+
+        async def trainer() -> None:
+            for k in range(versions):  # commit whenever every stream has moved on by 60 tokens
+                while min(progress) < 60 * (k + 1):
+                    await asyncio.sleep(0.002)
+                result = await asyncio.to_thread(pusher.push, k + 1, perturbed(base, seed=k, scale=0.02))
+                commits.append(result.commits[1])
+
+        *finished, _ = await asyncio.gather(*(consume(i) for i in range(n_req)), trainer())
+        assert [c.version for c in commits] == [1, 2, 3]
+        for request_id, completion in finished:
+            assert len(completion.token_ids) == n_tok and is_monotone(completion.versions)
+            first = boundaries(completion.versions)
+            assert set(first) == {0, 1, 2, 3}, first
+            for c in commits:
+                assert first[c.version] == c.tokens_at_commit[request_id]
+
+        # the engine now serves v3 exactly
+        state = perturbed(base, seed=2, scale=0.02)
+        ref = Reference(model_dir, "float32").load(state)
+        sp = SamplingParams(temperature=0.0, max_tokens=10, logprobs=0, ignore_eos=True)
+        async for out in engine.generate("1+2=", sp, "check"):
+            pass
+        done = tagged(out.outputs[0])
+        assert done.versions == [3] * 10
+        assert done.token_ids == ref.greedy(list(out.prompt_token_ids), 10)
+        torch.testing.assert_close(torch.tensor(done.logprobs, dtype=torch.float64),
+                                   ref.logprobs(list(out.prompt_token_ids), done.token_ids), atol=1e-5, rtol=0)
+        status = await inflight_status_async(engine)
+        assert status["live_version"] == 3 and status["committed"] == 3 and status["last_error"] == ""
+        await asyncio.to_thread(pusher.close)
+    finally:
+        engine.shutdown()
+        del engine  # let AsyncLLM.__del__ run now, not at interpreter exit
+
+
+def test_async_llm_multiprocess_engine(tiny_qwen) -> None:
+    asyncio.run(_run(tiny_qwen))
