@@ -2,18 +2,18 @@
 
 Staged tensors carry Hugging Face checkpoint names (``...q_proj.weight``); vLLM stacks some
 of them (``qkv_proj``, ``gate_up_proj``) and, on CPU, prepacks linear weights for oneDNN
-(``layer.weight`` becomes an empty tensor). So the commit always goes through the model's
-own ``load_weights``, which knows the name mapping and the shard offsets:
+(``layer.weight`` becomes an empty tensor). So every strategy goes through the model's own
+weight loaders, which know the name mapping and the shard offsets. An applier has three
+phases: ``prepare`` (listener thread, while the engine decodes), ``apply`` (under the step
+gate's lock: the stall) and ``restore`` (after a failed apply).
 
-- ``reload`` (CPU, quantized models): ``model_runner.reload_weights(is_checkpoint_format=True)``,
-  vLLM's layerwise reload, which re-runs each layer's ``process_weights_after_loading``
-  (the re-pack) and copies the result into the original storage. A plain ``load_weights``
-  after start-up is wrong on CPU: it writes into the empty prepacked placeholders.
-- ``copy`` (CUDA, unquantized): ``model.load_weights``: one device copy per tensor into the
-  live parameters, no processing.
-
-Modules that share a parameter with another (a tied LM head) receive no weights of their
-own during a reload, so their derived state (the CPU prepacked LM head) is rebuilt here.
+- ``swap`` (eager CPU, the default there): load + re-pack into shadow modules in
+  ``prepare``; ``apply`` swaps module attributes. See ``engine_patches.swap``.
+- ``reload`` (compiled CPU, quantized models): vLLM's layerwise reload in ``apply``, which
+  re-runs each layer's processing (the re-pack) into the original storage. A plain
+  ``load_weights`` after start-up is wrong on CPU: it writes into empty prepacked placeholders.
+- ``copy`` (CUDA, unquantized): ``model.load_weights`` in ``apply``: one device copy per
+  tensor into the live storage that CUDA graphs captured.
 """
 
 from __future__ import annotations
@@ -68,13 +68,17 @@ def checkpoint_schema(model_dir: Path, engine_dtype: torch.dtype) -> TensorSchem
     return TensorSchema(tensors)
 
 
-def resolve_strategy(strategy: Strategy, device: torch.device, quantized: bool) -> Literal["reload", "copy"]:
+def resolve_strategy(strategy: Strategy, device: torch.device, quantized: bool, eager: bool) -> Literal["swap", "reload", "copy"]:
     if strategy == "auto":
-        return "reload" if device.type == "cpu" or quantized else "copy"
+        if device.type == "cpu":
+            return "swap" if eager and not quantized else "reload"
+        return "reload" if quantized else "copy"
     if strategy == "copy" and device.type == "cpu":
-        raise ValueError("inflight: commit='copy' is wrong on CPU (linear weights are prepacked); use 'reload'")
-    if strategy not in ("reload", "copy"):
-        raise ValueError(f"inflight: commit strategy {strategy!r} is not auto, reload or copy")
+        raise ValueError("inflight: commit='copy' is wrong on CPU (linear weights are prepacked); use 'swap' or 'reload'")
+    if strategy == "swap" and (device.type != "cpu" or not eager or quantized):
+        raise ValueError("inflight: commit='swap' needs an eager (enforce_eager=True), unquantized CPU engine")
+    if strategy not in ("swap", "reload", "copy"):
+        raise ValueError(f"inflight: commit strategy {strategy!r} is not auto, swap, reload or copy")
     return strategy
 
 
@@ -90,18 +94,30 @@ class _ExpectedNoWeights(logging.Filter):
         return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in self.layer_names)
 
 
-class WeightApplier:
-    """Applies a full checkpoint-format state to one worker's model."""
+def _reprocess(modules: list[torch.nn.Module]) -> None:
+    for module in modules:
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
 
-    def __init__(self, model_runner: Any, strategy: Strategy, *, quantized: bool) -> None:
+
+class InStorageApplier:
+    """``reload`` and ``copy``: the staged tensors are written into the live storage at commit.
+
+    ``reload`` is vLLM's layerwise reload (re-runs each layer's processing: the CPU re-pack,
+    quantization); ``copy`` is the model's ``load_weights``, one device copy per tensor.
+    """
+
+    def __init__(self, model_runner: Any, strategy: Literal["reload", "copy"]) -> None:
         self.runner = model_runner
-        self.strategy = resolve_strategy(strategy, torch.device(model_runner.device), quantized)
+        self.strategy = strategy
         model = model_runner.get_model()
         self._tied = self._modules_sharing_parameters(model)
         quiet = {type(m).__name__ for m in self._tied} | {
             type(m).__name__ for m in model.modules() if not m._parameters and "Rotary" in type(m).__name__
         }
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_ExpectedNoWeights(quiet))
+        self._weights: Mapping[str, torch.Tensor] | None = None
 
     @staticmethod
     def _modules_sharing_parameters(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -112,25 +128,53 @@ class WeightApplier:
                     owners.setdefault(id(p), []).append(module)
         return [m for ms in owners.values() if len(ms) > 1 for m in ms]
 
+    def prepare(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self._weights = weights
+
+    def discard(self) -> None:
+        self._weights = None
+
     @torch.no_grad()
-    def apply(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def apply(self) -> None:
+        if self._weights is None:
+            raise RuntimeError("commit without a prepared version")
+        self._write(self._weights)
+        self._weights = None
+
+    def _write(self, weights: Mapping[str, torch.Tensor]) -> None:
         if self.strategy == "reload":
             self.runner.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
-            for module in self._tied:
-                method = getattr(module, "quant_method", None)
-                if method is not None and hasattr(method, "process_weights_after_loading"):
-                    method.process_weights_after_loading(module)
+            # a tied LM head gets no tensors of its own, so its derived state (the CPU
+            # prepacked copy) must be rebuilt from the embedding it shares
+            _reprocess(self._tied)
         else:
             self.runner.get_model().load_weights(iter(weights.items()))
 
+    @torch.no_grad()
     def restore(self, previous: Mapping[str, torch.Tensor] | None) -> None:
         """Put the last good weights back: the previous staged version, or the checkpoint on disk."""
         if previous is not None:
-            self.apply(previous)
+            self._write(previous)
             return
         log.warning("inflight: restoring the checkpoint from disk")
         self.runner.reload_weights(is_checkpoint_format=True)
-        for module in self._tied:
-            method = getattr(module, "quant_method", None)
-            if method is not None and hasattr(method, "process_weights_after_loading"):
-                method.process_weights_after_loading(module)
+        _reprocess(self._tied)
+
+
+def make_applier(model_runner: Any, strategy: Strategy, schema: TensorSchema, *, quantized: bool, eager: bool):
+    """The applier for this engine; ``auto`` falls back from swap to reload when routing is not plain."""
+    from engine_patches.swap import RoutingError, SwapApplier
+
+    chosen = resolve_strategy(strategy, torch.device(model_runner.device), quantized, eager)
+    if chosen == "swap":
+        from inflight.transport.layout import torch_dtype
+
+        shapes = {n: (shape, torch_dtype(dt)) for n, (shape, dt) in schema.tensors.items()}
+        try:
+            return SwapApplier(model_runner.get_model(), shapes)
+        except RoutingError as e:
+            if strategy == "swap":
+                raise
+            log.warning("inflight: swap commits unavailable (%s); using reload", e)
+            chosen = "reload"
+    return InStorageApplier(model_runner, chosen)

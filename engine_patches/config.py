@@ -20,9 +20,12 @@ class InflightConfig:
     """Where the trainer's group lives; ``world_size`` counts the trainer and every engine worker."""
     rank: int = 1
     """This engine worker's rank in the weight group (1..world_size-1; the trainer is 0)."""
-    commit: Literal["auto", "reload", "copy"] = "auto"
-    """How staged weights become live: ``reload`` (layerwise reload, re-packs; CPU and quantized),
-    ``copy`` (one device copy per tensor; CUDA, unquantized), ``auto`` picks."""
+    initial_version: int = 0
+    """Version of the weights the engine loaded (non-zero when resuming from a checkpoint)."""
+    commit: Literal["auto", "swap", "reload", "copy"] = "auto"
+    """How staged weights become live: ``swap`` (load and re-pack before the commit, swap at it;
+    eager CPU), ``reload`` (layerwise reload at the commit; compiled CPU, quantized), ``copy``
+    (one device copy per tensor; CUDA, unquantized); ``auto`` picks in that order."""
     commit_timeout_s: float = 30.0
     """Longest wait for a step boundary once a commit is requested."""
     stale_timeout_s: float = 60.0
@@ -36,8 +39,10 @@ class InflightConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.rank < self.group.world_size:
             raise ValueError(f"InflightConfig.rank={self.rank} outside 1..{self.group.world_size - 1}")
-        if self.commit not in ("auto", "reload", "copy"):
-            raise ValueError(f"InflightConfig.commit={self.commit!r} is not auto, reload or copy")
+        if self.initial_version < 0:
+            raise ValueError(f"InflightConfig.initial_version={self.initial_version} must be >= 0")
+        if self.commit not in ("auto", "swap", "reload", "copy"):
+            raise ValueError(f"InflightConfig.commit={self.commit!r} is not auto, swap, reload or copy")
         for name in ("commit_timeout_s", "stale_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"InflightConfig.{name}={getattr(self, name)} must be > 0")

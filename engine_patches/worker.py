@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine_patches.apply import WeightApplier, checkpoint_dir, checkpoint_schema
+from engine_patches.apply import checkpoint_dir, checkpoint_schema, make_applier
 from engine_patches.config import InflightConfig
 from engine_patches.gate import StepGate
 from inflight.transport.group import TransportError, WeightGroup
@@ -32,9 +32,9 @@ log = logging.getLogger("inflight.worker")
 
 
 class _EngineTarget:
-    """The listener's view of this engine: version, step count, and the gated commit."""
+    """The listener's view of this engine: version, step count, prepare, and the gated commit."""
 
-    def __init__(self, gate: StepGate, applier: WeightApplier, timeout_s: float) -> None:
+    def __init__(self, gate: StepGate, applier: Any, timeout_s: float) -> None:
         self.gate = gate
         self.applier = applier
         self.timeout_s = timeout_s
@@ -46,10 +46,16 @@ class _EngineTarget:
     def steps(self) -> int:
         return self.gate.steps
 
+    def prepare(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        self.applier.prepare(weights)
+
+    def discard(self) -> None:
+        self.applier.discard()
+
     def commit(self, version: int, weights: dict[str, torch.Tensor], previous: Mapping[str, torch.Tensor] | None) -> CommitInfo:
         def apply() -> None:
             try:
-                self.applier.apply(weights)
+                self.applier.apply()
             except Exception as e:
                 self.applier.restore(previous)  # if this raises too, the engine is broken: let it surface
                 raise CommitFailed(f"applying v{version} failed ({e!r}); v{self.gate.live_version} restored") from e
@@ -70,8 +76,9 @@ class InflightWorkerExtension:
         self._inflight_check_engine(config)
         vc = self.vllm_config
         schema = checkpoint_schema(checkpoint_dir(vc.model_config.model, vc.model_config.revision), vc.model_config.dtype)
-        applier = WeightApplier(self.model_runner, config.commit, quantized=vc.model_config.quantization is not None)
-        gate = StepGate(vc.instance_id)
+        applier = make_applier(self.model_runner, config.commit, schema, quantized=vc.model_config.quantization is not None,
+                               eager=vc.model_config.enforce_eager)
+        gate = StepGate(vc.instance_id, config.initial_version)
         gate.register()
         self._inflight_gate = gate
         self._inflight_target = _EngineTarget(gate, applier, config.commit_timeout_s)

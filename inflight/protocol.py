@@ -11,7 +11,7 @@ Channels:
 - frames (trainer -> workers, in-band on the data plane): ``BucketHeader`` before each
   bucket's bytes, or a single ``Abort`` when some worker refused the announce
 - replies (each worker -> trainer, through the store): ``Accepted`` | ``Staged`` | ``Rejected`` | ``Committed``
-- rollouts (engine -> trainer, through the rollout queue): ``RolloutSample``
+- rollouts (engine -> trainer, through the rollout queue): ``RolloutGroup`` of ``RolloutSample``
 
 Ordering of one update (two-phase, so several engines commit the same versions):
 ``UpdateAnnounce(v)`` -> every worker replies ``Accepted``/``Rejected`` -> if all accepted,
@@ -40,7 +40,7 @@ ChecksumAlgo = Literal["xxh3", "crc32", "wsum64"]
 RejectCode = Literal[
     "bad_message", "stale_version", "unknown_tensor", "missing_tensor", "bad_shape",
     "bad_dtype", "bad_layout", "checksum", "short_bucket", "bucket_order",
-    "incomplete", "commit_failed", "timeout", "aborted", "nonfinite",
+    "incomplete", "prepare_failed", "commit_failed", "timeout", "aborted", "nonfinite",
 ]
 
 NonNeg = Annotated[int, Meta(ge=0)]
@@ -222,6 +222,18 @@ class RolloutSample(_Wire, tag="sample"):
             )
 
 
+class RolloutGroup(_Wire, tag="group"):
+    """All samples drawn for one prompt (a GRPO group), sent together once the last finishes."""
+
+    group_id: Annotated[str, Meta(min_length=1)]
+    samples: tuple[RolloutSample, ...]
+
+    def __post_init__(self) -> None:
+        for s in self.samples:
+            if s.group_id != self.group_id:
+                raise ValueError(f"sample {s.sample_id!r} of group {s.group_id!r} filed under {self.group_id!r}")
+
+
 ControlMessage = Union[UpdateAnnounce, Commit, Abort, Shutdown]
 FrameMessage = Union[BucketHeader, Abort]
 ReplyMessage = Union[Accepted, Staged, Rejected, Committed]
@@ -231,6 +243,7 @@ _control_decoder = msgspec.msgpack.Decoder(ControlMessage)
 _frame_decoder = msgspec.msgpack.Decoder(FrameMessage)
 _reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
 _sample_decoder = msgspec.msgpack.Decoder(RolloutSample)
+_group_decoder = msgspec.msgpack.Decoder(RolloutGroup)
 
 
 def encode(msg: _Wire) -> bytes:
@@ -263,3 +276,8 @@ def decode_reply(data: bytes | memoryview) -> ReplyMessage:
 def decode_sample(data: bytes | memoryview) -> RolloutSample:
     """Decode a rollout sample, or raise ``ProtocolError``."""
     return _decode(_sample_decoder, data, "rollout sample")
+
+
+def decode_group(data: bytes | memoryview) -> RolloutGroup:
+    """Decode a rollout group, or raise ``ProtocolError``."""
+    return _decode(_group_decoder, data, "rollout group")

@@ -18,6 +18,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
+# Triton reads this when a kernel is decorated: without a GPU, the kernels under test run
+# in Triton's interpreter. The trainer itself never takes the Triton path on CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():

@@ -23,7 +23,7 @@ def perturbed(state: dict[str, torch.Tensor], seed: int, scale: float = 0.05) ->
 class Harness:
     """``LLM`` (in-process engine) + ``WeightPusher`` (rank 0) on one gloo group."""
 
-    def __init__(self, model_dir: Path, dtype: str, port: int, **engine_overrides: object) -> None:
+    def __init__(self, model_dir: Path, dtype: str, port: int, commit: str = "auto", **engine_overrides: object) -> None:
         from vllm import LLM
 
         self.model_dir = Path(model_dir)
@@ -31,7 +31,7 @@ class Harness:
         self.llm = LLM(str(model_dir), enforce_eager=True, dtype=dtype, max_model_len=1024, seed=0,
                        **engine_kwargs(**engine_overrides))
         self.group = GroupConfig(port=port, world_size=2, timeout_s=60)
-        self.start_report = start_inflight(self.llm, InflightConfig(group=self.group))
+        self.start_report = start_inflight(self.llm, InflightConfig(group=self.group, commit=commit))  # type: ignore[arg-type]
         self.pusher = WeightPusher(self.group, PushConfig(dtype=dtype, bucket_mb=0.25))
         self.version = 0
         self.base = load_file(str(self.model_dir / "model.safetensors"))

@@ -26,12 +26,18 @@ PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5=", "lazy dog"]
 LOGPROB_ATOL = {"float32": 1e-5, "bfloat16": 3e-2}
 
 
-@pytest.fixture(scope="module", params=[("qwen2", "float32"), ("qwen2", "bfloat16"), ("llama", "float32")],
-                ids=lambda p: "-".join(p))
+# (architecture, dtype, commit strategy); "auto" is the swap commit on an eager CPU engine,
+# "reload" the layerwise reload that compiled or quantized CPU engines use
+ENGINES = [("qwen2", "float32", "auto"), ("qwen2", "bfloat16", "auto"), ("llama", "float32", "auto"),
+           ("qwen2", "float32", "reload")]
+
+
+@pytest.fixture(scope="module", params=ENGINES, ids=lambda p: "-".join(p))
 def harness(request, tiny_qwen, tiny_llama):
-    arch, dtype = request.param
-    h = Harness(tiny_qwen if arch == "qwen2" else tiny_llama, dtype, free_port())
-    h.primary = (arch, dtype) == ("qwen2", "float32")  # dtype/arch-independent checks run once
+    arch, dtype, commit = request.param
+    h = Harness(tiny_qwen if arch == "qwen2" else tiny_llama, dtype, free_port(), commit=commit)
+    assert h.start_report["commit"] == ("swap" if commit == "auto" else commit)
+    h.primary = request.param == ENGINES[0]  # dtype/arch/strategy-independent checks run once
     yield h
     h.close()
 

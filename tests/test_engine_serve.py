@@ -67,7 +67,7 @@ def test_vllm_serve_commits_pushed_weights(server, tiny_qwen) -> None:
 
     group = GroupConfig(port=free_port(), world_size=2, timeout_s=60)
     started = _post(server + "/collective_rpc", {"method": "inflight_start", "args": [InflightConfig(group=group).to_json()]})
-    assert started["results"][0]["commit"] == "reload"
+    assert started["results"][0]["commit"] == "swap"  # eager CPU engine
     pusher = WeightPusher(group, PushConfig())
     state = perturbed(load_file(str(tiny_qwen / "model.safetensors")), seed=5)
     result = pusher.push(1, state)

@@ -52,6 +52,7 @@ class TinyModelConfig:
             raise ValueError(f"num_heads={self.num_heads} not divisible by num_kv_heads={self.num_kv_heads}")
 
 
+
 def train_tokenizer(corpus: Iterable[str], out_dir: str | Path, vocab_size: int = 300) -> int:
     """Train a byte-level BPE on ``corpus``, save it as a HF fast tokenizer; return its size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Literal
 
+from torch.distributed import Store
+
 from inflight.protocol import (
     ControlMessage,
     ReplyMessage,
@@ -29,8 +31,8 @@ Phase = Literal["ack", "staged"]
 _POLL_MAX_S = 0.005  # idle polling backs off to this; a blocking store wait would log a warning per timeout
 
 
-def _wait_key(group: WeightGroup, key: str, timeout_s: float | None, stop: threading.Event | None, what: str) -> bytes:
-    """Wait for ``key`` in the store; ``timeout_s=None`` waits until ``stop`` is set.
+def wait_key(store: Store, key: str, *, timeout_s: float | None, stop: threading.Event | None, what: str, who: str) -> bytes:
+    """Wait for ``key`` in ``store`` and return its value; ``timeout_s=None`` waits until ``stop``.
 
     Polls with ``check`` (one small round trip) rather than ``store.wait``, whose timeouts
     log a c10d warning each, so an idle worker stays quiet.
@@ -39,16 +41,20 @@ def _wait_key(group: WeightGroup, key: str, timeout_s: float | None, stop: threa
     pause = 0.0002
     while True:
         try:
-            if group.store.check([key]):
-                return group.store.get(key)
+            if store.check([key]):
+                return store.get(key)
         except RuntimeError as e:  # the store's host (the trainer) is gone
-            raise TransportTimeout(f"rank {group.rank}: group store failed while waiting for {what}: {e}") from e
+            raise TransportTimeout(f"{who}: store failed while waiting for {what}: {e}") from e
         if stop is not None and stop.is_set():
-            raise InterruptedError(f"rank {group.rank}: stopped while waiting for {what}")
+            raise InterruptedError(f"{who}: stopped while waiting for {what}")
         if deadline is not None and time.monotonic() > deadline:
-            raise TransportTimeout(f"rank {group.rank}: no {what} within {timeout_s:.1f}s")
+            raise TransportTimeout(f"{who}: no {what} within {timeout_s:.1f}s")
         time.sleep(pause)
         pause = min(pause * 2, _POLL_MAX_S)
+
+
+def _wait_key(group: WeightGroup, key: str, timeout_s: float | None, stop: threading.Event | None, what: str) -> bytes:
+    return wait_key(group.store, key, timeout_s=timeout_s, stop=stop, what=what, who=f"rank {group.rank}")
 
 
 class TrainerControl:

@@ -72,6 +72,15 @@ class GroupConfig:
         return dataclasses.replace(self, generation=self.generation + 1)
 
 
+def connect_store(config: GroupConfig, name: str) -> PrefixStore:
+    """A client of the group's store (hosted by the trainer), for processes outside the group."""
+    try:
+        tcp = TCPStore(config.host, config.port, is_master=False, timeout=timedelta(seconds=config.timeout_s))
+    except Exception as e:
+        raise TransportError(f"cannot reach the group store at {config.host}:{config.port}: {e}") from e
+    return PrefixStore(f"{config.name}/{name}", tcp)
+
+
 def _make_process_group(
     store: PrefixStore, rank: int, size: int, backend: str, timeout: timedelta, device: torch.device
 ) -> ProcessGroup:
@@ -125,6 +134,10 @@ class WeightGroup:
             raise TransportError(
                 f"rank {rank}: joining {self.backend} group {prefix} of {config.world_size} failed: {e}"
             ) from e
+
+    def sub_store(self, name: str) -> PrefixStore:
+        """A key space of this group's store for other traffic (e.g. the rollout queue)."""
+        return PrefixStore(f"{self.config.name}/{name}", self._tcp)
 
     @property
     def peers(self) -> list[int]:

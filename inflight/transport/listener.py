@@ -91,6 +91,15 @@ class CommitTarget(Protocol):
         """Engine steps run so far (monotone), to measure decoding during a transfer."""
         ...
 
+    def prepare(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """Do everything the commit can do ahead of time (off the critical path); live weights
+        stay untouched. Raising refuses the update."""
+        ...
+
+    def discard(self) -> None:
+        """Drop what ``prepare`` built (the update was aborted or superseded)."""
+        ...
+
     def commit(self, version: int, weights: dict[str, torch.Tensor], previous: dict[str, torch.Tensor] | None) -> CommitInfo:
         """Make ``weights`` live at a step boundary; on failure restore ``previous`` and raise ``CommitFailed``."""
         ...
@@ -180,6 +189,13 @@ class UpdateListener:
             self._spare = flat
             self._reject(seq, a.version, "nonfinite", f"v{a.version}: {bad} has NaN or Inf values", phase="staged")
             return
+        try:
+            self.target.prepare(a.version, staged.views())
+        except Exception as e:  # nothing live was touched
+            self._spare = flat
+            self.target.discard()
+            self._reject(seq, a.version, "prepare_failed", f"v{a.version}: {e!r}", phase="staged")
+            return
         steps = self.target.steps() - first_step[0]
         self._staged = staged
         self.control.reply(seq, Staged(rank=self.group.rank, version=a.version,
@@ -198,6 +214,7 @@ class UpdateListener:
             self._drop()
             self._reject(seq, c.version, "commit_failed", str(e))
             return
+        # (the commit consumed what prepare built: nothing to discard)
         self.committed += 1
         self._staged = None
         if self._previous is not None:
@@ -232,6 +249,7 @@ class UpdateListener:
         if self._staged is not None:
             self._spare = self._staged.flat
             self._staged = None
+            self.target.discard()
 
     def _reject(self, seq: int, version: int, code: RejectCode, reason: str, phase: Phase = "ack") -> None:
         self.rejections[code] = self.rejections.get(code, 0) + 1

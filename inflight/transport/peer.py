@@ -33,6 +33,12 @@ class DictTarget:
     def steps(self) -> int:
         return self._steps
 
+    def prepare(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """Nothing to get ready: the commit is a copy."""
+
+    def discard(self) -> None:
+        """Nothing was prepared."""
+
     def commit(self, version: int, weights: dict[str, torch.Tensor], previous: dict[str, torch.Tensor] | None) -> CommitInfo:
         t0 = time.perf_counter()
         if self.keep:

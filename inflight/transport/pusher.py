@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from inflight.protocol import Abort, Accepted, Commit, Committed, Rejected, ReplyMessage, Shutdown, Staged
+from inflight.protocol import Abort, Accepted, Commit, Committed, Rejected, ReplyMessage, Shutdown, Staged, UpdateAnnounce
 from inflight.transport.buckets import BucketSender, SendStats, Tamper
 from inflight.transport.control import TrainerControl
 from inflight.transport.group import GroupConfig, WeightGroup
@@ -107,10 +108,15 @@ class WeightPusher:
         self.sender = BucketSender(self.group, bucket_bytes=config.bucket_bytes, checksum_algo=algo)
         self.control = TrainerControl(self.group)
         self._dtype = None if config.dtype == "keep" else getattr(torch, config.dtype)
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-push")
+        self._in_flight: Future[PushResult] | None = None
 
     def send(self, version: int, named: Mapping[str, torch.Tensor], *, tamper: Tamper | None = None) -> tuple[SendStats, dict[int, Staged]]:
         """Phase 1: announce, stream the buckets, and collect ``Staged`` from every worker."""
-        announce = self.sender.pack(version, named, self._dtype)
+        return self._send_packed(self.sender.pack(version, named, self._dtype), tamper)
+
+    def _send_packed(self, announce: UpdateAnnounce, tamper: Tamper | None = None) -> tuple[SendStats, dict[int, Staged]]:
+        version = announce.version
         seq = self.control.post(announce)
         accepted, refused = _split(self.control.replies(seq, self.config.reply_timeout_s, f"announce of v{version}"), Accepted)
         if refused:
@@ -137,14 +143,30 @@ class WeightPusher:
 
     def push(self, version: int, named: Mapping[str, torch.Tensor], *, tamper: Tamper | None = None) -> PushResult:
         """Send then commit; returns when every engine serves ``version``."""
+        return self._push_packed(self.sender.pack(version, named, self._dtype), tamper)
+
+    def _push_packed(self, announce: UpdateAnnounce, tamper: Tamper | None = None) -> PushResult:
         t0 = time.perf_counter()
-        stats, staged = self.send(version, named, tamper=tamper)
+        stats, staged = self._send_packed(announce, tamper)
         t1 = time.perf_counter()
-        commits = self.commit(version)
-        return PushResult(version, stats, staged, commits, t1 - t0, time.perf_counter() - t1)
+        commits = self.commit(announce.version)
+        return PushResult(announce.version, stats, staged, commits, t1 - t0, time.perf_counter() - t1)
+
+    def push_async(self, version: int, named: Mapping[str, torch.Tensor]) -> Future[PushResult]:
+        """Snapshot ``named`` now, then send and commit in the background.
+
+        The caller may change its tensors (take the next optimizer step) as soon as this
+        returns. Waits for the previous background push first: one update in flight.
+        """
+        if self._in_flight is not None:
+            self._in_flight.exception()  # wait (the snapshot buffer is in use); its owner reads the outcome
+        announce = self.sender.pack(version, named, self._dtype)  # the snapshot
+        self._in_flight = self._background.submit(self._push_packed, announce)
+        return self._in_flight
 
     def close(self, reason: str = "trainer done") -> None:
         """Tell the workers to stop listening, then leave the group."""
+        self._background.shutdown(wait=True)
         try:
             self.control.post(Shutdown(reason=reason))
         finally:

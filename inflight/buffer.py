@@ -1,0 +1,138 @@
+"""The rollout queue: engines produce ``RolloutGroup``s, the trainer consumes them.
+
+``RolloutQueue`` is a bounded FIFO on the weight group's TCPStore (torch.distributed),
+so it works on one machine and across machines alike. ``RolloutBuffer`` is the trainer's
+end: it validates every group, drops the malformed and the too stale (max-lag
+admission), and hands out batches.
+
+Ordering invariants:
+- items are consumed in the order their sequence numbers were claimed; one consumer;
+- a producer claims a sequence number only while ``tail - head < capacity`` (several
+  producers may overshoot by at most their number minus one), so a slow trainer stalls
+  the engines instead of growing the queue without bound;
+- the buffer admits a group only if every token's version is within ``admit_lag`` of the
+  trainer's version; what it admitted but has not yet handed out is ``pending`` (saved in
+  checkpoints, so a resumed run neither repeats nor drops a sample).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
+
+from torch.distributed import Store
+
+from inflight.protocol import ProtocolError, RolloutGroup, decode_group, encode
+from inflight.transport.control import wait_key
+
+_POLL_S = 0.002
+
+
+class RolloutQueue:
+    """Both ends of the queue; ``put`` from engines, ``get`` from the single trainer."""
+
+    def __init__(self, store: Store, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"RolloutQueue capacity={capacity} must be >= 1")
+        self.store = store
+        self.capacity = capacity
+        self._head = store.add("head", 0)  # consumer's next sequence number
+
+    def depth(self) -> int:
+        return self.store.add("tail", 0) - self.store.add("head", 0)
+
+    def put(self, group: RolloutGroup, *, timeout_s: float | None = None, stop: threading.Event | None = None) -> int:
+        """Enqueue; blocks while the queue is full. Returns the sequence number."""
+        data = encode(group)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.depth() >= self.capacity:
+            if stop is not None and stop.is_set():
+                raise InterruptedError("rollout producer stopped while the queue was full")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"rollout queue full ({self.capacity}) for {timeout_s:.1f}s: is the trainer alive?")
+            time.sleep(_POLL_S)
+        seq = self.store.add("tail", 1) - 1
+        self.store.set(f"item/{seq}", data)
+        return seq
+
+    def put_raw(self, data: bytes) -> int:
+        """Enqueue bytes as they are (fault drills: the consumer must survive anything)."""
+        seq = self.store.add("tail", 1) - 1
+        self.store.set(f"item/{seq}", data)
+        return seq
+
+    def get(self, *, timeout_s: float | None, stop: threading.Event | None = None) -> bytes:
+        """The next item's bytes, in order; raises ``TransportTimeout`` after ``timeout_s``."""
+        key = f"item/{self._head}"
+        data = wait_key(self.store, key, timeout_s=timeout_s, stop=stop, what=f"rollout #{self._head}", who="trainer")
+        self.store.delete_key(key)
+        self._head += 1
+        self.store.add("head", 1)
+        return data
+
+
+def check_group(group: RolloutGroup, *, group_size: int | None, current_version: int) -> str | None:
+    """Why a decoded group is unusable, or None. (Length mismatches fail at decode.)"""
+    if group_size is not None and len(group.samples) != group_size:
+        return "group_size"
+    for s in group.samples:
+        if not s.token_ids:
+            return "empty"
+        if not math.isfinite(s.reward):
+            return "nonfinite_reward"
+        if not all(math.isfinite(x) for x in s.logprobs):
+            return "nonfinite_logprob"
+        if any(x > 1e-4 for x in s.logprobs):
+            return "positive_logprob"
+        if max(s.versions) > current_version:
+            return "future_version"
+    return None
+
+
+class RolloutBuffer:
+    """The trainer's end: validate, admit by lag, batch."""
+
+    def __init__(self, queue: RolloutQueue, *, admit_lag: int, group_size: int | None = None,
+                 pending: Iterable[RolloutGroup] = ()) -> None:
+        if admit_lag < 0:
+            raise ValueError(f"admit_lag={admit_lag} must be >= 0")
+        self.queue = queue
+        self.admit_lag = admit_lag
+        self.group_size = group_size
+        self.pending: list[RolloutGroup] = list(pending)
+        self.rejected: Counter[str] = Counter()
+        self.dropped_stale = 0
+        self.admitted = 0
+
+    def _admit(self, data: bytes, current_version: int) -> None:
+        try:
+            group = decode_group(data)
+        except ProtocolError as e:
+            self.rejected["length_mismatch" if "log-probs" in str(e) else "bad_message"] += 1
+            return
+        reason = check_group(group, group_size=self.group_size, current_version=current_version)
+        if reason is not None:
+            self.rejected[reason] += 1
+            return
+        self.admitted += 1
+        self.pending.append(group)
+
+    def next_batch(self, n_groups: int, current_version: int, *, timeout_s: float | None,
+                   stop: threading.Event | None = None) -> list[RolloutGroup]:
+        """``n_groups`` admitted groups, oldest first; stale pending ones are dropped first."""
+        while True:
+            oldest_ok = current_version - self.admit_lag
+            fresh = [g for g in self.pending if min(min(s.versions) for s in g.samples) >= oldest_ok]
+            self.dropped_stale += len(self.pending) - len(fresh)
+            self.pending = fresh
+            if len(self.pending) >= n_groups:
+                batch, self.pending = self.pending[:n_groups], self.pending[n_groups:]
+                return batch
+            self._admit(self.queue.get(timeout_s=timeout_s, stop=stop), current_version)
+
+    def stats(self) -> dict[str, object]:
+        return {"admitted": self.admitted, "dropped_stale": self.dropped_stale, "rejected": dict(self.rejected),
+                "pending": len(self.pending)}

@@ -1,0 +1,95 @@
+"""Rollout queue on a real TCPStore: order, bound, validation, max-lag admission."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from datetime import timedelta
+
+import msgspec
+import pytest
+from torch.distributed import PrefixStore, TCPStore
+
+from inflight.buffer import RolloutBuffer, RolloutQueue
+from inflight.protocol import RolloutGroup, RolloutSample
+
+
+def _group(gid: str, versions: list[int], *, logprob: float = -1.0, size: int = 2, reward: float = 1.0) -> RolloutGroup:
+    return RolloutGroup(group_id=gid, samples=tuple(
+        RolloutSample(sample_id=f"{gid}-{i}", group_id=gid, prompt_ids=[1, 2], token_ids=[3] * len(versions),
+                      logprobs=[logprob] * len(versions), versions=versions, reward=reward)
+        for i in range(size)))
+
+
+@pytest.fixture
+def store(port):
+    master = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    yield PrefixStore("test/rollout", master)
+
+
+def test_fifo_across_producer_and_consumer_connections(store, port) -> None:
+    producer_store = PrefixStore("test/rollout", TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)))
+    producer, consumer = RolloutQueue(producer_store, capacity=8), RolloutQueue(store, capacity=8)
+    for i in range(5):
+        producer.put(_group(f"g{i}", [0, 0]))
+    assert consumer.depth() == 5
+    got = [msgspec.msgpack.decode(consumer.get(timeout_s=5))["group_id"] for _ in range(5)]
+    assert got == [f"g{i}" for i in range(5)] and consumer.depth() == 0
+
+
+def test_a_full_queue_holds_the_producer_back(store) -> None:
+    q = RolloutQueue(store, capacity=2)
+    q.put(_group("a", [0]))
+    q.put(_group("b", [0]))
+    with pytest.raises(TimeoutError, match="queue full"):
+        q.put(_group("c", [0]), timeout_s=0.3)
+    done = threading.Event()
+    threading.Thread(target=lambda: (q.put(_group("c", [0]), timeout_s=10), done.set())).start()
+    time.sleep(0.2)
+    assert not done.is_set()
+    q.get(timeout_s=5)  # the consumer frees one slot ...
+    assert done.wait(5)  # ... and the producer goes on
+    assert q.depth() == 2
+
+
+def test_malformed_groups_are_counted_and_dropped(store) -> None:
+    q = RolloutQueue(store, capacity=16)
+    q.put(_group("nan", [0, 0], logprob=math.nan))
+    q.put(_group("small", [0, 0], size=1))
+    q.put(_group("future", [0, 9]))
+    q.put(_group("pos", [0, 0], logprob=0.5))
+    q.put(_group("inf-reward", [0, 0], reward=math.inf))
+    bad = msgspec.msgpack.encode({"kind": "group", "group_id": "x", "samples": [
+        {"kind": "sample", "sample_id": "s", "group_id": "x", "prompt_ids": [1], "token_ids": [1, 2],
+         "logprobs": [-1.0], "versions": [0, 0], "reward": 0.0}]})
+    q.put_raw(bad)  # 2 tokens, 1 log-prob
+    q.put_raw(b"\x00garbage")
+    q.put(_group("ok", [1, 1]))
+    buf = RolloutBuffer(q, admit_lag=4, group_size=2)
+    batch = buf.next_batch(1, current_version=2, timeout_s=5)
+    assert [g.group_id for g in batch] == ["ok"]
+    assert dict(buf.rejected) == {"nonfinite_logprob": 1, "group_size": 1, "future_version": 1, "positive_logprob": 1,
+                                  "nonfinite_reward": 1, "length_mismatch": 1, "bad_message": 1}
+    assert buf.admitted == 1
+
+
+def test_max_lag_admission_drops_stale_groups(store) -> None:
+    q = RolloutQueue(store, capacity=16)
+    for gid, versions in [("old", [1, 5]), ("edge", [4, 6]), ("new", [6, 6])]:
+        q.put(_group(gid, versions))
+    buf = RolloutBuffer(q, admit_lag=2, group_size=2)
+    batch = buf.next_batch(2, current_version=6, timeout_s=5)  # oldest admissible version: 4
+    assert [g.group_id for g in batch] == ["edge", "new"]
+    assert buf.dropped_stale == 1
+    # groups held over (e.g. restored from a checkpoint) age too: fine at version 6, too old at 9
+    q.put(_group("fresh", [9, 9]))
+    held = RolloutBuffer(q, admit_lag=2, group_size=2, pending=[_group("held", [6, 6])])
+    assert [g.group_id for g in held.next_batch(1, current_version=9, timeout_s=5)] == ["fresh"]
+    assert held.dropped_stale == 1 and held.pending == []
+
+
+def test_consumer_timeout_names_what_it_waited_for(store) -> None:
+    buf = RolloutBuffer(RolloutQueue(store, capacity=4), admit_lag=1, group_size=2)
+    with pytest.raises(Exception, match=r"no rollout #0 within 0.3s"):
+        buf.next_batch(1, current_version=0, timeout_s=0.3)

@@ -1,0 +1,225 @@
+"""Training configuration: frozen keyword-only dataclasses, read from a TOML file.
+
+Every field has a docstring and a default; unknown keys and bad values fail at load with
+the dotted path of the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kernels.tis_loss import TISParams
+from trainer.tiny_model import TinyModelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Where and how long."""
+
+    name: str = "demo"
+    """Run name; outputs go to ``out_dir``."""
+    out_dir: str = "runs/demo"
+    """Metrics JSONL, plot PNG and checkpoint land here."""
+    steps: int = 100
+    """Optimizer steps (= weight versions pushed)."""
+    seed: int = 0
+    """Seeds python, torch and the engine's sampler."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps (0: only at the end)."""
+    resume: bool = False
+    """Continue from ``out_dir/checkpoint`` if it exists."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"run.steps={self.steps} must be >= 1")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"run.checkpoint_every={self.checkpoint_every} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The policy."""
+
+    path: str = ""
+    """A Hugging Face causal LM directory or hub id; empty builds the tiny demo model."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Engine dtype, and the dtype weights are cast to before they travel."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Shape of the tiny model when ``path`` is empty."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"model.dtype={self.dtype!r} is not float32 or bfloat16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """The built-in verifiable task."""
+
+    name: Literal["repeat_digit"] = "repeat_digit"
+    """repeat_digit: prompt 'repeat: D', reward for completion tokens that are the digit D."""
+    completion_tokens: int = 16
+    """Tokens sampled per completion."""
+    digit_credit: float = 0.5
+    """Reward for a digit token that is not D (D itself earns 1). It makes learning reliable
+    (every seed learns digits) and is a shortcut: policies rarely go on to read D."""
+
+    def __post_init__(self) -> None:
+        if self.name != "repeat_digit":
+            raise ValueError(f"task.name={self.name!r}: the built-in task is repeat_digit")
+        if self.completion_tokens < 1:
+            raise ValueError(f"task.completion_tokens={self.completion_tokens} must be >= 1")
+        if not 0 <= self.digit_credit <= 1:
+            raise ValueError(f"task.digit_credit={self.digit_credit} must be in [0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Sampling and the rollout queue."""
+
+    group_size: int = 8
+    """Samples per prompt (a GRPO group)."""
+    groups_per_step: int = 8
+    """Groups per optimizer step."""
+    in_flight_groups: int = 16
+    """Groups the engine keeps decoding at once."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer scores with the same temperature."""
+    queue_capacity: int = 32
+    """Groups the queue holds before the engine waits."""
+    admit_lag: int = 8
+    """Groups with any token older than this many versions are dropped at the queue."""
+    queue_timeout_s: float = 300.0
+    """How long the trainer waits for the next group before it reports the engine gone."""
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "groups_per_step", "in_flight_groups", "queue_capacity"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name}={getattr(self, name)} must be >= 1")
+        if self.group_size < 2:
+            raise ValueError(f"rollout.group_size={self.group_size}: GRPO needs at least 2 samples per group")
+        if not self.temperature > 0:
+            raise ValueError(f"rollout.temperature={self.temperature} must be > 0")
+        if self.admit_lag < 0:
+            raise ValueError(f"rollout.admit_lag={self.admit_lag} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """The per-token objective."""
+
+    tis: TISParams = field(default_factory=TISParams)
+    """Objective and its constants (reinforce + truncation C, ppo clips, icepop bounds)."""
+    max_lag: int = 4
+    """Tokens sampled more than this many versions ago are masked out of the loss."""
+    normalize_std: bool = True
+    """GRPO: divide group-centred rewards by the group's std (False: Dr. GRPO)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight (the entropy is always logged)."""
+
+    def __post_init__(self) -> None:
+        if self.max_lag < 0:
+            raise ValueError(f"loss.max_lag={self.max_lag} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW."""
+
+    lr: float = 1e-3
+    """Learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """Adam betas."""
+    grad_clip: float = 1.0
+    """Max global grad norm (0: off)."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr={self.lr} must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportConfig:
+    """The weight group between the trainer and the engine."""
+
+    host: str = "127.0.0.1"
+    """Address the trainer's store listens on (and the engine connects to)."""
+    port: int = 0
+    """Store port; 0 picks a free one (single machine only)."""
+    bucket_mb: float = 64.0
+    """Bucket size of weight pushes."""
+    timeout_s: float = 120.0
+    """Limit on every transport wait."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """The vLLM engine process."""
+
+    spawn: bool = True
+    """Start the engine from the trainer. False: start it yourself with ``python -m trainer.rollout``."""
+    max_num_seqs: int = 256
+    """vLLM's cap on concurrently decoded sequences."""
+    max_model_len: int = 256
+    """Prompt + completion limit."""
+    kv_cache_gb: int = 1
+    """CPU KV cache (VLLM_CPU_KVCACHE_SPACE); on GPU use gpu_memory_utilization."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory the engine may take (GPU only)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{where or 'config'}: unknown key(s) {unknown}; known: {sorted(names)}")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        sub = f"{where}.{key}" if where else key
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ValueError(f"{sub}: expected a table, got {value!r}")
+            kwargs[key] = _build(hint, value, sub)
+        elif typing.get_origin(hint) is tuple:
+            kwargs[key] = tuple(value)
+        else:
+            kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where or 'config'}: {e}") from None
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """Read a TOML file into a ``TrainConfig``."""
+    with open(path, "rb") as f:
+        return _build(TrainConfig, tomllib.load(f), "")
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    return _build(TrainConfig, data, "")
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

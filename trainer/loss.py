@@ -1,0 +1,127 @@
+"""From rollout groups to a loss: collate, GRPO advantages, per-token importance weights.
+
+For completion token t of sample i, sampled by policy version v_t with behaviour
+log-prob mu_t, at trainer version V:
+    lag_t = V - v_t,  m_t = 1[t is a real token] * 1[lag_t <= max_lag]
+    r_t = pi_theta(y_t) / mu(y_t),  w_t = min(r_t, C)     (reinforce; see kernels.tis_loss)
+    loss = -(1/N) sum_t m_t w_t A_i log pi_theta(y_t),   N = number of real tokens
+N counts lag-masked tokens too, so masking removes their signal instead of re-weighting
+the rest. pi_theta is scored at the sampling temperature, like mu.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from inflight.protocol import RolloutGroup
+from kernels.logprob_entropy import logprob_entropy
+from kernels.tis_loss import TISParams, tis_loss
+
+RATIO_BINS = (0.0, 0.5, 0.8, 0.95, 1.05, 1.25, 2.0, float("inf"))
+
+
+@dataclass
+class Batch:
+    """Left-padded prompts followed by right-padded completions, so every completion starts at column P."""
+
+    input_ids: torch.Tensor  # (B, P+T)
+    attention_mask: torch.Tensor  # (B, P+T)
+    position_ids: torch.Tensor  # (B, P+T)
+    completion_ids: torch.Tensor  # (B, T)
+    completion_mask: torch.Tensor  # (B, T) float
+    behaviour_logp: torch.Tensor  # (B, T) float32
+    versions: torch.Tensor  # (B, T) int64
+    rewards: torch.Tensor  # (B,)
+    advantages: torch.Tensor  # (B,)
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(**{k: v.to(device) for k, v in self.__dict__.items()})
+
+
+def grpo_advantages(rewards: torch.Tensor, normalize_std: bool, eps: float = 1e-6) -> torch.Tensor:
+    """(G, S) rewards -> (G, S) advantages: centred per group, optionally divided by its std."""
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if normalize_std:
+        centred = centred / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)
+    return centred
+
+
+def collate(groups: Sequence[RolloutGroup], pad_id: int, normalize_std: bool) -> Batch:
+    samples = [s for g in groups for s in g.samples]
+    if len({len(g.samples) for g in groups}) != 1:
+        raise ValueError("all groups of a batch must have the same size")
+    rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)  # (G, S)
+    advantages = grpo_advantages(rewards, normalize_std).reshape(-1)
+    p_len = max(len(s.prompt_ids) for s in samples)
+    t_len = max(len(s.token_ids) for s in samples)
+    b = len(samples)
+    input_ids = torch.full((b, p_len + t_len), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, p_len + t_len), dtype=torch.long)
+    completion_mask = torch.zeros((b, t_len))
+    behaviour = torch.zeros((b, t_len))
+    versions = torch.zeros((b, t_len), dtype=torch.long)
+    for i, s in enumerate(samples):
+        p, t = len(s.prompt_ids), len(s.token_ids)
+        input_ids[i, p_len - p: p_len] = torch.tensor(s.prompt_ids)
+        input_ids[i, p_len: p_len + t] = torch.tensor(s.token_ids)
+        attention[i, p_len - p: p_len + t] = 1
+        completion_mask[i, :t] = 1
+        behaviour[i, :t] = torch.tensor(s.logprobs)
+        versions[i, :t] = torch.tensor(s.versions)
+        versions[i, t:] = s.versions[-1]
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)  # the engine numbered each prompt from 0
+    return Batch(input_ids, attention, position_ids, input_ids[:, p_len:], completion_mask, behaviour, versions,
+                 rewards.reshape(-1), advantages)
+
+
+def policy_logprobs(model: torch.nn.Module, batch: Batch, temperature: float, impl: str = "auto"):
+    """(B, T) log-probs and entropies of the completion tokens under the current policy."""
+    t_len = batch.completion_ids.shape[1]
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                logits_to_keep=t_len + 1)
+    logits = out.logits[:, :t_len] / temperature  # (B, T, V): positions P-1 .. P+T-2 predict the completion
+    return logprob_entropy(logits, batch.completion_ids, impl=impl)  # type: ignore[arg-type]
+
+
+def _histogram(values: torch.Tensor, edges: Sequence[float]) -> list[int]:
+    return [int(((values >= lo) & (values < hi)).sum()) for lo, hi in zip(edges, edges[1:])]
+
+
+def compute_loss(logp: torch.Tensor, entropy: torch.Tensor, batch: Batch, *, version: int, tis: TISParams,
+                 max_lag: int, entropy_coef: float = 0.0, impl: str = "auto") -> tuple[torch.Tensor, dict]:
+    """The scalar loss and the step's importance-sampling metrics."""
+    real = batch.completion_mask > 0
+    lag = version - batch.versions  # (B, T)
+    mask = (real & (lag <= max_lag)).float()
+    n_tokens = float(real.sum().clamp(min=1))
+    adv = batch.advantages[:, None].expand_as(logp)
+    loss, weight = tis_loss(logp.reshape(-1), batch.behaviour_logp.reshape(-1), adv.reshape(-1).contiguous(),
+                            mask.reshape(-1), n_tokens, tis, impl=impl)  # type: ignore[arg-type]
+    if entropy_coef:
+        loss = loss - entropy_coef * (entropy * real).sum() / n_tokens
+    with torch.no_grad():
+        used = mask.reshape(-1) > 0
+        r = torch.exp(logp.detach() - batch.behaviour_logp).reshape(-1)[used]
+        w = weight.reshape(-1)[used]
+        lags = lag[real]
+        metrics = {
+            "tokens": int(real.sum()),
+            "frac_masked_lag": 1.0 - float(used.sum()) / n_tokens,
+            "frac_truncated": float((r > tis.truncation).float().mean()) if r.numel() else 0.0,
+            "ratio_mean": float(r.mean()) if r.numel() else 1.0,
+            "ratio_hist": _histogram(r, RATIO_BINS),
+            # Kish effective sample size of the importance weights, as a fraction of tokens
+            "ess": float(w.sum() ** 2 / (w.numel() * (w ** 2).sum())) if w.numel() and float((w ** 2).sum()) > 0 else 0.0,
+            # k3 estimator of KL(mu || pi) over the tokens mu sampled
+            "kl_mu_pi": float(((r - 1) - torch.log(r)).mean()) if r.numel() else 0.0,
+            "entropy": float((entropy.detach() * real).sum() / n_tokens),
+            "lag_hist": {int(k): int(v) for k, v in zip(*torch.unique(lags, return_counts=True))},
+            "lag_mean": float(lags.float().mean()) if lags.numel() else 0.0,
+            "frac_multi_version": float(
+                sum(len(set(row[m > 0].tolist())) > 1 for row, m in zip(batch.versions, batch.completion_mask)) / len(lag)
+            ),
+        }
+    return loss, metrics

@@ -1,0 +1,104 @@
+"""The engine process: keep GRPO groups decoding, tag every token, ship finished groups.
+
+    python -m trainer.rollout --config CONFIG --model-dir DIR --host TRAINER --port PORT [--rank 1]
+
+(the trainer starts it itself unless ``engine.spawn = false``). It drives vLLM's
+``LLMEngine`` step by step with ``in_flight_groups`` requests of ``n = group_size``
+samples in flight; whenever one finishes, its completions, behaviour log-probs and
+per-token versions become a ``RolloutGroup`` on the rollout queue and a new prompt takes
+its place. Weight updates commit between two of these steps, without this loop noticing:
+the worker extension and the step gate do it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+
+from inflight.protocol import RolloutGroup, RolloutSample
+from trainer.config import TrainConfig, load_config
+
+log = logging.getLogger("inflight.rollout")
+
+
+def engine_environment(cfg: TrainConfig) -> None:
+    """vLLM reads these at import: an in-process EngineCore, and the CPU KV cache size."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.engine.kv_cache_gb))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, rank: int = 1, initial_version: int = 0) -> None:
+    engine_environment(cfg)
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from engine_patches.config import InflightConfig, engine_kwargs
+    from engine_patches.engine import start_inflight, tagged
+    from inflight.buffer import RolloutQueue
+    from inflight.transport.group import GroupConfig, connect_store
+    from trainer.task import RepeatDigit
+
+    group = GroupConfig(host=host, port=port, world_size=2, timeout_s=cfg.transport.timeout_s)
+    extra = {} if torch.cuda.is_available() else {"enforce_eager": True}
+    if torch.cuda.is_available():
+        extra["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
+    llm = LLM(model_dir, dtype=cfg.model.dtype, max_num_seqs=cfg.engine.max_num_seqs,
+              max_model_len=cfg.engine.max_model_len, seed=cfg.run.seed + rank, **extra, **engine_kwargs())
+    start_inflight(llm, InflightConfig(group=group, rank=rank, initial_version=initial_version,
+                                       stale_timeout_s=cfg.transport.timeout_s))
+    store = connect_store(group, "rollout")
+    queue = RolloutQueue(store, cfg.rollout.queue_capacity)
+    task = RepeatDigit(llm.get_tokenizer(), cfg.task.completion_tokens, cfg.task.digit_credit)
+    rng = random.Random(cfg.run.seed * 1000 + rank)
+    params = SamplingParams(n=cfg.rollout.group_size, temperature=cfg.rollout.temperature,
+                            max_tokens=cfg.task.completion_tokens, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+    engine = llm.llm_engine
+    prompts: dict[str, object] = {}
+    counter = 0
+    steps = 0
+    while True:
+        while len(prompts) < cfg.rollout.in_flight_groups:
+            prompt = task.sample_prompt(rng)
+            rid = f"{rank}-{counter}"
+            counter += 1
+            prompts[rid] = prompt
+            engine.add_request(rid, prompt.text, params)
+        for out in engine.step():
+            if not out.finished:
+                continue
+            prompt = prompts.pop(out.request_id)
+            samples = []
+            for i, completion in enumerate(out.outputs):
+                t = tagged(completion)
+                samples.append(RolloutSample(
+                    sample_id=f"{out.request_id}-{i}", group_id=out.request_id, prompt_ids=list(out.prompt_token_ids),
+                    token_ids=t.token_ids, logprobs=t.logprobs, versions=t.versions,
+                    reward=task.reward(prompt, t.token_ids), finish_reason=t.finish_reason or "",
+                    prompt_text=prompt.text, completion_text=t.text,
+                ))
+            queue.put(RolloutGroup(group_id=out.request_id, samples=tuple(samples)))
+        steps += 1
+        if steps % 16 == 0 and store.check(["stop"]):
+            log.info("rollout: the trainer asked to stop after %d engine steps", steps)
+            return
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="inflight engine process (vLLM + in-flight worker)")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--rank", type=int, default=1)
+    ap.add_argument("--initial-version", type=int, default=0, help="version of the weights in --model-dir")
+    args = ap.parse_args()
+    run_engine(load_config(args.config), args.model_dir, args.host, args.port, args.rank, args.initial_version)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Asynchronous GRPO with in-flight weight updates.
+
+    python -m trainer.train --config configs/demo_cpu.toml
+
+One story, top to bottom:
+1. the policy on disk: a Hugging Face model, or a freshly built tiny one;
+2. the engine process (vLLM + the in-flight worker) starts decoding groups of samples;
+3. the trainer (accelerate) joins it in a torch.distributed weight group;
+4. each step: a batch of groups from the rollout queue (stale ones dropped), a per-token
+   truncated-importance-weighted loss, an optimizer step, and an in-flight push of the new
+   weights, which the engine commits between two decode steps while it keeps sampling;
+5. a checkpoint, metrics.jsonl, a PNG of reward / lag / stall, and a summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import random
+import socket
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from inflight.buffer import RolloutBuffer, RolloutQueue
+from inflight.transport.group import GroupConfig
+from inflight.transport.pusher import PushConfig, PushResult, WeightPusher, named_weights
+from trainer.checkpoint import TrainerState, load_state, restore_rng, save_checkpoint
+from trainer.config import TrainConfig, config_to_dict, load_config
+from trainer.loss import collate, compute_loss, policy_logprobs
+from trainer.metrics import MetricsLog, plot_run, summarize
+from trainer.rollout import run_engine
+from trainer.tiny_model import build_tiny_model, default_corpus
+
+log = logging.getLogger("inflight.train")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _push_metrics(result: PushResult) -> dict:
+    commit = result.commits[min(result.commits)]
+    return {"pushed_version": result.version, "commit_ms": commit.commit_ms, "commit_step": commit.step,
+            "push_ms": 1e3 * (result.stage_wait_s + result.commit_wait_s), "send_ms": 1e3 * result.send.send_s,
+            "push_mb": result.send.nbytes / 2**20, "steps_during_transfer": result.staged[min(result.staged)].steps_during_transfer}
+
+
+def train(cfg: TrainConfig) -> dict:
+    out = Path(cfg.run.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+    random.seed(cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+
+    # -- 1. the policy on disk ---------------------------------------------------------------
+    ckpt_dir = out / "checkpoint"
+    resumed = load_state(ckpt_dir) if cfg.run.resume and (ckpt_dir / "state.json").exists() else None
+    if resumed is not None:
+        model_dir = ckpt_dir
+    elif cfg.model.path:
+        model_dir = Path(cfg.model.path)
+    else:
+        model_dir = build_tiny_model(out / "init", default_corpus(), cfg.model.tiny)
+    version = resumed.version if resumed else 0
+
+    # -- 2. the engine process ------------------------------------------------------------------
+    port = cfg.transport.port or _free_port()
+    host = cfg.transport.host
+    engine = None
+    if cfg.engine.spawn:
+        engine = mp.get_context("spawn").Process(target=run_engine, args=(cfg, str(model_dir), host, port, 1, version),
+                                                 name="inflight-engine", daemon=True)
+        engine.start()
+
+    # -- 3. the trainer, and the weight group it hosts ---------------------------------------
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    if accelerator.device.type == "cpu":
+        torch.set_num_threads(1)  # leave the other core(s) to the engine
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)  # fp32 master weights
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                  weight_decay=cfg.optim.weight_decay)
+    if resumed is not None:
+        optimizer.load_state_dict(torch.load(ckpt_dir / "optimizer.pt", weights_only=True))
+        restore_rng(resumed)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    pusher = WeightPusher(GroupConfig(host=host, port=port, world_size=2, timeout_s=cfg.transport.timeout_s),
+                          PushConfig(bucket_mb=cfg.transport.bucket_mb, dtype=cfg.model.dtype))
+    queue = RolloutQueue(pusher.group.sub_store("rollout"), cfg.rollout.queue_capacity)
+    buffer = RolloutBuffer(queue, admit_lag=cfg.rollout.admit_lag, group_size=cfg.rollout.group_size,
+                           pending=resumed.pending if resumed else ())
+    metrics = MetricsLog(out / "metrics.jsonl", append=resumed is not None)
+
+    # -- 4. the loop ------------------------------------------------------------------------------
+    start = resumed.step if resumed else 0
+    in_flight = None
+    pending_push: dict = {}
+    try:
+        for step in tqdm(range(start, cfg.run.steps), desc="train", initial=start, total=cfg.run.steps, dynamic_ncols=True):
+            t0 = time.perf_counter()
+            groups = buffer.next_batch(cfg.rollout.groups_per_step, version, timeout_s=cfg.rollout.queue_timeout_s)
+            t_wait = time.perf_counter() - t0
+            batch = collate(groups, tokenizer.pad_token_id, cfg.loss.normalize_std).to(accelerator.device)
+            logp, entropy = policy_logprobs(model, batch, cfg.rollout.temperature)
+            loss, m = compute_loss(logp, entropy, batch, version=version, tis=cfg.loss.tis, max_lag=cfg.loss.max_lag,
+                                   entropy_coef=cfg.loss.entropy_coef)
+            accelerator.backward(loss)
+            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)) if cfg.optim.grad_clip else 0.0
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            version += 1
+            # The previous push has landed by now (or this waits for it); then snapshot and send this one.
+            # Rows report the push of the step before, except the last row, which reports its own.
+            if in_flight is not None:
+                pending_push = _push_metrics(in_flight.result())
+            in_flight = pusher.push_async(version, named_weights(accelerator.unwrap_model(model)))
+            if step + 1 == cfg.run.steps:  # the last push is waited for, so the run ends on a committed version
+                pending_push, in_flight = _push_metrics(in_flight.result()), None
+            row = {"step": step + 1, "version": version, "loss": float(loss), "grad_norm": grad_norm,
+                   "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std()),
+                   "max_versions_per_sample": int(max(len(set(s.versions)) for g in groups for s in g.samples)),
+                   "wait_ms": 1e3 * t_wait, "step_ms": 1e3 * (time.perf_counter() - t0),
+                   "queue_depth": queue.depth(), **buffer.stats(), **m, **pending_push}
+            metrics.write(row)
+            if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
+                _checkpoint(ckpt_dir, accelerator.unwrap_model(model), tokenizer, optimizer, step + 1, version, buffer)
+    finally:
+        queue.store.set("stop", b"1")
+        if engine is not None:
+            engine.join(timeout=60)
+            if engine.is_alive():
+                engine.terminate()
+        pusher.close()
+
+    # -- 5. what we leave behind ------------------------------------------------------------------
+    _checkpoint(ckpt_dir, accelerator.unwrap_model(model), tokenizer, optimizer, cfg.run.steps, version, buffer)
+    plot_run(metrics.rows, out / "training.png")
+    summary = summarize(metrics.rows)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _checkpoint(path: Path, model, tokenizer, optimizer, step: int, version: int, buffer: RolloutBuffer) -> None:
+    save_checkpoint(path, model, tokenizer, optimizer, TrainerState(
+        step=step, version=version, python_rng=random.getstate(), torch_rng=torch.get_rng_state(),
+        buffer_stats=buffer.stats(), pending=list(buffer.pending)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="TOML file (see configs/)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    cfg = load_config(args.config)
+    summary = train(cfg)
+    print(f"reward: first 20% {summary['reward_first_20pct']:.3f} -> last 20% {summary['reward_last_20pct']:.3f}; "
+          f"samples spanning >1 version: {100 * summary['frac_samples_multi_version']:.1f}% "
+          f"(max {summary['max_versions_per_sample']} versions in one sample); "
+          f"engine stall per update: {summary['stall_ms_mean']:.1f} ms mean")
+    print(json.dumps({"demo": cfg.run.name, **summary}))
+
+
+if __name__ == "__main__":
+    main()
