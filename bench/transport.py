@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import socket
 import statistics
 import threading
 import time
 
 import torch
 
-from inflight.transport.group import GroupConfig, WeightGroup
+from inflight.transport.group import GroupConfig, WeightGroup, free_port
 from inflight.transport.listener import UpdateListener
 from inflight.transport.peer import DictTarget
 from inflight.transport.pusher import PushConfig, WeightPusher
@@ -52,12 +51,6 @@ def _peer(config: GroupConfig, raw_sizes: list[int], reps: int) -> None:
     UpdateListener(group, DictTarget(keep=False), schema=None).run(threading.Event())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=[16, 64, 256])
@@ -67,7 +60,7 @@ def main() -> None:
 
     sds = {mb: synthetic_state_dict(mb) for mb in args.sizes_mb}
     raw_sizes = [sum(t.numel() * 4 for t in sd.values()) for sd in sds.values()]
-    config = GroupConfig(port=_free_port(), world_size=2, timeout_s=120)
+    config = GroupConfig(port=free_port(), world_size=2, timeout_s=120)
     peer = mp.get_context("spawn").Process(target=_peer, args=(config, raw_sizes, args.reps), daemon=True)
     peer.start()
     pusher = WeightPusher(config, PushConfig(bucket_mb=args.bucket_mb[0]))

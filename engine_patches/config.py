@@ -30,6 +30,10 @@ class InflightConfig:
     """Longest wait for a step boundary once a commit is requested."""
     stale_timeout_s: float = 60.0
     """A staged version whose ``Commit`` does not come within this is dropped (the trainer died)."""
+    listener_nice: int = 10
+    """Scheduling priority (Linux nice, 0..19) of the listener thread: staging and preparing an
+    update is background work that must not take CPU from decoding (it matters on CPU
+    engines, where both share the cores)."""
     check_finite: bool = True
     """Refuse updates with NaN or Inf in any floating tensor, before they are staged."""
     require_processed_logprobs: bool = True
@@ -43,6 +47,8 @@ class InflightConfig:
             raise ValueError(f"InflightConfig.initial_version={self.initial_version} must be >= 0")
         if self.commit not in ("auto", "swap", "reload", "copy"):
             raise ValueError(f"InflightConfig.commit={self.commit!r} is not auto, swap, reload or copy")
+        if not 0 <= self.listener_nice <= 19:
+            raise ValueError(f"InflightConfig.listener_nice={self.listener_nice} must be in 0..19")
         for name in ("commit_timeout_s", "stale_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"InflightConfig.{name}={getattr(self, name)} must be > 0")

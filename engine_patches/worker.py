@@ -16,6 +16,7 @@ touched only inside ``StepGate.commit``, between two engine steps.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -114,6 +115,8 @@ class InflightWorkerExtension:
                                ". engine_patches.config.engine_kwargs() sets all of these.")
 
     def _inflight_serve(self, config: InflightConfig, schema) -> None:
+        if config.listener_nice and hasattr(os, "setpriority"):  # per thread on Linux
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), config.listener_nice)
         if torch.cuda.is_available() and self.model_runner.device.type == "cuda":
             # verify and stage on a side stream so checksums never queue behind the forward pass
             torch.cuda.set_device(self.model_runner.device)

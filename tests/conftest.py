@@ -7,7 +7,6 @@ seconds are set here, before any test module imports it.
 from __future__ import annotations
 
 import os
-import socket
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -33,10 +32,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from inflight.transport.group import free_port  # noqa: E402  (after the environment above)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from engine_patches.engine import inflight_status_async, start_inflight_async, s
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
 from inflight.versions import boundaries, is_monotone
-from tests.conftest import free_port
+from inflight.transport.group import free_port
 from tests.engine_harness import Reference, perturbed
 
 

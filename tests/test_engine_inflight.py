@@ -17,7 +17,7 @@ import torch
 
 from engine_patches.engine import tagged
 from inflight.versions import boundaries, is_monotone
-from tests.conftest import free_port
+from inflight.transport.group import free_port
 from tests.engine_harness import Harness, Reference, perturbed
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5=", "lazy dog"]

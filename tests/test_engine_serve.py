@@ -22,7 +22,7 @@ import torch
 from engine_patches.config import WORKER_EXTENSION, InflightConfig
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
-from tests.conftest import free_port
+from inflight.transport.group import free_port
 from tests.engine_harness import Reference, perturbed
 
 

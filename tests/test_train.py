@@ -12,8 +12,8 @@ from trainer.train import train
 SMALL = {
     "run": {"steps": 6, "seed": 3},
     "model": {"tiny": {"hidden_size": 64, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 128}},
-    "task": {"completion_tokens": 8},
-    "rollout": {"group_size": 4, "groups_per_step": 2, "in_flight_groups": 4, "queue_capacity": 4},
+    "task": {"completion_tokens": 24},
+    "rollout": {"group_size": 4, "groups_per_step": 2, "in_flight_groups": 2, "queue_capacity": 2},
     "transport": {"bucket_mb": 0.05},
 }
 
@@ -59,3 +59,14 @@ def test_shipped_configs_load() -> None:
 
     for path in sorted(Path(__file__).parents[1].glob("configs/*.toml")):
         load_config(path)
+
+
+def test_batch_mode_samples_each_step_from_one_version(tmp_path) -> None:
+    """The synchronous baseline: every sample of step k was drawn entirely by version k-1."""
+    cfg = config_from_dict({**SMALL, "run": {**SMALL["run"], "steps": 4, "out_dir": str(tmp_path / "run")},
+                            "rollout": {**SMALL["rollout"], "mode": "batch"}})
+    train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    for r in rows:  # trained at version v = step - 1 on samples of exactly that version
+        assert r["lag_hist"] == {"0": r["tokens"]} and r["frac_multi_version"] == 0.0

@@ -96,6 +96,10 @@ class RolloutConfig:
     """Groups with any token older than this many versions are dropped at the queue."""
     queue_timeout_s: float = 300.0
     """How long the trainer waits for the next group before it reports the engine gone."""
+    mode: Literal["inflight", "batch"] = "inflight"
+    """inflight: the engine samples continuously and commits updates between decode steps.
+    batch: the baseline of synchronous RL: the engine samples one step's groups with the
+    current version, then waits idle for the next version."""
 
     def __post_init__(self) -> None:
         for name in ("group_size", "groups_per_step", "in_flight_groups", "queue_capacity"):
@@ -107,6 +111,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.temperature={self.temperature} must be > 0")
         if self.admit_lag < 0:
             raise ValueError(f"rollout.admit_lag={self.admit_lag} must be >= 0")
+        if self.mode not in ("inflight", "batch"):
+            raise ValueError(f"rollout.mode={self.mode!r} is not inflight or batch")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,6 +8,9 @@ samples in flight; whenever one finishes, its completions, behaviour log-probs a
 per-token versions become a ``RolloutGroup`` on the rollout queue and a new prompt takes
 its place. Weight updates commit between two of these steps, without this loop noticing:
 the worker extension and the step gate do it.
+
+``rollout.mode = "batch"`` is the synchronous baseline: sample one optimizer step's groups
+with version v, ship them, sit idle until version v+1 is live, repeat.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import logging
 import os
 import random
+import time
 
 from inflight.protocol import RolloutGroup, RolloutSample
 from trainer.config import TrainConfig, load_config
@@ -38,7 +42,7 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, rank: int
     from vllm.sampling_params import RequestOutputKind
 
     from engine_patches.config import InflightConfig, engine_kwargs
-    from engine_patches.engine import start_inflight, tagged
+    from engine_patches.engine import inflight_status, start_inflight, tagged
     from inflight.buffer import RolloutQueue
     from inflight.transport.group import GroupConfig, connect_store
     from trainer.task import RepeatDigit
@@ -61,13 +65,29 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, rank: int
     prompts: dict[str, object] = {}
     counter = 0
     steps = 0
+    batch_mode = cfg.rollout.mode == "batch"
+    next_version = initial_version  # batch mode: the version the next batch must be sampled with
+
+    def add_group() -> None:
+        nonlocal counter
+        prompt = task.sample_prompt(rng)
+        rid = f"{rank}-{counter}"
+        counter += 1
+        prompts[rid] = prompt
+        engine.add_request(rid, prompt.text, params)
+
     while True:
-        while len(prompts) < cfg.rollout.in_flight_groups:
-            prompt = task.sample_prompt(rng)
-            rid = f"{rank}-{counter}"
-            counter += 1
-            prompts[rid] = prompt
-            engine.add_request(rid, prompt.text, params)
+        if not batch_mode:
+            while len(prompts) < cfg.rollout.in_flight_groups:
+                add_group()
+        elif not prompts:  # the last batch is shipped: wait, idle, for the next version
+            while inflight_status(llm)["live_version"] < next_version:
+                if store.check(["stop"]):
+                    return
+                time.sleep(0.002)
+            next_version += 1
+            for _ in range(cfg.rollout.groups_per_step):
+                add_group()
         for out in engine.step():
             if not out.finished:
                 continue

@@ -19,7 +19,6 @@ import json
 import logging
 import multiprocessing as mp
 import random
-import socket
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from inflight.buffer import RolloutBuffer, RolloutQueue
-from inflight.transport.group import GroupConfig
+from inflight.transport.group import GroupConfig, free_port
 from inflight.transport.pusher import PushConfig, PushResult, WeightPusher, named_weights
 from trainer.checkpoint import TrainerState, load_state, restore_rng, save_checkpoint
 from trainer.config import TrainConfig, config_to_dict, load_config
@@ -37,12 +36,6 @@ from trainer.rollout import run_engine
 from trainer.tiny_model import build_tiny_model, default_corpus
 
 log = logging.getLogger("inflight.train")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _push_metrics(result: PushResult) -> dict:
@@ -71,7 +64,7 @@ def train(cfg: TrainConfig) -> dict:
     version = resumed.version if resumed else 0
 
     # -- 2. the engine process ------------------------------------------------------------------
-    port = cfg.transport.port or _free_port()
+    port = cfg.transport.port or free_port()
     host = cfg.transport.host
     engine = None
     if cfg.engine.spawn:

@@ -16,12 +16,20 @@ one with a higher ``generation`` (see ``GroupConfig.generation``).
 from __future__ import annotations
 
 import dataclasses
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
 import torch
 from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroup, TCPStore, Work
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (for single-machine runs and tests)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class TransportError(RuntimeError):
