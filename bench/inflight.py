@@ -1,6 +1,6 @@
 """In-flight commits vs vLLM's native pause(keep)+update vs batch-boundary sync, one run.
 
-    python -m bench.inflight [--sizes S M L] [--every 8 32] [--steps 320] [--train-steps 40]
+    python -m bench.inflight [--sizes S M L] [--every 8 32] [--steps 768] [--rounds 4] [--train-steps 40]
 
 Per model size, one in-process vLLM engine (in-flight worker + vLLM's weight-transfer
 API with the ``inflight_gloo`` backend) decodes the same workload in four modes: a
@@ -14,8 +14,10 @@ trainer process holds the weights and, on the driver's cue every N engine steps:
    trainer's broadcast) / ``finish_weight_update`` + ``resume_scheduler``;
 4. batch: stop admitting, drain every request, update, admit the next batch.
 
-Stall per update = the engine-loop interval that contains the update minus the median
-interval (from the loop's own timestamps). With ``--train-steps``, the training loop
+The steps of none / inflight / native run interleaved in ``--rounds`` chunks, so a drift
+in machine speed hits all three alike; batch runs once, long enough to drain. Stall per
+update = the engine-loop interval that contains the update minus the median interval
+(from the loop's own timestamps). With ``--train-steps``, the training loop
 (``trainer.train``) also runs in-flight and batch-boundary for end-to-end samples/s.
 Prints a table, then one JSON line; writes ``bench_inflight.png``.
 """
@@ -75,7 +77,8 @@ def _trainer(conn, inflight_group, native_group, model_dir: str) -> None:
             r = pusher.push(version, state)
             c = r.commits[1]
             conn.send({"version": version, "commit_step": c.step, "commit_ms": c.commit_ms, "send_s": r.send.send_s,
-                       "nbytes": r.send.nbytes, "push_s": r.stage_wait_s + r.commit_wait_s})
+                       "nbytes": r.send.nbytes, "push_s": r.stage_wait_s + r.commit_wait_s,
+                       "stage_ms": r.staged[1].receive_ms})
         elif cmd == "native":
             t0 = time.perf_counter()
             nbytes = broadcast_state(native, state)
@@ -191,25 +194,35 @@ class Bench:
             engine.abort_request([rid])
         while engine.has_unfinished_requests():
             engine.step()
-        return self._report(mode, every, times, tokens, events, lags)
-
-    def _report(self, mode, every, times, tokens, events, lags) -> dict:
         gaps = [b - a for a, b in zip(times, times[1:])]
         at = {i for i, _, _ in events}
-        base = statistics.median([g for i, g in enumerate(gaps, 1) if i not in at])
-        stalls = [1e3 * (gaps[i - 1] - base) for i, _, _ in events if 0 < i <= len(gaps)]
-        infos = [r for _, _, r in events]
+        return {"mode": mode, "every": every, "tokens": tokens, "wall_s": times[-1] - times[0], "lags": lags,
+                "quiet": [g for i, g in enumerate(gaps, 1) if i not in at],
+                "event_gaps": [gaps[i - 1] for i, _, _ in events if 0 < i <= len(gaps)],
+                "infos": [r for _, _, r in events], "steps": len(gaps)}
+
+    def report(self, chunks: list[dict]) -> dict:
+        """One row from the chunks of one mode (interleaved with the other modes' chunks, so a
+        drift in machine speed hits every mode alike)."""
+        mode, every = chunks[0]["mode"], chunks[0]["every"]
+        tokens = sum(c["tokens"] for c in chunks)
+        wall = sum(c["wall_s"] for c in chunks)
+        lags = [x for c in chunks for x in c["lags"]]
+        base = statistics.median([g for c in chunks for g in c["quiet"]])
+        stalls = [1e3 * (g - base) for c in chunks for g in c["event_gaps"]]
+        infos = [r for c in chunks for r in c["infos"]]
         nbytes = infos[0]["nbytes"] if infos else 0
         send = [r["send_s"] for r in infos]
         hist: dict[int, int] = {}
         for x in lags:
             hist[x] = hist.get(x, 0) + 1
         return {
-            "size": self.size, "params": self.params, "mode": mode, "every": every, "steps": len(gaps),
-            "updates": len(events), "tokens": tokens, "tok_s": round(tokens / (times[-1] - times[0]), 1),
+            "size": self.size, "params": self.params, "mode": mode, "every": every,
+            "steps": sum(c["steps"] for c in chunks), "updates": len(infos), "tokens": tokens, "tok_s": round(tokens / wall, 1),
             "step_ms": round(1e3 * base, 2),
             "stall_ms": round(statistics.median(stalls), 2) if stalls else 0.0,
             "commit_ms": round(statistics.median(r["commit_ms"] for r in infos), 3) if mode == "inflight" and infos else None,
+            "stage_ms": round(statistics.median(r["stage_ms"] for r in infos), 1) if mode == "inflight" and infos else None,
             "ms_per_gb": round(1e3 * statistics.median(send) / (nbytes / 2**30), 1) if send else None,
             "lag_hist": dict(sorted(hist.items())),
         }
@@ -279,7 +292,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     ap.add_argument("--every", type=int, nargs="+", default=[8, 32], help="update cadence, engine steps")
-    ap.add_argument("--steps", type=int, default=320, help="engine steps per mode")
+    ap.add_argument("--steps", type=int, default=768, help="engine steps per mode")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds the steps of none/inflight/native are split into")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--train-steps", type=int, default=0, help="also time the training loop (0: skip)")
     ap.add_argument("--out", default="runs/bench")
@@ -291,15 +305,21 @@ def main() -> None:
         for size in args.sizes:
             bench = Bench(size, Path(tmp), args.concurrency, seed=0)
             for every in args.every:
-                for mode in MODES:
-                    rows.append(bench.run(mode, every, args.steps))
+                chunks: dict[str, list[dict]] = {m: [] for m in MODES}
+                for _ in range(args.rounds):  # interleaved: none, inflight, native, none, inflight, ...
+                    for mode in MODES[:3]:
+                        chunks[mode].append(bench.run(mode, every, args.steps // args.rounds))
+                # a batch boundary needs every request drained (up to 512 tokens): one long run
+                chunks["batch"].append(bench.run("batch", every, args.steps))
+                rows += [bench.report(chunks[m]) for m in MODES]
             bench.close()
             del bench
         train_rows = train_loop(args.train_steps, Path(tmp)) if args.train_steps else []
     for r in rows:
         ceiling = next(x["tok_s"] for x in rows if x["size"] == r["size"] and x["every"] == r["every"] and x["mode"] == "none")
         r["vs_none"] = round(r["tok_s"] / ceiling, 3)
-    cols = ["size", "params", "every", "mode", "updates", "tok_s", "vs_none", "step_ms", "stall_ms", "commit_ms", "ms_per_gb"]
+    cols = ["size", "params", "every", "mode", "updates", "tok_s", "vs_none", "step_ms", "stall_ms", "commit_ms", "stage_ms",
+            "ms_per_gb"]
     print(" ".join(f"{c:>10}" for c in cols))
     for r in rows:
         print(" ".join(f"{r[c]!s:>10}" for c in cols))

@@ -5,7 +5,7 @@ called through ``collective_rpc``:
 
 - ``inflight_start(config_json)``: check the engine can commit in flight, register the
   step gate, and start the listener thread, which joins the weight group and then stages
-  every update while the engine keeps decoding;
+  every update while the engine keeps decoding (and rejoins whenever the group fails);
 - ``inflight_status()``: live version, steps, counters, the last error;
 - ``inflight_stop()``: leave the group and unregister the gate.
 
@@ -27,7 +27,7 @@ from engine_patches.apply import checkpoint_dir, checkpoint_schema, make_applier
 from engine_patches.config import InflightConfig
 from engine_patches.gate import StepGate
 from inflight.transport.group import TransportError, WeightGroup
-from inflight.transport.listener import CommitFailed, CommitInfo, UpdateListener
+from inflight.transport.listener import CommitFailed, CommitInfo, ListenerStats, UpdateListener
 
 log = logging.getLogger("inflight.worker")
 
@@ -85,7 +85,7 @@ class InflightWorkerExtension:
         self._inflight_target = _EngineTarget(gate, applier, config.commit_timeout_s)
         self._inflight_stop = threading.Event()
         self._inflight_listener: UpdateListener | None = None
-        self._inflight_error = ""
+        self._inflight_stats = ListenerStats()
         self._inflight_thread = threading.Thread(
             target=self._inflight_serve, args=(config, schema), name=f"inflight-listener-{config.rank}", daemon=True
         )
@@ -115,24 +115,43 @@ class InflightWorkerExtension:
                                ". engine_patches.config.engine_kwargs() sets all of these.")
 
     def _inflight_serve(self, config: InflightConfig, schema) -> None:
+        """The listener thread: join the group, stage and commit updates, and whenever the
+        group fails (trainer killed, a stalled transfer timed out) drop what was staged, keep
+        serving the live version, and join the next generation the trainer opens."""
         if config.listener_nice and hasattr(os, "setpriority"):  # per thread on Linux
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), config.listener_nice)
         if torch.cuda.is_available() and self.model_runner.device.type == "cuda":
             # verify and stage on a side stream so checksums never queue behind the forward pass
             torch.cuda.set_device(self.model_runner.device)
             torch.cuda.set_stream(torch.cuda.Stream())
-        try:
-            group = WeightGroup(config.group, config.rank, device=self._inflight_data_device(config))
-            self._inflight_listener = UpdateListener(
-                group, self._inflight_target, schema, stale_timeout_s=config.stale_timeout_s, check_finite=config.check_finite
-            )
-            self._inflight_listener.run(self._inflight_stop)
-        except TransportError as e:
-            self._inflight_error = str(e)
-            log.error("inflight: listener stopped: %s", e)
-        except Exception as e:  # keep the engine serving; the status call reports it
-            self._inflight_error = repr(e)
-            log.exception("inflight: listener crashed")
+        stats, stop, gate = self._inflight_stats, self._inflight_stop, self._inflight_gate
+        joined_before = False
+        while not stop.is_set():
+            try:
+                group = WeightGroup(config.group, config.rank, device=self._inflight_data_device(config),
+                                    live_version=gate.live_version, stop=stop, join_timeout_s=None)
+            except InterruptedError:
+                return
+            except TransportError as e:  # the store went away while joining: try again
+                stats.last_error = f"[join] {e}"
+                stop.wait(1.0)
+                continue
+            stats.rejoins += joined_before
+            joined_before = True
+            log.info("inflight: rank %d joined generation %s serving v%d", config.rank, group.identity, gate.live_version)
+            self._inflight_listener = UpdateListener(group, self._inflight_target, schema, stats=stats,
+                                                     stale_timeout_s=config.stale_timeout_s, check_finite=config.check_finite)
+            try:
+                self._inflight_listener.run(stop)
+            except TransportError as e:
+                log.warning("inflight: lost the weight group (%s); staging dropped, still serving v%d; rejoining",
+                            e, gate.live_version)
+            except Exception as e:  # keep the engine serving; the status call reports it
+                stats.last_error = f"[crash] {e!r}"
+                log.exception("inflight: listener crashed; rejoining")
+                stop.wait(1.0)
+            finally:
+                group.close()
 
     def _inflight_data_device(self, config: InflightConfig) -> torch.device:
         if config.group.resolved_backend() == "nccl":
@@ -144,15 +163,19 @@ class InflightWorkerExtension:
         if gate is None:
             return {"started": False}
         listener = self._inflight_listener
+        stats: ListenerStats = self._inflight_stats
         return {
             "started": True,
             "joined": listener is not None,
             "listening": self._inflight_thread.is_alive(),
+            "generation": list(listener.group.identity) if listener else None,
             "live_version": gate.live_version,
             "steps": gate.steps,
-            "committed": listener.committed if listener else 0,
-            "rejections": dict(listener.rejections) if listener else {},
-            "last_error": self._inflight_error or (listener.last_error if listener else ""),
+            "committed": stats.committed,
+            "rejections": dict(stats.rejections),
+            "rejoins": stats.rejoins,
+            "dropped_staging": stats.dropped_staging,
+            "last_error": stats.last_error,
         }
 
     def inflight_stop(self) -> None:

@@ -26,9 +26,11 @@ from collections.abc import Iterable
 from torch.distributed import Store
 
 from inflight.protocol import ProtocolError, RolloutGroup, decode_group, encode
-from inflight.transport.control import wait_key
+from inflight.transport.group import wait_key
 
 _POLL_S = 0.002
+HOLE = b""
+"""What ``fill_holes`` writes where a dead producer never wrote its item."""
 
 
 class RolloutQueue:
@@ -64,14 +66,36 @@ class RolloutQueue:
         self.store.set(f"item/{seq}", data)
         return seq
 
-    def get(self, *, timeout_s: float | None, stop: threading.Event | None = None) -> bytes:
-        """The next item's bytes, in order; raises ``TransportTimeout`` after ``timeout_s``."""
+    def fill_holes(self) -> int:
+        """Consumer: mark as lost the sequence numbers a producer claimed but died before
+        writing (``put`` claims, then writes), so ``get`` does not wait for them forever.
+        Call only while no producer is live, e.g. after an engine died, before its restart samples."""
+        holes = 0
+        for seq in range(self._head, self.store.add("tail", 0)):
+            if not self.store.check([f"item/{seq}"]):
+                self.store.set(f"item/{seq}", HOLE)
+                holes += 1
+        return holes
+
+    def try_get(self) -> bytes | None:
+        """The next item's bytes if it is already in the queue, else None (never waits)."""
         key = f"item/{self._head}"
-        data = wait_key(self.store, key, timeout_s=timeout_s, stop=stop, what=f"rollout #{self._head}", who="trainer")
+        if not self.store.check([key]):
+            return None
+        return self._take(key)
+
+    def _take(self, key: str) -> bytes:
+        data = self.store.get(key)
         self.store.delete_key(key)
         self._head += 1
         self.store.add("head", 1)
         return data
+
+    def get(self, *, timeout_s: float | None, stop: threading.Event | None = None) -> bytes:
+        """The next item's bytes, in order; raises ``TransportTimeout`` after ``timeout_s``."""
+        key = f"item/{self._head}"
+        wait_key(self.store, key, timeout_s=timeout_s, stop=stop, what=f"rollout #{self._head}", who="trainer")
+        return self._take(key)
 
 
 def check_group(group: RolloutGroup, *, group_size: int | None, current_version: int) -> str | None:
@@ -105,9 +129,16 @@ class RolloutBuffer:
         self.pending: list[RolloutGroup] = list(pending)
         self.rejected: Counter[str] = Counter()
         self.dropped_stale = 0
+        self.dropped_ids: list[str] = []
+        """Ids of groups dropped as stale since the caller last cleared it (for the run's log)."""
         self.admitted = 0
+        self.holes = 0
+        """Queue slots a dead producer claimed but never filled."""
 
     def _admit(self, data: bytes, current_version: int) -> None:
+        if data == HOLE:
+            self.holes += 1
+            return
         try:
             group = decode_group(data)
         except ProtocolError as e:
@@ -127,12 +158,28 @@ class RolloutBuffer:
             oldest_ok = current_version - self.admit_lag
             fresh = [g for g in self.pending if min(min(s.versions) for s in g.samples) >= oldest_ok]
             self.dropped_stale += len(self.pending) - len(fresh)
+            if len(fresh) < len(self.pending):
+                keep = {id(g) for g in fresh}
+                self.dropped_ids.extend(g.group_id for g in self.pending if id(g) not in keep)
             self.pending = fresh
             if len(self.pending) >= n_groups:
                 batch, self.pending = self.pending[:n_groups], self.pending[n_groups:]
                 return batch
             self._admit(self.queue.get(timeout_s=timeout_s, stop=stop), current_version)
 
+    def drain(self, current_version: int) -> int:
+        """Admit every group already in the queue, without waiting; returns how many were read.
+
+        A checkpoint calls this first, so the groups that were queued (they live in the
+        trainer's store and die with it) are saved as ``pending`` and a resumed run trains
+        on them: nothing queued before a checkpoint is lost or repeated.
+        """
+        n = 0
+        while (data := self.queue.try_get()) is not None:
+            self._admit(data, current_version)
+            n += 1
+        return n
+
     def stats(self) -> dict[str, object]:
         return {"admitted": self.admitted, "dropped_stale": self.dropped_stale, "rejected": dict(self.rejected),
-                "pending": len(self.pending)}
+                "pending": len(self.pending), "queue_holes": self.holes}

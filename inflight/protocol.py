@@ -151,6 +151,16 @@ class Shutdown(_Wire, tag="shutdown"):
     reason: str = ""
 
 
+class Joined(_Wire, tag="joined"):
+    """Worker -> trainer, once per group generation, before the data plane forms: who joins
+    and which version it serves (a restarted trainer continues above the engines' versions)."""
+
+    rank: NonNeg
+    live_version: NonNeg
+    incarnation: str
+    """A random id per worker process: a restarted engine is told apart from a rejoining one."""
+
+
 class Accepted(_Wire, tag="accepted"):
     """Worker -> trainer: the announce is valid and staging is ready for its buckets."""
 
@@ -236,7 +246,7 @@ class RolloutGroup(_Wire, tag="group"):
 
 ControlMessage = Union[UpdateAnnounce, Commit, Abort, Shutdown]
 FrameMessage = Union[BucketHeader, Abort]
-ReplyMessage = Union[Accepted, Staged, Rejected, Committed]
+ReplyMessage = Union[Joined, Accepted, Staged, Rejected, Committed]
 
 _encoder = msgspec.msgpack.Encoder()
 _control_decoder = msgspec.msgpack.Decoder(ControlMessage)

@@ -23,14 +23,15 @@ def perturbed(state: dict[str, torch.Tensor], seed: int, scale: float = 0.05) ->
 class Harness:
     """``LLM`` (in-process engine) + ``WeightPusher`` (rank 0) on one gloo group."""
 
-    def __init__(self, model_dir: Path, dtype: str, port: int, commit: str = "auto", **engine_overrides: object) -> None:
+    def __init__(self, model_dir: Path, dtype: str, port: int, commit: str = "auto", timeout_s: float = 60.0,
+                 **engine_overrides: object) -> None:
         from vllm import LLM
 
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.llm = LLM(str(model_dir), enforce_eager=True, dtype=dtype, max_model_len=1024, seed=0,
                        **engine_kwargs(**engine_overrides))
-        self.group = GroupConfig(port=port, world_size=2, timeout_s=60)
+        self.group = GroupConfig(port=port, world_size=2, timeout_s=timeout_s)
         self.start_report = start_inflight(self.llm, InflightConfig(group=self.group, commit=commit))  # type: ignore[arg-type]
         self.pusher = WeightPusher(self.group, PushConfig(dtype=dtype, bucket_mb=0.25))
         self.version = 0

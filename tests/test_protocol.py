@@ -27,6 +27,7 @@ MESSAGES = [
     P.Shutdown(reason="done"),
     P.BucketHeader(version=3, index=1, offset=64, nbytes=64, checksum=2**63 + 5),
     P.Accepted(rank=1, version=3),
+    P.Joined(rank=1, live_version=7, incarnation="a1b2"),
     P.Staged(rank=1, version=3, receive_ms=1.5, steps_during_transfer=4),
     P.Rejected(rank=2, version=3, code="checksum", reason="bucket 1", live_version=2),
     P.Committed(rank=1, version=3, step=17, commit_ms=12.5, steps_since_first_bucket=3, tokens_at_commit={"7": 12}),
@@ -39,7 +40,7 @@ MESSAGES = [
 def test_round_trip(msg) -> None:
     decode = {
         P.UpdateAnnounce: P.decode_control, P.Commit: P.decode_control, P.Abort: P.decode_control,
-        P.Shutdown: P.decode_control, P.BucketHeader: P.decode_frame, P.Accepted: P.decode_reply,
+        P.Shutdown: P.decode_control, P.BucketHeader: P.decode_frame, P.Accepted: P.decode_reply, P.Joined: P.decode_reply,
         P.Staged: P.decode_reply, P.Rejected: P.decode_reply, P.Committed: P.decode_reply,
         P.RolloutSample: P.decode_sample,
     }[type(msg)]

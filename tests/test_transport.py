@@ -180,7 +180,7 @@ def test_refusals_keep_last_good_version(pair) -> None:
     new = {k: v * 2 for k, v in sd.items()}
     p.pusher.push(2, new)
     assert p.target.live_version == 2 and all(torch.equal(p.target.live[k], new[k]) for k in sd)
-    assert p.listener.rejections == {
+    assert p.listener.stats.rejections == {
         "stale_version": 1, "unknown_tensor": 1, "missing_tensor": 1, "bad_shape": 1, "bad_dtype": 1,
         "checksum": 1, "short_bucket": 1, "bucket_order": 1, "incomplete": 1,
     }

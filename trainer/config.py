@@ -162,7 +162,17 @@ class TransportConfig:
     bucket_mb: float = 64.0
     """Bucket size of weight pushes."""
     timeout_s: float = 120.0
-    """Limit on every transport wait."""
+    """Limit on every transport wait: a push the engine does not answer within it fails, and
+    an engine whose trainer stalls this long mid-transfer drops the update and rejoins."""
+    rejoin_timeout_s: float = 600.0
+    """After a failure, how long the trainer waits for the engine to come back (start-up included)."""
+
+    def __post_init__(self) -> None:
+        if not self.bucket_mb > 0:
+            raise ValueError(f"transport.bucket_mb={self.bucket_mb} must be > 0")
+        for name in ("timeout_s", "rejoin_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"transport.{name}={getattr(self, name)} must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +189,12 @@ class EngineConfig:
     """CPU KV cache (VLLM_CPU_KVCACHE_SPACE); on GPU use gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory the engine may take (GPU only)."""
+    max_restarts: int = 3
+    """A spawned engine that dies is restarted this many times before the run fails."""
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"engine.max_restarts={self.max_restarts} must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)

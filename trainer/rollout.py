@@ -35,7 +35,18 @@ def engine_environment(cfg: TrainConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, rank: int = 1, initial_version: int = 0) -> None:
+def _parent_gone(parent_pid: int | None) -> bool:
+    return parent_pid is not None and os.getppid() != parent_pid
+
+
+def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, rank: int = 1, initial_version: int = 0,
+               wait_for_version: int = 0, parent_pid: int | None = None) -> None:
+    """Serve rollouts until the trainer says stop (or, when spawned by it, until it is gone).
+
+    ``initial_version`` labels the weights in ``model_dir``; with ``wait_for_version`` above
+    it (a restart mid-run), sampling starts only once the trainer has pushed that version,
+    so no group is spent on weights the trainer already moved past.
+    """
     engine_environment(cfg)
     import torch
     from vllm import LLM, SamplingParams
@@ -44,7 +55,7 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, rank: int
     from engine_patches.config import InflightConfig, engine_kwargs
     from engine_patches.engine import inflight_status, start_inflight, tagged
     from inflight.buffer import RolloutQueue
-    from inflight.transport.group import GroupConfig, connect_store
+    from inflight.transport.group import INCARNATION, GroupConfig, TransportError, connect_store
     from trainer.task import RepeatDigit
 
     group = GroupConfig(host=host, port=port, world_size=2, timeout_s=cfg.transport.timeout_s)
@@ -57,6 +68,32 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, rank: int
                                        stale_timeout_s=cfg.transport.timeout_s))
     store = connect_store(group, "rollout")
     queue = RolloutQueue(store, cfg.rollout.queue_capacity)
+
+    def stop_requested() -> bool:
+        nonlocal store, queue
+        while True:
+            if _parent_gone(parent_pid):
+                return True
+            try:
+                return store.check(["stop"])
+            except (RuntimeError, TransportError):  # the trainer's store is gone: wait for the next trainer
+                time.sleep(1.0)
+                try:
+                    store = connect_store(group, "rollout")
+                    queue = RolloutQueue(store, cfg.rollout.queue_capacity)
+                except TransportError:
+                    pass
+
+    def ship(item: RolloutGroup) -> bool:
+        """Queue a finished group, across a trainer restart if need be; False: stop."""
+        while True:
+            try:
+                queue.put(item)
+                return True
+            except (RuntimeError, TransportError) as e:
+                log.warning("rollout: queue unreachable (%s); holding group %s", e, item.group_id)
+                if stop_requested():
+                    return False
     task = RepeatDigit(llm.get_tokenizer(), cfg.task.completion_tokens, cfg.task.digit_credit)
     rng = random.Random(cfg.run.seed * 1000 + rank)
     params = SamplingParams(n=cfg.rollout.group_size, temperature=cfg.rollout.temperature,
@@ -66,12 +103,16 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, rank: int
     counter = 0
     steps = 0
     batch_mode = cfg.rollout.mode == "batch"
-    next_version = initial_version  # batch mode: the version the next batch must be sampled with
+    next_version = max(initial_version, wait_for_version)  # batch mode: the version the next batch is sampled with
+    while inflight_status(llm)["live_version"] < wait_for_version:
+        if stop_requested():
+            return
+        time.sleep(0.01)
 
     def add_group() -> None:
         nonlocal counter
         prompt = task.sample_prompt(rng)
-        rid = f"{rank}-{counter}"
+        rid = f"e{rank}.{INCARNATION[:8]}.{counter}"  # unique across engine restarts
         counter += 1
         prompts[rid] = prompt
         engine.add_request(rid, prompt.text, params)
@@ -82,7 +123,7 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, rank: int
                 add_group()
         elif not prompts:  # the last batch is shipped: wait, idle, for the next version
             while inflight_status(llm)["live_version"] < next_version:
-                if store.check(["stop"]):
+                if stop_requested():
                     return
                 time.sleep(0.002)
             next_version += 1
@@ -101,9 +142,10 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, rank: int
                     reward=task.reward(prompt, t.token_ids), finish_reason=t.finish_reason or "",
                     prompt_text=prompt.text, completion_text=t.text,
                 ))
-            queue.put(RolloutGroup(group_id=out.request_id, samples=tuple(samples)))
+            if not ship(RolloutGroup(group_id=out.request_id, samples=tuple(samples))):
+                return
         steps += 1
-        if steps % 16 == 0 and store.check(["stop"]):
+        if steps % 16 == 0 and stop_requested():
             log.info("rollout: the trainer asked to stop after %d engine steps", steps)
             return
 

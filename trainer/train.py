@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing as mp
 import random
 import time
 from pathlib import Path
@@ -26,13 +25,13 @@ import torch
 from tqdm import tqdm
 
 from inflight.buffer import RolloutBuffer, RolloutQueue
-from inflight.transport.group import GroupConfig, free_port
+from inflight.transport.group import GroupConfig, TransportError, TransportTimeout, free_port
 from inflight.transport.pusher import PushConfig, PushResult, WeightPusher, named_weights
 from trainer.checkpoint import TrainerState, load_state, restore_rng, save_checkpoint
 from trainer.config import TrainConfig, config_to_dict, load_config
 from trainer.loss import collate, compute_loss, policy_logprobs
 from trainer.metrics import MetricsLog, plot_run, summarize
-from trainer.rollout import run_engine
+from trainer.supervisor import EngineLost, EngineSupervisor
 from trainer.tiny_model import build_tiny_model, default_corpus
 
 log = logging.getLogger("inflight.train")
@@ -66,11 +65,8 @@ def train(cfg: TrainConfig) -> dict:
     # -- 2. the engine process ------------------------------------------------------------------
     port = cfg.transport.port or free_port()
     host = cfg.transport.host
-    engine = None
-    if cfg.engine.spawn:
-        engine = mp.get_context("spawn").Process(target=run_engine, args=(cfg, str(model_dir), host, port, 1, version),
-                                                 name="inflight-engine", daemon=True)
-        engine.start()
+    engine = EngineSupervisor(cfg, model_dir, version, host, port, out / "engine.pid")
+    engine.start(wait_for_version=version)
 
     # -- 3. the trainer, and the weight group it hosts ---------------------------------------
     from accelerate import Accelerator
@@ -88,11 +84,20 @@ def train(cfg: TrainConfig) -> dict:
         restore_rng(resumed)
     model, optimizer = accelerator.prepare(model, optimizer)
     pusher = WeightPusher(GroupConfig(host=host, port=port, world_size=2, timeout_s=cfg.transport.timeout_s),
-                          PushConfig(bucket_mb=cfg.transport.bucket_mb, dtype=cfg.model.dtype))
+                          PushConfig(bucket_mb=cfg.transport.bucket_mb, dtype=cfg.model.dtype,
+                                     reply_timeout_s=cfg.transport.timeout_s),
+                          join_timeout_s=cfg.transport.rejoin_timeout_s)
     queue = RolloutQueue(pusher.group.sub_store("rollout"), cfg.rollout.queue_capacity)
     buffer = RolloutBuffer(queue, admit_lag=cfg.rollout.admit_lag, group_size=cfg.rollout.group_size,
                            pending=resumed.pending if resumed else ())
     metrics = MetricsLog(out / "metrics.jsonl", append=resumed is not None)
+
+    def weights() -> dict[str, torch.Tensor]:
+        return named_weights(accelerator.unwrap_model(model))
+
+    if max(pusher.engine_versions.values(), default=-1) > version:  # a resumed trainer behind a live engine
+        version = engine.recover(pusher, f"engines serve {pusher.engine_versions}, ahead of v{version}", version, weights,
+                                 queue)
 
     # -- 4. the loop ------------------------------------------------------------------------------
     start = resumed.step if resumed else 0
@@ -101,7 +106,12 @@ def train(cfg: TrainConfig) -> dict:
     try:
         for step in tqdm(range(start, cfg.run.steps), desc="train", initial=start, total=cfg.run.steps, dynamic_ncols=True):
             t0 = time.perf_counter()
-            groups = buffer.next_batch(cfg.rollout.groups_per_step, version, timeout_s=cfg.rollout.queue_timeout_s)
+            while True:
+                try:
+                    groups = _next_groups(buffer, cfg, version, engine)
+                    break
+                except EngineLost as e:
+                    version, in_flight = engine.recover(pusher, str(e), version, weights, queue), None
             t_wait = time.perf_counter() - t0
             batch = collate(groups, tokenizer.pad_token_id, cfg.loss.normalize_std).to(accelerator.device)
             logp, entropy = policy_logprobs(model, batch, cfg.rollout.temperature)
@@ -114,36 +124,60 @@ def train(cfg: TrainConfig) -> dict:
             version += 1
             # The previous push has landed by now (or this waits for it); then snapshot and send this one.
             # Rows report the push of the step before, except the last row, which reports its own.
-            if in_flight is not None:
-                pending_push = _push_metrics(in_flight.result())
-            in_flight = pusher.push_async(version, named_weights(accelerator.unwrap_model(model)))
-            if step + 1 == cfg.run.steps:  # the last push is waited for, so the run ends on a committed version
-                pending_push, in_flight = _push_metrics(in_flight.result()), None
-            row = {"step": step + 1, "version": version, "loss": float(loss), "grad_norm": grad_norm,
+            try:
+                if in_flight is not None:
+                    pending_push = _push_metrics(in_flight.result())
+                in_flight = pusher.push_async(version, weights())
+                if step + 1 == cfg.run.steps:  # the last push is waited for, so the run ends on a committed version
+                    pending_push, in_flight = _push_metrics(in_flight.result()), None
+            except TransportError as e:  # the engine is gone: recover, which pushes the weights of ``version``
+                version, in_flight = engine.recover(pusher, f"push failed: {e}", version, weights, queue), None
+            row = {"step": step + 1, "version": version, "loss": float(loss.detach()), "grad_norm": grad_norm,
                    "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std()),
                    "max_versions_per_sample": int(max(len(set(s.versions)) for g in groups for s in g.samples)),
                    "wait_ms": 1e3 * t_wait, "step_ms": 1e3 * (time.perf_counter() - t0),
-                   "queue_depth": queue.depth(), **buffer.stats(), **m, **pending_push}
+                   "queue_depth": queue.depth(), **buffer.stats(), **m, **pending_push,
+                   "engine_failures": engine.failures, "engine_restarts": engine.restarts,
+                   "group_ids": [g.group_id for g in groups], "dropped_ids": buffer.dropped_ids}
+            buffer.dropped_ids = []
             metrics.write(row)
             if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
                 _checkpoint(ckpt_dir, accelerator.unwrap_model(model), tokenizer, optimizer, step + 1, version, buffer)
+                engine.model_dir, engine.model_version = ckpt_dir, version  # a restarted engine starts from here
     finally:
         queue.store.set("stop", b"1")
-        if engine is not None:
-            engine.join(timeout=60)
-            if engine.is_alive():
-                engine.terminate()
+        engine.stop()
         pusher.close()
 
     # -- 5. what we leave behind ------------------------------------------------------------------
     _checkpoint(ckpt_dir, accelerator.unwrap_model(model), tokenizer, optimizer, cfg.run.steps, version, buffer)
     plot_run(metrics.rows, out / "training.png")
     summary = summarize(metrics.rows)
+    # the queue's ledger: every slot claimed ("put") was read, and each read is accounted for
+    summary["queue"] = {"put": queue.store.add("tail", 0), "read": queue.store.add("head", 0), **buffer.stats()}
+    summary["engine_events"] = engine.events
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
+def _next_groups(buffer: RolloutBuffer, cfg: TrainConfig, version: int, engine: EngineSupervisor) -> list:
+    """The next batch of groups; waits in short slices so a dead engine process is noticed
+    at once rather than after ``rollout.queue_timeout_s``."""
+    deadline = time.monotonic() + cfg.rollout.queue_timeout_s
+    while True:
+        try:
+            return buffer.next_batch(cfg.rollout.groups_per_step, version, timeout_s=1.0)
+        except TransportTimeout:
+            problem = engine.exit_problem()
+            if problem is not None:
+                raise EngineLost(problem) from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no rollout group within rollout.queue_timeout_s={cfg.rollout.queue_timeout_s}s "
+                                   "from a live engine: is it stuck?") from None
+
+
 def _checkpoint(path: Path, model, tokenizer, optimizer, step: int, version: int, buffer: RolloutBuffer) -> None:
+    buffer.drain(version)  # queued groups live in this process's store: keep them with the checkpoint
     save_checkpoint(path, model, tokenizer, optimizer, TrainerState(
         step=step, version=version, python_rng=random.getstate(), torch_rng=torch.get_rng_state(),
         buffer_stats=buffer.stats(), pending=list(buffer.pending)))

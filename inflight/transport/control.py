@@ -14,7 +14,6 @@ import threading
 import time
 from typing import Literal
 
-from torch.distributed import Store
 
 from inflight.protocol import (
     ControlMessage,
@@ -23,34 +22,10 @@ from inflight.protocol import (
     decode_reply,
     encode,
 )
-from inflight.transport.group import TransportTimeout, WeightGroup
+from inflight.transport.group import WeightGroup, wait_key
 
 Phase = Literal["ack", "staged"]
 """An announce gets two replies: ``ack`` (accepted or not) and ``staged`` (buckets verified or not)."""
-
-_POLL_MAX_S = 0.005  # idle polling backs off to this; a blocking store wait would log a warning per timeout
-
-
-def wait_key(store: Store, key: str, *, timeout_s: float | None, stop: threading.Event | None, what: str, who: str) -> bytes:
-    """Wait for ``key`` in ``store`` and return its value; ``timeout_s=None`` waits until ``stop``.
-
-    Polls with ``check`` (one small round trip) rather than ``store.wait``, whose timeouts
-    log a c10d warning each, so an idle worker stays quiet.
-    """
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    pause = 0.0002
-    while True:
-        try:
-            if store.check([key]):
-                return store.get(key)
-        except RuntimeError as e:  # the store's host (the trainer) is gone
-            raise TransportTimeout(f"{who}: store failed while waiting for {what}: {e}") from e
-        if stop is not None and stop.is_set():
-            raise InterruptedError(f"{who}: stopped while waiting for {what}")
-        if deadline is not None and time.monotonic() > deadline:
-            raise TransportTimeout(f"{who}: no {what} within {timeout_s:.1f}s")
-        time.sleep(pause)
-        pause = min(pause * 2, _POLL_MAX_S)
 
 
 def _wait_key(group: WeightGroup, key: str, timeout_s: float | None, stop: threading.Event | None, what: str) -> bytes:

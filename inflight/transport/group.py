@@ -9,20 +9,24 @@ planes, both from torch.distributed:
   replies (see ``control.py``); TCPStore is hosted by rank 0, the trainer.
 
 Every wait has a timeout, and a timeout raises ``TransportTimeout`` naming the peer and
-what was being waited for. After a timeout the group is not reused: callers build a new
-one with a higher ``generation`` (see ``GroupConfig.generation``).
+what was being waited for. After a failure the group is not reused: rank 0 ``reform``s
+the next generation and the workers join it (see ``WeightGroup``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import socket
+import threading
+import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
 import torch
-from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroup, TCPStore, Work
+from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroup, Store, TCPStore, Work
+
+from inflight.protocol import Joined, decode_reply, encode
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -56,8 +60,6 @@ class GroupConfig:
     """Limit on every wait: connecting, each bucket, each control message."""
     name: str = "inflight"
     """Key prefix in the store, so several groups can share one store."""
-    generation: int = 0
-    """Bumped each time the group is rebuilt after a failure; keys of older generations are ignored."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -68,16 +70,11 @@ class GroupConfig:
             raise ValueError(f"GroupConfig.backend={self.backend!r} is not one of auto, gloo, nccl")
         if not self.timeout_s > 0:
             raise ValueError(f"GroupConfig.timeout_s={self.timeout_s} must be > 0")
-        if self.generation < 0:
-            raise ValueError(f"GroupConfig.generation={self.generation} must be >= 0")
 
     def resolved_backend(self) -> Literal["gloo", "nccl"]:
         if self.backend == "auto":
             return "nccl" if torch.cuda.is_available() else "gloo"
         return self.backend
-
-    def next_generation(self) -> GroupConfig:
-        return dataclasses.replace(self, generation=self.generation + 1)
 
 
 def connect_store(config: GroupConfig, name: str) -> PrefixStore:
@@ -112,10 +109,85 @@ def _make_process_group(
     return pg
 
 
-class WeightGroup:
-    """One member of the trainer/engine group. Rank 0 is the trainer and the only sender."""
+INCARNATION = uuid.uuid4().hex[:12]
+"""This process's id in ``Joined`` messages."""
 
-    def __init__(self, config: GroupConfig, rank: int, device: torch.device | None = None) -> None:
+_POLL_MAX_S = 0.005  # idle polling backs off to this; a blocking store wait would log a warning per timeout
+
+
+def wait_key(store: Store, key: str, *, timeout_s: float | None, stop: threading.Event | None, what: str, who: str) -> bytes:
+    """Wait for ``key`` in ``store`` and return its value; ``timeout_s=None`` waits until ``stop``.
+
+    Polls with ``check`` (one small round trip) rather than ``store.wait``, whose timeouts
+    log a c10d warning each, so an idle worker stays quiet.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pause = 0.0002
+    while True:
+        try:
+            if store.check([key]):
+                return store.get(key)
+        except RuntimeError as e:  # the store's host (the trainer) is gone
+            raise TransportTimeout(f"{who}: store failed while waiting for {what}: {e}") from e
+        if stop is not None and stop.is_set():
+            raise InterruptedError(f"{who}: stopped while waiting for {what}")
+        if deadline is not None and time.monotonic() > deadline:
+            raise TransportTimeout(f"{who}: no {what} within {timeout_s:.1f}s")
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_MAX_S)
+
+
+def _connect(config: GroupConfig, rank: int, deadline: float | None, stop: threading.Event | None) -> TCPStore:
+    """A client of rank 0's store, retried until ``deadline`` (None: until ``stop``) so a worker
+    can wait out a trainer that is starting or restarting."""
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        attempt_s = min(config.timeout_s, 2.0) if left is None else max(min(config.timeout_s, 2.0, left), 0.1)
+        try:
+            tcp = TCPStore(config.host, config.port, config.world_size, is_master=False,
+                           timeout=timedelta(seconds=attempt_s), wait_for_workers=False)
+            tcp.set_timeout(timedelta(seconds=config.timeout_s))
+            return tcp
+        except Exception as e:
+            if stop is not None and stop.is_set():
+                raise InterruptedError(f"rank {rank}: stopped while connecting to the group store") from e
+            if left is not None and left <= 0:
+                raise TransportTimeout(f"rank {rank}: cannot reach the group store at {config.host}:{config.port}: {e}") from e
+            time.sleep(0.2)
+
+
+def _open_generation(root: Store, rank: int, tried: set[int], deadline: float | None, stop: threading.Event | None) -> int:
+    """The generation rank 0 has open for joining, other than those in ``tried``."""
+    while True:
+        try:
+            g = root.add("generation", 0) if root.check(["incarnation"]) else 0
+            if g > 0 and g not in tried and root.check([f"gen{g}/open"]):
+                return g
+        except RuntimeError as e:
+            raise TransportError(f"rank {rank}: the group store failed while waiting to join: {e}") from e
+        if stop is not None and stop.is_set():
+            raise InterruptedError(f"rank {rank}: stopped while waiting to join the group")
+        if deadline is not None and time.monotonic() > deadline:
+            raise TransportTimeout(f"rank {rank}: the trainer (rank 0) opened no generation to join")
+        time.sleep(0.01)
+
+
+class WeightGroup:
+    """One member of the trainer/engine group. Rank 0 is the trainer and the only sender.
+
+    Forming a generation (ordering invariant): rank 0 hosts the store, marks it with a
+    random ``incarnation``, bumps ``generation`` to g and opens ``gen<g>/open``; each worker
+    waits for an open generation it is not already in, posts ``Joined`` under
+    ``gen<g>/hello/<rank>``, and only then does every member build the data plane of g;
+    rank 0 closes ``open`` once it formed. So a worker that lost its group (trainer gone,
+    a timeout) never walks into a generation that already formed: it waits for rank 0 to
+    open the next one, in this store or in a restarted trainer's, and joins that.
+    """
+
+    def __init__(
+        self, config: GroupConfig, rank: int, device: torch.device | None = None, *,
+        live_version: int = 0, stop: threading.Event | None = None, join_timeout_s: float | None = None,
+    ) -> None:
         if not 0 <= rank < config.world_size:
             raise ValueError(f"rank {rank} outside world_size {config.world_size}")
         self.config = config
@@ -125,23 +197,82 @@ class WeightGroup:
             device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.device = device
         self.timeout = timedelta(seconds=config.timeout_s)
+        self.pg: ProcessGroup | None = None
+        self.hellos: dict[int, Joined] = {}
+        """Rank 0: each worker's ``Joined`` for the current generation."""
+        join_timeout = config.timeout_s if join_timeout_s is None else join_timeout_s
+        if rank == 0:
+            try:
+                self._tcp = TCPStore(config.host, config.port, config.world_size, is_master=True,
+                                     timeout=self.timeout, wait_for_workers=False)
+            except Exception as e:  # torch raises several store errors; name the endpoint
+                raise TransportError(f"rank 0: cannot host the group store on {config.host}:{config.port}: {e}") from e
+            self._root = PrefixStore(config.name, self._tcp)
+            self._root.set("incarnation", uuid.uuid4().hex)
+            self.reform(join_timeout)
+        else:
+            self._join(live_version, stop, join_timeout_s)
+
+    # -- forming a generation ---------------------------------------------------------------
+    def reform(self, timeout_s: float | None = None) -> dict[int, Joined]:
+        """Rank 0: drop the current data plane (if any) and form the next generation with every
+        worker; returns their ``Joined``. Raises ``TransportTimeout`` naming the absent ranks."""
+        if self.rank != 0:
+            raise ValueError("only rank 0 opens generations; workers join them")
+        self._close_data_plane()
+        timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
+        g = self._root.add("generation", 1)
+        self._root.set(f"gen{g}/open", b"1")
         try:
-            self._tcp = TCPStore(
-                config.host, config.port, config.world_size, is_master=rank == 0,
-                timeout=self.timeout, wait_for_workers=False,
-            )
-        except Exception as e:  # torch raises several store errors; name the endpoint
-            raise TransportError(f"rank {rank}: cannot reach the group store at {config.host}:{config.port}: {e}") from e
-        prefix = f"{config.name}/gen{config.generation}"
-        self.store = PrefixStore(prefix + "/ctl", self._tcp)
+            deadline = time.monotonic() + timeout_s
+            hellos = {}
+            for r in self.peers:
+                raw = wait_key(self._root, f"gen{g}/hello/{r}", timeout_s=max(deadline - time.monotonic(), 0.001), stop=None,
+                               what=f"worker rank {r} to join generation {g}", who="rank 0")
+                hellos[r] = decode_reply(raw)
+            self._form_data_plane(g)
+        finally:
+            self._root.delete_key(f"gen{g}/open")
+        self.hellos = {r: h for r, h in hellos.items() if isinstance(h, Joined)}
+        return self.hellos
+
+    def _join(self, live_version: int, stop: threading.Event | None, timeout_s: float | None) -> None:
+        """Worker: connect to the store, wait for an open generation, announce, form."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._tcp = _connect(self.config, self.rank, deadline, stop)
+        self._root = PrefixStore(self.config.name, self._tcp)
+        tried: set[int] = set()
+        while True:
+            g = _open_generation(self._root, self.rank, tried, deadline, stop)
+            tried.add(g)
+            self._root.set(f"gen{g}/hello/{self.rank}", encode(Joined(rank=self.rank, live_version=live_version,
+                                                                      incarnation=INCARNATION)))
+            try:
+                self._form_data_plane(g)
+                return
+            except TransportError:  # rank 0 gave up on g meanwhile; look for the next one
+                if deadline is not None and time.monotonic() > deadline:
+                    raise
+
+    def _form_data_plane(self, g: int) -> None:
+        prefix = f"{self.config.name}/gen{g}"
         try:
             self.pg = _make_process_group(
-                PrefixStore(prefix + "/pg", self._tcp), rank, config.world_size, self.backend, self.timeout, device
+                PrefixStore(prefix + "/pg", self._tcp), self.rank, self.config.world_size, self.backend, self.timeout,
+                self.device,
             )
         except Exception as e:
             raise TransportError(
-                f"rank {rank}: joining {self.backend} group {prefix} of {config.world_size} failed: {e}"
+                f"rank {self.rank}: forming {self.backend} group {prefix} of {self.config.world_size} failed: {e}"
             ) from e
+        self.generation = g
+        self.incarnation = self._root.get("incarnation").decode()
+        self.store = PrefixStore(prefix + "/ctl", self._tcp)
+
+    @property
+    def identity(self) -> tuple[str, int]:
+        """(store incarnation, generation): which formation of the group this member is in."""
+        return self.incarnation, self.generation
 
     def sub_store(self, name: str) -> PrefixStore:
         """A key space of this group's store for other traffic (e.g. the rollout queue)."""
@@ -182,9 +313,15 @@ class WeightGroup:
         self.wait(self.start_broadcast(tensor, what=what), timeout_s)
 
     def close(self) -> None:
-        """Drop the process group; the store goes with the last reference."""
+        """Leave: drop the data plane and this member's store handles (rank 0's store, and its
+        port, go with the last reference, e.g. a rollout queue's)."""
+        self._close_data_plane()
+        for attr in ("store", "_root", "_tcp"):
+            self.__dict__.pop(attr, None)
+
+    def _close_data_plane(self) -> None:
+        pg, self.pg = self.pg, None
         try:
-            self.pg.shutdown() if hasattr(self.pg, "shutdown") else None
+            pg.shutdown() if pg is not None and hasattr(pg, "shutdown") else None
         except Exception:  # a broken group may refuse to shut down cleanly; nothing to save
             pass
-        self.pg = None  # type: ignore[assignment]

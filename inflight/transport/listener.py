@@ -105,6 +105,19 @@ class CommitTarget(Protocol):
         ...
 
 
+@dataclass
+class ListenerStats:
+    """Counters of one worker, kept across the group generations it serves."""
+
+    committed: int = 0
+    rejections: dict[str, int] = field(default_factory=dict)
+    last_error: str = ""
+    rejoins: int = 0
+    """Times the worker joined a new generation after losing its group."""
+    dropped_staging: int = 0
+    """Versions staged (or half received) and then discarded because the group failed."""
+
+
 class _Staged:
     def __init__(self, announce: UpdateAnnounce, flat: torch.Tensor, first_bucket_step: int) -> None:
         self.announce = announce
@@ -120,7 +133,7 @@ class UpdateListener:
 
     def __init__(
         self, group: WeightGroup, target: CommitTarget, schema: TensorSchema | None, *,
-        stale_timeout_s: float = 60.0, check_finite: bool = True,
+        stale_timeout_s: float = 60.0, check_finite: bool = True, stats: ListenerStats | None = None,
     ) -> None:
         self.group = group
         self.target = target
@@ -132,9 +145,7 @@ class UpdateListener:
         self._spare = torch.empty(0, dtype=torch.uint8, device=group.device)
         self._staged: _Staged | None = None
         self._previous: _Staged | None = None  # bytes of the live version, for rollback
-        self.rejections: dict[str, int] = {}
-        self.committed = 0
-        self.last_error = ""
+        self.stats = stats if stats is not None else ListenerStats()
 
     # -- the loop ---------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -161,8 +172,13 @@ class UpdateListener:
                     return
         except InterruptedError:
             return
-        except TransportError:
+        except TransportError as e:
+            # The trainer vanished or stalled mid-update: nothing staged may go live, and the
+            # caller rejoins the group's next generation.
+            if self._staged is not None:
+                self.stats.dropped_staging += 1
             self._drop()
+            self.stats.last_error = f"[transport] {e}"
             raise
 
     def _on_announce(self, seq: int, a: UpdateAnnounce) -> None:
@@ -183,6 +199,10 @@ class UpdateListener:
             if e.code != "aborted":  # an aborted update was refused by another worker first
                 self._reject(seq, a.version, e.code, e.reason, phase="staged")
             return
+        except TransportError:  # half received: the bytes go back to the spare buffer, unused
+            self._spare = flat
+            self.stats.dropped_staging += 1
+            raise
         staged = _Staged(a, flat, first_step[0])
         bad = self._nonfinite(staged) if self.check_finite else None
         if bad is not None:
@@ -215,7 +235,7 @@ class UpdateListener:
             self._reject(seq, c.version, "commit_failed", str(e))
             return
         # (the commit consumed what prepare built: nothing to discard)
-        self.committed += 1
+        self.stats.committed += 1
         self._staged = None
         if self._previous is not None:
             self._spare = self._previous.flat
@@ -252,8 +272,8 @@ class UpdateListener:
             self.target.discard()
 
     def _reject(self, seq: int, version: int, code: RejectCode, reason: str, phase: Phase = "ack") -> None:
-        self.rejections[code] = self.rejections.get(code, 0) + 1
-        self.last_error = f"[{code}] {reason}"
+        self.stats.rejections[code] = self.stats.rejections.get(code, 0) + 1
+        self.stats.last_error = f"[{code}] {reason}"
         log.warning("rank %d: refused v%d: [%s] %s", self.group.rank, version, code, reason)
         self.control.reply(seq, Rejected(rank=self.group.rank, version=version, code=code, reason=reason,
                                          live_version=self.target.live_version), phase=phase)

@@ -101,9 +101,11 @@ def _split(replies: dict[int, ReplyMessage], want: type) -> tuple[dict[int, obje
 class WeightPusher:
     """Rank 0 of the weight group. Not thread-safe: one push at a time."""
 
-    def __init__(self, group: GroupConfig, config: PushConfig = PushConfig(), device: torch.device | None = None) -> None:
+    def __init__(self, group: GroupConfig, config: PushConfig = PushConfig(), device: torch.device | None = None, *,
+                 join_timeout_s: float | None = None) -> None:
+        """Hosts the group and waits up to ``join_timeout_s`` (default: the group's timeout) for every worker."""
         self.config = config
-        self.group = WeightGroup(group, rank=0, device=device)
+        self.group = WeightGroup(group, rank=0, device=device, join_timeout_s=join_timeout_s)
         algo = config.checksum if config.checksum != "auto" else ("wsum64" if self.group.backend == "nccl" else "xxh3")
         self.sender = BucketSender(self.group, bucket_bytes=config.bucket_bytes, checksum_algo=algo)
         self.control = TrainerControl(self.group)
@@ -163,6 +165,23 @@ class WeightPusher:
         announce = self.sender.pack(version, named, self._dtype)  # the snapshot
         self._in_flight = self._background.submit(self._push_packed, announce)
         return self._in_flight
+
+    @property
+    def engine_versions(self) -> dict[int, int]:
+        """Each worker's live version when it joined the current generation of the group."""
+        return {r: h.live_version for r, h in self.group.hellos.items()}
+
+    def rejoin(self, timeout_s: float | None = None) -> dict[int, int]:
+        """After a failed push (an engine died or timed out): form the group's next generation
+        with every worker, waiting up to ``timeout_s`` for them (a restarted engine needs its
+        start-up time); returns their live versions. Raises ``TransportTimeout`` naming the
+        workers that did not come back; it may be called again."""
+        if self._in_flight is not None:
+            self._in_flight.exception()  # let the failed push finish failing
+            self._in_flight = None
+        self.group.reform(timeout_s)
+        self.control = TrainerControl(self.group)  # message numbers restart with the generation
+        return self.engine_versions
 
     def close(self, reason: str = "trainer done") -> None:
         """Tell the workers to stop listening, then leave the group."""

@@ -1,0 +1,239 @@
+"""Fault injection on a real vLLM CPU engine running the in-flight worker.
+
+- every kind of bad update is refused with an error naming the problem, while the engine
+  keeps decoding; live weights and version do not change; the next good update lands;
+- a trainer that stalls mid-transfer is timed out, its staging dropped, and a restarted
+  trainer (a new store on the same port) is rejoined;
+- a soak of 200 updates while decoding: no token mislabeled, memory flat.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import msgspec
+import pytest
+import torch
+
+from engine_patches.engine import tagged
+from inflight.protocol import BucketHeader
+from inflight.transport.group import GroupConfig, free_port
+from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
+from inflight.versions import boundaries, is_monotone
+from tests.engine_harness import Harness, Reference, perturbed
+
+PROMPTS = ["1+2=", "count 3 4", "lazy dog"]
+TIMEOUT_S = 4.0  # the worker's limit on every wait: a stalled trainer is dropped after this
+
+
+@pytest.fixture(scope="module")
+def harness(tiny_llama):
+    h = Harness(tiny_llama, "float32", free_port(), timeout_s=TIMEOUT_S)
+    yield h
+    h.close()
+
+
+def _outputs(h: Harness) -> list[tuple[list[int], list[float], list[int]]]:
+    return [(o.token_ids, o.logprobs, o.versions) for _, o in h.greedy(PROMPTS)]
+
+
+# -- tampering with buckets (the pusher's test seam; every frame still crosses the group) ----
+def _corrupt(h: BucketHeader, data: torch.Tensor):
+    return h, (data.clone().bitwise_xor_(1) if h.index == 1 else data)
+
+
+def _short(h: BucketHeader, data: torch.Tensor):
+    return (msgspec.structs.replace(h, nbytes=h.nbytes - 1), data[:-1]) if h.index == 2 else (h, data)
+
+
+def _duplicate(h: BucketHeader, data: torch.Tensor):  # bucket 1 arrives again in bucket 2's place
+    return (msgspec.structs.replace(h, index=1), data) if h.index == 2 else (h, data)
+
+
+def _out_of_order(h: BucketHeader, data: torch.Tensor):  # bucket 3's header shows up second
+    return (msgspec.structs.replace(h, index=3), data) if h.index == 1 else (h, data)
+
+
+def test_bad_updates_are_refused_while_the_engine_decodes(harness: Harness) -> None:
+    from vllm import SamplingParams
+
+    h = harness
+    good = perturbed(h.base, seed=11)
+    h.push(good)
+    live = h.version
+    before = _outputs(h)
+    name = "model.layers.0.mlp.down_proj.weight"
+    nan = dict(good)
+    nan[name] = good[name].clone()
+    nan[name][3, 5] = float("nan")
+    cases = [  # (expected code, fragment the reason names, version, state, push kwargs)
+        ("stale_version", f"not newer than the live v{live}", live, good, {}),
+        ("stale_version", f"not newer than the live v{live}", live - 1, good, {}),  # goes backwards
+        ("unknown_tensor", "extra.weight", live + 1, good | {"extra.weight": torch.zeros(4)}, {}),
+        ("missing_tensor", name, live + 1, {k: v for k, v in good.items() if k != name}, {}),
+        ("bad_shape", name, live + 1, good | {name: good[name][:, :-1]}, {}),
+        ("bad_dtype", name, live + 1, good | {name: good[name].double()}, {"keep_dtype": True}),
+        ("checksum", "bucket 1", live + 1, good, {"tamper": _corrupt}),
+        ("short_bucket", "bucket 2", live + 1, good, {"tamper": _short}),
+        ("bucket_order", "bucket 2", live + 1, good, {"tamper": _duplicate}),
+        ("bucket_order", "bucket 1", live + 1, good, {"tamper": _out_of_order}),
+        ("nonfinite", name, live + 1, nan, {}),
+    ]
+    gate = h.gate()
+    steps_during: list[int] = []
+    errors: list[BaseException] = []
+
+    def trainer() -> None:
+        try:
+            start = gate.steps
+            while gate.steps - start < 3:
+                time.sleep(0.001)
+            for code, fragment, version, state, kw in cases:
+                s0 = gate.steps
+                keep = kw.pop("keep_dtype", False)
+                cast, h.pusher._dtype = h.pusher._dtype, (None if keep else h.pusher._dtype)  # send as given
+                try:
+                    with pytest.raises(PushRejected) as exc:
+                        h.pusher.push(version, state, **kw)
+                finally:
+                    h.pusher._dtype = cast
+                assert exc.value.codes == {code}, str(exc.value)
+                assert fragment in str(exc.value), str(exc.value)
+                steps_during.append(gate.steps - s0)
+            with pytest.raises(PushRejected) as exc:  # commit of a version whose buckets never came
+                h.pusher.commit(live + 1)
+            assert exc.value.codes == {"incomplete"} and f"commit of v{live + 1}" in str(exc.value)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    sp = SamplingParams(temperature=1.0, max_tokens=600, logprobs=0, ignore_eos=True, seed=5)
+    outs = h.llm.generate(["1+1=", "2+2="], sp, use_tqdm=False)
+    t.join()
+    assert not errors, errors
+    for o in outs:  # decoding went on throughout, all of it on the one live version
+        assert tagged(o.outputs[0]).versions == [live] * 600
+    assert sum(steps_during) > 0, "the engine stopped while refusing updates"
+    status = h.status()
+    assert status["live_version"] == live and status["rejections"] == {
+        "stale_version": 2, "unknown_tensor": 1, "missing_tensor": 1, "bad_shape": 1, "bad_dtype": 1, "checksum": 1,
+        "short_bucket": 1, "bucket_order": 2, "nonfinite": 1, "incomplete": 1}
+    assert _outputs(h) == before  # bit-identical: nothing reached the live weights
+    # the next good update lands and is exactly the new weights
+    new = perturbed(h.base, seed=12)
+    h.pusher.push(live + 1, new)
+    h.version = live + 1
+    ref = Reference(h.model_dir, "float32").load(new)
+    for prompt, out in h.greedy(PROMPTS):
+        assert out.versions == [live + 1] * len(out.token_ids)
+        assert out.token_ids == ref.greedy(prompt, len(out.token_ids))
+
+
+# -- a trainer that stalls mid-transfer, then is killed and restarted ------------------------
+def _stall_at_bucket_2(h: BucketHeader, data: torch.Tensor):
+    if h.index == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen mid-update: the engine must not wait forever
+    return h, data
+
+
+def _stalling_trainer(group: GroupConfig, version: int, state: dict, ready) -> None:
+    pusher = WeightPusher(group, PushConfig(bucket_mb=0.25))
+    ready.set()
+    pusher.push(version, state, tamper=_stall_at_bucket_2)
+
+
+def test_stalled_trainer_is_dropped_and_a_restarted_one_rejoins(harness: Harness) -> None:
+    h = harness
+    live, before = h.version, _outputs(h)
+    status0 = h.status()
+    h.pusher.close()  # this trainer leaves; the worker waits for the next one on the same port
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    victim = ctx.Process(target=_stalling_trainer, args=(h.group, live + 1, perturbed(h.base, seed=13), ready), daemon=True)
+    victim.start()
+    try:
+        assert ready.wait(60), "the stalling trainer never formed the group"
+        deadline = time.monotonic() + 20 * TIMEOUT_S
+        while h.status()["dropped_staging"] == status0["dropped_staging"]:
+            assert time.monotonic() < deadline, h.status()
+            assert _outputs(h) == before  # the engine serves the last good version meanwhile
+        status = h.status()
+        assert status["live_version"] == live
+        err = status["last_error"]  # the bucket it stalled on: gloo may not have sent the ones posted before the stop
+        assert "bucket" in err and "trainer (rank 0)" in err and f"{TIMEOUT_S:.1f}s" in err, err
+    finally:
+        victim.kill()
+        victim.join(10)
+    assert _outputs(h) == before
+    # a restarted trainer: a new store on the same port, a new generation; the worker rejoins
+    h.pusher = WeightPusher(h.group, PushConfig(dtype="float32", bucket_mb=0.25))
+    assert h.pusher.engine_versions == {1: live}
+    new = perturbed(h.base, seed=14)
+    h.push(new)
+    status = h.status()
+    assert status["live_version"] == h.version == live + 1
+    assert status["rejoins"] >= status0["rejoins"] + 2  # after the clean shutdown, and after the stall
+    ref = Reference(h.model_dir, "float32").load(new)
+    for prompt, out in h.greedy(PROMPTS):
+        assert out.token_ids == ref.greedy(prompt, len(out.token_ids))
+
+
+# -- soak --------------------------------------------------------------------------------------
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_soak_200_updates_while_decoding(harness: Harness) -> None:
+    from vllm import SamplingParams
+
+    h = harness
+    states = [perturbed(h.base, seed=s, scale=0.02) for s in (21, 22)]
+    n_updates, warmup = 200, 20
+    commits = []
+    rss: dict[str, int] = {}
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def trainer() -> None:
+        try:
+            for k in range(n_updates):
+                if k == warmup:
+                    rss["warm"] = _rss_bytes()
+                commits.append(h.push(states[k % 2]).commits[1])
+            rss["end"] = _rss_bytes()
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    outs = []
+    sp = SamplingParams(temperature=1.0, max_tokens=120, logprobs=0, ignore_eos=True)
+    while not done.is_set():
+        outs += h.llm.generate([f"{i}+{i}=" for i in range(8)], sp, use_tqdm=False)
+    t.join()
+    assert not errors, errors
+    assert len(commits) == n_updates and h.status()["live_version"] == h.version
+    by_version = {c.version: c for c in commits}
+    spanning = 0
+    for o in outs:
+        tc = tagged(o.outputs[0])
+        assert is_monotone(tc.versions)
+        first = boundaries(tc.versions)
+        spanning += len(first) > 1
+        for v, index in list(first.items())[1:]:  # each version change sits exactly at its commit
+            assert index == by_version[v].tokens_at_commit[o.request_id], (o.request_id, v)
+        for c in commits:  # and every commit during the request left its boundary
+            n = c.tokens_at_commit.get(o.request_id)
+            if n is not None and n < len(tc.versions):
+                assert tc.versions[n] >= c.version and (n == 0 or tc.versions[n - 1] < c.version)
+    assert spanning > 0
+    growth = rss["end"] / rss["warm"]
+    assert growth < 1.10, f"RSS grew {100 * (growth - 1):.1f}% over {n_updates - warmup} updates"
