@@ -267,16 +267,18 @@ def plot(rows: list[dict], png: Path) -> None:
                   next(r["tok_s"] for r in rows if r["size"] == s and r["mode"] == "none" and r["every"] == every)
                   for s in sizes]
             xs = [i + (k * len(MODES) + j) * 0.9 / (len(MODES) * len(everys)) for i in range(len(sizes))]
-            axes[0].bar(xs, ys, width=0.9 / (len(MODES) * len(everys)), label=f"{mode}, every {every}")
+            axes[0].bar(xs, ys, width=0.9 / (len(MODES) * len(everys)), label=f"{mode}, every {every}",
+                        color=f"C{j}", alpha=1.0 if k == 0 else 0.55)
     axes[0].set_xticks(range(len(sizes)), sizes)
     axes[0].set_ylabel("tokens/s relative to no updates")
     axes[0].axhline(0.95, color="k", lw=0.6, ls="--")
     axes[0].legend(fontsize=6)
     for mode in ("inflight", "native", "batch"):
-        pts = [(r["params"], r["stall_ms"]) for r in rows if r["mode"] == mode and r["every"] == everys[0]]
-        axes[1].plot(*zip(*sorted(pts)), marker="o", label=mode)
+        pts = [(r["params"], max(r["stall_ms"], 0.0)) for r in rows if r["mode"] == mode and r["every"] == everys[0]]
+        axes[1].plot(*zip(*sorted(pts)), marker="o", label=mode, color=f"C{MODES.index(mode)}")
     axes[1].set_xscale("log")
     axes[1].set_yscale("symlog", linthresh=1)
+    axes[1].set_ylim(bottom=0)
     axes[1].set_xlabel("parameters")
     axes[1].set_ylabel("stall per update, ms")
     axes[1].legend()
