@@ -65,14 +65,16 @@ def _trainer(conn, inflight_group, native_group, model_dir: str) -> None:
     from inflight.transport.pusher import PushConfig, WeightPusher
 
     base = load_file(str(Path(model_dir) / "model.safetensors"))
-    noise = [{k: 1e-3 * torch.randn(v.shape, generator=torch.Generator().manual_seed(i)) for k, v in base.items()}
-             for i in range(2)]
+    # Two weight sets, alternated: making new weights is the trainer's job (on its own hardware
+    # in a real run), not part of the update path being measured, so it is done once, up front.
+    states = [{k: v + 1e-3 * torch.randn(v.shape, generator=torch.Generator().manual_seed(i)) for k, v in base.items()}
+              for i in range(2)]
     pusher = WeightPusher(inflight_group, PushConfig(bucket_mb=64))
     native = WeightGroup(native_group, 0)
     conn.send("ready")
     while True:
         cmd, version = conn.recv()
-        state = {k: v + noise[version % 2][k] for k, v in base.items()}
+        state = states[version % 2]
         if cmd == "push":
             r = pusher.push(version, state)
             c = r.commits[1]
@@ -92,7 +94,7 @@ def _trainer(conn, inflight_group, native_group, model_dir: str) -> None:
 class Bench:
     """One model size: the engine, its trainer process, and the four modes."""
 
-    def __init__(self, size: str, work: Path, concurrency: int, seed: int) -> None:
+    def __init__(self, size: str, work: Path, concurrency: int, seed: int, listener_nice: int) -> None:
         from vllm import LLM
 
         from engine_patches.config import InflightConfig, engine_kwargs
@@ -117,7 +119,7 @@ class Bench:
             target=_trainer, args=(child, inflight_group, GroupConfig(port=native_port, world_size=2, backend="gloo",
                                                                       name="native"), str(model_dir)), daemon=True)
         self.proc.start()
-        report = start_inflight(self.llm, InflightConfig(group=inflight_group))
+        report = start_inflight(self.llm, InflightConfig(group=inflight_group, listener_nice=listener_nice))
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {
             "host": "127.0.0.1", "port": native_port, "world_size": 2, "rank": 1, "name": "native"}})
         assert self.conn.recv() == "ready"
@@ -297,6 +299,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=768, help="engine steps per mode")
     ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds the steps of none/inflight/native are split into")
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--listener-nice", type=int, default=19, help="InflightConfig.listener_nice of the engine (its default)")
     ap.add_argument("--train-steps", type=int, default=0, help="also time the training loop (0: skip)")
     ap.add_argument("--out", default="runs/bench")
     args = ap.parse_args()
@@ -305,7 +308,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
-            bench = Bench(size, Path(tmp), args.concurrency, seed=0)
+            bench = Bench(size, Path(tmp), args.concurrency, seed=0, listener_nice=args.listener_nice)
             for every in args.every:
                 chunks: dict[str, list[dict]] = {m: [] for m in MODES}
                 for _ in range(args.rounds):  # interleaved: none, inflight, native, none, inflight, ...
