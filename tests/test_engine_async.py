@@ -8,10 +8,9 @@ import torch
 
 from engine_patches.config import InflightConfig, engine_kwargs
 from engine_patches.engine import inflight_status_async, start_inflight_async, stream_tagged, tagged
-from inflight.transport.group import GroupConfig
+from inflight.transport.group import GroupConfig, free_port
 from inflight.transport.pusher import PushConfig, WeightPusher
 from inflight.versions import boundaries, is_monotone
-from inflight.transport.group import free_port
 from tests.engine_harness import Reference, perturbed
 
 

@@ -45,7 +45,7 @@ def test_reinforce_tis_by_hand() -> None:
     loss, m = compute_loss(logp, torch.zeros(2, 3), batch, version=7, tis=TISParams(truncation=2.0), max_lag=2)
     # w = min(r, 2) on unmasked tokens = [1, 2, 0.5 | -, 1.5]; N = 5 real tokens
     # loss = -(1/5) * log(0.5) * [(1 + 2 + 0.5) * (+1) + 1.5 * (-1)] = -(2/5) log 0.5
-    assert float(loss) == pytest.approx(-0.4 * math.log(0.5), abs=1e-6)
+    assert float(loss.detach()) == pytest.approx(-0.4 * math.log(0.5), abs=1e-6)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.2, -0.4, -0.1], [0.0, 0.3, 0.0]]), atol=1e-6, rtol=0)
     assert m["tokens"] == 5
@@ -63,7 +63,7 @@ def test_max_lag_zero_masks_every_stale_token() -> None:
     logp = logp0.clone().requires_grad_()
     loss, m = compute_loss(logp, torch.zeros(2, 3), batch, version=6, tis=TISParams(), max_lag=0)
     # version 6, lag 0 only: tokens (0, 2) and (1, 1) -> w = [0.5, 1.5], A = [+1, -1]
-    assert float(loss) == pytest.approx(-(1 / 5) * math.log(0.5) * (0.5 - 1.5), abs=1e-6)
+    assert float(loss.detach()) == pytest.approx(-(1 / 5) * math.log(0.5) * (0.5 - 1.5), abs=1e-6)
     assert m["frac_masked_lag"] == pytest.approx(3 / 5)
 
 
@@ -78,7 +78,7 @@ def test_ppo_clip_by_hand() -> None:
     logp, mu, adv, mask = _flat([1.5, 0.5, 0.5, 1.1], [1.0, 1.0, -1.0, -1.0])
     loss, _ = tis_loss(logp, mu, adv, mask, 4.0, p, impl="reference")
     # per token -min(rA, clip(r)A): -1.28 (clipped above), -0.5 (unclipped), +0.8 (clipped below), +1.1 (inside)
-    assert float(loss) == pytest.approx((-1.28 - 0.5 + 0.8 + 1.1) / 4, abs=1e-6)
+    assert float(loss.detach()) == pytest.approx((-1.28 - 0.5 + 0.8 + 1.1) / 4, abs=1e-6)
     loss.backward()
     # d/dlogp = -A r / N where the unclipped branch is taken or the clip is inactive, else 0
     torch.testing.assert_close(logp.grad, torch.tensor([0.0, -0.5 / 4, 0.0, 1.1 / 4]), atol=1e-6, rtol=0)
@@ -89,7 +89,7 @@ def test_icepop_masks_outside_band() -> None:
     logp, mu, adv, mask = _flat([3.0, 0.3, 1.2], [1.0, 1.0, 1.0])
     loss, w = tis_loss(logp, mu, adv, mask, 3.0, p, impl="reference")
     torch.testing.assert_close(w, torch.tensor([0.0, 0.0, 1.2]))
-    assert float(loss) == pytest.approx(-1.2 * math.log(0.25) / 3, abs=1e-6)
+    assert float(loss.detach()) == pytest.approx(-1.2 * math.log(0.25) / 3, abs=1e-6)
 
 
 def _groups() -> list[RolloutGroup]:

@@ -14,7 +14,6 @@ import threading
 import time
 from typing import Literal
 
-
 from inflight.protocol import (
     ControlMessage,
     ReplyMessage,
