@@ -70,3 +70,22 @@ def test_batch_mode_samples_each_step_from_one_version(tmp_path) -> None:
     assert len(rows) == 4
     for r in rows:  # trained at version v = step - 1 on samples of exactly that version
         assert r["lag_hist"] == {"0": r["tokens"]} and r["frac_multi_version"] == 0.0
+
+
+def test_placement_splits_gpus_and_never_puts_nccl_on_one_device() -> None:
+    from trainer.supervisor import Placement, place
+
+    assert place("auto", spawn=True, gpus=[]) == Placement(backend="gloo", engine_devices=None)
+    # one GPU, shared: NCCL cannot connect two ranks on it
+    assert place("auto", spawn=True, gpus=["3"]) == Placement(backend="gloo", engine_devices=None)
+    with pytest.raises(ValueError, match=r"needs the engine on a GPU of its own, and only one GPU \(3\)"):
+        place("nccl", spawn=True, gpus=["3"])
+    with pytest.raises(ValueError, match="no GPU is visible"):
+        place("nccl", spawn=False, gpus=[])
+    # the trainer keeps the first visible GPU, a spawned engine gets the rest, in order
+    assert place("auto", spawn=True, gpus=["2", "5", "7"]) == Placement(backend="nccl", engine_devices="5,7")
+    assert place("gloo", spawn=True, gpus=["0", "1"]) == Placement(backend="gloo", engine_devices="1")
+    # an engine on another machine keeps its own GPUs
+    assert place("auto", spawn=False, gpus=["0"]) == Placement(backend="nccl", engine_devices=None)
+    with pytest.raises(ValueError, match="transport.backend='ib'"):
+        place("ib", spawn=True, gpus=["0"])  # type: ignore[arg-type]

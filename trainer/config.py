@@ -161,6 +161,10 @@ class TransportConfig:
     """Store port; 0 picks a free one (single machine only)."""
     bucket_mb: float = 64.0
     """Bucket size of weight pushes."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Data plane: ``auto`` is NCCL when the trainer and the engine each have a GPU (a spawned
+    engine gets every visible GPU but the trainer's first), else gloo (CPU, or one shared GPU,
+    which NCCL cannot connect to itself)."""
     timeout_s: float = 120.0
     """Limit on every transport wait: a push the engine does not answer within it fails, and
     an engine whose trainer stalls this long mid-transfer drops the update and rejoins."""
@@ -170,6 +174,8 @@ class TransportConfig:
     def __post_init__(self) -> None:
         if not self.bucket_mb > 0:
             raise ValueError(f"transport.bucket_mb={self.bucket_mb} must be > 0")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"transport.backend={self.backend!r} is not auto, gloo or nccl")
         for name in ("timeout_s", "rejoin_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"transport.{name}={getattr(self, name)} must be > 0")

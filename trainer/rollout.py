@@ -27,8 +27,11 @@ from trainer.config import TrainConfig, load_config
 log = logging.getLogger("inflight.rollout")
 
 
-def engine_environment(cfg: TrainConfig) -> None:
-    """vLLM reads these at import: an in-process EngineCore, and the CPU KV cache size."""
+def engine_environment(cfg: TrainConfig, cuda_devices: str | None = None) -> None:
+    """vLLM reads these at import: an in-process EngineCore, and the CPU KV cache size; and
+    the GPUs the engine may use (set before anything touches CUDA)."""
+    if cuda_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.engine.kv_cache_gb))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,14 +43,16 @@ def _parent_gone(parent_pid: int | None) -> bool:
 
 
 def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, rank: int = 1, initial_version: int = 0,
-               wait_for_version: int = 0, parent_pid: int | None = None) -> None:
+               wait_for_version: int = 0, parent_pid: int | None = None, *, backend: str | None = None,
+               cuda_devices: str | None = None) -> None:
     """Serve rollouts until the trainer says stop (or, when spawned by it, until it is gone).
 
     ``initial_version`` labels the weights in ``model_dir``; with ``wait_for_version`` above
     it (a restart mid-run), sampling starts only once the trainer has pushed that version,
-    so no group is spent on weights the trainer already moved past.
+    so no group is spent on weights the trainer already moved past. ``backend`` (default
+    ``transport.backend``) must be the trainer's; ``cuda_devices`` limits the engine's GPUs.
     """
-    engine_environment(cfg)
+    engine_environment(cfg, cuda_devices)
     import torch
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -58,7 +63,8 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, rank: int
     from inflight.transport.group import INCARNATION, GroupConfig, TransportError, connect_store
     from trainer.task import RepeatDigit
 
-    group = GroupConfig(host=host, port=port, world_size=2, timeout_s=cfg.transport.timeout_s)
+    group = GroupConfig(host=host, port=port, world_size=2, timeout_s=cfg.transport.timeout_s,
+                        backend=backend or cfg.transport.backend)
     extra = {} if torch.cuda.is_available() else {"enforce_eager": True}
     if torch.cuda.is_available():
         extra["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
@@ -158,8 +164,10 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--rank", type=int, default=1)
     ap.add_argument("--initial-version", type=int, default=0, help="version of the weights in --model-dir")
+    ap.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="the trainer's (default: transport.backend)")
     args = ap.parse_args()
-    run_engine(load_config(args.config), args.model_dir, args.host, args.port, args.rank, args.initial_version)
+    run_engine(load_config(args.config), args.model_dir, args.host, args.port, args.rank, args.initial_version,
+               backend=args.backend)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,10 @@ import logging
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from tqdm import tqdm
 
@@ -33,6 +36,49 @@ from trainer.rollout import run_engine
 log = logging.getLogger("inflight.supervisor")
 
 
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Which GPUs the trainer and a spawned engine use, and the weight group's data plane."""
+
+    backend: Literal["gloo", "nccl"]
+    """Backend of the weight group; both sides must use the same one."""
+    engine_devices: str | None
+    """``CUDA_VISIBLE_DEVICES`` of a spawned engine; None: it inherits the trainer's."""
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` names them, in order."""
+    import torch
+
+    n = torch.cuda.device_count()
+    named = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in named.split(",") if d.strip()] if named else [str(i) for i in range(n)]
+    return ids[:n]
+
+
+def place(backend: Literal["auto", "gloo", "nccl"], *, spawn: bool, gpus: Sequence[str]) -> Placement:
+    """Split ``gpus`` between the trainer and the engine it spawns.
+
+    The trainer takes the first GPU and a spawned engine the others. NCCL cannot connect two
+    ranks on one GPU, so a trainer and engine sharing the only GPU use gloo (weights cross
+    through host memory; the engine still stages them off the decode path). An engine that
+    is not spawned runs elsewhere, on GPUs of its own.
+    """
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"transport.backend={backend!r} is not auto, gloo or nccl")
+    if not gpus:
+        if backend == "nccl":
+            raise ValueError("transport.backend='nccl' needs CUDA, and no GPU is visible")
+        return Placement(backend="gloo", engine_devices=None)
+    if spawn and len(gpus) == 1:
+        if backend == "nccl":
+            raise ValueError("transport.backend='nccl' needs the engine on a GPU of its own, and only one GPU "
+                             f"({gpus[0]}) is visible: use 'auto' or 'gloo', or make a second GPU visible")
+        return Placement(backend="gloo", engine_devices=None)
+    return Placement(backend="nccl" if backend == "auto" else backend,
+                     engine_devices=",".join(gpus[1:]) if spawn else None)
+
+
 class EngineLost(RuntimeError):
     """The engine stopped serving: its process exited, or the weight group failed."""
 
@@ -41,8 +87,9 @@ class EngineSupervisor:
     """The engine process the trainer spawned (or, with ``spawn = false``, nothing to spawn)."""
 
     def __init__(self, cfg: TrainConfig, model_dir: Path, model_version: int, host: str, port: int,
-                 pid_file: Path) -> None:
+                 placement: Placement, pid_file: Path) -> None:
         self.cfg = cfg
+        self.placement = placement
         self.model_dir = model_dir
         self.model_version = model_version
         """The version of the weights in ``model_dir``, which a (re)started engine serves first."""
@@ -60,6 +107,7 @@ class EngineSupervisor:
         self.process = mp.get_context("spawn").Process(
             target=run_engine, name="inflight-engine", daemon=True,
             args=(self.cfg, str(self.model_dir), self.host, self.port, 1, self.model_version, wait_for_version, os.getpid()),
+            kwargs={"backend": self.placement.backend, "cuda_devices": self.placement.engine_devices},
         )
         self.process.start()
         self.pid_file.write_text(str(self.process.pid))

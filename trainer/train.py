@@ -31,7 +31,7 @@ from trainer.checkpoint import TrainerState, load_state, restore_rng, save_check
 from trainer.config import TrainConfig, config_to_dict, load_config
 from trainer.loss import collate, compute_loss, policy_logprobs
 from trainer.metrics import MetricsLog, plot_run, summarize
-from trainer.supervisor import EngineLost, EngineSupervisor
+from trainer.supervisor import EngineLost, EngineSupervisor, place, visible_gpus
 from trainer.tiny_model import build_tiny_model, default_corpus
 
 log = logging.getLogger("inflight.train")
@@ -65,7 +65,8 @@ def train(cfg: TrainConfig) -> dict:
     # -- 2. the engine process ------------------------------------------------------------------
     port = cfg.transport.port or free_port()
     host = cfg.transport.host
-    engine = EngineSupervisor(cfg, model_dir, version, host, port, out / "engine.pid")
+    placement = place(cfg.transport.backend, spawn=cfg.engine.spawn, gpus=visible_gpus())
+    engine = EngineSupervisor(cfg, model_dir, version, host, port, placement, out / "engine.pid")
     engine.start(wait_for_version=version)
 
     # -- 3. the trainer, and the weight group it hosts ---------------------------------------
@@ -83,9 +84,9 @@ def train(cfg: TrainConfig) -> dict:
         optimizer.load_state_dict(torch.load(ckpt_dir / "optimizer.pt", weights_only=True))
         restore_rng(resumed)
     model, optimizer = accelerator.prepare(model, optimizer)
-    pusher = WeightPusher(GroupConfig(host=host, port=port, world_size=2, timeout_s=cfg.transport.timeout_s),
-                          PushConfig(bucket_mb=cfg.transport.bucket_mb, dtype=cfg.model.dtype,
-                                     reply_timeout_s=cfg.transport.timeout_s),
+    group = GroupConfig(host=host, port=port, world_size=2, timeout_s=cfg.transport.timeout_s, backend=placement.backend)
+    pusher = WeightPusher(group, PushConfig(bucket_mb=cfg.transport.bucket_mb, dtype=cfg.model.dtype,
+                                            reply_timeout_s=cfg.transport.timeout_s),
                           join_timeout_s=cfg.transport.rejoin_timeout_s)
     queue = RolloutQueue(pusher.group.sub_store("rollout"), cfg.rollout.queue_capacity)
     buffer = RolloutBuffer(queue, admit_lag=cfg.rollout.admit_lag, group_size=cfg.rollout.group_size,

@@ -55,6 +55,8 @@ def run_peer(group: GroupConfig, rank: int, out_dir: str | None, schema: dict[st
     """Process entry point: serve updates until the trainer sends ``Shutdown``."""
     import threading
 
+    if group.resolved_backend() == "nccl":  # one GPU per rank: NCCL cannot connect two ranks on one device
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     target = DictTarget(out_dir)
     listener = UpdateListener(WeightGroup(group, rank), target, TensorSchema(schema) if schema is not None else None)
     listener.run(threading.Event())
