@@ -32,10 +32,10 @@ class InflightConfig:
     """A staged version whose ``Commit`` does not come within this is dropped (the trainer died)."""
     listener_nice: int = 19
     """Scheduling priority (Linux nice, 0..19) of the listener thread: staging and preparing an
-    update is background work that must not take CPU from decoding (it matters on CPU
-    engines, where both share the cores). The lowest priority measured best on a 2-core CPU
-    engine (throughput with an update every 8 steps 0.82x -> 0.89x of no updates, vs nice 10);
-    the cost is a commit that may land a few steps later."""
+    update is background work that should yield the cores to decoding on CPU engines, where
+    both share them; the cost is a commit that may land a few steps later. 19 (the lowest)
+    is the principled choice; on the 2-core bench machine it measured the same as 10 (within
+    noise), because what decode loses there is the GIL, not the cores (see the README)."""
     check_finite: bool = True
     """Refuse updates with NaN or Inf in any floating tensor, before they are staged."""
     require_processed_logprobs: bool = True

@@ -58,6 +58,24 @@ def test_layout_views_are_aligned_and_exact() -> None:
     assert bucket_windows(total, 100)[-1][0] + bucket_windows(total, 100)[-1][1] == total
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_check_names_the_tensor_and_ignores_huge_finite_values(bad: float) -> None:
+    class Staged:  # what _nonfinite reads of a staged version
+        def __init__(self, named: dict[str, torch.Tensor]) -> None:
+            self.named = named
+
+        def views(self) -> dict[str, torch.Tensor]:
+            return self.named
+
+    named = {"w": torch.full((5, 3), 3e38), "b": torch.randn(7).to(torch.bfloat16), "i": torch.arange(3),
+             "h": torch.randn(4, 4, dtype=torch.float16)}
+    assert UpdateListener._nonfinite(Staged(named)) is None  # 3e38 is finite; a sum or 2-norm would overflow
+    for name in ("w", "b", "h"):
+        poisoned = {k: v.clone() for k, v in named.items()}
+        poisoned[name].view(-1)[-1] = bad
+        assert UpdateListener._nonfinite(Staged(poisoned)) == name
+
+
 def test_named_weights_match_the_checkpoint(tiny_qwen, tiny_llama) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -123,9 +123,13 @@ class _Staged:
         self.announce = announce
         self.flat = flat
         self.first_bucket_step = first_bucket_step
+        self._views: dict[str, torch.Tensor] | None = None
 
     def views(self) -> dict[str, torch.Tensor]:
-        return tensor_views(self.flat, self.announce.tensors)
+        # built once: the listener shares the engine's GIL, so Python work per tensor is decode time
+        if self._views is None:
+            self._views = tensor_views(self.flat, self.announce.tensors)
+        return self._views
 
 
 class UpdateListener:
@@ -248,10 +252,15 @@ class UpdateListener:
     # -- helpers ----------------------------------------------------------------------
     @staticmethod
     def _nonfinite(staged: _Staged) -> str | None:
-        for name, t in staged.views().items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                return name
-        return None
+        floats = [(name, t) for name, t in staged.views().items() if t.is_floating_point()]
+        if not floats:
+            return None
+        # One fused pass per update (max |x| is NaN or Inf iff some element is; it cannot
+        # overflow the way a sum or 2-norm would); the per-tensor search runs only on failure.
+        peaks = torch.stack(torch._foreach_norm([t for _, t in floats], float("inf")))  # (n_tensors,)
+        if bool(torch.isfinite(peaks).all()):
+            return None
+        return next(name for name, t in floats if not bool(torch.isfinite(t).all()))
 
     def _check_announce(self, a: UpdateAnnounce) -> UpdateRejected | None:
         if a.version <= self.target.live_version:
