@@ -37,9 +37,12 @@ def harness(request, tiny_qwen, tiny_llama):
     arch, dtype, commit = request.param
     h = Harness(tiny_qwen if arch == "qwen2" else tiny_llama, dtype, free_port(), commit=commit)
     assert h.start_report["commit"] == ("swap" if commit == "auto" else commit)
-    h.primary = request.param == ENGINES[0]  # dtype/arch/strategy-independent checks run once
     yield h
     h.close()
+
+
+# Checks that do not depend on dtype, architecture or commit strategy run on the first engine only.
+ONCE = pytest.mark.parametrize("harness", [ENGINES[0]], indirect=True, ids=lambda p: "-".join(p))
 
 
 def _check_against_reference(h: Harness, state: dict[str, torch.Tensor], expect_version: int) -> list:
@@ -71,12 +74,11 @@ def test_update_matches_transformers_and_rollback_restores(harness: Harness) -> 
         assert b.versions == [h.version] * len(b.token_ids)
 
 
+@ONCE
 def test_requests_span_many_versions_with_exact_boundaries(harness: Harness) -> None:
     from vllm import SamplingParams
 
     h = harness
-    if not h.primary:
-        pytest.skip("the boundary bookkeeping does not depend on dtype or architecture")
     gate = h.gate()
     n_steps, commit_at = 160, (20, 55, 90, 125)
     commits = []
@@ -113,12 +115,11 @@ def test_requests_span_many_versions_with_exact_boundaries(harness: Harness) -> 
     assert all(c.steps_since_first_bucket >= 0 for c in commits)
 
 
+@ONCE
 def test_decoding_continues_while_buckets_arrive(harness: Harness) -> None:
     from vllm import SamplingParams
 
     h = harness
-    if not h.primary:
-        pytest.skip("concurrency does not depend on dtype or architecture")
     h.pusher.sender.bucket_bytes = 4096  # ~330 buckets: a transfer long enough to watch
     result: dict = {}
     gate = h.gate()
@@ -154,12 +155,11 @@ def test_decoding_continues_while_buckets_arrive(harness: Harness) -> None:
         assert first_new == commit.tokens_at_commit[o.request_id] >= staged.steps_during_transfer
 
 
+@ONCE
 def test_behaviour_logprobs_honour_temperature(harness: Harness) -> None:
     from vllm import SamplingParams
 
     h = harness
-    if not h.primary:
-        pytest.skip("checked once")
     h.push(h.base)
     ref = Reference(h.model_dir, h.dtype).load(h.base)
     sp = SamplingParams(temperature=0.7, max_tokens=16, logprobs=0, ignore_eos=True, seed=11)
