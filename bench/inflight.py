@@ -98,8 +98,7 @@ class Bench:
         from vllm import LLM
 
         from engine_patches.config import InflightConfig, engine_kwargs
-        from engine_patches.engine import start_inflight
-        from engine_patches.gate import _GATES
+        from engine_patches.engine import coordinator_of, start_inflight
         from safetensors.torch import load_file
 
         from engine_patches.native_gloo import update_info
@@ -123,7 +122,7 @@ class Bench:
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {
             "host": "127.0.0.1", "port": native_port, "world_size": 2, "rank": 1, "name": "native"}})
         assert self.conn.recv() == "ready"
-        self.gate = _GATES[report["instance_id"]]
+        self.gate = coordinator_of(self.llm)
         self.core = self.llm.llm_engine.engine_core.engine_core
         self.version = 0
         self.run("none", every=10**9, steps=48)  # warm-up: kernels, allocator, oneDNN caches
@@ -161,8 +160,7 @@ class Bench:
                 self.conn.send(("native", self.version))
                 self.llm.collective_rpc("update_weights", kwargs={"update_info": self.native_info})
                 self.llm.collective_rpc("finish_weight_update")
-                with self.gate.lock:  # tag tokens with the version the native path loaded
-                    self.gate.live_version = self.version
+                self.gate.set_label(self.version)  # tag tokens with the version the native path loaded
                 self.core.resume_scheduler()
                 r = self.conn.recv()
                 r["pause_ms"] = 1e3 * (time.perf_counter() - t0)

@@ -150,15 +150,21 @@ class InStorageApplier:
         else:
             self.runner.get_model().load_weights(iter(weights.items()))
 
+    def release_rollback(self) -> None:
+        """Nothing is held beyond the staged bytes, which the listener owns."""
+
     @torch.no_grad()
     def restore(self, previous: Mapping[str, torch.Tensor] | None) -> None:
-        """Put the last good weights back: the previous staged version, or the checkpoint on disk."""
+        """Put the last good weights back: the previous staged version, or the checkpoint on
+        disk (the caller checks that the engine still serves the version on disk)."""
         if previous is not None:
             self._write(previous)
             return
         log.warning("inflight: restoring the checkpoint from disk")
         self.runner.reload_weights(is_checkpoint_format=True)
         _reprocess(self._tied)
+
+    undo = restore  # taking back a successful apply writes the same previous weights back
 
 
 def make_applier(model_runner: Any, strategy: Strategy, schema: TensorSchema, *, quantized: bool, eager: bool):

@@ -19,7 +19,9 @@ class InflightConfig:
     group: GroupConfig
     """Where the trainer's group lives; ``world_size`` counts the trainer and every engine worker."""
     rank: int = 1
-    """This engine worker's rank in the weight group (1..world_size-1; the trainer is 0)."""
+    """The weight-group rank of this engine's first worker (the trainer is 0). An engine with
+    W workers (tensor parallel size W) takes ranks ``rank .. rank + W - 1``: worker i of the
+    engine (vLLM's worker rank) joins as ``rank + i``."""
     initial_version: int = 0
     """Version of the weights the engine loaded (non-zero when resuming from a checkpoint)."""
     commit: Literal["auto", "swap", "reload", "copy"] = "auto"
@@ -36,6 +38,18 @@ class InflightConfig:
     both share them; the cost is a commit that may land a few steps later. 19 (the lowest)
     is the principled choice; on the 2-core bench machine it measured the same as 10 (within
     noise), because what decode loses there is the GIL, not the cores (see the README)."""
+    staging: Literal["device", "host"] = "device"
+    """Where a version waits between its buckets' arrival and its commit. ``device``: the
+    engine's device; the commit is a device-to-device copy (or, on CPU, a swap), but the
+    staging bytes come out of memory the KV cache could have had. ``host``: pinned host
+    memory; no device memory beyond one bucket, but the commit becomes a host-to-device
+    copy of this rank's shard, inside the stall. The same on a CPU engine."""
+    keep_rollback: bool = True
+    """Keep the live version's bytes staged after each commit, so a commit that fails on any
+    rank restores the exact previous weights on every rank. Costs one more update's bytes
+    (where ``staging`` says). Without it a failed commit reloads the checkpoint on disk if
+    the engine still serves that version, and otherwise stops the engine (fail-stop; a
+    supervisor restarts it) rather than serve a mix of two versions."""
     check_finite: bool = True
     """Refuse updates with NaN or Inf in any floating tensor, before they are staged."""
     require_processed_logprobs: bool = True
@@ -47,6 +61,8 @@ class InflightConfig:
             raise ValueError(f"InflightConfig.rank={self.rank} outside 1..{self.group.world_size - 1}")
         if self.initial_version < 0:
             raise ValueError(f"InflightConfig.initial_version={self.initial_version} must be >= 0")
+        if self.staging not in ("device", "host"):
+            raise ValueError(f"InflightConfig.staging={self.staging!r} is not device or host")
         if self.commit not in ("auto", "swap", "reload", "copy"):
             raise ValueError(f"InflightConfig.commit={self.commit!r} is not auto, swap, reload or copy")
         if not 0 <= self.listener_nice <= 19:

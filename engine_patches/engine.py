@@ -42,14 +42,31 @@ def tagged(completion: Any) -> TaggedCompletion:
                             completion.finish_reason, completion.text)
 
 
+def _report(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first worker's report, with every worker's rank (one per TP rank)."""
+    return dict(reports[0], ranks=[r["rank"] for r in reports])
+
+
 def start_inflight(llm: Any, config: InflightConfig) -> dict[str, Any]:
-    """Start the listener on an ``LLM``'s worker; returns the worker's report."""
-    return llm.collective_rpc("inflight_start", args=(config.to_json(),))[0]
+    """Start in-flight updates on an ``LLM``: the commit coordinator in EngineCore, a listener
+    on every worker. Returns the first worker's report with ``ranks`` (all workers)."""
+    return _report(llm.collective_rpc("inflight_start", args=(config.to_json(),)))
 
 
 async def start_inflight_async(engine: Any, config: InflightConfig) -> dict[str, Any]:
-    """Start the listener on an ``AsyncLLM``'s worker."""
-    return (await engine.collective_rpc("inflight_start", args=(config.to_json(),)))[0]
+    """Start in-flight updates on an ``AsyncLLM``."""
+    return _report(await engine.collective_rpc("inflight_start", args=(config.to_json(),)))
+
+
+def coordinator_of(llm: Any) -> Any:
+    """The commit coordinator of an ``LLM`` whose EngineCore runs in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): its ``steps``, ``live_version``, ``history``."""
+    from engine_patches.coordinator import ATTR
+
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise ValueError("this LLM's EngineCore runs in another process; use inflight_status(llm)")
+    return core.__dict__[ATTR]
 
 
 def inflight_status(llm: Any) -> dict[str, Any]:

@@ -1,29 +1,36 @@
 """The one patch `inflight` applies to vLLM, and the function that applies it.
 
 Why a patch at all: in vLLM 0.32 nothing runs between two EngineCore steps except client
-requests (utility calls), and a worker cannot issue those. A commit that must land at a
-step boundary *and* move the version label in the same breath (two separate utility
-calls mislabel a token per request) needs the step itself to look for it. Everything
-else (the receiver, the staging, the commit) lives in the worker extension.
+requests (utility calls), and workers cannot issue those. A commit that must land at a
+step boundary on every worker of an engine *and* move the version label in the same
+window (two separate utility calls mislabel a token per request) needs the step itself to
+look for it, and EngineCore must know it serves an in-flight engine. Everything else (the
+receiver, the staging, the per-worker commit) lives in the worker extension; the
+engine-level commit lives in ``engine_patches.coordinator``.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
-_MARK = "__inflight_step_boundary__"
+_MARK = "__inflight_engine_core__"
 
 
-def patch_engine_core_step_boundary() -> None:
-    """Wrap ``vllm.v1.engine.core.EngineCore.step`` (vLLM 0.32.0) with the in-flight step gate.
+def patch_engine_core() -> None:
+    """Wrap three methods of ``vllm.v1.engine.core.EngineCore`` (vLLM 0.32.0).
 
-    - ``EngineCore.step``: if an in-flight worker registered a ``StepGate`` for this engine
-      (keyed by ``vllm_config.instance_id``), the step runs inside the gate: a pending
-      commit is applied first and ``_weight_version`` (what vLLM attaches to every output of
-      the step) is set from the gate's live version. Engines without a gate are untouched.
-    - ``EngineCore.step_with_batch_queue``: used for async scheduling and pipeline
-      parallelism, where a commit between two loop turns could still race a batch in
-      flight; refused loudly when a gate is present.
+    - ``collective_rpc``: when ``inflight_start`` passes through (from ``LLM``, ``AsyncLLM``
+      or the OpenAI server's ``/collective_rpc``), check the engine, attach a
+      ``CommitCoordinator`` to this EngineCore and tell the workers it exists; on
+      ``inflight_stop``, detach it. While one is attached, every collective RPC holds its
+      step lock, so a user's RPC never interleaves with a commit, and ``inflight_status``
+      gains the engine's live version and step count.
+    - ``step``: with a coordinator attached, the step runs under its lock and a pending
+      commit is applied first, on the engine thread. Engines without one are untouched.
+    - ``step_with_batch_queue`` (async scheduling, pipeline parallelism: batches stay in
+      flight across loop turns): refused loudly when a coordinator is attached;
+      ``inflight_start`` already refuses such engines.
 
     Idempotent; raises if vLLM's EngineCore no longer has these methods. Must run before an
     EngineCore binds ``self.step_fn`` in ``__init__``, which the ``vllm.general_plugins``
@@ -31,40 +38,66 @@ def patch_engine_core_step_boundary() -> None:
     """
     from vllm.v1.engine.core import EngineCore
 
-    from engine_patches.gate import gate_for
-
-    for name in ("step", "step_with_batch_queue"):
+    for name in ("step", "step_with_batch_queue", "collective_rpc"):
         if not callable(getattr(EngineCore, name, None)):
             raise RuntimeError(f"inflight: vllm EngineCore has no {name}(); this vLLM is not 0.32-compatible")
     if getattr(EngineCore.step, _MARK, False):
         return
 
+    from engine_patches.coordinator import ATTR, CommitCoordinator, check_engine
+    from engine_patches.config import InflightConfig
+
     original_step = EngineCore.step
     original_batch_step = EngineCore.step_with_batch_queue
+    original_rpc = EngineCore.collective_rpc
 
     @functools.wraps(original_step)
     def step(self):
-        gate = gate_for(self.vllm_config.instance_id)
-        if gate is None:
+        coordinator = self.__dict__.get(ATTR)
+        if coordinator is None:
             return original_step(self)
-        with gate.step(self) as report:
+        with coordinator.step() as report:
             outputs, executed = original_step(self)
             report(executed)
         return outputs, executed
 
     @functools.wraps(original_batch_step)
     def step_with_batch_queue(self):
-        if gate_for(self.vllm_config.instance_id) is not None:
-            raise RuntimeError(
-                "inflight: in-flight commits need async_scheduling=False and pipeline_parallel_size=1 "
-                "(the batch queue keeps a step in flight across the commit boundary)"
-            )
+        if self.__dict__.get(ATTR) is not None:
+            raise RuntimeError("inflight: in-flight commits need async_scheduling=False and pipeline_parallel_size=1 "
+                               "(the batch queue keeps a step in flight across the commit boundary)")
         return original_batch_step(self)
 
-    setattr(step, _MARK, True)
-    setattr(step_with_batch_queue, _MARK, True)
+    @functools.wraps(original_rpc)
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None) -> list[Any]:
+        coordinator = self.__dict__.get(ATTR)
+        if method == "inflight_start":
+            if coordinator is not None:
+                raise RuntimeError("inflight: already started on this engine")
+            config = InflightConfig.from_json(args[0])
+            coordinator = CommitCoordinator(self, config, check_engine(self.vllm_config, config))
+            # the second argument tells each worker that its EngineCore will drive the commit
+            results = original_rpc(self, method, timeout, (args[0], coordinator.instance_id), kwargs)
+            self.__dict__[ATTR] = coordinator
+            coordinator.start()
+            return results
+        if coordinator is None:
+            return original_rpc(self, method, timeout, args, kwargs)
+        if method == "inflight_stop":
+            coordinator.stop()
+            del self.__dict__[ATTR]
+            return original_rpc(self, method, timeout, args, kwargs)
+        with coordinator.lock:
+            results = original_rpc(self, method, timeout, args, kwargs)
+        if method == "inflight_status":
+            results = [dict(r, **coordinator.status()) for r in results]
+        return results
+
+    for fn in (step, step_with_batch_queue, collective_rpc):
+        setattr(fn, _MARK, True)
     EngineCore.step = step
     EngineCore.step_with_batch_queue = step_with_batch_queue
+    EngineCore.collective_rpc = collective_rpc
 
 
 def is_patched() -> bool:

@@ -12,8 +12,8 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     from engine_patches.native_gloo import BACKEND
-    from engine_patches.patch import patch_engine_core_step_boundary
+    from engine_patches.patch import patch_engine_core
 
-    patch_engine_core_step_boundary()
+    patch_engine_core()
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, "engine_patches.native_gloo", "GlooWeightTransferEngine")

@@ -180,7 +180,17 @@ class SwapApplier:
         return True
 
     def restore(self, previous: object) -> None:
-        """Nothing to do: ``apply`` either swapped every module or none (see ``_swap``)."""
+        """After a failed ``apply``: nothing to do, it swapped every module or none (``_swap``)."""
+
+    def undo(self, previous: object) -> None:
+        """Take back a successful ``apply`` (another rank of the engine failed its commit)."""
+        if not self.rollback():
+            raise RuntimeError("no applied version to take back")
+        self._previous = None  # what rollback swapped out is the refused version: never to be swapped back
+
+    def release_rollback(self) -> None:
+        """The engine committed: drop the previous weights (``keep_rollback=False``)."""
+        self._previous = None
 
     @classmethod
     def _swap(cls, states: list[_ModuleState]) -> list[_ModuleState]:

@@ -12,12 +12,17 @@ Channels:
   bucket's bytes, or a single ``Abort`` when some worker refused the announce
 - replies (each worker -> trainer, through the store): ``Accepted`` | ``Staged`` | ``Rejected`` | ``Committed``
 - rollouts (engine -> trainer, through the rollout queue): ``RolloutGroup`` of ``RolloutSample``
+- engine (inside one engine, through the store: each worker <-> its engine's commit
+  coordinator in EngineCore's process): ``CommitReady`` from every worker, then one
+  ``EngineCommitted`` or ``EngineCommitFailed`` from the coordinator
 
 Ordering of one update (two-phase, so several engines commit the same versions):
 ``UpdateAnnounce(v)`` -> every worker replies ``Accepted``/``Rejected`` -> if all accepted,
 frames ``BucketHeader(v, i)`` + bytes for i = 0..n-1, else one ``Abort`` frame -> every worker
 replies ``Staged``/``Rejected`` -> if all staged ``Commit(v)``, else ``Abort(v)`` -> every
-worker replies ``Committed``/``Rejected``. Every worker joins every frame broadcast, the
+worker posts ``CommitReady(v)`` to its engine's coordinator, which commits v on all of that
+engine's workers at one step boundary (or on none) and posts the outcome -> every worker
+replies ``Committed``/``Rejected`` with that outcome. Every worker joins every frame broadcast, the
 refusing ones too, so the data plane never falls out of step.
 """
 
@@ -42,6 +47,8 @@ RejectCode = Literal[
     "bad_dtype", "bad_layout", "checksum", "short_bucket", "bucket_order",
     "incomplete", "prepare_failed", "commit_failed", "timeout", "aborted", "nonfinite",
 ]
+# Key prefix, under the group's name in its store, of one engine's commit channel.
+ENGINE_CHANNEL = "engine"
 
 NonNeg = Annotated[int, Meta(ge=0)]
 Pos = Annotated[int, Meta(gt=0)]
@@ -244,7 +251,35 @@ class RolloutGroup(_Wire, tag="group"):
                 raise ValueError(f"sample {s.sample_id!r} of group {s.group_id!r} filed under {self.group_id!r}")
 
 
+class CommitReady(_Wire, tag="commit_ready"):
+    """Worker -> its engine's coordinator: ``version`` is staged and prepared on this rank and
+    the trainer's ``Commit`` for it arrived; the coordinator commits once every rank is ready."""
+
+    rank: NonNeg
+    version: NonNeg
+
+
+class EngineCommitted(_Wire, tag="engine_committed"):
+    """Coordinator -> the engine's workers: every rank made ``version`` live between engine
+    steps ``step`` and ``step + 1``; meaning of the fields as in ``Committed``."""
+
+    version: NonNeg
+    step: NonNeg
+    commit_ms: Annotated[float, Meta(ge=0)]
+    tokens_at_commit: dict[str, NonNeg] = {}
+
+
+class EngineCommitFailed(_Wire, tag="engine_commit_failed"):
+    """Coordinator -> the engine's workers: ``version`` did not go live on any rank; every
+    rank that had applied it rolled back, and the label stays at ``live_version``."""
+
+    version: NonNeg
+    reason: str
+    live_version: NonNeg
+
+
 ControlMessage = Union[UpdateAnnounce, Commit, Abort, Shutdown]
+EngineMessage = Union[CommitReady, EngineCommitted, EngineCommitFailed]
 FrameMessage = Union[BucketHeader, Abort]
 ReplyMessage = Union[Joined, Accepted, Staged, Rejected, Committed]
 
@@ -254,6 +289,7 @@ _frame_decoder = msgspec.msgpack.Decoder(FrameMessage)
 _reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
 _sample_decoder = msgspec.msgpack.Decoder(RolloutSample)
 _group_decoder = msgspec.msgpack.Decoder(RolloutGroup)
+_engine_decoder = msgspec.msgpack.Decoder(EngineMessage)
 
 
 def encode(msg: _Wire) -> bytes:
@@ -291,3 +327,8 @@ def decode_sample(data: bytes | memoryview) -> RolloutSample:
 def decode_group(data: bytes | memoryview) -> RolloutGroup:
     """Decode a rollout group, or raise ``ProtocolError``."""
     return _decode(_group_decoder, data, "rollout group")
+
+
+def decode_engine(data: bytes | memoryview) -> EngineMessage:
+    """Decode a message of an engine's commit channel, or raise ``ProtocolError``."""
+    return _decode(_engine_decoder, data, "engine")

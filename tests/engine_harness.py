@@ -42,10 +42,10 @@ class Harness:
         return self.pusher.push(self.version, state)
 
     def gate(self):
-        from engine_patches.gate import _GATES
+        """The engine's commit coordinator (EngineCore runs in this process)."""
+        from engine_patches.engine import coordinator_of
 
-        (gate,) = [g for g in _GATES.values() if g.instance_id == self.start_report["instance_id"]]
-        return gate
+        return coordinator_of(self.llm)
 
     def greedy(self, prompts: list[str], max_tokens: int = 12):
         from vllm import SamplingParams

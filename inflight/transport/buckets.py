@@ -143,6 +143,14 @@ class BucketReceiver:
         # two header frames: the next bucket's header is posted while this bucket's bytes arrive
         self._frames = [torch.zeros(FRAME_BYTES, dtype=torch.uint8, device=group.device) for _ in range(2)]
         self._scratch = torch.empty(0, dtype=torch.uint8, device=group.device)
+        # host staging on a device data plane: buckets land here (NCCL writes device memory
+        # only), are verified, then copied to the host destination; two, like the frames
+        self._landing: list[torch.Tensor] = []
+
+    def _landing_for(self, index: int, nbytes: int, bucket_bytes: int) -> torch.Tensor:
+        if not self._landing or self._landing[0].numel() < bucket_bytes:  # sized once per bucket size
+            self._landing = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.group.device) for _ in range(2)]
+        return self._landing[index % 2][:nbytes]
 
     def _scratch_for(self, nbytes: int) -> torch.Tensor:
         if self._scratch.numel() < nbytes:
@@ -159,12 +167,15 @@ class BucketReceiver:
     ) -> None:
         """Fill ``dest[:total_bytes]`` with the update; raise ``UpdateRejected`` if any bucket is bad.
 
-        Transport failures (timeouts, a dead peer) raise ``TransportError`` instead: the
+        ``dest`` lives on the data plane's device, or in host memory while the data plane is
+        on CUDA (host staging): each bucket then lands on the device and is copied to the
+        host once its checksum matched. Transport failures (timeouts, a dead peer) raise ``TransportError`` instead: the
         group is then out of step and must be rebuilt.
         """
         if dest.dtype != torch.uint8 or dest.dim() != 1 or dest.numel() < announce.total_bytes:
             raise ValueError(f"dest must be a 1-D uint8 tensor of >= {announce.total_bytes} bytes")
-        if dest.device != self.group.device:
+        to_host = dest.device.type == "cpu" and self.group.device.type == "cuda"
+        if dest.device != self.group.device and not to_host:
             raise ValueError(f"dest on {dest.device}, group data plane on {self.group.device}")
         v = announce.version
         first_error: UpdateRejected | None = None
@@ -195,22 +206,36 @@ class BucketReceiver:
                 )
             first_error = first_error or error
             good = first_error is None
-            window = dest[spec.offset: spec.offset + nbytes] if good else self._scratch_for(nbytes)
+            if not good:
+                window = self._scratch_for(nbytes)
+            elif to_host:
+                window = self._landing_for(spec.index, nbytes, announce.bucket_bytes)
+            else:
+                window = dest[spec.offset: spec.offset + nbytes]
             pending = self.group.start_broadcast(window, what=f"bucket {spec.index}/{n} of v{v}")
             if spec.index + 1 < n:
                 next_header = self.group.start_broadcast(
                     self._frames[(spec.index + 1) % 2], what=f"header of bucket {spec.index + 1} of v{v}"
                 )
             if landed is not None:  # verify the previous bucket while this one is on the wire
-                first_error = first_error or self._verify(*landed, announce)
+                first_error = first_error or self._settle(*landed, announce, dest if to_host else None)
             self.group.wait(pending, timeout_s)
             landed = (spec, window) if good else None
             if on_bucket is not None:
                 on_bucket(spec.index)
         if landed is not None:
-            first_error = first_error or self._verify(*landed, announce)
+            first_error = first_error or self._settle(*landed, announce, dest if to_host else None)
         if first_error is not None:
             raise first_error
+
+    def _settle(self, spec: BucketSpec, window: torch.Tensor, announce: UpdateAnnounce,
+                host: torch.Tensor | None) -> UpdateRejected | None:
+        """Verify a landed bucket; with host staging, copy it to the host once it verified
+        (synchronously: its landing slot is reused two buckets later)."""
+        error = self._verify(spec, window, announce)
+        if error is None and host is not None:
+            host[spec.offset: spec.offset + spec.nbytes].copy_(window)
+        return error
 
     @staticmethod
     def _verify(spec: BucketSpec, window: torch.Tensor, announce: UpdateAnnounce) -> UpdateRejected | None:

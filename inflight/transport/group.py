@@ -15,6 +15,7 @@ the next generation and the workers join it (see ``WeightGroup``).
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -86,6 +87,9 @@ def connect_store(config: GroupConfig, name: str) -> PrefixStore:
     return PrefixStore(f"{config.name}/{name}", tcp)
 
 
+_NCCL_ENV_LOCK = threading.Lock()
+
+
 def _make_process_group(
     store: PrefixStore, rank: int, size: int, backend: str, timeout: timedelta, device: torch.device
 ) -> ProcessGroup:
@@ -101,7 +105,23 @@ def _make_process_group(
 
         opts = ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        impl = ProcessGroupNCCL(store, rank, size, opts)
+        # NCCL's watchdog acts on a collective that outlives the timeout according to
+        # TORCH_NCCL_ASYNC_ERROR_HANDLING, read when the group is built. Its default (3)
+        # tears the whole process down: a stalled trainer would kill a serving engine. 2
+        # ("clean up only") aborts the communicator and leaves the process alone; our own
+        # wait (``WeightGroup.wait``) notices the timeout first, aborts the group and
+        # raises, and the worker forms a fresh communicator in the next generation. Scoped
+        # to this group's construction: vLLM's own NCCL groups keep their settings.
+        with _NCCL_ENV_LOCK:
+            saved = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+            try:
+                impl = ProcessGroupNCCL(store, rank, size, opts)
+            finally:
+                if saved is None:
+                    os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+                else:
+                    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = saved
         kind = ProcessGroup.BackendType.NCCL
     pg._set_default_backend(kind)
     impl._set_sequence_number_for_group()
@@ -300,13 +320,38 @@ class WeightGroup:
         work, what = pending
         timeout = self.timeout if timeout_s is None else timedelta(seconds=timeout_s)
         try:
+            if self.backend == "nccl":
+                self._wait_nccl(work, timeout.total_seconds(), what)
             work.wait(timeout)
+        except TransportError:
+            raise
         except Exception as e:
             peer = "trainer (rank 0)" if self.rank else f"workers {self.peers}"
             msg = f"rank {self.rank}: {what} from/to {peer} failed after <= {timeout.total_seconds():.1f}s: {e}"
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise TransportTimeout(msg) from e
             raise TransportError(msg) from e
+
+    def _wait_nccl(self, work: Work, timeout_s: float, what: str) -> None:
+        """Without blocking-wait mode, an NCCL ``Work.wait`` only orders the current stream
+        after the collective and returns at once: a stalled peer would then hang the first
+        host sync (a checksum) forever. So poll for completion with our deadline, and on
+        timeout abort the communicator (its kernels stop, its memory is released) before
+        raising: this generation is over and the next one builds a new communicator."""
+        deadline = time.monotonic() + timeout_s
+        pause = 0.0001
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                pg, self.pg = self.pg, None
+                try:
+                    pg.abort() if pg is not None else None
+                except Exception:  # already broken; nothing more to release
+                    pass
+                peer = "trainer (rank 0)" if self.rank else f"workers {self.peers}"
+                raise TransportTimeout(f"rank {self.rank}: {what} from/to {peer} did not complete within "
+                                       f"{timeout_s:.1f}s; NCCL communicator aborted")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.002)
 
     def broadcast(self, tensor: torch.Tensor, *, what: str, timeout_s: float | None = None) -> None:
         """Blocking ``start_broadcast`` + ``wait``."""

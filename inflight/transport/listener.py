@@ -118,6 +118,34 @@ class ListenerStats:
     """Versions staged (or half received) and then discarded because the group failed."""
 
 
+class StagingPool:
+    """The worker's staging buffers, kept across group generations so a rejoin neither
+    reallocates nor doubles them. ``reserve`` allocates them up front (at engine start,
+    before the memory is gone); ``take`` hands out a buffer of at least n bytes."""
+
+    def __init__(self, device: torch.device, *, pin: bool = False) -> None:
+        self.device = device
+        self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
+        self._free: list[torch.Tensor] = []
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
+
+    def reserve(self, nbytes: int, count: int) -> None:
+        self._free = [self._alloc(nbytes) for _ in range(count)]
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        for i, t in enumerate(self._free):
+            if t.numel() >= nbytes:
+                return self._free.pop(i)
+        if self._free:  # too small for this update: replace rather than keep both
+            self._free.pop(0)
+        return self._alloc(nbytes)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free.append(buffer)
+
+
 class _Staged:
     def __init__(self, announce: UpdateAnnounce, flat: torch.Tensor, first_bucket_step: int) -> None:
         self.announce = announce
@@ -138,6 +166,7 @@ class UpdateListener:
     def __init__(
         self, group: WeightGroup, target: CommitTarget, schema: TensorSchema | None, *,
         stale_timeout_s: float = 60.0, check_finite: bool = True, stats: ListenerStats | None = None,
+        pool: StagingPool | None = None, keep_rollback: bool = True,
     ) -> None:
         self.group = group
         self.target = target
@@ -146,9 +175,10 @@ class UpdateListener:
         self.check_finite = check_finite
         self.control = WorkerControl(group)
         self.receiver = BucketReceiver(group)
-        self._spare = torch.empty(0, dtype=torch.uint8, device=group.device)
+        self.pool = pool if pool is not None else StagingPool(group.device)
+        self.keep_rollback = keep_rollback
         self._staged: _Staged | None = None
-        self._previous: _Staged | None = None  # bytes of the live version, for rollback
+        self._previous: _Staged | None = None  # bytes of the live version, for rollback (keep_rollback)
         self.stats = stats if stats is not None else ListenerStats()
 
     # -- the loop ---------------------------------------------------------------------
@@ -199,24 +229,24 @@ class UpdateListener:
         try:
             self.receiver.receive(a, flat, on_bucket=lambda i: first_step.append(self.target.steps()) if i == 0 else None)
         except UpdateRejected as e:
-            self._spare = flat
+            self.pool.give(flat)
             if e.code != "aborted":  # an aborted update was refused by another worker first
                 self._reject(seq, a.version, e.code, e.reason, phase="staged")
             return
         except TransportError:  # half received: the bytes go back to the spare buffer, unused
-            self._spare = flat
+            self.pool.give(flat)
             self.stats.dropped_staging += 1
             raise
         staged = _Staged(a, flat, first_step[0])
         bad = self._nonfinite(staged) if self.check_finite else None
         if bad is not None:
-            self._spare = flat
+            self.pool.give(flat)
             self._reject(seq, a.version, "nonfinite", f"v{a.version}: {bad} has NaN or Inf values", phase="staged")
             return
         try:
             self.target.prepare(a.version, staged.views())
         except Exception as e:  # nothing live was touched
-            self._spare = flat
+            self.pool.give(flat)
             self.target.discard()
             self._reject(seq, a.version, "prepare_failed", f"v{a.version}: {e!r}", phase="staged")
             return
@@ -242,8 +272,12 @@ class UpdateListener:
         self.stats.committed += 1
         self._staged = None
         if self._previous is not None:
-            self._spare = self._previous.flat
-        self._previous = staged
+            self.pool.give(self._previous.flat)
+            self._previous = None
+        if self.keep_rollback:
+            self._previous = staged
+        else:
+            self.pool.give(staged.flat)
         self.control.reply(seq, Committed(
             rank=self.group.rank, version=c.version, step=info.step, commit_ms=info.commit_ms,
             steps_since_first_bucket=max(0, info.step - staged.first_bucket_step), tokens_at_commit=info.tokens_at_commit,
@@ -268,15 +302,11 @@ class UpdateListener:
         return self.schema.check(a) if self.schema is not None else None
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
-        # Reuse the spare buffer (the version before the live one) when it is large enough.
-        if self._spare.numel() < nbytes:
-            self._spare = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
-        flat, self._spare = self._spare, torch.empty(0, dtype=torch.uint8, device=self.group.device)
-        return flat
+        return self.pool.take(nbytes)
 
     def _drop(self) -> None:
         if self._staged is not None:
-            self._spare = self._staged.flat
+            self.pool.give(self._staged.flat)
             self._staged = None
             self.target.discard()
 

