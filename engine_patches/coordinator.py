@@ -15,8 +15,9 @@ Ordering invariants:
 - a commit runs on the engine thread, the one that drives the executor: at the start of a
   step (patched ``EngineCore.step``) or, for an idle engine, from vLLM's idle-state
   callbacks in the busy loop (woken by a ``WAKEUP`` request). Only an in-process
-  ``EngineCore`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, no busy loop) that is idle commits
-  from the watcher thread instead, holding ``lock``, which no step can enter meanwhile;
+  ``EngineCore`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, no busy loop) with no request at all
+  commits from the watcher thread instead, holding ``lock``, which no step can enter
+  meanwhile (nothing else would step it: the user's thread may be the one waiting on push);
 - a commit is one ``collective_rpc("inflight_commit", v)``: every worker runs it on its own
   execution thread, between two ``execute_model`` calls. If any rank fails, every rank that
   applied v rolls back (``inflight_rollback``) in the same window and the label stays;
@@ -49,7 +50,7 @@ from inflight.protocol import (
     decode_engine,
     encode,
 )
-from inflight.transport.group import TransportError, connect_store
+from inflight.transport.group import TransportError, connect_store, store_reachable
 
 log = logging.getLogger("inflight.coordinator")
 
@@ -231,8 +232,9 @@ class CommitCoordinator:
             self.core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
         while not pending.done.is_set():
             if not self._busy_loop and self.lock.acquire(timeout=0.05):
-                try:  # in-process and idle: no step will come to pick it up
-                    self._run_pending_locked("idle-inproc")
+                try:  # in-process and idle: no step will come to pick it up; busy: the next step will
+                    if self.core.scheduler.get_num_unfinished_requests() == 0:
+                        self._run_pending_locked("idle-inproc")
                 except EngineBroken:
                     pass  # recorded; the next step raises it on the engine thread
                 finally:
@@ -248,6 +250,8 @@ class CommitCoordinator:
         keys = [f"ready/{r}" for r in self.ranks]
         while not self._stop.is_set():
             try:
+                if not store_reachable(self.config.group.host, self.config.group.port):
+                    raise TransportError("the trainer's store is not up (yet)")
                 store = connect_store(self.config.group, f"{ENGINE_CHANNEL}/{self.instance_id}")
             except TransportError:
                 self._stop.wait(1.0)

@@ -124,6 +124,10 @@ class SwapApplier:
         self._prepared: list[_ModuleState] | None = None
         self._previous: list[_ModuleState] | None = None
 
+    def prepared_bytes(self) -> int:
+        """Bytes of one set of shadow parameters (before the CPU re-pack, which holds about as much again)."""
+        return sum(t.numel() * t.element_size() for t, _ in self._templates.values())
+
     @staticmethod
     def _shadow(template: torch.Tensor, owner: torch.nn.Module) -> torch.nn.Parameter:
         from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor

@@ -214,8 +214,7 @@ class InflightWorkerExtension:
         where = "device" if pool_device.type == device.type else "host"  # gloo next to a GPU engine stages on the host
         need = staging_need(schema, staging=where, keep_rollback=config.keep_rollback)
         if getattr(applier, "strategy", "") == "swap":  # prepared shadow weights (+ the swapped-out ones kept for rollback)
-            shard = sum(p.numel() * p.element_size() for p in {id(p): p for p in self.model_runner.get_model().parameters()}.values())
-            need = StagingNeed(need.update_bytes, need.copies, need.where, shard * need.copies)
+            need = StagingNeed(need.update_bytes, need.copies, need.where, applier.prepared_bytes() * need.copies)
         free, total = memory_budget(device, need)
         check_fits(need, device=device, free_bytes=free, total_bytes=total,
                    gpu_memory_utilization=getattr(self.vllm_config.cache_config, "gpu_memory_utilization", None))

@@ -45,7 +45,7 @@ ChecksumAlgo = Literal["xxh3", "crc32", "wsum64"]
 RejectCode = Literal[
     "bad_message", "stale_version", "unknown_tensor", "missing_tensor", "bad_shape",
     "bad_dtype", "bad_layout", "checksum", "short_bucket", "bucket_order",
-    "incomplete", "prepare_failed", "commit_failed", "timeout", "aborted", "nonfinite",
+    "incomplete", "prepare_failed", "commit_failed", "timeout", "aborted", "nonfinite", "no_memory",
 ]
 # Key prefix, under the group's name in its store, of one engine's commit channel.
 ENGINE_CHANNEL = "engine"

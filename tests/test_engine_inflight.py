@@ -112,7 +112,12 @@ def test_requests_span_many_versions_with_exact_boundaries(harness: Harness) -> 
                 assert first[c.version] == c.tokens_at_commit[o.request_id]
                 # ...and all requests started together, so that is the commit's step index
                 assert first[c.version] == c.step - start
-    assert all(c.steps_since_first_bucket >= 0 for c in commits)
+    # commits that landed mid-generation ran at a step boundary, on the thread that runs the
+    # forward passes; an idle in-process engine's commit runs under the step lock instead
+    landed = {c.version for c in commits}
+    records = [r for r in gate.history if r.version in landed]
+    assert {r.via for r in records} == {"step"}, [(r.version, r.via) for r in records]
+    assert all(w["forward_thread"] is True for r in records for w in r.workers)
 
 
 @ONCE
@@ -182,4 +187,39 @@ def test_misconfigured_engine_is_refused(tiny_llama) -> None:
         start_inflight(llm, InflightConfig(group=GroupConfig(port=free_port())))
     assert "enable_prefix_caching must be False" in str(exc.value)
     assert "need 'processed_logprobs'" in str(exc.value)
+    assert getattr(llm.llm_engine.engine_core.engine_core, "_inflight_coordinator", None) is None  # nothing attached
+    del llm
+
+
+def test_engines_without_a_between_steps_boundary_are_refused(tiny_llama) -> None:
+    """Pipeline and data parallelism, and ranks beyond the group, are refused by name, on the
+    real engine configuration with only the parallel layout changed."""
+    import copy
+
+    from vllm import LLM
+
+    from engine_patches.config import InflightConfig, engine_kwargs
+    from engine_patches.coordinator import check_engine
+    from inflight.transport.group import GroupConfig
+
+    llm = LLM(str(tiny_llama), enforce_eager=True, max_model_len=256, **engine_kwargs())
+    real = llm.llm_engine.vllm_config
+    config = InflightConfig(group=GroupConfig(port=free_port(), world_size=3))
+    assert check_engine(real, config) == 1
+
+    def layout(**sizes: int):
+        vc = copy.copy(real)
+        vc.parallel_config = copy.copy(real.parallel_config)
+        for k, v in sizes.items():
+            setattr(vc.parallel_config, k, v)
+        vc.parallel_config.world_size = vc.parallel_config.tensor_parallel_size * vc.parallel_config.pipeline_parallel_size
+        return vc
+
+    with pytest.raises(RuntimeError, match="pipeline_parallel_size=2 is not supported: vLLM's batch queue"):
+        check_engine(layout(pipeline_parallel_size=2), config)
+    with pytest.raises(RuntimeError, match="data_parallel_size=2 is not supported"):
+        check_engine(layout(data_parallel_size=2), config)
+    assert check_engine(layout(tensor_parallel_size=2), config) == 2  # ranks 1, 2 of 3
+    with pytest.raises(RuntimeError, match=r"4 workers, which take weight-group ranks 1..4, but GroupConfig.world_size=3"):
+        check_engine(layout(tensor_parallel_size=4), config)
     del llm

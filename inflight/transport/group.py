@@ -157,6 +157,17 @@ def wait_key(store: Store, key: str, *, timeout_s: float | None, stop: threading
         pause = min(pause * 2, _POLL_MAX_S)
 
 
+def store_reachable(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts connections at the store's address. A plain socket probe:
+    a TCPStore client that cannot connect prints a C++ stack trace per attempt, which an
+    engine started before its trainer would otherwise repeat every retry."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def _connect(config: GroupConfig, rank: int, deadline: float | None, stop: threading.Event | None) -> TCPStore:
     """A client of rank 0's store, retried until ``deadline`` (None: until ``stop``) so a worker
     can wait out a trainer that is starting or restarting."""
@@ -164,6 +175,8 @@ def _connect(config: GroupConfig, rank: int, deadline: float | None, stop: threa
         left = None if deadline is None else deadline - time.monotonic()
         attempt_s = min(config.timeout_s, 2.0) if left is None else max(min(config.timeout_s, 2.0, left), 0.1)
         try:
+            if not store_reachable(config.host, config.port, attempt_s):
+                raise ConnectionRefusedError(f"nothing listens at {config.host}:{config.port}")
             tcp = TCPStore(config.host, config.port, config.world_size, is_master=False,
                            timeout=timedelta(seconds=attempt_s), wait_for_workers=False)
             tcp.set_timeout(timedelta(seconds=config.timeout_s))

@@ -218,12 +218,17 @@ class UpdateListener:
     def _on_announce(self, seq: int, a: UpdateAnnounce) -> None:
         self._drop()  # a new announce supersedes anything staged but not committed
         error = self._check_announce(a)
+        flat = None
+        if error is None:
+            try:  # before Accepted: a buffer that cannot be had refuses the update, not the group
+                flat = self._buffer(a.total_bytes)
+            except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+                error = UpdateRejected("no_memory", f"v{a.version}: no staging buffer of {a.total_bytes} B: {e}")
         if error is not None:
             self._reject(seq, a.version, error.code, error.reason)
             self.receiver.receive_abort(a.version)
             return
         self.control.reply(seq, Accepted(rank=self.group.rank, version=a.version))
-        flat = self._buffer(a.total_bytes)
         first_step: list[int] = []
         t0 = time.perf_counter()
         try:
