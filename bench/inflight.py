@@ -1,6 +1,6 @@
 """In-flight commits vs vLLM's native pause(keep)+update vs batch-boundary sync, one run.
 
-    python -m bench.inflight [--sizes S M L] [--every 8 32] [--steps 768] [--rounds 4] [--train-steps 40]
+    python -m bench.inflight [--sizes S M L] [--every 8 32] [--steps 768] [--rounds 4] [--train-steps 40 [--engines 2]]
 
 Per model size, one in-process vLLM engine (in-flight worker + vLLM's weight-transfer
 API with the ``inflight_gloo`` backend) decodes the same workload in four modes: a
@@ -233,22 +233,31 @@ class Bench:
         self.llm.collective_rpc("inflight_stop")
 
 
-def train_loop(steps: int, work: Path) -> list[dict]:
-    """End-to-end samples/s of the training loop, in-flight vs batch-boundary."""
+def train_loop(steps: int, work: Path, engines: int = 1) -> list[dict]:
+    """End-to-end samples/s of the training loop: in-flight vs batch-boundary with one engine,
+    and, with ``engines`` > 1, in-flight with a fleet of that many engines (same trainer, same
+    task; on this 2-core machine the engines share the cores with the trainer)."""
     from trainer.config import config_from_dict
     from trainer.train import train
 
     rows = []
-    for mode in ("inflight", "batch"):
-        cfg = config_from_dict({"run": {"steps": steps, "out_dir": str(work / f"train_{mode}")},
-                                "rollout": {"mode": mode}})
+    runs = [("inflight", 1), ("batch", 1)] + ([("inflight", engines)] if engines > 1 else [])
+    for mode, count in runs:
+        name = f"train_{mode}_x{count}"
+        cfg = config_from_dict({"run": {"steps": steps, "out_dir": str(work / name)}, "rollout": {"mode": mode},
+                                "engine": {"count": count}})
         t0 = time.perf_counter()
         train(cfg)
-        log = [json.loads(x) for x in (work / f"train_{mode}" / "metrics.jsonl").read_text().splitlines()]
-        wall = sum(r["step_ms"] for r in log[1:]) / 1e3  # from the first step on: the same start-up for both
+        log = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()]
+        wall = sum(r["step_ms"] for r in log[1:]) / 1e3  # from the first step on: the same start-up for all
         samples = (len(log) - 1) * cfg.rollout.groups_per_step * cfg.rollout.group_size
-        rows.append({"mode": mode, "steps": steps, "samples_s": round(samples / wall, 1),
-                     "total_s": round(time.perf_counter() - t0, 1)})
+        pushes = [r for r in log if "committed_ranks" in r]
+        rows.append({"mode": mode, "engines": count, "steps": steps, "samples_s": round(samples / wall, 1),
+                     "total_s": round(time.perf_counter() - t0, 1),
+                     # every update landed on every engine?
+                     "pushes_on_all": sum(len(r["committed_ranks"]) == count for r in pushes) / max(len(pushes), 1),
+                     # engine steps decoded between first bucket and commit: how far apart the engines committed
+                     "commit_spread_steps": round(sum(r["commit_spread_steps"] for r in pushes) / max(len(pushes), 1), 2)})
     return rows
 
 
@@ -292,13 +301,14 @@ def plot(rows: list[dict], png: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    ap.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES), help="none: training-loop rows only")
     ap.add_argument("--every", type=int, nargs="+", default=[8, 32], help="update cadence, engine steps")
     ap.add_argument("--steps", type=int, default=768, help="engine steps per mode")
     ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds the steps of none/inflight/native are split into")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--listener-nice", type=int, default=19, help="InflightConfig.listener_nice of the engine (its default)")
     ap.add_argument("--train-steps", type=int, default=0, help="also time the training loop (0: skip)")
+    ap.add_argument("--engines", type=int, default=1, help="with --train-steps: add a row for a fleet of this many engines")
     ap.add_argument("--out", default="runs/bench")
     args = ap.parse_args()
     out = Path(args.out)
@@ -317,7 +327,7 @@ def main() -> None:
                 rows += [bench.report(chunks[m]) for m in MODES]
             bench.close()
             del bench
-        train_rows = train_loop(args.train_steps, Path(tmp)) if args.train_steps else []
+        train_rows = train_loop(args.train_steps, Path(tmp), args.engines) if args.train_steps else []
     for r in rows:
         ceiling = next(x["tok_s"] for x in rows if x["size"] == r["size"] and x["every"] == r["every"] and x["mode"] == "none")
         r["vs_none"] = round(r["tok_s"] / ceiling, 3)
@@ -327,8 +337,10 @@ def main() -> None:
     for r in rows:
         print(" ".join(f"{r[c]!s:>10}" for c in cols))
     for r in train_rows:
-        print(f"training loop, {r['mode']:>8}: {r['samples_s']} samples/s ({r['steps']} steps)")
-    plot(rows, out / "bench_inflight.png")
+        print(f"training loop, {r['mode']:>8} x {r['engines']} engine(s): {r['samples_s']} samples/s ({r['steps']} steps; "
+              f"updates on every engine {100 * r['pushes_on_all']:.0f}%, commit spread {r['commit_spread_steps']} steps)")
+    if rows:
+        plot(rows, out / "bench_inflight.png")
     print(json.dumps({"bench": "inflight", "device": "cpu", "rows": rows, "train": train_rows}))
 
 

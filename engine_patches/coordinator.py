@@ -149,9 +149,17 @@ class CommitCoordinator:
             self.live_version = version
             self.core._weight_version = str(version)
 
+    def commit_pending(self) -> bool:
+        """Every rank is ready and the commit waits for the next step boundary."""
+        return self._pending is not None
+
+    def commits(self) -> int:
+        """Commits that went live on every rank."""
+        return sum(h.ok for h in self.history)
+
     def status(self) -> dict[str, Any]:
         return {"engine_live_version": self.live_version, "engine_steps": self.steps, "engine_broken": self.broken,
-                "engine_commits": len([h for h in self.history if h.ok])}
+                "engine_commits": self.commits()}
 
     # -- engine thread ------------------------------------------------------------------------
     @contextmanager

@@ -236,8 +236,10 @@ class InflightWorkerExtension:
         joined_before = False
         while not stop.is_set():
             try:
+                engine_ranks = tuple(range(config.rank, config.rank + self.vllm_config.parallel_config.world_size))
                 group = WeightGroup(config.group, rank, device=self._inflight_data_device(config),
-                                    live_version=target.live_version, stop=stop, join_timeout_s=None)
+                                    live_version=target.live_version, stop=stop, join_timeout_s=None,
+                                    engine_ranks=engine_ranks)
             except InterruptedError:
                 return
             except TransportError as e:  # the store went away while joining: try again

@@ -10,6 +10,10 @@ Ordering invariants:
 - a producer claims a sequence number only while ``tail - head < capacity`` (several
   producers may overshoot by at most their number minus one), so a slow trainer stalls
   the engines instead of growing the queue without bound;
+- a claimed slot is filled exactly once, by ``compare_set`` (first writer wins): either the
+  producer's item, or the consumer's ``HOLE`` when the producer stalled or died between
+  claim and write (``skip_stalled``). A producer that finds its slot holed re-puts the
+  item under a new number, so a frozen engine blocks no one and loses nothing;
 - the buffer admits a group only if every token's version is within ``admit_lag`` of the
   trainer's version; what it admitted but has not yet handed out is ``pending`` (saved in
   checkpoints, so a resumed run neither repeats nor drops a sample).
@@ -29,8 +33,8 @@ from inflight.protocol import ProtocolError, RolloutGroup, decode_group, encode
 from inflight.transport.group import wait_key
 
 _POLL_S = 0.002
-HOLE = b""
-"""What ``fill_holes`` writes where a dead producer never wrote its item."""
+HOLE = b"\x00hole"
+"""What the consumer writes where a producer never wrote its item (never a valid msgpack group)."""
 
 
 class RolloutQueue:
@@ -50,15 +54,17 @@ class RolloutQueue:
         """Enqueue; blocks while the queue is full. Returns the sequence number."""
         data = encode(group)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self.depth() >= self.capacity:
-            if stop is not None and stop.is_set():
-                raise InterruptedError("rollout producer stopped while the queue was full")
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"rollout queue full ({self.capacity}) for {timeout_s:.1f}s: is the trainer alive?")
-            time.sleep(_POLL_S)
-        seq = self.store.add("tail", 1) - 1
-        self.store.set(f"item/{seq}", data)
-        return seq
+        while True:
+            while self.depth() >= self.capacity:
+                if stop is not None and stop.is_set():
+                    raise InterruptedError("rollout producer stopped while the queue was full")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"rollout queue full ({self.capacity}) for {timeout_s:.1f}s: is the trainer alive?")
+                time.sleep(_POLL_S)
+            seq = self.store.add("tail", 1) - 1
+            if self.store.compare_set(f"item/{seq}", "", data) == data:
+                return seq
+            # the consumer holed this slot while we were stopped between claim and write: again
 
     def put_raw(self, data: bytes) -> int:
         """Enqueue bytes as they are (fault drills: the consumer must survive anything)."""
@@ -67,15 +73,24 @@ class RolloutQueue:
         return seq
 
     def fill_holes(self) -> int:
-        """Consumer: mark as lost the sequence numbers a producer claimed but died before
-        writing (``put`` claims, then writes), so ``get`` does not wait for them forever.
-        Call only while no producer is live, e.g. after an engine died, before its restart samples."""
-        holes = 0
-        for seq in range(self._head, self.store.add("tail", 0)):
-            if not self.store.check([f"item/{seq}"]):
-                self.store.set(f"item/{seq}", HOLE)
-                holes += 1
-        return holes
+        """Consumer: mark as lost every slot a producer claimed but has not written (``put``
+        claims, then writes), so ``get`` does not wait for them forever. Call when no producer
+        is live (after an engine died, before its restart samples)."""
+        return sum(self._hole(seq) for seq in range(self._head, self.store.add("tail", 0)))
+
+    def skip_stalled(self) -> bool:
+        """Consumer: hole the head slot if it was claimed but is still empty while a later slot
+        is already written (its producer stalled or died mid-put; the others moved on).
+        True if it holed the slot; its producer, should it wake up, puts the item again."""
+        tail = self.store.add("tail", 0)
+        if tail <= self._head + 1 or self.store.check([f"item/{self._head}"]):
+            return False
+        if not any(self.store.check([f"item/{seq}"]) for seq in range(self._head + 1, tail)):
+            return False
+        return self._hole(self._head)
+
+    def _hole(self, seq: int) -> bool:
+        return self.store.compare_set(f"item/{seq}", "", HOLE) == HOLE
 
     def try_get(self) -> bytes | None:
         """The next item's bytes if it is already in the queue, else None (never waits)."""

@@ -166,6 +166,9 @@ class Joined(_Wire, tag="joined"):
     live_version: NonNeg
     incarnation: str
     """A random id per worker process: a restarted engine is told apart from a rejoining one."""
+    engine_ranks: tuple[NonNeg, ...] = ()
+    """Every weight-group rank of this worker's engine (its TP workers); empty: just ``rank``.
+    A generation admits an engine whole or not at all: a commit needs every one of its ranks."""
 
 
 class Accepted(_Wire, tag="accepted"):
@@ -244,6 +247,8 @@ class RolloutGroup(_Wire, tag="group"):
 
     group_id: Annotated[str, Meta(min_length=1)]
     samples: tuple[RolloutSample, ...]
+    engine_id: str = ""
+    """Which engine of the fleet sampled it (``trainer.rollout``: ``e<index>``)."""
 
     def __post_init__(self) -> None:
         for s in self.samples:
@@ -278,7 +283,16 @@ class EngineCommitFailed(_Wire, tag="engine_commit_failed"):
     live_version: NonNeg
 
 
-ControlMessage = Union[UpdateAnnounce, Commit, Abort, Shutdown]
+class Roster(_Wire, tag="roster"):
+    """Trainer -> workers, once per group generation: the worker ranks that formed it, in
+    data-plane order (the i-th member is data-plane rank i + 1). A worker not listed waits
+    for the next generation."""
+
+    generation: Pos
+    members: tuple[Pos, ...]
+
+
+ControlMessage = Union[UpdateAnnounce, Commit, Abort, Shutdown, Roster]
 EngineMessage = Union[CommitReady, EngineCommitted, EngineCommitFailed]
 FrameMessage = Union[BucketHeader, Abort]
 ReplyMessage = Union[Joined, Accepted, Staged, Rejected, Committed]

@@ -4,7 +4,10 @@ transformers reference to check what the engine computes after an update."""
 from __future__ import annotations
 
 import gc
+import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -92,3 +95,29 @@ class Reference:
         for _ in range(n):
             ids.append(int(self.model(torch.tensor([ids])).logits[0, -1].argmax()))
         return ids[len(prompt):]
+
+
+def drive(llm: Any, coordinator: Any, prompts: Sequence[str], sp: Any, *, hold_at: Sequence[int], start: int) -> list:
+    """Run ``prompts`` to completion on an engine whose EngineCore is in this process, step
+    by step from this thread, so a test never races wall-clock time against the engine.
+
+    ``hold_at[k]`` is an engine step (counted from ``start``) the requests may not pass
+    before the (k+1)-th commit since the call went live: held there, the loop waits for
+    that commit to be pending at the coordinator (every rank staged and ready) and then
+    steps once, so the commit lands at that step's boundary while the requests decode.
+    Returns the final ``RequestOutput``s, in the order of ``prompts`` (ids ``r0``, ``r1``, ...).
+    """
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, sp)
+    base = coordinator.commits()
+    done: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        k = coordinator.commits() - base
+        if k < len(hold_at) and coordinator.steps - start >= hold_at[k]:
+            while not coordinator.commit_pending() and coordinator.commits() - base == k:
+                time.sleep(0.001)  # an event, not a deadline: the trainer's push becoming committable
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[f"r{i}"] for i in range(len(prompts))]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import torch
 
@@ -28,21 +29,27 @@ async def _run(model_dir) -> None:
         await start_inflight_async(engine, InflightConfig(group=group))
         pusher = await asyncio.to_thread(WeightPusher, group, PushConfig(bucket_mb=0.25))
         base = load_file(str(model_dir / "model.safetensors"))
-        n_req, n_tok, versions = 6, 300, 3
+        n_req, versions = 6, 3
         progress = [0] * n_req
         commits = []
 
         async def consume(i: int):
-            sp = SamplingParams(temperature=1.0, max_tokens=n_tok, logprobs=0, ignore_eos=True, seed=i)
-            seen: list[int] = []
-            async for out, tags in stream_tagged(engine, f"{i}+{i}=", sp, request_id=f"req-{i}"):
-                assert tags[: len(seen)] == seen, "a streamed tag changed after it was reported"
-                assert len(tags) == len(out.outputs[0].token_ids)
-                seen = tags
-                progress[i] = len(tags)
-            final = tagged(out.outputs[0])
-            assert final.versions == seen
-            return out.request_id, final
+            # EngineCore runs in its own process, free of this test: the requests are long
+            # (up to 1000 tokens) and each stream closes itself (aborting its request) once
+            # it is 20 tokens past the last commit, so every commit lands mid-request
+            # however slow the machine, and no assertion races the engine.
+            sp = SamplingParams(temperature=1.0, max_tokens=1000, logprobs=0, ignore_eos=True, seed=i)
+            rid, seen = f"req-{i}", []
+            async with contextlib.aclosing(stream_tagged(engine, f"{i}+{i}=", sp, request_id=rid)) as stream:
+                async for out, tags in stream:
+                    assert tags[: len(seen)] == seen, "a streamed tag changed after it was reported"
+                    assert len(tags) == len(out.outputs[0].token_ids)
+                    seen = tags
+                    progress[i] = len(tags)
+                    if len(commits) == versions and len(seen) > commits[-1].tokens_at_commit.get(rid, 0) + 20:
+                        break  # closing the stream aborts the request
+            assert len(commits) == versions, "a request ended before every commit landed"
+            return rid, seen
 
         async def trainer() -> None:
             for k in range(versions):  # commit whenever every stream has moved on by 60 tokens
@@ -53,9 +60,9 @@ async def _run(model_dir) -> None:
 
         *finished, _ = await asyncio.gather(*(consume(i) for i in range(n_req)), trainer())
         assert [c.version for c in commits] == [1, 2, 3]
-        for request_id, completion in finished:
-            assert len(completion.token_ids) == n_tok and is_monotone(completion.versions)
-            first = boundaries(completion.versions)
+        for request_id, seen in finished:
+            assert is_monotone(seen)
+            first = boundaries(seen)
             assert set(first) == {0, 1, 2, 3}, first
             for c in commits:
                 assert first[c.version] == c.tokens_at_commit[request_id]

@@ -18,7 +18,7 @@ import torch
 from engine_patches.engine import tagged
 from inflight.versions import boundaries, is_monotone
 from inflight.transport.group import free_port
-from tests.engine_harness import Harness, Reference, perturbed
+from tests.engine_harness import Harness, Reference, drive, perturbed
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5=", "lazy dog"]
 # Measured here: fp32 <= 1.7e-6 (oneDNN vs transformers' matmuls); bf16 <= 0.016 (every
@@ -97,7 +97,8 @@ def test_requests_span_many_versions_with_exact_boundaries(harness: Harness) -> 
     t = threading.Thread(target=trainer)
     t.start()
     sp = SamplingParams(temperature=1.0, max_tokens=n_steps, logprobs=0, ignore_eos=True, seed=7)
-    outs = h.llm.generate([f"{i}+{i}=" for i in range(12)], sp, use_tqdm=False)
+    # each commit lands within 30 steps of its mark, however slow the machine: see ``drive``
+    outs = drive(h.llm, gate, [f"{i}+{i}=" for i in range(12)], sp, hold_at=[a + 30 for a in commit_at], start=start)
     t.join()
     assert not errors, errors
     assert len(commits) == len(commit_at)
@@ -105,13 +106,12 @@ def test_requests_span_many_versions_with_exact_boundaries(harness: Harness) -> 
         tc = tagged(o.outputs[0])
         assert len(tc.token_ids) == n_steps and is_monotone(tc.versions)
         first = boundaries(tc.versions)
-        assert len(first) >= 3, first
+        assert set(first) == {h.version - 4, *(c.version for c in commits)}, first
         for c in commits:
-            if c.version in first:  # a commit after the request finished leaves no boundary
-                # the first token of v is exactly the request's token count at the commit...
-                assert first[c.version] == c.tokens_at_commit[o.request_id]
-                # ...and all requests started together, so that is the commit's step index
-                assert first[c.version] == c.step - start
+            # the first token of v is exactly the request's token count at the commit...
+            assert first[c.version] == c.tokens_at_commit[o.request_id]
+            # ...and all requests started together, so that is the commit's step index
+            assert first[c.version] == c.step - start
     # commits that landed mid-generation ran at a step boundary, on the thread that runs the
     # forward passes; an idle in-process engine's commit runs under the step lock instead
     landed = {c.version for c in commits}
@@ -125,19 +125,27 @@ def test_decoding_continues_while_buckets_arrive(harness: Harness) -> None:
     from vllm import SamplingParams
 
     h = harness
-    h.pusher.sender.bucket_bytes = 4096  # ~330 buckets: a transfer long enough to watch
+    h.pusher.sender.bucket_bytes = 4096  # ~330 buckets
     result: dict = {}
     gate = h.gate()
+    start = gate.steps
+
+    def hold_bucket_20(header, data):  # the sender waits at bucket 20 until the engine stepped 3 more times
+        if header.index == 20:
+            at = gate.steps
+            while gate.steps < at + 3:
+                time.sleep(0.001)
+        return header, data
 
     def trainer() -> None:
-        start = gate.steps
         while gate.steps - start < 5:
             time.sleep(0.001)
         h.version += 1
-        stats, staged = h.pusher.send(h.version, perturbed(h.base, seed=7))
+        stats, staged = h.pusher.send(h.version, perturbed(h.base, seed=7), tamper=hold_bucket_20)
         result["staged"] = staged[1]
         result["steps_staged"] = gate.steps
-        time.sleep(0.3)  # staged but not committed: the engine keeps serving the old version
+        while gate.steps < result["steps_staged"] + 3:  # staged, not committed: the engine keeps serving
+            time.sleep(0.001)
         result["steps_before_commit"] = gate.steps
         result["commit"] = h.pusher.commit(h.version)[1]
 
@@ -145,14 +153,14 @@ def test_decoding_continues_while_buckets_arrive(harness: Harness) -> None:
         t = threading.Thread(target=trainer)
         t.start()
         sp = SamplingParams(temperature=1.0, max_tokens=400, logprobs=0, ignore_eos=True, seed=3)
-        outs = h.llm.generate(["1+1=", "2+2="], sp, use_tqdm=False)
+        outs = drive(h.llm, gate, ["1+1=", "2+2="], sp, hold_at=[380], start=start)
         t.join()
     finally:
         h.pusher.sender.bucket_bytes = h.pusher.config.bucket_bytes
     staged, commit = result["staged"], result["commit"]
-    assert staged.steps_during_transfer > 0, "no engine step ran while buckets were arriving"
-    assert result["steps_before_commit"] > result["steps_staged"], "engine stopped while a version was staged"
-    assert commit.steps_since_first_bucket >= staged.steps_during_transfer
+    assert staged.steps_during_transfer >= 3, "fewer engine steps than the sender waited for while buckets arrived"
+    assert result["steps_before_commit"] >= result["steps_staged"] + 3
+    assert commit.steps_since_first_bucket >= staged.steps_during_transfer + 3
     for o in outs:
         versions = tagged(o.outputs[0]).versions
         first_new = boundaries(versions)[commit.version]

@@ -25,7 +25,7 @@ from engine_patches.engine import coordinator_of, start_inflight, tagged
 from inflight.transport.group import GroupConfig, free_port
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
-from tests.engine_harness import Reference, perturbed
+from tests.engine_harness import Reference, drive, perturbed
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5="]
 
@@ -114,7 +114,8 @@ def test_tp2_takes_updates_while_decoding_on_both_ranks_at_one_step(tp: TPEngine
     t = threading.Thread(target=trainer)
     t.start()
     sp = SamplingParams(temperature=1.0, max_tokens=110, logprobs=0, ignore_eos=True, seed=5)
-    outs = tp.llm.generate([f"{i}+{i}=" for i in range(6)], sp, use_tqdm=False)
+    # each commit lands within 25 steps of its mark, however slow the machine (see ``drive``)
+    outs = drive(tp.llm, coordinator, [f"{i}+{i}=" for i in range(6)], sp, hold_at=[a + 25 for a in commit_at], start=start)
     t.join()
     assert not errors, errors
     assert [r.version for r in commits] == [1, 2, 3]

@@ -76,7 +76,7 @@ def test_engine_killed_mid_run_is_restarted_and_no_queued_group_is_lost(tmp_path
     def killer() -> None:
         while len(_rows(out)) < 3:
             time.sleep(0.05)
-        pid = int((out / "engine.pid").read_text())
+        pid = int((out / "engine0.pid").read_text())
         killed["t"] = time.time()
         os.kill(pid, signal.SIGKILL)
 

@@ -186,7 +186,10 @@ class EngineConfig:
     """The vLLM engine process."""
 
     spawn: bool = True
-    """Start the engine from the trainer. False: start it yourself with ``python -m trainer.rollout``."""
+    """Start the engines from the trainer. False: start each yourself with ``python -m trainer.rollout``."""
+    count: int = 1
+    """Engines in the fleet. Engine i (0-based) joins the weight group as rank i + 1; the
+    group's world size is 1 + count. Each samples its own groups into the one rollout queue."""
     max_num_seqs: int = 256
     """vLLM's cap on concurrently decoded sequences."""
     max_model_len: int = 256
@@ -201,6 +204,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
             raise ValueError(f"engine.max_restarts={self.max_restarts} must be >= 0")
+        if self.count < 1:
+            raise ValueError(f"engine.count={self.count} must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)

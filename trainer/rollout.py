@@ -1,13 +1,14 @@
 """The engine process: keep GRPO groups decoding, tag every token, ship finished groups.
 
-    python -m trainer.rollout --config CONFIG --model-dir DIR --host TRAINER --port PORT [--rank 1]
+    python -m trainer.rollout --config CONFIG --model-dir DIR --host TRAINER --port PORT [--engine-id 0]
 
-(the trainer starts it itself unless ``engine.spawn = false``). It drives vLLM's
+(the trainer starts ``engine.count`` of them itself unless ``engine.spawn = false``; engine i
+joins the weight group as rank i + 1 and tags its groups ``e<i>``). It drives vLLM's
 ``LLMEngine`` step by step with ``in_flight_groups`` requests of ``n = group_size``
 samples in flight; whenever one finishes, its completions, behaviour log-probs and
 per-token versions become a ``RolloutGroup`` on the rollout queue and a new prompt takes
 its place. Weight updates commit between two of these steps, without this loop noticing:
-the worker extension and the step gate do it.
+the worker extension and EngineCore's commit coordinator do it.
 
 ``rollout.mode = "batch"`` is the synchronous baseline: sample one optimizer step's groups
 with version v, ship them, sit idle until version v+1 is live, repeat.
@@ -42,7 +43,7 @@ def _parent_gone(parent_pid: int | None) -> bool:
     return parent_pid is not None and os.getppid() != parent_pid
 
 
-def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, rank: int = 1, initial_version: int = 0,
+def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_index: int = 0, initial_version: int = 0,
                wait_for_version: int = 0, parent_pid: int | None = None, *, backend: str | None = None,
                cuda_devices: str | None = None) -> None:
     """Serve rollouts until the trainer says stop (or, when spawned by it, until it is gone).
@@ -63,7 +64,10 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, rank: int
     from inflight.transport.group import INCARNATION, GroupConfig, TransportError, connect_store
     from trainer.task import RepeatDigit
 
-    group = GroupConfig(host=host, port=port, world_size=2, timeout_s=cfg.transport.timeout_s,
+    if not 0 <= engine_index < cfg.engine.count:
+        raise ValueError(f"engine index {engine_index} outside engine.count={cfg.engine.count}")
+    rank, engine_id = engine_index + 1, f"e{engine_index}"
+    group = GroupConfig(host=host, port=port, world_size=1 + cfg.engine.count, timeout_s=cfg.transport.timeout_s,
                         backend=backend or cfg.transport.backend)
     extra = {} if torch.cuda.is_available() else {"enforce_eager": True}
     if torch.cuda.is_available():
@@ -118,7 +122,7 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, rank: int
     def add_group() -> None:
         nonlocal counter
         prompt = task.sample_prompt(rng)
-        rid = f"e{rank}.{INCARNATION[:8]}.{counter}"  # unique across engine restarts
+        rid = f"{engine_id}.{INCARNATION[:8]}.{counter}"  # unique across engine restarts
         counter += 1
         prompts[rid] = prompt
         engine.add_request(rid, prompt.text, params)
@@ -148,7 +152,7 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, rank: int
                     reward=task.reward(prompt, t.token_ids), finish_reason=t.finish_reason or "",
                     prompt_text=prompt.text, completion_text=t.text,
                 ))
-            if not ship(RolloutGroup(group_id=out.request_id, samples=tuple(samples))):
+            if not ship(RolloutGroup(group_id=out.request_id, samples=tuple(samples), engine_id=engine_id)):
                 return
         steps += 1
         if steps % 16 == 0 and stop_requested():
@@ -162,11 +166,11 @@ def main() -> None:
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--rank", type=int, default=1)
+    ap.add_argument("--engine-id", type=int, default=0, help="this engine's index in the fleet (0 .. engine.count - 1)")
     ap.add_argument("--initial-version", type=int, default=0, help="version of the weights in --model-dir")
     ap.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="the trainer's (default: transport.backend)")
     args = ap.parse_args()
-    run_engine(load_config(args.config), args.model_dir, args.host, args.port, args.rank, args.initial_version,
+    run_engine(load_config(args.config), args.model_dir, args.host, args.port, args.engine_id, args.initial_version,
                backend=args.backend)
 
 

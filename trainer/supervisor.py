@@ -1,18 +1,26 @@
-"""Keeping the engine: notice when it is gone, bring it back, resynchronise its weights.
+"""Keeping the fleet: notice when an engine is gone, bring it back, keep the rest going.
 
-The trainer notices a lost engine in one of two places: a push that fails (the weight
-group breaks or a reply does not come within ``transport.timeout_s``), or a wait for
-rollouts during which the spawned engine process exited. Either way ``recover`` runs.
+The trainer notices a lost engine in three places: a push that fails (the weight group
+breaks, or a worker does not reply within ``transport.timeout_s``), a spawned engine
+process found dead (checked every step, and while waiting for rollouts), or an engine
+knocking to be let back into the group. ``Fleet.recover`` and ``Fleet.admit`` run then.
 
 Ordering invariants of a recovery:
 1. the failure is reported first (log, progress bar, the run's ``engine_failures``);
-2. a spawned engine that died is restarted from the model on disk, told to sample only
-   once the trainer's current version is live;
-3. the trainer forms the group's next generation with every worker (``WeightPusher.rejoin``);
-4. it pushes its current weights, above every engine's live version, and only then goes
-   back to training.
-The rollout queue lives in the trainer's store, so the groups queued before the failure
-are still there afterwards: only the groups the dead engine was still decoding are lost.
+2. a spawned engine that died is restarted from the latest checkpoint, told to sample only
+   once a version at least as new as the trainer's current one is live on it;
+3. the trainer forms the group's next generation with the engines that answer within the
+   timeout, not waiting for the restarting ones or for a member that just went silent
+   (with a single engine there is no one else: it waits ``transport.rejoin_timeout_s`` for
+   it); whoever is left out is counted in ``engine_drops`` and knocks when it is back;
+4. if no member serves the current version yet, the trainer pushes it now; otherwise the
+   laggards get the next step's version with everyone (a version is pushed to a whole
+   generation, and a member that already serves it would refuse it).
+An engine let back in (``admit``) serves its old version under its old label until that
+push lands: never stale weights under a new label. The rollout queue lives in the
+trainer's store, so groups queued before a failure are still there afterwards; slots a
+dead or frozen producer claimed but never wrote are holed, and a frozen producer that
+wakes re-puts its group (``RolloutQueue``): nothing is lost or read twice.
 """
 
 from __future__ import annotations
@@ -80,34 +88,40 @@ def place(backend: Literal["auto", "gloo", "nccl"], *, spawn: bool, gpus: Sequen
 
 
 class EngineLost(RuntimeError):
-    """The engine stopped serving: its process exited, or the weight group failed."""
+    """An engine stopped serving: its process exited, or the weight group failed."""
 
 
-class EngineSupervisor:
-    """The engine process the trainer spawned (or, with ``spawn = false``, nothing to spawn)."""
+def engine_share(devices: str | None, count: int, index: int) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` of spawned engine ``index`` of ``count``: an equal share of
+    the GPUs ``place`` gave the engines (None: no GPUs, all inherit the trainer's view)."""
+    if devices is None:
+        return None
+    gpus = devices.split(",")
+    per = len(gpus) // count
+    if per == 0:
+        raise ValueError(f"engine.count={count} engines need a GPU each besides the trainer's; visible for engines: {gpus}")
+    return ",".join(gpus[index * per:(index + 1) * per])
 
-    def __init__(self, cfg: TrainConfig, model_dir: Path, model_version: int, host: str, port: int,
-                 placement: Placement, pid_file: Path) -> None:
-        self.cfg = cfg
-        self.placement = placement
-        self.model_dir = model_dir
-        self.model_version = model_version
-        """The version of the weights in ``model_dir``, which a (re)started engine serves first."""
+
+class EngineProcess:
+    """One engine of the fleet that the trainer spawned (or, with ``spawn = false``, nothing to spawn)."""
+
+    def __init__(self, cfg: TrainConfig, index: int, placement: Placement, host: str, port: int, pid_file: Path) -> None:
+        self.cfg, self.index, self.placement = cfg, index, placement
+        self.rank = index + 1
         self.host, self.port = host, port
         self.pid_file = pid_file
         self.process: mp.process.BaseProcess | None = None
         self.restarts = 0
-        self.failures = 0
-        self.events: list[dict] = []
-        """One entry per recovery: when it began (unix time), why, and the version it ended on."""
 
-    def start(self, wait_for_version: int) -> None:
+    def start(self, model_dir: Path, model_version: int, wait_for_version: int) -> None:
         if not self.cfg.engine.spawn:
             return
         self.process = mp.get_context("spawn").Process(
-            target=run_engine, name="inflight-engine", daemon=True,
-            args=(self.cfg, str(self.model_dir), self.host, self.port, 1, self.model_version, wait_for_version, os.getpid()),
-            kwargs={"backend": self.placement.backend, "cuda_devices": self.placement.engine_devices},
+            target=run_engine, name=f"inflight-engine-{self.index}", daemon=True,
+            args=(self.cfg, str(model_dir), self.host, self.port, self.index, model_version, wait_for_version, os.getpid()),
+            kwargs={"backend": self.placement.backend,
+                    "cuda_devices": engine_share(self.placement.engine_devices, self.cfg.engine.count, self.index)},
         )
         self.process.start()
         self.pid_file.write_text(str(self.process.pid))
@@ -116,43 +130,100 @@ class EngineSupervisor:
         """Why the spawned engine is not running, or None (always None without ``spawn``)."""
         if self.process is None or self.process.is_alive():
             return None
-        return f"engine process {self.process.pid} exited with code {self.process.exitcode}"
+        return f"engine {self.index} (process {self.process.pid}) exited with code {self.process.exitcode}"
 
-    def recover(self, pusher: WeightPusher, reason: str, version: int, weights, queue: RolloutQueue) -> int:
-        """Steps 1-4 above; returns the version now live on every engine (>= ``version``)."""
+
+class Fleet:
+    """The trainer's engines: start, watch, recover, let back in."""
+
+    def __init__(self, cfg: TrainConfig, model_dir: Path, model_version: int, host: str, port: int,
+                 placement: Placement, out: Path) -> None:
+        self.cfg = cfg
+        self.model_dir = model_dir
+        self.model_version = model_version
+        """The version of the weights in ``model_dir``, which a (re)started engine serves first."""
+        self.engines = [EngineProcess(cfg, i, placement, host, port, out / f"engine{i}.pid") for i in range(cfg.engine.count)]
+        self.failures = 0
+        self.drops = 0
+        """Times a member was left out of a generation (silent, frozen or restarting)."""
+        self.events: list[dict] = []
+        """One entry per recovery: when it began (unix time), why, and the version it ended on."""
+
+    @property
+    def restarts(self) -> int:
+        return sum(e.restarts for e in self.engines)
+
+    def start(self, wait_for_version: int) -> None:
+        for e in self.engines:
+            e.start(self.model_dir, self.model_version, wait_for_version)
+
+    def exit_problem(self) -> str | None:
+        problems = [p for e in self.engines if (p := e.exit_problem()) is not None]
+        return "; ".join(problems) or None
+
+    def recover(self, pusher: WeightPusher, reason: str, version: int, weights, queue: RolloutQueue,
+                silent: Sequence[int] = ()) -> int:
+        """Steps 1-4 above; returns the trainer's version (raised above any engine's)."""
         self.failures += 1
         event = {"t": time.time(), "reason": reason}
         self.events.append(event)
         tqdm.write(f"inflight: engine lost ({reason}); recovering")
         log.warning("engine lost: %s", reason)
-        problem = self.exit_problem()
-        if problem is not None:
-            if self.restarts >= self.cfg.engine.max_restarts:
-                raise EngineLost(f"{problem}; already restarted {self.restarts} times (engine.max_restarts)")
-            self.restarts += 1
-            self.process.join(timeout=5)
-            self.start(wait_for_version=version)
-        try:
-            live = pusher.rejoin(self.cfg.transport.rejoin_timeout_s)
-        except Exception as e:
-            raise EngineLost(f"the engine did not rejoin within transport.rejoin_timeout_s="
-                             f"{self.cfg.transport.rejoin_timeout_s}: {e}") from e
-        if problem is not None:  # the restarted engine samples only after the push below: no producer is live
+        dead = [e for e in self.engines if e.exit_problem() is not None]
+        for e in dead:
+            if e.restarts >= self.cfg.engine.max_restarts:
+                raise EngineLost(f"{e.exit_problem()}; already restarted {e.restarts} times (engine.max_restarts)")
+            e.restarts += 1
+            e.process.join(timeout=5)
+            e.start(self.model_dir, self.model_version, wait_for_version=version)
+        if dead:  # their claimed-but-unwritten slots; a live producer that loses one re-puts
             queue.fill_holes()
-        if live and all(v == version for v in live.values()):
-            pass  # the failed push had committed: every engine already serves these weights
-        else:
-            ahead = max(live.values(), default=-1)
-            if ahead > version:  # a version an engine got from a trainer state that is gone (a resume)
-                version = ahead + 1
+        before = set(pusher.group.roster)
+        waiting = {e.rank for e in dead} | set(silent)
+        want = set(pusher.group.workers) - waiting
+        try:
+            if want:  # the others answer in milliseconds; the restarting and the silent knock later
+                live = pusher.rejoin(self.cfg.transport.timeout_s, want=want, require=set())
+            else:  # nobody else to go on with: wait for them
+                live = pusher.rejoin(self.cfg.transport.rejoin_timeout_s, require=set())
+        except Exception as e:
+            raise EngineLost(f"no engine rejoined the weight group: {e}") from e
+        self._count_drops(before, set(live))
+        ahead = max(live.values(), default=-1)
+        if ahead > version:  # a version an engine got from a trainer state that is gone (a resume)
+            version = ahead + 1
+        if all(v < version for v in live.values()):
             pusher.push(version, weights())
-        event.update(version=version, back_after_s=round(time.time() - event["t"], 2), restarted=problem is not None)
-        tqdm.write(f"inflight: engine back at v{version} (generation {pusher.group.generation})")
+        event.update(version=version, members=sorted(live), back_after_s=round(time.time() - event["t"], 2),
+                     restarted=[e.index for e in dead])
+        tqdm.write(f"inflight: fleet at v{version} with engines on ranks {sorted(live)} "
+                   f"(generation {pusher.group.generation})")
         return version
 
+    def admit(self, pusher: WeightPusher, *, wait: bool = False) -> dict[int, int]:
+        """Form a generation that lets the knocking engines back in (between two pushes);
+        ``wait``: wait up to ``transport.rejoin_timeout_s`` for every engine of the fleet."""
+        before = set(pusher.group.roster)
+        knocking = set(pusher.knocking())
+        if wait:
+            live = pusher.rejoin(self.cfg.transport.rejoin_timeout_s, require=set())
+        else:
+            live = pusher.rejoin(self.cfg.transport.timeout_s, want=before | knocking, require=set())
+        self._count_drops(before, set(live))
+        tqdm.write(f"inflight: engines on ranks {sorted(set(live) - before)} back in the weight group "
+                   f"(serving {dict(sorted(live.items()))})")
+        return live
+
+    def _count_drops(self, before: set[int], after: set[int]) -> None:
+        for r in sorted(before - after):
+            self.drops += 1
+            tqdm.write(f"inflight: engine on rank {r} left out of the weight group (silent for {self.cfg.transport.timeout_s}s)")
+            log.warning("engine on rank %d dropped from the weight group", r)
+
     def stop(self, timeout_s: float = 60.0) -> None:
-        if self.process is None:
-            return
-        self.process.join(timeout=timeout_s)
-        if self.process.is_alive():
-            self.process.terminate()
+        for e in self.engines:
+            if e.process is None:
+                continue
+            e.process.join(timeout=timeout_s)
+            if e.process.is_alive():
+                e.process.terminate()

@@ -31,7 +31,7 @@ from trainer.checkpoint import TrainerState, load_state, restore_rng, save_check
 from trainer.config import TrainConfig, config_to_dict, load_config
 from trainer.loss import collate, compute_loss, policy_logprobs
 from trainer.metrics import MetricsLog, plot_run, summarize
-from trainer.supervisor import EngineLost, EngineSupervisor, place, visible_gpus
+from trainer.supervisor import EngineLost, Fleet, place, visible_gpus
 from trainer.tiny_model import build_tiny_model, default_corpus
 
 log = logging.getLogger("inflight.train")
@@ -39,7 +39,12 @@ log = logging.getLogger("inflight.train")
 
 def _push_metrics(result: PushResult) -> dict:
     commit = result.commits[min(result.commits)]
+    # engines count their own steps, so what compares across a fleet is how many steps each
+    # decoded between the first bucket and its commit
+    waits = [c.steps_since_first_bucket for c in result.commits.values()]
     return {"pushed_version": result.version, "commit_ms": commit.commit_ms, "commit_step": commit.step,
+            "committed_ranks": sorted(result.commits), "commit_steps": {r: c.step for r, c in result.commits.items()},
+            "commit_spread_steps": max(waits) - min(waits),
             "push_ms": 1e3 * (result.stage_wait_s + result.commit_wait_s), "send_ms": 1e3 * result.send.send_s,
             "push_mb": result.send.nbytes / 2**20, "steps_during_transfer": result.staged[min(result.staged)].steps_during_transfer}
 
@@ -62,11 +67,11 @@ def train(cfg: TrainConfig) -> dict:
         model_dir = build_tiny_model(out / "init", default_corpus(), cfg.model.tiny)
     version = resumed.version if resumed else 0
 
-    # -- 2. the engine process ------------------------------------------------------------------
+    # -- 2. the engine processes (the fleet) -----------------------------------------------------
     port = cfg.transport.port or free_port()
     host = cfg.transport.host
     placement = place(cfg.transport.backend, spawn=cfg.engine.spawn, gpus=visible_gpus())
-    engine = EngineSupervisor(cfg, model_dir, version, host, port, placement, out / "engine.pid")
+    engine = Fleet(cfg, model_dir, version, host, port, placement, out)
     engine.start(wait_for_version=version)
 
     # -- 3. the trainer, and the weight group it hosts ---------------------------------------
@@ -84,7 +89,8 @@ def train(cfg: TrainConfig) -> dict:
         optimizer.load_state_dict(torch.load(ckpt_dir / "optimizer.pt", weights_only=True))
         restore_rng(resumed)
     model, optimizer = accelerator.prepare(model, optimizer)
-    group = GroupConfig(host=host, port=port, world_size=2, timeout_s=cfg.transport.timeout_s, backend=placement.backend)
+    group = GroupConfig(host=host, port=port, world_size=1 + cfg.engine.count, timeout_s=cfg.transport.timeout_s,
+                        backend=placement.backend)
     pusher = WeightPusher(group, PushConfig(bucket_mb=cfg.transport.bucket_mb, dtype=cfg.model.dtype,
                                             reply_timeout_s=cfg.transport.timeout_s),
                           join_timeout_s=cfg.transport.rejoin_timeout_s)
@@ -107,6 +113,8 @@ def train(cfg: TrainConfig) -> dict:
     try:
         for step in tqdm(range(start, cfg.run.steps), desc="train", initial=start, total=cfg.run.steps, dynamic_ncols=True):
             t0 = time.perf_counter()
+            if (problem := engine.exit_problem()) is not None:  # a fleet's other engines keep the queue full
+                version, in_flight = engine.recover(pusher, problem, version, weights, queue), None
             while True:
                 try:
                     groups = _next_groups(buffer, cfg, version, engine)
@@ -128,18 +136,26 @@ def train(cfg: TrainConfig) -> dict:
             try:
                 if in_flight is not None:
                     pending_push = _push_metrics(in_flight.result())
+                    in_flight = None
+                if step + 1 == cfg.run.steps and len(pusher.group.roster) < cfg.engine.count:
+                    engine.admit(pusher, wait=True)  # the run ends with every engine that can come on the last version
+                elif pusher.knocking():  # engines back from a restart or a freeze: in before this push
+                    engine.admit(pusher)
                 in_flight = pusher.push_async(version, weights())
                 if step + 1 == cfg.run.steps:  # the last push is waited for, so the run ends on a committed version
                     pending_push, in_flight = _push_metrics(in_flight.result()), None
-            except TransportError as e:  # the engine is gone: recover, which pushes the weights of ``version``
-                version, in_flight = engine.recover(pusher, f"push failed: {e}", version, weights, queue), None
+            except TransportError as e:  # an engine is gone or silent: go on without it (see Fleet.recover)
+                version = engine.recover(pusher, f"push failed: {e}", version, weights, queue, silent=getattr(e, "ranks", ()))
+                in_flight = None
             row = {"step": step + 1, "version": version, "loss": float(loss.detach()), "grad_norm": grad_norm,
                    "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std()),
                    "max_versions_per_sample": int(max(len(set(s.versions)) for g in groups for s in g.samples)),
                    "wait_ms": 1e3 * t_wait, "step_ms": 1e3 * (time.perf_counter() - t0),
                    "queue_depth": queue.depth(), **buffer.stats(), **m, **pending_push,
                    "engine_failures": engine.failures, "engine_restarts": engine.restarts,
-                   "group_ids": [g.group_id for g in groups], "dropped_ids": buffer.dropped_ids}
+                   "engine_drops": engine.drops, "engines_live": len(pusher.group.roster),
+                   "group_ids": [g.group_id for g in groups], "dropped_ids": buffer.dropped_ids,
+                   "versions_by_engine": _versions_by_engine(groups)}
             buffer.dropped_ids = []
             metrics.write(row)
             if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
@@ -161,14 +177,24 @@ def train(cfg: TrainConfig) -> dict:
     return summary
 
 
-def _next_groups(buffer: RolloutBuffer, cfg: TrainConfig, version: int, engine: EngineSupervisor) -> list:
+def _versions_by_engine(groups: list) -> dict[str, list[int]]:
+    """The policy versions each engine's tokens in this batch were sampled with."""
+    seen: dict[str, set[int]] = {}
+    for g in groups:
+        seen.setdefault(g.engine_id, set()).update(v for s in g.samples for v in s.versions)
+    return {e: sorted(vs) for e, vs in sorted(seen.items())}
+
+
+def _next_groups(buffer: RolloutBuffer, cfg: TrainConfig, version: int, engine: Fleet) -> list:
     """The next batch of groups; waits in short slices so a dead engine process is noticed
-    at once rather than after ``rollout.queue_timeout_s``."""
+    at once rather than after ``rollout.queue_timeout_s``, and a slot claimed by a frozen
+    producer is skipped (holed) while other producers' groups wait behind it."""
     deadline = time.monotonic() + cfg.rollout.queue_timeout_s
     while True:
         try:
             return buffer.next_batch(cfg.rollout.groups_per_step, version, timeout_s=1.0)
         except TransportTimeout:
+            buffer.queue.skip_stalled()
             problem = engine.exit_problem()
             if problem is not None:
                 raise EngineLost(problem) from None

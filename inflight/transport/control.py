@@ -21,14 +21,15 @@ from inflight.protocol import (
     decode_reply,
     encode,
 )
-from inflight.transport.group import WeightGroup, wait_key
+from inflight.transport.group import TransportTimeout, WeightGroup, wait_key
 
 Phase = Literal["ack", "staged"]
 """An announce gets two replies: ``ack`` (accepted or not) and ``staged`` (buckets verified or not)."""
 
 
-def _wait_key(group: WeightGroup, key: str, timeout_s: float | None, stop: threading.Event | None, what: str) -> bytes:
-    return wait_key(group.store, key, timeout_s=timeout_s, stop=stop, what=what, who=f"rank {group.rank}")
+def _wait_key(group: WeightGroup, key: str, timeout_s: float | None, stop: threading.Event | None, what: str,
+              give_up=None) -> bytes:
+    return wait_key(group.store, key, timeout_s=timeout_s, stop=stop, what=what, who=f"rank {group.rank}", give_up=give_up)
 
 
 class TrainerControl:
@@ -52,7 +53,10 @@ class TrainerControl:
         deadline = time.monotonic() + timeout_s
         for rank in self.group.peers:
             left = max(deadline - time.monotonic(), 0.001)
-            raw = _wait_key(self.group, f"rep/{seq}/{phase}/{rank}", left, None, f"reply from worker rank {rank} to {what}")
+            try:
+                raw = _wait_key(self.group, f"rep/{seq}/{phase}/{rank}", left, None, f"reply from worker rank {rank} to {what}")
+            except TransportTimeout as e:
+                raise TransportTimeout(str(e), ranks=(rank,)) from e
             out[rank] = decode_reply(raw)
         for rank in self.group.peers:
             self.group.store.delete_key(f"rep/{seq}/{phase}/{rank}")
@@ -77,7 +81,10 @@ class WorkerControl:
         so the worker can reply and stay in step with the trainer).
         """
         seq = self.seq
-        raw = _wait_key(self.group, f"msg/{seq}", timeout_s, stop, f"control message #{seq} from the trainer")
+        # A worker dropped from its generation (it was stopped, or too slow) would wait here
+        # forever: the trainer writes to the next generation's keys. It notices and rejoins.
+        raw = _wait_key(self.group, f"msg/{seq}", timeout_s, stop, f"control message #{seq} from the trainer",
+                        give_up=self.group.superseded)
         self.seq += 1
         return seq, decode_control(raw)
 

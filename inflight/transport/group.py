@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -27,7 +28,7 @@ from typing import Literal
 import torch
 from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroup, Store, TCPStore, Work
 
-from inflight.protocol import Joined, decode_reply, encode
+from inflight.protocol import Joined, ProtocolError, Roster, decode_control, decode_reply, encode
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -42,7 +43,11 @@ class TransportError(RuntimeError):
 
 
 class TransportTimeout(TransportError):
-    """A wait on the group ran past its timeout."""
+    """A wait on the group ran past its timeout; ``ranks``: the members waited for, if known."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,15 +140,22 @@ INCARNATION = uuid.uuid4().hex[:12]
 _POLL_MAX_S = 0.005  # idle polling backs off to this; a blocking store wait would log a warning per timeout
 
 
-def wait_key(store: Store, key: str, *, timeout_s: float | None, stop: threading.Event | None, what: str, who: str) -> bytes:
+def wait_key(store: Store, key: str, *, timeout_s: float | None, stop: threading.Event | None, what: str, who: str,
+             give_up: Callable[[], bool] | None = None) -> bytes:
     """Wait for ``key`` in ``store`` and return its value; ``timeout_s=None`` waits until ``stop``.
 
     Polls with ``check`` (one small round trip) rather than ``store.wait``, whose timeouts
-    log a c10d warning each, so an idle worker stays quiet.
+    log a c10d warning each, so an idle worker stays quiet. ``give_up``, asked every
+    quarter second, raises ``TransportError`` when it says the key will never come.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     pause = 0.0002
+    next_ask = time.monotonic() + 0.25
     while True:
+        if give_up is not None and time.monotonic() > next_ask:
+            next_ask = time.monotonic() + 0.25
+            if give_up():
+                raise TransportError(f"{who}: gave up waiting for {what}: the group moved to a newer generation")
         try:
             if store.check([key]):
                 return store.get(key)
@@ -210,16 +222,20 @@ class WeightGroup:
 
     Forming a generation (ordering invariant): rank 0 hosts the store, marks it with a
     random ``incarnation``, bumps ``generation`` to g and opens ``gen<g>/open``; each worker
-    waits for an open generation it is not already in, posts ``Joined`` under
-    ``gen<g>/hello/<rank>``, and only then does every member build the data plane of g;
-    rank 0 closes ``open`` once it formed. So a worker that lost its group (trainer gone,
-    a timeout) never walks into a generation that already formed: it waits for rank 0 to
-    open the next one, in this store or in a restarted trainer's, and joins that.
+    waits for an open generation it is not already in and posts ``Joined`` under
+    ``gen<g>/hello/<rank>``. Rank 0 waits for the workers it wants (all of them at first;
+    after a failure, whoever answers within the timeout), admits whole engines only, posts
+    the ``Roster`` and builds the data plane of its members (the i-th member is data-plane
+    rank i + 1); then it closes ``open``. A worker left out of a roster knocks
+    (``knock/<rank>``) and waits for the next generation, which rank 0 opens when it sees
+    the knock. So a worker that lost its group (trainer gone, a timeout, a stop) never walks
+    into a generation that already formed, and a fleet goes on without a silent member.
     """
 
     def __init__(
         self, config: GroupConfig, rank: int, device: torch.device | None = None, *,
         live_version: int = 0, stop: threading.Event | None = None, join_timeout_s: float | None = None,
+        engine_ranks: tuple[int, ...] = (),
     ) -> None:
         if not 0 <= rank < config.world_size:
             raise ValueError(f"rank {rank} outside world_size {config.world_size}")
@@ -231,8 +247,10 @@ class WeightGroup:
         self.device = device
         self.timeout = timedelta(seconds=config.timeout_s)
         self.pg: ProcessGroup | None = None
+        self.roster: tuple[int, ...] = ()
+        """The worker ranks of the current generation, in data-plane order."""
         self.hellos: dict[int, Joined] = {}
-        """Rank 0: each worker's ``Joined`` for the current generation."""
+        """Rank 0: each member's ``Joined`` for the current generation."""
         join_timeout = config.timeout_s if join_timeout_s is None else join_timeout_s
         if rank == 0:
             try:
@@ -244,42 +262,94 @@ class WeightGroup:
             self._root.set("incarnation", uuid.uuid4().hex)
             self.reform(join_timeout)
         else:
-            self._join(live_version, stop, join_timeout_s)
+            self._join(live_version, stop, join_timeout_s, engine_ranks or (rank,))
 
     # -- forming a generation ---------------------------------------------------------------
-    def reform(self, timeout_s: float | None = None) -> dict[int, Joined]:
-        """Rank 0: drop the current data plane (if any) and form the next generation with every
-        worker; returns their ``Joined``. Raises ``TransportTimeout`` naming the absent ranks."""
+    @property
+    def workers(self) -> list[int]:
+        """Every worker rank the group may hold (1 .. world_size - 1)."""
+        return list(range(1, self.config.world_size))
+
+    def reform(self, timeout_s: float | None = None, *, want: set[int] | None = None,
+               require: set[int] | None = None) -> dict[int, Joined]:
+        """Rank 0: drop the current data plane (if any) and form the next generation; returns
+        its members' ``Joined``.
+
+        Waits up to ``timeout_s`` for every rank in ``want`` (default: all workers). Raises
+        ``TransportTimeout`` naming them if a rank of ``require`` (default: ``want``) did not
+        come, or if no engine came whole; otherwise the members are the whole engines that
+        came (pass ``require=set()`` to go on without the silent ones)."""
         if self.rank != 0:
             raise ValueError("only rank 0 opens generations; workers join them")
         self._close_data_plane()
         timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
+        want = set(self.workers) if want is None else set(want)
+        require = want if require is None else set(require)
         g = self._root.add("generation", 1)
         self._root.set(f"gen{g}/open", b"1")
         try:
-            deadline = time.monotonic() + timeout_s
-            hellos = {}
-            for r in self.peers:
-                raw = wait_key(self._root, f"gen{g}/hello/{r}", timeout_s=max(deadline - time.monotonic(), 0.001), stop=None,
-                               what=f"worker rank {r} to join generation {g}", who="rank 0")
-                hellos[r] = decode_reply(raw)
+            hellos = self._collect_hellos(g, want, time.monotonic() + timeout_s)
+            missing = sorted(require - hellos.keys())
+            if missing:
+                raise TransportTimeout(f"rank 0: worker ranks {missing} did not join generation {g} within {timeout_s:.1f}s")
+            members = tuple(sorted(r for r, h in hellos.items() if all(e in hellos for e in (h.engine_ranks or (r,)))))
+            if not members:
+                raise TransportTimeout(f"rank 0: no engine joined generation {g} whole within {timeout_s:.1f}s "
+                                       f"(heard from ranks {sorted(hellos)}, wanted {sorted(want)})")
+            self._root.set(f"gen{g}/roster", encode(Roster(generation=g, members=members)))
+            self.roster = members
             self._form_data_plane(g)
         finally:
             self._root.delete_key(f"gen{g}/open")
-        self.hellos = {r: h for r, h in hellos.items() if isinstance(h, Joined)}
+        for r in members:
+            self._root.delete_key(f"knock/{r}")
+        self.hellos = {r: hellos[r] for r in members}
         return self.hellos
 
-    def _join(self, live_version: int, stop: threading.Event | None, timeout_s: float | None) -> None:
+    def _collect_hellos(self, g: int, want: set[int], deadline: float) -> dict[int, Joined]:
+        hellos: dict[int, Joined] = {}
+        pause = 0.0002
+        while True:
+            for r in sorted(want - hellos.keys()):
+                if self._root.check([f"gen{g}/hello/{r}"]):
+                    msg = decode_reply(self._root.get(f"gen{g}/hello/{r}"))
+                    if isinstance(msg, Joined) and msg.rank == r:
+                        hellos[r] = msg
+            if hellos.keys() >= want or time.monotonic() > deadline:
+                return hellos
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+
+    def knocking(self) -> list[int]:
+        """Rank 0: worker ranks outside the current generation that asked to be let in."""
+        return [r for r in self.workers if r not in self.roster and self._root.check([f"knock/{r}"])]
+
+    def superseded(self) -> bool:
+        """Worker: rank 0 opened a generation after this one (this member was dropped, or
+        everyone is being re-formed): whatever this generation waits for will not come."""
+        try:
+            return self._root.add("generation", 0) > self.generation
+        except RuntimeError as e:
+            raise TransportError(f"rank {self.rank}: the group store failed: {e}") from e
+
+    def _join(self, live_version: int, stop: threading.Event | None, timeout_s: float | None,
+              engine_ranks: tuple[int, ...]) -> None:
         """Worker: connect to the store, wait for an open generation, announce, form."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._tcp = _connect(self.config, self.rank, deadline, stop)
         self._root = PrefixStore(self.config.name, self._tcp)
         tried: set[int] = set()
+        hello = encode(Joined(rank=self.rank, live_version=live_version, incarnation=INCARNATION,
+                              engine_ranks=tuple(engine_ranks)))
         while True:
+            self._root.set(f"knock/{self.rank}", INCARNATION.encode())
             g = _open_generation(self._root, self.rank, tried, deadline, stop)
             tried.add(g)
-            self._root.set(f"gen{g}/hello/{self.rank}", encode(Joined(rank=self.rank, live_version=live_version,
-                                                                      incarnation=INCARNATION)))
+            self._root.set(f"gen{g}/hello/{self.rank}", hello)
+            roster = self._wait_roster(g, deadline, stop)
+            if roster is None or self.rank not in roster.members:
+                continue  # rank 0 formed g without this engine (it came too late): knock for the next
+            self.roster = roster.members
             try:
                 self._form_data_plane(g)
                 return
@@ -287,17 +357,34 @@ class WeightGroup:
                 if deadline is not None and time.monotonic() > deadline:
                     raise
 
+    def _wait_roster(self, g: int, deadline: float | None, stop: threading.Event | None) -> Roster | None:
+        """The roster of g, or None if rank 0 closed g without posting one."""
+        pause = 0.0002
+        while True:
+            try:
+                if self._root.check([f"gen{g}/roster"]):
+                    msg = decode_control(self._root.get(f"gen{g}/roster"))
+                    return msg if isinstance(msg, Roster) and msg.generation == g else None
+                if not self._root.check([f"gen{g}/open"]):
+                    return None
+            except (RuntimeError, ProtocolError) as e:
+                raise TransportError(f"rank {self.rank}: reading the roster of generation {g} failed: {e}") from e
+            if stop is not None and stop.is_set():
+                raise InterruptedError(f"rank {self.rank}: stopped while waiting to join the group")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TransportTimeout(f"rank {self.rank}: no roster for generation {g}")
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+
     def _form_data_plane(self, g: int) -> None:
         prefix = f"{self.config.name}/gen{g}"
+        pg_rank = 0 if self.rank == 0 else 1 + self.roster.index(self.rank)
+        size = 1 + len(self.roster)
         try:
-            self.pg = _make_process_group(
-                PrefixStore(prefix + "/pg", self._tcp), self.rank, self.config.world_size, self.backend, self.timeout,
-                self.device,
-            )
+            self.pg = _make_process_group(PrefixStore(prefix + "/pg", self._tcp), pg_rank, size, self.backend,
+                                          self.timeout, self.device)
         except Exception as e:
-            raise TransportError(
-                f"rank {self.rank}: forming {self.backend} group {prefix} of {self.config.world_size} failed: {e}"
-            ) from e
+            raise TransportError(f"rank {self.rank}: forming {self.backend} group {prefix} of {size} failed: {e}") from e
         self.generation = g
         self.incarnation = self._root.get("incarnation").decode()
         self.store = PrefixStore(prefix + "/ctl", self._tcp)
@@ -313,8 +400,8 @@ class WeightGroup:
 
     @property
     def peers(self) -> list[int]:
-        """Ranks this member exchanges with: all workers for the trainer, the trainer for a worker."""
-        return list(range(1, self.config.world_size)) if self.rank == 0 else [0]
+        """Ranks this member exchanges with: the generation's workers for the trainer, the trainer for a worker."""
+        return list(self.roster) if self.rank == 0 else [0]
 
     def start_broadcast(self, tensor: torch.Tensor, *, what: str) -> tuple[Work, str]:
         """Post a broadcast from rank 0 into every member's ``tensor``; finish it with ``wait``.
@@ -329,42 +416,51 @@ class WeightGroup:
             raise TransportError(f"rank {self.rank}: posting {what} failed: {e}") from e
 
     def wait(self, pending: tuple[Work, str], timeout_s: float | None = None) -> None:
-        """Finish a posted broadcast; raise ``TransportTimeout`` naming the peer and what it carried."""
+        """Finish a posted broadcast; raise ``TransportTimeout`` naming the peer and what it carried.
+
+        Polls for completion with its own deadline instead of blocking in ``Work.wait``: an
+        NCCL wait does not block the host at all (a stalled peer would then hang the first
+        host sync forever), and a worker blocked in a gloo wait could not notice that the
+        trainer gave up on this generation and opened the next one (it asks every quarter
+        second). On either, the communicator is aborted (or, where the backend cannot,
+        abandoned to finish failing on its own) before raising: this generation is over,
+        and the next one builds a new communicator.
+        """
         work, what = pending
         timeout = self.timeout if timeout_s is None else timedelta(seconds=timeout_s)
+        peer = "trainer (rank 0)" if self.rank else f"workers {self.peers}"
+        deadline = time.monotonic() + timeout.total_seconds()
+        next_ask = time.monotonic() + 0.25
+        pause = 0.00005
         try:
-            if self.backend == "nccl":
-                self._wait_nccl(work, timeout.total_seconds(), what)
-            work.wait(timeout)
+            while not work.is_completed():
+                now = time.monotonic()
+                if now > deadline:
+                    self._abort()
+                    raise TransportTimeout(f"rank {self.rank}: {what} from/to {peer} did not complete within "
+                                           f"{timeout.total_seconds():.1f}s; communicator aborted")
+                if self.rank != 0 and now > next_ask:
+                    next_ask = now + 0.25
+                    if self.superseded():
+                        self._abort()
+                        raise TransportError(f"rank {self.rank}: {what}: the trainer moved to a newer generation")
+                time.sleep(pause)
+                pause = min(pause * 2, 0.001)
+            work.wait(timeout)  # raises the collective's own error, if it failed
         except TransportError:
             raise
         except Exception as e:
-            peer = "trainer (rank 0)" if self.rank else f"workers {self.peers}"
             msg = f"rank {self.rank}: {what} from/to {peer} failed after <= {timeout.total_seconds():.1f}s: {e}"
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise TransportTimeout(msg) from e
             raise TransportError(msg) from e
 
-    def _wait_nccl(self, work: Work, timeout_s: float, what: str) -> None:
-        """Without blocking-wait mode, an NCCL ``Work.wait`` only orders the current stream
-        after the collective and returns at once: a stalled peer would then hang the first
-        host sync (a checksum) forever. So poll for completion with our deadline, and on
-        timeout abort the communicator (its kernels stop, its memory is released) before
-        raising: this generation is over and the next one builds a new communicator."""
-        deadline = time.monotonic() + timeout_s
-        pause = 0.0001
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                pg, self.pg = self.pg, None
-                try:
-                    pg.abort() if pg is not None else None
-                except Exception:  # already broken; nothing more to release
-                    pass
-                peer = "trainer (rank 0)" if self.rank else f"workers {self.peers}"
-                raise TransportTimeout(f"rank {self.rank}: {what} from/to {peer} did not complete within "
-                                       f"{timeout_s:.1f}s; NCCL communicator aborted")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.002)
+    def _abort(self) -> None:
+        pg, self.pg = self.pg, None
+        try:
+            pg.abort() if pg is not None else None
+        except Exception:  # gloo cannot abort: its pending op fails on its own timeout, unobserved
+            pass
 
     def broadcast(self, tensor: torch.Tensor, *, what: str, timeout_s: float | None = None) -> None:
         """Blocking ``start_broadcast`` + ``wait``."""

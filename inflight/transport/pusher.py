@@ -171,17 +171,23 @@ class WeightPusher:
         """Each worker's live version when it joined the current generation of the group."""
         return {r: h.live_version for r, h in self.group.hellos.items()}
 
-    def rejoin(self, timeout_s: float | None = None) -> dict[int, int]:
-        """After a failed push (an engine died or timed out): form the group's next generation
-        with every worker, waiting up to ``timeout_s`` for them (a restarted engine needs its
-        start-up time); returns their live versions. Raises ``TransportTimeout`` naming the
-        workers that did not come back; it may be called again."""
+    def rejoin(self, timeout_s: float | None = None, *, want: set[int] | None = None,
+               require: set[int] | None = None) -> dict[int, int]:
+        """After a failed push (an engine died or timed out), or to let knocking engines in:
+        form the group's next generation, waiting up to ``timeout_s`` (a restarted engine
+        needs its start-up time) for the ranks in ``want`` (default: all); returns the
+        members' live versions. Raises ``TransportTimeout`` naming the ranks of ``require``
+        (default: ``want``) that did not come back; it may be called again."""
         if self._in_flight is not None:
             self._in_flight.exception()  # let the failed push finish failing
             self._in_flight = None
-        self.group.reform(timeout_s)
+        self.group.reform(timeout_s, want=want, require=require)
         self.control = TrainerControl(self.group)  # message numbers restart with the generation
         return self.engine_versions
+
+    def knocking(self) -> list[int]:
+        """Worker ranks outside the current generation that want to join (see ``WeightGroup``)."""
+        return self.group.knocking()
 
     def close(self, reason: str = "trainer done") -> None:
         """Tell the workers to stop listening, then leave the group."""
