@@ -21,7 +21,7 @@ from inflight.protocol import (
     decode_reply,
     encode,
 )
-from inflight.transport.group import TransportTimeout, WeightGroup, wait_key
+from inflight.transport.group import GaveUp, TransportTimeout, WeightGroup, wait_key
 
 Phase = Literal["ack", "staged"]
 """An announce gets two replies: ``ack`` (accepted or not) and ``staged`` (buckets verified or not)."""
@@ -83,8 +83,11 @@ class WorkerControl:
         seq = self.seq
         # A worker dropped from its generation (it was stopped, or too slow) would wait here
         # forever: the trainer writes to the next generation's keys. It notices and rejoins.
-        raw = _wait_key(self.group, f"msg/{seq}", timeout_s, stop, f"control message #{seq} from the trainer",
-                        give_up=self.group.superseded)
+        try:
+            raw = _wait_key(self.group, f"msg/{seq}", timeout_s, stop, f"control message #{seq} from the trainer",
+                            give_up=self.group.superseded)
+        except GaveUp as e:
+            raise GaveUp(f"{e}: the trainer opened a newer generation of the group") from None
         self.seq += 1
         return seq, decode_control(raw)
 

@@ -42,6 +42,10 @@ class TransportError(RuntimeError):
     """The group failed: a peer vanished, a collective broke, or a message was unusable."""
 
 
+class GaveUp(TransportError):
+    """A wait was abandoned: what it waited for will not come (e.g. a newer generation opened)."""
+
+
 class TransportTimeout(TransportError):
     """A wait on the group ran past its timeout; ``ranks``: the members waited for, if known."""
 
@@ -152,15 +156,15 @@ def wait_key(store: Store, key: str, *, timeout_s: float | None, stop: threading
     pause = 0.0002
     next_ask = time.monotonic() + 0.25
     while True:
-        if give_up is not None and time.monotonic() > next_ask:
-            next_ask = time.monotonic() + 0.25
-            if give_up():
-                raise TransportError(f"{who}: gave up waiting for {what}: the group moved to a newer generation")
         try:
             if store.check([key]):
                 return store.get(key)
         except RuntimeError as e:  # the store's host (the trainer) is gone
             raise TransportTimeout(f"{who}: store failed while waiting for {what}: {e}") from e
+        if give_up is not None and time.monotonic() > next_ask:  # after the check: a key that came is taken
+            next_ask = time.monotonic() + 0.25
+            if give_up():
+                raise GaveUp(f"{who}: gave up waiting for {what}")
         if stop is not None and stop.is_set():
             raise InterruptedError(f"{who}: stopped while waiting for {what}")
         if deadline is not None and time.monotonic() > deadline:
@@ -359,22 +363,16 @@ class WeightGroup:
 
     def _wait_roster(self, g: int, deadline: float | None, stop: threading.Event | None) -> Roster | None:
         """The roster of g, or None if rank 0 closed g without posting one."""
-        pause = 0.0002
-        while True:
-            try:
-                if self._root.check([f"gen{g}/roster"]):
-                    msg = decode_control(self._root.get(f"gen{g}/roster"))
-                    return msg if isinstance(msg, Roster) and msg.generation == g else None
-                if not self._root.check([f"gen{g}/open"]):
-                    return None
-            except (RuntimeError, ProtocolError) as e:
-                raise TransportError(f"rank {self.rank}: reading the roster of generation {g} failed: {e}") from e
-            if stop is not None and stop.is_set():
-                raise InterruptedError(f"rank {self.rank}: stopped while waiting to join the group")
-            if deadline is not None and time.monotonic() > deadline:
-                raise TransportTimeout(f"rank {self.rank}: no roster for generation {g}")
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX_S)
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+        try:
+            raw = wait_key(self._root, f"gen{g}/roster", timeout_s=left, stop=stop, what=f"the roster of generation {g}",
+                           who=f"rank {self.rank}", give_up=lambda: not self._root.check([f"gen{g}/open"]))
+            msg = decode_control(raw)
+        except GaveUp:
+            return None
+        except ProtocolError as e:
+            raise TransportError(f"rank {self.rank}: unreadable roster of generation {g}: {e}") from e
+        return msg if isinstance(msg, Roster) and msg.generation == g else None
 
     def _form_data_plane(self, g: int) -> None:
         prefix = f"{self.config.name}/gen{g}"
@@ -418,34 +416,20 @@ class WeightGroup:
     def wait(self, pending: tuple[Work, str], timeout_s: float | None = None) -> None:
         """Finish a posted broadcast; raise ``TransportTimeout`` naming the peer and what it carried.
 
-        Polls for completion with its own deadline instead of blocking in ``Work.wait``: an
-        NCCL wait does not block the host at all (a stalled peer would then hang the first
-        host sync forever), and a worker blocked in a gloo wait could not notice that the
-        trainer gave up on this generation and opened the next one (it asks every quarter
-        second). On either, the communicator is aborted (or, where the backend cannot,
-        abandoned to finish failing on its own) before raising: this generation is over,
-        and the next one builds a new communicator.
+        gloo: ``Work.wait`` blocks the host up to the timeout and raises on it or on a peer's
+        closed connection (a trainer that gives up on a generation shuts its side down, so
+        the workers' waits fail at once). NCCL: ``Work.wait`` does not block the host at all,
+        so a stalled peer would hang the first host sync forever; poll for completion with
+        our own deadline instead, and on timeout, or once the trainer opened a newer
+        generation (asked every quarter second), abort the communicator before raising:
+        this generation is over, and the next one builds a new communicator.
         """
         work, what = pending
         timeout = self.timeout if timeout_s is None else timedelta(seconds=timeout_s)
         peer = "trainer (rank 0)" if self.rank else f"workers {self.peers}"
-        deadline = time.monotonic() + timeout.total_seconds()
-        next_ask = time.monotonic() + 0.25
-        pause = 0.00005
         try:
-            while not work.is_completed():
-                now = time.monotonic()
-                if now > deadline:
-                    self._abort()
-                    raise TransportTimeout(f"rank {self.rank}: {what} from/to {peer} did not complete within "
-                                           f"{timeout.total_seconds():.1f}s; communicator aborted")
-                if self.rank != 0 and now > next_ask:
-                    next_ask = now + 0.25
-                    if self.superseded():
-                        self._abort()
-                        raise TransportError(f"rank {self.rank}: {what}: the trainer moved to a newer generation")
-                time.sleep(pause)
-                pause = min(pause * 2, 0.001)
+            if self.backend == "nccl":
+                self._poll_nccl(work, timeout.total_seconds(), f"{what} from/to {peer}")
             work.wait(timeout)  # raises the collective's own error, if it failed
         except TransportError:
             raise
@@ -455,11 +439,30 @@ class WeightGroup:
                 raise TransportTimeout(msg) from e
             raise TransportError(msg) from e
 
+    def _poll_nccl(self, work: Work, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        next_ask = time.monotonic() + 0.25
+        pause = 0.00005
+        while not work.is_completed():
+            now = time.monotonic()
+            if now > deadline:
+                self._abort()
+                raise TransportTimeout(f"rank {self.rank}: {what} did not complete within {timeout_s:.1f}s; "
+                                       "NCCL communicator aborted")
+            if self.rank != 0 and now > next_ask:
+                next_ask = now + 0.25
+                if self.superseded():
+                    self._abort()
+                    raise TransportError(f"rank {self.rank}: {what}: the trainer moved to a newer generation; "
+                                         "NCCL communicator aborted")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.001)
+
     def _abort(self) -> None:
         pg, self.pg = self.pg, None
         try:
             pg.abort() if pg is not None else None
-        except Exception:  # gloo cannot abort: its pending op fails on its own timeout, unobserved
+        except Exception:  # already broken; nothing more to release
             pass
 
     def broadcast(self, tensor: torch.Tensor, *, what: str, timeout_s: float | None = None) -> None:
