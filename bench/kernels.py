@@ -1,10 +1,11 @@
-"""Per-token log-prob + entropy (forward + backward): Triton / chunked torch vs the reference.
+"""Per-token log-prob + entropy (forward + backward): Triton / chunked torch vs the reference;
+and the fused per-token loss (``kernels.tis_loss``, lag-aware truncation on).
 
-    python -m bench.kernels [--tokens 1024 4096] [--vocab 32000 151936]
+    python -m bench.kernels [--tokens 1024 4096] [--vocab 32000 151936] [--loss-tokens 1048576]
 
 On CUDA it times the Triton kernels and reports peak memory; on CPU it compares the
-chunked torch fallback with the reference (Triton needs a GPU outside the interpreter).
-Prints a table, then one JSON line.
+chunked torch fallback with the reference (Triton needs a GPU outside the interpreter), and
+times only the loss's reference. Prints tables, then one JSON line each.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import torch
 
 from kernels.logprob_entropy import logprob_entropy
+from kernels.tis_loss import TISParams, tis_loss
 
 
 def _time(fn, device: torch.device, reps: int) -> float:
@@ -35,6 +37,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=None)
     ap.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--loss-tokens", type=int, nargs="+", default=None)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -67,6 +70,36 @@ def main() -> None:
     for r in rows:
         print(" ".join(f"{r[c]!s:>18}" for c in cols))
     print(json.dumps({"bench": "kernels", "device": str(device), "rows": rows}))
+    bench_loss(args.loss_tokens or ([1 << 20, 1 << 23] if device.type == "cuda" else [1 << 16, 1 << 20]), device, args.reps)
+
+
+def bench_loss(sizes: list[int], device: torch.device, reps: int) -> None:
+    """The fused per-token loss, forward + backward, per objective (fp32 tokens)."""
+    impls = ["reference", "triton"] if device.type == "cuda" else ["reference"]
+    rows = []
+    for n in sizes:
+        logp = (torch.randn(n, device=device) - 2).requires_grad_()
+        mu, adv = logp.detach() + 0.3 * torch.randn(n, device=device), torch.randn(n, device=device)
+        mask, lag = torch.ones(n, device=device), torch.randint(0, 8, (n,), device=device).float()
+        for objective in ("reinforce", "ppo"):
+            p = TISParams(objective=objective, lag_decay=0.9)
+            row = {"tokens": n, "objective": objective}
+            for impl in impls:
+                def step() -> None:
+                    loss, _ = tis_loss(logp, mu, adv, mask, float(n), p, lag=lag, impl=impl)  # type: ignore[arg-type]
+                    loss.backward()
+                    logp.grad = None
+
+                row[f"{impl}_ms"] = round(1e3 * _time(step, device, reps), 3)
+            if len(impls) == 2:
+                row["speedup"] = round(row["reference_ms"] / row["triton_ms"], 2)
+            rows.append(row)
+    cols = list(rows[0])
+    print(f"tis_loss device={device}  fwd+bwd, mean of {reps}")
+    print(" ".join(f"{c:>14}" for c in cols))
+    for r in rows:
+        print(" ".join(f"{r[c]!s:>14}" for c in cols))
+    print(json.dumps({"bench": "tis_loss", "device": str(device), "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,19 @@
 """The per-token policy-gradient loss with importance correction, fused: ratio, truncation
 or masking, advantage weighting, the loss and its gradient in one pass over the tokens.
 
-Per token t (all float32; ``m_t`` already folds the completion mask and the lag mask):
-    r_t = exp(logp_t - mu_t)                       (pi_theta / mu, mu = behaviour log-prob)
-    reinforce (TIS):  w_t = min(r_t, C)            loss_t = -m_t w_t A_t logp_t / N
-    icepop:           w_t = r_t 1[lo <= r_t <= hi]  loss_t = -m_t w_t A_t logp_t / N
-    ppo:              loss_t = -m_t min(r_t A_t, clip(r_t, 1-eps_lo, 1+eps_hi) A_t) / N
-``w_t`` is a constant (stop-gradient) in reinforce and icepop, so d loss_t / d logp_t =
--m_t w_t A_t / N; in ppo the gradient flows through r_t and vanishes where the clip binds.
+Per token t (all float32; ``m_t`` already folds the completion mask, the lag mask and the
+correction masks of ``trainer.correction``):
+    rho_t = exp(logp_t - mu_t)       token level (mu = behaviour log-prob), or
+    rho_t = exp(l_t)                 when a log-ratio l_t is given (the sequence level passes
+                                     l_t = log s_i, the sequence ratio of t's sample, detached)
+    f_t = d ** lag_t                 lag-aware factor (d = lag_decay; d = 1: f_t = 1)
+    none:             w_t = 1                             loss_t = -m_t w_t A_t logp_t / N
+    reinforce (TIS):  w_t = min(rho_t, C f_t)             loss_t = -m_t w_t A_t logp_t / N
+    icepop:           w_t = rho_t 1[lo <= rho_t <= hi f_t] loss_t = -m_t w_t A_t logp_t / N
+    ppo:              loss_t = -m_t min(rho_t A_t, clip(rho_t, 1-eps_lo, 1+eps_hi f_t) A_t) / N
+``w_t`` is a constant (stop-gradient) in none, reinforce and icepop, so d loss_t / d logp_t =
+-m_t w_t A_t / N. In ppo the gradient flows through rho_t (d rho_t / d logp_t = rho_t, also
+for a given l_t: GSPO-token's sg[s_i] pi_t / sg[pi_t]) and vanishes where the clip binds.
 
 - ``tis_loss_reference``: plain torch with autograd (the spec);
 - ``_tis_kernel``: Triton, one block of tokens per program, writes loss_t, w_t and the
@@ -17,6 +23,7 @@ Per token t (all float32; ``m_t`` already folds the completion mask and the lag 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-Objective = Literal["reinforce", "ppo", "icepop"]
-_OBJECTIVE_ID = {"reinforce": 0, "ppo": 1, "icepop": 2}
+Objective = Literal["reinforce", "ppo", "icepop", "none"]
+_OBJECTIVE_ID = {"reinforce": 0, "ppo": 1, "icepop": 2, "none": 3}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,7 +40,8 @@ class TISParams:
     """Constants of the loss (see the module docstring)."""
 
     objective: Objective = "reinforce"
-    """reinforce (truncated IS, default), ppo (clipped ratio) or icepop (mask outside [lo, hi])."""
+    """reinforce (truncated IS, default), ppo (clipped ratio; GSPO at loss.level = "sequence"),
+    icepop (mask outside [lo, hi]) or none (w = 1: no off-policy correction)."""
     truncation: float = 2.0
     """C in min(r, C) for reinforce."""
     clip_low: float = 0.2
@@ -44,60 +52,83 @@ class TISParams:
     """lo for icepop."""
     icepop_high: float = 2.0
     """hi for icepop."""
+    lag_decay: float = 1.0
+    """d in (0, 1]: the upper constant of each objective (C, hi, eps_hi) is multiplied by
+    d ** lag, so staler tokens get a tighter bound. 1 turns it off."""
 
     def __post_init__(self) -> None:
         if self.objective not in _OBJECTIVE_ID:
-            raise ValueError(f"TISParams.objective={self.objective!r} is not reinforce, ppo or icepop")
+            raise ValueError(f"TISParams.objective={self.objective!r} is not reinforce, ppo, icepop or none")
         if not self.truncation > 0:
             raise ValueError(f"TISParams.truncation={self.truncation} must be > 0")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ValueError(f"TISParams clip=({self.clip_low}, {self.clip_high}) needs 0 <= low < 1, high >= 0")
         if not 0 <= self.icepop_low < self.icepop_high:
             raise ValueError(f"TISParams icepop=({self.icepop_low}, {self.icepop_high}) needs 0 <= low < high")
+        if not 0 < self.lag_decay <= 1:
+            raise ValueError(f"TISParams.lag_decay={self.lag_decay} must be in (0, 1]")
 
 
-def tis_loss_reference(logp, mu, adv, mask, n_tokens: float, p: TISParams) -> tuple[torch.Tensor, torch.Tensor]:
+def lag_factor(lag: torch.Tensor, p: TISParams) -> torch.Tensor:
+    """f_t = d ** lag_t, computed as exp(lag_t log d) in float32 exactly as the kernel does."""
+    return torch.exp(lag.float() * math.log(p.lag_decay))
+
+
+def tis_loss_reference(logp, mu, adv, mask, n_tokens: float, p: TISParams, lag=None,
+                       log_ratio=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (scalar loss, per-token weight w_t, detached). All inputs (N,) float32."""
-    log_ratio = logp - mu
-    r = torch.exp(log_ratio)
+    if log_ratio is None:
+        r = torch.exp(logp - mu)
+    else:  # value exp(l_t), gradient d r / d logp = r (GSPO-token)
+        r = torch.exp(log_ratio.detach() + logp - logp.detach())
+    f = lag_factor(lag, p) if lag is not None else torch.ones_like(logp)
     if p.objective == "ppo":
         unclipped = r * adv
-        clipped = torch.clamp(r, 1 - p.clip_low, 1 + p.clip_high) * adv
+        clipped = torch.minimum(torch.clamp(r, min=1 - p.clip_low), 1 + p.clip_high * f) * adv
         per_token = -torch.minimum(unclipped, clipped)
         weight = r.detach()
     else:
         rd = r.detach()
         if p.objective == "reinforce":
-            weight = torch.clamp(rd, max=p.truncation)
+            weight = torch.minimum(rd, p.truncation * f)
+        elif p.objective == "icepop":
+            weight = torch.where((rd >= p.icepop_low) & (rd <= p.icepop_high * f), rd, torch.zeros_like(rd))
         else:
-            weight = torch.where((rd >= p.icepop_low) & (rd <= p.icepop_high), rd, torch.zeros_like(rd))
+            weight = torch.ones_like(rd)
         per_token = -weight * adv * logp
     return (per_token * mask).sum() / n_tokens, weight
 
 
 @triton.jit
-def _tis_kernel(logp_ptr, mu_ptr, adv_ptr, mask_ptr, loss_ptr, w_ptr, dlogp_ptr, n, inv_n,
-                trunc, clip_lo, clip_hi, ice_lo, ice_hi, OBJECTIVE: tl.constexpr, BLOCK: tl.constexpr):
+def _tis_kernel(logp_ptr, mu_ptr, lr_ptr, lag_ptr, adv_ptr, mask_ptr, loss_ptr, w_ptr, dlogp_ptr, n, inv_n,
+                trunc, clip_lo, clip_hi, ice_lo, ice_hi, log_decay, OBJECTIVE: tl.constexpr,
+                GIVEN_RATIO: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < n
     logp = tl.load(logp_ptr + offs, mask=valid, other=0.0)
-    mu = tl.load(mu_ptr + offs, mask=valid, other=0.0)
     adv = tl.load(adv_ptr + offs, mask=valid, other=0.0)
     m = tl.load(mask_ptr + offs, mask=valid, other=0.0) * inv_n
-    r = tl.exp(logp - mu)
+    if GIVEN_RATIO:  # sequence level: the ratio was reduced per sample outside
+        r = tl.exp(tl.load(lr_ptr + offs, mask=valid, other=0.0))
+    else:
+        r = tl.exp(logp - tl.load(mu_ptr + offs, mask=valid, other=0.0))
+    f = tl.exp(tl.load(lag_ptr + offs, mask=valid, other=0.0) * log_decay)
     if OBJECTIVE == 1:  # ppo
         unclipped = r * adv
-        clipped = tl.minimum(tl.maximum(r, 1.0 - clip_lo), 1.0 + clip_hi) * adv
+        hi = 1.0 + clip_hi * f
+        clipped = tl.minimum(tl.maximum(r, 1.0 - clip_lo), hi) * adv
         loss = -m * tl.minimum(unclipped, clipped)
         # d/dlogp of min(): the unclipped branch (or an inactive clip) carries r * A
-        active = (unclipped <= clipped) | ((r >= 1.0 - clip_lo) & (r <= 1.0 + clip_hi))
+        active = (unclipped <= clipped) | ((r >= 1.0 - clip_lo) & (r <= hi))
         dlogp = tl.where(active, -m * adv * r, 0.0)
         w = r
     else:
         if OBJECTIVE == 0:  # reinforce with truncated importance sampling
-            w = tl.minimum(r, trunc)
-        else:  # icepop
-            w = tl.where((r >= ice_lo) & (r <= ice_hi), r, 0.0)
+            w = tl.minimum(r, trunc * f)
+        elif OBJECTIVE == 2:  # icepop
+            w = tl.where((r >= ice_lo) & (r <= ice_hi * f), r, 0.0)
+        else:  # none
+            w = tl.full([BLOCK], 1.0, tl.float32)
         loss = -m * w * adv * logp
         dlogp = -m * w * adv
     tl.store(loss_ptr + offs, loss, mask=valid)
@@ -107,14 +138,16 @@ def _tis_kernel(logp_ptr, mu_ptr, adv_ptr, mask_ptr, loss_ptr, w_ptr, dlogp_ptr,
 
 class _TISLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logp, mu, adv, mask, n_tokens: float, p: TISParams):
+    def forward(ctx, logp, mu, log_ratio, lag, adv, mask, n_tokens: float, p: TISParams):
         n = logp.numel()
         loss, w, dlogp = (torch.empty(n, dtype=torch.float32, device=logp.device) for _ in range(3))
         if n:
             block = 1024
+            given = log_ratio is not None
             _tis_kernel[(triton.cdiv(n, block),)](
-                logp, mu, adv, mask, loss, w, dlogp, n, 1.0 / n_tokens, p.truncation, p.clip_low, p.clip_high,
-                p.icepop_low, p.icepop_high, OBJECTIVE=_OBJECTIVE_ID[p.objective], BLOCK=block,
+                logp, mu, log_ratio if given else mu, lag, adv, mask, loss, w, dlogp, n, 1.0 / n_tokens,
+                p.truncation, p.clip_low, p.clip_high, p.icepop_low, p.icepop_high, math.log(p.lag_decay),
+                OBJECTIVE=_OBJECTIVE_ID[p.objective], GIVEN_RATIO=given, BLOCK=block,
             )
         ctx.save_for_backward(dlogp)
         ctx.mark_non_differentiable(w)
@@ -123,17 +156,23 @@ class _TISLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, g_w):
         (dlogp,) = ctx.saved_tensors
-        return dlogp * g_loss, None, None, None, None, None
+        return dlogp * g_loss, None, None, None, None, None, None, None
 
 
-def tis_loss(logp, mu, adv, mask, n_tokens: float, p: TISParams, *, impl: Literal["auto", "triton", "reference"] = "auto"):
-    """Scalar loss and per-token weights from flat (N,) float32 tensors; grad flows to ``logp``."""
-    if not (logp.shape == mu.shape == adv.shape == mask.shape and logp.dim() == 1):
-        raise ValueError(f"tis_loss wants equal (N,) tensors, got {[tuple(t.shape) for t in (logp, mu, adv, mask)]}")
+def tis_loss(logp, mu, adv, mask, n_tokens: float, p: TISParams, *, lag=None, log_ratio=None,
+             impl: Literal["auto", "triton", "reference"] = "auto"):
+    """Scalar loss and per-token weights from flat (N,) float32 tensors; grad flows to ``logp``.
+
+    ``lag`` (N,) is each token's lag for ``p.lag_decay`` (None: 0); ``log_ratio`` (N,), if
+    given, replaces logp - mu as the ratio's log (the sequence level)."""
+    tensors = [t for t in (logp, mu, adv, mask, lag, log_ratio) if t is not None]
+    if not (all(t.shape == logp.shape for t in tensors) and logp.dim() == 1):
+        raise ValueError(f"tis_loss wants equal (N,) tensors, got {[tuple(t.shape) for t in tensors]}")
     if not n_tokens > 0:
         raise ValueError(f"n_tokens={n_tokens} must be > 0")
     use_triton = impl == "triton" or (impl == "auto" and logp.device.type == "cuda")
     if not use_triton:
-        return tis_loss_reference(logp, mu, adv, mask, n_tokens, p)
-    args = [t.float().contiguous() for t in (logp, mu, adv, mask)]
-    return _TISLoss.apply(*args, float(n_tokens), p)
+        return tis_loss_reference(logp, mu, adv, mask, n_tokens, p, lag, log_ratio)
+    lag = torch.zeros_like(logp) if lag is None else lag
+    args = [t.detach().float().contiguous() if t is not None else None for t in (mu, log_ratio, lag, adv, mask)]
+    return _TISLoss.apply(logp.float().contiguous(), *args, float(n_tokens), p)

@@ -76,29 +76,89 @@ def test_only_gradients_that_flow_are_used() -> None:
         torch.testing.assert_close(zz.grad, zr.grad, atol=1e-6, rtol=1e-6)
 
 
-def _check_tis(objective: str, device: str, n: int = 1001) -> None:
+OBJECTIVES = ["reinforce", "ppo", "icepop", "none"]
+
+
+def _check_tis(objective: str, device: str, n: int = 1001, lag_decay: float = 1.0, given_ratio: bool = False) -> None:
     g = torch.Generator().manual_seed(n)
     logp0 = (0.5 * torch.randn(n, generator=g) - 2).to(device)
     mu = logp0 + 0.8 * torch.randn(n, generator=g).to(device)  # ratios spread across every branch
     adv = torch.randn(n, generator=g).to(device)
     mask = (torch.rand(n, generator=g) > 0.2).float().to(device)
-    p = TISParams(objective=objective)  # type: ignore[arg-type]
+    lag = torch.randint(0, 9, (n,), generator=g).float().to(device)
+    # a given log-ratio (the sequence level's log s_i), shared by runs of 1-6 tokens
+    log_ratio = (0.6 * torch.randn(n, generator=g)).repeat_interleave(6)[:n].to(device) if given_ratio else None
+    p = TISParams(objective=objective, lag_decay=lag_decay)  # type: ignore[arg-type]
     out = {}
     for impl in ("reference", "triton"):
         lp = logp0.clone().requires_grad_()
-        loss, w = tis_loss(lp, mu, adv, mask, 777.0, p, impl=impl)  # type: ignore[arg-type]
+        loss, w = tis_loss(lp, mu, adv, mask, 777.0, p, lag=lag, log_ratio=log_ratio, impl=impl)  # type: ignore[arg-type]
         loss.backward()
         out[impl] = (loss.detach(), w, lp.grad)
     for ref, new in zip(out["reference"], out["triton"]):
         torch.testing.assert_close(new, ref, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("objective", ["reinforce", "ppo", "icepop"])
-def test_tis_loss_parity(objective: str) -> None:
-    _check_tis(objective, "cpu")
+@pytest.mark.parametrize("given_ratio", [False, True], ids=["token", "given_ratio"])
+@pytest.mark.parametrize("lag_decay", [1.0, 0.7])
+@pytest.mark.parametrize("n", [1, 1001, 2049])  # under one block, a partial block, a block and one
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_tis_loss_parity(objective: str, n: int, lag_decay: float, given_ratio: bool) -> None:
+    _check_tis(objective, "cpu", n, lag_decay, given_ratio)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("objective", ["reinforce", "ppo", "icepop"])
-def test_tis_loss_parity_cuda(objective: str) -> None:
-    _check_tis(objective, "cuda", n=1 << 20)
+@pytest.mark.parametrize("given_ratio", [False, True], ids=["token", "given_ratio"])
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_tis_loss_parity_cuda(objective: str, given_ratio: bool) -> None:
+    _check_tis(objective, "cuda", n=1 << 20, lag_decay=0.8, given_ratio=given_ratio)
+
+
+def _check_compute_loss(objective: str, level: str, lag_decay: float, device: str, b: int = 5, t: int = 13) -> None:
+    """The whole trainer loss through the kernel (masks, sequence reduction, GSPO-token
+    gradient) against ``correction_loss_reference``'s honest autograd, on a ragged batch of
+    mixed versions; every mask is on."""
+    from trainer.config import LossConfig
+    from trainer.correction import correction_loss_reference, correction_masks
+    from trainer.loss import Batch, compute_loss
+
+    g = torch.Generator().manual_seed(b * t)
+    lengths = torch.tensor([t, 1, 7, t - 1, 4] * (b // 5 + 1))[:b]
+    real = (torch.arange(t)[None] < lengths[:, None]).float()
+    logp0 = -torch.rand(b, t, generator=g) * 3
+    mu = logp0 + 0.4 * torch.randn(b, t, generator=g)
+    versions = 9 - torch.randint(0, 7, (b, t), generator=g)
+    batch = Batch(input_ids=torch.zeros(b, t + 1, dtype=torch.long), attention_mask=torch.ones(b, t + 1, dtype=torch.long),
+                  position_ids=torch.zeros(b, t + 1, dtype=torch.long), completion_ids=torch.zeros(b, t, dtype=torch.long),
+                  completion_mask=real, behaviour_logp=mu, versions=versions, rewards=torch.zeros(b),
+                  advantages=torch.randn(b, generator=g))
+    tis = TISParams(objective=objective, lag_decay=lag_decay, clip_low=0.1, clip_high=0.1, truncation=1.2)  # type: ignore[arg-type]
+    cfg = LossConfig(level=level, max_lag=5, veto=True, veto_threshold=0.3, seq_mask="geometric", seq_mask_low=0.6,
+                     seq_mask_high=1.6, m2_threshold=0.1, tis=tis)
+    batch = batch.to(torch.device(device))
+    lp = logp0.to(device).requires_grad_()
+    loss, m = compute_loss(lp, torch.zeros_like(lp), batch, version=9, cfg=cfg, impl="triton")
+    loss.backward()
+    assert 0 < m["tokens_in_loss"] < int(real.sum())  # the masks did something, and left something
+    # the reference, given the same final mask (the masks are checked by hand in test_correction)
+    mask = correction_masks(lp.detach() - batch.behaviour_logp, batch.completion_mask > 0, 9 - batch.versions, cfg).final
+    lr = lp.detach().clone().requires_grad_()
+    ref = correction_loss_reference(lr, batch.behaviour_logp, batch.advantages[:, None].expand_as(lr), mask,
+                                    9 - batch.versions, float(real.sum()), cfg.tis, level)
+    ref.backward()
+    torch.testing.assert_close(loss.detach(), ref.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lp.grad, lr.grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lag_decay", [1.0, 0.7])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_compute_loss_parity(objective: str, level: str, lag_decay: float) -> None:
+    _check_compute_loss(objective, level, lag_decay, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_compute_loss_parity_cuda(objective: str, level: str) -> None:
+    _check_compute_loss(objective, level, 0.7, "cuda", b=64, t=1023)

@@ -9,6 +9,7 @@ import torch
 
 from inflight.protocol import RolloutGroup, RolloutSample
 from kernels.tis_loss import TISParams, tis_loss
+from trainer.config import LossConfig
 from trainer.loss import Batch, collate, compute_loss, grpo_advantages, policy_logprobs
 
 
@@ -42,7 +43,7 @@ def _hand_batch() -> tuple[Batch, torch.Tensor]:
 def test_reinforce_tis_by_hand() -> None:
     batch, logp0 = _hand_batch()
     logp = logp0.clone().requires_grad_()
-    loss, m = compute_loss(logp, torch.zeros(2, 3), batch, version=7, tis=TISParams(truncation=2.0), max_lag=2)
+    loss, m = compute_loss(logp, torch.zeros(2, 3), batch, version=7, cfg=LossConfig(tis=TISParams(truncation=2.0), max_lag=2))
     # w = min(r, 2) on unmasked tokens = [1, 2, 0.5 | -, 1.5]; N = 5 real tokens
     # loss = -(1/5) * log(0.5) * [(1 + 2 + 0.5) * (+1) + 1.5 * (-1)] = -(2/5) log 0.5
     assert float(loss.detach()) == pytest.approx(-0.4 * math.log(0.5), abs=1e-6)
@@ -61,7 +62,7 @@ def test_reinforce_tis_by_hand() -> None:
 def test_max_lag_zero_masks_every_stale_token() -> None:
     batch, logp0 = _hand_batch()
     logp = logp0.clone().requires_grad_()
-    loss, m = compute_loss(logp, torch.zeros(2, 3), batch, version=6, tis=TISParams(), max_lag=0)
+    loss, m = compute_loss(logp, torch.zeros(2, 3), batch, version=6, cfg=LossConfig(max_lag=0))
     # version 6, lag 0 only: tokens (0, 2) and (1, 1) -> w = [0.5, 1.5], A = [+1, -1]
     assert float(loss.detach()) == pytest.approx(-(1 / 5) * math.log(0.5) * (0.5 - 1.5), abs=1e-6)
     assert m["frac_masked_lag"] == pytest.approx(3 / 5)
@@ -121,7 +122,7 @@ def test_gradients_match_the_reference_pipeline(tiny_qwen) -> None:
     for impl in ("reference", "torch", "triton"):
         model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen))
         logp, ent = policy_logprobs(model, batch, temperature=0.7, impl=impl)
-        loss, _ = compute_loss(logp, ent, batch, version=2, tis=TISParams(), max_lag=1, entropy_coef=0.01,
+        loss, _ = compute_loss(logp, ent, batch, version=2, cfg=LossConfig(max_lag=1, entropy_coef=0.01),
                                impl="triton" if impl == "triton" else "reference")
         loss.backward()
         grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -117,20 +117,54 @@ class RolloutConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    """The per-token objective."""
+    """The objective and its off-policy correction (formulas: README, *Off-policy correction*)."""
 
     tis: TISParams = field(default_factory=TISParams)
-    """Objective and its constants (reinforce + truncation C, ppo clips, icepop bounds)."""
+    """Objective and its constants (reinforce + truncation C, ppo clips, icepop bounds, none;
+    lag_decay for lag-aware bounds)."""
+    level: Literal["token", "sequence"] = "token"
+    """token: the objective sees each token's ratio r_t. sequence: it sees its sample's ratio
+    s_i = exp(mean of log r_t over the sample's unmasked tokens): ppo becomes GSPO,
+    reinforce Seq-TIS, icepop a sequence mask."""
     max_lag: int = 4
     """Tokens sampled more than this many versions ago are masked out of the loss."""
+    seq_mask: Literal["off", "geometric", "product"] = "off"
+    """Seq-MIS: mask whole samples whose ratio leaves [seq_mask_low, seq_mask_high]; the ratio is
+    the geometric mean of r_t (verl's geometric rejection, thresholds ~1/1.0002..1.0002) or
+    their product (verl's sequence rejection)."""
+    seq_mask_low: float = 0.5
+    """Lower bound of the Seq-MIS band."""
+    seq_mask_high: float = 2.0
+    """Upper bound of the Seq-MIS band."""
+    veto: bool = False
+    """Mask every sample that holds a catastrophic token (r_t < veto_threshold)."""
+    veto_threshold: float = 1e-4
+    """What counts as catastrophic (also the catastrophic-token metric's threshold)."""
+    m2_threshold: float = 0.0
+    """M2PO: mask the tokens of largest (log r_t)^2 until the batch mean of (log r_t)^2 over
+    the rest is <= this (AReaL's m2_threshold, e.g. 0.04). 0 turns it off."""
+    ess_warn: float = 0.3
+    """Warn (log) on a step whose effective sample size fraction is below this."""
     normalize_std: bool = True
     """GRPO: divide group-centred rewards by the group's std (False: Dr. GRPO)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight (the entropy is always logged)."""
 
     def __post_init__(self) -> None:
+        if self.level not in ("token", "sequence"):
+            raise ValueError(f"loss.level={self.level!r} is not token or sequence")
         if self.max_lag < 0:
             raise ValueError(f"loss.max_lag={self.max_lag} must be >= 0")
+        if self.seq_mask not in ("off", "geometric", "product"):
+            raise ValueError(f"loss.seq_mask={self.seq_mask!r} is not off, geometric or product")
+        if not 0 <= self.seq_mask_low < self.seq_mask_high:
+            raise ValueError(f"loss.seq_mask=({self.seq_mask_low}, {self.seq_mask_high}) needs 0 <= low < high")
+        if not 0 < self.veto_threshold < 1:
+            raise ValueError(f"loss.veto_threshold={self.veto_threshold} must be in (0, 1)")
+        if not self.m2_threshold >= 0:
+            raise ValueError(f"loss.m2_threshold={self.m2_threshold} must be >= 0 (0: off)")
+        if not 0 <= self.ess_warn <= 1:
+            raise ValueError(f"loss.ess_warn={self.ess_warn} must be in [0, 1]")
 
 
 @dataclass(frozen=True, kw_only=True)

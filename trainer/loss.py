@@ -2,11 +2,13 @@
 
 For completion token t of sample i, sampled by policy version v_t with behaviour
 log-prob mu_t, at trainer version V:
-    lag_t = V - v_t,  m_t = 1[t is a real token] * 1[lag_t <= max_lag]
+    lag_t = V - v_t,  m_t = 1[real] * 1[lag_t <= max_lag] * (veto, Seq-MIS, M2PO masks:
+                                                           see trainer.correction)
     r_t = pi_theta(y_t) / mu(y_t),  w_t = min(r_t, C)     (reinforce; see kernels.tis_loss)
     loss = -(1/N) sum_t m_t w_t A_i log pi_theta(y_t),   N = number of real tokens
-N counts lag-masked tokens too, so masking removes their signal instead of re-weighting
-the rest. pi_theta is scored at the sampling temperature, like mu.
+N counts masked tokens too, so masking removes their signal instead of re-weighting the
+rest. At loss.level = "sequence" the objective sees s_i, its sample's geometric-mean ratio,
+instead of r_t. pi_theta is scored at the sampling temperature, like mu.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import torch
 
 from inflight.protocol import RolloutGroup
 from kernels.logprob_entropy import logprob_entropy
-from kernels.tis_loss import TISParams, tis_loss
+from kernels.tis_loss import tis_loss
+from trainer.config import LossConfig
+from trainer.correction import bounds, correction_masks, seq_log_ratio, sequence_inputs
+from trainer.metrics import by_lag, correction_stats
 
 RATIO_BINS = (0.0, 0.5, 0.8, 0.95, 1.05, 1.25, 2.0, float("inf"))
 
@@ -90,33 +95,49 @@ def _histogram(values: torch.Tensor, edges: Sequence[float]) -> list[int]:
     return [int(((values >= lo) & (values < hi)).sum()) for lo, hi in zip(edges, edges[1:])]
 
 
-def compute_loss(logp: torch.Tensor, entropy: torch.Tensor, batch: Batch, *, version: int, tis: TISParams,
-                 max_lag: int, entropy_coef: float = 0.0, impl: str = "auto") -> tuple[torch.Tensor, dict]:
-    """The scalar loss and the step's importance-sampling metrics."""
+def compute_loss(logp: torch.Tensor, entropy: torch.Tensor, batch: Batch, *, version: int, cfg: LossConfig,
+                 impl: str = "auto") -> tuple[torch.Tensor, dict]:
+    """The scalar loss and the step's importance-sampling metrics (formulas: module docstrings
+    of ``trainer.correction`` and ``kernels.tis_loss``)."""
     real = batch.completion_mask > 0
     lag = version - batch.versions  # (B, T)
-    mask = (real & (lag <= max_lag)).float()
     n_tokens = float(real.sum().clamp(min=1))
+    log_ratio = logp.detach() - batch.behaviour_logp
+    masks = correction_masks(log_ratio, real, lag, cfg)
+    mask = masks.final
     adv = batch.advantages[:, None].expand_as(logp)
+    if cfg.level == "sequence":
+        seq_lr, obj_lag = sequence_inputs(log_ratio, mask, lag)
+        rho = torch.exp(seq_lr)
+    else:
+        seq_lr, obj_lag, rho = None, lag.float(), torch.exp(log_ratio)
     loss, weight = tis_loss(logp.reshape(-1), batch.behaviour_logp.reshape(-1), adv.reshape(-1).contiguous(),
-                            mask.reshape(-1), n_tokens, tis, impl=impl)  # type: ignore[arg-type]
-    if entropy_coef:
-        loss = loss - entropy_coef * (entropy * real).sum() / n_tokens
+                            mask.reshape(-1), n_tokens, cfg.tis, lag=obj_lag.reshape(-1),
+                            log_ratio=None if seq_lr is None else seq_lr.reshape(-1), impl=impl)  # type: ignore[arg-type]
+    if cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * (entropy * real).sum() / n_tokens
     with torch.no_grad():
-        used = mask.reshape(-1) > 0
-        r = torch.exp(logp.detach() - batch.behaviour_logp).reshape(-1)[used]
-        w = weight.reshape(-1)[used]
+        w = weight.reshape(logp.shape)
+        low, high = bounds(cfg.tis, obj_lag)
+        stats = correction_stats(log_ratio, w, rho, low, high, cand=masks.lag, final=mask, real=masks.real,
+                                 seq_sel=real.any(-1), seq_cand=masks.lag, seq_final=mask, seq_real=masks.real,
+                                 catastrophic=cfg.veto_threshold)
+        used = masks.lag > 0
         lags = lag[real]
+        n_seq = max(1, int(real.any(-1).sum()))
         metrics = {
-            "tokens": int(real.sum()),
-            "frac_masked_lag": 1.0 - float(used.sum()) / n_tokens,
-            "frac_truncated": float((r > tis.truncation).float().mean()) if r.numel() else 0.0,
-            "ratio_mean": float(r.mean()) if r.numel() else 1.0,
-            "ratio_hist": _histogram(r, RATIO_BINS),
-            # Kish effective sample size of the importance weights, as a fraction of tokens
-            "ess": float(w.sum() ** 2 / (w.numel() * (w ** 2).sum())) if w.numel() and float((w ** 2).sum()) > 0 else 0.0,
-            # k3 estimator of KL(mu || pi) over the tokens mu sampled
-            "kl_mu_pi": float(((r - 1) - torch.log(r)).mean()) if r.numel() else 0.0,
+            **stats,
+            "tokens_in_loss": int(mask.sum()),
+            "frac_masked_lag": 1.0 - float(masks.lag.sum()) / n_tokens,
+            "frac_masked_veto": float((masks.lag - masks.veto).sum()) / n_tokens,
+            "frac_masked_seq": float((masks.veto - masks.seq).sum()) / n_tokens,
+            "frac_masked_m2po": float((masks.seq - masks.m2po).sum()) / n_tokens,
+            "frac_seq_vetoed": float(((masks.lag.sum(-1) > 0) & (masks.veto.sum(-1) == 0)).sum()) / n_seq,
+            "frac_truncated": stats["frac_truncated_high"] + stats["frac_truncated_low"],
+            "ratio_hist": _histogram(torch.exp(log_ratio)[used], RATIO_BINS),
+            "seq_ratio_mean": float(torch.exp(seq_log_ratio(log_ratio, masks.lag))[masks.lag.sum(-1) > 0].mean())
+            if float(masks.lag.sum()) else 1.0,
+            "by_lag": by_lag(log_ratio, w, rho, low, high, mask, masks.real, lag, cfg.veto_threshold),
             "entropy": float((entropy.detach() * real).sum() / n_tokens),
             "lag_hist": {int(k): int(v) for k, v in zip(*torch.unique(lags, return_counts=True))},
             "lag_mean": float(lags.float().mean()) if lags.numel() else 0.0,
@@ -124,4 +145,5 @@ def compute_loss(logp: torch.Tensor, entropy: torch.Tensor, batch: Batch, *, ver
                 sum(len(set(row[m > 0].tolist())) > 1 for row, m in zip(batch.versions, batch.completion_mask)) / len(lag)
             ),
         }
+        metrics["ess_low"] = metrics["tokens_in_loss"] > 0 and metrics["ess"] < cfg.ess_warn
     return loss, metrics

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 
 class MetricsLog:
     """Appends one JSON object per step; ``rows`` keeps them for the plot and the summary."""
@@ -29,7 +31,8 @@ def _mean(xs: list[float]) -> float:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Reward of the first vs the last 20% of steps, multi-version samples, stall per update."""
+    """Reward of the first vs the last 20% of steps, multi-version samples, stall per update,
+    mean ESS, steps under ``loss.ess_warn``, mean fraction of tokens masked."""
     n = len(rows)
     k = max(1, n // 5)
     stalls = [r["commit_ms"] for r in rows if r.get("commit_ms") is not None]
@@ -42,6 +45,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "stall_ms_mean": _mean(stalls),
         "stall_ms_max": max(stalls, default=float("nan")),
         "lag_mean": _mean([r["lag_mean"] for r in rows]),
+        "ess_mean": _mean([r["ess"] for r in rows]),
+        "ess_low_steps": sum(bool(r.get("ess_low")) for r in rows),
+        "frac_masked_mean": _mean([r.get("frac_masked", r["frac_masked_lag"]) for r in rows]),
     }
 
 
@@ -72,3 +78,83 @@ def plot_run(rows: list[dict[str, Any]], png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+# -- off-policy correction metrics (verl's rollout-correction set), per step and per lag bucket --
+
+LAG_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 2, "2"), (3, 4, "3-4"), (5, 8, "5-8"), (9, 1 << 62, "9+"))
+SEQ_LOG_BOUND = 20.0  # |sum_t l_t| is clamped here before exp in chi2_seq, as verl does
+
+
+def _ratio_of(a: float, b: float, empty: float = 0.0) -> float:
+    return a / b if b > 0 else empty
+
+
+def correction_stats(l, w, rho, low, high, *, cand, final, real, seq_sel, seq_cand, seq_final, seq_real,
+                     catastrophic: float) -> dict:
+    """Rollout-correction metrics of one selection of tokens and samples.
+
+    Token metrics over ``cand`` (tokens with l_t = log r_t): ratio_mean, ratio_std of r_t;
+    chi2_token = mean(r^2) - 1; kl_mu_pi = mean((r - 1) - log r) (k3 of KL(mu || pi));
+    catastrophic = fraction with r < ``catastrophic``. Over ``final`` (the loss's tokens):
+    ess = (sum w)^2 / (n sum w^2) of the weights w (ess_ratio: the same of the raw r_t over ``cand``,
+    whatever the objective); frac_truncated_high / _low = fraction whose
+    objective ratio rho (r_t, or s_i at the sequence level) is above ``high`` / below ``low``.
+    frac_masked = 1 - |final| / |real|. Samples ``seq_sel`` over their ``seq_cand`` tokens:
+    chi2_seq = mean(exp(2 clamp(sum_t l_t, +-20))) - 1 (product ratio), ppl_ratio =
+    mean(exp(-mean_t l_t)) = PPL_pi / PPL_mu; frac_seq_masked = fraction of those with a
+    ``seq_real`` token that have no ``seq_final`` token. All masks (B, T); ``seq_sel`` (B,) bool.
+    """
+    c, f = cand > 0, final > 0
+    r = torch.exp(l[c].double())
+    n_c, n_f, n_real = int(c.sum()), int(f.sum()), float(real.sum())
+    wf = w[f].double()
+    out = {
+        "tokens": int(n_real),
+        "ratio_mean": float(r.mean()) if n_c else 1.0,
+        "ratio_std": float(r.std(unbiased=False)) if n_c else 0.0,
+        "chi2_token": float((r ** 2).mean() - 1) if n_c else 0.0,
+        "kl_mu_pi": float(((r - 1) - l[c].double()).mean()) if n_c else 0.0,
+        "catastrophic": float((r < catastrophic).double().mean()) if n_c else 0.0,
+        "ess": _ratio_of(float(wf.sum() ** 2), n_f * float((wf ** 2).sum())),
+        "ess_ratio": _ratio_of(float(r.sum() ** 2), n_c * float((r ** 2).sum())),
+        "frac_truncated_high": float((rho[f] > high[f]).double().mean()) if n_f else 0.0,
+        "frac_truncated_low": float((rho[f] < low[f]).double().mean()) if n_f else 0.0,
+        "frac_masked": 1.0 - _ratio_of(n_f, n_real, 1.0),
+    }
+    sc = seq_cand.double()
+    n_tok = sc.sum(-1)
+    sel = seq_sel & (n_tok > 0)
+    sum_l = (l.double() * sc).sum(-1)[sel]
+    n_seq = int(sel.sum())
+    out["seqs"] = n_seq
+    out["chi2_seq"] = float(torch.exp(2 * sum_l.clamp(-SEQ_LOG_BOUND, SEQ_LOG_BOUND)).mean() - 1) if n_seq else 0.0
+    out["ppl_ratio"] = float(torch.exp(-sum_l / n_tok[sel]).mean()) if n_seq else 1.0
+    has_real = seq_sel & (seq_real.sum(-1) > 0)
+    out["frac_seq_masked"] = _ratio_of(float((has_real & (seq_final.sum(-1) == 0)).sum()), float(has_real.sum()))
+    return out
+
+
+def by_lag(l, w, rho, low, high, final, real, lag, catastrophic: float) -> dict[str, dict]:
+    """``correction_stats`` per lag bucket over every real token, lag-masked ones included
+    (they show what a looser max_lag would let in); a sample falls in the bucket of its
+    oldest token."""
+    out = {}
+    seq_lag = (lag * real).amax(-1)
+    for lo, hi, name in LAG_BUCKETS:
+        in_b = real * ((lag >= lo) & (lag <= hi)).float()
+        if in_b.sum() == 0:
+            continue
+        seq_sel = (seq_lag >= lo) & (seq_lag <= hi)
+        out[name] = correction_stats(l, w, rho, low, high, cand=in_b, final=final * in_b, real=in_b, seq_sel=seq_sel,
+                                     seq_cand=real, seq_final=final, seq_real=real, catastrophic=catastrophic)
+    return out
+
+
+def ess_warning(m: dict[str, Any], threshold: float) -> str | None:
+    """A warning line when the step's ESS fraction is below ``threshold`` (None otherwise)."""
+    if m.get("tokens_in_loss", 1) == 0 or m["ess"] >= threshold:
+        return None
+    return (f"ESS {m['ess']:.2f} < {threshold}: the importance weights are dominated by a few tokens "
+            f"(ratio std {m['ratio_std']:.2f}, chi2 {m['chi2_token']:.2f}, masked {100 * m['frac_masked']:.0f}%); "
+            "lower loss.max_lag or tighten the correction")

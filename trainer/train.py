@@ -30,7 +30,7 @@ from inflight.transport.pusher import PushConfig, PushResult, WeightPusher, name
 from trainer.checkpoint import TrainerState, load_state, restore_rng, save_checkpoint
 from trainer.config import TrainConfig, config_to_dict, load_config
 from trainer.loss import collate, compute_loss, policy_logprobs
-from trainer.metrics import MetricsLog, plot_run, summarize
+from trainer.metrics import MetricsLog, ess_warning, plot_run, summarize
 from trainer.supervisor import EngineLost, Fleet, place, visible_gpus
 from trainer.tiny_model import build_tiny_model, default_corpus
 
@@ -124,8 +124,9 @@ def train(cfg: TrainConfig) -> dict:
             t_wait = time.perf_counter() - t0
             batch = collate(groups, tokenizer.pad_token_id, cfg.loss.normalize_std).to(accelerator.device)
             logp, entropy = policy_logprobs(model, batch, cfg.rollout.temperature)
-            loss, m = compute_loss(logp, entropy, batch, version=version, tis=cfg.loss.tis, max_lag=cfg.loss.max_lag,
-                                   entropy_coef=cfg.loss.entropy_coef)
+            loss, m = compute_loss(logp, entropy, batch, version=version, cfg=cfg.loss)
+            if (warning := ess_warning(m, cfg.loss.ess_warn)) is not None:
+                log.warning("step %d: %s", step + 1, warning)
             accelerator.backward(loss)
             grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)) if cfg.optim.grad_clip else 0.0
             optimizer.step()

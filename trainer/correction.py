@@ -1,0 +1,141 @@
+"""Off-policy correction beyond the per-token weight: sequence ratios and masks.
+
+Notation for a batch of B samples, T positions, trainer version V (float32, (B, T)):
+    l_t   = log pi_theta(y_t) - mu_t,  r_t = exp(l_t)           (token log-ratio and ratio)
+    lag_t = V - v_t                                             (v_t: the version that sampled t)
+    real_t                                                      (1 on completion tokens, 0 on padding)
+
+Masks, applied in this order, each on the tokens the previous ones kept:
+    lag:      keep_t = real_t * 1[lag_t <= max_lag]
+    veto:     drop sample i if any kept token has r_t < veto_threshold (a catastrophic token)
+    Seq-MIS:  drop sample i if its ratio rho_i leaves [lo, hi], where over its kept tokens
+              geometric: rho_i = exp(mean_t l_t)     product: rho_i = exp(sum_t l_t)
+    M2PO:     over all kept tokens of the batch, q_t = l_t^2. While mean(q) over the kept tokens
+              is > m2_threshold, drop the kept token of largest q (ties: lowest flat index
+              first). Equivalently: sort q descending, drop the shortest prefix whose removal
+              brings the mean of the rest to <= m2_threshold (all of them if none does).
+
+Sequence level (``loss.level = "sequence"``), over the final mask m_t:
+    s_i = exp(sum_t m_t l_t / max(1, sum_t m_t))        (GSPO's geometric mean; padding excluded)
+and the objective sees rho_t = s_i on every token of sample i, with the sample's lag
+lag_i = max_t m_t lag_t for its lag-aware constants (so every token of a sample shares them,
+which keeps GSPO's gradient exact through the per-token kernel, see ``kernels.tis_loss``).
+
+The masks and the sequence reduction are per-sample or whole-batch reductions over a (B, T)
+tensor of float32, tiny next to the logits; they stay torch. The per-token part (ratio,
+lag-aware truncation, masking, loss and gradient) runs in ``kernels.tis_loss``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.tis_loss import TISParams, lag_factor
+
+
+@dataclass
+class Masks:
+    """Float (B, T) masks, each a subset of the previous one."""
+
+    real: torch.Tensor
+    lag: torch.Tensor
+    veto: torch.Tensor
+    seq: torch.Tensor
+    m2po: torch.Tensor
+
+    @property
+    def final(self) -> torch.Tensor:
+        return self.m2po
+
+
+def seq_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) log s_i = sum_t m_t l_t / max(1, sum_t m_t); differentiable in ``log_ratio``."""
+    return (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def m2po_keep(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """The M2PO mask (see the module docstring): ``mask`` minus the tokens of largest l^2."""
+    flat_mask = mask.reshape(-1) > 0
+    idx = flat_mask.nonzero().squeeze(-1)
+    q = log_ratio.detach().reshape(-1)[idx].double() ** 2
+    n = q.numel()
+    if n == 0 or float(q.mean()) <= threshold:
+        return mask.clone()
+    qs, order = torch.sort(q, descending=True, stable=True)
+    # mean of the rest after dropping the k largest, k = 0..n-1 (suffix sums: no cancellation)
+    suffix = qs.flip(0).cumsum(0).flip(0)
+    rest_mean = suffix / torch.arange(n, 0, -1, dtype=torch.float64, device=q.device)
+    ok = (rest_mean <= threshold).nonzero()
+    k = int(ok[0]) if ok.numel() else n
+    keep = mask.clone().reshape(-1)
+    keep[idx[order[:k]]] = 0
+    return keep.reshape(mask.shape)
+
+
+def correction_masks(log_ratio: torch.Tensor, real: torch.Tensor, lag: torch.Tensor, cfg) -> Masks:
+    """The masks of the module docstring; ``cfg`` is a ``trainer.config.LossConfig``."""
+    l = log_ratio.detach()
+    real = real.float()
+    keep_lag = real * (lag <= cfg.max_lag).float()
+    keep_veto = keep_lag
+    if cfg.veto:
+        bad = ((torch.exp(l) < cfg.veto_threshold).float() * keep_lag).sum(-1) > 0
+        keep_veto = keep_lag * (~bad).float()[:, None]
+    keep_seq = keep_veto
+    if cfg.seq_mask != "off":
+        total = (l * keep_veto).sum(-1)
+        log_rho = total / keep_veto.sum(-1).clamp(min=1) if cfg.seq_mask == "geometric" else total
+        rho = torch.exp(log_rho.double())  # float64: a product ratio may leave float32's range
+        inside = (rho >= cfg.seq_mask_low) & (rho <= cfg.seq_mask_high)
+        keep_seq = keep_veto * inside.float()[:, None]
+    keep_m2 = m2po_keep(l, keep_seq, cfg.m2_threshold) if cfg.m2_threshold > 0 else keep_seq
+    return Masks(real=real, lag=keep_lag, veto=keep_veto, seq=keep_seq, m2po=keep_m2)
+
+
+def sequence_inputs(log_ratio: torch.Tensor, mask: torch.Tensor, lag: torch.Tensor):
+    """(B, T) per-token log s_i and lag_i for the kernel at the sequence level (detached)."""
+    log_s = seq_log_ratio(log_ratio.detach(), mask)
+    lag_i = (lag.float() * mask).amax(-1)  # lag >= 0 on kept tokens; 0 for an empty sample
+    return log_s[:, None].expand_as(mask).contiguous(), lag_i[:, None].expand_as(mask).contiguous()
+
+
+def correction_loss_reference(logp: torch.Tensor, mu: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                              lag: torch.Tensor, n_tokens: float, p: TISParams, level: str) -> torch.Tensor:
+    """The per-token loss of the README in plain (B, T) torch with honest autograd: at the
+    sequence level the gradient flows through s_i's mean (no GSPO-token rewrite), so the
+    kernel's per-token shortcut can be checked against it. ``adv`` is (B, T)."""
+    l = logp - mu
+    if level == "sequence":
+        rho = torch.exp(seq_log_ratio(l, mask))[:, None].expand_as(l)
+        lag = (lag.float() * mask).amax(-1, keepdim=True).expand_as(l)
+    else:
+        rho = torch.exp(l)
+    f = lag_factor(lag, p)
+    if p.objective == "ppo":
+        clipped = torch.minimum(torch.clamp(rho, min=1 - p.clip_low), 1 + p.clip_high * f)
+        per_token = -torch.minimum(rho * adv, clipped * adv)
+    else:
+        rd = rho.detach()
+        if p.objective == "reinforce":
+            w = torch.minimum(rd, p.truncation * f)
+        elif p.objective == "icepop":
+            w = torch.where((rd >= p.icepop_low) & (rd <= p.icepop_high * f), rd, torch.zeros_like(rd))
+        else:
+            w = torch.ones_like(rd)
+        per_token = -w * adv * logp
+    return (per_token * mask).sum() / n_tokens
+
+
+def bounds(p: TISParams, lag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(low, high) per token: where the objective stops following the ratio (truncation, clip or
+    band); low is 0 where there is none (reinforce, none) and high inf for none."""
+    f = lag_factor(lag, p)
+    if p.objective == "reinforce":
+        return torch.zeros_like(f), p.truncation * f
+    if p.objective == "ppo":
+        return torch.full_like(f, 1 - p.clip_low), 1 + p.clip_high * f
+    if p.objective == "icepop":
+        return torch.full_like(f, p.icepop_low), p.icepop_high * f
+    return torch.zeros_like(f), torch.full_like(f, float("inf"))
