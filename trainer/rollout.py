@@ -98,8 +98,11 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
         """Queue a finished group, across a trainer restart if need be; False: stop."""
         while True:
             try:
-                queue.put(item)
+                queue.put(item, timeout_s=1.0)
                 return True
+            except TimeoutError:  # the queue is full: the trainer is busy, or done with us
+                if stop_requested():
+                    return False
             except (RuntimeError, TransportError) as e:
                 log.warning("rollout: queue unreachable (%s); holding group %s", e, item.group_id)
                 if stop_requested():
