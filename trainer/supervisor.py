@@ -182,8 +182,10 @@ class Fleet:
         waiting = {e.rank for e in dead} | set(silent)
         want = set(pusher.group.workers) - waiting
         try:
-            if want:  # the others answer in milliseconds; the restarting and the silent knock later
-                live = pusher.rejoin(self.cfg.transport.timeout_s, want=want, require=set())
+            if want:  # the restarting and the silent knock later. The live ones come as soon as they see
+                # the failure: at once when a peer's connection closes, after their own transfer
+                # timeout when it does not (gloo), so they get twice that to answer
+                live = pusher.rejoin(2 * self.cfg.transport.timeout_s, want=want, require=set())
             else:  # nobody else to go on with: wait for them
                 live = pusher.rejoin(self.cfg.transport.rejoin_timeout_s, require=set())
         except Exception as e:
