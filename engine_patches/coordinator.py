@@ -134,9 +134,10 @@ class CommitCoordinator:
         self._slot = threading.Lock()  # guards _pending: taken once, by whichever thread runs it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="inflight-coordinator", daemon=True)
-        core._weight_version = str(self.live_version)
 
     def start(self) -> None:
+        """Once every worker started: label the outputs from now on, and watch for commits."""
+        self.core._weight_version = str(self.live_version)
         self._thread.start()
 
     def stop(self) -> None:
