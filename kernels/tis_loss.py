@@ -82,21 +82,25 @@ def tis_loss_reference(logp, mu, adv, mask, n_tokens: float, p: TISParams, lag=N
     else:  # value exp(l_t), gradient d r / d logp = r (GSPO-token)
         r = torch.exp(log_ratio.detach() + logp - logp.detach())
     f = lag_factor(lag, p) if lag is not None else torch.ones_like(logp)
-    if p.objective == "ppo":
-        unclipped = r * adv
-        clipped = torch.minimum(torch.clamp(r, min=1 - p.clip_low), 1 + p.clip_high * f) * adv
-        per_token = -torch.minimum(unclipped, clipped)
-        weight = r.detach()
-    else:
-        rd = r.detach()
-        if p.objective == "reinforce":
-            weight = torch.minimum(rd, p.truncation * f)
-        elif p.objective == "icepop":
-            weight = torch.where((rd >= p.icepop_low) & (rd <= p.icepop_high * f), rd, torch.zeros_like(rd))
-        else:
-            weight = torch.ones_like(rd)
-        per_token = -weight * adv * logp
+    per_token, weight = objective_terms(r, adv, logp, f, p)
     return (per_token * mask).sum() / n_tokens, weight
+
+
+def objective_terms(rho: torch.Tensor, adv: torch.Tensor, logp: torch.Tensor, f: torch.Tensor,
+                    p: TISParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss terms (before mask and 1/N) and weights of the objective, given the ratio
+    ``rho`` the objective sees (its gradient path is the caller's) and the lag factor ``f``."""
+    if p.objective == "ppo":
+        clipped = torch.minimum(torch.clamp(rho, min=1 - p.clip_low), 1 + p.clip_high * f) * adv
+        return -torch.minimum(rho * adv, clipped), rho.detach()
+    rd = rho.detach()
+    if p.objective == "reinforce":
+        weight = torch.minimum(rd, p.truncation * f)
+    elif p.objective == "icepop":
+        weight = torch.where((rd >= p.icepop_low) & (rd <= p.icepop_high * f), rd, torch.zeros_like(rd))
+    else:
+        weight = torch.ones_like(rd)
+    return -weight * adv * logp, weight
 
 
 @triton.jit

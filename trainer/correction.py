@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.tis_loss import TISParams, lag_factor
+from kernels.tis_loss import TISParams, lag_factor, objective_terms
 
 
 @dataclass
@@ -112,19 +112,7 @@ def correction_loss_reference(logp: torch.Tensor, mu: torch.Tensor, adv: torch.T
         lag = (lag.float() * mask).amax(-1, keepdim=True).expand_as(l)
     else:
         rho = torch.exp(l)
-    f = lag_factor(lag, p)
-    if p.objective == "ppo":
-        clipped = torch.minimum(torch.clamp(rho, min=1 - p.clip_low), 1 + p.clip_high * f)
-        per_token = -torch.minimum(rho * adv, clipped * adv)
-    else:
-        rd = rho.detach()
-        if p.objective == "reinforce":
-            w = torch.minimum(rd, p.truncation * f)
-        elif p.objective == "icepop":
-            w = torch.where((rd >= p.icepop_low) & (rd <= p.icepop_high * f), rd, torch.zeros_like(rd))
-        else:
-            w = torch.ones_like(rd)
-        per_token = -w * adv * logp
+    per_token, _ = objective_terms(rho, adv, logp, lag_factor(lag, p), p)
     return (per_token * mask).sum() / n_tokens
 
 
