@@ -10,9 +10,12 @@ Ordering invariants of a recovery:
 2. a spawned engine that died is restarted from the latest checkpoint, told to sample only
    once a version at least as new as the trainer's current one is live on it;
 3. the trainer forms the group's next generation with the engines that answer within the
-   timeout, not waiting for the restarting ones or for a member that just went silent
-   (with a single engine there is no one else: it waits ``transport.rejoin_timeout_s`` for
-   it); whoever is left out is counted in ``engine_drops`` and knocks when it is back;
+   timeout, not waiting for the restarting ones or for a member that went silent (named by
+   the failed wait, or by its heartbeat stopping: see ``inflight.transport.liveness``; with
+   a single engine there is no one else: it waits ``transport.rejoin_timeout_s`` for it);
+   whoever is left out is counted in ``engine_drops`` and knocks when it is back. So a
+   failure costs the fleet one ``transport.timeout_s`` (the wait that failed) plus the
+   heartbeat window, not a second timeout for a member that will not come;
 4. if no member serves the current version yet, the trainer pushes it now; otherwise the
    laggards get the next step's version with everyone (a version is pushed to a whole
    generation, and a member that already serves it would refuse it).
@@ -91,15 +94,17 @@ class EngineLost(RuntimeError):
     """An engine stopped serving: its process exited, or the weight group failed."""
 
 
-def engine_share(devices: str | None, count: int, index: int) -> str | None:
+def engine_share(devices: str | None, count: int, index: int, tensor_parallel_size: int = 1) -> str | None:
     """``CUDA_VISIBLE_DEVICES`` of spawned engine ``index`` of ``count``: an equal share of
-    the GPUs ``place`` gave the engines (None: no GPUs, all inherit the trainer's view)."""
+    the GPUs ``place`` gave the engines (None: no GPUs, all inherit the trainer's view), at
+    least one per tensor parallel worker."""
     if devices is None:
         return None
     gpus = devices.split(",")
     per = len(gpus) // count
-    if per == 0:
-        raise ValueError(f"engine.count={count} engines need a GPU each besides the trainer's; visible for engines: {gpus}")
+    if per < tensor_parallel_size:
+        raise ValueError(f"engine.count={count} engines of engine.tensor_parallel_size={tensor_parallel_size} need "
+                         f"{count * tensor_parallel_size} GPUs besides the trainer's; visible for engines: {gpus}")
     return ",".join(gpus[index * per:(index + 1) * per])
 
 
@@ -108,7 +113,8 @@ class EngineProcess:
 
     def __init__(self, cfg: TrainConfig, index: int, placement: Placement, host: str, port: int, pid_file: Path) -> None:
         self.cfg, self.index, self.placement = cfg, index, placement
-        self.rank = index + 1
+        self.ranks = cfg.engine.ranks(index)
+        """Its workers' weight-group ranks (one per tensor parallel rank)."""
         self.host, self.port = host, port
         self.pid_file = pid_file
         self.process: mp.process.BaseProcess | None = None
@@ -117,11 +123,15 @@ class EngineProcess:
     def start(self, model_dir: Path, model_version: int, wait_for_version: int) -> None:
         if not self.cfg.engine.spawn:
             return
+        # daemonic, so it ends with the trainer; but a daemonic process may not start children,
+        # and a tensor parallel engine starts one per worker: that one ends by itself once
+        # it sees its parent gone (``run_engine``), or at ``Fleet.stop``
         self.process = mp.get_context("spawn").Process(
-            target=run_engine, name=f"inflight-engine-{self.index}", daemon=True,
+            target=run_engine, name=f"inflight-engine-{self.index}", daemon=self.cfg.engine.tensor_parallel_size == 1,
             args=(self.cfg, str(model_dir), self.host, self.port, self.index, model_version, wait_for_version, os.getpid()),
             kwargs={"backend": self.placement.backend,
-                    "cuda_devices": engine_share(self.placement.engine_devices, self.cfg.engine.count, self.index)},
+                    "cuda_devices": engine_share(self.placement.engine_devices, self.cfg.engine.count, self.index,
+                                                 self.cfg.engine.tensor_parallel_size)},
         )
         self.process.start()
         self.pid_file.write_text(str(self.process.pid))
@@ -169,6 +179,11 @@ class Fleet:
         self.events.append(event)
         tqdm.write(f"inflight: engine lost ({reason}); recovering")
         log.warning("engine lost: %s", reason)
+        before = set(pusher.group.roster)
+        # a failed transfer does not say who failed: the heartbeats do (dead or frozen members).
+        # Asked first: a SIGKILLed engine's sockets close before its process can be reaped, so
+        # the push may fail while it still looks alive; the heartbeat window outlasts that
+        silent = set(silent) | set(pusher.group.silent(before))
         dead = [e for e in self.engines if e.exit_problem() is not None]
         for e in dead:
             if e.restarts >= self.cfg.engine.max_restarts:
@@ -178,14 +193,13 @@ class Fleet:
             e.start(self.model_dir, self.model_version, wait_for_version=version)
         if dead:  # their claimed-but-unwritten slots; a live producer that loses one re-puts
             queue.fill_holes()
-        before = set(pusher.group.roster)
-        waiting = {e.rank for e in dead} | set(silent)
+        restarting = {r for e in dead for r in e.ranks}
+        waiting = restarting | silent
         want = set(pusher.group.workers) - waiting
         try:
-            if want:  # the restarting and the silent knock later. The live ones come as soon as they see
-                # the failure: at once when a peer's connection closes, after their own transfer
-                # timeout when it does not (gloo), so they get twice that to answer
-                live = pusher.rejoin(2 * self.cfg.transport.timeout_s, want=want, require=set())
+            if want:  # the restarting and the silent knock later. The live ones come as soon as
+                # they see the failure: at once, since re-forming closes this side's connections
+                live = pusher.rejoin(self.cfg.transport.timeout_s, want=want, require=set())
             else:  # nobody else to go on with: wait for them
                 live = pusher.rejoin(self.cfg.transport.rejoin_timeout_s, require=set())
         except Exception as e:
