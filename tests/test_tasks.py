@@ -1,0 +1,229 @@
+"""The task API: built-in tasks' rewards on hand-written completions, the JSONL loader,
+a user's task by dotted path, prompt encoding, greedy evaluation, and a training run with
+evaluation rows."""
+
+from __future__ import annotations
+
+import json
+import re
+import random
+
+import pytest
+
+from trainer.config import config_from_dict
+from trainer.tasks import (SAMPLE, Arithmetic, Completion, JsonlFormatError, JsonlTask, Prompt, RepeatDigit, Task,
+                           build_task, encode_prompt, final_number, load_jsonl, stop_token_ids)
+
+
+def _done(text: str) -> Completion:
+    return Completion(text, [], "stop")
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tiny_qwen):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_qwen))
+
+
+def _single(tok, piece: str) -> int:
+    """The id of a token whose text is exactly ``piece``."""
+    ids = tok(piece, add_special_tokens=False).input_ids
+    assert len(ids) == 1 and tok.decode(ids) == piece, (piece, ids)
+    return ids[0]
+
+
+def test_repeat_digit_rewards_hand_written_completions(tiny_tok) -> None:
+    task = RepeatDigit(tiny_tok, completion_tokens=4, digit_credit=0.5)
+    seven, three, word = _single(tiny_tok, "7"), _single(tiny_tok, "3"), _single(tiny_tok, "x")
+    p = Prompt("repeat: 7", "7")
+    cases = {(seven,) * 4: 1.0, (seven, seven, three, word): (1 + 1 + 0.5 + 0) / 4, (word,) * 4: 0.0,
+             (seven,): 0.25,  # stopped after one token: the missing three count 0
+             (seven,) * 6: 1.0}  # only the first completion_tokens count
+    got = task.score([p] * len(cases), [Completion("", ids) for ids in cases])
+    assert got == list(cases.values())
+    assert [q.text for q in task.eval_prompts(32)] == [f"repeat: {d}" for d in range(10)]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("42", "42"), ("3 + 4 = 7", "7"), ("The answer is -12.", "-12"), ("so 1,234 in all\n#### 1,234", "1234"),
+    ("#### 42 because 6 * 7", "42"), ("about 42.50 dollars", "42.5"), ("42.0", "42"), ("no number here", None),
+    ("", None), ("-0", "0"),
+])
+def test_final_number(text: str, expected: str | None) -> None:
+    assert final_number(text) == expected
+
+
+def test_arithmetic_rewards_and_held_out_set() -> None:
+    task = Arithmetic(digits=2, terms=2, ops=("+", "-"), eval_size=16)
+    p = Prompt("What is 47 - 58? Answer with just the number.", "-11", meta={"expr": "47 - 58"})
+    texts = ["-11", "47 - 58 = -11", "The answer is -11.", "11", "-11, no wait, 12", "", "minus eleven"]
+    assert task.score([p] * len(texts), [_done(t) for t in texts]) == [1, 1, 1, 0, 0, 0, 0]
+    held = task.eval_prompts(16)
+    assert held == task.eval_prompts(16) and len({q.meta["expr"] for q in held}) == 16
+    rng = random.Random(1)
+    drawn = [task.sample(rng) for _ in range(3000)]
+    assert not {q.meta["expr"] for q in drawn} & {q.meta["expr"] for q in held}
+    for q in drawn[:200]:  # every prompt is its own expression's value, operands of exactly two digits
+        a, op, b = q.meta["expr"].split()
+        assert 10 <= int(a) <= 99 and 10 <= int(b) <= 99 and q.answer == str(int(a) + int(b) if op == "+" else int(a) - int(b))
+        assert task.score([q], [_done(f"It is {q.answer}")]) == [1.0]
+    with pytest.raises(ValueError, match=r"would hold out more than half of the 100 distinct problems"):
+        Arithmetic(digits=1, eval_size=60)
+
+
+def test_arithmetic_settings_are_checked_in_the_config() -> None:
+    cfg = config_from_dict({"task": {"name": "arithmetic", "arithmetic": {"digits": 2, "ops": ["+", "*"], "terms": 3}}})
+    assert cfg.task.arithmetic.ops == ("+", "*")
+    with pytest.raises(ValueError, match=r"task.arithmetic.ops=\['/'\] must be a non-empty subset"):
+        config_from_dict({"task": {"name": "arithmetic", "arithmetic": {"ops": ["/"]}}})
+    with pytest.raises(ValueError, match=r"task.name='summarize' is not one of"):
+        config_from_dict({"task": {"name": "summarize"}})
+    with pytest.raises(ValueError, match=r"task.options=\{'x': 1\}: only a 'module:factory' task takes options"):
+        config_from_dict({"task": {"name": "arithmetic", "options": {"x": 1}}})
+
+
+def test_jsonl_sample_file_and_rewards() -> None:
+    records = load_jsonl(SAMPLE)
+    assert len(records) >= 20 and any(r.messages for r in records) and any(r.text for r in records)
+    task = JsonlTask(SAMPLE, eval_size=4)
+    assert task.eval_prompts(4) == records[-4:] and task.train == records[:-4]
+    first = records[0]  # "Ana has 13 apples and buys 4 more ..." -> "... #### 17"
+    assert first.answer.endswith("#### 17") and final_number(first.answer) == "17"
+    texts = ["13 + 4 = 17.\n#### 17", "She has 17 apples now.", "#### 17.0", "#### 18", "13 + 4 = 17, plus 1 is 18", ""]
+    assert task.score([first] * len(texts), [_done(t) for t in texts]) == [1, 1, 1, 0, 0, 0]
+
+
+def test_jsonl_exact_match_and_messages(tmp_path) -> None:
+    f = tmp_path / "qa.jsonl"
+    f.write_text('{"prompt": "Capital of France?", "answer": "Paris", "id": 7}\n\n'
+                 '{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}], '
+                 '"answer": 4}\n')
+    task = JsonlTask(f, match="exact")
+    paris, four = task.train
+    assert paris.meta == {"id": 7} and four.messages[1] == {"role": "user", "content": "2+2?"} and four.answer == "4"
+    assert task.score([paris] * 3, [_done(" Paris\n"), _done("paris"), _done("Paris.")]) == [1, 0, 0]
+    assert task.score([four] * 2, [_done("4"), _done("The answer is 4")]) == [1, 0]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"prompt": "a", "answer": "1"', r"not valid JSON \(Expecting ',' delimiter at column 30\)"),
+    ('{"prompt": "a"}', r"no 'answer'"),
+    ('{"prompt": "a", "messages": [], "answer": 1}', r"needs exactly one of 'prompt' or 'messages'"),
+    ('["prompt", "answer"]', r"expected a JSON object, got list"),
+    ('{"messages": [{"role": "user"}], "answer": 1}', r"'messages' must be a non-empty list"),
+    ('{"prompt": "a", "answer": "none"}', r"match = 'number' but the answer 'none' holds no number"),
+    ('{"prompt": "a", "answer": null}', r"'answer' must be a string or a number, got None"),
+])
+def test_jsonl_malformed_line_names_file_and_line(tmp_path, line: str, message: str) -> None:
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "What is 1+1?", "answer": 2}\n\n' + line + "\n")
+    with pytest.raises(JsonlFormatError, match=rf"^{re.escape(str(f))}:3: {message}"):
+        load_jsonl(f)
+
+
+USER_TASK = '''
+from trainer.tasks import Prompt, Task
+
+class Echo(Task):
+    def __init__(self, word):
+        self.word = word
+    def sample(self, rng):
+        return Prompt(f"say {self.word}", self.word)
+    def score(self, prompts, completions):
+        return [float(c.text.strip() == p.answer) for p, c in zip(prompts, completions)]
+
+def make(tokenizer, word="yes"):
+    assert tokenizer == "the tokenizer"
+    return Echo(word)
+
+not_a_task = lambda tokenizer: 42
+'''
+
+
+def test_user_task_by_dotted_path(tmp_path, monkeypatch) -> None:
+    (tmp_path / "my_tasks_14.py").write_text(USER_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = config_from_dict({"task": {"name": "my_tasks_14:make", "options": {"word": "ok"}}})
+    task = build_task(cfg, "the tokenizer")
+    assert isinstance(task, Task) and task.sample(random.Random(0)) == Prompt("say ok", "ok")
+    assert task.score([Prompt("say ok", "ok")] * 2, [_done(" ok "), _done("no")]) == [1.0, 0.0]
+    assert len(task.eval_prompts(3)) == 3  # the default: a fixed draw from sample
+    with pytest.raises(ValueError, match=r"task.name='my_tasks_14:missing': 'my_tasks_14' has no attribute 'missing'"):
+        build_task(config_from_dict({"task": {"name": "my_tasks_14:missing"}}), None)
+    with pytest.raises(ValueError, match=r"task.name='no_such_module_14:make': cannot import 'no_such_module_14'"):
+        build_task(config_from_dict({"task": {"name": "no_such_module_14:make"}}), None)
+    with pytest.raises(TypeError, match=r"returned int, not a trainer.tasks.Task"):
+        build_task(config_from_dict({"task": {"name": "my_tasks_14:not_a_task"}}), None)
+
+
+def test_prompt_encoding_uses_the_chat_template_and_eos(tiny_tok) -> None:
+    import copy
+
+    plain = Prompt("What is 2+3?", "5")
+    assert encode_prompt(tiny_tok, plain, "auto") == tiny_tok("What is 2+3?").input_ids  # no template: raw text
+    with pytest.raises(ValueError, match="has chat messages but the model has no chat template"):
+        encode_prompt(tiny_tok, Prompt(messages=({"role": "user", "content": "hi"},)), "auto")
+    chat_tok = copy.deepcopy(tiny_tok)
+    chat_tok.chat_template = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                              "{% if add_generation_prompt %}<|endoftext|>assistant: {% endif %}")
+    rendered = "<|endoftext|>user: What is 2+3?\n<|endoftext|>assistant: "
+    ids = encode_prompt(chat_tok, plain, "auto")
+    assert ids == chat_tok(rendered, add_special_tokens=False).input_ids
+    assert ids.count(chat_tok.eos_token_id) == 2  # the template's special tokens, parsed as such, nothing added
+    assert encode_prompt(chat_tok, plain, "off") == tiny_tok("What is 2+3?").input_ids
+    msgs = Prompt(messages=({"role": "system", "content": "S"}, {"role": "user", "content": "U"}))
+    assert chat_tok.decode(encode_prompt(chat_tok, msgs, "auto")) == (
+        "<|endoftext|>system: S\n<|endoftext|>user: U\n<|endoftext|>assistant: ")
+    eos = tiny_tok.eos_token_id
+    assert stop_token_ids(tiny_tok) == [eos] and stop_token_ids(tiny_tok, [eos, 9, 9]) == [eos, 9]
+
+
+def test_greedy_eval_matches_unbatched_generation(tiny_qwen, tiny_tok) -> None:
+    """Left padding in the batch changes nothing: each prompt's greedy tokens are those of
+    generating it alone, and the reward is the task's on them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.tasks.evaluate import greedy_eval
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen), dtype=torch.float32).train()
+    task = RepeatDigit(tiny_tok, completion_tokens=6)
+    prompts = task.eval_prompts(10) + [Prompt("repeat: 7 7 7 7 7 7", "7")]  # a longer prompt forces padding
+    got = greedy_eval(model, tiny_tok, task, prompts, chat="auto", max_new_tokens=6, stop_ids=[tiny_tok.eos_token_id],
+                      batch_size=4)
+    rewards = []
+    for p in prompts:
+        ids = torch.tensor([encode_prompt(tiny_tok, p, "auto")])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                             eos_token_id=tiny_tok.eos_token_id, pad_token_id=tiny_tok.pad_token_id)
+        rewards.append(task.reward(p, out[0, ids.shape[1]:].tolist()))
+    assert got["eval_prompts"] == 11 and got["eval_reward"] == pytest.approx(sum(rewards) / 11, abs=1e-12)
+    assert got["eval_accuracy"] == sum(r >= 1 for r in rewards) / 11
+    assert model.training  # evaluation put it back in training mode
+
+
+def test_training_run_logs_evaluation(tmp_path) -> None:
+    """The arithmetic task on the tiny model: row "step 0" is the evaluation before training,
+    then every 2 steps and after the last; the summary and plot carry them."""
+    from trainer.train import train
+
+    cfg = config_from_dict({
+        "run": {"steps": 3, "seed": 1, "out_dir": str(tmp_path / "run")},
+        "model": {"tiny": {"hidden_size": 64, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 128}},
+        "task": {"name": "arithmetic", "completion_tokens": 8},
+        "eval": {"every": 2, "prompts": 8},
+        "rollout": {"group_size": 4, "groups_per_step": 2, "in_flight_groups": 2, "queue_capacity": 2},
+        "transport": {"bucket_mb": 0.05},
+    })
+    summary = train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["version"] for r in rows if "eval_accuracy" in r] == [0, 2, 3]
+    assert "reward_mean" not in rows[0] and all(r["eval_prompts"] == 8 for r in rows if "eval_accuracy" in r)
+    # arithmetic rewards are 0 or 1: accuracy and mean reward are one figure
+    assert all(0 <= r["eval_accuracy"] == r["eval_reward"] <= 1 for r in rows if "eval_accuracy" in r)
+    assert all("What is" in r["eval_examples"][0]["prompt"] for r in rows if "eval_accuracy" in r)
+    assert summary["steps"] == 3 and summary["eval_versions"] == [0, 3]
+    assert summary["eval_accuracy_last"] == rows[-1]["eval_accuracy"]
+    assert (tmp_path / "run" / "training.png").stat().st_size > 10_000

@@ -1,0 +1,73 @@
+"""Tasks: prompts, a held-out evaluation set, and a verifier (``base.Task``).
+
+``task.name`` in the config picks one:
+
+| name | prompts | reward |
+| --- | --- | --- |
+| ``repeat_digit`` | ``repeat: D`` | per token: 1 for D, ``digit_credit`` for another digit (the tiny demo) |
+| ``arithmetic`` | ``What is 47 + 8? ...`` (``[task.arithmetic]``: digits, terms, ops) | 1 if the final number is right |
+| ``jsonl`` | a file of ``{"prompt"|"messages", "answer"}`` (``[task.jsonl]``) | final number (GSM8K ``#### N``) or exact match |
+| ``pkg.module:factory`` | yours: ``factory(tokenizer=..., **task.options)`` returns a ``Task`` | yours |
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.tasks.arithmetic import Arithmetic
+from trainer.tasks.base import (Completion, Prompt, Task, encode_prompt, final_number, model_stop_ids, stop_token_ids,
+                                uses_chat)
+from trainer.tasks.digits import RepeatDigit
+from trainer.tasks.jsonl import SAMPLE, JsonlFormatError, JsonlTask, load_jsonl
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
+
+BUILTIN = ("repeat_digit", "arithmetic", "jsonl")
+
+__all__ = ["BUILTIN", "Arithmetic", "Completion", "JsonlFormatError", "JsonlTask", "Prompt", "RepeatDigit", "SAMPLE",
+           "Task", "build_task", "encode_prompt", "final_number", "load_factory", "load_jsonl", "model_stop_ids",
+           "stop_token_ids",
+           "uses_chat"]
+
+
+def load_factory(dotted: str) -> Any:
+    """``"pkg.module:factory"`` -> the callable. The working directory is importable, as it is
+    for ``python -m``, so a task file next to the config works without installing it."""
+    module_name, _, attr = dotted.partition(":")
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.append(str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"task.name={dotted!r}: cannot import {module_name!r} ({e})") from None
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise ValueError(f"task.name={dotted!r}: {module_name!r} has no attribute {attr!r}")
+    if not callable(factory):
+        raise ValueError(f"task.name={dotted!r}: {attr!r} is not callable")
+    return factory
+
+
+def build_task(train_cfg: TrainConfig, tokenizer: Any) -> Task:
+    """The task ``train_cfg.task`` names (``train_cfg``: a ``TrainConfig``). With evaluation on,
+    ``eval.prompts`` of its prompts are held out of training for it."""
+    cfg, eval_size = train_cfg.task, (train_cfg.eval.prompts if train_cfg.eval.every else 0)
+    if cfg.name == "repeat_digit":
+        return RepeatDigit(tokenizer, cfg.completion_tokens, cfg.digit_credit)
+    if cfg.name == "arithmetic":
+        a = cfg.arithmetic
+        return Arithmetic(digits=a.digits, terms=a.terms, ops=a.ops, template=a.template, eval_size=eval_size)
+    if cfg.name == "jsonl":
+        j = cfg.jsonl
+        return JsonlTask(j.path or SAMPLE, match=j.match, eval_path=j.eval_path or None, eval_size=eval_size)
+    task = load_factory(cfg.name)(tokenizer=tokenizer, **cfg.options)
+    if not isinstance(task, Task) and not all(callable(getattr(task, m, None)) for m in ("sample", "score", "eval_prompts")):
+        raise TypeError(f"task.name={cfg.name!r} returned {type(task).__name__}, not a trainer.tasks.Task "
+                        "(sample, score, eval_prompts)")
+    return task

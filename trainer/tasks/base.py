@@ -1,0 +1,137 @@
+"""What a task is: prompts to sample, a held-out set to evaluate on, and a verifier.
+
+A task yields ``Prompt``s (plain text, or chat messages) carrying whatever its verifier
+needs (``answer``, ``meta``), and scores completions in batches. The engine turns a prompt
+into token ids with ``encode_prompt`` (the model's chat template when it has one), samples
+until the model's end-of-sequence token or ``task.completion_tokens``, and calls
+``Task.score``; the trainer calls the same ``encode_prompt`` and ``score`` for evaluation,
+so what is evaluated is exactly what is trained.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One problem. ``messages`` (chat turns) wins over ``text`` when given."""
+
+    text: str = ""
+    """Plain-text prompt; on a chat model it becomes the single user turn."""
+    answer: str = ""
+    """What the verifier compares against (the digit D, a number, a reference string)."""
+    messages: tuple[Mapping[str, str], ...] = ()
+    """Chat turns ``{"role": ..., "content": ...}``."""
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    """Anything else a verifier needs."""
+
+    def __post_init__(self) -> None:
+        if not self.text and not self.messages:
+            raise ValueError("a Prompt needs text or messages")
+
+    @property
+    def display(self) -> str:
+        """A one-line rendering for logs (``RolloutSample.prompt_text``)."""
+        return self.text or " | ".join(f"{m['role']}: {m['content']}" for m in self.messages)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What the engine sampled for one prompt."""
+
+    text: str
+    token_ids: Sequence[int]
+    finish_reason: str = ""
+    """``stop`` (end-of-sequence) or ``length`` (hit ``task.completion_tokens``)."""
+
+
+class Task(ABC):
+    """Subclass this for a task of your own (``task.name = "module:factory"``)."""
+
+    @abstractmethod
+    def sample(self, rng: random.Random) -> Prompt:
+        """A training prompt. Must never return one of ``eval_prompts``' prompts."""
+
+    @abstractmethod
+    def score(self, prompts: Sequence[Prompt], completions: Sequence[Completion]) -> list[float]:
+        """One reward per (prompt, completion) pair, in order. Called once per GRPO group."""
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        """The fixed held-out set greedy evaluation runs on (the same list on every call).
+        By default ``n`` prompts from a fixed seed: override it to hold them out of ``sample``."""
+        rng = random.Random(0xE7A1)
+        return [self.sample(rng) for _ in range(n)]
+
+    def correct(self, reward: float) -> bool:
+        """Whether a reward counts as a solved problem for the accuracy figure."""
+        return reward >= 1.0
+
+
+ChatMode = Literal["auto", "off"]
+
+
+def uses_chat(tokenizer: Any, chat: ChatMode) -> bool:
+    """Chat models (a tokenizer with a chat template) get their template unless ``chat = "off"``."""
+    return chat == "auto" and bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt, chat: ChatMode) -> list[int]:
+    """Token ids of the prompt as the model sees it.
+
+    With the chat template, the rendered text already holds the special tokens the model
+    was trained with, so the tokenizer must not add its own again.
+    """
+    if uses_chat(tokenizer, chat):
+        messages = [dict(m) for m in prompt.messages] or [{"role": "user", "content": prompt.text}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+    if prompt.messages:
+        raise ValueError(f"prompt {prompt.display!r} has chat messages but the model has no chat template "
+                         "(or task.chat = 'off'): give it text instead")
+    return list(tokenizer(prompt.text).input_ids)
+
+
+def stop_token_ids(tokenizer: Any, generation_eos: int | Sequence[int] | None = None) -> list[int]:
+    """Every end-of-sequence id the model may emit: the tokenizer's and its generation config's
+    (chat models often end a turn with a token, e.g. ``<|im_end|>``, that only one names)."""
+    ids: list[int] = []
+    for eos in (tokenizer.eos_token_id, generation_eos):
+        for i in ([eos] if isinstance(eos, int) else list(eos or ())):
+            if i is not None and i not in ids:
+                ids.append(int(i))
+    return ids
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_number(text: str) -> str | None:
+    """The answer a completion commits to, GSM8K-style: the number after the last ``####``
+    if there is one, else the last number in the text; commas dropped, ``42.0`` -> ``42``.
+    None when there is no number."""
+    tail = text.rsplit("####", 1)[1] if "####" in text else text
+    found = _NUMBER.findall(tail)
+    if not found:
+        return None
+    number = found[0] if "####" in text else found[-1]
+    number = number.replace(",", "")
+    if "." in number:
+        number = number.rstrip("0").rstrip(".")
+    return "0" if number in ("-0", "") else number
+
+
+def model_stop_ids(model_dir: Any, tokenizer: Any) -> list[int]:
+    """``stop_token_ids`` with the end-of-sequence ids of the model directory's generation config."""
+    from transformers import GenerationConfig
+
+    try:
+        generation_eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS is all there is
+        generation_eos = None
+    return stop_token_ids(tokenizer, generation_eos)
