@@ -2,8 +2,8 @@
 
 Nothing here touches a hub: the tokenizer is a byte-level BPE trained with ``tokenizers``
 on a corpus given by the caller, and the model is a randomly initialised Qwen2 or Llama
-built from a config. ``head_dim`` must be 32 or more because vLLM's CPU attention backend
-refuses 16.
+built from a config (Qwen2, Llama, or a Qwen3 mixture-of-experts). ``head_dim`` must be 32
+or more because vLLM's CPU attention backend refuses 16.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ SPECIAL_TOKENS = ("<unk>", "<|endoftext|>", "<|pad|>")
 class TinyModelConfig:
     """Shape of a tiny test/demo model."""
 
-    arch: Literal["qwen2", "llama"] = "qwen2"
-    """Architecture: qwen2 (qkv bias) or llama (no bias)."""
+    arch: Literal["qwen2", "llama", "qwen3_moe"] = "qwen2"
+    """Architecture: qwen2 (qkv bias), llama (no bias) or qwen3_moe (every MLP a sparse MoE)."""
     hidden_size: int = 128
     """Model width."""
     num_layers: int = 2
@@ -40,10 +40,21 @@ class TinyModelConfig:
     """Longest sequence the model accepts."""
     seed: int = 0
     """Initialisation seed."""
+    num_experts: int = 4
+    """qwen3_moe only: routed experts per MoE layer."""
+    experts_per_token: int = 2
+    """qwen3_moe only: experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 128
+    """qwen3_moe only: width of each expert's MLP."""
 
     def __post_init__(self) -> None:
-        if self.arch not in ("qwen2", "llama"):
-            raise ValueError(f"TinyModelConfig.arch={self.arch!r} is not qwen2 or llama")
+        if self.arch not in ("qwen2", "llama", "qwen3_moe"):
+            raise ValueError(f"TinyModelConfig.arch={self.arch!r} is not qwen2, llama or qwen3_moe")
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"TinyModelConfig.experts_per_token={self.experts_per_token} must be in "
+                             f"1..num_experts={self.num_experts}")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"TinyModelConfig.moe_intermediate_size={self.moe_intermediate_size} must be >= 1")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size={self.hidden_size} not divisible by num_heads={self.num_heads}")
         if self.hidden_size // self.num_heads not in (32, 64, 128):
@@ -81,6 +92,7 @@ def build_tiny_model(
 ) -> Path:
     """Write tokenizer + randomly initialised model to ``out_dir``; return the path."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -96,6 +108,10 @@ def build_tiny_model(
     torch.manual_seed(config.seed)
     if config.arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif config.arch == "qwen3_moe":  # norm_topk_prob: the gate weights of the k experts sum to 1, as in Qwen3-30B-A3B
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **common, num_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
+            moe_intermediate_size=config.moe_intermediate_size, decoder_sparse_step=1, norm_topk_prob=True))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     model.to(dtype).save_pretrained(str(out), safe_serialization=True)
