@@ -1,0 +1,228 @@
+"""From a scenario (published hardware and model figures, one TOML per fleet) or from a
+``bench.inflight`` run (measured CPU costs) to what ``scale_model.simulate`` needs: slots,
+a decode step time and, per way of updating, what an update costs the engine.
+
+Variants of the in-flight mode differ only in where the staged version waits and how much
+of it: ``inflight`` (device memory; every TP rank stages the full checkpoint S, what this
+project builds today), ``inflight_host`` (pinned host memory, S per rank, one bucket on
+the device; the commit becomes a host-to-device copy), and their ``_shard`` forms, which
+keep only the rank's S / TP (designed in the README, not built).
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from bench.scale_model import Lengths, StepTime, Update
+
+VARIANTS = ("none", "batch", "pause", "inflight", "inflight_host", "inflight_shard", "inflight_host_shard")
+BUILT = ("none", "batch", "pause", "inflight", "inflight_host")  # the other two are designed, not built
+GB = 1e9
+
+
+def _check_positive(obj: object, *, allow_zero: tuple[str, ...] = ()) -> None:
+    for f in fields(obj):  # type: ignore[arg-type]
+        v = getattr(obj, f.name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if v < 0 or (v == 0 and f.name not in allow_zero):
+                raise ValueError(f"{type(obj).__name__}.{f.name}={v} must be {'>= 0' if f.name in allow_zero else '> 0'}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Model:
+    params_b: float  # total parameters, billions
+    active_params_b: float  # parameters each token goes through (= params_b for a dense model)
+    bytes_per_param: float  # of the checkpoint the engine serves (2: bf16, 1: fp8)
+    kv_bytes_per_token_gpu: float  # KV cache per token on one GPU of an engine
+
+    def __post_init__(self) -> None:
+        _check_positive(self)
+        if self.active_params_b > self.params_b:
+            raise ValueError(f"Model.active_params_b={self.active_params_b} exceeds params_b={self.params_b}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fleet:
+    engines: int
+    tp: int
+    pp: int = 1
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        _check_positive(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gpu:
+    name: str
+    memory_gb: float
+    hbm_tbps: float  # peak HBM bandwidth
+    tflops: float  # dense peak in the serving dtype
+    h2d_gbps: float  # achieved pinned host-to-device copy rate
+    host_memory_gb_per_node: float
+
+    def __post_init__(self) -> None:
+        _check_positive(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Serving:
+    mem_util: float  # vLLM gpu_memory_utilization
+    reserve_gb: float  # activations, CUDA graphs, allocator slack per GPU
+    max_num_seqs: int
+    mbu: float  # achieved fraction of peak HBM bandwidth in decode
+    mfu: float  # achieved fraction of peak FLOP/s
+    step_overhead_ms: float  # scheduler, sampling, launches, TP collectives per step
+
+    def __post_init__(self) -> None:
+        _check_positive(self, allow_zero=("reserve_gb", "step_overhead_ms"))
+        for name in ("mem_util", "mbu", "mfu"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"Serving.{name}={getattr(self, name)} must be <= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    engine_gbps: float  # rate at which one engine receives a whole update (GB/s)
+    egress_gbps: float  # trainer side, all engines together; 0: not the bottleneck
+    load_fixed_s: float  # pause path per update: pause/resume and finish_weight_update post-processing
+    commit_fixed_s: float  # in-flight: one step-boundary RPC to every worker
+
+    def __post_init__(self) -> None:
+        _check_positive(self, allow_zero=("egress_gbps", "load_fixed_s", "commit_fixed_s"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Updates:
+    every_s: float  # a new version per trainer step
+    rollback: bool  # keep_rollback: the previous version is staged too
+    bucket_gb: float  # device memory of host staging (one bucket)
+    staging_hbm_passes: float  # HBM traffic per staged byte (write, checksum/NaN read, copy-out)
+    commit_hbm_passes: float  # HBM traffic per live byte at the commit (read staging + write live)
+
+    def __post_init__(self) -> None:
+        _check_positive(self, allow_zero=("staging_hbm_passes",))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    name: str
+    model: Model
+    fleet: Fleet
+    gpu: Gpu
+    serving: Serving
+    link: Link
+    updates: Updates
+    prompt_tokens: int
+    lengths: Lengths
+
+    @classmethod
+    def load(cls, path: Path) -> Scenario:
+        raw = tomllib.loads(path.read_text())
+        try:
+            work = raw["workload"]
+            return cls(name=raw["name"], model=Model(**raw["model"]), fleet=Fleet(**raw["fleet"]), gpu=Gpu(**raw["gpu"]),
+                       serving=Serving(**raw["serving"]), link=Link(**raw["link"]), updates=Updates(**raw["updates"]),
+                       prompt_tokens=work["prompt_tokens"], lengths=Lengths(**work["lengths"]))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path}: {e}") from e
+
+    def replace(self, *, lengths: Lengths | None = None, every_s: float | None = None) -> Scenario:
+        """This scenario with other request lengths or another update cadence (the sweeps)."""
+        u = self.updates
+        upd = u if every_s is None else Updates(every_s=every_s, rollback=u.rollback, bucket_gb=u.bucket_gb,
+                                                staging_hbm_passes=u.staging_hbm_passes,
+                                                commit_hbm_passes=u.commit_hbm_passes)
+        return Scenario(name=self.name, model=self.model, fleet=self.fleet, gpu=self.gpu, serving=self.serving,
+                        link=self.link, updates=upd, prompt_tokens=self.prompt_tokens, lengths=lengths or self.lengths)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """One variant of one scenario, ready to simulate (``slots`` 0: it does not fit)."""
+
+    variant: str
+    slots: int
+    step: StepTime
+    update: Update
+    kv_tokens: float  # KV cache capacity per engine, tokens
+    staging_gb_gpu: float  # device memory the variant takes from the KV cache, per GPU
+    host_gb_node: float  # pinned host memory per node (host staging)
+    note: str = ""
+
+
+def plan(s: Scenario, variant: str) -> Plan:
+    """Memory, concurrency, step time and update costs of ``variant`` on scenario ``s``."""
+    if variant not in VARIANTS:
+        raise ValueError(f"plan: variant={variant!r} is not one of {VARIANTS}")
+    m, f, g, sv, ln, u = s.model, s.fleet, s.gpu, s.serving, s.link, s.updates
+    size = m.params_b * 1e9 * m.bytes_per_param  # the checkpoint, bytes (S)
+    ranks = f.tp * f.pp
+    shard = size / ranks  # live weights per GPU
+    copies = 2 if u.rollback else 1
+    per_rank = shard if variant.endswith("_shard") else size  # what one rank keeps of a staged version
+    on_host = variant.startswith("inflight_host")
+    staging = 0.0 if not variant.startswith("inflight") else u.bucket_gb * GB if on_host else per_rank * copies
+    host = per_rank * copies * f.gpus_per_node if on_host else 0.0
+    free = g.memory_gb * GB * sv.mem_util - shard - sv.reserve_gb * GB - staging
+    kv_tokens = max(free, 0.0) / m.kv_bytes_per_token_gpu
+    _, age = s.lengths.moments()
+    held = s.prompt_tokens + age  # KV a running request holds on average
+    slots = min(sv.max_num_seqs, math.floor(kv_tokens / held))
+    note = ""
+    if variant.startswith("inflight") and f.pp > 1:
+        slots, note = 0, "refused: pipeline parallel"
+    elif slots < 1:
+        slots, note = 0, f"does not fit: {staging / GB:.0f} GB staging per GPU"
+    elif host > g.host_memory_gb_per_node * GB:
+        slots, note = 0, f"does not fit: {host / GB:.0f} GB pinned host memory per node"
+    hbm = g.hbm_tbps * 1e12 * sv.mbu
+    step = StepTime(overhead_s=sv.step_overhead_ms / 1e3, weights_max_s=shard / hbm,
+                    weights_per_seq_s=m.active_params_b * 1e9 * m.bytes_per_param / ranks / hbm,
+                    kv_per_seq_s=held * m.kv_bytes_per_token_gpu / hbm,
+                    flops_per_seq_s=2 * m.active_params_b * 1e9 / ranks / (g.tflops * 1e12 * sv.mfu))
+    transfer = max(size / (ln.engine_gbps * GB), f.engines * size / (ln.egress_gbps * GB) if ln.egress_gbps else 0.0)
+    if variant == "none":
+        update = Update(mode="none")
+    elif variant in ("pause", "batch"):  # the engine waits for the transfer and the load
+        load = shard * u.commit_hbm_passes / hbm + ln.load_fixed_s
+        update = Update(mode=variant, every_s=u.every_s, stall_s=transfer + load)
+    else:  # staged beside decoding: every rank's HBM sees the whole update go by
+        commit = shard / (g.h2d_gbps * GB) if on_host else shard * u.commit_hbm_passes / hbm
+        stolen = size * u.staging_hbm_passes / hbm  # HBM time decode loses while staging
+        update = Update(mode="inflight", every_s=u.every_s, stall_s=commit + ln.commit_fixed_s, stage_s=transfer,
+                        stage_cost_s=stolen)
+    return Plan(variant=variant, slots=slots, step=step, update=update, kv_tokens=kv_tokens,
+                staging_gb_gpu=staging / GB, host_gb_node=host / GB, note=note)
+
+
+# --- the CPU benchmark, read back as a model -------------------------------------------------
+
+CPU_LENGTHS = Lengths(dist="uniform", low=16, high=512)  # bench.inflight: max_tokens = randint(16, 512)
+
+
+def cpu_step_time(points: list[tuple[int, float]]) -> StepTime:
+    """Decode step time of one benchmark engine from measured (concurrency, median step ms) of
+    its ``none`` mode: the line through two points, or a constant from one."""
+    pts = sorted(points)
+    (b0, t0), (b1, t1) = pts[0], pts[-1]
+    slope = max(0.0, (t1 - t0) / (b1 - b0)) / 1e3 if b1 > b0 else 0.0
+    base = t1 / 1e3 - slope * b1
+    return StepTime(weights_max_s=base, weights_per_seq_s=base, kv_per_seq_s=slope)
+
+
+def cpu_update(row: dict, slowdown: float) -> Update:
+    """An update of a benchmark row, from what the run measured (per-update medians): the
+    native path's stall (its transfer + load), batch's idle update, the in-flight staging
+    time and commit. ``slowdown`` is the one figure a throughput run cannot separate from
+    its result: how much longer a decode step is while a version stages beside it."""
+    mode = {"inflight": "inflight", "native": "pause", "batch": "batch", "none": "none"}[row["mode"]]
+    if mode == "none":
+        return Update(mode="none")
+    if mode == "inflight":
+        return Update(mode="inflight", every_steps=row["every"], stall_s=row["commit_ms"] / 1e3,
+                      stage_s=row["stage_ms"] / 1e3, stage_cost_s=slowdown * row["stage_ms"] / 1e3)
+    return Update(mode=mode, every_steps=row["every"], stall_s=max(row["stall_ms"], 0.0) / 1e3)
