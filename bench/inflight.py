@@ -1,25 +1,32 @@
-"""In-flight commits vs vLLM's native pause(keep)+update vs batch-boundary sync, one run.
+"""In-flight commits vs vLLM's native pause(keep)+update vs batch-boundary sync, like for like.
 
-    python -m bench.inflight [--sizes S M L] [--every 8 32] [--steps 768] [--rounds 4] [--train-steps 40 [--engines 2]]
+    python -m bench.inflight [--sizes S M L MoE | --model DIR|smollm2] [--every 8 32] [--steps 768] [--rounds 4]
+                             [--routing] [--train-steps 40 [--split-cores] [--engines 2]]
 
-Per model size, one in-process vLLM engine (in-flight worker + vLLM's weight-transfer
-API with the ``inflight_gloo`` backend) decodes the same workload in four modes: a
-stream of requests with 16..512 new tokens, 64 in flight, refilled as they finish. A
+Per model, one in-process vLLM engine (in-flight worker + vLLM's weight-transfer API with
+the ``inflight_gloo`` backend) decodes the same workload in every mode: a stream of
+requests with 16..512 new tokens, ``--concurrency`` in flight, refilled as they finish. A
 trainer process holds the weights and, on the driver's cue every N engine steps:
 
 1. none: no updates (the ceiling);
 2. inflight: ``WeightPusher.push`` while the engine keeps stepping; the commit lands in
-   the step gate;
+   the step gate. A push that comes due while the previous one is still staging is
+   skipped, so in-flight's *achieved* cadence can be lower than the requested one;
 3. native: ``pause_scheduler(keep)`` + ``start_weight_update`` / ``update_weights`` (the
-   trainer's broadcast) / ``finish_weight_update`` + ``resume_scheduler``;
+   trainer's broadcast) / ``finish_weight_update`` + ``resume_scheduler``, at the
+   requested cadence; and, whenever in-flight fell behind, **native@inflight** at the
+   cadence in-flight achieved in the same round, so the two are compared like for like;
 4. batch: stop admitting, drain every request, update, admit the next batch.
 
 The steps of none / inflight / native run interleaved in ``--rounds`` chunks, so a drift
-in machine speed hits all three alike; batch runs once, long enough to drain. Stall per
-update = the engine-loop interval that contains the update minus the median interval
-(from the loop's own timestamps). With ``--train-steps``, the training loop
-(``trainer.train``) also runs in-flight and batch-boundary for end-to-end samples/s.
-Prints a table, then one JSON line; writes ``bench_inflight.png``.
+in machine speed hits all of them alike; a chunk with a push still staging at its end keeps
+stepping until it landed (those steps count: an update's whole cost is in its chunk). The
+headline is **decode time lost per update** = (wall time of the mode - wall time ``none``
+needs for the same tokens) / updates: it counts the stall and every slower step while an
+update stages. The commit interval (the engine-loop interval holding the commit minus the
+median interval) is its own column. ``--routing`` adds rows for ``record_routing`` on a
+tiny MoE (``none`` with the recorder off and on, interleaved). ``--train-steps`` runs the
+training loop end to end (``bench.e2e``). Prints a table, one JSON line; writes a figure.
 """
 
 from __future__ import annotations
@@ -42,12 +49,13 @@ import torch  # noqa: E402
 
 from trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus  # noqa: E402
 
-SIZES = {
+SIZES = {  # tiny random-init models; MoE: a Qwen3-MoE (4 experts, top-2) for the record_routing rows
     "S": TinyModelConfig(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=384),
     "M": TinyModelConfig(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768),
     "L": TinyModelConfig(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, intermediate_size=1536),
+    "MoE": TinyModelConfig(arch="qwen3_moe", hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256,
+                           num_experts=4, experts_per_token=2, moe_intermediate_size=128),
 }
-MODES = ("none", "inflight", "native", "batch")
 
 
 def _trainer(conn, inflight_group, native_group, model_dir: str) -> None:
@@ -69,6 +77,7 @@ def _trainer(conn, inflight_group, native_group, model_dir: str) -> None:
     # in a real run), not part of the update path being measured, so it is done once, up front.
     states = [{k: v + 1e-3 * torch.randn(v.shape, generator=torch.Generator().manual_seed(i)) for k, v in base.items()}
               for i in range(2)]
+    del base  # memory: a real model's weights are 0.5+ GB here, on a shared machine
     pusher = WeightPusher(inflight_group, PushConfig(bucket_mb=64))
     native = WeightGroup(native_group, 0)
     conn.send("ready")
@@ -92,9 +101,10 @@ def _trainer(conn, inflight_group, native_group, model_dir: str) -> None:
 
 
 class Bench:
-    """One model size: the engine, its trainer process, and the four modes."""
+    """One model: the engine, its trainer process, and the modes."""
 
-    def __init__(self, size: str, work: Path, concurrency: int, seed: int, listener_nice: int) -> None:
+    def __init__(self, size: str, work: Path, concurrency: int, seed: int, listener_nice: int,
+                 record_routing: bool = False) -> None:
         from vllm import LLM
 
         from engine_patches.config import InflightConfig, engine_kwargs
@@ -105,10 +115,17 @@ class Bench:
         from inflight.transport.group import GroupConfig, free_port
 
         self.size, self.concurrency, self.seed = size, concurrency, seed
-        model_dir = build_tiny_model(work / size, default_corpus(), SIZES[size])
+        if size in SIZES:
+            model_dir = build_tiny_model(work / size, default_corpus(), SIZES[size])
+        else:  # --model: a directory, hub id or "smollm2"
+            from trainer.models import resolve_model
+
+            model_dir = resolve_model(size)
+        self.model = size if size in SIZES else Path(model_dir).name
         state = load_file(str(model_dir / "model.safetensors"))
         self.params = sum(t.numel() for t in state.values())
         self.native_info = update_info(state)
+        del state
         self.llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", max_model_len=640, seed=seed,
                        max_num_seqs=concurrency, weight_transfer_config={"backend": "inflight_gloo"}, **engine_kwargs())
         inflight_group = GroupConfig(port=free_port(), world_size=2, timeout_s=120)
@@ -118,14 +135,32 @@ class Bench:
             target=_trainer, args=(child, inflight_group, GroupConfig(port=native_port, world_size=2, backend="gloo",
                                                                       name="native"), str(model_dir)), daemon=True)
         self.proc.start()
-        report = start_inflight(self.llm, InflightConfig(group=inflight_group, listener_nice=listener_nice))
+        self.config = InflightConfig(group=inflight_group, listener_nice=listener_nice, record_routing=record_routing)
+        start_inflight(self.llm, self.config)
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {
             "host": "127.0.0.1", "port": native_port, "world_size": 2, "rank": 1, "name": "native"}})
         assert self.conn.recv() == "ready"
         self.gate = coordinator_of(self.llm)
         self.core = self.llm.llm_engine.engine_core.engine_core
         self.version = 0
+        self.routing = record_routing
         self.run("none", every=10**9, steps=48)  # warm-up: kernels, allocator, oneDNN caches
+
+    def set_routing(self, on: bool) -> None:
+        """Bench only: switch ``record_routing`` of the running engine (the worker's recorder
+        and the coordinator's flag), so its cost is measured in interleaved chunks of one engine."""
+        import dataclasses
+
+        from engine_patches.routing import RoutingRecorder
+
+        worker = self.core.model_executor.driver_worker.worker
+        if on and worker._inflight_routing is None:
+            worker._inflight_routing = RoutingRecorder(worker.model_runner)
+        elif not on and worker._inflight_routing is not None:
+            worker._inflight_routing.close()
+            worker._inflight_routing = None
+        self.gate.config = dataclasses.replace(self.gate.config, record_routing=on)
+        self.routing = on
 
     def run(self, mode: str, every: int, steps: int) -> dict:
         from vllm import SamplingParams
@@ -137,20 +172,48 @@ class Bench:
         rng = random.Random(self.seed)
         prompt = {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12]}
         active: set[str] = set()
-        times, tokens, events = [time.perf_counter()], 0, []  # events: (interval index, kind, info)
+        times, events = [time.perf_counter()], []  # events: (interval index, kind, info)
         lags: list[int] = []
-        pushing, draining, n_req = False, False, 0
+        st = {"tokens": 0, "routed": 0, "finished": 0, "skipped": 0, "n_req": 0}
+        pushing, draining = False, False
         gate_start = self.gate.steps
-        for step in range(steps):
-            due = step > 0 and step % every == 0
+
+        def refill() -> None:
+            while not draining and len(active) < self.concurrency:
+                rid = f"{mode}-{st['n_req']}"
+                st["n_req"] += 1
+                sp = SamplingParams(max_tokens=rng.randint(16, 512), ignore_eos=True, temperature=1.0,
+                                    output_kind=RequestOutputKind.DELTA, seed=st["n_req"])
+                engine.add_request(rid, prompt, sp)
+                active.add(rid)
+
+        def step() -> None:
+            for out in engine.step():
+                st["tokens"] += len(out.outputs[0].token_ids)
+                if out.finished:
+                    active.discard(out.request_id)
+                    st["finished"] += 1
+                    st["routed"] += out.outputs[0].routed_experts is not None
+                    spans = out.outputs[0].weight_versions
+                    tags = tags_from_spans(spans, spans[-1].end if spans else 0)
+                    lags.extend(self.gate.live_version - v for v in tags)
+            times.append(time.perf_counter())
+
+        def landed() -> None:
+            r = self.conn.recv()
+            events.append((r["commit_step"] - gate_start + 1, "commit", r))
+
+        for i in range(steps):
+            due = i > 0 and i % every == 0
             if mode == "inflight":
-                if due and not pushing:
+                if due and pushing:
+                    st["skipped"] += 1  # the previous update is still staging: this one is not sent
+                elif due:
                     self.version += 1
                     self.conn.send(("push", self.version))
                     pushing = True
                 if pushing and self.conn.poll():
-                    r = self.conn.recv()
-                    events.append((r["commit_step"] - gate_start + 1, "commit", r))
+                    landed()
                     pushing = False
             elif mode == "native" and due:
                 self.version += 1
@@ -172,41 +235,33 @@ class Bench:
                     self.conn.send(("push", self.version))  # the engine is idle: the commit is immediate
                     events.append((len(times), "batch", self.conn.recv()))
                     draining = False
-            while not draining and len(active) < self.concurrency:
-                rid = f"{mode}-{n_req}"
-                n_req += 1
-                sp = SamplingParams(max_tokens=rng.randint(16, 512), ignore_eos=True, temperature=1.0,
-                                    output_kind=RequestOutputKind.DELTA, seed=n_req)
-                engine.add_request(rid, prompt, sp)
-                active.add(rid)
-            for out in engine.step():
-                tokens += len(out.outputs[0].token_ids)
-                if out.finished:
-                    active.discard(out.request_id)
-                    spans = out.outputs[0].weight_versions
-                    tags = tags_from_spans(spans, spans[-1].end if spans else 0)
-                    lags.extend(self.gate.live_version - v for v in tags)
-            times.append(time.perf_counter())
-        while pushing:  # let the last push land before the next mode
-            r = self.conn.recv()
-            pushing = False
+            refill()
+            step()
+        while pushing:  # the last push is staging: keep decoding (and counting) until it lands
+            refill()
+            step()
+            if self.conn.poll():
+                landed()
+                pushing = False
         for rid in list(active):
             engine.abort_request([rid])
         while engine.has_unfinished_requests():
             engine.step()
         gaps = [b - a for a, b in zip(times, times[1:])]
         at = {i for i, _, _ in events}
-        return {"mode": mode, "every": every, "tokens": tokens, "wall_s": times[-1] - times[0], "lags": lags,
-                "quiet": [g for i, g in enumerate(gaps, 1) if i not in at],
+        return {"mode": mode, "every": every, "tokens": st["tokens"], "wall_s": times[-1] - times[0], "lags": lags,
+                "quiet": [g for i, g in enumerate(gaps, 1) if i not in at], "skipped": st["skipped"],
                 "event_gaps": [gaps[i - 1] for i, _, _ in events if 0 < i <= len(gaps)],
-                "infos": [r for _, _, r in events], "steps": len(gaps)}
+                "infos": [r for _, _, r in events], "steps": len(gaps), "routing": self.routing,
+                "routed": st["routed"], "finished": st["finished"]}
 
-    def report(self, chunks: list[dict]) -> dict:
+    def report(self, chunks: list[dict], label: str | None = None) -> dict:
         """One row from the chunks of one mode (interleaved with the other modes' chunks, so a
         drift in machine speed hits every mode alike)."""
         mode, every = chunks[0]["mode"], chunks[0]["every"]
         tokens = sum(c["tokens"] for c in chunks)
         wall = sum(c["wall_s"] for c in chunks)
+        steps = sum(c["steps"] for c in chunks)
         lags = [x for c in chunks for x in c["lags"]]
         base = statistics.median([g for c in chunks for g in c["quiet"]])
         stalls = [1e3 * (g - base) for c in chunks for g in c["event_gaps"]]
@@ -216,15 +271,20 @@ class Bench:
         hist: dict[int, int] = {}
         for x in lags:
             hist[x] = hist.get(x, 0) + 1
+        pushed = mode in ("inflight", "batch") and infos
         return {
-            "size": self.size, "params": self.params, "mode": mode, "every": every,
-            "steps": sum(c["steps"] for c in chunks), "updates": len(infos), "tokens": tokens, "tok_s": round(tokens / wall, 1),
-            "step_ms": round(1e3 * base, 2),
+            "model": self.model, "size": self.size, "params": self.params, "mode": label or mode, "every": every,
+            "routing": chunks[0]["routing"], "routed_frac": round(sum(c["routed"] for c in chunks) /
+                                                                  max(1, sum(c["finished"] for c in chunks)), 3),
+            "steps": steps, "updates": len(infos), "skipped": sum(c["skipped"] for c in chunks),
+            "steps_per_update": round(steps / len(infos), 1) if infos else None,
+            "tokens": tokens, "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1), "step_ms": round(1e3 * base, 2),
             "stall_ms": round(statistics.median(stalls), 2) if stalls else 0.0,
-            "commit_ms": round(statistics.median(r["commit_ms"] for r in infos), 3) if mode == "inflight" and infos else None,
-            "stage_ms": round(statistics.median(r["stage_ms"] for r in infos), 1) if mode == "inflight" and infos else None,
+            "commit_ms": round(statistics.median(r["commit_ms"] for r in infos), 3) if pushed else None,
+            "stage_ms": round(statistics.median(r["stage_ms"] for r in infos), 1) if pushed else None,
             "ms_per_gb": round(1e3 * statistics.median(send) / (nbytes / 2**30), 1) if send else None,
             "lag_hist": dict(sorted(hist.items())),
+            "_quiet": [g for c in chunks for g in c["quiet"]], "_events": [g for c in chunks for g in c["event_gaps"]],
         }
 
     def close(self) -> None:
@@ -233,115 +293,154 @@ class Bench:
         self.llm.collective_rpc("inflight_stop")
 
 
-def train_loop(steps: int, work: Path, engines: int = 1) -> list[dict]:
-    """End-to-end samples/s of the training loop: in-flight vs batch-boundary with one engine,
-    and, with ``engines`` > 1, in-flight with a fleet of that many engines (same trainer, same
-    task; on this 2-core machine the engines share the cores with the trainer)."""
-    from trainer.config import config_from_dict
-    from trainer.train import train
+CAP = 4.0  # steps longer than CAP x none's median step count as that (``lost_ms_per_update_capped``)
 
+
+def compare(rows: list[dict]) -> None:
+    """Against ``none`` of the same model and cadence group: throughput ratio, and decode time
+    lost per update = (wall - the wall none needs for the same tokens) / updates."""
+    for r in rows:
+        ceiling = next(x for x in rows if x["model"] == r["model"] and x["group"] == r["group"] and x["mode"] == "none")
+        r["vs_none"] = round(r["tok_s"] / ceiling["tok_s"], 3)
+        lost = r["wall_s"] - r["tokens"] / ceiling["tok_s"]
+        r["lost_ms_per_update"] = round(1e3 * lost / r["updates"], 1) if r["updates"] else None
+        r["lost_ms_per_step"] = round(1e3 * lost / r["steps"], 2)
+        # The same with outlier steps capped: on a machine shared with other jobs a few steps take
+        # seconds (another job's burst) and land in whichever mode ran then. Steps without an
+        # update event longer than CAP x none's median count as CAP x that median; the
+        # intervals holding an update (native's pause, batch's drain) are never capped.
+        cap = CAP * ceiling["step_ms"] / 1e3
+        capped = [g for g in r["_quiet"] if g > cap]
+        robust = sum(min(g, cap) for g in r["_quiet"]) + sum(r["_events"])
+        r["capped_steps"] = len(capped)
+        none_rate = ceiling["tokens"] / sum(min(g, cap) for g in ceiling["_quiet"])  # tokens/s, none's steps capped alike
+        lost_robust = robust - r["tokens"] / none_rate
+        r["lost_ms_per_update_capped"] = round(1e3 * lost_robust / r["updates"], 1) if r["updates"] else None
+    for r in rows:
+        r.pop("_quiet"), r.pop("_events")
+
+
+def bench_model(bench: Bench, everys: list[int], steps: int, rounds: int) -> list[dict]:
     rows = []
-    runs = [("inflight", 1), ("batch", 1)] + ([("inflight", engines)] if engines > 1 else [])
-    for mode, count in runs:
-        name = f"train_{mode}_x{count}"
-        cfg = config_from_dict({"run": {"steps": steps, "out_dir": str(work / name)}, "rollout": {"mode": mode},
-                                "engine": {"count": count}})
-        t0 = time.perf_counter()
-        train(cfg)
-        log = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()]
-        wall = sum(r["step_ms"] for r in log[1:]) / 1e3  # from the first step on: the same start-up for all
-        samples = (len(log) - 1) * cfg.rollout.groups_per_step * cfg.rollout.group_size
-        pushes = [r for r in log if "committed_ranks" in r]
-        rows.append({"mode": mode, "engines": count, "steps": steps, "samples_s": round(samples / wall, 1),
-                     "total_s": round(time.perf_counter() - t0, 1),
-                     # every update landed on every engine?
-                     "pushes_on_all": sum(len(r["committed_ranks"]) == count for r in pushes) / max(len(pushes), 1),
-                     # engine steps decoded between first bucket and commit: how far apart the engines committed
-                     "commit_spread_steps": round(sum(r["commit_spread_steps"] for r in pushes) / max(len(pushes), 1), 2)})
+    chunk = steps // rounds
+    for every in everys:
+        chunks: dict[str, list[dict]] = {m: [] for m in ("none", "inflight", "native", "native@inflight")}
+        for _ in range(rounds):  # interleaved: none, inflight, native, native@inflight, none, ...
+            for mode in ("none", "inflight", "native"):
+                chunks[mode].append(bench.run(mode, every, chunk))
+            got = chunks["inflight"][-1]
+            if got["skipped"] and got["infos"]:  # in-flight fell behind: native at the cadence that gives as many updates
+                achieved = max(every, (got["steps"] - 1) // len(got["infos"]))
+                chunks["native@inflight"].append(bench.run("native", achieved, got["steps"]))
+        # a batch boundary needs every request drained (up to 512 tokens): one long run
+        batch = bench.run("batch", every, steps)
+        group = [bench.report(chunks[m], label=m) for m in chunks if chunks[m]] + [bench.report([batch])]
+        for r in group:
+            r["group"], r["every"] = every, every  # requested cadence; steps_per_update is the achieved one
+        rows += group
+    return rows
+
+
+def bench_routing(bench: Bench, every: int, steps: int, rounds: int) -> list[dict]:
+    """``record_routing`` off and on in interleaved chunks of one MoE engine: none, and inflight."""
+    chunks: dict[tuple[str, bool], list[dict]] = {}
+    for _ in range(rounds):
+        for on in (False, True):
+            bench.set_routing(on)
+            for mode in ("none", "inflight"):
+                chunks.setdefault((mode, on), []).append(bench.run(mode, every, steps // rounds))
+    bench.set_routing(False)
+    rows = []
+    for (mode, on), cs in chunks.items():
+        r = bench.report(cs, label=mode + ("+routing" if on else ""))
+        r["group"] = f"routing/{every}"
+        rows.append(r)
     return rows
 
 
 def plot(rows: list[dict], png: Path) -> None:
+    """Left: decode time lost per update, per model and mode (log scale); right: throughput
+    relative to no updates. Labels carry requested -> achieved steps per update."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = sorted({r["size"] for r in rows}, key=list(SIZES).index)
-    everys = sorted({r["every"] for r in rows})
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for k, every in enumerate(everys):
-        for j, mode in enumerate(MODES):
-            ys = [next(r["tok_s"] for r in rows if r["size"] == s and r["mode"] == mode and r["every"] == every) /
-                  next(r["tok_s"] for r in rows if r["size"] == s and r["mode"] == "none" and r["every"] == every)
-                  for s in sizes]
-            xs = [i + (k * len(MODES) + j) * 0.9 / (len(MODES) * len(everys)) for i in range(len(sizes))]
-            axes[0].bar(xs, ys, width=0.9 / (len(MODES) * len(everys)), label=f"{mode}, every {every}",
-                        color=f"C{j}", alpha=1.0 if k == 0 else 0.55)
-    axes[0].set_xticks(range(len(sizes)), sizes)
-    axes[0].set_ylabel("tokens/s relative to no updates")
-    axes[0].axhline(0.95, color="k", lw=0.6, ls="--")
-    axes[0].legend(fontsize=6)
-    for mode in ("inflight", "native", "batch"):
-        pts = [(r["params"], max(r["stall_ms"], 0.0)) for r in rows if r["mode"] == mode and r["every"] == everys[0]]
-        axes[1].plot(*zip(*sorted(pts)), marker="o", label=mode, color=f"C{MODES.index(mode)}")
-    axes[1].set_xscale("log")
-    axes[1].set_yscale("symlog", linthresh=1)
-    axes[1].set_ylim(bottom=0)
-    axes[1].set_xlabel("parameters")
-    axes[1].set_ylabel("stall per update, ms")
-    axes[1].legend()
-    hist = next(r["lag_hist"] for r in rows if r["mode"] == "inflight" and r["size"] == sizes[-1] and r["every"] == everys[0])
-    axes[2].bar(list(hist), list(hist.values()))
-    axes[2].set_xlabel(f"token lag at sequence end, versions ({sizes[-1]}, every {everys[0]})")
-    axes[2].set_ylabel("tokens")
+    shown = [r for r in rows if r["mode"] != "none" and r["updates"] and not str(r["group"]).startswith("routing")]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 0.8 + 0.28 * len(shown)))
+    labels = [f"{r['model']} every {r['every']} {r['mode']} (-> {r['steps_per_update']})" for r in shown]
+    colors = {"inflight": "C1", "native": "C2", "native@inflight": "C4", "batch": "C3"}
+    ys = range(len(shown))
+    axes[0].barh(ys, [max(r["lost_ms_per_update"], 0.1) for r in shown], color=[colors[r["mode"]] for r in shown])
+    axes[0].set_xscale("log")
+    axes[0].set_yticks(ys, labels, fontsize=7)
+    axes[0].invert_yaxis()
+    axes[0].set_xlabel("decode time lost per update, ms (wall - none's wall for the same tokens) / updates")
+    axes[1].barh(ys, [r["vs_none"] for r in shown], color=[colors[r["mode"]] for r in shown])
+    axes[1].set_yticks(ys, [""] * len(shown))
+    axes[1].invert_yaxis()
+    axes[1].axvline(1.0, color="k", lw=0.6)
+    axes[1].set_xlim(0, 1.05)
+    axes[1].set_xlabel("tokens/s relative to no updates")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
 
+COLS = ["model", "every", "mode", "updates", "steps_per_update", "tok_s", "vs_none", "lost_ms_per_update",
+        "lost_ms_per_update_capped", "capped_steps", "step_ms", "stall_ms", "commit_ms", "stage_ms", "ms_per_gb"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES), help="none: training-loop rows only")
-    ap.add_argument("--every", type=int, nargs="+", default=[8, 32], help="update cadence, engine steps")
+    ap.add_argument("--sizes", nargs="*", default=["S", "M", "L"], choices=list(SIZES), help="none: only --model / training rows")
+    ap.add_argument("--model", nargs="*", default=[], help="model directories, hub ids or 'smollm2' (trainer/models.py)")
+    ap.add_argument("--every", type=int, nargs="+", default=[8, 32], help="requested update cadence, engine steps")
     ap.add_argument("--steps", type=int, default=768, help="engine steps per mode")
     ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds the steps of none/inflight/native are split into")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--listener-nice", type=int, default=19, help="InflightConfig.listener_nice of the engine (its default)")
-    ap.add_argument("--train-steps", type=int, default=0, help="also time the training loop (0: skip)")
+    ap.add_argument("--routing", action="store_true", help="add record_routing rows on the tiny MoE")
+    ap.add_argument("--train-steps", type=int, default=0, help="also time the training loop (0: skip); see bench.e2e")
+    ap.add_argument("--split-cores", action="store_true", help="with --train-steps: also trainer and engine on a core each")
     ap.add_argument("--engines", type=int, default=1, help="with --train-steps: add a row for a fleet of this many engines")
     ap.add_argument("--out", default="runs/bench")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows: list[dict] = []
+    load = [round(os.getloadavg()[0], 1)]
     with tempfile.TemporaryDirectory() as tmp:
-        for size in args.sizes:
-            bench = Bench(size, Path(tmp), args.concurrency, seed=0, listener_nice=args.listener_nice)
-            for every in args.every:
-                chunks: dict[str, list[dict]] = {m: [] for m in MODES}
-                for _ in range(args.rounds):  # interleaved: none, inflight, native, none, inflight, ...
-                    for mode in MODES[:3]:
-                        chunks[mode].append(bench.run(mode, every, args.steps // args.rounds))
-                # a batch boundary needs every request drained (up to 512 tokens): one long run
-                chunks["batch"].append(bench.run("batch", every, args.steps))
-                rows += [bench.report(chunks[m]) for m in MODES]
+        if args.routing:  # first: vLLM builds its expert-parallel group only if the process's first engine is MoE
+            bench = Bench("MoE", Path(tmp), args.concurrency, seed=0, listener_nice=args.listener_nice)
+            rows += bench_routing(bench, args.every[0], args.steps, args.rounds)
             bench.close()
             del bench
-        train_rows = train_loop(args.train_steps, Path(tmp), args.engines) if args.train_steps else []
+        for size in args.model + args.sizes:
+            bench = Bench(size, Path(tmp), args.concurrency, seed=0, listener_nice=args.listener_nice)
+            rows += bench_model(bench, args.every, args.steps, args.rounds)
+            bench.close()
+            del bench
+        load.append(round(os.getloadavg()[0], 1))
+        train_rows = []
+        if args.train_steps:
+            from bench.e2e import plot_e2e, train_loop
+
+            train_rows = train_loop(args.train_steps, Path(tmp), args.engines, split=False)
+            if args.split_cores:
+                train_rows += train_loop(args.train_steps, Path(tmp), 1, split=True)
+            plot_e2e(train_rows, out / "bench_e2e.png")
+    compare(rows)
+    print(f"load average (1 min) at start / after the engine rows: {load[0]} / {load[1]}")
+    print(" | ".join(COLS))
     for r in rows:
-        ceiling = next(x["tok_s"] for x in rows if x["size"] == r["size"] and x["every"] == r["every"] and x["mode"] == "none")
-        r["vs_none"] = round(r["tok_s"] / ceiling, 3)
-    cols = ["size", "params", "every", "mode", "updates", "tok_s", "vs_none", "step_ms", "stall_ms", "commit_ms", "stage_ms",
-            "ms_per_gb"]
-    print(" ".join(f"{c:>10}" for c in cols))
-    for r in rows:
-        print(" ".join(f"{r[c]!s:>10}" for c in cols))
+        print(" | ".join(str(r[c]) for c in COLS))
     for r in train_rows:
-        print(f"training loop, {r['mode']:>8} x {r['engines']} engine(s): {r['samples_s']} samples/s ({r['steps']} steps; "
-              f"updates on every engine {100 * r['pushes_on_all']:.0f}%, commit spread {r['commit_spread_steps']} steps)")
+        print(f"training loop ({r['cores']}), {r['mode']:>8} x {r['engines']} engine(s): {r['samples_s']} samples/s, "
+              f"reward last 20% {r['reward_last']} ({r['steps']} steps, {r['wall_s']} s)")
     if rows:
         plot(rows, out / "bench_inflight.png")
-    print(json.dumps({"bench": "inflight", "device": "cpu", "rows": rows, "train": train_rows}))
+    print(json.dumps({"bench": "inflight", "device": "cpu", "concurrency": args.concurrency, "steps": args.steps,
+                      "rounds": args.rounds, "load_1m": load, "rows": rows, "train": train_rows}))
 
 
 if __name__ == "__main__":

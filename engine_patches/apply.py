@@ -94,11 +94,37 @@ class _ExpectedNoWeights(logging.Filter):
         return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in self.layer_names)
 
 
+def process_after_loading(module: torch.nn.Module) -> None:
+    """Re-run ``module``'s processing of freshly loaded weights, as a weight update needs it.
+
+    vLLM's unquantized FusedMoE method knows a first load from an update: on an update
+    (its expert kernel already built) it copies the loaded weights into the live storage,
+    which CUDA graphs captured, and skips the experts' own processing. On CPU that step is
+    the grouped-GEMM prepack (``CPUUnquantizedExperts.process_weights_after_loading``), so
+    an update (vLLM's layerwise reload included) would leave unpacked bytes in a packed
+    layout: measured here, log-probs off by 1.06 on a tiny Qwen3-MoE. Run it here, after the
+    method, on whatever module holds the new weights (the live layer, or a swap's twin)."""
+    method = getattr(module, "quant_method", None)
+    if method is None or not hasattr(method, "process_weights_after_loading"):
+        return
+    method.process_weights_after_loading(module)
+    kernel = getattr(method, "moe_kernel", None)
+    if kernel is not None and _cpu_unquantized_moe(method):
+        kernel.fused_experts.process_weights_after_loading(module)
+
+
+def _cpu_unquantized_moe(method: Any) -> bool:
+    try:
+        from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:  # a vLLM without these: nothing of this kind to repair
+        return False
+    return isinstance(method, UnquantizedFusedMoEMethod) and method.unquantized_backend == UnquantizedMoeBackend.CPU
+
+
 def _reprocess(modules: list[torch.nn.Module]) -> None:
     for module in modules:
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
+        process_after_loading(module)
 
 
 class InStorageApplier:
@@ -113,6 +139,8 @@ class InStorageApplier:
         self.strategy = strategy
         model = model_runner.get_model()
         self._tied = self._modules_sharing_parameters(model)
+        # CPU MoE experts whose re-pack vLLM's reload skips (``process_after_loading``)
+        self._experts = [m for m in model.modules() if _cpu_unquantized_moe(getattr(m, "quant_method", None))]
         quiet = {type(m).__name__ for m in self._tied} | {
             type(m).__name__ for m in model.modules() if not m._parameters and "Rotary" in type(m).__name__
         }
@@ -147,6 +175,7 @@ class InStorageApplier:
             # a tied LM head gets no tensors of its own, so its derived state (the CPU
             # prepacked copy) must be rebuilt from the embedding it shares
             _reprocess(self._tied)
+            self._repack_experts()
         else:
             self.runner.get_model().load_weights(iter(weights.items()))
 
@@ -163,6 +192,13 @@ class InStorageApplier:
         log.warning("inflight: restoring the checkpoint from disk")
         self.runner.reload_weights(is_checkpoint_format=True)
         _reprocess(self._tied)
+        self._repack_experts()
+
+    def _repack_experts(self) -> None:
+        """The reload ran the MoE method's update path, which left the new expert weights
+        unpacked in the live storage: pack them (see ``process_after_loading``)."""
+        for module in self._experts:
+            module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
 
     undo = restore  # taking back a successful apply writes the same previous weights back
 
@@ -172,6 +208,7 @@ def make_applier(model_runner: Any, strategy: Strategy, schema: TensorSchema, *,
     from engine_patches.swap import RoutingError, SwapApplier
 
     chosen = resolve_strategy(strategy, torch.device(model_runner.device), quantized, eager)
+    model_class = type(model_runner.get_model()).__name__
     if chosen == "swap":
         from inflight.transport.layout import torch_dtype
 
@@ -180,7 +217,13 @@ def make_applier(model_runner: Any, strategy: Strategy, schema: TensorSchema, *,
             return SwapApplier(model_runner.get_model(), shapes)
         except RoutingError as e:
             if strategy == "swap":
-                raise
-            log.warning("inflight: swap commits unavailable (%s); using reload", e)
+                raise RoutingError(f"inflight: commit='swap' is not possible for {model_class}: {e}") from e
+            log.warning("inflight: swap commits unavailable for %s (%s); using reload", model_class, e)
             chosen = "reload"
-    return InStorageApplier(model_runner, chosen)
+        except Exception as e:  # a model's loader we did not foresee: refuse, naming it, rather than a bare error
+            raise RuntimeError(f"inflight: building the swap commit for {model_class} failed: {e!r}; "
+                               f"start with InflightConfig(commit='reload')") from e
+    try:
+        return InStorageApplier(model_runner, chosen)
+    except Exception as e:
+        raise RuntimeError(f"inflight: building the {chosen} commit for {model_class} failed: {e!r}") from e

@@ -10,12 +10,17 @@ CPU GEMM dispatch keeps its result in plain module attributes (``cpu_linear``, a
 
 1. ``RoutingPlan.record`` (once, at start): run the model's own ``load_weights`` with
    recording loaders to learn, for each checkpoint name, which parameter's loader takes it
-   and with which shard arguments. A model whose ``load_weights`` transforms tensors on the
-   way (anything but plain routing) is refused, and the caller falls back to ``reload``.
-2. ``SwapApplier.prepare``: materialise shadow parameters from the pre-processing metadata
-   vLLM recorded at model construction, feed the staged tensors through the real loaders
-   into them, and run each layer's ``process_weights_after_loading`` on a shallow copy of
-   the layer (the re-pack). Live modules are not touched; a failure here refuses the update.
+   and with which arguments, positional or keyword (FusedMoE: ``loaded_weight=``,
+   ``expert_id=``, ...). A model whose ``load_weights`` transforms tensors on the way
+   (anything but plain routing, or a view reading the same elements) is refused, and the
+   caller falls back to ``reload``.
+2. ``SwapApplier.prepare``: fill shadow parameters (shaped from the pre-processing metadata
+   vLLM recorded at model construction) with the staged tensors, and run each layer's
+   ``process_weights_after_loading`` on a shallow copy of the layer (the re-pack). The
+   filling replays a load plan recorded once at start from the real loaders
+   (``engine_patches.load_plan``: one ``_foreach_copy_`` per update, no Python loaders) into
+   reused buffers (``engine_patches.targets``); ``load_plan=False`` runs the loaders into
+   fresh shadows. Live modules are not touched; a failure here refuses the update.
 3. ``SwapApplier.apply`` (under the step gate's lock): assign the prepared parameters and
    attributes to the live modules, keeping the previous ones for an instant rollback.
 
@@ -32,6 +37,10 @@ from typing import Any
 
 import torch
 
+from engine_patches.apply import process_after_loading
+from engine_patches.load_plan import LoadPlan
+from engine_patches.targets import ShadowSets
+
 _STRUCTURAL = frozenset({"_parameters", "_buffers", "_modules"})
 
 
@@ -39,11 +48,30 @@ class RoutingError(RuntimeError):
     """The model's load_weights does more than route tensors to loaders."""
 
 
+# Placeholders in a recorded loader call: the parameter it writes into, the tensor it loads.
+_PARAM = object()
+_TENSOR = object()
+
+
 @dataclass(frozen=True)
 class _Route:
     param_id: int  # id() of the live parameter the loader writes into
-    args: tuple
-    kwargs: dict
+    args: tuple  # the loader's positional arguments, with _PARAM / _TENSOR where those went
+    kwargs: dict  # its keyword arguments, likewise (FusedMoE: param=, loaded_weight=, expert_id=, ...)
+
+    def call(self, loader: Any, target: torch.Tensor, tensor: torch.Tensor) -> Any:
+        def fill(v: Any) -> Any:
+            return target if v is _PARAM else tensor if v is _TENSOR else v
+        return loader(*(fill(a) for a in self.args), **{k: fill(v) for k, v in self.kwargs.items()})
+
+
+def _same_elements(loaded: Any, probe: torch.Tensor) -> bool:
+    """``loaded`` reads exactly ``probe``'s elements in ``probe``'s layout: ``probe`` itself or
+    a trivial view of it (FusedMoE's loader hands each expert on as ``t.unsqueeze(0).unbind()[0]``)."""
+    if loaded is probe:
+        return True
+    return (isinstance(loaded, torch.Tensor) and loaded._base is probe and loaded.shape == probe.shape
+            and loaded.stride() == probe.stride() and loaded.storage_offset() == probe.storage_offset())
 
 
 @dataclass
@@ -54,11 +82,15 @@ class RoutingPlan:
     def record(cls, model: torch.nn.Module, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> RoutingPlan:
         params = {id(p): p for p in model.parameters()}  # each shared parameter once
         saved = {pid: p.__dict__.get("weight_loader") for pid, p in params.items()}
-        calls: list[tuple[int, torch.Tensor, tuple, dict]] = []
+        calls: list[tuple[int, tuple, dict]] = []
 
         def recorder(pid: int):
-            def record(param, loaded, *args, **kwargs):
-                calls.append((pid, loaded, args, kwargs))
+            # Loaders are called positionally (``loader(param, w, shard_id)``) or by keyword
+            # (FusedMoE: ``loader(param=, loaded_weight=, weight_name=, shard_id=, expert_id=,
+            # return_success=True)``): record the call as made.
+            def record(*args: Any, **kwargs: Any) -> bool | None:
+                calls.append((pid, args, kwargs))
+                return True if kwargs.get("return_success") else None  # "loaded": the caller goes on as at load
             return record
 
         routes: dict[str, list[_Route]] = {}
@@ -72,10 +104,7 @@ class RoutingPlan:
                 probe = torch.empty(shape, dtype=dtype, device="meta")
                 calls.clear()
                 model.load_weights(iter([(name, probe)]))
-                for pid, loaded, args, kwargs in calls:
-                    if loaded is not probe:
-                        raise RoutingError(f"{type(model).__name__}.load_weights transforms {name!r} before loading")
-                routes[name] = [_Route(pid, args, kwargs) for pid, _, args, kwargs in calls]
+                routes[name] = [cls._route(model, name, params[pid], pid, probe, args, kwargs) for pid, args, kwargs in calls]
             covered = {r.param_id for rs in routes.values() for r in rs}
             bare = [n for n, p in model.named_parameters() if id(p) not in covered]
             if bare:  # a shadow of these would stay uninitialised
@@ -87,6 +116,22 @@ class RoutingPlan:
                 else:
                     p.weight_loader = saved[pid]
         return cls(routes)
+
+    @staticmethod
+    def _route(model: torch.nn.Module, name: str, param: torch.Tensor, pid: int, probe: torch.Tensor,
+               args: tuple, kwargs: dict) -> _Route:
+        def mark(v: Any) -> Any:
+            if v is param:
+                return _PARAM
+            return _TENSOR if _same_elements(v, probe) else v
+        args, kwargs = tuple(mark(a) for a in args), {k: mark(v) for k, v in kwargs.items()}
+        marks = [v for v in (*args, *kwargs.values()) if v is _PARAM or v is _TENSOR]
+        if marks.count(_PARAM) != 1 or marks.count(_TENSOR) != 1:
+            # a slice, a transpose, a concatenation: the loader gets something else than the tensor
+            raise RoutingError(f"{type(model).__name__}.load_weights transforms {name!r} before loading")
+        if any(isinstance(v, torch.Tensor) for v in (*args, *kwargs.values())):
+            raise RoutingError(f"{type(model).__name__}.load_weights passes other tensors along with {name!r}")
+        return _Route(pid, args, kwargs)
 
 
 @dataclass
@@ -102,7 +147,8 @@ _MISSING = object()
 class SwapApplier:
     strategy = "swap"
 
-    def __init__(self, model: torch.nn.Module, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    def __init__(self, model: torch.nn.Module, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *,
+                 load_plan: bool = True) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         self.model = model
@@ -123,6 +169,22 @@ class SwapApplier:
                 self._templates.setdefault(id(live), (meta_params.get(name, live), m))
         self._prepared: list[_ModuleState] | None = None
         self._previous: list[_ModuleState] | None = None
+        self._released: list[_ModuleState] | None = None  # swapped out by the last commit, not yet freed
+        self.load_plan = self._record_load_plan(shapes) if load_plan else None
+        self._targets = ShadowSets()
+
+    def _loader_call(self, route: _Route):
+        def call(target: torch.Tensor, tensor: torch.Tensor) -> None:
+            loader = getattr(target, "weight_loader", None)  # vLLM's v2 parameters expose it as a property
+            if loader is None:
+                from vllm.model_executor.model_loader.weight_utils import default_weight_loader as loader
+            route.call(loader, target, tensor)
+        return call
+
+    def _record_load_plan(self, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> LoadPlan:
+        scratch = self._shadows()
+        routes = {name: [(r.param_id, self._loader_call(r)) for r in rs] for name, rs in self.plan.routes.items()}
+        return LoadPlan.record(shapes, routes, scratch)
 
     def prepared_bytes(self) -> int:
         """Bytes of one set of shadow parameters (before the CPU re-pack, which holds about as much again)."""
@@ -143,14 +205,34 @@ class SwapApplier:
     @torch.no_grad()
     def prepare(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Load and process ``weights`` into shadow modules; live modules are untouched."""
-        shadows = {pid: self._shadow(t, owner) for pid, (t, owner) in self._templates.items()}
+        self._released = None
+        if self.load_plan is None:
+            shadows = self._shadows()
+            self._load(weights, shadows)
+            self._prepared = self._repack(shadows)
+            return
+        shadows, destinations = self._targets.take(self._shadow, self._templates, self.load_plan)
+        self._copy(destinations, self.load_plan.sources(weights))
+        self.load_plan.fill(shadows)
+        self._load({n: weights[n] for n in self.load_plan.loaded}, shadows)
+        states = self._repack(shadows)
+        self._targets.settle(shadows, states)
+        self._prepared = states
+
+    @staticmethod
+    def _copy(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        torch._foreach_copy_(destinations, sources)  # one call: the GIL is released once for every copy
+
+    def _shadows(self) -> dict[int, torch.nn.Parameter]:
+        return {pid: self._shadow(t, owner) for pid, (t, owner) in self._templates.items()}
+
+    def _load(self, weights: Mapping[str, torch.Tensor], shadows: dict[int, torch.nn.Parameter]) -> None:
+        """The model's own loaders (without a load plan, or for what the plan could not prove)."""
         for name, tensor in weights.items():
             for route in self.plan.routes[name]:
-                target = shadows[route.param_id]
-                loader = getattr(target, "weight_loader", None)  # vLLM's v2 parameters expose it as a property
-                if loader is None:
-                    from vllm.model_executor.model_loader.weight_utils import default_weight_loader as loader
-                loader(target, tensor, *route.args, **route.kwargs)
+                self._loader_call(route)(shadows[route.param_id], tensor)
+
+    def _repack(self, shadows: dict[int, torch.nn.Parameter]) -> list[_ModuleState]:
         states: list[_ModuleState] = []
         for live in self._owners:
             twin = copy.copy(live)  # new __dict__; give it its own parameter and buffer dicts
@@ -158,29 +240,34 @@ class SwapApplier:
                                 for n, p in live._parameters.items()}
             twin._buffers = dict(live._buffers)
             before = dict(twin.__dict__)
-            method = getattr(live, "quant_method", None)
-            if method is not None and hasattr(method, "process_weights_after_loading"):
-                method.process_weights_after_loading(twin)  # e.g. the oneDNN re-pack, into twin's attributes
+            process_after_loading(twin)  # e.g. the oneDNN or MoE re-pack, into twin's attributes
             attrs = {k: v for k, v in twin.__dict__.items()
                      if k not in _STRUCTURAL and before.get(k, _MISSING) is not v}
             states.append(_ModuleState(live, dict(twin._parameters), attrs))
-        self._prepared = states
+        return states
 
     def discard(self) -> None:
-        self._prepared = None
+        self._prepared = self._released = None
+        self._targets.discard()
 
     def apply(self) -> None:
         """Swap the prepared state in (call under the step gate's lock)."""
         if self._prepared is None:
             raise RuntimeError("swap commit without a prepared version")
         previous = self._swap(self._prepared)
+        # The version before the previous one is freed later, on the listener thread (``prepare``,
+        # ``discard``): freeing a model's packed weights is munmap work, tens of ms measured on a
+        # 0.5 GB model, which the commit would otherwise spend inside the engine's stall.
+        self._released = self._previous
         self._prepared, self._previous = None, previous
+        self._targets.applied()
 
     def rollback(self) -> bool:
         """Swap the version before the last commit back in; False if there is none."""
         if self._previous is None:
             return False
         self._previous = self._swap(self._previous)
+        self._targets.rolled_back()
         return True
 
     def restore(self, previous: object) -> None:
@@ -191,10 +278,12 @@ class SwapApplier:
         if not self.rollback():
             raise RuntimeError("no applied version to take back")
         self._previous = None  # what rollback swapped out is the refused version: never to be swapped back
+        self._targets.released()
 
     def release_rollback(self) -> None:
         """The engine committed: drop the previous weights (``keep_rollback=False``)."""
         self._previous = None
+        self._targets.released()
 
     @classmethod
     def _swap(cls, states: list[_ModuleState]) -> list[_ModuleState]:

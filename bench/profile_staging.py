@@ -1,0 +1,172 @@
+"""Where one in-flight update's staging time goes, phase by phase (issue 15).
+
+    python -m bench.profile_staging [--model smollm2] [--updates 4] [--steps 96] [--concurrency 32] [--no-load-plan]
+
+One in-process engine on the model and a trainer process (``bench.inflight.Bench``). The
+listener's phases are wrapped with timers that read, for the calling thread, the wall
+time, the CPU time and the time spent runnable but waiting for a core
+(``/proc/thread-self/schedstat``); what is left of the wall time is time blocked: on the
+GIL, or on the peer (the bytes not there yet). Two conditions:
+
+- idle: the engine does not decode while the update stages (the cost of the work itself);
+- decoding: the engine decodes ``--concurrency`` requests while the update stages (what a
+  deployment sees: the listener shares the GIL and the cores with decode).
+
+Prints one table per condition and one JSON line. Nothing here changes what is measured:
+the wrappers call the real methods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from bench.inflight import Bench
+
+PHASES = [  # (owner, attribute, phase name); missing attributes are skipped (older or newer code)
+    ("inflight.transport.listener:UpdateListener", "_on_announce", "staging total (announce to Staged)"),
+    ("inflight.transport.buckets:BucketReceiver", "receive", "receive + checksums"),
+    ("inflight.transport.buckets:BucketReceiver", "_verify", "  checksums"),
+    ("inflight.transport.listener:UpdateListener", "_nonfinite", "finite check"),
+    ("engine_patches.swap:SwapApplier", "prepare", "prepare"),
+    ("engine_patches.swap:SwapApplier", "_shadows", "  shadow parameters (fresh)"),
+    ("engine_patches.targets:ShadowSets", "take", "  shadow parameters (reused)"),
+    ("engine_patches.swap:SwapApplier", "_load", "  weight loaders"),
+    ("engine_patches.swap:SwapApplier", "_copy", "  load plan copies"),
+    ("engine_patches.swap:SwapApplier", "_repack", "  re-pack (oneDNN handles)"),
+    ("inflight.transport.listener:UpdateListener", "_on_commit", "commit round trip (listener)"),
+    ("engine_patches.swap:SwapApplier", "apply", "commit swap (engine thread)"),
+]
+
+
+def _schedstat() -> tuple[float, float]:
+    """(CPU seconds, seconds runnable but waiting for a core) of the calling thread."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            cpu, wait, _ = f.read().split()
+        return int(cpu) / 1e9, int(wait) / 1e9
+    except OSError:
+        return time.thread_time(), 0.0
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.samples: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    def wrap(self, owner: type, attr: str, phase: str) -> None:
+        raw = owner.__dict__[attr]
+        static = isinstance(raw, staticmethod)
+        fn = raw.__func__ if static else raw
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            w0, (c0, q0) = time.perf_counter(), _schedstat()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                c1, q1 = _schedstat()
+                with self._lock:
+                    self.samples[phase].append((time.perf_counter() - w0, c1 - c0, q1 - q0))
+
+        setattr(owner, attr, staticmethod(timed) if static else timed)
+
+    def take(self) -> dict[str, list[tuple[float, float, float]]]:
+        with self._lock:
+            out, self.samples = dict(self.samples), defaultdict(list)
+        return out
+
+
+def install(rec: Recorder) -> list[str]:
+    import importlib
+
+    names = []
+    for target, attr, phase in PHASES:
+        mod, cls = target.split(":")
+        owner = getattr(importlib.import_module(mod), cls)
+        if attr in owner.__dict__:
+            rec.wrap(owner, attr, phase)
+            names.append(phase)
+    return names
+
+
+def per_update(samples: dict[str, list[tuple[float, float, float]]], updates: int) -> dict[str, dict[str, float]]:
+    """Median over updates of each phase's (wall, cpu, core wait, blocked) ms; calls made several
+    times per update (one checksum per bucket) are summed per update first."""
+    out = {}
+    for phase, xs in samples.items():
+        k = max(1, len(xs) // max(updates, 1))
+        groups = [xs[i:i + k] for i in range(0, len(xs) - len(xs) % k or len(xs), k)]
+        sums = [tuple(sum(g[j] for g in grp) for j in range(3)) for grp in groups]
+        wall, cpu, wait = (1e3 * statistics.median(s[j] for s in sums) for j in range(3))
+        out[phase] = {"wall_ms": round(wall, 1), "cpu_ms": round(cpu, 1), "core_wait_ms": round(wait, 1),
+                      "blocked_ms": round(max(wall - cpu - wait, 0.0), 1), "calls_per_update": k}
+    return out
+
+
+def show(title: str, table: dict[str, dict[str, float]], order: list[str]) -> None:
+    print(f"\n{title}")
+    print(f"{'phase':<40}{'wall ms':>10}{'cpu ms':>10}{'core wait':>11}{'blocked':>10}")
+    for phase in order:
+        if phase in table:
+            r = table[phase]
+            print(f"{phase:<40}{r['wall_ms']:>10}{r['cpu_ms']:>10}{r['core_wait_ms']:>11}{r['blocked_ms']:>10}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", help="a model directory, hub id, 'smollm2', or a bench size S/M/L")
+    ap.add_argument("--updates", type=int, default=4, help="updates per condition")
+    ap.add_argument("--steps", type=int, default=96, help="decode steps between updates (decoding condition)")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--no-load-plan", action="store_true", help="the path before issue 15: vLLM's loaders, fresh shadows")
+    args = ap.parse_args()
+    if args.no_load_plan:
+        from engine_patches.swap import SwapApplier
+
+        SwapApplier.__init__.__kwdefaults__["load_plan"] = False
+    rec = Recorder()
+    order = install(rec)
+    load = os.getloadavg()[0]
+    result: dict = {"bench": "profile_staging", "model": args.model, "load_plan": not args.no_load_plan,
+                    "load_1m": round(load, 2)}
+    with tempfile.TemporaryDirectory() as tmp:
+        bench = Bench(args.model, Path(tmp), args.concurrency, seed=0, listener_nice=19)
+        result["params"] = bench.params
+        for _ in range(2):  # warm-up: first-touch of staging and shadow memory, oneDNN caches
+            bench.version += 1
+            bench.conn.send(("push", bench.version))
+            bench.conn.recv()
+        rec.take()
+        trainer = []
+        for _ in range(args.updates):  # idle: nothing decodes, so the listener has the process to itself
+            bench.version += 1
+            bench.conn.send(("push", bench.version))
+            trainer.append(bench.conn.recv())
+        result["idle"] = per_update(rec.take(), args.updates)
+        result["idle_trainer"] = {"send_ms": round(1e3 * statistics.median(r["send_s"] for r in trainer), 1),
+                                  "push_ms": round(1e3 * statistics.median(r["push_s"] for r in trainer), 1)}
+        run = bench.run("inflight", every=args.steps, steps=args.steps * args.updates + 1)
+        result["decoding"] = per_update(rec.take(), len(run["infos"]))
+        result["decoding_updates"] = len(run["infos"])
+        result["decoding_step_ms"] = round(1e3 * statistics.median(run["quiet"]), 2)
+        bench.close()
+    result["load_1m_end"] = round(os.getloadavg()[0], 2)
+    path = "load plan, reused buffers" if result["load_plan"] else "vLLM loaders, fresh shadows (before)"
+    show(f"{path}; idle engine, {args.model} ({result['params'] / 1e6:.1f} M params), load {load:.1f}", result["idle"], order)
+    trainer = result["idle_trainer"]
+    print(f"  trainer: send {trainer['send_ms']} ms, push (announce to committed) {trainer['push_ms']} ms")
+    show(f"engine decoding {args.concurrency} requests ({result['decoding_updates']} updates)", result["decoding"], order)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

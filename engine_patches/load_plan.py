@@ -1,0 +1,142 @@
+"""A load plan: where each checkpoint tensor lands inside the parameters, learned once at start.
+
+Why: an update of a 30-layer model goes through ~270 vLLM weight loaders, each a few
+Python-level tensor ops (narrow, checks, copy). On an in-flight CPU engine they run on the
+listener thread, which shares the engine's GIL with decoding: every op hands the GIL back
+and forth with the decode thread, so the loaders cost far more wall time than their copies.
+The plan replaces them with one ``torch._foreach_copy_`` per update (the GIL is released
+once, for all the copies).
+
+How: at start, each routed loader call runs once under a ``TorchDispatchMode`` on a real
+scratch parameter and a real probe tensor, and the mode sees every ATen op the loader runs.
+A checkpoint tensor is planned when every write of its loaders is a plain ``copy_`` of the
+probe (or a view of it) into the parameter (or a view of it), with the same dtype: the plan
+keeps those views' shapes, strides and offsets. Anything else (a cast, a computed tensor,
+a write into any other tensor) keeps that tensor on its loader. Replaying the recorded
+copies is exactly what the loader did, since a loader's routing depends on shapes and its
+arguments, never on the values it loads; the engine tests check the result against
+transformers after updates, with the plan and without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+View = tuple[tuple[int, ...], tuple[int, ...], int]  # shape, stride, element offset from the base's own offset
+
+
+@dataclass(frozen=True)
+class Write:
+    """One recorded copy: ``target[key]`` viewed as ``dst`` receives ``weights[name]`` viewed as ``src``."""
+
+    key: int
+    name: str
+    dst: View
+    src: View | None  # None: the whole tensor, as staged
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _view_of(t: torch.Tensor, base: torch.Tensor) -> View:
+    return tuple(t.shape), tuple(t.stride()), t.storage_offset() - base.storage_offset()
+
+
+def _whole(t: torch.Tensor, base: torch.Tensor) -> bool:
+    return t.shape == base.shape and t.stride() == base.stride() and t.storage_offset() == base.storage_offset()
+
+
+class _Recorder(TorchDispatchMode):
+    """Runs every op as it is, noting the copies from ``probe`` into ``target``, constant fills of
+    ``target``, and any other write."""
+
+    def __init__(self, target: torch.Tensor, probe: torch.Tensor) -> None:
+        super().__init__()
+        self.target, self.probe = target, probe
+        self.copies: list[tuple[View, View | None]] = []
+        self.fills: list[tuple[View, float]] = []  # padding a loader zeroes (a vocabulary padded to a multiple)
+        self.foreign: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._schema.is_mutable:
+            dst, src = (tuple(args) + (None, None))[:2]
+            if (func is torch.ops.aten.copy_.default and isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)
+                    and _same_storage(dst, self.target)
+                    and _same_storage(src, self.probe) and dst.dtype == src.dtype == self.target.dtype == self.probe.dtype
+                    and dst.shape == src.shape):
+                self.copies.append((_view_of(dst, self.target), None if _whole(src, self.probe) else _view_of(src, self.probe)))
+            elif (func is torch.ops.aten.fill_.Scalar and isinstance(dst, torch.Tensor) and _same_storage(dst, self.target)
+                    and dst.dtype == self.target.dtype):
+                if dst.numel():  # an empty fill (no padding rows, the usual case) writes nothing
+                    self.fills.append((_view_of(dst, self.target), float(src)))
+            else:
+                self.foreign.append(str(func))
+        return func(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    writes: tuple[Write, ...]
+    """The planned copies, in checkpoint order."""
+    loaded: frozenset[str]
+    """Checkpoint tensors that still go through their loaders (anything the plan could not prove)."""
+    fills: tuple[tuple[int, View, float], ...] = ()
+    """(key, view, value): constant writes of the planned loaders, replayed after the copies."""
+
+    @classmethod
+    def record(cls, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+               routes: Mapping[str, Iterable[tuple[int, Callable[[torch.Tensor, torch.Tensor], object]]]],
+               scratch: Mapping[int, torch.Tensor]) -> LoadPlan:
+        """``routes[name]``: (key, call) pairs, ``call(target, tensor)`` running the loader;
+        ``scratch[key]``: a parameter of that key's pre-processing shape to record into."""
+        writes: list[Write] = []
+        fills: list[tuple[int, View, float]] = []
+        loaded: set[str] = set()
+        for name, (shape, dtype) in shapes.items():
+            probe = torch.empty(shape, dtype=dtype)  # real memory: the recorded views must be real views
+            found: list[Write] = []
+            found_fills: list[tuple[int, View, float]] = []
+            for key, call in routes[name]:
+                target = scratch[key]
+                rec = _Recorder(target, probe)
+                with torch.no_grad(), rec:
+                    call(target, probe)
+                if rec.foreign or not rec.copies:
+                    loaded.add(name)
+                    break
+                found += [Write(key, name, dst, src) for dst, src in rec.copies]
+                found_fills += [(key, view, value) for view, value in rec.fills]
+            else:
+                writes += found
+                fills += found_fills
+        return cls(tuple(writes), frozenset(loaded), tuple(fills))
+
+    def fill(self, targets: Mapping[int, torch.Tensor]) -> None:
+        for key, (shape, stride, offset), value in self.fills:
+            base = targets[key].data
+            base.as_strided(shape, stride, base.storage_offset() + offset).fill_(value)
+
+    def destinations(self, targets: Mapping[int, torch.Tensor]) -> list[torch.Tensor]:
+        """The views the planned copies write, into ``targets`` (key -> parameter)."""
+        out = []
+        for w in self.writes:
+            base = targets[w.key].data
+            shape, stride, offset = w.dst
+            out.append(base.as_strided(shape, stride, base.storage_offset() + offset))
+        return out
+
+    def sources(self, weights: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for w in self.writes:
+            t = weights[w.name]
+            if w.src is not None:
+                shape, stride, offset = w.src
+                t = t.as_strided(shape, stride, t.storage_offset() + offset)
+            out.append(t)
+        return out
