@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 import msgspec
 
@@ -52,6 +52,11 @@ class InflightConfig:
     supervisor restarts it) rather than serve a mix of two versions."""
     check_finite: bool = True
     """Refuse updates with NaN or Inf in any floating tensor, before they are staged."""
+    record_routing: bool = False
+    """Mixture-of-experts engines: record, for every sampled token, the top-k expert ids of
+    every MoE layer (``CompletionOutput.routed_experts``, ``[tokens, moe_layers, k]`` int16,
+    ``engine_patches.routing``), for routing replay in the trainer. Costs one small RPC per
+    engine step and 2 x layers x k bytes per token; refused on a model without MoE layers."""
     require_processed_logprobs: bool = True
     """Refuse to start unless the engine reports processed (temperature-scaled) log-probs,
     the behaviour log-probs the trainer's importance ratios need."""
@@ -76,7 +81,25 @@ class InflightConfig:
 
     @classmethod
     def from_json(cls, data: str | bytes) -> InflightConfig:
-        return msgspec.json.decode(data, type=cls)
+        """Parse and validate; unknown fields (a typo, a setting of another version) are an
+        error naming them, never silently dropped: msgspec ignores them in dataclasses."""
+        try:
+            raw = msgspec.json.decode(data)
+            if not isinstance(raw, dict):
+                raise ValueError(f"InflightConfig JSON must be an object, not {type(raw).__name__}")
+            _refuse_unknown(cls, raw, "InflightConfig")
+            _refuse_unknown(GroupConfig, raw.get("group"), "InflightConfig.group")
+            return msgspec.json.decode(data, type=cls)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ValueError(f"InflightConfig JSON: {e}") from None
+
+
+def _refuse_unknown(cls: type, raw: Any, where: str) -> None:
+    if not isinstance(raw, dict):
+        return  # a wrong type is msgspec's to name
+    unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ValueError(f"{where}: unknown fields {unknown} (known: {', '.join(f.name for f in fields(cls))})")
 
 
 def engine_kwargs(**overrides: object) -> dict[str, object]:
@@ -87,13 +110,17 @@ def engine_kwargs(**overrides: object) -> dict[str, object]:
       request under another, and block hashes are fixed when a request is admitted, not
       when it is prefilled, so salting by version cannot guarantee it;
     - no async scheduling: a commit must not race a batch already in flight;
-    - processed log-probs: behaviour log-probs of the distribution actually sampled from.
+    - processed log-probs: behaviour log-probs of the distribution actually sampled from;
+    - vLLM's neutral sampling defaults, not the model's ``generation_config.json`` (its top-k,
+      top-p, penalties would apply to every request that leaves them unset, and the trainer
+      scores with the temperature alone; the worker refuses such an engine).
     """
     kwargs: dict[str, object] = dict(
         worker_extension_cls=WORKER_EXTENSION,
         enable_prefix_caching=False,
         async_scheduling=False,
         logprobs_mode="processed_logprobs",
+        generation_config="vllm",
     )
     kwargs.update(overrides)
     return kwargs

@@ -32,9 +32,11 @@ Ordering invariants:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -50,7 +52,7 @@ from inflight.protocol import (
     decode_engine,
     encode,
 )
-from inflight.transport.group import TransportError, connect_store, store_reachable
+from inflight.transport.group import TransportError, await_trainer_gone, connect_store, store_reachable
 
 log = logging.getLogger("inflight.coordinator")
 
@@ -139,6 +141,9 @@ class CommitCoordinator:
         """Once every worker started: label the outputs from now on, and watch for commits."""
         self.core._weight_version = str(self.live_version)
         self._thread.start()
+        # a plain interpreter exit stops the watcher too, before the trainer's store can go away under it
+        ref = weakref.ref(self)
+        atexit.register(lambda: (c := ref()) is not None and c.stop())
 
     def stop(self) -> None:
         self._stop.set()
@@ -268,6 +273,13 @@ class CommitCoordinator:
             try:
                 while not self._stop.is_set():
                     ready = self._wait_ready(store, keys)
+                    if isinstance(ready, str):  # the trainer is leaving (issue 17): let go of its store first
+                        store = None
+                        try:
+                            await_trainer_gone(self.config.group, ready, self._stop)
+                        except InterruptedError:
+                            return
+                        break
                     if ready is None:
                         continue
                     for k in keys:
@@ -286,12 +298,20 @@ class CommitCoordinator:
                 log.info("inflight: coordinator lost the group store (%s); reconnecting", e)
                 self._stop.wait(0.5)
 
-    def _wait_ready(self, store: Any, keys: list[str]) -> int | None:
-        """The version every rank is ready for, or None (try again)."""
+    def _wait_ready(self, store: Any, keys: list[str]) -> int | str | None:
+        """The version every rank is ready for, None (try again), or the trainer's store
+        incarnation when a worker relayed its ``Shutdown`` (``bye/<rank>``, deleted here as the
+        last use of the store: the worker answers the trainer only then)."""
         pause = 0.0002
+        byes = [f"bye/{r}" for r in self.ranks]
         while not store.check(keys):
             if self._stop.is_set():
                 return None
+            if store.check(byes):
+                incarnation = store.get(byes[0]).decode()
+                for k in byes:
+                    store.delete_key(k)
+                return incarnation
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
         versions = set()

@@ -18,7 +18,7 @@ _MARK = "__inflight_engine_core__"
 
 
 def patch_engine_core() -> None:
-    """Wrap three methods of ``vllm.v1.engine.core.EngineCore`` (vLLM 0.32.0).
+    """Wrap four methods of ``vllm.v1.engine.core.EngineCore`` (vLLM 0.32.0).
 
     - ``collective_rpc``: when ``inflight_start`` passes through (from ``LLM``, ``AsyncLLM``
       or the OpenAI server's ``/collective_rpc``), check the engine, attach a
@@ -27,10 +27,13 @@ def patch_engine_core() -> None:
       step lock, so a user's RPC never interleaves with a commit, and ``inflight_status``
       gains the engine's live version and step count.
     - ``step``: with a coordinator attached, the step runs under its lock and a pending
-      commit is applied first, on the engine thread. Engines without one are untouched.
+      commit is applied first, on the engine thread; with ``record_routing``, the step's
+      outputs get the routing of the forward that sampled them (``engine_patches.routing``).
+      Engines without one are untouched.
     - ``step_with_batch_queue`` (async scheduling, pipeline parallelism: batches stay in
       flight across loop turns): refused loudly when a coordinator is attached;
       ``inflight_start`` already refuses such engines.
+    - ``shutdown``: stops the coordinator and every worker's listener first (``inflight_stop``).
 
     Idempotent; raises if vLLM's EngineCore no longer has these methods. Must run before an
     EngineCore binds ``self.step_fn`` in ``__init__``, which the ``vllm.general_plugins``
@@ -38,7 +41,7 @@ def patch_engine_core() -> None:
     """
     from vllm.v1.engine.core import EngineCore
 
-    for name in ("step", "step_with_batch_queue", "collective_rpc"):
+    for name in ("step", "step_with_batch_queue", "collective_rpc", "shutdown"):
         if not callable(getattr(EngineCore, name, None)):
             raise RuntimeError(f"inflight: vllm EngineCore has no {name}(); this vLLM is not 0.32-compatible")
     if getattr(EngineCore.step, _MARK, False):
@@ -50,6 +53,7 @@ def patch_engine_core() -> None:
     original_step = EngineCore.step
     original_batch_step = EngineCore.step_with_batch_queue
     original_rpc = EngineCore.collective_rpc
+    original_shutdown = EngineCore.shutdown
 
     @functools.wraps(original_step)
     def step(self):
@@ -59,6 +63,10 @@ def patch_engine_core() -> None:
         with coordinator.step() as report:
             outputs, executed = original_step(self)
             report(executed)
+            if executed and coordinator.config.record_routing:  # the rows of this forward, before the next one
+                from engine_patches.routing import attach_routing
+
+                attach_routing(self, outputs)
         return outputs, executed
 
     @functools.wraps(original_batch_step)
@@ -93,11 +101,23 @@ def patch_engine_core() -> None:
             results = [dict(r, **coordinator.status()) for r in results]
         return results
 
-    for fn in (step, step_with_batch_queue, collective_rpc):
+    @functools.wraps(original_shutdown)
+    def shutdown(self):
+        # the in-flight machinery stops with the engine (``del llm``, a server's exit): the
+        # coordinator and every worker's listener let go of the trainer's store first
+        if self.__dict__.get(ATTR) is not None:
+            try:
+                self.collective_rpc("inflight_stop", timeout=15.0)  # dead workers must not hang the shutdown
+            except Exception:  # noqa: BLE001  a half-dead executor: its own shutdown reports it
+                pass
+        return original_shutdown(self)
+
+    for fn in (step, step_with_batch_queue, collective_rpc, shutdown):
         setattr(fn, _MARK, True)
     EngineCore.step = step
     EngineCore.step_with_batch_queue = step_with_batch_queue
     EngineCore.collective_rpc = collective_rpc
+    EngineCore.shutdown = shutdown
 
 
 def is_patched() -> bool:

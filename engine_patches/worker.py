@@ -22,10 +22,12 @@ only stages, prepares, announces readiness and relays the engine's outcome.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +37,17 @@ import torch
 from engine_patches.apply import checkpoint_dir, checkpoint_schema, make_applier
 from engine_patches.config import InflightConfig
 from engine_patches.staging import StagingNeed, check_fits, memory_budget, ordered_commit, ready_event, staging_need
-from inflight.protocol import ENGINE_CHANNEL, CommitReady, EngineCommitted, ProtocolError, decode_engine, encode
-from inflight.transport.group import TransportError, TransportTimeout, WeightGroup, wait_key
+from inflight.protocol import (
+    ENGINE_CHANNEL,
+    CommitReady,
+    EngineCommitted,
+    ProtocolError,
+    Sampling,
+    decode_engine,
+    encode,
+)
+from inflight.auth import read_secret
+from inflight.transport.group import TransportError, TransportTimeout, WeightGroup, await_trainer_gone, wait_key
 from inflight.transport.listener import CommitFailed, CommitInfo, ListenerStats, StagingPool, UpdateListener
 
 log = logging.getLogger("inflight.worker")
@@ -62,6 +73,7 @@ class _EngineTarget:
         self._live = config.initial_version
         self._disk_version = config.initial_version
         self.channel: Any = None  # this engine's commit channel in the current generation's store
+        self.incarnation = ""  # of the trainer's store the channel lives in
         self._lock = threading.Lock()  # hands a ready version to exactly one of: commit, withdrawal
         self._ready: _Ready | None = None
         self._applied: _Ready | None = None
@@ -90,13 +102,23 @@ class _EngineTarget:
     def discard(self) -> None:
         self.applier.discard()
 
+    def leave(self) -> None:
+        """The trainer is leaving: have the engine's coordinator let go of its store first (it
+        deletes ``bye/<rank>`` as the last thing it does with it; see the coordinator)."""
+        key = f"bye/{self.rank}"
+        self.channel.set(key, self.incarnation.encode())
+        deadline = time.monotonic() + 5.0  # a coordinator busy committing answers within a step; else go on
+        while self.channel.check([key]) and time.monotonic() < deadline:
+            time.sleep(0.002)
+
     def commit(self, version: int, weights: dict[str, torch.Tensor], previous: Mapping[str, torch.Tensor] | None) -> CommitInfo:
         """Announce readiness to the engine's coordinator and relay its outcome."""
         ready = _Ready(version, weights, previous, self._event)
         with self._lock:
             self._ready = ready
-        self.channel.set(f"ready/{self.rank}", encode(CommitReady(rank=self.rank, version=version)))
         key, what = f"outcome/{version}", f"the engine's commit of v{version}"
+        self.channel.delete_key(key)  # a failed earlier attempt at this version left its outcome (issue 17)
+        self.channel.set(f"ready/{self.rank}", encode(CommitReady(rank=self.rank, version=version)))
         try:
             raw = wait_key(self.channel, key, timeout_s=self.config.commit_timeout_s, stop=None, what=what, who=f"rank {self.rank}")
         except TransportTimeout as e:
@@ -186,11 +208,15 @@ class InflightWorkerExtension:
         if getattr(self, "_inflight_thread", None) is not None:
             raise RuntimeError("inflight: already started on this worker")
         vc = self.vllm_config
+        _refuse_sampling_defaults(vc.model_config)
         rank = config.rank + self.rank
         device = torch.device(self.model_runner.device)
         schema = checkpoint_schema(checkpoint_dir(vc.model_config.model, vc.model_config.revision), vc.model_config.dtype)
         applier = make_applier(self.model_runner, config.commit, schema, quantized=vc.model_config.quantization is not None,
                                eager=vc.model_config.enforce_eager)
+        from engine_patches.routing import RoutingRecorder
+
+        self._inflight_routing = RoutingRecorder(self.model_runner) if config.record_routing else None
         pool, need = self._inflight_reserve(config, schema, applier, device)
         target = _EngineTarget(applier, config, rank, device)
         self._inflight_hook = self.model_runner.get_model().register_forward_pre_hook(target.on_forward)
@@ -198,14 +224,22 @@ class InflightWorkerExtension:
         self._inflight_pool = pool
         self._inflight_engine_id = engine_id
         self._inflight_stop = threading.Event()
+        self._inflight_secret = read_secret()  # once: the environment at the engine's start decides
         self._inflight_listener: UpdateListener | None = None
         self._inflight_stats = ListenerStats()
         self._inflight_thread = threading.Thread(
             target=self._inflight_serve, args=(config, schema, rank), name=f"inflight-listener-{rank}", daemon=True
         )
         self._inflight_thread.start()
+        # the listener stops with the interpreter too (a plain exit, no engine shutdown), before
+        # the objects its thread uses are torn down under it
+        ref = weakref.ref(self)
+        self._inflight_atexit = lambda: (w := ref()) is not None and w.inflight_stop()
+        atexit.register(self._inflight_atexit)
         return {"rank": rank, "instance_id": engine_id, "commit": applier.strategy, "schema_tensors": len(schema.tensors),
-                "staging": need.where, "staging_bytes": need.nbytes}
+                "staging": need.where, "staging_bytes": need.nbytes,
+                "routing": None if self._inflight_routing is None else [self._inflight_routing.layers,
+                                                                         self._inflight_routing.top_k]}
 
     def _inflight_reserve(self, config: InflightConfig, schema, applier: Any, device: torch.device) -> tuple[StagingPool, StagingNeed]:
         """Check the staging buffers fit where they will live, then allocate them now."""
@@ -233,13 +267,14 @@ class InflightWorkerExtension:
             torch.cuda.set_device(self.model_runner.device)
             torch.cuda.set_stream(torch.cuda.Stream())
         stats, stop, target = self._inflight_stats, self._inflight_stop, self._inflight_target
+        secret = self._inflight_secret
         joined_before = False
         while not stop.is_set():
             try:
                 engine_ranks = tuple(range(config.rank, config.rank + self.vllm_config.parallel_config.world_size))
                 group = WeightGroup(config.group, rank, device=self._inflight_data_device(config),
                                     live_version=target.live_version, stop=stop, join_timeout_s=None,
-                                    engine_ranks=engine_ranks)
+                                    engine_ranks=engine_ranks, secret=secret)
             except InterruptedError:
                 return
             except TransportError as e:  # the store went away while joining: try again
@@ -250,6 +285,7 @@ class InflightWorkerExtension:
             joined_before = True
             log.info("inflight: rank %d joined generation %s serving v%d", rank, group.identity, target.live_version)
             target.channel = group.sub_store(f"{ENGINE_CHANNEL}/{self._inflight_engine_id}")
+            target.incarnation = group.incarnation
             self._inflight_listener = UpdateListener(group, target, schema, stats=stats, stale_timeout_s=config.stale_timeout_s,
                                                      check_finite=config.check_finite, pool=self._inflight_pool,
                                                      keep_rollback=config.keep_rollback)
@@ -264,6 +300,11 @@ class InflightWorkerExtension:
                 stop.wait(1.0)
             finally:
                 group.close()
+            if self._inflight_listener.trainer_left:  # rejoin only once its store is gone (or replaced)
+                try:
+                    await_trainer_gone(config.group, group.incarnation, stop)
+                except InterruptedError:
+                    return
 
     def _inflight_data_device(self, config: InflightConfig) -> torch.device:
         if config.group.resolved_backend() == "nccl":
@@ -275,6 +316,10 @@ class InflightWorkerExtension:
 
     def inflight_rollback(self, version: int) -> dict[str, Any]:
         return self._inflight_target.execute_rollback(version)
+
+    def inflight_take_routing(self) -> tuple[list[str], Any]:
+        """The last forward's routing rows (``engine_patches.routing``); called by EngineCore after each step."""
+        return self._inflight_routing.take()
 
     def inflight_status(self) -> dict[str, Any]:
         target: _EngineTarget | None = getattr(self, "_inflight_target", None)
@@ -301,7 +346,30 @@ class InflightWorkerExtension:
     def inflight_stop(self) -> None:
         if getattr(self, "_inflight_thread", None) is None:
             return
+        atexit.unregister(self._inflight_atexit)
         self._inflight_stop.set()
         self._inflight_thread.join(timeout=10)
         self._inflight_hook.remove()
+        if self._inflight_routing is not None:
+            self._inflight_routing.close()
         self._inflight_thread = None
+
+
+def _refuse_sampling_defaults(model_config: Any) -> None:
+    """Refuse an engine that would sample requests with transforms the trainer does not apply.
+
+    vLLM fills every sampling parameter a request leaves unset from the model's
+    ``generation_config.json`` (``LLM.generate`` without ``SamplingParams``, every OpenAI
+    request of ``vllm serve``) unless the engine runs with ``generation_config="vllm"``.
+    Behaviour log-probs are the processed distribution, after those transforms; the trainer
+    scores its policy with the temperature alone, so e.g. Qwen2.5-Instruct's top_k=20,
+    top_p=0.8, repetition_penalty=1.05 would bias every importance ratio."""
+    defaults = model_config.get_diff_sampling_param()
+    known = {k: v for k, v in defaults.items() if k in Sampling.__struct_fields__}
+    transforms = Sampling(**known).transforms()
+    if transforms:
+        raise RuntimeError(
+            f"inflight: this engine applies sampling defaults from {model_config.generation_config!r} "
+            f"({', '.join(transforms)}) to every request that does not set them, and the trainer's log-probs apply only "
+            "the temperature: start the engine with generation_config='vllm' (engine_kwargs() does; "
+            "`--generation-config vllm` for vllm serve)")

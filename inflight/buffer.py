@@ -16,7 +16,9 @@ Ordering invariants:
   item under a new number, so a frozen engine blocks no one and loses nothing;
 - the buffer admits a group only if every token's version is within ``admit_lag`` of the
   trainer's version; what it admitted but has not yet handed out is ``pending`` (saved in
-  checkpoints, so a resumed run neither repeats nor drops a sample).
+  checkpoints, so a resumed run neither repeats nor drops a sample), and so are its counters;
+- with a shared secret (``INFLIGHT_SECRET``) every item is sealed for its slot, so a client of
+  the store without it cannot queue samples the trainer would train on.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Literal
 
+import msgspec
 from torch.distributed import Store
 
-from inflight.protocol import ProtocolError, RolloutGroup, decode_group, encode
+from inflight.auth import read_secret, seal, unseal
+from inflight.protocol import AuthError, ProtocolError, RolloutGroup, decode_group, encode
 from inflight.transport.group import wait_key
 
 _POLL_S = 0.002
@@ -40,11 +45,12 @@ HOLE = b"\x00hole"
 class RolloutQueue:
     """Both ends of the queue; ``put`` from engines, ``get`` from the single trainer."""
 
-    def __init__(self, store: Store, capacity: int) -> None:
+    def __init__(self, store: Store, capacity: int, *, secret: bytes | None | Literal["env"] = "env") -> None:
         if capacity < 1:
             raise ValueError(f"RolloutQueue capacity={capacity} must be >= 1")
         self.store = store
         self.capacity = capacity
+        self.secret = read_secret() if secret == "env" else secret
         self._head = store.add("head", 0)  # consumer's next sequence number
 
     def depth(self) -> int:
@@ -62,7 +68,8 @@ class RolloutQueue:
                     raise TimeoutError(f"rollout queue full ({self.capacity}) for {timeout_s:.1f}s: is the trainer alive?")
                 time.sleep(_POLL_S)
             seq = self.store.add("tail", 1) - 1
-            if self.store.compare_set(f"item/{seq}", "", data) == data:
+            sealed = seal(data, self.secret, f"rollout/item/{seq}")
+            if self.store.compare_set(f"item/{seq}", "", sealed) == sealed:
                 return seq
             # the consumer holed this slot while we were stopped between claim and write: again
 
@@ -104,7 +111,12 @@ class RolloutQueue:
         self.store.delete_key(key)
         self._head += 1
         self.store.add("head", 1)
-        return data
+        if data == HOLE:
+            return data
+        try:
+            return unseal(data, self.secret, f"rollout/{key}")
+        except AuthError as e:
+            return _Refused(str(e).encode())
 
     def get(self, *, timeout_s: float | None, stop: threading.Event | None = None) -> bytes:
         """The next item's bytes, in order; raises ``TransportTimeout`` after ``timeout_s``."""
@@ -113,10 +125,31 @@ class RolloutQueue:
         return self._take(key)
 
 
+class _Refused(bytes):
+    """An item that failed authentication (its bytes are the reason)."""
+
+
+def _undecodable(data: bytes) -> str:
+    """Why a group failed to decode, as a code: its tokens, log-probs and tags disagree in
+    length (a producer's bug), or anything else (bytes from nowhere)."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+        samples = raw.get("samples", []) if isinstance(raw, dict) else []
+        if any(isinstance(x, dict) and len({len(x.get(k) or ()) for k in ("token_ids", "logprobs", "versions")}) > 1
+               for x in samples):
+            return "length_mismatch"
+    except (msgspec.DecodeError, TypeError):
+        pass
+    return "bad_message"
+
+
 def check_group(group: RolloutGroup, *, group_size: int | None, current_version: int) -> str | None:
     """Why a decoded group is unusable, or None. (Length mismatches fail at decode.)"""
     if group_size is not None and len(group.samples) != group_size:
         return "group_size"
+    if group.sampling is not None and group.sampling.transforms():
+        # behaviour log-probs of a distribution the trainer's log-probs (temperature only) do not reproduce
+        return "sampling_transform"
     for s in group.samples:
         if not s.token_ids:
             return "empty"
@@ -135,7 +168,8 @@ class RolloutBuffer:
     """The trainer's end: validate, admit by lag, batch."""
 
     def __init__(self, queue: RolloutQueue, *, admit_lag: int, group_size: int | None = None,
-                 pending: Iterable[RolloutGroup] = ()) -> None:
+                 pending: Iterable[RolloutGroup] = (), stats: Mapping[str, object] | None = None) -> None:
+        """``pending`` and ``stats`` (a checkpoint's ``stats()``) continue a resumed run's buffer."""
         if admit_lag < 0:
             raise ValueError(f"admit_lag={admit_lag} must be >= 0")
         self.queue = queue
@@ -149,15 +183,23 @@ class RolloutBuffer:
         self.admitted = 0
         self.holes = 0
         """Queue slots a dead producer claimed but never filled."""
+        if stats:
+            self.admitted = int(stats.get("admitted", 0))  # type: ignore[arg-type]
+            self.dropped_stale = int(stats.get("dropped_stale", 0))  # type: ignore[arg-type]
+            self.rejected.update(dict(stats.get("rejected", {})))  # type: ignore[arg-type]
+            self.holes = int(stats.get("queue_holes", 0))  # type: ignore[arg-type]
 
     def _admit(self, data: bytes, current_version: int) -> None:
         if data == HOLE:
             self.holes += 1
             return
+        if isinstance(data, _Refused):
+            self.rejected["unauthenticated"] += 1
+            return
         try:
             group = decode_group(data)
-        except ProtocolError as e:
-            self.rejected["length_mismatch" if "log-probs" in str(e) else "bad_message"] += 1
+        except ProtocolError:
+            self.rejected[_undecodable(data)] += 1
             return
         reason = check_group(group, group_size=self.group_size, current_version=current_version)
         if reason is not None:

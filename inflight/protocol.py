@@ -46,6 +46,7 @@ RejectCode = Literal[
     "bad_message", "stale_version", "unknown_tensor", "missing_tensor", "bad_shape",
     "bad_dtype", "bad_layout", "checksum", "short_bucket", "bucket_order",
     "incomplete", "prepare_failed", "commit_failed", "timeout", "aborted", "nonfinite", "no_memory",
+    "unauthenticated",
 ]
 # Key prefix, under the group's name in its store, of one engine's commit channel.
 ENGINE_CHANNEL = "engine"
@@ -56,6 +57,12 @@ Pos = Annotated[int, Meta(gt=0)]
 
 class ProtocolError(ValueError):
     """A message that does not decode into the channel's types, or breaks an invariant."""
+
+
+class AuthError(ProtocolError):
+    """A message that fails authentication: it was not sealed with this side's shared secret
+    (the peers hold different ``INFLIGHT_SECRET``s, only one side has one, or a stray client
+    wrote it)."""
 
 
 class _Wire(Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind"):
@@ -200,6 +207,13 @@ class Rejected(_Wire, tag="rejected"):
     live_version: NonNeg
 
 
+class Left(_Wire, tag="left"):
+    """Worker -> trainer, the answer to ``Shutdown``: this worker (and its engine's coordinator)
+    let go of the trainer's store, so the trainer may close it without a peer's read failing."""
+
+    rank: NonNeg
+
+
 class Committed(_Wire, tag="committed"):
     """Worker -> trainer: ``version`` is live from engine step ``step`` on.
 
@@ -232,6 +246,11 @@ class RolloutSample(_Wire, tag="sample"):
     finish_reason: str = ""
     prompt_text: str = ""
     completion_text: str = ""
+    routing: bytes = b""
+    """Mixture-of-experts engines recording routing: each token's top-k expert ids in every MoE
+    layer, int16 little-endian, row-major ``[tokens, routing_layers, routing_k]`` (empty: none)."""
+    routing_layers: NonNeg = 0
+    routing_k: NonNeg = 0
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -240,6 +259,33 @@ class RolloutSample(_Wire, tag="sample"):
                 f"sample {self.sample_id!r}: {n} tokens but {len(self.logprobs)} log-probs "
                 f"and {len(self.versions)} version tags"
             )
+        if self.routing and len(self.routing) != 2 * n * self.routing_layers * self.routing_k:
+            raise ValueError(
+                f"sample {self.sample_id!r}: {len(self.routing)} routing bytes for {n} tokens x "
+                f"{self.routing_layers} layers x {self.routing_k} experts (int16)"
+            )
+
+
+class Sampling(Struct, frozen=True, forbid_unknown_fields=True):
+    """The sampling parameters a group was drawn with, as the engine applied them. The behaviour
+    log-probs are the engine's *processed* distribution (vLLM's ``processed_logprobs``: after
+    penalties, temperature, top-k, top-p and min-p), while the trainer scores its policy with
+    the temperature alone; any other transform biases every importance ratio."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    """0 or -1: off."""
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def transforms(self) -> list[str]:
+        """The transforms beyond temperature that are on, as ``name=value``."""
+        off = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "repetition_penalty": (1.0,),
+               "presence_penalty": (0.0,), "frequency_penalty": (0.0,)}
+        return [f"{name}={getattr(self, name)}" for name, neutral in off.items() if getattr(self, name) not in neutral]
 
 
 class RolloutGroup(_Wire, tag="group"):
@@ -249,6 +295,9 @@ class RolloutGroup(_Wire, tag="group"):
     samples: tuple[RolloutSample, ...]
     engine_id: str = ""
     """Which engine of the fleet sampled it (``trainer.rollout``: ``e<index>``)."""
+    sampling: Sampling | None = None
+    """How it was sampled; the trainer refuses groups whose distribution it cannot reproduce
+    (``inflight.buffer.check_group``). None: not reported (a producer outside this package)."""
 
     def __post_init__(self) -> None:
         for s in self.samples:
@@ -295,7 +344,7 @@ class Roster(_Wire, tag="roster"):
 ControlMessage = Union[UpdateAnnounce, Commit, Abort, Shutdown, Roster]
 EngineMessage = Union[CommitReady, EngineCommitted, EngineCommitFailed]
 FrameMessage = Union[BucketHeader, Abort]
-ReplyMessage = Union[Joined, Accepted, Staged, Rejected, Committed]
+ReplyMessage = Union[Joined, Accepted, Staged, Rejected, Committed, Left]
 
 _encoder = msgspec.msgpack.Encoder()
 _control_decoder = msgspec.msgpack.Decoder(ControlMessage)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,8 @@ class Reference:
         return ids[len(prompt):]
 
 
-def drive(llm: Any, coordinator: Any, prompts: Sequence[str], sp: Any, *, hold_at: Sequence[int], start: int) -> list:
+def drive(llm: Any, coordinator: Any, prompts: Sequence[str], sp: Any, *, hold_at: Sequence[int], start: int,
+          release: Callable[[], bool] = lambda: False) -> list:
     """Run ``prompts`` to completion on an engine whose EngineCore is in this process, step
     by step from this thread, so a test never races wall-clock time against the engine.
 
@@ -105,6 +106,8 @@ def drive(llm: Any, coordinator: Any, prompts: Sequence[str], sp: Any, *, hold_a
     before the (k+1)-th commit since the call went live: held there, the loop waits for
     that commit to be pending at the coordinator (every rank staged and ready) and then
     steps once, so the commit lands at that step's boundary while the requests decode.
+    ``release()`` True lets a held loop step once more (a trainer that waits for engine steps
+    before it sends its commit: it is an event too, never a deadline).
     Returns the final ``RequestOutput``s, in the order of ``prompts`` (ids ``r0``, ``r1``, ...).
     """
     engine = llm.llm_engine
@@ -115,7 +118,7 @@ def drive(llm: Any, coordinator: Any, prompts: Sequence[str], sp: Any, *, hold_a
     while engine.has_unfinished_requests():
         k = coordinator.commits() - base
         if k < len(hold_at) and coordinator.steps - start >= hold_at[k]:
-            while not coordinator.commit_pending() and coordinator.commits() - base == k:
+            while not coordinator.commit_pending() and coordinator.commits() - base == k and not release():
                 time.sleep(0.001)  # an event, not a deadline: the trainer's push becoming committable
         for out in engine.step():
             if out.finished:

@@ -133,8 +133,10 @@ def test_decoding_continues_while_buckets_arrive(harness: Harness) -> None:
     def hold_bucket_20(header, data):  # the sender waits at bucket 20 until the engine stepped 3 more times
         if header.index == 20:
             at = gate.steps
+            result["sender_waiting"] = True
             while gate.steps < at + 3:
                 time.sleep(0.001)
+            result["sender_waiting"] = False
         return header, data
 
     def trainer() -> None:
@@ -152,10 +154,15 @@ def test_decoding_continues_while_buckets_arrive(harness: Harness) -> None:
     try:
         t = threading.Thread(target=trainer)
         t.start()
-        # long requests, held only near their end: the trainer waits for 3 steps after staging,
-        # which must come before the hold (the transfer takes tens of steps, not hundreds)
+        # long requests, held near their end until the commit; on a busy machine staging may
+        # outlast 990 steps, so the hold lets the engine step while the trainer waits for its
+        # steps (and only then), and the commit still lands before the end
         sp = SamplingParams(temperature=1.0, max_tokens=1000, logprobs=0, ignore_eos=True, seed=3)
-        outs = drive(h.llm, gate, ["1+1=", "2+2="], sp, hold_at=[990], start=start)
+
+        def waiting_for_steps() -> bool:  # the sender at bucket 20, or the trainer after staging
+            return result.get("sender_waiting", False) or ("steps_staged" in result and "steps_before_commit" not in result)
+
+        outs = drive(h.llm, gate, ["1+1=", "2+2="], sp, hold_at=[990], start=start, release=waiting_for_steps)
         t.join()
     finally:
         h.pusher.sender.bucket_bytes = h.pusher.config.bucket_bytes

@@ -133,6 +133,8 @@ def test_resume_continues_without_repeating_or_dropping_groups(tmp_path) -> None
     summary_b = train(_config(out, steps=6, run={"resume": True}))
     rows_b = _rows(out)[len(rows_a):]
     assert [r["step"] for r in rows_b] == [4, 5, 6] and [r["version"] for r in rows_b] == [4, 5, 6]
+    # the buffer's counters continue from the checkpoint (nothing was injected the second time)
+    assert rows_b[-1]["rejected"] == summary_a["queue"]["rejected"] and rows_b[0]["admitted"] > rows_a[-1]["admitted"]
     consumed_b = [g for r in rows_b for g in r["group_ids"]]
     dropped_b = [g for r in rows_b for g in r["dropped_ids"]]
     assert not set(consumed_a) & set(consumed_b), "a group was trained on twice"

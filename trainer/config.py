@@ -7,6 +7,7 @@ the dotted path of the offending key.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -46,7 +47,8 @@ class ModelConfig:
     """The policy."""
 
     path: str = ""
-    """A Hugging Face causal LM directory or hub id; empty builds the tiny demo model."""
+    """A Hugging Face causal LM directory, a hub id, or ``smollm2`` (SmolLM2-135M-Instruct from
+    the ``smollm2`` extra, converted once: ``trainer/models.py``); empty builds the tiny demo model."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Engine dtype, and the dtype weights are cast to before they travel."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
@@ -58,24 +60,102 @@ class ModelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TaskConfig:
-    """The built-in verifiable task."""
+class ArithmeticConfig:
+    """Difficulty of the ``arithmetic`` task."""
 
-    name: Literal["repeat_digit"] = "repeat_digit"
-    """repeat_digit: prompt 'repeat: D', reward for completion tokens that are the digit D."""
-    completion_tokens: int = 16
-    """Tokens sampled per completion."""
-    digit_credit: float = 0.5
-    """Reward for a digit token that is not D (D itself earns 1). It makes learning reliable
-    (every seed learns digits) and is a shortcut: policies rarely go on to read D."""
+    digits: int = 1
+    """Digits of every operand (1: 0-9, 2: 10-99, ...)."""
+    terms: int = 2
+    """Operands per expression."""
+    ops: tuple[str, ...] = ("+",)
+    """Operators drawn from (any of + - *)."""
+    template: str = "What is {expr}? Answer with just the number."
+    """The prompt; ``{expr}`` becomes the expression."""
 
     def __post_init__(self) -> None:
-        if self.name != "repeat_digit":
-            raise ValueError(f"task.name={self.name!r}: the built-in task is repeat_digit")
+        if not 1 <= self.digits <= 9:
+            raise ValueError(f"task.arithmetic.digits={self.digits} must be in 1..9")
+        if self.terms < 2:
+            raise ValueError(f"task.arithmetic.terms={self.terms} must be >= 2")
+        if not self.ops or set(self.ops) - {"+", "-", "*"}:
+            raise ValueError(f"task.arithmetic.ops={list(self.ops)} must be a non-empty subset of ['+', '-', '*']")
+        if "{expr}" not in self.template:
+            raise ValueError(f"task.arithmetic.template={self.template!r} has no {{expr}}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JsonlConfig:
+    """The ``jsonl`` task's data: one ``{"prompt"|"messages": ..., "answer": ...}`` per line."""
+
+    path: str = ""
+    """Training prompts (empty: the sample file ``trainer/tasks/data/sample_gsm.jsonl``)."""
+    eval_path: str = ""
+    """Held-out prompts for evaluation (empty: the last ``eval.prompts`` records of ``path``)."""
+    match: Literal["number", "exact"] = "number"
+    """number: the completion's final number (GSM8K ``#### N`` style) equals the answer's.
+    exact: the stripped completion equals the stripped answer."""
+
+    def __post_init__(self) -> None:
+        if self.match not in ("number", "exact"):
+            raise ValueError(f"task.jsonl.match={self.match!r} is not number or exact")
+        for name in ("path", "eval_path"):
+            if getattr(self, name) and not Path(getattr(self, name)).is_file():
+                raise ValueError(f"task.jsonl.{name}={getattr(self, name)!r}: no such file")
+
+
+_BUILTIN_TASKS = ("repeat_digit", "arithmetic", "jsonl")
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """What the policy is trained on (``trainer/tasks``)."""
+
+    name: str = "repeat_digit"
+    """repeat_digit | arithmetic | jsonl, or your own ``pkg.module:factory`` (called as
+    ``factory(tokenizer=..., **options)``, returning a ``trainer.tasks.Task``)."""
+    completion_tokens: int = 16
+    """Most tokens sampled per completion (generation also stops at the model's end-of-sequence)."""
+    chat: Literal["auto", "off"] = "auto"
+    """auto: a model whose tokenizer has a chat template gets its prompts through it. off: raw text."""
+    digit_credit: float = 0.5
+    """repeat_digit only: reward for a digit token that is not D (D itself earns 1). It makes
+    learning reliable (every seed learns digits) and is a shortcut: policies rarely go on to read D."""
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    """arithmetic only: difficulty."""
+    jsonl: JsonlConfig = field(default_factory=JsonlConfig)
+    """jsonl only: the files and how answers match."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """A ``module:factory`` task only: keyword arguments of the factory."""
+
+    def __post_init__(self) -> None:
+        if self.name not in _BUILTIN_TASKS and not _FACTORY.match(self.name):
+            raise ValueError(f"task.name={self.name!r} is not one of {list(_BUILTIN_TASKS)} or a 'pkg.module:factory'")
+        if self.options and self.name in _BUILTIN_TASKS:
+            raise ValueError(f"task.options={self.options!r}: only a 'module:factory' task takes options "
+                             f"({self.name} is configured by its own table)")
         if self.completion_tokens < 1:
             raise ValueError(f"task.completion_tokens={self.completion_tokens} must be >= 1")
+        if self.chat not in ("auto", "off"):
+            raise ValueError(f"task.chat={self.chat!r} is not auto or off")
         if not 0 <= self.digit_credit <= 1:
             raise ValueError(f"task.digit_credit={self.digit_credit} must be in [0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Greedy evaluation on the task's fixed held-out prompts, by the trainer on its own weights."""
+
+    every: int = 0
+    """Evaluate before training and every N steps (and after the last); 0: never, and nothing is held out."""
+    prompts: int = 32
+    """Size of the held-out set (held out of training when ``every`` > 0)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"eval.every={self.every} must be >= 0 (0: off)")
+        if self.prompts < 1:
+            raise ValueError(f"eval.prompts={self.prompts} must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,8 +229,14 @@ class LossConfig:
     """GRPO: divide group-centred rewards by the group's std (False: Dr. GRPO)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight (the entropy is always logged)."""
+    routing_replay: bool = False
+    """Mixture-of-experts policies (R3): the engine records each sampled token's top-k experts
+    per MoE layer, and the trainer's forward routes that token's position to them, with gate
+    weights from its own router logits (``trainer.routing_replay``)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.routing_replay, bool):
+            raise ValueError(f"loss.routing_replay={self.routing_replay!r} must be true or false")
         if self.level not in ("token", "sequence"):
             raise ValueError(f"loss.level={self.level!r} is not token or sequence")
         if self.max_lag < 0:
@@ -222,8 +308,12 @@ class EngineConfig:
     spawn: bool = True
     """Start the engines from the trainer. False: start each yourself with ``python -m trainer.rollout``."""
     count: int = 1
-    """Engines in the fleet. Engine i (0-based) joins the weight group as rank i + 1; the
-    group's world size is 1 + count. Each samples its own groups into the one rollout queue."""
+    """Engines in the fleet. Each samples its own groups into the one rollout queue."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallel size of every engine. Engine i's T workers take weight-group ranks
+    1 + i*T .. (i+1)*T (``ranks``), so the group's world size is 1 + count*T. A spawned
+    engine uses vLLM's ``mp`` executor for T > 1, with its own GPU per worker, or on CPU its
+    own cores per worker (``VLLM_CPU_OMP_THREADS_BIND``, unless you set it)."""
     max_num_seqs: int = 256
     """vLLM's cap on concurrently decoded sequences."""
     max_model_len: int = 256
@@ -240,6 +330,18 @@ class EngineConfig:
             raise ValueError(f"engine.max_restarts={self.max_restarts} must be >= 0")
         if self.count < 1:
             raise ValueError(f"engine.count={self.count} must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"engine.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+
+    def ranks(self, index: int) -> tuple[int, ...]:
+        """The weight-group ranks of engine ``index``'s workers (the trainer is rank 0)."""
+        t = self.tensor_parallel_size
+        return tuple(range(1 + index * t, 1 + (index + 1) * t))
+
+    @property
+    def world_size(self) -> int:
+        """The weight group: the trainer and every worker of every engine."""
+        return 1 + self.count * self.tensor_parallel_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,6 +349,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -3,7 +3,8 @@
     python -m trainer.rollout --config CONFIG --model-dir DIR --host TRAINER --port PORT [--engine-id 0]
 
 (the trainer starts ``engine.count`` of them itself unless ``engine.spawn = false``; engine i
-joins the weight group as rank i + 1 and tags its groups ``e<i>``). It drives vLLM's
+joins the weight group with the ranks ``engine.ranks(i)``, one per tensor parallel worker,
+and tags its groups ``e<i>``). It drives vLLM's
 ``LLMEngine`` step by step with ``in_flight_groups`` requests of ``n = group_size``
 samples in flight; whenever one finishes, its completions, behaviour log-probs and
 per-token versions become a ``RolloutGroup`` on the rollout queue and a new prompt takes
@@ -21,8 +22,9 @@ import logging
 import os
 import random
 import time
+from collections import deque
 
-from inflight.protocol import RolloutGroup, RolloutSample
+from inflight.protocol import RolloutGroup, RolloutSample, Sampling
 from trainer.config import TrainConfig, load_config
 
 log = logging.getLogger("inflight.rollout")
@@ -35,8 +37,30 @@ def engine_environment(cfg: TrainConfig, cuda_devices: str | None = None) -> Non
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.engine.kv_cache_gb))
+    if cfg.engine.tensor_parallel_size > 1:  # a CPU engine's workers must each be bound to cores of their own
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(cfg.engine.tensor_parallel_size))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def cpu_binding(workers: int, cores: list[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a CPU engine of ``workers`` ranks: the cores this
+    process may use, split into that many runs ("0|1", "0,1,2,3|4,5,6,7"; vLLM hands each to
+    libnuma's cpu-string parser). vLLM's default binds by NUMA node and refuses more workers
+    than nodes ("Not enough allowed NUMA nodes")."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
+    if len(cores) < workers:
+        raise ValueError(f"engine.tensor_parallel_size={workers} needs a core per worker; this process may use {cores}")
+    per = len(cores) // workers
+    runs = [cores[i * per:(i + 1) * per] for i in range(workers)]
+    return "|".join(",".join(map(str, r)) for r in runs)
+
+
+def sampling_of(params) -> Sampling:
+    """What a group was sampled with, for the trainer's check (``inflight.buffer.check_group``)."""
+    return Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                    repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+                    frequency_penalty=params.frequency_penalty)
 
 
 def _parent_gone(parent_pid: int | None) -> bool:
@@ -59,23 +83,26 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
     from vllm.sampling_params import RequestOutputKind
 
     from engine_patches.config import InflightConfig, engine_kwargs
-    from engine_patches.engine import inflight_status, start_inflight, tagged
+    from engine_patches.engine import coordinator_of, inflight_status, start_inflight, tagged
+    from engine_patches.routing import routing_fields
     from inflight.buffer import RolloutQueue
     from inflight.transport.group import INCARNATION, GroupConfig, TransportError, connect_store
-    from trainer.task import RepeatDigit
+    from trainer.tasks import Completion, build_task, encode_prompt, model_stop_ids
 
     if not 0 <= engine_index < cfg.engine.count:
         raise ValueError(f"engine index {engine_index} outside engine.count={cfg.engine.count}")
-    rank, engine_id = engine_index + 1, f"e{engine_index}"
-    group = GroupConfig(host=host, port=port, world_size=1 + cfg.engine.count, timeout_s=cfg.transport.timeout_s,
+    rank, engine_id = cfg.engine.ranks(engine_index)[0], f"e{engine_index}"
+    group = GroupConfig(host=host, port=port, world_size=cfg.engine.world_size, timeout_s=cfg.transport.timeout_s,
                         backend=backend or cfg.transport.backend)
-    extra = {} if torch.cuda.is_available() else {"enforce_eager": True}
+    extra: dict = {} if torch.cuda.is_available() else {"enforce_eager": True}
+    if cfg.engine.tensor_parallel_size > 1:  # one worker process per rank (the in-process executor holds one)
+        extra.update(tensor_parallel_size=cfg.engine.tensor_parallel_size, distributed_executor_backend="mp")
     if torch.cuda.is_available():
         extra["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
     llm = LLM(model_dir, dtype=cfg.model.dtype, max_num_seqs=cfg.engine.max_num_seqs,
               max_model_len=cfg.engine.max_model_len, seed=cfg.run.seed + rank, **extra, **engine_kwargs())
     start_inflight(llm, InflightConfig(group=group, rank=rank, initial_version=initial_version,
-                                       stale_timeout_s=cfg.transport.timeout_s))
+                                       stale_timeout_s=cfg.transport.timeout_s, record_routing=cfg.loss.routing_replay))
     store = connect_store(group, "rollout")
     queue = RolloutQueue(store, cfg.rollout.queue_capacity)
 
@@ -94,23 +121,29 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
                 except TransportError:
                     pass
 
-    def ship(item: RolloutGroup) -> bool:
-        """Queue a finished group, across a trainer restart if need be; False: stop."""
+    def ship(item: RolloutGroup, *, wait: bool = True) -> bool | None:
+        """Queue a finished group, across a trainer restart if need be. True: queued; None: the
+        queue is full and ``wait`` is False; False: stop."""
         while True:
             try:
-                queue.put(item, timeout_s=1.0)
+                queue.put(item, timeout_s=1.0 if wait else 0.0)
                 return True
             except TimeoutError:  # the queue is full: the trainer is busy, or done with us
+                if not wait:
+                    return None
                 if stop_requested():
                     return False
             except (RuntimeError, TransportError) as e:
                 log.warning("rollout: queue unreachable (%s); holding group %s", e, item.group_id)
                 if stop_requested():
                     return False
-    task = RepeatDigit(llm.get_tokenizer(), cfg.task.completion_tokens, cfg.task.digit_credit)
+    tokenizer = llm.get_tokenizer()
+    task = build_task(cfg, tokenizer)
     rng = random.Random(cfg.run.seed * 1000 + rank)
+    # a chat model ends its turn with a token only its generation config may name (<|im_end|>)
     params = SamplingParams(n=cfg.rollout.group_size, temperature=cfg.rollout.temperature,
-                            max_tokens=cfg.task.completion_tokens, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+                            max_tokens=cfg.task.completion_tokens, stop_token_ids=model_stop_ids(model_dir, tokenizer),
+                            logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
     engine = llm.llm_engine
     prompts: dict[str, object] = {}
     counter = 0
@@ -124,14 +157,37 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
 
     def add_group() -> None:
         nonlocal counter
-        prompt = task.sample_prompt(rng)
+        prompt = task.sample(rng)
         rid = f"{engine_id}.{INCARNATION[:8]}.{counter}"  # unique across engine restarts
         counter += 1
         prompts[rid] = prompt
-        engine.add_request(rid, prompt.text, params)
+        # token ids, not text: the chat template already holds the special tokens (the engine's own
+        # tokenization would add a BOS in front of it), and evaluation encodes the same way
+        engine.add_request(rid, {"prompt_token_ids": encode_prompt(tokenizer, prompt, cfg.task.chat)}, params)
 
+    # Finished groups the full queue has no room for yet. While they wait, the running requests
+    # hold still, except for one step whenever a pushed version is ready to commit: it commits
+    # only at a step boundary, and the trainer may wait for that commit before it reads the
+    # queue again (a big model stages for seconds, long enough for the queue to fill). With
+    # nothing running, the engine is idle, commits without steps, and waiting blocks nobody.
+    backlog: deque[RolloutGroup] = deque()
+    gate = coordinator_of(llm)
     while True:
-        if not batch_mode:
+        while backlog:
+            shipped = ship(backlog[0], wait=not engine.has_unfinished_requests())
+            if shipped is False:
+                return
+            if shipped is None:
+                break
+            backlog.popleft()
+        if backlog:
+            if not gate.commit_pending():
+                time.sleep(0.005)
+                steps += 1  # counts the stop check below, so a stop is seen while held
+                if steps % 16 == 0 and stop_requested():
+                    return
+                continue
+        elif not batch_mode:
             while len(prompts) < cfg.rollout.in_flight_groups:
                 add_group()
         elif not prompts:  # the last batch is shipped: wait, idle, for the next version
@@ -146,17 +202,20 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
             if not out.finished:
                 continue
             prompt = prompts.pop(out.request_id)
+            rewards = task.score([prompt] * len(out.outputs),
+                                 [Completion(c.text, c.token_ids, c.finish_reason or "") for c in out.outputs])
             samples = []
             for i, completion in enumerate(out.outputs):
                 t = tagged(completion)
+                routing = routing_fields(completion) if cfg.loss.routing_replay else {}
                 samples.append(RolloutSample(
                     sample_id=f"{out.request_id}-{i}", group_id=out.request_id, prompt_ids=list(out.prompt_token_ids),
                     token_ids=t.token_ids, logprobs=t.logprobs, versions=t.versions,
-                    reward=task.reward(prompt, t.token_ids), finish_reason=t.finish_reason or "",
-                    prompt_text=prompt.text, completion_text=t.text,
+                    reward=float(rewards[i]), finish_reason=t.finish_reason or "",
+                    prompt_text=prompt.display, completion_text=t.text, **routing,
                 ))
-            if not ship(RolloutGroup(group_id=out.request_id, samples=tuple(samples), engine_id=engine_id)):
-                return
+            backlog.append(RolloutGroup(group_id=out.request_id, samples=tuple(samples), engine_id=engine_id,
+                                        sampling=sampling_of(params)))
         steps += 1
         if steps % 16 == 0 and stop_requested():
             log.info("rollout: the trainer asked to stop after %d engine steps", steps)

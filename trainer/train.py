@@ -27,11 +27,15 @@ from tqdm import tqdm
 from inflight.buffer import RolloutBuffer, RolloutQueue
 from inflight.transport.group import GroupConfig, TransportError, TransportTimeout, free_port
 from inflight.transport.pusher import PushConfig, PushResult, WeightPusher, named_weights
-from trainer.checkpoint import TrainerState, load_state, restore_rng, save_checkpoint
+from trainer.checkpoint import TrainerState, load_state, recover, restore_rng, save_checkpoint
 from trainer.config import TrainConfig, config_to_dict, load_config
 from trainer.loss import collate, compute_loss, policy_logprobs
 from trainer.metrics import MetricsLog, ess_warning, plot_run, summarize
+from trainer.routing_replay import RoutingReplay, collate_routing
+from trainer.models import resolve_model
 from trainer.supervisor import EngineLost, Fleet, place, visible_gpus
+from trainer.tasks import build_task
+from trainer.tasks.evaluate import Evaluator
 from trainer.tiny_model import build_tiny_model, default_corpus
 
 log = logging.getLogger("inflight.train")
@@ -58,11 +62,12 @@ def train(cfg: TrainConfig) -> dict:
 
     # -- 1. the policy on disk ---------------------------------------------------------------
     ckpt_dir = out / "checkpoint"
-    resumed = load_state(ckpt_dir) if cfg.run.resume and (ckpt_dir / "state.json").exists() else None
+    # a crash between the renames of a checkpoint swap leaves only ``checkpoint.old``: resume from it
+    resumed = load_state(ckpt_dir) if cfg.run.resume and (recover(ckpt_dir) or (ckpt_dir / "state.json").exists()) else None
     if resumed is not None:
         model_dir = ckpt_dir
     elif cfg.model.path:
-        model_dir = Path(cfg.model.path)
+        model_dir = resolve_model(cfg.model.path)  # a directory, a hub id, or "smollm2" (prepared once)
     else:
         model_dir = build_tiny_model(out / "init", default_corpus(), cfg.model.tiny)
     version = resumed.version if resumed else 0
@@ -89,15 +94,20 @@ def train(cfg: TrainConfig) -> dict:
         optimizer.load_state_dict(torch.load(ckpt_dir / "optimizer.pt", weights_only=True))
         restore_rng(resumed)
     model, optimizer = accelerator.prepare(model, optimizer)
-    group = GroupConfig(host=host, port=port, world_size=1 + cfg.engine.count, timeout_s=cfg.transport.timeout_s,
+    replay = RoutingReplay(accelerator.unwrap_model(model), enabled=cfg.loss.routing_replay)
+    group = GroupConfig(host=host, port=port, world_size=cfg.engine.world_size, timeout_s=cfg.transport.timeout_s,
                         backend=placement.backend)
     pusher = WeightPusher(group, PushConfig(bucket_mb=cfg.transport.bucket_mb, dtype=cfg.model.dtype,
                                             reply_timeout_s=cfg.transport.timeout_s),
                           join_timeout_s=cfg.transport.rejoin_timeout_s)
     queue = RolloutQueue(pusher.group.sub_store("rollout"), cfg.rollout.queue_capacity)
     buffer = RolloutBuffer(queue, admit_lag=cfg.rollout.admit_lag, group_size=cfg.rollout.group_size,
-                           pending=resumed.pending if resumed else ())
+                           pending=resumed.pending if resumed else (), stats=resumed.buffer_stats if resumed else None)
     metrics = MetricsLog(out / "metrics.jsonl", append=resumed is not None)
+    # greedy accuracy on held-out prompts; row "step 0" is the policy before any update
+    evaluator = Evaluator(cfg, tokenizer, build_task(cfg, tokenizer), model_dir) if cfg.eval.every else None
+    if evaluator is not None and resumed is None:
+        metrics.write({"step": 0, "version": version, **evaluator(accelerator.unwrap_model(model))})
 
     def weights() -> dict[str, torch.Tensor]:
         return named_weights(accelerator.unwrap_model(model))
@@ -123,8 +133,11 @@ def train(cfg: TrainConfig) -> dict:
                     version, in_flight = engine.recover(pusher, str(e), version, weights, queue), None
             t_wait = time.perf_counter() - t0
             batch = collate(groups, tokenizer.pad_token_id, cfg.loss.normalize_std).to(accelerator.device)
-            logp, entropy = policy_logprobs(model, batch, cfg.rollout.temperature)
+            routing = collate_routing(groups, batch.input_ids, batch.completion_ids.shape[1]) if replay.enabled else None
+            with replay.replaying(routing):  # MoE: each sampled token's position routed to the engine's experts
+                logp, entropy = policy_logprobs(model, batch, cfg.rollout.temperature)
             loss, m = compute_loss(logp, entropy, batch, version=version, cfg=cfg.loss)
+            m.update(replay.stats())
             if (warning := ess_warning(m, cfg.loss.ess_warn)) is not None:
                 log.warning("step %d: %s", step + 1, warning)
             accelerator.backward(loss)
@@ -134,11 +147,14 @@ def train(cfg: TrainConfig) -> dict:
             version += 1
             # The previous push has landed by now (or this waits for it); then snapshot and send this one.
             # Rows report the push of the step before, except the last row, which reports its own.
+            evaluation: dict = {}
             try:
                 if in_flight is not None:
                     pending_push = _push_metrics(in_flight.result())
                     in_flight = None
-                if step + 1 == cfg.run.steps and len(pusher.group.roster) < cfg.engine.count:
+                if evaluator is not None and evaluator.due(step + 1):  # the new version, scored before it is
+                    evaluation = evaluator(accelerator.unwrap_model(model))  # pushed: no transfer competes with it
+                if step + 1 == cfg.run.steps and len(pusher.group.roster) < cfg.engine.world_size - 1:
                     engine.admit(pusher, wait=True)  # the run ends with every engine that can come on the last version
                 elif pusher.knocking():  # engines back from a restart or a freeze: in before this push
                     engine.admit(pusher)
@@ -154,11 +170,11 @@ def train(cfg: TrainConfig) -> dict:
                    "wait_ms": 1e3 * t_wait, "step_ms": 1e3 * (time.perf_counter() - t0),
                    "queue_depth": queue.depth(), **buffer.stats(), **m, **pending_push,
                    "engine_failures": engine.failures, "engine_restarts": engine.restarts,
-                   "engine_drops": engine.drops, "engines_live": len(pusher.group.roster),
+                   "engine_drops": engine.drops, "engines_live": len(pusher.group.roster) // cfg.engine.tensor_parallel_size,
                    "group_ids": [g.group_id for g in groups], "dropped_ids": buffer.dropped_ids,
                    "versions_by_engine": _versions_by_engine(groups)}
             buffer.dropped_ids = []
-            metrics.write(row)
+            metrics.write({**row, **evaluation})
             if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
                 _checkpoint(ckpt_dir, accelerator.unwrap_model(model), tokenizer, optimizer, step + 1, version, buffer)
                 engine.model_dir, engine.model_version = ckpt_dir, version  # a restarted engine starts from here
@@ -222,6 +238,9 @@ def main() -> None:
           f"samples spanning >1 version: {100 * summary['frac_samples_multi_version']:.1f}% "
           f"(max {summary['max_versions_per_sample']} versions in one sample); "
           f"engine stall per update: {summary['stall_ms_mean']:.1f} ms mean")
+    if "eval_accuracy_first" in summary:
+        print(f"eval (greedy, {summary['eval_prompts']} held-out prompts): accuracy {summary['eval_accuracy_first']:.3f} "
+              f"-> {summary['eval_accuracy_last']:.3f}")
     print(json.dumps({"demo": cfg.run.name, **summary}))
 
 

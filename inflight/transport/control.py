@@ -6,6 +6,11 @@ both sides agree on the sequence without any further handshake. Keys:
 
 - ``msg/<seq>``: a control message (``UpdateAnnounce``, ``Commit``, ``Abort``, ``Shutdown``);
 - ``rep/<seq>/<phase>/<rank>``: worker ``rank``'s reply to message ``seq`` (see ``Phase``).
+
+With a shared secret (``INFLIGHT_SECRET``) every message and reply is sealed with an HMAC
+over its bytes, its key and the group's incarnation and generation
+(``inflight.protocol.seal``): a client of the store without the secret can neither forge
+nor replay one. A message that fails the check is answered ``Rejected(unauthenticated)``.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from typing import Literal
 
 from inflight.protocol import (
     ControlMessage,
+    ProtocolError,
     ReplyMessage,
     decode_control,
     decode_reply,
     encode,
 )
+from inflight.auth import seal, unseal
 from inflight.transport.group import GaveUp, TransportTimeout, WeightGroup, wait_key
 
 Phase = Literal["ack", "staged"]
@@ -43,7 +50,8 @@ class TrainerControl:
 
     def post(self, msg: ControlMessage) -> int:
         seq = self.seq
-        self.group.store.set(f"msg/{seq}", encode(msg))
+        key = f"msg/{seq}"
+        self.group.store.set(key, seal(encode(msg), self.group.secret, self.group.auth_context(key)))
         self.seq += 1
         return seq
 
@@ -53,16 +61,24 @@ class TrainerControl:
         deadline = time.monotonic() + timeout_s
         for rank in self.group.peers:
             left = max(deadline - time.monotonic(), 0.001)
+            key = f"rep/{seq}/{phase}/{rank}"
             try:
-                raw = _wait_key(self.group, f"rep/{seq}/{phase}/{rank}", left, None, f"reply from worker rank {rank} to {what}")
+                raw = _wait_key(self.group, key, left, None, f"reply from worker rank {rank} to {what}")
             except TransportTimeout as e:
                 raise TransportTimeout(str(e), ranks=(rank,)) from e
-            out[rank] = decode_reply(raw)
+            out[rank] = self.read_reply(key, raw, f"worker rank {rank}'s reply to {what}")
         for rank in self.group.peers:
             self.group.store.delete_key(f"rep/{seq}/{phase}/{rank}")
         if seq > 0:  # every worker has read everything before ``seq``
             self.group.store.delete_key(f"msg/{seq - 1}")
         return out
+
+    def read_reply(self, key: str, raw: bytes, what: str) -> ReplyMessage:
+        """Authenticate and decode one reply; ``AuthError``/``ProtocolError`` name the reply."""
+        try:
+            return decode_reply(unseal(raw, self.group.secret, self.group.auth_context(key)))
+        except ProtocolError as e:
+            raise type(e)(f"{what}: {e}") from None
 
 
 class WorkerControl:
@@ -77,8 +93,9 @@ class WorkerControl:
     def next(self, timeout_s: float | None, stop: threading.Event | None = None) -> tuple[int, ControlMessage]:
         """The next message; ``timeout_s=None`` waits until one arrives or ``stop`` is set.
 
-        Raises ``ProtocolError`` for an undecodable message (its sequence number is consumed,
-        so the worker can reply and stay in step with the trainer).
+        Raises ``ProtocolError`` for an undecodable message, ``AuthError`` for one that fails
+        authentication (its sequence number is consumed either way, so the worker can reply
+        and stay in step with the trainer).
         """
         seq = self.seq
         # A worker dropped from its generation (it was stopped, or too slow) would wait here
@@ -89,7 +106,9 @@ class WorkerControl:
         except GaveUp as e:
             raise GaveUp(f"{e}: the trainer opened a newer generation of the group") from None
         self.seq += 1
-        return seq, decode_control(raw)
+        key = f"msg/{seq}"
+        return seq, decode_control(unseal(raw, self.group.secret, self.group.auth_context(key)))
 
     def reply(self, seq: int, msg: ReplyMessage, phase: Phase = "ack") -> None:
-        self.group.store.set(f"rep/{seq}/{phase}/{self.group.rank}", encode(msg))
+        key = f"rep/{seq}/{phase}/{self.group.rank}"
+        self.group.store.set(key, seal(encode(msg), self.group.secret, self.group.auth_context(key)))

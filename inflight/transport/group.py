@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -28,7 +28,17 @@ from typing import Literal
 import torch
 from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroup, Store, TCPStore, Work
 
-from inflight.protocol import Joined, ProtocolError, Roster, decode_control, decode_reply, encode
+from inflight.protocol import (
+    AuthError,
+    Joined,
+    ProtocolError,
+    Roster,
+    decode_control,
+    decode_reply,
+    encode,
+)
+from inflight.auth import read_secret, seal, unseal
+from inflight.transport.liveness import Heartbeat, silent_ranks
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -59,7 +69,9 @@ class GroupConfig:
     """How trainer rank 0 and the engine workers find each other."""
 
     host: str = "127.0.0.1"
-    """Address of the trainer's TCPStore (rank 0 listens, workers connect)."""
+    """Address of the trainer's TCPStore: rank 0 listens on this address only (loopback by
+    default, so nothing off the machine can reach the group unless an address is configured;
+    ``0.0.0.0`` listens everywhere), and workers connect to it."""
     port: int
     """TCP port of the store; must be free on ``host``."""
     world_size: int = 2
@@ -94,6 +106,54 @@ def connect_store(config: GroupConfig, name: str) -> PrefixStore:
     except Exception as e:
         raise TransportError(f"cannot reach the group store at {config.host}:{config.port}: {e}") from e
     return PrefixStore(f"{config.name}/{name}", tcp)
+
+
+def _host_store(config: GroupConfig, timeout: timedelta) -> TCPStore:
+    """Rank 0's store, listening on ``config.host`` only. TCPStore's own server listens on every
+    interface whatever address it is given; the group can push weights into a serving
+    engine, so it gets a socket bound to the configured address instead."""
+    family, kind, proto, _, address = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()
+    try:
+        return TCPStore(config.host, config.port, config.world_size, is_master=True, timeout=timeout,
+                        wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def await_trainer_gone(config: GroupConfig, incarnation: str, stop: threading.Event, *, poll_s: float = 0.25,
+                       recheck_s: float = 5.0) -> None:
+    """Return once the trainer whose store had ``incarnation`` is gone (or another took its
+    port), touching its store with no client meanwhile: a client whose store's host exits
+    prints a C++ stack trace on its next read, which is what an engine that outlives a
+    trainer that said goodbye must not do. Raises ``InterruptedError`` when ``stop`` is set."""
+    reachable_since = time.monotonic()
+    while not stop.is_set():
+        if not store_reachable(config.host, config.port, poll_s):
+            return
+        if time.monotonic() - reachable_since > recheck_s:  # a new trainer between two probes?
+            try:
+                root = PrefixStore(config.name, TCPStore(config.host, config.port, is_master=False,
+                                                         timeout=timedelta(seconds=poll_s), wait_for_workers=False))
+                now = root.get("incarnation").decode() if root.check(["incarnation"]) else ""
+            except Exception:  # noqa: BLE001  gone while asking
+                return
+            finally:
+                root = None
+            if now != incarnation:
+                return
+            reachable_since = time.monotonic()
+        stop.wait(poll_s)
+    raise InterruptedError("stopped while waiting for the trainer to leave")
 
 
 _NCCL_ENV_LOCK = threading.Lock()
@@ -239,7 +299,7 @@ class WeightGroup:
     def __init__(
         self, config: GroupConfig, rank: int, device: torch.device | None = None, *,
         live_version: int = 0, stop: threading.Event | None = None, join_timeout_s: float | None = None,
-        engine_ranks: tuple[int, ...] = (),
+        engine_ranks: tuple[int, ...] = (), secret: bytes | None | Literal["env"] = "env",
     ) -> None:
         if not 0 <= rank < config.world_size:
             raise ValueError(f"rank {rank} outside world_size {config.world_size}")
@@ -250,23 +310,34 @@ class WeightGroup:
             device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.device = device
         self.timeout = timedelta(seconds=config.timeout_s)
+        self.secret = read_secret() if secret == "env" else secret
+        """Shared secret sealing every message of the group (``INFLIGHT_SECRET``; None: none)."""
         self.pg: ProcessGroup | None = None
         self.roster: tuple[int, ...] = ()
         """The worker ranks of the current generation, in data-plane order."""
         self.hellos: dict[int, Joined] = {}
         """Rank 0: each member's ``Joined`` for the current generation."""
+        self._heartbeat: Heartbeat | None = None
         join_timeout = config.timeout_s if join_timeout_s is None else join_timeout_s
         if rank == 0:
             try:
-                self._tcp = TCPStore(config.host, config.port, config.world_size, is_master=True,
-                                     timeout=self.timeout, wait_for_workers=False)
+                self._tcp = _host_store(config, self.timeout)
             except Exception as e:  # torch raises several store errors; name the endpoint
                 raise TransportError(f"rank 0: cannot host the group store on {config.host}:{config.port}: {e}") from e
             self._root = PrefixStore(config.name, self._tcp)
-            self._root.set("incarnation", uuid.uuid4().hex)
-            self.reform(join_timeout)
+            self.incarnation = uuid.uuid4().hex
+            self._root.set("incarnation", self.incarnation)
+            try:
+                self.reform(join_timeout)
+            except BaseException:  # free the port at once: the error may be kept (with this object) a while
+                self.close()
+                raise
         else:
-            self._join(live_version, stop, join_timeout_s, engine_ranks or (rank,))
+            try:
+                self._join(live_version, stop, join_timeout_s, engine_ranks or (rank,))
+            except BaseException:
+                self.close()  # a member that never joined must not go on beating
+                raise
 
     # -- forming a generation ---------------------------------------------------------------
     @property
@@ -300,7 +371,8 @@ class WeightGroup:
             if not members:
                 raise TransportTimeout(f"rank 0: no engine joined generation {g} whole within {timeout_s:.1f}s "
                                        f"(heard from ranks {sorted(hellos)}, wanted {sorted(want)})")
-            self._root.set(f"gen{g}/roster", encode(Roster(generation=g, members=members)))
+            self._root.set(f"gen{g}/roster", seal(encode(Roster(generation=g, members=members)), self.secret,
+                                                  self._context(f"gen{g}/roster")))
             self.roster = members
             self._form_data_plane(g)
         finally:
@@ -315,14 +387,27 @@ class WeightGroup:
         pause = 0.0002
         while True:
             for r in sorted(want - hellos.keys()):
-                if self._root.check([f"gen{g}/hello/{r}"]):
-                    msg = decode_reply(self._root.get(f"gen{g}/hello/{r}"))
+                key = f"gen{g}/hello/{r}"
+                if self._root.check([key]):
+                    try:
+                        msg = decode_reply(unseal(self._root.get(key), self.secret, self._context(key)))
+                    except AuthError as e:  # a trainer without the engines' secret must not go on
+                        raise AuthError(f"rank 0: worker rank {r}'s hello to generation {g} failed authentication: "
+                                        f"{e}") from None
+                    except ProtocolError as e:
+                        raise TransportError(f"rank 0: unreadable hello of worker rank {r} at {key} (bytes from a "
+                                             f"stray client?): {e}") from None
                     if isinstance(msg, Joined) and msg.rank == r:
                         hellos[r] = msg
             if hellos.keys() >= want or time.monotonic() > deadline:
                 return hellos
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
+
+    def silent(self, ranks: Iterable[int] | None = None) -> tuple[int, ...]:
+        """Rank 0: which of ``ranks`` (default: this generation's members) are dead or frozen,
+        by their heartbeats (see ``liveness``); blocks for a short window."""
+        return silent_ranks(self._root, self.roster if ranks is None else ranks, self.config.timeout_s)
 
     def knocking(self) -> list[int]:
         """Rank 0: worker ranks outside the current generation that asked to be let in."""
@@ -342,6 +427,8 @@ class WeightGroup:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._tcp = _connect(self.config, self.rank, deadline, stop)
         self._root = PrefixStore(self.config.name, self._tcp)
+        # beat before the hello, so rank 0 never finds a member of a generation silent
+        self._heartbeat = Heartbeat(self.config.host, self.config.port, self.config.name, self.rank, self.config.timeout_s)
         tried: set[int] = set()
         hello = encode(Joined(rank=self.rank, live_version=live_version, incarnation=INCARNATION,
                               engine_ranks=tuple(engine_ranks)))
@@ -349,7 +436,11 @@ class WeightGroup:
             self._root.set(f"knock/{self.rank}", INCARNATION.encode())
             g = _open_generation(self._root, self.rank, tried, deadline, stop)
             tried.add(g)
-            self._root.set(f"gen{g}/hello/{self.rank}", hello)
+            try:
+                self.incarnation = self._root.get("incarnation").decode()  # set before any generation opens
+            except RuntimeError as e:
+                raise TransportError(f"rank {self.rank}: the group store failed while joining: {e}") from e
+            self._root.set(f"gen{g}/hello/{self.rank}", seal(hello, self.secret, self._context(f"gen{g}/hello/{self.rank}")))
             roster = self._wait_roster(g, deadline, stop)
             if roster is None or self.rank not in roster.members:
                 continue  # rank 0 formed g without this engine (it came too late): knock for the next
@@ -367,7 +458,7 @@ class WeightGroup:
         try:
             raw = wait_key(self._root, f"gen{g}/roster", timeout_s=left, stop=stop, what=f"the roster of generation {g}",
                            who=f"rank {self.rank}", give_up=lambda: not self._root.check([f"gen{g}/open"]))
-            msg = decode_control(raw)
+            msg = decode_control(unseal(raw, self.secret, self._context(f"gen{g}/roster")))
         except GaveUp:
             return None
         except ProtocolError as e:
@@ -386,6 +477,22 @@ class WeightGroup:
         self.generation = g
         self.incarnation = self._root.get("incarnation").decode()
         self.store = PrefixStore(prefix + "/ctl", self._tcp)
+
+    def _context(self, key: str) -> str:
+        """What a sealed message at ``key`` of the root key space is bound to (``auth.seal``): the
+        key in this store's random incarnation, so it cannot be replayed to another trainer."""
+        return f"{self.config.name}/{self.incarnation}/{key}"
+
+    def auth_context(self, key: str) -> str:
+        """What a sealed control message at ``key`` is bound to: the key in this generation of
+        this store (its random incarnation), so it cannot be replayed elsewhere."""
+        return f"{self.config.name}/{self.incarnation}/gen{self.generation}/ctl/{key}"
+
+    def stop_beating(self) -> None:
+        """Stop this worker's heartbeat (leaving: its store client must not outlive the trainer's store)."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
 
     @property
     def identity(self) -> tuple[str, int]:
@@ -473,6 +580,9 @@ class WeightGroup:
         """Leave: drop the data plane and this member's store handles (rank 0's store, and its
         port, go with the last reference, e.g. a rollout queue's)."""
         self._close_data_plane()
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         for attr in ("store", "_root", "_tcp"):
             self.__dict__.pop(attr, None)
 

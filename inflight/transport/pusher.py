@@ -11,7 +11,9 @@ Ordering invariants (rank 0 is the only writer, so it alone decides the sequence
 
 from __future__ import annotations
 
+import atexit
 import time
+import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,10 +21,22 @@ from typing import Literal
 
 import torch
 
-from inflight.protocol import Abort, Accepted, Commit, Committed, Rejected, ReplyMessage, Shutdown, Staged, UpdateAnnounce
+from inflight.protocol import (
+    Abort,
+    Accepted,
+    Commit,
+    Committed,
+    Left,
+    ProtocolError,
+    Rejected,
+    ReplyMessage,
+    Shutdown,
+    Staged,
+    UpdateAnnounce,
+)
 from inflight.transport.buckets import BucketSender, SendStats, Tamper
 from inflight.transport.control import TrainerControl
-from inflight.transport.group import GroupConfig, WeightGroup
+from inflight.transport.group import GroupConfig, TransportError, WeightGroup, wait_key
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,10 +97,54 @@ class PushResult:
         return self.commits[min(self.commits)].step
 
 
+@torch.no_grad()
 def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A model's tensors by checkpoint name, each shared tensor once: what ``save_pretrained``
-    writes, so a tied LM head travels as the input embedding it is."""
-    return {name: p.detach() for name, p in model.named_parameters()}
+    writes, so a tied LM head travels as the input embedding it is.
+
+    The engine's schema comes from the checkpoint, so names and layouts must be the
+    checkpoint's, not the in-memory module's: transformers 5 fuses some weights at load
+    (a MoE layer's experts become one ``experts.gate_up_proj`` of shape (E, 2I, H) where the
+    checkpoint has ``experts.{e}.gate_proj.weight`` ...). transformers' own
+    ``revert_weight_conversion``, the step ``save_pretrained`` applies, undoes that for every
+    architecture it knows; the split experts are copies (one expert each, made once here)."""
+    named = {name: p.detach() for name, p in model.named_parameters()}
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a trainer without transformers: its modules are already in checkpoint form
+        return named
+    if isinstance(model, PreTrainedModel):
+        named = revert_weight_conversion(model, named)
+    return named
+
+
+def check_update(version: int, named: Mapping[str, torch.Tensor], device: torch.device) -> None:
+    """Refuse, naming the problem, what the engines could only refuse later or misread:
+    called before anything is packed, so a bad call costs the engines nothing."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"version={version!r}: versions are integers >= 1 (0 names the weights the engines loaded)")
+    if not isinstance(named, Mapping) or not named:
+        raise ValueError(f"nothing to push: named tensors is {type(named).__name__} of {len(named) if hasattr(named, '__len__') else '?'} items")
+    seen: dict[tuple, str] = {}
+    for name, t in named.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tensor name {name!r} is not a non-empty string")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {type(t).__name__} is not a torch.Tensor")
+        if not t.is_floating_point():
+            raise ValueError(f"{name}: dtype {t.dtype} is not floating point (weights are; an index or mask tensor?)")
+        # packing copies into one flat buffer on the group's device: any real device can be read
+        # from, except another GPU than the group's, which would be an implicit cross-device copy
+        if t.device.type == "meta" or (t.device.type == device.type == "cuda" and t.device.index != device.index):
+            raise ValueError(f"{name}: on device {t.device}, but this pusher sends from {device}")
+        # a non-contiguous tensor is fine: packing copies its logical values, as .contiguous() would
+        if t.numel():
+            view = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+            if view in seen:
+                raise ValueError(f"{seen[view]!r} and {name!r} are one tied parameter: send it once, under the name "
+                                 "the checkpoint stores (named_weights does)")
+            seen[view] = name
 
 
 def _split(replies: dict[int, ReplyMessage], want: type) -> tuple[dict[int, object], dict[int, Rejected]]:
@@ -112,10 +170,19 @@ class WeightPusher:
         self._dtype = None if config.dtype == "keep" else getattr(torch, config.dtype)
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-push")
         self._in_flight: Future[PushResult] | None = None
+        self._closed = False
+        # a script that ends without close() still says goodbye, so no engine reads a dead store
+        ref = weakref.ref(self)
+        self._atexit = lambda: (p := ref()) is not None and p.close("trainer process exiting")
+        atexit.register(self._atexit)
+
+    def _pack(self, version: int, named: Mapping[str, torch.Tensor]) -> UpdateAnnounce:
+        check_update(version, named, self.group.device)
+        return self.sender.pack(version, named, self._dtype)
 
     def send(self, version: int, named: Mapping[str, torch.Tensor], *, tamper: Tamper | None = None) -> tuple[SendStats, dict[int, Staged]]:
         """Phase 1: announce, stream the buckets, and collect ``Staged`` from every worker."""
-        return self._send_packed(self.sender.pack(version, named, self._dtype), tamper)
+        return self._send_packed(self._pack(version, named), tamper)
 
     def _send_packed(self, announce: UpdateAnnounce, tamper: Tamper | None = None) -> tuple[SendStats, dict[int, Staged]]:
         version = announce.version
@@ -145,7 +212,7 @@ class WeightPusher:
 
     def push(self, version: int, named: Mapping[str, torch.Tensor], *, tamper: Tamper | None = None) -> PushResult:
         """Send then commit; returns when every engine serves ``version``."""
-        return self._push_packed(self.sender.pack(version, named, self._dtype), tamper)
+        return self._push_packed(self._pack(version, named), tamper)
 
     def _push_packed(self, announce: UpdateAnnounce, tamper: Tamper | None = None) -> PushResult:
         t0 = time.perf_counter()
@@ -162,7 +229,7 @@ class WeightPusher:
         """
         if self._in_flight is not None:
             self._in_flight.exception()  # wait (the snapshot buffer is in use); its owner reads the outcome
-        announce = self.sender.pack(version, named, self._dtype)  # the snapshot
+        announce = self._pack(version, named)  # the snapshot
         self._in_flight = self._background.submit(self._push_packed, announce)
         return self._in_flight
 
@@ -189,10 +256,34 @@ class WeightPusher:
         """Worker ranks outside the current generation that want to join (see ``WeightGroup``)."""
         return self.group.knocking()
 
-    def close(self, reason: str = "trainer done") -> None:
-        """Tell the workers to stop listening, then leave the group."""
+    def close(self, reason: str = "trainer done", *, goodbye_timeout_s: float = 5.0) -> None:
+        """Tell the workers to stop listening, wait (up to ``goodbye_timeout_s``) until each let
+        go of this store (``Left``), then leave the group. Idempotent.
+
+        The wait is what lets an engine outlive its trainer quietly: a store client whose
+        store's host exits prints a C++ stack trace on its next read."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit)
         self._background.shutdown(wait=True)
         try:
-            self.control.post(Shutdown(reason=reason))
+            seq = self.control.post(Shutdown(reason=reason))
+            self._await_goodbyes(seq, goodbye_timeout_s)
+        except (TransportError, ProtocolError, RuntimeError):  # the group already broke: nobody to wait for
+            pass
         finally:
             self.group.close()
+
+    def _await_goodbyes(self, seq: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for rank in self.group.peers:
+            key = f"rep/{seq}/ack/{rank}"
+            gone = lambda r=rank: self.group.store.check([f"left/{r}"])  # noqa: E731  its engine stopped first
+            try:
+                raw = wait_key(self.group.store, key, timeout_s=max(deadline - time.monotonic(), 0.001), stop=None,
+                               what=f"rank {rank}'s goodbye", who="rank 0", give_up=gone)
+            except TransportError:
+                continue
+            if not isinstance(self.control.read_reply(key, raw, f"worker rank {rank}'s goodbye"), Left):
+                raise ProtocolError(f"worker rank {rank} answered Shutdown with something other than Left")

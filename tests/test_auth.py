@@ -1,0 +1,171 @@
+"""Issue 17, item 6: nobody pushes weights who should not.
+
+- the trainer's store listens on loopback unless an address is configured;
+- with ``INFLIGHT_SECRET`` on both sides every control message is authenticated: a trainer
+  with a wrong or missing secret is refused with an error naming the secret, a message a
+  stray client forges is refused (``unauthenticated``), and the engine keeps serving;
+- rollout items are authenticated the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import msgspec
+import pytest
+from torch.distributed import HashStore, PrefixStore, TCPStore
+
+from inflight.auth import SECRET_ENV, seal
+from inflight.buffer import RolloutBuffer, RolloutQueue
+from inflight.protocol import AuthError, Commit, RolloutGroup, RolloutSample, encode
+from inflight.transport.group import GroupConfig, TransportError, WeightGroup, free_port, store_reachable, wait_key
+from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
+from tests.engine_harness import Harness, perturbed
+
+SECRET = "correct horse battery staple"
+
+
+def _outside_address() -> str | None:
+    """An address of this machine other than loopback, if it has one."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+            address = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_store_listens_on_loopback_unless_an_address_is_configured(host: str) -> None:
+    outside = _outside_address()
+    if outside is None:
+        pytest.skip("this machine has no address but loopback")
+    config = GroupConfig(host=host, port=free_port(), world_size=2, timeout_s=5.0)
+    errors: list[BaseException] = []
+    up = threading.Event()
+
+    def trainer() -> None:  # hosts the store, waits for a worker that never comes
+        try:
+            WeightGroup(config, 0, join_timeout_s=60.0)
+        except BaseException as e:  # noqa: BLE001  expected: nobody joins
+            errors.append(e)
+        up.set()
+
+    threading.Thread(target=trainer, daemon=True).start()
+    while not store_reachable("127.0.0.1", config.port) and not up.is_set():  # the store is up
+        pass
+    assert store_reachable("127.0.0.1", config.port)
+    assert store_reachable(outside, config.port) == (host == "0.0.0.0")
+    # let the trainer go: a worker joins, so the trainer's wait ends with the group formed
+    worker = WeightGroup(GroupConfig(host="127.0.0.1", port=config.port, world_size=2, timeout_s=5.0), 1,
+                         join_timeout_s=60.0)
+    up.wait(60)
+    worker.close()
+
+
+# -- a serving engine with a secret ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def harness(tiny_llama):
+    saved = os.environ.get(SECRET_ENV)
+    os.environ[SECRET_ENV] = SECRET  # the engine reads it at its start, the pusher at its construction
+    try:
+        h = Harness(tiny_llama, "float32", free_port(), timeout_s=10.0)
+    finally:
+        os.environ.pop(SECRET_ENV) if saved is None else os.environ.__setitem__(SECRET_ENV, saved)
+    yield h
+    os.environ[SECRET_ENV] = SECRET
+    try:
+        h.close()
+    finally:
+        os.environ.pop(SECRET_ENV) if saved is None else os.environ.__setitem__(SECRET_ENV, saved)
+
+
+def _serves(h: Harness, version: int) -> None:
+    (_, out), = h.greedy(["1+2="], max_tokens=4)
+    assert out.versions == [version] * 4
+
+
+def _trainer(h: Harness) -> WeightPusher:
+    return WeightPusher(h.group, PushConfig(dtype="float32", bucket_mb=0.25), join_timeout_s=120.0)
+
+
+def test_trainer_with_a_wrong_or_missing_secret_is_refused(harness: Harness, monkeypatch) -> None:
+    h = harness
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    h.push(perturbed(h.base, seed=1))
+    live = h.version
+    h.pusher.close()  # this trainer leaves; impostors take its port
+    for secret, says in [("wrong", "wrong authentication code"), (None, f"{SECRET_ENV} is not set here")]:
+        if secret is None:
+            monkeypatch.delenv(SECRET_ENV)
+        else:
+            monkeypatch.setenv(SECRET_ENV, secret)
+        with pytest.raises(AuthError) as exc:
+            _trainer(h)
+        assert "worker rank 1's hello" in str(exc.value) and says in str(exc.value), str(exc.value)
+        _serves(h, live)
+        assert h.status()["live_version"] == live
+    monkeypatch.setenv(SECRET_ENV, SECRET)  # the right trainer comes back and pushes
+    h.pusher = _trainer(h)
+    h.push(perturbed(h.base, seed=2))
+    _serves(h, h.version)
+
+
+def test_a_forged_control_message_is_refused_and_the_engine_keeps_serving(harness: Harness, monkeypatch) -> None:
+    h = harness
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    h.push(perturbed(h.base, seed=3))
+    live = h.version
+    g, seq = h.pusher.group.generation, h.pusher.control.seq
+    stray = PrefixStore(h.group.name, TCPStore(h.group.host, h.group.port, is_master=False, wait_for_workers=False))
+    refused_before = h.status()["rejections"].get("unauthenticated", 0)
+    forgeries = [encode(Commit(version=live + 1)),  # unsigned
+                 seal(encode(Commit(version=live + 1)), b"guessed", f"inflight/x/gen{g}/ctl/msg/{seq + 1}")]
+    for k, forged in enumerate(forgeries):
+        stray.set(f"gen{g}/ctl/msg/{seq + k}", forged)
+        wait_key(stray, f"gen{g}/ctl/rep/{seq + k}/ack/1", timeout_s=60, stop=None, what="the refusal", who="test")
+        with pytest.raises(PushRejected) as exc:  # the trainer's message of that number was pre-empted
+            h.pusher.push(live + 1, perturbed(h.base, seed=4))
+        assert exc.value.codes == {"unauthenticated"} and SECRET_ENV in str(exc.value), str(exc.value)
+        _serves(h, live)
+    assert h.status()["rejections"]["unauthenticated"] == refused_before + 2
+    h.push(perturbed(h.base, seed=4))  # the real trainer's next update lands
+    _serves(h, h.version)
+
+
+def test_rollout_items_are_authenticated() -> None:
+    sample = RolloutSample(sample_id="s", group_id="g", prompt_ids=[1], token_ids=[5], logprobs=[-0.5], versions=[0],
+                           reward=1.0)
+    store = HashStore()
+    queue = RolloutQueue(store, capacity=10, secret=SECRET.encode())
+    buffer = RolloutBuffer(queue, admit_lag=4)
+    queue.put(RolloutGroup(group_id="g", samples=(sample,)))
+    queue.put_raw(msgspec.msgpack.encode(RolloutGroup(group_id="forged", samples=(
+        msgspec.structs.replace(sample, group_id="forged"),))))
+    RolloutQueue(store, capacity=10, secret=b"other").put(RolloutGroup(group_id="g2", samples=(
+        msgspec.structs.replace(sample, group_id="g2"),)))
+    assert buffer.drain(current_version=0) == 3
+    assert [g.group_id for g in buffer.pending] == ["g"]
+    assert buffer.stats()["rejected"] == {"unauthenticated": 2}
+
+
+def test_worker_with_a_secret_refuses_an_unsealed_roster(port) -> None:
+    """The other direction: a trainer without the secret cannot enrol a worker that has one."""
+    config = GroupConfig(port=port, world_size=2, timeout_s=5.0)
+    hosted: list[BaseException] = []
+
+    def trainer() -> None:
+        try:
+            WeightGroup(config, 0, join_timeout_s=30.0, secret=None)
+        except BaseException as e:  # noqa: BLE001  it refuses the worker's sealed hello
+            hosted.append(e)
+
+    t = threading.Thread(target=trainer, daemon=True)
+    t.start()
+    with pytest.raises(TransportError):
+        WeightGroup(config, 1, join_timeout_s=3.0, secret=SECRET.encode())
+    t.join(60)
+    assert hosted and isinstance(hosted[0], AuthError) and f"{SECRET_ENV} is not set here" in str(hosted[0])
