@@ -3,9 +3,9 @@
 
 - the plan's copies write exactly the bytes vLLM's own weight loaders write (bitwise, every
   parameter of a Qwen2 with fused qkv / gate_up, qkv bias and tied embeddings);
-- updates through the reused buffers match transformers after each of five pushes, enough
-  to cycle the three rotating sets and come back to the first; the plan covers every tensor
-  and reuse stays on (so the fast path is the one these parity checks exercise).
+- updates through the load plan match transformers after each of five pushes; the plan
+  covers every tensor. Buffer reuse is off (see ``engine_patches/targets.py``): each
+  update prepares into fresh buffers.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_plan_writes_exactly_what_the_loaders_write(tiny_qwen) -> None:
         h.close()
 
 
-def test_updates_through_reused_buffers_match_transformers(tiny_qwen) -> None:
+def test_updates_through_the_load_plan_match_transformers(tiny_qwen) -> None:
     h = Harness(tiny_qwen, "float32", free_port())
     try:
         applier = _worker(h)._inflight_target.applier
@@ -59,7 +59,6 @@ def test_updates_through_reused_buffers_match_transformers(tiny_qwen) -> None:
                 assert out.token_ids == ref.greedy(prompt, len(out.token_ids))
                 got = torch.tensor(out.logprobs, dtype=torch.float64)
                 torch.testing.assert_close(got, ref.logprobs(prompt, out.token_ids), atol=1e-5, rtol=0)
-        assert applier._targets.reuse, "the re-pack broke a reuse assumption: updates fell back to fresh buffers"
-        assert len(applier._targets._sets) == 3
+        assert not applier._targets.reuse and not applier._targets._sets  # fresh buffers per update
     finally:
         h.close()
