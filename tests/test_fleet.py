@@ -1,7 +1,8 @@
 """A fleet: one trainer, two engines, one weight group, one rollout queue.
 
-- two in-process engines (ranks 1 and 2) take every update while both decode, each with
-  exact tags at its own commit step; a version goes live on both or is refused on both;
+- two in-process engines (ranks 1 and 2), stepped in turn by one thread, take every update
+  while both decode, each with exact tags at its own commit step; a version goes live on
+  both or is refused on both;
 - an engine frozen or killed in the middle of a transfer costs the fleet one transport
   timeout: its heartbeat names it, the next generation forms without waiting for it, and
   a frozen one that thaws is let back in still serving the version it had;
@@ -42,6 +43,7 @@ from trainer.train import train
 
 def test_two_engines_take_every_update_with_exact_tags_on_each(tiny_qwen) -> None:
     from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     group = GroupConfig(port=free_port(), world_size=3, timeout_s=60)
     llms = [LLM(str(tiny_qwen), enforce_eager=True, dtype="float32", max_model_len=512, seed=i, **engine_kwargs())
@@ -53,40 +55,61 @@ def test_two_engines_take_every_update_with_exact_tags_on_each(tiny_qwen) -> Non
     coordinators = [coordinator_of(llm) for llm in llms]
     try:
         assert sorted(pusher.engine_versions) == [1, 2]
-        starts = [c.steps for c in coordinators]
-        results, errors = [], []
+        trigger, results, errors = threading.Event(), [], []
 
-        def trainer() -> None:  # each push once both engines decoded past its mark
+        def trainer() -> None:
             try:
-                for k, at in enumerate((10, 40, 70)):
-                    while min(c.steps - s for c, s in zip(coordinators, starts)) < at:
-                        time.sleep(0.001)
+                for k in range(3):
+                    trigger.wait()
+                    trigger.clear()
                     results.append(pusher.push(k + 1, perturbed(base, seed=60 + k, scale=0.02)))
             except BaseException as e:
                 errors.append(e)
 
-        outs: list = [None, None]
-
-        def decode(i: int) -> None:
-            sp = SamplingParams(temperature=1.0, max_tokens=110, logprobs=0, ignore_eos=True, seed=i)
-            outs[i] = llms[i].generate([f"{i}+{j}=" for j in range(4)], sp, use_tqdm=False)
-
-        threads = [threading.Thread(target=trainer)] + [threading.Thread(target=decode, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        t = threading.Thread(target=trainer)
+        t.start()
+        # vLLM 0.32 keeps one forward context per process (a module global of
+        # vllm.forward_context), so two engines of one process must never run forward passes
+        # at once: one reads the other's attention metadata and KV cache, and the process
+        # crashes. This thread steps both in turn; a deployed fleet runs an engine per process.
+        # Four requests per engine decode until every push returned, so each commit lands
+        # mid-decode on both; pushes are triggered by engine steps, never by wall-clock time.
+        engines = [llm.llm_engine for llm in llms]
+        active: list[set[str]] = [set(), set()]
+        finished: list[dict] = [{}, {}]
+        n_req, rounds, asked = 0, 0, 0
+        while t.is_alive() or any(active):
+            for i, engine in enumerate(engines):
+                while t.is_alive() and len(active[i]) < 4:
+                    n_req += 1
+                    sp = SamplingParams(temperature=1.0, max_tokens=110, logprobs=0, ignore_eos=True, seed=n_req,
+                                        output_kind=RequestOutputKind.FINAL_ONLY)
+                    engine.add_request(f"e{i}r{n_req}", f"{i}+{n_req}=", sp)
+                    active[i].add(f"e{i}r{n_req}")
+                for out in engine.step():
+                    if out.finished:
+                        active[i].discard(out.request_id)
+                        finished[i][out.request_id] = tagged(out.outputs[0])
+            rounds += 1
+            if rounds % 30 == 0 and asked == len(results) < 3:
+                asked += 1
+                trigger.set()
+        t.join()
         assert not errors, errors
         assert [r.version for r in results] == [1, 2, 3]
         for i, rank in enumerate((1, 2)):
-            for o in outs[i]:
-                tc = tagged(o.outputs[0])
+            spanning = 0
+            for r in results:  # this engine's own commit: its step, its token counts
+                assert any(n > 0 for n in r.commits[rank].tokens_at_commit.values()), (rank, r.version)
+            for rid, tc in finished[i].items():
                 assert is_monotone(tc.versions)
                 first = boundaries(tc.versions)
+                spanning += len(first) > 1
                 for r in results:
-                    c = r.commits[rank]  # this engine's own commit: its step, its token counts
+                    c = r.commits[rank]
                     if c.version in first:
-                        assert first[c.version] == c.tokens_at_commit.get(o.request_id, 0)
+                        assert first[c.version] == c.tokens_at_commit.get(rid, 0), (rank, rid, c.version)
+            assert spanning > 0
             assert coordinators[i].live_version == 3
         # a version one engine refuses goes live on neither
         bad = dict(perturbed(base, seed=70, scale=0.02))
