@@ -32,12 +32,15 @@ class InflightConfig:
     """Longest wait for a step boundary once a commit is requested."""
     stale_timeout_s: float = 60.0
     """A staged version whose ``Commit`` does not come within this is dropped (the trainer died)."""
-    listener_nice: int = 19
-    """Scheduling priority (Linux nice, 0..19) of the listener thread: staging and preparing an
-    update is background work that should yield the cores to decoding on CPU engines, where
-    both share them; the cost is a commit that may land a few steps later. 19 (the lowest)
-    is the principled choice; on the 2-core bench machine it measured the same as 10 (within
-    noise), because what decode loses there is the GIL, not the cores (see the README)."""
+    listener_nice: int = 0
+    """Scheduling priority (Linux nice, 0..19) of the listener thread. 0, an equal share, by
+    default: an update that cannot stage cannot land. Measured with the training loop on
+    split cores (the engine alone on one core that decode keeps busy, ``bench.e2e``), nice
+    19 starved staging: a 1.3 MB push took 220 ms, the trainer waited for it every step and
+    the engine sampled at the lag limit; at 0 the push took 63 ms and the step 158 ms
+    against 225. 19 makes staging yield to decode where both share idle cores (what
+    ``bench.inflight --listener-nice 19`` measured); on a GPU engine the listener mostly
+    waits on the device and its priority matters little."""
     staging: Literal["device", "host"] = "device"
     """Where a version waits between its buckets' arrival and its commit. ``device``: the
     engine's device; the commit is a device-to-device copy (or, on CPU, a swap), but the

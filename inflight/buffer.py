@@ -15,7 +15,9 @@ Ordering invariants:
   claim and write (``skip_stalled``). A producer that finds its slot holed re-puts the
   item under a new number, so a frozen engine blocks no one and loses nothing;
 - the buffer admits a group only if every token's version is within ``admit_lag`` of the
-  trainer's version; what it admitted but has not yet handed out is ``pending`` (saved in
+  trainer's version, and (with ``mask_lag``, the loss's max lag) one token at least is
+  within ``mask_lag``: a group the loss would mask whole is dropped as stale, not trained
+  on as an empty batch; what it admitted but has not yet handed out is ``pending`` (saved in
   checkpoints, so a resumed run neither repeats nor drops a sample), and so are its counters;
 - with a shared secret (``INFLIGHT_SECRET``) every item is sealed for its slot, so a client of
   the store without it cannot queue samples the trainer would train on.
@@ -55,6 +57,20 @@ class RolloutQueue:
 
     def depth(self) -> int:
         return self.store.add("tail", 0) - self.store.add("head", 0)
+
+    def publish_version(self, version: int) -> None:
+        """Consumer: the version its next batch will be trained at (producers pace themselves by it)."""
+        self.store.set("consumer_version", str(version))
+
+    def consumer_version(self) -> int | None:
+        """Producer: the consumer's last ``publish_version``; None before the first, or if unreadable
+        (a stray client's bytes must not stop an engine)."""
+        if not self.store.check(["consumer_version"]):
+            return None
+        try:
+            return int(self.store.get("consumer_version"))
+        except ValueError:
+            return None
 
     def put(self, group: RolloutGroup, *, timeout_s: float | None = None, stop: threading.Event | None = None) -> int:
         """Enqueue; blocks while the queue is full. Returns the sequence number."""
@@ -167,13 +183,17 @@ def check_group(group: RolloutGroup, *, group_size: int | None, current_version:
 class RolloutBuffer:
     """The trainer's end: validate, admit by lag, batch."""
 
-    def __init__(self, queue: RolloutQueue, *, admit_lag: int, group_size: int | None = None,
-                 pending: Iterable[RolloutGroup] = (), stats: Mapping[str, object] | None = None) -> None:
+    def __init__(self, queue: RolloutQueue, *, admit_lag: int, mask_lag: int | None = None,
+                 group_size: int | None = None, pending: Iterable[RolloutGroup] = (),
+                 stats: Mapping[str, object] | None = None) -> None:
         """``pending`` and ``stats`` (a checkpoint's ``stats()``) continue a resumed run's buffer."""
         if admit_lag < 0:
             raise ValueError(f"admit_lag={admit_lag} must be >= 0")
+        if mask_lag is not None and mask_lag < 0:
+            raise ValueError(f"mask_lag={mask_lag} must be >= 0")
         self.queue = queue
         self.admit_lag = admit_lag
+        self.mask_lag = admit_lag if mask_lag is None else mask_lag
         self.group_size = group_size
         self.pending: list[RolloutGroup] = list(pending)
         self.rejected: Counter[str] = Counter()
@@ -212,8 +232,9 @@ class RolloutBuffer:
                    stop: threading.Event | None = None) -> list[RolloutGroup]:
         """``n_groups`` admitted groups, oldest first; stale pending ones are dropped first."""
         while True:
-            oldest_ok = current_version - self.admit_lag
-            fresh = [g for g in self.pending if min(min(s.versions) for s in g.samples) >= oldest_ok]
+            oldest_ok, newest_ok = current_version - self.admit_lag, current_version - self.mask_lag
+            fresh = [g for g in self.pending if min(min(s.versions) for s in g.samples) >= oldest_ok
+                     and max(max(s.versions) for s in g.samples) >= newest_ok]
             self.dropped_stale += len(self.pending) - len(fresh)
             if len(fresh) < len(self.pending):
                 keep = {id(g) for g in fresh}

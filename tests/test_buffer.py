@@ -93,3 +93,41 @@ def test_consumer_timeout_names_what_it_waited_for(store) -> None:
     buf = RolloutBuffer(RolloutQueue(store, capacity=4), admit_lag=1, group_size=2)
     with pytest.raises(Exception, match=r"no rollout #0 within 0.3s"):
         buf.next_batch(1, current_version=0, timeout_s=0.3)
+
+
+def test_groups_the_loss_would_mask_whole_are_dropped_as_stale(store) -> None:
+    q = RolloutQueue(store, capacity=16)
+    # at version 10 with the loss's max lag 3, tokens of versions < 7 are masked
+    for gid, versions in [("all-masked", [4, 6]), ("one-kept", [4, 7]), ("fresh", [9, 10])]:
+        q.put(_group(gid, versions))
+    buf = RolloutBuffer(q, admit_lag=8, mask_lag=3, group_size=2)
+    assert [g.group_id for g in buf.next_batch(2, current_version=10, timeout_s=5)] == ["one-kept", "fresh"]
+    assert buf.dropped_stale == 1 and buf.dropped_ids == ["all-masked"]
+    with pytest.raises(ValueError, match="mask_lag=-1"):
+        RolloutBuffer(q, admit_lag=8, mask_lag=-1)
+
+
+def test_the_consumer_version_reaches_producers_and_stray_bytes_read_as_unknown(store, port) -> None:
+    producer = RolloutQueue(PrefixStore("test/rollout", TCPStore("127.0.0.1", port, is_master=False,
+                                                                  timeout=timedelta(seconds=10))), capacity=4)
+    consumer = RolloutQueue(store, capacity=4)
+    assert producer.consumer_version() is None
+    consumer.publish_version(7)
+    assert producer.consumer_version() == 7
+    store.set("consumer_version", b"\xff\x00")  # a stray client of the store
+    assert producer.consumer_version() is None
+
+
+@pytest.mark.parametrize("ahead, trainer, live, ok", [
+    (0, None, 0, True),    # first group of a run: lag 1 at most (the trainer may be computing)
+    (7, 5, 5, True),       # one batch ahead at G=4 -> trained 1 + 1 versions on: 2 <= 3
+    (8, 5, 5, True),       # two batches ahead: 1 + 2 = 3 <= 3
+    (12, 5, 5, False),     # three: 4 > 3
+    (4, 6, 5, True),       # the engine serves one version behind the trainer: 1 + 1 + 1 = 3
+    (8, 6, 5, False),      # ... and two batches ahead: 4
+    (0, 9, 5, False),      # the engine is 4 versions behind: even an empty queue is too late
+])
+def test_an_engine_starts_a_group_only_if_it_is_trained_within_max_lag(ahead, trainer, live, ok) -> None:
+    from trainer.rollout import may_start_group
+
+    assert may_start_group(ahead=ahead, trainer_version=trainer, live_version=live, groups_per_step=4, max_lag=3) is ok

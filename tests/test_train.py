@@ -30,6 +30,8 @@ def test_training_run_end_to_end(tmp_path) -> None:
     # every push was committed by the engine: the last row carries the last commit
     assert rows[-1]["pushed_version"] == 6 and rows[-1]["commit_ms"] > 0
     assert all(sum(r["ratio_hist"]) > 0 for r in rows)
+    # the engine samples within loss.max_lag and the buffer admits no group the loss would mask whole
+    assert all(r["tokens_in_loss"] > 0 and "push_wait_ms" in r for r in rows)
     # tokens came from several versions, some samples from more than one
     assert summary["max_versions_per_sample"] >= 2
     assert any(int(lag) > 0 for r in rows for lag in r["lag_hist"])

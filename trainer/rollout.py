@@ -8,8 +8,11 @@ and tags its groups ``e<i>``). It drives vLLM's
 ``LLMEngine`` step by step with ``in_flight_groups`` requests of ``n = group_size``
 samples in flight; whenever one finishes, its completions, behaviour log-probs and
 per-token versions become a ``RolloutGroup`` on the rollout queue and a new prompt takes
-its place. Weight updates commit between two of these steps, without this loop noticing:
-the worker extension and EngineCore's commit coordinator do it.
+its place, unless that group would be older than ``loss.max_lag`` by the time the trainer
+reaches it (the trainer publishes its version on the queue): an engine faster than its trainer waits
+instead of sampling what the loss would mask. Weight updates commit between two of these
+steps, without this loop noticing: the worker extension and EngineCore's commit
+coordinator do it.
 
 ``rollout.mode = "batch"`` is the synchronous baseline: sample one optimizer step's groups
 with version v, ship them, sit idle until version v+1 is live, repeat.
@@ -172,6 +175,21 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
     # nothing running, the engine is idle, commits without steps, and waiting blocks nobody.
     backlog: deque[RolloutGroup] = deque()
     gate = coordinator_of(llm)
+
+    def room_to_start() -> bool:
+        # groups ahead of a new one: queued, or decoding on each engine of the fleet (the others'
+        # share estimated as this one's)
+        return may_start_group(ahead=queue.depth() + len(prompts) * cfg.engine.count,
+                               trainer_version=queue.consumer_version(), live_version=gate.live_version,
+                               groups_per_step=cfg.rollout.groups_per_step, max_lag=cfg.loss.max_lag)
+
+    def held() -> bool:
+        """Wait a moment without stepping; True once the trainer asked to stop."""
+        nonlocal steps
+        time.sleep(0.005)
+        steps += 1  # counts the stop check below, so a stop is seen while held
+        return steps % 16 == 0 and stop_requested()
+
     while True:
         while backlog:
             shipped = ship(backlog[0], wait=not engine.has_unfinished_requests())
@@ -182,14 +200,16 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
             backlog.popleft()
         if backlog:
             if not gate.commit_pending():
-                time.sleep(0.005)
-                steps += 1  # counts the stop check below, so a stop is seen while held
-                if steps % 16 == 0 and stop_requested():
+                if held():
                     return
                 continue
         elif not batch_mode:
-            while len(prompts) < cfg.rollout.in_flight_groups:
+            while len(prompts) < cfg.rollout.in_flight_groups and room_to_start():
                 add_group()
+            if not prompts:  # the trainer is loss.max_lag behind: idle (an idle engine commits without steps)
+                if held():
+                    return
+                continue
         elif not prompts:  # the last batch is shipped: wait, idle, for the next version
             while inflight_status(llm)["live_version"] < next_version:
                 if stop_requested():
@@ -220,6 +240,21 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
         if steps % 16 == 0 and stop_requested():
             log.info("rollout: the trainer asked to stop after %d engine steps", steps)
             return
+
+
+def may_start_group(*, ahead: int, trainer_version: int | None, live_version: int, groups_per_step: int,
+                    max_lag: int) -> bool:
+    """Whether a group started now, with ``ahead`` groups before it, is trained on within
+    ``max_lag`` of the version that samples its first token (``live_version``).
+
+    It is trained ``ahead // groups_per_step`` batches after the trainer's next one, which the
+    trainer (at ``trainer_version``, its last published; None: not yet) may already be
+    computing: one version more. An engine faster than its trainer waits instead of sampling
+    what the loss would mask. Groups that finish out of order can still overtake it; the
+    trainer's admission (``RolloutBuffer(mask_lag=...)``) catches what slips through.
+    """
+    behind = 0 if trainer_version is None else max(0, trainer_version - live_version)
+    return behind + 1 + ahead // groups_per_step <= max_lag
 
 
 def main() -> None:

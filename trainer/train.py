@@ -101,7 +101,8 @@ def train(cfg: TrainConfig) -> dict:
                                             reply_timeout_s=cfg.transport.timeout_s),
                           join_timeout_s=cfg.transport.rejoin_timeout_s)
     queue = RolloutQueue(pusher.group.sub_store("rollout"), cfg.rollout.queue_capacity)
-    buffer = RolloutBuffer(queue, admit_lag=cfg.rollout.admit_lag, group_size=cfg.rollout.group_size,
+    buffer = RolloutBuffer(queue, admit_lag=cfg.rollout.admit_lag, mask_lag=cfg.loss.max_lag,
+                           group_size=cfg.rollout.group_size,
                            pending=resumed.pending if resumed else (), stats=resumed.buffer_stats if resumed else None)
     metrics = MetricsLog(out / "metrics.jsonl", append=resumed is not None)
     # greedy accuracy on held-out prompts; row "step 0" is the policy before any update
@@ -123,6 +124,7 @@ def train(cfg: TrainConfig) -> dict:
     try:
         for step in tqdm(range(start, cfg.run.steps), desc="train", initial=start, total=cfg.run.steps, dynamic_ncols=True):
             t0 = time.perf_counter()
+            queue.publish_version(version)  # the engines keep what they sample within loss.max_lag of it
             if (problem := engine.exit_problem()) is not None:  # a fleet's other engines keep the queue full
                 version, in_flight = engine.recover(pusher, problem, version, weights, queue), None
             while True:
@@ -148,10 +150,12 @@ def train(cfg: TrainConfig) -> dict:
             # The previous push has landed by now (or this waits for it); then snapshot and send this one.
             # Rows report the push of the step before, except the last row, which reports its own.
             evaluation: dict = {}
+            push_wait = 0.0  # the trainer blocked on the previous push
             try:
                 if in_flight is not None:
+                    t1 = time.perf_counter()
                     pending_push = _push_metrics(in_flight.result())
-                    in_flight = None
+                    push_wait, in_flight = time.perf_counter() - t1, None
                 if evaluator is not None and evaluator.due(step + 1):  # the new version, scored before it is
                     evaluation = evaluator(accelerator.unwrap_model(model))  # pushed: no transfer competes with it
                 if step + 1 == cfg.run.steps and len(pusher.group.roster) < cfg.engine.world_size - 1:
@@ -167,7 +171,8 @@ def train(cfg: TrainConfig) -> dict:
             row = {"step": step + 1, "version": version, "loss": float(loss.detach()), "grad_norm": grad_norm,
                    "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std()),
                    "max_versions_per_sample": int(max(len(set(s.versions)) for g in groups for s in g.samples)),
-                   "wait_ms": 1e3 * t_wait, "step_ms": 1e3 * (time.perf_counter() - t0),
+                   "wait_ms": 1e3 * t_wait, "push_wait_ms": 1e3 * push_wait,
+                   "step_ms": 1e3 * (time.perf_counter() - t0),
                    "queue_depth": queue.depth(), **buffer.stats(), **m, **pending_push,
                    "engine_failures": engine.failures, "engine_restarts": engine.restarts,
                    "engine_drops": engine.drops, "engines_live": len(pusher.group.roster) // cfg.engine.tensor_parallel_size,
