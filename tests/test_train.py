@@ -51,6 +51,9 @@ def test_config_errors_name_the_key(tmp_path) -> None:
     bad.write_text("[loss.tis]\nobjective = 'sft'\n")
     with pytest.raises(ValueError, match=r"loss.tis: TISParams.objective='sft'"):
         load_config(bad)
+    bad.write_text("[loss]\nmax_lag = 0\n")
+    with pytest.raises(ValueError, match=r"loss.max_lag=0 with rollout.mode='inflight'"):
+        load_config(bad)
     bad.write_text("[optim]\nlearning_rate = 1\n")
     with pytest.raises(ValueError, match=r"optim: unknown key\(s\) \['learning_rate'\]"):
         load_config(bad)

@@ -356,6 +356,14 @@ class TrainConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
+    def __post_init__(self) -> None:
+        # an in-flight engine samples with a version the trainer has already moved past, and
+        # starts only groups that will be within loss.max_lag (trainer.rollout.may_start_group):
+        # with 0 it would never start one
+        if self.rollout.mode == "inflight" and self.loss.max_lag < 1:
+            raise ValueError(f"loss.max_lag={self.loss.max_lag} with rollout.mode='inflight': in-flight samples lag "
+                             "the trainer by 1 at least; use max_lag >= 1, or rollout.mode='batch'")
+
 
 def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     hints = typing.get_type_hints(cls)
