@@ -36,10 +36,7 @@ def _ptr(t: torch.Tensor) -> int:
 
 class ShadowSets:
     def __init__(self) -> None:
-        # Off: with reuse on, two engines decoding in one process while updates landed aborted
-        # inside a forward (tests/test_fleet.py, reproducible), so some buffer taken as
-        # consumed is still read by a live packed weight. Fresh buffers until that is found.
-        self.reuse = False
+        self.reuse = True
         self._consumed: frozenset[int] | None = None  # learned from the first update
         self._sets: list[dict[int, torch.nn.Parameter]] = []
         self._destinations: list[list[torch.Tensor]] = []
