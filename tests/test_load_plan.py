@@ -60,7 +60,7 @@ def test_staging_into_reused_buffers_never_touches_the_live_version(tiny_qwen) -
     """Each version is staged (received, checked and re-packed into the reused buffers) while
     the one before it serves, and the live one must still be exactly itself then: a buffer
     taken as consumed by the re-pack but still read by a live packed weight would show here.
-    Five updates cycle the three rotating sets and come back to the first."""
+    Six updates cycle the three rotating sets and come back to the first."""
     h = Harness(tiny_qwen, "float32", free_port())
     try:
         applier = _worker(h)._inflight_target.applier

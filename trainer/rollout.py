@@ -177,10 +177,12 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
     gate = coordinator_of(llm)
 
     def room_to_start() -> bool:
-        # groups ahead of a new one: queued, or decoding on each engine of the fleet (the others'
-        # share estimated as this one's)
-        return may_start_group(ahead=queue.depth() + len(prompts) * cfg.engine.count,
-                               trainer_version=queue.consumer_version(), live_version=gate.live_version,
+        try:  # groups ahead of a new one: queued, or decoding on each engine of the fleet (the
+            # others' share estimated as this one's)
+            ahead, trainer = queue.depth() + len(prompts) * cfg.engine.count, queue.consumer_version()
+        except (RuntimeError, TransportError):  # the trainer's store is gone: hold for the next trainer
+            return False
+        return may_start_group(ahead=ahead, trainer_version=trainer, live_version=gate.live_version,
                                groups_per_step=cfg.rollout.groups_per_step, max_lag=cfg.loss.max_lag)
 
     def held() -> bool:
