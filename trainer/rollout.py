@@ -9,10 +9,10 @@ and tags its groups ``e<i>``). It drives vLLM's
 samples in flight; whenever one finishes, its completions, behaviour log-probs and
 per-token versions become a ``RolloutGroup`` on the rollout queue and a new prompt takes
 its place, unless that group would be older than ``loss.max_lag`` by the time the trainer
-reaches it (the trainer publishes its version on the queue): an engine faster than its trainer waits
-instead of sampling what the loss would mask. Weight updates commit between two of these
-steps, without this loop noticing: the worker extension and EngineCore's commit
-coordinator do it.
+reaches it (the trainer publishes its version on the queue): an engine faster than its
+trainer waits instead of sampling what the loss would mask. Weight updates commit between
+two of these steps, without this loop noticing: the worker extension and EngineCore's
+commit coordinator do it.
 
 ``rollout.mode = "batch"`` is the synchronous baseline: sample one optimizer step's groups
 with version v, ship them, sit idle until version v+1 is live, repeat.

@@ -124,7 +124,6 @@ def train(cfg: TrainConfig) -> dict:
     try:
         for step in tqdm(range(start, cfg.run.steps), desc="train", initial=start, total=cfg.run.steps, dynamic_ncols=True):
             t0 = time.perf_counter()
-            queue.publish_version(version)  # the engines keep what they sample within loss.max_lag of it
             if (problem := engine.exit_problem()) is not None:  # a fleet's other engines keep the queue full
                 version, in_flight = engine.recover(pusher, problem, version, weights, queue), None
             while True:
@@ -211,6 +210,7 @@ def _next_groups(buffer: RolloutBuffer, cfg: TrainConfig, version: int, engine: 
     """The next batch of groups; waits in short slices so a dead engine process is noticed
     at once rather than after ``rollout.queue_timeout_s``, and a slot claimed by a frozen
     producer is skipped (holed) while other producers' groups wait behind it."""
+    buffer.queue.publish_version(version)  # the engines keep what they sample within loss.max_lag of it
     deadline = time.monotonic() + cfg.rollout.queue_timeout_s
     while True:
         try:
