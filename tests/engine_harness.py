@@ -35,7 +35,15 @@ class Harness:
         self.llm = LLM(str(model_dir), enforce_eager=True, dtype=dtype, max_model_len=1024, seed=0,
                        **engine_kwargs(**engine_overrides))
         self.group = GroupConfig(port=port, world_size=2, timeout_s=timeout_s)
-        self.start_report = start_inflight(self.llm, InflightConfig(group=self.group, commit=commit))  # type: ignore[arg-type]
+        try:
+            self.start_report = start_inflight(self.llm, InflightConfig(group=self.group, commit=commit))  # type: ignore[arg-type]
+        except BaseException:
+            # Tear the engine down now: left to the failure's traceback, it would be collected
+            # during a later test, and vLLM's teardown resets per-process globals (its parallel
+            # groups) under that test's live engine.
+            del self.llm
+            gc.collect()
+            raise
         self.pusher = WeightPusher(self.group, PushConfig(dtype=dtype, bucket_mb=0.25))
         self.version = 0
         self.base = load_file(str(self.model_dir / "model.safetensors"))
