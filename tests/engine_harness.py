@@ -3,6 +3,7 @@ transformers reference to check what the engine computes after an update."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from collections.abc import Callable, Sequence
@@ -37,14 +38,17 @@ class Harness:
         self.group = GroupConfig(port=port, world_size=2, timeout_s=timeout_s)
         try:
             self.start_report = start_inflight(self.llm, InflightConfig(group=self.group, commit=commit))  # type: ignore[arg-type]
+            self.pusher = WeightPusher(self.group, PushConfig(dtype=dtype, bucket_mb=0.25))
         except BaseException:
-            # Tear the engine down now: left to the failure's traceback, it would be collected
-            # during a later test, and vLLM's teardown resets per-process globals (its parallel
-            # groups) under that test's live engine.
+            # Tear the engine down now (e.g. free_port's port was taken before the pusher bound
+            # it): left to the failure's traceback, it would be collected during a later test,
+            # and vLLM's teardown resets per-process globals (its parallel groups) under that
+            # test's live engine.
+            with contextlib.suppress(Exception):
+                self.llm.collective_rpc("inflight_stop")
             del self.llm
             gc.collect()
             raise
-        self.pusher = WeightPusher(self.group, PushConfig(dtype=dtype, bucket_mb=0.25))
         self.version = 0
         self.base = load_file(str(self.model_dir / "model.safetensors"))
 
