@@ -33,15 +33,16 @@ from bench.inflight import Bench
 
 PHASES = [  # (owner, attribute, phase name); missing attributes are skipped (older or newer code)
     ("inflight.transport.listener:UpdateListener", "_on_announce", "staging total (announce to Staged)"),
-    ("inflight.transport.buckets:BucketReceiver", "receive", "receive + checksums"),
+    ("inflight.transport.buckets:BucketReceiver", "receive", "receive (with the per-bucket work below)"),
     ("inflight.transport.buckets:BucketReceiver", "_verify", "  checksums"),
-    ("inflight.transport.listener:UpdateListener", "_nonfinite", "finite check"),
-    ("engine_patches.swap:SwapApplier", "prepare", "prepare"),
+    ("inflight.transport.listener:UpdateListener", "_nonfinite", "  finite check"),
+    ("inflight.transport.listener:_Streamed", "verified", "  prepare during receive (per bucket)"),
+    ("engine_patches.swap:SwapApplier", "prepare", "prepare after the last bucket"),
     ("engine_patches.swap:SwapApplier", "_shadows", "  shadow parameters (fresh)"),
     ("engine_patches.targets:ShadowSets", "take", "  shadow parameters (reused)"),
     ("engine_patches.swap:SwapApplier", "_load", "  weight loaders"),
-    ("engine_patches.swap:SwapApplier", "_copy", "  load plan copies"),
-    ("engine_patches.swap:SwapApplier", "_repack", "  re-pack (oneDNN handles)"),
+    ("engine_patches.swap:SwapApplier", "_copy", "  load plan copies (all)"),
+    ("engine_patches.swap:SwapApplier", "_repack_one", "  re-pack, oneDNN handles (all)"),
     ("inflight.transport.listener:UpdateListener", "_on_commit", "commit round trip (listener)"),
     ("engine_patches.swap:SwapApplier", "apply", "commit swap (engine thread)"),
 ]

@@ -20,7 +20,7 @@ transformers after updates, with the plan and without it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -86,8 +86,15 @@ class LoadPlan:
     """The planned copies, in checkpoint order."""
     loaded: frozenset[str]
     """Checkpoint tensors that still go through their loaders (anything the plan could not prove)."""
-    fills: tuple[tuple[int, View, float], ...] = ()
-    """(key, view, value): constant writes of the planned loaders, replayed after the copies."""
+    fills: tuple[tuple[int, str, View, float], ...] = ()
+    """(key, name, view, value): constant writes of ``name``'s planned loaders, replayed after its copies."""
+
+    def writes_by_name(self) -> dict[str, list[int]]:
+        """Indices into ``writes`` of each planned tensor's copies (for a plan run tensor by tensor)."""
+        out: dict[str, list[int]] = {}
+        for i, w in enumerate(self.writes):
+            out.setdefault(w.name, []).append(i)
+        return out
 
     @classmethod
     def record(cls, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
@@ -96,12 +103,12 @@ class LoadPlan:
         """``routes[name]``: (key, call) pairs, ``call(target, tensor)`` running the loader;
         ``scratch[key]``: a parameter of that key's pre-processing shape to record into."""
         writes: list[Write] = []
-        fills: list[tuple[int, View, float]] = []
+        fills: list[tuple[int, str, View, float]] = []
         loaded: set[str] = set()
         for name, (shape, dtype) in shapes.items():
             probe = torch.empty(shape, dtype=dtype)  # real memory: the recorded views must be real views
             found: list[Write] = []
-            found_fills: list[tuple[int, View, float]] = []
+            found_fills: list[tuple[int, str, View, float]] = []
             for key, call in routes[name]:
                 target = scratch[key]
                 rec = _Recorder(target, probe)
@@ -111,14 +118,17 @@ class LoadPlan:
                     loaded.add(name)
                     break
                 found += [Write(key, name, dst, src) for dst, src in rec.copies]
-                found_fills += [(key, view, value) for view, value in rec.fills]
+                found_fills += [(key, name, view, value) for view, value in rec.fills]
             else:
                 writes += found
                 fills += found_fills
         return cls(tuple(writes), frozenset(loaded), tuple(fills))
 
-    def fill(self, targets: Mapping[int, torch.Tensor]) -> None:
-        for key, (shape, stride, offset), value in self.fills:
+    def fill(self, targets: Mapping[int, torch.Tensor], names: Container[str] | None = None) -> None:
+        """Replay the constant writes (of ``names``' loaders only, if given)."""
+        for key, name, (shape, stride, offset), value in self.fills:
+            if names is not None and name not in names:
+                continue
             base = targets[key].data
             base.as_strided(shape, stride, base.storage_offset() + offset).fill_(value)
 
@@ -131,9 +141,10 @@ class LoadPlan:
             out.append(base.as_strided(shape, stride, base.storage_offset() + offset))
         return out
 
-    def sources(self, weights: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    def sources(self, weights: Mapping[str, torch.Tensor], indices: Iterable[int] | None = None) -> list[torch.Tensor]:
+        """What the planned copies read from ``weights`` (those at ``indices`` only, if given)."""
         out = []
-        for w in self.writes:
+        for w in self.writes if indices is None else (self.writes[i] for i in indices):
             t = weights[w.name]
             if w.src is not None:
                 shape, stride, offset = w.src

@@ -14,13 +14,15 @@ CPU GEMM dispatch keeps its result in plain module attributes (``cpu_linear``, a
    ``expert_id=``, ...). A model whose ``load_weights`` transforms tensors on the way
    (anything but plain routing, or a view reading the same elements) is refused, and the
    caller falls back to ``reload``.
-2. ``SwapApplier.prepare``: fill shadow parameters (shaped from the pre-processing metadata
-   vLLM recorded at model construction) with the staged tensors, and run each layer's
-   ``process_weights_after_loading`` on a shallow copy of the layer (the re-pack). The
-   filling replays a load plan recorded once at start from the real loaders
-   (``engine_patches.load_plan``: one ``_foreach_copy_`` per update, no Python loaders) into
-   reused buffers (``engine_patches.targets``); ``load_plan=False`` runs the loaders into
-   fresh shadows. Live modules are not touched; a failure here refuses the update.
+2. ``SwapApplier.feed`` (bucket by bucket, during the receive) and ``prepare`` (after the
+   last bucket): fill shadow parameters (shaped from the pre-processing metadata vLLM
+   recorded at model construction) with the staged tensors, and run each layer's
+   ``process_weights_after_loading`` on a shallow copy of the layer (the re-pack) as soon
+   as its tensors are all in (``engine_patches.readiness``). The filling replays a load
+   plan recorded once at start from the real loaders (``engine_patches.load_plan``: one
+   ``_foreach_copy_`` per bucket, no Python loaders) into reused buffers
+   (``engine_patches.targets``); ``load_plan=False`` runs the loaders into fresh shadows.
+   Live modules are not touched; a failure here refuses the update.
 3. ``SwapApplier.apply`` (under the step gate's lock): assign the prepared parameters and
    attributes to the live modules, keeping the previous ones for an instant rollback.
 
@@ -31,6 +33,7 @@ there the copy-into-storage commits are the right ones.
 from __future__ import annotations
 
 import copy
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +42,7 @@ import torch
 
 from engine_patches.apply import process_after_loading
 from engine_patches.load_plan import LoadPlan
+from engine_patches.readiness import Countdown, Dependencies
 from engine_patches.targets import ShadowSets
 
 _STRUCTURAL = frozenset({"_parameters", "_buffers", "_modules"})
@@ -144,6 +148,17 @@ class _ModuleState:
 _MISSING = object()
 
 
+@dataclass
+class _Update:
+    """The version being prepared: its shadow parameters, the plan's views of them, and progress."""
+
+    shadows: dict[int, torch.nn.Parameter]
+    destinations: list[torch.Tensor]
+    countdown: Countdown
+    states: dict[int, _ModuleState] = field(default_factory=dict)  # layer index -> re-packed state
+    repacks: list[Future] = field(default_factory=list)  # the re-pack thread's work for this update
+
+
 class SwapApplier:
     strategy = "swap"
 
@@ -171,7 +186,13 @@ class SwapApplier:
         self._previous: list[_ModuleState] | None = None
         self._released: list[_ModuleState] | None = None  # swapped out by the last commit, not yet freed
         self.load_plan = self._record_load_plan(shapes) if load_plan else None
+        self._writes_of = self.load_plan.writes_by_name() if self.load_plan is not None else {}
         self._targets = ShadowSets()
+        self._deps = Dependencies(
+            {name: [r.param_id for r in rs] for name, rs in self.plan.routes.items()},
+            [[self._slot_key[(id(m), n)] for n, p in m._parameters.items() if p is not None] for m in self._owners])
+        self._update: _Update | None = None
+        self._pool: ThreadPoolExecutor | None = None  # the re-pack thread, started on the first update
 
     def _loader_call(self, route: _Route):
         def call(target: torch.Tensor, tensor: torch.Tensor) -> None:
@@ -203,21 +224,87 @@ class SwapApplier:
         return shadow
 
     @torch.no_grad()
-    def prepare(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Load and process ``weights`` into shadow modules; live modules are untouched."""
-        self._released = None
-        if self.load_plan is None:
-            shadows = self._shadows()
-            self._load(weights, shadows)
-            self._prepared = self._repack(shadows)
+    def feed(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Load these tensors of the version being staged (verified, each once) into the shadow
+        parameters, and re-pack every layer they complete (``engine_patches.readiness``); live
+        modules are untouched. The listener calls it bucket by bucket, during the receive."""
+        u = self._update if self._update is not None else self._begin()
+        if not weights:
             return
-        shadows, destinations = self._targets.take(self._shadow, self._templates, self.load_plan)
-        self._copy(destinations, self.load_plan.sources(weights))
-        self.load_plan.fill(shadows)
-        self._load({n: weights[n] for n in self.load_plan.loaded}, shadows)
-        states = self._repack(shadows)
-        self._targets.settle(shadows, states)
+        if self.load_plan is None:
+            self._load(weights, u.shadows)
+        else:
+            planned = [i for name in weights for i in self._writes_of.get(name, ())]
+            if planned:
+                self._copy([u.destinations[i] for i in planned], self.load_plan.sources(weights, planned))
+            self.load_plan.fill(u.shadows, weights.keys())
+            self._load({n: t for n, t in weights.items() if n in self.load_plan.loaded}, u.shadows)
+        for layer in u.countdown.arrived(weights):
+            self._submit(u, layer)
+        self._raise_failed(u)  # a failed re-pack refuses the update now, not after the last bucket
+
+    @torch.no_grad()
+    def prepare(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Finish the version: feed what ``feed`` has not had yet, wait for every layer's
+        re-pack, and check every layer is ready."""
+        u = self._update if self._update is not None else self._begin()
+        self.feed({n: t for n, t in weights.items() if n not in u.countdown.seen})
+        for f in u.repacks:
+            f.result()  # re-raises a re-pack's error: the listener refuses the update and discards
+        missing = u.countdown.missing()
+        if missing or len(u.states) != len(self._owners):
+            raise RuntimeError(f"prepare without {len(missing)} checkpoint tensors, e.g. {missing[:3]}")
+        states = [u.states[i] for i in range(len(self._owners))]
+        self._update = None
+        if self.load_plan is not None:
+            self._targets.settle(u.shadows, states)
         self._prepared = states
+
+    def _begin(self) -> _Update:
+        self._released = None  # the version before the previous one: freed here, off the engine thread
+        if self.load_plan is None:
+            shadows, destinations = self._shadows(), []
+        else:
+            shadows, destinations = self._targets.take(self._shadow, self._templates, self.load_plan)
+        u = _Update(shadows, destinations, self._deps.countdown())
+        self._update = u
+        for layer in u.countdown.ready_at_start():
+            self._submit(u, layer)
+        return u
+
+    # The re-pack runs on its own thread, one layer at a time, in the order layers complete:
+    # the listener thread meanwhile verifies, checks and copies the next buckets. Both drop
+    # the GIL in their heavy calls (oneDNN's handle creation, ``_foreach_copy_``), so on an
+    # idle engine the two overlap on two cores; beside decoding they cost the same CPU as
+    # one thread would. The thread is started by the listener thread (the first update), so it
+    # inherits that thread's nice value (``InflightConfig.listener_nice``).
+    def _submit(self, u: _Update, layer: int) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-repack")
+        u.repacks.append(self._pool.submit(self._repack_into, u, layer))
+
+    @torch.no_grad()  # grad mode is per thread
+    def _repack_into(self, u: _Update, layer: int) -> None:
+        u.states[layer] = self._repack_one(self._owners[layer], u.shadows)
+
+    @staticmethod
+    def _raise_failed(u: _Update) -> None:
+        for f in u.repacks:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+
+    def _settle_repacks(self) -> None:
+        """Wait out the re-packs of an update being dropped: none may still read shadow
+        buffers that the next update will write into."""
+        if self._update is not None:
+            wait(self._update.repacks)
+        self._update = None
+
+    def close(self) -> None:
+        self._settle_repacks()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     @staticmethod
     def _copy(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
@@ -232,21 +319,19 @@ class SwapApplier:
             for route in self.plan.routes[name]:
                 self._loader_call(route)(shadows[route.param_id], tensor)
 
-    def _repack(self, shadows: dict[int, torch.nn.Parameter]) -> list[_ModuleState]:
-        states: list[_ModuleState] = []
-        for live in self._owners:
-            twin = copy.copy(live)  # new __dict__; give it its own parameter and buffer dicts
-            twin._parameters = {n: (shadows[self._slot_key[(id(live), n)]] if p is not None else None)
-                                for n, p in live._parameters.items()}
-            twin._buffers = dict(live._buffers)
-            before = dict(twin.__dict__)
-            process_after_loading(twin)  # e.g. the oneDNN or MoE re-pack, into twin's attributes
-            attrs = {k: v for k, v in twin.__dict__.items()
-                     if k not in _STRUCTURAL and before.get(k, _MISSING) is not v}
-            states.append(_ModuleState(live, dict(twin._parameters), attrs))
-        return states
+    def _repack_one(self, live: torch.nn.Module, shadows: Mapping[int, torch.nn.Parameter]) -> _ModuleState:
+        twin = copy.copy(live)  # new __dict__; give it its own parameter and buffer dicts
+        twin._parameters = {n: (shadows[self._slot_key[(id(live), n)]] if p is not None else None)
+                            for n, p in live._parameters.items()}
+        twin._buffers = dict(live._buffers)
+        before = dict(twin.__dict__)
+        process_after_loading(twin)  # e.g. the oneDNN or MoE re-pack, into twin's attributes
+        attrs = {k: v for k, v in twin.__dict__.items()
+                 if k not in _STRUCTURAL and before.get(k, _MISSING) is not v}
+        return _ModuleState(live, dict(twin._parameters), attrs)
 
     def discard(self) -> None:
+        self._settle_repacks()
         self._prepared = self._released = None
         self._targets.discard()
 

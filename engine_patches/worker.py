@@ -95,6 +95,11 @@ class _EngineTarget:
     def steps(self) -> int:
         return self.forwards
 
+    def prepare_part(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        feed = getattr(self.applier, "feed", None)  # the swap commit re-packs layer by layer; others wait for all
+        if feed is not None:
+            feed(weights)
+
     def prepare(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         self.applier.prepare(weights)
         self._event = ready_event(self.device)
@@ -352,6 +357,9 @@ class InflightWorkerExtension:
         self._inflight_hook.remove()
         if self._inflight_routing is not None:
             self._inflight_routing.close()
+        close = getattr(self._inflight_target.applier, "close", None)  # the swap commit's re-pack thread
+        if close is not None:
+            close()
         self._inflight_thread = None
 
 

@@ -201,15 +201,18 @@ def _wait_rows(out: Path, n: int, *, where=lambda row: True) -> list[dict]:
 
 
 def _committed_on(rows: list[dict], rank: int) -> set[int]:
-    return {0} | {r["pushed_version"] for r in rows if rank in r.get("committed_ranks", ())}
+    # every push that landed, not only the one a row reports: the last row has two (a run
+    # whose thawed engine tagged its last batch with the second-to-last version failed here)
+    return {0} | {v for r in rows for v, ranks in r["pushes_landed"] if rank in ranks}
 
 
 def test_a_killed_engine_is_restarted_while_the_other_takes_every_update(tmp_path) -> None:
     out = tmp_path / "run"
     cfg = _config(out, steps=10, **FLEET)
 
-    def killer() -> None:
-        _wait_rows(out, 3)
+    def killer() -> None:  # once engine 1 fed a batch: "both engines fed the queue" below is then not a race
+        while not (len(rows := _rows(out)) >= 3 and any("e1" in r["versions_by_engine"] for r in rows)):
+            time.sleep(0.05)
         os.kill(int((out / "engine1.pid").read_text()), signal.SIGKILL)
 
     t = threading.Thread(target=killer, daemon=True)

@@ -5,12 +5,18 @@
   parameter of a Qwen2 with fused qkv / gate_up, qkv bias and tied embeddings);
 - a version staged into the reused buffers while the previous one serves leaves the live
   version exactly itself, and becomes exactly itself once committed (transformers parity,
-  six updates: the three rotating sets cycle and come back); the plan covers every tensor
-  and reuse stays on, so the fast path is the one these checks exercise.
+  six updates: the three rotating sets cycle and come back); the plan covers every tensor,
+  reuse stays on, and most layers are re-packed while later buckets are still arriving, so
+  the fast path is the one these checks exercise;
+- a layer whose re-pack fails (on the re-pack thread) refuses the update, and the live
+  version serves on exactly as it was; the next update goes through.
 """
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 
 from inflight.transport.group import free_port
@@ -64,6 +70,21 @@ def test_staging_into_reused_buffers_never_touches_the_live_version(tiny_qwen) -
     h = Harness(tiny_qwen, "float32", free_port())
     try:
         applier = _worker(h)._inflight_target.applier
+        repacks = {"during receive": 0, "after": 0}  # when each layer's re-pack was started
+        where = ["during receive"]
+        submit, prepare = applier._submit, applier.prepare
+
+        def counted_submit(*args):
+            repacks[where[0]] += 1
+            return submit(*args)
+
+        def finishing(weights):
+            where[0] = "after"
+            try:
+                return prepare(weights)
+            finally:
+                where[0] = "during receive"
+        applier._submit, applier.prepare = counted_submit, finishing
         live = h.base
         for seed in range(1, 7):
             state = perturbed(h.base, seed=seed)
@@ -75,5 +96,40 @@ def test_staging_into_reused_buffers_never_touches_the_live_version(tiny_qwen) -
             live = state
         assert applier._targets.reuse, "the re-pack broke a reuse assumption: updates fell back to fresh buffers"
         assert len(applier._targets._sets) == 3
+        # the updates were streamed: most layers re-packed while later buckets were still coming
+        layers = len(applier._owners)
+        assert sum(repacks.values()) == 6 * layers
+        assert repacks["during receive"] >= 6 * layers // 2, repacks
+    finally:
+        h.close()
+
+
+def test_a_repack_failing_on_the_repack_thread_refuses_the_update_and_the_live_version_stays(
+        tiny_qwen, monkeypatch) -> None:
+    import engine_patches.swap as swap
+    from inflight.transport.pusher import PushRejected
+
+    h = Harness(tiny_qwen, "float32", free_port())
+    try:
+        good = perturbed(h.base, seed=1)
+        h.push(good)
+        live = h.version
+        real, calls = swap.process_after_loading, []
+
+        def failing(module):  # the fourth layer of the next version fails to re-pack
+            calls.append(threading.current_thread().name)
+            if len(calls) == 4:
+                raise RuntimeError("oneDNN could not pack this layer")
+            return real(module)
+        monkeypatch.setattr(swap, "process_after_loading", failing)
+        with pytest.raises(PushRejected) as exc:
+            h.push(perturbed(h.base, seed=2))
+        assert exc.value.codes == {"prepare_failed"} and "could not pack" in str(exc.value)
+        assert calls and all(name.startswith("inflight-repack") for name in calls)
+        _check(h, good, live)  # the last good version, exactly, still serving
+        monkeypatch.undo()
+        later = perturbed(h.base, seed=3)
+        h.push(later)  # the shadow sets the refused version used are taken again, cleanly
+        _check(h, later, h.version)
     finally:
         h.close()

@@ -60,20 +60,28 @@ def test_layout_views_are_aligned_and_exact() -> None:
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_nonfinite_check_names_the_tensor_and_ignores_huge_finite_values(bad: float) -> None:
-    class Staged:  # what _nonfinite reads of a staged version
-        def __init__(self, named: dict[str, torch.Tensor]) -> None:
-            self.named = named
-
-        def views(self) -> dict[str, torch.Tensor]:
-            return self.named
-
     named = {"w": torch.full((5, 3), 3e38), "b": torch.randn(7).to(torch.bfloat16), "i": torch.arange(3),
              "h": torch.randn(4, 4, dtype=torch.float16)}
-    assert UpdateListener._nonfinite(Staged(named)) is None  # 3e38 is finite; a sum or 2-norm would overflow
+    assert UpdateListener._nonfinite(named) is None  # 3e38 is finite; a sum or 2-norm would overflow
     for name in ("w", "b", "h"):
         poisoned = {k: v.clone() for k, v in named.items()}
         poisoned[name].view(-1)[-1] = bad
-        assert UpdateListener._nonfinite(Staged(poisoned)) == name
+        assert UpdateListener._nonfinite(poisoned) == name
+
+
+def test_free_ports_come_from_below_the_kernels_ephemeral_range() -> None:
+    """A port the kernel hands out on its own (any outgoing connection's local end) is never
+    one ``free_port`` picks, so a store's port cannot be taken between pick and bind by that."""
+    import socket
+
+    from inflight.transport.group import _ephemeral_range, free_port
+
+    low, _ = _ephemeral_range()
+    ports = [free_port() for _ in range(32)]
+    assert all(1024 <= p < low for p in ports), ports
+    assert len(set(ports)) > 1  # picked at random, not one fixed port two runs would share
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # and free when picked
 
 
 def test_named_weights_match_the_checkpoint(tiny_qwen, tiny_llama) -> None:
@@ -124,9 +132,10 @@ def test_state_dict_crosses_processes_exactly(tiny_qwen, port, tmp_path, dtype: 
 class _Pair:
     """Trainer rank 0 in the test thread, a listener (rank 1) in a background thread."""
 
-    def __init__(self, port: int, schema: TensorSchema | None, timeout_s: float = 20.0) -> None:
+    def __init__(self, port: int, schema: TensorSchema | None, timeout_s: float = 20.0, *,
+                 target: DictTarget | None = None, bucket_mb: float = 0.01) -> None:
         self.config = GroupConfig(port=port, world_size=2, timeout_s=timeout_s)
-        self.target = DictTarget()
+        self.target = target if target is not None else DictTarget()
         self.error: BaseException | None = None
         ready = threading.Event()
 
@@ -143,7 +152,7 @@ class _Pair:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=serve, daemon=True)
         self.thread.start()
-        self.pusher = WeightPusher(self.config, PushConfig(bucket_mb=0.01))
+        self.pusher = WeightPusher(self.config, PushConfig(bucket_mb=bucket_mb))
         assert ready.wait(30)
 
     def close(self) -> None:

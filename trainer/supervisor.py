@@ -209,7 +209,7 @@ class Fleet:
         if ahead > version:  # a version an engine got from a trainer state that is gone (a resume)
             version = ahead + 1
         if all(v < version for v in live.values()):
-            pusher.push(version, weights())
+            event["pushed"] = [version, sorted(pusher.push(version, weights()).commits)]
         event.update(version=version, members=sorted(live), back_after_s=round(time.time() - event["t"], 2),
                      restarted=[e.index for e in dead])
         tqdm.write(f"inflight: fleet at v{version} with engines on ranks {sorted(live)} "

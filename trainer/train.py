@@ -123,7 +123,7 @@ def train(cfg: TrainConfig) -> dict:
     pending_push: dict = {}
     try:
         for step in tqdm(range(start, cfg.run.steps), desc="train", initial=start, total=cfg.run.steps, dynamic_ncols=True):
-            t0 = time.perf_counter()
+            t0, events_before = time.perf_counter(), len(engine.events)
             if (problem := engine.exit_problem()) is not None:  # a fleet's other engines keep the queue full
                 version, in_flight = engine.recover(pusher, problem, version, weights, queue), None
             while True:
@@ -147,14 +147,18 @@ def train(cfg: TrainConfig) -> dict:
             optimizer.zero_grad(set_to_none=True)
             version += 1
             # The previous push has landed by now (or this waits for it); then snapshot and send this one.
-            # Rows report the push of the step before, except the last row, which reports its own.
+            # Rows report the push of the step before, except the last row, which reports its own;
+            # ``pushes_landed`` lists every push that completed in the step (the last row: two; a
+            # recovery's push of the current version too), as [version, committed ranks].
             evaluation: dict = {}
             push_wait = 0.0  # the trainer blocked on the previous push
+            landed: list[list] = []  # [version, ranks] of every push that completed in this step
             try:
                 if in_flight is not None:
                     t1 = time.perf_counter()
                     pending_push = _push_metrics(in_flight.result())
                     push_wait, in_flight = time.perf_counter() - t1, None
+                    landed.append([pending_push["pushed_version"], pending_push["committed_ranks"]])
                 if evaluator is not None and evaluator.due(step + 1):  # the new version, scored before it is
                     evaluation = evaluator(accelerator.unwrap_model(model))  # pushed: no transfer competes with it
                 if step + 1 == cfg.run.steps and len(pusher.group.roster) < cfg.engine.world_size - 1:
@@ -164,6 +168,7 @@ def train(cfg: TrainConfig) -> dict:
                 in_flight = pusher.push_async(version, weights())
                 if step + 1 == cfg.run.steps:  # the last push is waited for, so the run ends on a committed version
                     pending_push, in_flight = _push_metrics(in_flight.result()), None
+                    landed.append([pending_push["pushed_version"], pending_push["committed_ranks"]])
             except TransportError as e:  # an engine is gone or silent: go on without it (see Fleet.recover)
                 version = engine.recover(pusher, f"push failed: {e}", version, weights, queue, silent=getattr(e, "ranks", ()))
                 in_flight = None
@@ -176,7 +181,8 @@ def train(cfg: TrainConfig) -> dict:
                    "engine_failures": engine.failures, "engine_restarts": engine.restarts,
                    "engine_drops": engine.drops, "engines_live": len(pusher.group.roster) // cfg.engine.tensor_parallel_size,
                    "group_ids": [g.group_id for g in groups], "dropped_ids": buffer.dropped_ids,
-                   "versions_by_engine": _versions_by_engine(groups)}
+                   "versions_by_engine": _versions_by_engine(groups),
+                   "pushes_landed": sorted(landed + [e["pushed"] for e in engine.events[events_before:] if "pushed" in e])}
             buffer.dropped_ids = []
             metrics.write({**row, **evaluation})
             if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:

@@ -163,9 +163,14 @@ class BucketReceiver:
         dest: torch.Tensor,
         *,
         on_bucket: Callable[[int], None] | None = None,
+        on_verified: Callable[[int], None] | None = None,
         timeout_s: float | None = None,
     ) -> None:
         """Fill ``dest[:total_bytes]`` with the update; raise ``UpdateRejected`` if any bucket is bad.
+
+        ``on_bucket(i)`` runs when bucket i has landed; ``on_verified(i)`` once buckets 0..i
+        all passed their checksums (in order, never after a bad one), while bucket i + 1 is
+        already on the wire: work done there overlaps the transfer. Neither may raise.
 
         ``dest`` lives on the data plane's device, or in host memory while the data plane is
         on CUDA (host staging): each bucket then lands on the device and is copied to the
@@ -219,12 +224,16 @@ class BucketReceiver:
                 )
             if landed is not None:  # verify the previous bucket while this one is on the wire
                 first_error = first_error or self._settle(*landed, announce, dest if to_host else None)
+                if first_error is None and on_verified is not None:
+                    on_verified(landed[0].index)
             self.group.wait(pending, timeout_s)
             landed = (spec, window) if good else None
             if on_bucket is not None:
                 on_bucket(spec.index)
         if landed is not None:
             first_error = first_error or self._settle(*landed, announce, dest if to_host else None)
+            if first_error is None and on_verified is not None:
+                on_verified(landed[0].index)
         if first_error is not None:
             raise first_error
 

@@ -16,6 +16,7 @@ the next generation and the workers join it (see ``WeightGroup``).
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 import time
@@ -41,9 +42,35 @@ from inflight.auth import read_secret, seal, unseal
 from inflight.transport.liveness import Heartbeat, silent_ranks
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (for single-machine runs and tests)."""
-    with socket.socket() as s:
+    """A TCP port free on ``host`` right now, for the trainer's store on one machine.
+
+    Chosen below the kernel's ephemeral range: a port the kernel hands out itself (a bind to
+    port 0, the local end of every outgoing connection, gloo's pairs) comes from that range,
+    so between this check and the store's bind nothing but another explicit bind can take
+    the port. A port from ``bind(0)`` could be taken by any new connection in that window
+    (a full test suite hit it once: the store then failed with EADDRINUSE)."""
+    low, _ = _ephemeral_range()
+    first = max(1024, low - 12000)
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(first, low) if low > first else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    with socket.socket() as s:  # every try below the range was taken: the old way
         s.bind((host, 0))
         return s.getsockname()[1]
 

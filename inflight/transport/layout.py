@@ -9,6 +9,7 @@ than a bucket simply spans several, so any bucket size works with any model.
 
 from __future__ import annotations
 
+import bisect
 import zlib
 
 import xxhash
@@ -111,6 +112,20 @@ def bucket_specs(flat: torch.Tensor, total_bytes: int, bucket_bytes: int, algo: 
         BucketSpec(index=i, offset=o, nbytes=n, checksum=checksum(flat[o:o + n], algo))
         for i, (o, n) in enumerate(bucket_windows(total_bytes, bucket_bytes))
     )
+
+
+def completed_by_bucket(tensors: Sequence[TensorSpec], buckets: Sequence[BucketSpec]) -> list[list[str]]:
+    """For each bucket, the tensors whose last byte it holds: once buckets ``0..i`` verified,
+    every tensor listed up to ``i`` is complete. A tensor of no bytes goes with the bucket
+    holding its offset (the last bucket if it sits at the end); with no buckets, none."""
+    out: list[list[str]] = [[] for _ in buckets]
+    if not buckets:
+        return out
+    ends = [b.offset + b.nbytes for b in buckets]
+    for t in tensors:
+        last = t.offset + t.nbytes - 1 if t.nbytes else t.offset
+        out[min(bisect.bisect_right(ends, last), len(buckets) - 1)].append(t.name)
+    return out
 
 
 def tensor_views(flat: torch.Tensor, tensors: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:

@@ -46,7 +46,7 @@ from inflight.protocol import (
 from inflight.transport.buckets import BucketReceiver, UpdateRejected
 from inflight.transport.control import Phase, WorkerControl
 from inflight.transport.group import TransportError, WeightGroup
-from inflight.transport.layout import ALIGN, tensor_views
+from inflight.transport.layout import ALIGN, completed_by_bucket, tensor_views
 
 log = logging.getLogger("inflight.listener")
 
@@ -102,6 +102,11 @@ class CommitTarget(Protocol):
         """Do everything the commit can do ahead of time (off the critical path); live weights
         stay untouched. Raising refuses the update."""
         ...
+
+    # optional: ``prepare_part(version, weights)``, called during the receive with each
+    # bucket's newly complete tensors (verified and finite, each once), so the target can do
+    # their share of ``prepare`` while later buckets are on the wire; ``prepare`` follows
+    # with every tensor, as it would without it. Raising refuses the update, like ``prepare``.
 
     def discard(self) -> None:
         """Drop what ``prepare`` built (the update was aborted or superseded)."""
@@ -159,17 +164,62 @@ class StagingPool:
 
 
 class _Staged:
-    def __init__(self, announce: UpdateAnnounce, flat: torch.Tensor, first_bucket_step: int) -> None:
+    def __init__(self, announce: UpdateAnnounce, flat: torch.Tensor, first_bucket_step: int,
+                 views: dict[str, torch.Tensor] | None = None) -> None:
         self.announce = announce
         self.flat = flat
         self.first_bucket_step = first_bucket_step
-        self._views: dict[str, torch.Tensor] | None = None
+        self._views = views
 
     def views(self) -> dict[str, torch.Tensor]:
         # built once: the listener shares the engine's GIL, so Python work per tensor is decode time
         if self._views is None:
             self._views = tensor_views(self.flat, self.announce.tensors)
         return self._views
+
+
+class _Streamed:
+    """One update's checks and preparation, bucket by bucket as the receive verifies them.
+
+    Each tensor is handled once, when the bucket holding its last byte has passed its
+    checksum (and every bucket before it): its finite check, then the target's
+    ``prepare_part``, while the next bucket is on the wire. ``finish`` runs after the last
+    bucket: ``prepare`` with every tensor. The first failure stops the feeding and is
+    reported by ``finish``; the receive goes on regardless, keeping the group in step."""
+
+    def __init__(self, listener: UpdateListener, announce: UpdateAnnounce, flat: torch.Tensor) -> None:
+        self.listener = listener
+        self.announce = announce
+        self.views = tensor_views(flat, announce.tensors)
+        self._due = completed_by_bucket(announce.tensors, announce.buckets)
+        self._part = getattr(listener.target, "prepare_part", None)
+        self._error: UpdateRejected | None = None
+
+    def verified(self, index: int) -> None:
+        if self._error is None:
+            self._take({name: self.views[name] for name in self._due[index]})
+
+    def _take(self, named: dict[str, torch.Tensor]) -> None:
+        v = self.announce.version
+        try:
+            bad = self.listener._nonfinite(named) if self.listener.check_finite else None
+            if bad is not None:
+                self._error = UpdateRejected("nonfinite", f"v{v}: {bad} has NaN or Inf values")
+            elif self._part is not None and named:
+                self._part(v, named)
+        except Exception as e:  # the target's work failed: nothing live was touched
+            self._error = UpdateRejected("prepare_failed", f"v{v}: {e!r}")
+
+    def finish(self) -> UpdateRejected | None:
+        if self._error is None and not self._due:
+            self._take(self.views)  # no buckets at all (an update of empty tensors): check what there is
+        if self._error is not None:
+            return self._error
+        try:
+            self.listener.target.prepare(self.announce.version, self.views)
+        except Exception as e:
+            return UpdateRejected("prepare_failed", f"v{self.announce.version}: {e!r}")
+        return None
 
 
 class UpdateListener:
@@ -247,32 +297,29 @@ class UpdateListener:
         self.control.reply(seq, Accepted(rank=self.group.rank, version=a.version))
         first_step: list[int] = []
         t0 = time.perf_counter()
+        stream = _Streamed(self, a, flat)
         try:
-            self.receiver.receive(a, flat, on_bucket=lambda i: first_step.append(self.target.steps()) if i == 0 else None)
+            self.receiver.receive(a, flat, on_bucket=lambda i: first_step.append(self.target.steps()) if i == 0 else None,
+                                  on_verified=stream.verified)
+            error = stream.finish()
         except UpdateRejected as e:
             self.pool.give(flat)
+            self.target.discard()  # the tensors fed so far
             if e.code != "aborted":  # an aborted update was refused by another worker first
                 self._reject(seq, a.version, e.code, e.reason, phase="staged")
             return
         except TransportError:  # half received: the bytes go back to the spare buffer, unused
             self.pool.give(flat)
+            self.target.discard()
             self.stats.dropped_staging += 1
             raise
-        staged = _Staged(a, flat, first_step[0])
-        bad = self._nonfinite(staged) if self.check_finite else None
-        if bad is not None:
-            self.pool.give(flat)
-            self._reject(seq, a.version, "nonfinite", f"v{a.version}: {bad} has NaN or Inf values", phase="staged")
-            return
-        try:
-            self.target.prepare(a.version, staged.views())
-        except Exception as e:  # nothing live was touched
+        if error is not None:  # nothing live was touched
             self.pool.give(flat)
             self.target.discard()
-            self._reject(seq, a.version, "prepare_failed", f"v{a.version}: {e!r}", phase="staged")
+            self._reject(seq, a.version, error.code, error.reason, phase="staged")
             return
+        self._staged = _Staged(a, flat, first_step[0], stream.views)
         steps = self.target.steps() - first_step[0]
-        self._staged = staged
         self.control.reply(seq, Staged(rank=self.group.rank, version=a.version,
                                        receive_ms=1e3 * (time.perf_counter() - t0), steps_during_transfer=steps), phase="staged")
 
@@ -327,11 +374,11 @@ class UpdateListener:
 
     # -- helpers ----------------------------------------------------------------------
     @staticmethod
-    def _nonfinite(staged: _Staged) -> str | None:
-        floats = [(name, t) for name, t in staged.views().items() if t.is_floating_point()]
+    def _nonfinite(named: Mapping[str, torch.Tensor]) -> str | None:
+        floats = [(name, t) for name, t in named.items() if t.is_floating_point()]
         if not floats:
             return None
-        # One fused pass per update. The 2-norm is NaN or Inf whenever some element is, and runs
+        # One fused pass per bucket's tensors. The 2-norm is NaN or Inf whenever some element is, and runs
         # at memory speed (measured on 0.5 GB fp32, one core: 26 ms, where the inf-norm, exact
         # but not vectorised on CPU, took 466 ms). It can also overflow on finite values
         # (|x| ~ 1e19): the exact per-tensor search below then settles it, so nothing
