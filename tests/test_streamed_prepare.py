@@ -179,3 +179,16 @@ def test_a_fault_mid_stream_refuses_the_update_and_feeds_nothing_after_it(model,
         assert target.live_version == 3 and pair.error is None
     finally:
         pair.close()
+
+
+def test_an_update_of_empty_tensors_has_no_bucket_and_still_stages(port) -> None:
+    """Nothing to stream: the finite check, ``prepare_part`` and ``prepare`` still run once each,
+    after the (empty) receive."""
+    target = Recording({"empty": torch.zeros(0), "none": torch.zeros(0, 3)})
+    pair = _Pair(port, None, target=target, bucket_mb=BUCKET_MB)
+    try:
+        pair.pusher.push(1, target.named)
+        assert target.parts == [["empty", "none"]] and target.prepared == [["empty", "none"]]
+        assert target.live_version == 1 and pair.error is None
+    finally:
+        pair.close()

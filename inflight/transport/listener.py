@@ -318,8 +318,9 @@ class UpdateListener:
             self.target.discard()
             self._reject(seq, a.version, error.code, error.reason, phase="staged")
             return
-        self._staged = _Staged(a, flat, first_step[0], stream.views)
-        steps = self.target.steps() - first_step[0]
+        first = first_step[0] if first_step else self.target.steps()  # an update of no bytes has no bucket
+        self._staged = _Staged(a, flat, first, stream.views)
+        steps = self.target.steps() - first
         self.control.reply(seq, Staged(rank=self.group.rank, version=a.version,
                                        receive_ms=1e3 * (time.perf_counter() - t0), steps_during_transfer=steps), phase="staged")
 
