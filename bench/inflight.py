@@ -85,11 +85,13 @@ def _trainer(conn, inflight_group, native_group, model_dir: str) -> None:
         cmd, version = conn.recv()
         state = states[version % 2]
         if cmd == "push":
+            cpu0 = time.process_time()  # every thread of this process: the send's gloo threads and kernel copies too
             r = pusher.push(version, state)
             c = r.commits[1]
             conn.send({"version": version, "commit_step": c.step, "commit_ms": c.commit_ms, "send_s": r.send.send_s,
                        "nbytes": r.send.nbytes, "push_s": r.stage_wait_s + r.commit_wait_s,
-                       "stage_ms": r.staged[1].receive_ms})
+                       "stage_ms": r.staged[1].receive_ms, "pack_s": r.send.pack_s,
+                       "cpu_s": time.process_time() - cpu0})
         elif cmd == "native":
             t0 = time.perf_counter()
             nbytes = broadcast_state(native, state)
