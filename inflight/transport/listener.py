@@ -165,16 +165,15 @@ class StagingPool:
 
 class _Staged:
     def __init__(self, announce: UpdateAnnounce, flat: torch.Tensor, first_bucket_step: int,
-                 views: dict[str, torch.Tensor] | None = None) -> None:
+                 views: dict[str, torch.Tensor]) -> None:
         self.announce = announce
         self.flat = flat
         self.first_bucket_step = first_bucket_step
+        # built once, by the receive (``_Streamed``): the listener shares the engine's GIL, so
+        # Python work per tensor is decode time
         self._views = views
 
     def views(self) -> dict[str, torch.Tensor]:
-        # built once: the listener shares the engine's GIL, so Python work per tensor is decode time
-        if self._views is None:
-            self._views = tensor_views(self.flat, self.announce.tensors)
         return self._views
 
 
