@@ -14,8 +14,10 @@ trainer process holds the weights and, on the driver's cue every N engine steps:
    skipped, so in-flight's *achieved* cadence can be lower than the requested one;
 3. native: ``pause_scheduler(keep)`` + ``start_weight_update`` / ``update_weights`` (the
    trainer's broadcast) / ``finish_weight_update`` + ``resume_scheduler``, at the
-   requested cadence; and, whenever in-flight fell behind, **native@inflight** at the
-   cadence in-flight achieved in the same round, so the two are compared like for like;
+   requested cadence; and, whenever in-flight fell behind (a due push skipped, or steps
+   run past the chunk while its last push landed), **native@inflight**: native over the
+   same number of steps with as many updates, evenly spaced, so the two are compared at
+   the same cadence;
 4. batch: stop admitting, drain every request, update, admit the next batch.
 
 The steps of none / inflight / native run interleaved in ``--rounds`` chunks, so a drift
@@ -331,8 +333,10 @@ def bench_model(bench: Bench, everys: list[int], steps: int, rounds: int) -> lis
             for mode in ("none", "inflight", "native"):
                 chunks[mode].append(bench.run(mode, every, chunk))
             got = chunks["inflight"][-1]
-            if got["skipped"] and got["infos"]:  # in-flight fell behind: native at the cadence that gives as many updates
-                achieved = max(every, (got["steps"] - 1) // len(got["infos"]))
+            # In-flight fell behind (a due push skipped, or steps run past the chunk while its last
+            # push landed): native over as many steps with as many updates, evenly spaced.
+            achieved = (got["steps"] - 1) // len(got["infos"]) if got["infos"] else every
+            if achieved > every:
                 chunks["native@inflight"].append(bench.run("native", achieved, got["steps"]))
         # a batch boundary needs every request drained (up to 512 tokens): one long run
         batch = bench.run("batch", every, steps)

@@ -22,6 +22,7 @@ import argparse
 import functools
 import json
 import os
+import resource
 import statistics
 import tempfile
 import threading
@@ -148,13 +149,15 @@ def main() -> None:
             bench.conn.recv()
         rec.take()
         trainer = []
-        engine_cpu = []
+        engine_cpu, faults = [], []
         for _ in range(args.updates):  # idle: nothing decodes, so the listener has the process to itself
             bench.version += 1
             cpu0 = time.process_time()  # every thread of the engine process (OpenMP helpers, gloo) while it stages
+            flt0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # first touches of fresh pages, kernel-zeroed
             bench.conn.send(("push", bench.version))
             trainer.append(bench.conn.recv())
             engine_cpu.append(time.process_time() - cpu0)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt0)
         result["idle"] = per_update(rec.take(), args.updates)
         # The CPU both processes spend on one update while it stages, over the cores there are:
         # a lower bound on staging's wall time however the work overlaps (the trainer's pack,
@@ -163,6 +166,7 @@ def main() -> None:
         result["idle_trainer"] = {"send_ms": round(1e3 * statistics.median(r["send_s"] for r in trainer), 1),
                                   "push_ms": round(1e3 * statistics.median(r["push_s"] for r in trainer), 1),
                                   "engine_process_cpu_ms": round(1e3 * statistics.median(engine_cpu), 1),
+                                  "engine_minor_faults": int(statistics.median(faults)),
                                   "trainer_send_cpu_ms": round(1e3 * statistics.median(r["cpu_s"] - r["pack_s"] for r in trainer), 1),
                                   "floor_ms": round(1e3 * both / (os.cpu_count() or 1), 1)}
         run = bench.run("inflight", every=args.steps, steps=args.steps * args.updates + 1)
@@ -177,6 +181,8 @@ def main() -> None:
     print(f"  trainer: send {trainer['send_ms']} ms, push (announce to committed) {trainer['push_ms']} ms")
     print(f"  CPU per update, all threads: engine process {trainer['engine_process_cpu_ms']} ms, trainer's send "
           f"{trainer['trainer_send_cpu_ms']} ms; on {os.cpu_count()} cores staging cannot take less than {trainer['floor_ms']} ms")
+    print(f"  page faults per update in the engine process: {trainer['engine_minor_faults']} "
+          f"({trainer['engine_minor_faults'] * resource.getpagesize() / 2**20:.0f} MiB first touched)")
     show(f"engine decoding {args.concurrency} requests ({result['decoding_updates']} updates)", result["decoding"], order)
     print(json.dumps(result))
 
