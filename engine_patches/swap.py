@@ -228,7 +228,7 @@ class SwapApplier:
         """Load these tensors of the version being staged (verified, each once) into the shadow
         parameters, and re-pack every layer they complete (``engine_patches.readiness``); live
         modules are untouched. The listener calls it bucket by bucket, during the receive."""
-        u = self._update if self._update is not None else self._begin()
+        u = self._current()
         if not weights:
             return
         if self.load_plan is None:
@@ -247,7 +247,7 @@ class SwapApplier:
     def prepare(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Finish the version: feed what ``feed`` has not had yet, wait for every layer's
         re-pack, and check every layer is ready."""
-        u = self._update if self._update is not None else self._begin()
+        u = self._current()
         self.feed({n: t for n, t in weights.items() if n not in u.countdown.seen})
         for f in u.repacks:
             f.result()  # re-raises a re-pack's error: the listener refuses the update and discards
@@ -259,6 +259,10 @@ class SwapApplier:
         if self.load_plan is not None:
             self._targets.settle(u.shadows, states)
         self._prepared = states
+
+    def _current(self) -> _Update:
+        """The update being prepared; the first tensor of a version begins it."""
+        return self._update if self._update is not None else self._begin()
 
     def _begin(self) -> _Update:
         self._released = None  # the version before the previous one: freed here, off the engine thread

@@ -171,10 +171,7 @@ class _Staged:
         self.first_bucket_step = first_bucket_step
         # built once, by the receive (``_Streamed``): the listener shares the engine's GIL, so
         # Python work per tensor is decode time
-        self._views = views
-
-    def views(self) -> dict[str, torch.Tensor]:
-        return self._views
+        self.views = views
 
 
 class _Streamed:
@@ -329,9 +326,9 @@ class UpdateListener:
             have = "nothing" if staged is None else f"v{staged.announce.version}"
             self._reject(seq, c.version, "incomplete", f"commit of v{c.version} but {have} is fully staged")
             return
-        previous = self.pool.previous.views() if self.pool.previous is not None else None
+        previous = self.pool.previous.views if self.pool.previous is not None else None
         try:
-            info = self.target.commit(c.version, staged.views(), previous)
+            info = self.target.commit(c.version, staged.views, previous)
         except CommitFailed as e:
             self._drop()
             self._reject(seq, c.version, "commit_failed", str(e))
