@@ -70,7 +70,7 @@ def _trainer(conn, inflight_group, native_group, model_dir: str) -> None:
 
     os.nice(19)
     torch.set_num_threads(1)
-    from engine_patches.native_gloo import broadcast_state
+    from bench.native_gloo import broadcast_state
     from inflight.transport.group import WeightGroup
     from inflight.transport.pusher import PushConfig, WeightPusher
 
@@ -112,11 +112,12 @@ class Bench:
         from vllm import LLM
 
         from engine_patches.config import InflightConfig, engine_kwargs
-        from engine_patches.engine import coordinator_of, start_inflight
+        from engine_patches.client import coordinator_of, start_inflight
         from safetensors.torch import load_file
 
-        from engine_patches.native_gloo import update_info
-        from inflight.transport.group import GroupConfig, free_port
+        from bench.native_gloo import update_info
+        from inflight.transport.group import GroupConfig
+        from inflight.transport.store import reserve_port
 
         self.size, self.concurrency, self.seed = size, concurrency, seed
         if size in SIZES:
@@ -132,8 +133,8 @@ class Bench:
         del state
         self.llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", max_model_len=640, seed=seed,
                        max_num_seqs=concurrency, weight_transfer_config={"backend": "inflight_gloo"}, **engine_kwargs())
-        inflight_group = GroupConfig(port=free_port(), world_size=2, timeout_s=120)
-        native_port = free_port()
+        inflight_group = GroupConfig(port=reserve_port(), world_size=2, timeout_s=120)
+        native_port = reserve_port()
         self.conn, child = mp.get_context("spawn").Pipe()
         self.proc = mp.get_context("spawn").Process(
             target=_trainer, args=(child, inflight_group, GroupConfig(port=native_port, world_size=2, backend="gloo",

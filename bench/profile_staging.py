@@ -38,14 +38,14 @@ PHASES = [  # (owner, attribute, phase name); missing attributes are skipped (ol
     ("inflight.transport.buckets:BucketReceiver", "_verify", "  checksums"),
     ("inflight.transport.listener:UpdateListener", "_nonfinite", "  finite check"),
     ("inflight.transport.listener:_Streamed", "verified", "  prepare during receive (per bucket)"),
-    ("engine_patches.swap:SwapApplier", "prepare", "prepare after the last bucket"),
-    ("engine_patches.swap:SwapApplier", "_shadows", "  shadow parameters (fresh)"),
-    ("engine_patches.targets:ShadowSets", "take", "  shadow parameters (reused)"),
-    ("engine_patches.swap:SwapApplier", "_load", "  weight loaders"),
-    ("engine_patches.swap:SwapApplier", "_copy", "  load plan copies (all)"),
-    ("engine_patches.swap:SwapApplier", "_repack_one", "  re-pack, oneDNN handles (all)"),
+    ("engine_patches.commit.swap:SwapApplier", "prepare", "prepare after the last bucket"),
+    ("engine_patches.commit.swap:SwapApplier", "_shadows", "  shadow parameters (fresh)"),
+    ("engine_patches.commit.shadow_sets:ShadowSets", "take", "  shadow parameters (reused)"),
+    ("engine_patches.commit.swap:SwapApplier", "_load", "  weight loaders"),
+    ("engine_patches.commit.swap:SwapApplier", "_copy", "  load plan copies (all)"),
+    ("engine_patches.commit.swap:SwapApplier", "_repack_one", "  re-pack, oneDNN handles (all)"),
     ("inflight.transport.listener:UpdateListener", "_on_commit", "commit round trip (listener)"),
-    ("engine_patches.swap:SwapApplier", "apply", "commit swap (engine thread)"),
+    ("engine_patches.commit.swap:SwapApplier", "apply", "commit swap (engine thread)"),
 ]
 
 
@@ -132,7 +132,7 @@ def main() -> None:
     ap.add_argument("--no-load-plan", action="store_true", help="the path before issue 15: vLLM's loaders, fresh shadows")
     args = ap.parse_args()
     if args.no_load_plan:
-        from engine_patches.swap import SwapApplier
+        from engine_patches.commit.swap import SwapApplier
 
         SwapApplier.__init__.__kwdefaults__["load_plan"] = False
     rec = Recorder()

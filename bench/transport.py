@@ -19,7 +19,9 @@ import time
 
 import torch
 
-from inflight.transport.group import GroupConfig, WeightGroup, free_port
+from inflight.transport.group import GroupConfig, WeightGroup
+
+from inflight.transport.store import reserve_port
 from inflight.transport.listener import UpdateListener
 from inflight.transport.peer import DictTarget
 from inflight.transport.pusher import PushConfig, WeightPusher
@@ -60,7 +62,7 @@ def main() -> None:
 
     sds = {mb: synthetic_state_dict(mb) for mb in args.sizes_mb}
     raw_sizes = [sum(t.numel() * 4 for t in sd.values()) for sd in sds.values()]
-    config = GroupConfig(port=free_port(), world_size=2, timeout_s=120)
+    config = GroupConfig(port=reserve_port(), world_size=2, timeout_s=120)
     peer = mp.get_context("spawn").Process(target=_peer, args=(config, raw_sizes, args.reps), daemon=True)
     peer.start()
     pusher = WeightPusher(config, PushConfig(bucket_mb=args.bucket_mb[0]))

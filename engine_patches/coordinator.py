@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine_patches.config import InflightConfig
+from engine_patches.rpc import EngineState, WorkerCommitResult, WorkerRollbackResult, as_result
 from inflight.protocol import (
     ENGINE_CHANNEL,
     CommitReady,
@@ -52,7 +53,8 @@ from inflight.protocol import (
     decode_engine,
     encode,
 )
-from inflight.transport.group import TransportError, await_trainer_gone, connect_store, store_reachable
+from inflight.transport.errors import TransportError
+from inflight.transport.store import store_reachable
 
 log = logging.getLogger("inflight.coordinator")
 
@@ -114,7 +116,7 @@ class CommitRecord:
     via: Via
     step: int
     ok: bool
-    workers: list[dict[str, Any]]
+    workers: list[WorkerCommitResult]
 
 
 class CommitCoordinator:
@@ -163,9 +165,8 @@ class CommitCoordinator:
         """Commits that went live on every rank."""
         return sum(h.ok for h in self.history)
 
-    def status(self) -> dict[str, Any]:
-        return {"engine_live_version": self.live_version, "engine_steps": self.steps, "engine_broken": self.broken,
-                "engine_commits": self.commits()}
+    def status(self) -> EngineState:
+        return EngineState(live_version=self.live_version, steps=self.steps, broken=self.broken, commits=self.commits())
 
     # -- engine thread ------------------------------------------------------------------------
     @contextmanager
@@ -201,19 +202,19 @@ class CommitCoordinator:
     def _commit(self, version: int, via: Via) -> EngineCommitted | EngineCommitFailed:
         executor = self.core.model_executor
         t0 = time.perf_counter()
-        results: list[dict[str, Any]] = executor.collective_rpc("inflight_commit", args=(version,))
-        failed = {r["rank"]: r["error"] for r in results if not r["ok"]}
+        results = [as_result(r, WorkerCommitResult) for r in executor.collective_rpc("inflight_commit", args=(version,))]
+        failed = {r.rank: r.error for r in results if not r.ok}
         if not failed:
             self.live_version = version
             self.core._weight_version = str(version)
             ms = 1e3 * (time.perf_counter() - t0)
             self.history.append(CommitRecord(version, via, self.steps, True, results))
             return EngineCommitted(version=version, step=self.steps, commit_ms=ms, tokens_at_commit=self._output_tokens())
-        applied = [r["rank"] for r in results if r["applied"]]
+        applied = [r.rank for r in results if r.applied]
         reason = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
         if applied:
-            back = executor.collective_rpc("inflight_rollback", args=(version,))
-            stuck = {r["rank"]: r["error"] for r in back if not r["ok"]}
+            back = [as_result(r, WorkerRollbackResult) for r in executor.collective_rpc("inflight_rollback", args=(version,))]
+            stuck = {r.rank: r.error for r in back if not r.ok}
             if stuck:
                 raise EngineBroken(f"commit of v{version} failed ({reason}) and rollback failed on ranks {sorted(stuck)}: {stuck}")
             reason += f"; rolled back on ranks {applied}"
@@ -266,7 +267,7 @@ class CommitCoordinator:
             try:
                 if not store_reachable(self.config.group.host, self.config.group.port):
                     raise TransportError("the trainer's store is not up (yet)")
-                store = connect_store(self.config.group, f"{ENGINE_CHANNEL}/{self.instance_id}")
+                store = self.config.group.connect(f"{ENGINE_CHANNEL}/{self.instance_id}")
             except TransportError:
                 self._stop.wait(1.0)
                 continue
@@ -276,7 +277,7 @@ class CommitCoordinator:
                     if isinstance(ready, str):  # the trainer is leaving (issue 17): let go of its store first
                         store = None
                         try:
-                            await_trainer_gone(self.config.group, ready, self._stop)
+                            self.config.group.await_trainer_gone(ready, self._stop)
                         except InterruptedError:
                             return
                         break

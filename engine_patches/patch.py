@@ -98,7 +98,11 @@ def patch_engine_core() -> None:
         with coordinator.lock:
             results = original_rpc(self, method, timeout, args, kwargs)
         if method == "inflight_status":
-            results = [dict(r, **coordinator.status()) for r in results]
+            import msgspec
+
+            from engine_patches.rpc import WorkerStatus, as_result
+
+            results = [msgspec.structs.replace(as_result(r, WorkerStatus), engine=coordinator.status()) for r in results]
         return results
 
     @functools.wraps(original_shutdown)

@@ -28,7 +28,7 @@ refusing ones too, so the data plane never falls out of step.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Union  # typing only: the protocol imports nothing else
 
 import msgspec
 from msgspec import Meta, Struct
@@ -294,10 +294,10 @@ class RolloutGroup(_Wire, tag="group"):
     group_id: Annotated[str, Meta(min_length=1)]
     samples: tuple[RolloutSample, ...]
     engine_id: str = ""
-    """Which engine of the fleet sampled it (``trainer.rollout``: ``e<index>``)."""
+    """Which engine of the fleet sampled it (``trainer.engine_process``: ``e<index>``)."""
     sampling: Sampling | None = None
     """How it was sampled; the trainer refuses groups whose distribution it cannot reproduce
-    (``inflight.buffer.check_group``). None: not reported (a producer outside this package)."""
+    (``inflight.rollout_queue.check_group``). None: not reported (a producer outside this package)."""
 
     def __post_init__(self) -> None:
         for s in self.samples:
@@ -347,12 +347,6 @@ FrameMessage = Union[BucketHeader, Abort]
 ReplyMessage = Union[Joined, Accepted, Staged, Rejected, Committed, Left]
 
 _encoder = msgspec.msgpack.Encoder()
-_control_decoder = msgspec.msgpack.Decoder(ControlMessage)
-_frame_decoder = msgspec.msgpack.Decoder(FrameMessage)
-_reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
-_sample_decoder = msgspec.msgpack.Decoder(RolloutSample)
-_group_decoder = msgspec.msgpack.Decoder(RolloutGroup)
-_engine_decoder = msgspec.msgpack.Decoder(EngineMessage)
 
 
 def encode(msg: _Wire) -> bytes:
@@ -360,38 +354,21 @@ def encode(msg: _Wire) -> bytes:
     return _encoder.encode(msg)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, data: bytes | memoryview, channel: str):
-    try:
-        return decoder.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise ProtocolError(f"bad {channel} message: {e}") from None
+def _decoder(types: Any, channel: str) -> Callable[[bytes | memoryview], Any]:
+    """A decoder of one channel: it yields only that channel's types, or raises ``ProtocolError``."""
+    decoder = msgspec.msgpack.Decoder(types)
+
+    def decode(data: bytes | memoryview) -> Any:
+        try:
+            return decoder.decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise ProtocolError(f"bad {channel} message: {e}") from None
+    return decode
 
 
-def decode_control(data: bytes | memoryview) -> ControlMessage:
-    """Decode a trainer -> worker control message, or raise ``ProtocolError``."""
-    return _decode(_control_decoder, data, "control")
-
-
-def decode_frame(data: bytes | memoryview) -> FrameMessage:
-    """Decode an in-band frame (bucket header or abort), or raise ``ProtocolError``."""
-    return _decode(_frame_decoder, data, "frame")
-
-
-def decode_reply(data: bytes | memoryview) -> ReplyMessage:
-    """Decode a worker -> trainer reply, or raise ``ProtocolError``."""
-    return _decode(_reply_decoder, data, "reply")
-
-
-def decode_sample(data: bytes | memoryview) -> RolloutSample:
-    """Decode a rollout sample, or raise ``ProtocolError``."""
-    return _decode(_sample_decoder, data, "rollout sample")
-
-
-def decode_group(data: bytes | memoryview) -> RolloutGroup:
-    """Decode a rollout group, or raise ``ProtocolError``."""
-    return _decode(_group_decoder, data, "rollout group")
-
-
-def decode_engine(data: bytes | memoryview) -> EngineMessage:
-    """Decode a message of an engine's commit channel, or raise ``ProtocolError``."""
-    return _decode(_engine_decoder, data, "engine")
+decode_control: Callable[[bytes | memoryview], ControlMessage] = _decoder(ControlMessage, "control")
+decode_frame: Callable[[bytes | memoryview], FrameMessage] = _decoder(FrameMessage, "frame")
+decode_reply: Callable[[bytes | memoryview], ReplyMessage] = _decoder(ReplyMessage, "reply")
+decode_sample: Callable[[bytes | memoryview], RolloutSample] = _decoder(RolloutSample, "rollout sample")
+decode_group: Callable[[bytes | memoryview], RolloutGroup] = _decoder(RolloutGroup, "rollout group")
+decode_engine: Callable[[bytes | memoryview], EngineMessage] = _decoder(EngineMessage, "engine")

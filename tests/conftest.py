@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny models on disk, free ports, and the ``gpu`` marker.
+"""Shared fixtures: tiny models on disk, held ports, and the ``gpu`` marker.
 
 vLLM reads its environment at import, so the settings that make a CPU engine start in
 seconds are set here, before any test module imports it.
@@ -32,12 +32,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-from inflight.transport.group import free_port  # noqa: E402  (after the environment above)
+from inflight.transport.store import release_port, reserve_port  # noqa: E402  (after the environment above)
 
 
 @pytest.fixture
-def port() -> int:
-    return free_port()
+def port():
+    """A port held for the group store this test hosts in this process (``reserve_port``):
+    the store takes the held socket, so no other socket can take the port first."""
+    port = reserve_port()
+    yield port
+    release_port("127.0.0.1", port)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine_patches.config import InflightConfig, engine_kwargs
-from engine_patches.engine import inflight_status, start_inflight, tagged
+from engine_patches.client import inflight_status, start_inflight, tagged
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushResult, WeightPusher
 
@@ -58,7 +58,7 @@ class Harness:
 
     def gate(self):
         """The engine's commit coordinator (EngineCore runs in this process)."""
-        from engine_patches.engine import coordinator_of
+        from engine_patches.client import coordinator_of
 
         return coordinator_of(self.llm)
 

@@ -18,9 +18,11 @@ import pytest
 from torch.distributed import HashStore, PrefixStore, TCPStore
 
 from inflight.auth import SECRET_ENV, seal
-from inflight.buffer import RolloutBuffer, RolloutQueue
+from inflight.rollout_queue import RolloutBuffer, RolloutQueue
 from inflight.protocol import AuthError, Commit, RolloutGroup, RolloutSample, encode
-from inflight.transport.group import GroupConfig, TransportError, WeightGroup, free_port, store_reachable, wait_key
+from inflight.transport.errors import TransportError
+from inflight.transport.group import GroupConfig, WeightGroup
+from inflight.transport.store import reserve_port, store_reachable, wait_key
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from tests.engine_harness import Harness, perturbed
 
@@ -43,7 +45,7 @@ def test_store_listens_on_loopback_unless_an_address_is_configured(host: str) ->
     outside = _outside_address()
     if outside is None:
         pytest.skip("this machine has no address but loopback")
-    config = GroupConfig(host=host, port=free_port(), world_size=2, timeout_s=5.0)
+    config = GroupConfig(host=host, port=reserve_port(), world_size=2, timeout_s=5.0)
     errors: list[BaseException] = []
     up = threading.Event()
 
@@ -72,7 +74,7 @@ def harness(tiny_llama):
     saved = os.environ.get(SECRET_ENV)
     os.environ[SECRET_ENV] = SECRET  # the engine reads it at its start, the pusher at its construction
     try:
-        h = Harness(tiny_llama, "float32", free_port(), timeout_s=10.0)
+        h = Harness(tiny_llama, "float32", reserve_port(), timeout_s=10.0)
     finally:
         os.environ.pop(SECRET_ENV) if saved is None else os.environ.__setitem__(SECRET_ENV, saved)
     yield h

@@ -27,7 +27,7 @@ ENGINE = r"""
 import gc, sys
 from vllm import LLM, SamplingParams
 from engine_patches.config import InflightConfig, engine_kwargs
-from engine_patches.engine import start_inflight, tagged
+from engine_patches.client import start_inflight, tagged
 from inflight.transport.group import GroupConfig
 model, port = sys.argv[1], int(sys.argv[2])
 llm = LLM(model, enforce_eager=True, dtype="float32", max_model_len=256, **engine_kwargs())
@@ -47,7 +47,8 @@ print("ENGINE END", flush=True)
 TRAINER = r"""
 import sys
 from safetensors.torch import load_file
-from inflight.transport.group import GroupConfig, wait_key
+from inflight.transport.group import GroupConfig
+from inflight.transport.store import wait_key
 from inflight.transport.pusher import PushConfig, WeightPusher
 model, port = sys.argv[1], int(sys.argv[2])
 pusher = WeightPusher(GroupConfig(port=port, world_size=2, timeout_s=10), PushConfig(bucket_mb=0.25), join_timeout_s=300)

@@ -8,8 +8,9 @@ import contextlib
 import torch
 
 from engine_patches.config import InflightConfig, engine_kwargs
-from engine_patches.engine import inflight_status_async, start_inflight_async, stream_tagged, tagged
-from inflight.transport.group import GroupConfig, free_port
+from engine_patches.client import inflight_status_async, start_inflight_async, stream_tagged, tagged
+from inflight.transport.group import GroupConfig
+from inflight.transport.store import reserve_port
 from inflight.transport.pusher import PushConfig, WeightPusher
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import Reference, perturbed
@@ -24,7 +25,7 @@ async def _run(model_dir) -> None:
     args = AsyncEngineArgs(model=str(model_dir), enforce_eager=True, dtype="float32", max_model_len=1024, seed=0,
                            **engine_kwargs())
     engine = AsyncLLM.from_engine_args(args)
-    group = GroupConfig(port=free_port(), world_size=2, timeout_s=60)
+    group = GroupConfig(port=reserve_port(), world_size=2, timeout_s=60)
     try:
         await start_inflight_async(engine, InflightConfig(group=group))
         pusher = await asyncio.to_thread(WeightPusher, group, PushConfig(bucket_mb=0.25))

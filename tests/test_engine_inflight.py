@@ -15,9 +15,9 @@ import time
 import pytest
 import torch
 
-from engine_patches.engine import tagged
+from engine_patches.client import tagged
 from inflight.versions import boundaries, is_monotone
-from inflight.transport.group import free_port
+from inflight.transport.store import reserve_port
 from tests.engine_harness import Harness, Reference, drive, perturbed
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5=", "lazy dog"]
@@ -35,7 +35,7 @@ ENGINES = [("qwen2", "float32", "auto"), ("qwen2", "bfloat16", "auto"), ("llama"
 @pytest.fixture(scope="module", params=ENGINES, ids=lambda p: "-".join(p))
 def harness(request, tiny_qwen, tiny_llama):
     arch, dtype, commit = request.param
-    h = Harness(tiny_qwen if arch == "qwen2" else tiny_llama, dtype, free_port(), commit=commit)
+    h = Harness(tiny_qwen if arch == "qwen2" else tiny_llama, dtype, reserve_port(), commit=commit)
     assert h.start_report["commit"] == ("swap" if commit == "auto" else commit)
     yield h
     h.close()
@@ -195,13 +195,13 @@ def test_misconfigured_engine_is_refused(tiny_llama) -> None:
     from vllm import LLM
 
     from engine_patches.config import WORKER_EXTENSION, InflightConfig
-    from engine_patches.engine import start_inflight
+    from engine_patches.client import start_inflight
     from inflight.transport.group import GroupConfig
 
     llm = LLM(str(tiny_llama), enforce_eager=True, max_model_len=256, worker_extension_cls=WORKER_EXTENSION,
               enable_prefix_caching=True)
     with pytest.raises(Exception) as exc:
-        start_inflight(llm, InflightConfig(group=GroupConfig(port=free_port())))
+        start_inflight(llm, InflightConfig(group=GroupConfig(port=reserve_port())))
     assert "enable_prefix_caching must be False" in str(exc.value)
     assert "need 'processed_logprobs'" in str(exc.value)
     assert getattr(llm.llm_engine.engine_core.engine_core, "_inflight_coordinator", None) is None  # nothing attached
@@ -221,7 +221,7 @@ def test_engines_without_a_between_steps_boundary_are_refused(tiny_llama) -> Non
 
     llm = LLM(str(tiny_llama), enforce_eager=True, max_model_len=256, **engine_kwargs())
     real = llm.llm_engine.vllm_config
-    config = InflightConfig(group=GroupConfig(port=free_port(), world_size=3))
+    config = InflightConfig(group=GroupConfig(port=reserve_port(), world_size=3))
     assert check_engine(real, config) == 1
 
     def layout(**sizes: int):

@@ -18,8 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 from engine_patches.config import InflightConfig, engine_kwargs
-from engine_patches.engine import inflight_status, start_inflight, tagged
-from inflight.transport.group import GroupConfig, free_port
+from engine_patches.client import inflight_status, start_inflight, tagged
+from inflight.transport.group import GroupConfig
+from inflight.transport.store import reserve_port
 from inflight.transport.pusher import PushConfig, WeightPusher
 from inflight.versions import boundaries, is_monotone, tags_from_spans
 from tests.engine_harness import Reference, perturbed
@@ -35,7 +36,7 @@ def engine(tiny_qwen):
         vllm.envs.disable_envs_cache()  # an earlier in-process engine cached the environment
         llm = LLM(str(tiny_qwen), enforce_eager=True, dtype="float32", max_model_len=512, seed=0, **engine_kwargs())
         assert llm.llm_engine.engine_core.__class__.__name__ == "SyncMPClient"
-        group = GroupConfig(port=free_port(), world_size=2, timeout_s=120)
+        group = GroupConfig(port=reserve_port(), world_size=2, timeout_s=120)
         start_inflight(llm, InflightConfig(group=group))
         pusher = WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25))
         yield llm, pusher, load_file(str(tiny_qwen / "model.safetensors")), tiny_qwen

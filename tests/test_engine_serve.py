@@ -22,7 +22,7 @@ import torch
 from engine_patches.config import WORKER_EXTENSION, InflightConfig
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
-from inflight.transport.group import free_port
+from inflight.transport.store import reserve_port
 from tests.engine_harness import Reference, perturbed
 
 
@@ -34,7 +34,7 @@ def _post(url: str, body: dict) -> dict:
 
 @pytest.fixture
 def server(tiny_qwen, tmp_path):
-    http = free_port()
+    http = reserve_port()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_qwen), "--port", str(http),
            "--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
@@ -65,7 +65,7 @@ def test_vllm_serve_commits_pushed_weights(server, tiny_qwen) -> None:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    group = GroupConfig(port=free_port(), world_size=2, timeout_s=60)
+    group = GroupConfig(port=reserve_port(), world_size=2, timeout_s=60)
     started = _post(server + "/collective_rpc", {"method": "inflight_start", "args": [InflightConfig(group=group).to_json()]})
     assert started["results"][0]["commit"] == "swap"  # eager CPU engine
     pusher = WeightPusher(group, PushConfig())

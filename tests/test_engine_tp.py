@@ -21,8 +21,9 @@ import torch
 from safetensors.torch import load_file
 
 from engine_patches.config import InflightConfig, engine_kwargs
-from engine_patches.engine import coordinator_of, start_inflight, tagged
-from inflight.transport.group import GroupConfig, free_port
+from engine_patches.client import coordinator_of, start_inflight, tagged
+from inflight.transport.group import GroupConfig
+from inflight.transport.store import reserve_port
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import Reference, drive, perturbed
@@ -42,7 +43,7 @@ class TPEngine:
         self.model_dir = model_dir
         self.llm = LLM(str(model_dir), tensor_parallel_size=2, distributed_executor_backend="mp", enforce_eager=True,
                        dtype="float32", max_model_len=512, seed=0, **engine_kwargs())
-        self.group = GroupConfig(port=free_port(), world_size=3, timeout_s=120)
+        self.group = GroupConfig(port=reserve_port(), world_size=3, timeout_s=120)
         self.report = start_inflight(self.llm, InflightConfig(group=self.group))
         self.pusher = WeightPusher(self.group, PushConfig(dtype="float32", bucket_mb=0.25))
         self.coordinator = coordinator_of(self.llm)

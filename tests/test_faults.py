@@ -19,9 +19,10 @@ import msgspec
 import pytest
 import torch
 
-from engine_patches.engine import tagged
+from engine_patches.client import tagged
 from inflight.protocol import BucketHeader
-from inflight.transport.group import GroupConfig, free_port
+from inflight.transport.group import GroupConfig
+from inflight.transport.store import reserve_port
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import Harness, Reference, perturbed
@@ -32,7 +33,7 @@ TIMEOUT_S = 4.0  # the worker's limit on every wait: a stalled trainer is droppe
 
 @pytest.fixture(scope="module")
 def harness(tiny_llama):
-    h = Harness(tiny_llama, "float32", free_port(), timeout_s=TIMEOUT_S)
+    h = Harness(tiny_llama, "float32", reserve_port(), timeout_s=TIMEOUT_S)
     yield h
     h.close()
 

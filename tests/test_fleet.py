@@ -29,15 +29,17 @@ import torch
 from safetensors.torch import load_file
 
 from engine_patches.config import InflightConfig, engine_kwargs
-from engine_patches.engine import coordinator_of, start_inflight, tagged
-from inflight.buffer import RolloutQueue
-from inflight.transport.group import GroupConfig, TransportError, free_port
+from engine_patches.client import coordinator_of, start_inflight, tagged
+from inflight.rollout_queue import RolloutQueue
+from inflight.transport.errors import TransportError
+from inflight.transport.group import GroupConfig
+from inflight.transport.store import reserve_port
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import perturbed
 from tests.test_recovery import _check_ledger, _config, _pending_ids, _rows
 from trainer.config import config_from_dict
-from trainer.supervisor import Fleet, Placement
+from trainer.fleet import Fleet, Placement
 from trainer.train import train
 
 
@@ -45,7 +47,7 @@ def test_two_engines_take_every_update_with_exact_tags_on_each(tiny_qwen) -> Non
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    group = GroupConfig(port=free_port(), world_size=3, timeout_s=60)
+    group = GroupConfig(port=reserve_port(), world_size=3, timeout_s=60)
     llms = [LLM(str(tiny_qwen), enforce_eager=True, dtype="float32", max_model_len=512, seed=i, **engine_kwargs())
             for i in range(2)]
     for i, llm in enumerate(llms):
@@ -137,7 +139,7 @@ def _idle_engine(model_dir: str, group: GroupConfig, rank: int, ready) -> None:
 @pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
 def test_an_engine_lost_mid_transfer_costs_the_fleet_one_timeout(tiny_qwen, tmp_path, sig: str) -> None:
     timeout_s = 6.0
-    group = GroupConfig(port=free_port(), world_size=3, timeout_s=timeout_s)
+    group = GroupConfig(port=reserve_port(), world_size=3, timeout_s=timeout_s)
     ctx = mp.get_context("spawn")
     ready = [ctx.Event() for _ in range(2)]
     procs = [ctx.Process(target=_idle_engine, args=(str(tiny_qwen), group, 1 + i, ready[i]), daemon=True) for i in range(2)]
@@ -269,7 +271,7 @@ def test_a_frozen_engine_is_dropped_and_rejoins_without_stale_tags(tmp_path) -> 
 
 
 def test_spawned_engines_split_the_engine_gpus_evenly() -> None:
-    from trainer.supervisor import engine_share
+    from trainer.fleet import engine_share
 
     assert [engine_share("1,2,3,4", 2, i) for i in range(2)] == ["1,2", "3,4"]
     assert [engine_share("5,7", 2, i) for i in range(2)] == ["5", "7"]

@@ -25,16 +25,18 @@ import torch
 from torch.distributed import HashStore, PrefixStore, TCPStore
 
 from engine_patches.config import InflightConfig, engine_kwargs
-from inflight.buffer import RolloutBuffer, RolloutQueue
+from inflight.rollout_queue import RolloutBuffer, RolloutQueue
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling
-from inflight.transport.group import GroupConfig, TransportError, free_port, wait_key
+from inflight.transport.errors import TransportError
+from inflight.transport.group import GroupConfig
+from inflight.transport.store import reserve_port, wait_key
 from inflight.transport.pusher import PushRejected
 from tests.engine_harness import Harness, Reference, perturbed
 
 
 @pytest.fixture(scope="module")
 def harness(tiny_llama):
-    h = Harness(tiny_llama, "float32", free_port(), commit="reload", timeout_s=20.0)
+    h = Harness(tiny_llama, "float32", reserve_port(), commit="reload", timeout_s=20.0)
     yield h
     h.close()
 
@@ -190,7 +192,7 @@ def test_commit_reports_token_counts_while_requests_come_and_go(harness: Harness
 def test_engine_with_model_sampling_defaults_refuses_to_start(tiny_llama, tmp_path) -> None:
     from vllm import LLM
 
-    from engine_patches.engine import start_inflight
+    from engine_patches.client import start_inflight
 
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
@@ -199,7 +201,7 @@ def test_engine_with_model_sampling_defaults_refuses_to_start(tiny_llama, tmp_pa
     assert engine_kwargs()["generation_config"] == "vllm"
     llm = LLM(str(model), enforce_eager=True, dtype="float32", max_model_len=256, **engine_kwargs(generation_config="auto"))
     try:
-        config = InflightConfig(group=GroupConfig(port=free_port(), world_size=2))
+        config = InflightConfig(group=GroupConfig(port=reserve_port(), world_size=2))
         with pytest.raises(Exception, match=r"top_k=20, top_p=0.8, repetition_penalty=1.05.*generation_config='vllm'"):
             start_inflight(llm, config)
     finally:
@@ -215,7 +217,7 @@ def _group(gid: str, sampling: Sampling | None, **sample) -> RolloutGroup:
 def test_queue_refuses_groups_sampled_with_transforms_the_trainer_does_not_apply() -> None:
     from vllm import SamplingParams
 
-    from trainer.rollout import sampling_of
+    from trainer.engine_process import sampling_of
 
     assert sampling_of(SamplingParams(temperature=0.7)).transforms() == []
     assert sampling_of(SamplingParams(top_k=20, top_p=0.8)).transforms() == ["top_k=20", "top_p=0.8"]

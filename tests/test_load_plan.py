@@ -1,5 +1,5 @@
-"""The swap commit's load plan and reused shadow buffers (``engine_patches.load_plan``,
-``engine_patches.targets``) on a real vLLM CPU engine.
+"""The swap commit's load plan and reused shadow buffers (``engine_patches.commit.load_plan``,
+``engine_patches.commit.shadow_sets``) on a real vLLM CPU engine.
 
 - the plan's copies write exactly the bytes vLLM's own weight loaders write (bitwise, every
   parameter of a Qwen2 with fused qkv / gate_up, qkv bias and tied embeddings);
@@ -19,7 +19,7 @@ import threading
 import pytest
 import torch
 
-from inflight.transport.group import free_port
+from inflight.transport.store import reserve_port
 from tests.engine_harness import Harness, Reference, perturbed
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown"]
@@ -30,9 +30,9 @@ def _worker(h: Harness):
 
 
 def test_plan_writes_exactly_what_the_loaders_write(tiny_qwen) -> None:
-    from engine_patches.swap import SwapApplier
+    from engine_patches.commit.swap import SwapApplier
 
-    h = Harness(tiny_qwen, "float32", free_port())
+    h = Harness(tiny_qwen, "float32", reserve_port())
     try:
         applier = _worker(h)._inflight_target.applier
         assert isinstance(applier, SwapApplier) and applier.load_plan is not None
@@ -67,7 +67,7 @@ def test_staging_into_reused_buffers_never_touches_the_live_version(tiny_qwen) -
     the one before it serves, and the live one must still be exactly itself then: a buffer
     taken as consumed by the re-pack but still read by a live packed weight would show here.
     Six updates cycle the three rotating sets and come back to the first."""
-    h = Harness(tiny_qwen, "float32", free_port())
+    h = Harness(tiny_qwen, "float32", reserve_port())
     try:
         applier = _worker(h)._inflight_target.applier
         repacks = {"during receive": 0, "after": 0}  # when each layer's re-pack was started
@@ -106,10 +106,10 @@ def test_staging_into_reused_buffers_never_touches_the_live_version(tiny_qwen) -
 
 def test_a_repack_failing_on_the_repack_thread_refuses_the_update_and_the_live_version_stays(
         tiny_qwen, monkeypatch) -> None:
-    import engine_patches.swap as swap
+    import engine_patches.commit.swap as swap
     from inflight.transport.pusher import PushRejected
 
-    h = Harness(tiny_qwen, "float32", free_port())
+    h = Harness(tiny_qwen, "float32", reserve_port())
     try:
         good = perturbed(h.base, seed=1)
         h.push(good)

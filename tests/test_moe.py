@@ -8,7 +8,7 @@ top-2, head_dim 64, on a real vLLM CPU engine).
 - after an update the engine's greedy tokens and log-probs equal the transformers model
   the trainer holds (fp32, 1e-5), for both CPU commit strategies (``swap``, what ``auto``
   picks on an eager engine, and ``reload``): vLLM's CPU MoE update path skips the experts'
-  re-pack (``engine_patches.apply.process_after_loading``), which these tests catch;
+  re-pack (``engine_patches.commit.postload.process_after_loading``), which these tests catch;
 - building a commit strategy never fails with a bare error: an unforeseen one is a refusal
   naming the model class, a loader that transforms tensors makes ``auto`` fall back;
 - the trainer entry point trains an MoE policy.
@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from inflight.transport.group import free_port
+from inflight.transport.store import reserve_port
 from tests.engine_harness import Harness
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5=", "lazy dog"]
@@ -105,7 +105,7 @@ def _check(h: Harness, model, version: int) -> float:
 def test_moe_engine_takes_updates_with_parity(tiny_moe, commit: str) -> None:
     from inflight.transport.pusher import named_weights
 
-    h = Harness(tiny_moe, "float32", free_port(), commit=commit)
+    h = Harness(tiny_moe, "float32", reserve_port(), commit=commit)
     try:
         assert h.start_report["commit"] == ("swap" if commit == "auto" else "reload")
         _check(h, _trainer_model(tiny_moe), 0)
@@ -123,7 +123,7 @@ def test_moe_engine_takes_updates_with_parity(tiny_moe, commit: str) -> None:
 
 
 class _Runner:
-    """The two things ``make_applier`` reads from vLLM's model runner."""
+    """The two things ``make_strategy`` reads from vLLM's model runner."""
 
     device = torch.device("cpu")
 
@@ -154,18 +154,18 @@ class Transposing(Unforeseen):
 
 
 def test_building_a_commit_never_fails_bare(caplog) -> None:
-    from engine_patches.apply import make_applier
-    from inflight.transport.listener import TensorSchema
+    from engine_patches.commit.base import make_strategy
+    from inflight.transport.layout import TensorSchema
 
     schema = TensorSchema({"w": ((2, 2), "float32")})
     with pytest.raises(RuntimeError, match=r"building the swap commit for Unforeseen failed: TypeError"):
-        make_applier(_Runner(Unforeseen()), "auto", schema, quantized=False, eager=True)
+        make_strategy(_Runner(Unforeseen()), "auto", schema, quantized=False, eager=True)
     with caplog.at_level(logging.WARNING, logger="inflight.apply"):
-        applier = make_applier(_Runner(Transposing()), "auto", schema, quantized=False, eager=True)
+        applier = make_strategy(_Runner(Transposing()), "auto", schema, quantized=False, eager=True)
     assert applier.strategy == "reload"
     assert "swap commits unavailable for Transposing" in caplog.text and "transforms 'w'" in caplog.text
     with pytest.raises(RuntimeError, match=r"commit='swap' is not possible for Transposing"):
-        make_applier(_Runner(Transposing()), "swap", schema, quantized=False, eager=True)
+        make_strategy(_Runner(Transposing()), "swap", schema, quantized=False, eager=True)
 
 
 def test_training_an_moe_policy(tmp_path) -> None:

@@ -8,8 +8,9 @@ import threading
 import torch
 from safetensors.torch import load_file
 
-from engine_patches.native_gloo import broadcast_state, update_info
-from inflight.transport.group import GroupConfig, WeightGroup, free_port
+from bench.native_gloo import broadcast_state, update_info
+from inflight.transport.group import GroupConfig, WeightGroup
+from inflight.transport.store import reserve_port
 from tests.engine_harness import Reference, perturbed
 
 
@@ -20,7 +21,7 @@ def test_native_pause_update_resume(tiny_llama) -> None:
 
     llm = LLM(str(tiny_llama), enforce_eager=True, dtype="float32", max_model_len=256, seed=0,
               weight_transfer_config={"backend": "inflight_gloo"}, **engine_kwargs())
-    port = free_port()
+    port = reserve_port()
     trainer: list[WeightGroup] = []
     t = threading.Thread(target=lambda: trainer.append(WeightGroup(GroupConfig(port=port, name="native"), 0)))
     t.start()

@@ -22,9 +22,10 @@ from pathlib import Path
 import msgspec
 import torch
 
-from inflight.buffer import RolloutQueue
+from inflight.rollout_queue import RolloutQueue
 from inflight.protocol import RolloutGroup, RolloutSample, decode_group
-from inflight.transport.group import GroupConfig, connect_store, free_port
+from inflight.transport.group import GroupConfig
+from inflight.transport.store import reserve_port
 from trainer.config import config_from_dict
 from trainer.train import train
 
@@ -98,7 +99,7 @@ def test_engine_killed_mid_run_is_restarted_and_no_queued_group_is_lost(tmp_path
 
 
 def _inject_malformed(port: int) -> None:
-    store = connect_store(GroupConfig(port=port), "rollout")
+    store = GroupConfig(port=port).connect("rollout")
     queue = RolloutQueue(store, capacity=1000)
     nan = RolloutSample(sample_id="bad-0", group_id="bad", prompt_ids=[1], token_ids=[5, 6], logprobs=[-0.5, math.nan],
                         versions=[0, 0], reward=1.0)
@@ -112,15 +113,15 @@ def test_resume_continues_without_repeating_or_dropping_groups(tmp_path, monkeyp
     import trainer.train as train_module
 
     out = tmp_path / "run"
-    port = free_port()
-    # a loose max lag lets the engine run ahead of the trainer (trainer.rollout.may_start_group)
+    port = reserve_port()
+    # a loose max lag lets the engine run ahead of the trainer (trainer.engine_process.may_start_group)
     first = _config(out, steps=3, transport={"port": port}, loss={"max_lag": 8})
     forward, calls = train_module.policy_logprobs, []
 
     def last_step_waits_for_a_full_queue(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3:  # an event, not a deadline: the checkpoint after this step has groups to keep
-            queue = RolloutQueue(connect_store(GroupConfig(port=port), "rollout"), capacity=4)
+            queue = RolloutQueue(GroupConfig(port=port).connect("rollout"), capacity=4)
             while queue.depth() < 4:
                 time.sleep(0.01)
         return forward(*args, **kwargs)

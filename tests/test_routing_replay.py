@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine_patches.engine import tagged
+from engine_patches.client import tagged
 from engine_patches.routing import routing_fields, routing_of, streamed_routing
 from inflight.protocol import RolloutGroup, RolloutSample
-from inflight.transport.group import free_port
+from inflight.transport.store import reserve_port
 from tests.test_moe import MOE, _trainer_model, tiny_moe  # noqa: F401  (the fixture)
 from trainer.loss import collate, compute_loss, policy_logprobs
 from trainer.routing_replay import NO_ROUTE, RoutingReplay, collate_routing, gate_weights
@@ -42,12 +42,12 @@ class RecordingEngine:
         from vllm import LLM
 
         from engine_patches.config import InflightConfig, engine_kwargs
-        from engine_patches.engine import start_inflight
+        from engine_patches.client import start_inflight
         from inflight.transport.group import GroupConfig
         from inflight.transport.pusher import PushConfig, WeightPusher
 
         self.llm = LLM(str(model_dir), enforce_eager=True, dtype=dtype, max_model_len=1024, seed=0, **engine_kwargs())
-        group = GroupConfig(port=free_port(), world_size=2, timeout_s=60.0)
+        group = GroupConfig(port=reserve_port(), world_size=2, timeout_s=60.0)
         self.report = start_inflight(self.llm, InflightConfig(group=group, record_routing=True))
         self.pusher = WeightPusher(group, PushConfig(dtype=dtype, bucket_mb=0.25))
         self.version = 0
@@ -128,7 +128,7 @@ def test_streamed_routing_covers_exactly_the_tokens_shown(fp32_engine, tiny_moe)
     streaming client reads, with a commit landing mid-generation."""
     from vllm import SamplingParams
 
-    from engine_patches.engine import coordinator_of
+    from engine_patches.client import coordinator_of
 
     gate = coordinator_of(fp32_engine.llm)
     engine = fp32_engine.llm.llm_engine
@@ -176,13 +176,13 @@ def test_preempted_requests_keep_exact_routing(tiny_moe) -> None:  # noqa: F811
     from vllm import LLM, SamplingParams
 
     from engine_patches.config import InflightConfig, engine_kwargs
-    from engine_patches.engine import coordinator_of, start_inflight
+    from engine_patches.client import coordinator_of, start_inflight
     from inflight.transport.group import GroupConfig
     from inflight.transport.pusher import WeightPusher
 
     llm = LLM(str(tiny_moe), enforce_eager=True, dtype="float32", max_model_len=128, seed=0, block_size=32,
               num_gpu_blocks_override=8, **engine_kwargs())
-    group = GroupConfig(port=free_port(), world_size=2, timeout_s=60.0)
+    group = GroupConfig(port=reserve_port(), world_size=2, timeout_s=60.0)
     start_inflight(llm, InflightConfig(group=group, record_routing=True))
     pusher = WeightPusher(group)
     try:

@@ -65,7 +65,7 @@ def test_engine_serves_it_and_an_inflight_push_matches_transformers(smollm2: Pat
     try:
         from vllm import SamplingParams
 
-        from engine_patches.engine import tagged
+        from engine_patches.client import tagged
 
         answer = h.llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=12),
                                 use_tqdm=False)[0].outputs[0]

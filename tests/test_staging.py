@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_patches.apply import checkpoint_schema
-from engine_patches.staging import (
+from engine_patches.commit.checkpoint import checkpoint_schema
+from inflight.staging import (
     StagingMemoryError,
     StagingNeed,
     check_fits,
@@ -20,9 +20,9 @@ from engine_patches.staging import (
     staging_need,
     update_bytes,
 )
-from inflight.transport.group import free_port
+from inflight.transport.store import reserve_port
 from inflight.transport.layout import plan_tensors
-from inflight.transport.listener import StagingPool
+from inflight.staging import StagingPool
 
 GiB = 1 << 30
 
@@ -76,11 +76,11 @@ def test_engine_reserves_at_start_and_refuses_a_budget_it_would_not_fit(tiny_qwe
     from vllm import LLM, SamplingParams
 
     from engine_patches.config import InflightConfig, engine_kwargs
-    from engine_patches.engine import start_inflight
+    from engine_patches.client import start_inflight
     from inflight.transport.group import GroupConfig
 
     llm = LLM(str(tiny_qwen), enforce_eager=True, dtype="float32", max_model_len=256, seed=0, **engine_kwargs())
-    config = InflightConfig(group=GroupConfig(port=free_port(), world_size=2))
+    config = InflightConfig(group=GroupConfig(port=reserve_port(), world_size=2))
     schema = checkpoint_schema(tiny_qwen, torch.float32)
     params = sum(t.numel() * 4 for t in load_file(str(tiny_qwen / "model.safetensors")).values())  # tied: embedding once
     try:

@@ -19,10 +19,10 @@ import random
 import pytest
 import torch
 
-from engine_patches.readiness import Dependencies
+from engine_patches.commit.readiness import Dependencies
 from inflight.protocol import BucketSpec
 from inflight.transport.layout import completed_by_bucket, plan_tensors
-from inflight.transport.listener import TensorSchema
+from inflight.transport.layout import TensorSchema
 from inflight.transport.peer import DictTarget
 from inflight.transport.pusher import PushRejected
 from tests.test_transport import _Pair, _state_dict

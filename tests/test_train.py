@@ -78,7 +78,7 @@ def test_batch_mode_samples_each_step_from_one_version(tmp_path) -> None:
 
 
 def test_placement_splits_gpus_and_never_puts_nccl_on_one_device() -> None:
-    from trainer.supervisor import Placement, place
+    from trainer.fleet import Placement, place
 
     assert place("auto", spawn=True, gpus=[]) == Placement(backend="gloo", engine_devices=None)
     # one GPU, shared: NCCL cannot connect two ranks on it

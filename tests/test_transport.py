@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import multiprocessing as mp
 import threading
 import zlib
@@ -13,9 +15,11 @@ from safetensors.torch import load_file
 
 from inflight.protocol import BucketHeader
 from inflight.transport.buckets import BucketReceiver, BucketSender
-from inflight.transport.group import GroupConfig, TransportTimeout, WeightGroup
+from inflight.transport.errors import TransportTimeout
+from inflight.transport.group import GroupConfig, WeightGroup
 from inflight.transport.layout import ALIGN, bucket_windows, checksum, pack_into, plan_tensors, tensor_views
-from inflight.transport.listener import TensorSchema, UpdateListener
+from inflight.transport.layout import TensorSchema
+from inflight.transport.listener import UpdateListener
 from inflight.transport.peer import DictTarget, run_peer
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 
@@ -69,19 +73,25 @@ def test_nonfinite_check_names_the_tensor_and_ignores_huge_finite_values(bad: fl
         assert UpdateListener._nonfinite(poisoned) == name
 
 
-def test_free_ports_come_from_below_the_kernels_ephemeral_range() -> None:
-    """A port the kernel hands out on its own (any outgoing connection's local end) is never
-    one ``free_port`` picks, so a store's port cannot be taken between pick and bind by that."""
+def test_a_reserved_port_is_held_until_the_store_takes_that_very_socket() -> None:
+    """``reserve_port`` keeps the port bound from the pick on: no other socket can take it
+    before the store starts, and the store listens on the reserved socket itself."""
     import socket
 
-    from inflight.transport.group import _ephemeral_range, free_port
+    from inflight.transport.store import connect_store, host_store, release_port, reserve_port
 
-    low, _ = _ephemeral_range()
-    ports = [free_port() for _ in range(32)]
-    assert all(1024 <= p < low for p in ports), ports
-    assert len(set(ports)) > 1  # picked at random, not one fixed port two runs would share
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", ports[-1]))  # and free when picked
+    port = reserve_port()
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))  # held: the pick cannot be lost to another bind
+    store = host_store("127.0.0.1", port, 2, timedelta(seconds=5))
+    connect_store("127.0.0.1", port, "x", 5.0).set("k", b"v")
+    assert store.get("x/k") == b"v"
+    release_port("127.0.0.1", port)  # a no-op once the store took it: the store keeps serving
+    assert store.get("x/k") == b"v"
+    unused = reserve_port()
+    release_port("127.0.0.1", unused)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", unused))  # a released reservation frees the port
 
 
 def test_named_weights_match_the_checkpoint(tiny_qwen, tiny_llama) -> None:

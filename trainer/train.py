@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from inflight.buffer import RolloutBuffer, RolloutQueue
-from inflight.transport.group import GroupConfig, TransportError, TransportTimeout, free_port
+from inflight.rollout_queue import RolloutBuffer, RolloutQueue
+from inflight.transport.errors import TransportError, TransportTimeout
+from inflight.transport.group import GroupConfig
+from inflight.transport.store import reserve_port
 from inflight.transport.pusher import PushConfig, PushResult, WeightPusher, named_weights
 from trainer.checkpoint import TrainerState, load_state, recover, restore_rng, save_checkpoint
 from trainer.config import TrainConfig, config_to_dict, load_config
@@ -33,7 +35,7 @@ from trainer.loss import collate, compute_loss, policy_logprobs
 from trainer.metrics import MetricsLog, ess_warning, plot_run, summarize
 from trainer.routing_replay import RoutingReplay, collate_routing
 from trainer.models import resolve_model
-from trainer.supervisor import EngineLost, Fleet, place, visible_gpus
+from trainer.fleet import EngineLost, Fleet, place, visible_gpus
 from trainer.tasks import build_task
 from trainer.tasks.evaluate import Evaluator
 from trainer.tiny_model import build_tiny_model, default_corpus
@@ -73,7 +75,7 @@ def train(cfg: TrainConfig) -> dict:
     version = resumed.version if resumed else 0
 
     # -- 2. the engine processes (the fleet) -----------------------------------------------------
-    port = cfg.transport.port or free_port()
+    port = cfg.transport.port or reserve_port()
     host = cfg.transport.host
     placement = place(cfg.transport.backend, spawn=cfg.engine.spawn, gpus=visible_gpus())
     engine = Fleet(cfg, model_dir, version, host, port, placement, out)

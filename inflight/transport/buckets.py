@@ -32,19 +32,11 @@ from inflight.protocol import (
     decode_frame,
     encode,
 )
-from inflight.transport.group import TransportError, WeightGroup
+from inflight.transport.errors import TransportError, UpdateRejected
+from inflight.transport.group import WeightGroup
 from inflight.transport.layout import bucket_specs, checksum, dtype_name, pack_into, plan_tensors
 
 FRAME_BYTES = 256  # header frame: 4-byte little-endian length + msgpack, zero padded
-
-
-class UpdateRejected(Exception):
-    """A worker refuses an update; ``code`` is a protocol ``RejectCode``."""
-
-    def __init__(self, code: RejectCode, reason: str) -> None:
-        super().__init__(f"[{code}] {reason}")
-        self.code = code
-        self.reason = reason
 
 
 def _frame(msg: FrameMessage, device: torch.device) -> torch.Tensor:

@@ -28,7 +28,9 @@ from inflight.protocol import (
     encode,
 )
 from inflight.auth import seal, unseal
-from inflight.transport.group import GaveUp, TransportTimeout, WeightGroup, wait_key
+from inflight.transport.errors import GaveUp, TransportTimeout
+from inflight.transport.group import WeightGroup
+from inflight.transport.store import wait_key
 
 Phase = Literal["ack", "staged"]
 """An announce gets two replies: ``ack`` (accepted or not) and ``staged`` (buckets verified or not)."""

@@ -1,12 +1,9 @@
-"""A stateless torch.distributed group between trainer rank 0 and the engine workers.
+"""The weight group's membership: which engine workers form each generation with rank 0.
 
-"Stateless" means it never touches torch's global default group, so it can live next to
-vLLM's own groups inside a worker and next to accelerate's inside the trainer. It has two
-planes, both from torch.distributed:
-
-- the data plane: a ProcessGroup (gloo on CPU, NCCL on CUDA) that broadcasts bucket bytes;
-- the control plane: the group's TCPStore, which carries msgspec control messages and
-  replies (see ``control.py``); TCPStore is hosted by rank 0, the trainer.
+The group has two planes, both from torch.distributed: the data plane
+(``data_plane.DataPlane``: gloo or NCCL broadcasts of bucket bytes) and the control
+plane on the trainer's TCPStore (``store.py``; messages in ``control.py``). This module
+forms generations of it: rank 0 hosts the store and opens each generation; workers join.
 
 Every wait has a timeout, and a timeout raises ``TransportTimeout`` naming the peer and
 what was being waited for. After a failure the group is not reused: rank 0 ``reform``s
@@ -15,80 +12,28 @@ the next generation and the workers join it (see ``WeightGroup``).
 
 from __future__ import annotations
 
-import os
-import random
-import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
 import torch
-from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroup, Store, TCPStore, Work
+from torch.distributed import PrefixStore, Store, Work
 
-from inflight.protocol import (
-    AuthError,
-    Joined,
-    ProtocolError,
-    Roster,
-    decode_control,
-    decode_reply,
-    encode,
-)
 from inflight.auth import read_secret, seal, unseal
+from inflight.protocol import AuthError, Joined, ProtocolError, Roster, decode_control, decode_reply, encode
+from inflight.settings import Backend, DataPlane as ResolvedBackend, check_choices
+from inflight.transport.data_plane import DataPlane
+from inflight.transport.errors import GaveUp, TransportError, TransportTimeout
 from inflight.transport.liveness import Heartbeat, silent_ranks
+from inflight.transport.poll import poll_until
+from inflight.transport.store import (await_trainer_gone, connect_retrying, connect_store, host_store, wait_key)
 
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(x) for x in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now, for the trainer's store on one machine.
-
-    Chosen below the kernel's ephemeral range: a port the kernel hands out itself (a bind to
-    port 0, the local end of every outgoing connection, gloo's pairs) comes from that range,
-    so between this check and the store's bind nothing but another explicit bind can take
-    the port. A port from ``bind(0)`` could be taken by any new connection in that window
-    (a full test suite hit it once: the store then failed with EADDRINUSE)."""
-    low, _ = _ephemeral_range()
-    first = max(1024, low - 12000)
-    rng = random.SystemRandom()
-    for _ in range(64):
-        port = rng.randrange(first, low) if low > first else 0
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    with socket.socket() as s:  # every try below the range was taken: the old way
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class TransportError(RuntimeError):
-    """The group failed: a peer vanished, a collective broke, or a message was unusable."""
-
-
-class GaveUp(TransportError):
-    """A wait was abandoned: what it waited for will not come (e.g. a newer generation opened)."""
-
-
-class TransportTimeout(TransportError):
-    """A wait on the group ran past its timeout; ``ranks``: the members waited for, if known."""
-
-    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
-        super().__init__(message)
-        self.ranks = ranks
+INCARNATION = uuid.uuid4().hex[:12]
+"""This process's id in ``Joined`` messages."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,212 +45,52 @@ class GroupConfig:
     default, so nothing off the machine can reach the group unless an address is configured;
     ``0.0.0.0`` listens everywhere), and workers connect to it."""
     port: int
-    """TCP port of the store; must be free on ``host``."""
+    """TCP port of the store (``store.reserve_port`` holds one free for it)."""
     world_size: int = 2
     """1 trainer + the number of engine workers that receive weights."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    backend: Backend = "auto"
     """Data-plane backend: ``auto`` picks NCCL when CUDA is available, else gloo."""
-    timeout_s: float = 60.0
-    """Limit on every wait: connecting, each bucket, each control message."""
+    timeout_s: float = 120.0
+    """The collective timeout: connecting, joining, and each bucket's broadcast."""
     name: str = "inflight"
     """Key prefix in the store, so several groups can share one store."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "GroupConfig")
         if not 0 < self.port < 65536:
             raise ValueError(f"GroupConfig.port={self.port} is not a TCP port")
         if self.world_size < 2:
             raise ValueError(f"GroupConfig.world_size={self.world_size}: need the trainer and at least one worker")
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"GroupConfig.backend={self.backend!r} is not one of auto, gloo, nccl")
         if not self.timeout_s > 0:
             raise ValueError(f"GroupConfig.timeout_s={self.timeout_s} must be > 0")
 
-    def resolved_backend(self) -> Literal["gloo", "nccl"]:
+    def resolved_backend(self) -> ResolvedBackend:
         if self.backend == "auto":
             return "nccl" if torch.cuda.is_available() else "gloo"
         return self.backend
 
+    def connect(self, name: str) -> PrefixStore:
+        """A client of the group's store for processes outside the group (key space ``name``)."""
+        return connect_store(self.host, self.port, f"{self.name}/{name}", self.timeout_s)
 
-def connect_store(config: GroupConfig, name: str) -> PrefixStore:
-    """A client of the group's store (hosted by the trainer), for processes outside the group."""
-    try:
-        tcp = TCPStore(config.host, config.port, is_master=False, timeout=timedelta(seconds=config.timeout_s))
-    except Exception as e:
-        raise TransportError(f"cannot reach the group store at {config.host}:{config.port}: {e}") from e
-    return PrefixStore(f"{config.name}/{name}", tcp)
-
-
-def _host_store(config: GroupConfig, timeout: timedelta) -> TCPStore:
-    """Rank 0's store, listening on ``config.host`` only. TCPStore's own server listens on every
-    interface whatever address it is given; the group can push weights into a serving
-    engine, so it gets a socket bound to the configured address instead."""
-    family, kind, proto, _, address = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    fd = sock.detach()
-    try:
-        return TCPStore(config.host, config.port, config.world_size, is_master=True, timeout=timeout,
-                        wait_for_workers=False, master_listen_fd=fd)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def await_trainer_gone(config: GroupConfig, incarnation: str, stop: threading.Event, *, poll_s: float = 0.25,
-                       recheck_s: float = 5.0) -> None:
-    """Return once the trainer whose store had ``incarnation`` is gone (or another took its
-    port), touching its store with no client meanwhile: a client whose store's host exits
-    prints a C++ stack trace on its next read, which is what an engine that outlives a
-    trainer that said goodbye must not do. Raises ``InterruptedError`` when ``stop`` is set."""
-    reachable_since = time.monotonic()
-    while not stop.is_set():
-        if not store_reachable(config.host, config.port, poll_s):
-            return
-        if time.monotonic() - reachable_since > recheck_s:  # a new trainer between two probes?
-            try:
-                root = PrefixStore(config.name, TCPStore(config.host, config.port, is_master=False,
-                                                         timeout=timedelta(seconds=poll_s), wait_for_workers=False))
-                now = root.get("incarnation").decode() if root.check(["incarnation"]) else ""
-            except Exception:  # noqa: BLE001  gone while asking
-                return
-            finally:
-                root = None
-            if now != incarnation:
-                return
-            reachable_since = time.monotonic()
-        stop.wait(poll_s)
-    raise InterruptedError("stopped while waiting for the trainer to leave")
-
-
-_NCCL_ENV_LOCK = threading.Lock()
-
-
-def _make_process_group(
-    store: PrefixStore, rank: int, size: int, backend: str, timeout: timedelta, device: torch.device
-) -> ProcessGroup:
-    # Same construction as torch's init_process_group, minus the global registration.
-    pg = ProcessGroup(store, rank, size)
-    if backend == "gloo":
-        from torch.distributed import ProcessGroupGloo
-
-        impl = ProcessGroupGloo(store, rank, size, timeout)
-        kind = ProcessGroup.BackendType.GLOO
-    else:
-        from torch.distributed import ProcessGroupNCCL
-
-        opts = ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        # NCCL's watchdog acts on a collective that outlives the timeout according to
-        # TORCH_NCCL_ASYNC_ERROR_HANDLING, read when the group is built. Its default (3)
-        # tears the whole process down: a stalled trainer would kill a serving engine. 2
-        # ("clean up only") aborts the communicator and leaves the process alone; our own
-        # wait (``WeightGroup.wait``) notices the timeout first, aborts the group and
-        # raises, and the worker forms a fresh communicator in the next generation. Scoped
-        # to this group's construction: vLLM's own NCCL groups keep their settings.
-        with _NCCL_ENV_LOCK:
-            saved = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
-            try:
-                impl = ProcessGroupNCCL(store, rank, size, opts)
-            finally:
-                if saved is None:
-                    os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
-                else:
-                    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = saved
-        kind = ProcessGroup.BackendType.NCCL
-    pg._set_default_backend(kind)
-    impl._set_sequence_number_for_group()
-    pg._register_backend(device, kind, impl)
-    return pg
-
-
-INCARNATION = uuid.uuid4().hex[:12]
-"""This process's id in ``Joined`` messages."""
-
-_POLL_MAX_S = 0.005  # idle polling backs off to this; a blocking store wait would log a warning per timeout
-
-
-def wait_key(store: Store, key: str, *, timeout_s: float | None, stop: threading.Event | None, what: str, who: str,
-             give_up: Callable[[], bool] | None = None) -> bytes:
-    """Wait for ``key`` in ``store`` and return its value; ``timeout_s=None`` waits until ``stop``.
-
-    Polls with ``check`` (one small round trip) rather than ``store.wait``, whose timeouts
-    log a c10d warning each, so an idle worker stays quiet. ``give_up``, asked every
-    quarter second, raises ``TransportError`` when it says the key will never come.
-    """
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    pause = 0.0002
-    next_ask = time.monotonic() + 0.25
-    while True:
-        try:
-            if store.check([key]):
-                return store.get(key)
-        except RuntimeError as e:  # the store's host (the trainer) is gone
-            raise TransportTimeout(f"{who}: store failed while waiting for {what}: {e}") from e
-        if give_up is not None and time.monotonic() > next_ask:  # after the check: a key that came is taken
-            next_ask = time.monotonic() + 0.25
-            if give_up():
-                raise GaveUp(f"{who}: gave up waiting for {what}")
-        if stop is not None and stop.is_set():
-            raise InterruptedError(f"{who}: stopped while waiting for {what}")
-        if deadline is not None and time.monotonic() > deadline:
-            raise TransportTimeout(f"{who}: no {what} within {timeout_s:.1f}s")
-        time.sleep(pause)
-        pause = min(pause * 2, _POLL_MAX_S)
-
-
-def store_reachable(host: str, port: int, timeout_s: float = 1.0) -> bool:
-    """Whether something accepts connections at the store's address. A plain socket probe:
-    a TCPStore client that cannot connect prints a C++ stack trace per attempt, which an
-    engine started before its trainer would otherwise repeat every retry."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-
-def _connect(config: GroupConfig, rank: int, deadline: float | None, stop: threading.Event | None) -> TCPStore:
-    """A client of rank 0's store, retried until ``deadline`` (None: until ``stop``) so a worker
-    can wait out a trainer that is starting or restarting."""
-    while True:
-        left = None if deadline is None else deadline - time.monotonic()
-        attempt_s = min(config.timeout_s, 2.0) if left is None else max(min(config.timeout_s, 2.0, left), 0.1)
-        try:
-            if not store_reachable(config.host, config.port, attempt_s):
-                raise ConnectionRefusedError(f"nothing listens at {config.host}:{config.port}")
-            tcp = TCPStore(config.host, config.port, config.world_size, is_master=False,
-                           timeout=timedelta(seconds=attempt_s), wait_for_workers=False)
-            tcp.set_timeout(timedelta(seconds=config.timeout_s))
-            return tcp
-        except Exception as e:
-            if stop is not None and stop.is_set():
-                raise InterruptedError(f"rank {rank}: stopped while connecting to the group store") from e
-            if left is not None and left <= 0:
-                raise TransportTimeout(f"rank {rank}: cannot reach the group store at {config.host}:{config.port}: {e}") from e
-            time.sleep(0.2)
+    def await_trainer_gone(self, incarnation: str, stop: threading.Event) -> None:
+        """Return once the trainer whose store had ``incarnation`` left (``store.await_trainer_gone``)."""
+        await_trainer_gone(self.host, self.port, self.name, incarnation, stop)
 
 
 def _open_generation(root: Store, rank: int, tried: set[int], deadline: float | None, stop: threading.Event | None) -> int:
     """The generation rank 0 has open for joining, other than those in ``tried``."""
-    while True:
+    def ready() -> int | None:
         try:
             g = root.add("generation", 0) if root.check(["incarnation"]) else 0
-            if g > 0 and g not in tried and root.check([f"gen{g}/open"]):
-                return g
+            return g if g > 0 and g not in tried and root.check([f"gen{g}/open"]) else None
         except RuntimeError as e:
             raise TransportError(f"rank {rank}: the group store failed while waiting to join: {e}") from e
-        if stop is not None and stop.is_set():
-            raise InterruptedError(f"rank {rank}: stopped while waiting to join the group")
-        if deadline is not None and time.monotonic() > deadline:
-            raise TransportTimeout(f"rank {rank}: the trainer (rank 0) opened no generation to join")
-        time.sleep(0.01)
+    left = None if deadline is None else deadline - time.monotonic()
+    try:
+        return poll_until(ready, timeout_s=left, stop=stop, what="a generation to join", who=f"rank {rank}")
+    except TransportTimeout:
+        raise TransportTimeout(f"rank {rank}: the trainer (rank 0) opened no generation to join") from None
 
 
 class WeightGroup:
@@ -339,7 +124,7 @@ class WeightGroup:
         self.timeout = timedelta(seconds=config.timeout_s)
         self.secret = read_secret() if secret == "env" else secret
         """Shared secret sealing every message of the group (``INFLIGHT_SECRET``; None: none)."""
-        self.pg: ProcessGroup | None = None
+        self.data: DataPlane | None = None
         self.roster: tuple[int, ...] = ()
         """The worker ranks of the current generation, in data-plane order."""
         self.hellos: dict[int, Joined] = {}
@@ -348,7 +133,7 @@ class WeightGroup:
         join_timeout = config.timeout_s if join_timeout_s is None else join_timeout_s
         if rank == 0:
             try:
-                self._tcp = _host_store(config, self.timeout)
+                self._tcp = host_store(config.host, config.port, config.world_size, self.timeout)
             except Exception as e:  # torch raises several store errors; name the endpoint
                 raise TransportError(f"rank 0: cannot host the group store on {config.host}:{config.port}: {e}") from e
             self._root = PrefixStore(config.name, self._tcp)
@@ -410,9 +195,10 @@ class WeightGroup:
         return self.hellos
 
     def _collect_hellos(self, g: int, want: set[int], deadline: float) -> dict[int, Joined]:
+        """The ``Joined`` of every rank of ``want`` that posted one before ``deadline``."""
         hellos: dict[int, Joined] = {}
-        pause = 0.0002
-        while True:
+
+        def all_in() -> bool | None:
             for r in sorted(want - hellos.keys()):
                 key = f"gen{g}/hello/{r}"
                 if self._root.check([key]):
@@ -426,10 +212,13 @@ class WeightGroup:
                                              f"stray client?): {e}") from None
                     if isinstance(msg, Joined) and msg.rank == r:
                         hellos[r] = msg
-            if hellos.keys() >= want or time.monotonic() > deadline:
-                return hellos
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX_S)
+            return True if hellos.keys() >= want else None
+        try:
+            poll_until(all_in, timeout_s=max(deadline - time.monotonic(), 0.0), what=f"hellos of generation {g}",
+                       who="rank 0")
+        except TransportTimeout:
+            pass  # the caller decides what the ones that came are enough for
+        return hellos
 
     def silent(self, ranks: Iterable[int] | None = None) -> tuple[int, ...]:
         """Rank 0: which of ``ranks`` (default: this generation's members) are dead or frozen,
@@ -452,7 +241,8 @@ class WeightGroup:
               engine_ranks: tuple[int, ...]) -> None:
         """Worker: connect to the store, wait for an open generation, announce, form."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self._tcp = _connect(self.config, self.rank, deadline, stop)
+        self._tcp = connect_retrying(self.config.host, self.config.port, self.config.world_size, self.config.timeout_s,
+                                     who=f"rank {self.rank}", deadline=deadline, stop=stop)
         self._root = PrefixStore(self.config.name, self._tcp)
         # beat before the hello, so rank 0 never finds a member of a generation silent
         self._heartbeat = Heartbeat(self.config.host, self.config.port, self.config.name, self.rank, self.config.timeout_s)
@@ -494,13 +284,10 @@ class WeightGroup:
 
     def _form_data_plane(self, g: int) -> None:
         prefix = f"{self.config.name}/gen{g}"
-        pg_rank = 0 if self.rank == 0 else 1 + self.roster.index(self.rank)
-        size = 1 + len(self.roster)
-        try:
-            self.pg = _make_process_group(PrefixStore(prefix + "/pg", self._tcp), pg_rank, size, self.backend,
-                                          self.timeout, self.device)
-        except Exception as e:
-            raise TransportError(f"rank {self.rank}: forming {self.backend} group {prefix} of {size} failed: {e}") from e
+        self.data = DataPlane(PrefixStore(prefix + "/pg", self._tcp), rank=self.rank,
+                              pg_rank=0 if self.rank == 0 else 1 + self.roster.index(self.rank), size=1 + len(self.roster),
+                              backend=self.backend, timeout=self.timeout, device=self.device, peers=self.peers,
+                              superseded=self.superseded)
         self.generation = g
         self.incarnation = self._root.get("incarnation").decode()
         self.store = PrefixStore(prefix + "/ctl", self._tcp)
@@ -535,87 +322,32 @@ class WeightGroup:
         """Ranks this member exchanges with: the generation's workers for the trainer, the trainer for a worker."""
         return list(self.roster) if self.rank == 0 else [0]
 
-    def start_broadcast(self, tensor: torch.Tensor, *, what: str) -> tuple[Work, str]:
-        """Post a broadcast from rank 0 into every member's ``tensor``; finish it with ``wait``.
+    def _plane(self) -> DataPlane:
+        if self.data is None:
+            raise TransportError(f"rank {self.rank}: no data plane (the group was closed or is re-forming)")
+        return self.data
 
-        Every member must post the same broadcasts in the same order.
-        """
-        opts = BroadcastOptions()
-        opts.rootRank = 0
-        try:
-            return self.pg.broadcast([tensor], opts), what
-        except Exception as e:
-            raise TransportError(f"rank {self.rank}: posting {what} failed: {e}") from e
+    def start_broadcast(self, tensor: torch.Tensor, *, what: str) -> tuple[Work, str]:
+        """Post a broadcast from rank 0 (``DataPlane.start_broadcast``)."""
+        return self._plane().start_broadcast(tensor, what=what)
 
     def wait(self, pending: tuple[Work, str], timeout_s: float | None = None) -> None:
-        """Finish a posted broadcast; raise ``TransportTimeout`` naming the peer and what it carried.
-
-        gloo: ``Work.wait`` blocks the host up to the timeout and raises on it or on a peer's
-        closed connection (a trainer that gives up on a generation shuts its side down, so
-        the workers' waits fail at once). NCCL: ``Work.wait`` does not block the host at all,
-        so a stalled peer would hang the first host sync forever; poll for completion with
-        our own deadline instead, and on timeout, or once the trainer opened a newer
-        generation (asked every quarter second), abort the communicator before raising:
-        this generation is over, and the next one builds a new communicator.
-        """
-        work, what = pending
-        timeout = self.timeout if timeout_s is None else timedelta(seconds=timeout_s)
-        peer = "trainer (rank 0)" if self.rank else f"workers {self.peers}"
-        try:
-            if self.backend == "nccl":
-                self._poll_nccl(work, timeout.total_seconds(), f"{what} from/to {peer}")
-            work.wait(timeout)  # raises the collective's own error, if it failed
-        except TransportError:
-            raise
-        except Exception as e:
-            msg = f"rank {self.rank}: {what} from/to {peer} failed after <= {timeout.total_seconds():.1f}s: {e}"
-            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                raise TransportTimeout(msg) from e
-            raise TransportError(msg) from e
-
-    def _poll_nccl(self, work: Work, timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        next_ask = time.monotonic() + 0.25
-        pause = 0.00005
-        while not work.is_completed():
-            now = time.monotonic()
-            if now > deadline:
-                self._abort()
-                raise TransportTimeout(f"rank {self.rank}: {what} did not complete within {timeout_s:.1f}s; "
-                                       "NCCL communicator aborted")
-            if self.rank != 0 and now > next_ask:
-                next_ask = now + 0.25
-                if self.superseded():
-                    self._abort()
-                    raise TransportError(f"rank {self.rank}: {what}: the trainer moved to a newer generation; "
-                                         "NCCL communicator aborted")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.001)
-
-    def _abort(self) -> None:
-        pg, self.pg = self.pg, None
-        try:
-            pg.abort() if pg is not None else None
-        except Exception:  # already broken; nothing more to release
-            pass
+        """Finish a posted broadcast (``DataPlane.wait``)."""
+        self._plane().wait(pending, timeout_s)
 
     def broadcast(self, tensor: torch.Tensor, *, what: str, timeout_s: float | None = None) -> None:
         """Blocking ``start_broadcast`` + ``wait``."""
-        self.wait(self.start_broadcast(tensor, what=what), timeout_s)
+        self._plane().broadcast(tensor, what=what, timeout_s=timeout_s)
 
     def close(self) -> None:
         """Leave: drop the data plane and this member's store handles (rank 0's store, and its
         port, go with the last reference, e.g. a rollout queue's)."""
         self._close_data_plane()
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
+        self.stop_beating()
         for attr in ("store", "_root", "_tcp"):
             self.__dict__.pop(attr, None)
 
     def _close_data_plane(self) -> None:
-        pg, self.pg = self.pg, None
-        try:
-            pg.shutdown() if pg is not None and hasattr(pg, "shutdown") else None
-        except Exception:  # a broken group may refuse to shut down cleanly; nothing to save
-            pass
+        data, self.data = self.data, None
+        if data is not None:
+            data.close()

@@ -1,5 +1,5 @@
 """Flat layout of an update: where each tensor lives, how the stream is cut into buckets,
-and the per-bucket checksums.
+and the per-bucket checksums; and the schema an update must match (``TensorSchema``).
 
 An update is one flat byte stream. Each tensor occupies ``[offset, offset + nbytes)``
 with offsets aligned to ``ALIGN`` bytes, so a receiver can view any tensor in place with
@@ -12,12 +12,15 @@ from __future__ import annotations
 import bisect
 import zlib
 
-import xxhash
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import xxhash
 
 import torch
 
-from inflight.protocol import DTYPE_ITEMSIZE, BucketSpec, ChecksumAlgo, TensorSpec
+from inflight.protocol import DTYPE_ITEMSIZE, BucketSpec, ChecksumAlgo, TensorSpec, UpdateAnnounce
+from inflight.transport.errors import UpdateRejected
 
 ALIGN = 64  # bytes; a cache line, and enough for every dtype's alignment on CPU and GPU
 
@@ -145,3 +148,29 @@ def pack_into(flat: torch.Tensor, tensors: Sequence[TensorSpec], named: Mapping[
             if tuple(src.shape) != tuple(view.shape):
                 raise ValueError(f"tensor {name!r}: shape {tuple(src.shape)} does not match layout {tuple(view.shape)}")
             view.copy_(src.detach())
+
+
+@dataclass(frozen=True)
+class TensorSchema:
+    """Exactly what an update must contain: name -> (shape, wire dtype)."""
+
+    tensors: Mapping[str, tuple[tuple[int, ...], str]]
+
+    def check(self, announce: UpdateAnnounce) -> UpdateRejected | None:
+        names = {t.name for t in announce.tensors}
+        unknown = sorted(names - self.tensors.keys())
+        if unknown:
+            return UpdateRejected("unknown_tensor", f"v{announce.version} names tensors the engine does not have: {unknown[:5]}")
+        missing = sorted(self.tensors.keys() - names)
+        if missing:
+            return UpdateRejected("missing_tensor", f"v{announce.version} lacks {len(missing)} tensors, e.g. {missing[:5]}")
+        for t in announce.tensors:
+            shape, dtype = self.tensors[t.name]
+            if tuple(t.shape) != tuple(shape):
+                return UpdateRejected("bad_shape", f"{t.name}: shape {tuple(t.shape)}, engine has {tuple(shape)}")
+            if t.dtype != dtype:
+                return UpdateRejected("bad_dtype", f"{t.name}: dtype {t.dtype}, engine runs {dtype}")
+        bound = sum(-(-t.nbytes // ALIGN) * ALIGN for t in announce.tensors)
+        if announce.total_bytes > bound:
+            return UpdateRejected("bad_layout", f"total_bytes={announce.total_bytes} exceeds the {bound} B its tensors need")
+        return None

@@ -43,38 +43,14 @@ from inflight.protocol import (
     Staged,
     UpdateAnnounce,
 )
-from inflight.transport.buckets import BucketReceiver, UpdateRejected
+from inflight.staging import StagedVersion, StagingPool
+from inflight.transport.buckets import BucketReceiver
 from inflight.transport.control import Phase, WorkerControl
-from inflight.transport.group import TransportError, WeightGroup
-from inflight.transport.layout import ALIGN, completed_by_bucket, tensor_views
+from inflight.transport.errors import TransportError, UpdateRejected
+from inflight.transport.group import WeightGroup
+from inflight.transport.layout import TensorSchema, completed_by_bucket, tensor_views
 
 log = logging.getLogger("inflight.listener")
-
-
-@dataclass(frozen=True)
-class TensorSchema:
-    """Exactly what an update must contain: name -> (shape, wire dtype)."""
-
-    tensors: Mapping[str, tuple[tuple[int, ...], str]]
-
-    def check(self, announce: UpdateAnnounce) -> UpdateRejected | None:
-        names = {t.name for t in announce.tensors}
-        unknown = sorted(names - self.tensors.keys())
-        if unknown:
-            return UpdateRejected("unknown_tensor", f"v{announce.version} names tensors the engine does not have: {unknown[:5]}")
-        missing = sorted(self.tensors.keys() - names)
-        if missing:
-            return UpdateRejected("missing_tensor", f"v{announce.version} lacks {len(missing)} tensors, e.g. {missing[:5]}")
-        for t in announce.tensors:
-            shape, dtype = self.tensors[t.name]
-            if tuple(t.shape) != tuple(shape):
-                return UpdateRejected("bad_shape", f"{t.name}: shape {tuple(t.shape)}, engine has {tuple(shape)}")
-            if t.dtype != dtype:
-                return UpdateRejected("bad_dtype", f"{t.name}: dtype {t.dtype}, engine runs {dtype}")
-        bound = sum(-(-t.nbytes // ALIGN) * ALIGN for t in announce.tensors)
-        if announce.total_bytes > bound:
-            return UpdateRejected("bad_layout", f"total_bytes={announce.total_bytes} exceeds the {bound} B its tensors need")
-        return None
 
 
 @dataclass(frozen=True)
@@ -103,10 +79,12 @@ class CommitTarget(Protocol):
         stay untouched. Raising refuses the update."""
         ...
 
-    # optional: ``prepare_part(version, weights)``, called during the receive with each
-    # bucket's newly complete tensors (verified and finite, each once), so the target can do
-    # their share of ``prepare`` while later buckets are on the wire; ``prepare`` follows
-    # with every tensor, as it would without it. Raising refuses the update, like ``prepare``.
+    def prepare_part(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """Called during the receive with each bucket's newly complete tensors (verified and
+        finite, each once), so the target can do their share of ``prepare`` while later
+        buckets are on the wire; ``prepare`` follows with every tensor. Raising refuses the
+        update, like ``prepare``."""
+        ...
 
     def discard(self) -> None:
         """Drop what ``prepare`` built (the update was aborted or superseded)."""
@@ -116,8 +94,10 @@ class CommitTarget(Protocol):
         """Make ``weights`` live at a step boundary; on failure restore ``previous`` and raise ``CommitFailed``."""
         ...
 
-    # optional: ``leave()``, called on the trainer's ``Shutdown`` before the worker answers it,
-    # releases whatever else of the worker's holds the trainer's store (the engine's coordinator)
+    def leave(self) -> None:
+        """Called on the trainer's ``Shutdown`` before the worker answers it: release whatever
+        else of the worker's holds the trainer's store (the engine's coordinator)."""
+        ...
 
 
 @dataclass
@@ -131,47 +111,6 @@ class ListenerStats:
     """Times the worker joined a new generation after losing its group."""
     dropped_staging: int = 0
     """Versions staged (or half received) and then discarded because the group failed."""
-
-
-class StagingPool:
-    """The worker's staging buffers, kept across group generations so a rejoin neither
-    reallocates nor doubles them. ``reserve`` allocates them up front (at engine start,
-    before the memory is gone); ``take`` hands out a buffer of at least n bytes."""
-
-    def __init__(self, device: torch.device, *, pin: bool = False) -> None:
-        self.device = device
-        self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
-        self._free: list[torch.Tensor] = []
-        self.previous: _Staged | None = None
-        """The live version's bytes (``keep_rollback``), kept across generations with the pool."""
-
-    def _alloc(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
-
-    def reserve(self, nbytes: int, count: int) -> None:
-        self._free = [self._alloc(nbytes) for _ in range(count)]
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        for i, t in enumerate(self._free):
-            if t.numel() >= nbytes:
-                return self._free.pop(i)
-        if self._free:  # too small for this update: replace rather than keep both
-            self._free.pop(0)
-        return self._alloc(nbytes)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        self._free.append(buffer)
-
-
-class _Staged:
-    def __init__(self, announce: UpdateAnnounce, flat: torch.Tensor, first_bucket_step: int,
-                 views: dict[str, torch.Tensor]) -> None:
-        self.announce = announce
-        self.flat = flat
-        self.first_bucket_step = first_bucket_step
-        # built once, by the receive (``_Streamed``): the listener shares the engine's GIL, so
-        # Python work per tensor is decode time
-        self.views = views
 
 
 class _Streamed:
@@ -188,7 +127,6 @@ class _Streamed:
         self.announce = announce
         self.views = tensor_views(flat, announce.tensors)
         self._due = completed_by_bucket(announce.tensors, announce.buckets)
-        self._part = getattr(listener.target, "prepare_part", None)
         self._error: UpdateRejected | None = None
 
     def verified(self, index: int) -> None:
@@ -201,8 +139,8 @@ class _Streamed:
             bad = self.listener._nonfinite(named) if self.listener.check_finite else None
             if bad is not None:
                 self._error = UpdateRejected("nonfinite", f"v{v}: {bad} has NaN or Inf values")
-            elif self._part is not None and named:
-                self._part(v, named)
+            elif named:
+                self.listener.target.prepare_part(v, named)
         except Exception as e:  # the target's work failed: nothing live was touched
             self._error = UpdateRejected("prepare_failed", f"v{v}: {e!r}")
 
@@ -235,7 +173,7 @@ class UpdateListener:
         self.receiver = BucketReceiver(group)
         self.pool = pool if pool is not None else StagingPool(group.device)
         self.keep_rollback = keep_rollback
-        self._staged: _Staged | None = None
+        self._staged: StagedVersion | None = None
         self.stats = stats if stats is not None else ListenerStats()
         self.trainer_left = False
         """The trainer said ``Shutdown`` (and this worker answered ``Left``)."""
@@ -315,7 +253,7 @@ class UpdateListener:
             self._reject(seq, a.version, error.code, error.reason, phase="staged")
             return
         first = first_step[0] if first_step else self.target.steps()  # an update of no bytes has no bucket
-        self._staged = _Staged(a, flat, first, stream.views)
+        self._staged = StagedVersion(a, flat, first, stream.views)
         steps = self.target.steps() - first
         self.control.reply(seq, Staged(rank=self.group.rank, version=a.version,
                                        receive_ms=1e3 * (time.perf_counter() - t0), steps_during_transfer=steps), phase="staged")
@@ -352,9 +290,7 @@ class UpdateListener:
         """The trainer is leaving: release every hold on its store, answer ``Left`` (the last
         read or write of it), and say so once."""
         self._drop()
-        leave = getattr(self.target, "leave", None)
-        if leave is not None:
-            leave()
+        self.target.leave()
         self.group.stop_beating()
         self.control.reply(seq, Left(rank=self.group.rank))
         self.trainer_left = True

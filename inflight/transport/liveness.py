@@ -26,6 +26,8 @@ from datetime import timedelta
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
+from inflight.transport.store import store_reachable
+
 _BEATS_PER_WINDOW = 4
 """A member is silent when it missed this many beats in a row: one late beat on a loaded
 machine is not death."""
@@ -57,8 +59,6 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
-        from inflight.transport.group import store_reachable  # group.py imports this module
-
         host, port, prefix, rank, timeout_s = self._args
         try:
             store = PrefixStore(prefix, TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),

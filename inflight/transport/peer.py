@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from inflight.transport.group import GroupConfig, WeightGroup
-from inflight.transport.listener import CommitInfo, TensorSchema, UpdateListener
+from inflight.transport.layout import TensorSchema
+from inflight.transport.listener import CommitInfo, UpdateListener
 
 
 class DictTarget:
@@ -36,8 +37,14 @@ class DictTarget:
     def prepare(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         """Nothing to get ready: the commit is a copy."""
 
+    def prepare_part(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """Nothing to get ready per bucket either."""
+
     def discard(self) -> None:
         """Nothing was prepared."""
+
+    def leave(self) -> None:
+        """Nothing else holds the trainer's store."""
 
     def commit(self, version: int, weights: dict[str, torch.Tensor], previous: dict[str, torch.Tensor] | None) -> CommitInfo:
         t0 = time.perf_counter()

@@ -36,7 +36,9 @@ from inflight.protocol import (
 )
 from inflight.transport.buckets import BucketSender, SendStats, Tamper
 from inflight.transport.control import TrainerControl
-from inflight.transport.group import GroupConfig, TransportError, WeightGroup, wait_key
+from inflight.transport.errors import TransportError
+from inflight.transport.group import GroupConfig, WeightGroup
+from inflight.transport.store import wait_key
 
 
 @dataclass(frozen=True, kw_only=True)

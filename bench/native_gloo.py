@@ -6,8 +6,9 @@ on the meta device for a layerwise reload, ``update_weights`` receives and loads
 ``finish_weight_update`` re-processes), with the whole state dict as one flat gloo
 broadcast on our stateless group: the fastest transfer there is, so the baseline is not
 handicapped by its transport. The engine must be paused for the whole sequence, which is
-the stall in-flight updates remove. Registered as ``inflight_gloo`` by the plugin; use it
-with ``weight_transfer_config={"backend": "inflight_gloo"}``.
+the stall in-flight updates remove. ``register()`` adds it to vLLM's factory as
+``inflight_gloo`` in the calling process (the benchmark's in-process EngineCore); then use
+it with ``weight_transfer_config={"backend": "inflight_gloo"}``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ from inflight.transport.group import GroupConfig, WeightGroup
 from inflight.transport.layout import plan_tensors, tensor_views
 
 BACKEND = "inflight_gloo"
+
+
+def register() -> None:
+    """Register the ``inflight_gloo`` engine with vLLM's factory in this process; idempotent.
+    Only the benchmarks and their tests use it: the production plugin does not register it."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "GlooWeightTransferEngine")
 
 
 @dataclass
@@ -61,11 +71,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        from engine_patches.apply import InStorageApplier, _reprocess
+        from engine_patches.commit.postload import modules_sharing_parameters, reprocess
 
         finalize_layerwise_reload(self.model, self.model_config)
         # as in inflight's reload commit: a tied LM head's CPU prepack must follow its embedding
-        _reprocess(InStorageApplier._modules_sharing_parameters(self.model))
+        reprocess(modules_sharing_parameters(self.model))
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from engine_patches.load_plan import LoadPlan
+from engine_patches.commit.load_plan import LoadPlan
 
 _SETS = 3  # live, previous (rollback), being prepared
 

@@ -18,12 +18,12 @@ CPU GEMM dispatch keeps its result in plain module attributes (``cpu_linear``, a
    last bucket): fill shadow parameters (shaped from the pre-processing metadata vLLM
    recorded at model construction) with the staged tensors, and run each layer's
    ``process_weights_after_loading`` on a shallow copy of the layer (the re-pack) as soon
-   as its tensors are all in (``engine_patches.readiness``). The filling replays a load
-   plan recorded once at start from the real loaders (``engine_patches.load_plan``: one
+   as its tensors are all in (``engine_patches.commit.readiness``). The filling replays a load
+   plan recorded once at start from the real loaders (``engine_patches.commit.load_plan``: one
    ``_foreach_copy_`` per bucket, no Python loaders) into reused buffers
-   (``engine_patches.targets``); ``load_plan=False`` runs the loaders into fresh shadows.
+   (``engine_patches.commit.shadow_sets``); ``load_plan=False`` runs the loaders into fresh shadows.
    Live modules are not touched; a failure here refuses the update.
-3. ``SwapApplier.apply`` (under the step gate's lock): assign the prepared parameters and
+3. ``SwapApplier.apply`` (under the commit coordinator's lock): assign the prepared parameters and
    attributes to the live modules, keeping the previous ones for an instant rollback.
 
 Only for eager CPU engines: compiled graphs and CUDA graphs capture parameter storage, so
@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from engine_patches.apply import process_after_loading
-from engine_patches.load_plan import LoadPlan
-from engine_patches.readiness import Countdown, Dependencies
-from engine_patches.targets import ShadowSets
+from engine_patches.commit.postload import process_after_loading
+from engine_patches.commit.load_plan import LoadPlan
+from engine_patches.commit.readiness import Countdown, Dependencies
+from engine_patches.commit.shadow_sets import ShadowSets
 
 _STRUCTURAL = frozenset({"_parameters", "_buffers", "_modules"})
 
@@ -226,7 +226,7 @@ class SwapApplier:
     @torch.no_grad()
     def feed(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Load these tensors of the version being staged (verified, each once) into the shadow
-        parameters, and re-pack every layer they complete (``engine_patches.readiness``); live
+        parameters, and re-pack every layer they complete (``engine_patches.commit.readiness``); live
         modules are untouched. The listener calls it bucket by bucket, during the receive."""
         u = self._current()
         if not weights:
@@ -340,7 +340,7 @@ class SwapApplier:
         self._targets.discard()
 
     def apply(self) -> None:
-        """Swap the prepared state in (call under the step gate's lock)."""
+        """Swap the prepared state in (call under the commit coordinator's lock)."""
         if self._prepared is None:
             raise RuntimeError("swap commit without a prepared version")
         previous = self._swap(self._prepared)

@@ -37,7 +37,7 @@ from torch.distributed import Store
 
 from inflight.auth import read_secret, seal, unseal
 from inflight.protocol import AuthError, ProtocolError, RolloutGroup, decode_group, encode
-from inflight.transport.group import wait_key
+from inflight.transport.store import wait_key
 
 _POLL_S = 0.002
 HOLE = b"\x00hole"

@@ -3,7 +3,7 @@ each completion's tokens, behaviour log-probs and per-token version tags.
 
 Request with ``SamplingParams(logprobs=0)`` so each output token carries its own
 (processed) log-prob; the version tags come from vLLM's ``weight_versions`` spans, whose
-boundaries the in-flight gate places exactly at the commits.
+boundaries the commit coordinator places exactly at the commits.
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import msgspec
+
 from engine_patches.config import InflightConfig
+from engine_patches.rpc import StartReport, WorkerStatus, as_result
 from inflight.versions import tags_from_spans
 
 
@@ -42,18 +45,19 @@ def tagged(completion: Any) -> TaggedCompletion:
                             completion.finish_reason, completion.text)
 
 
-def _report(reports: list[dict[str, Any]]) -> dict[str, Any]:
+def _report(reports: list[Any]) -> StartReport:
     """The first worker's report, with every worker's rank (one per TP rank)."""
-    return dict(reports[0], ranks=[r["rank"] for r in reports])
+    typed = [as_result(r, StartReport) for r in reports]
+    return msgspec.structs.replace(typed[0], ranks=tuple(r.rank for r in typed))
 
 
-def start_inflight(llm: Any, config: InflightConfig) -> dict[str, Any]:
+def start_inflight(llm: Any, config: InflightConfig) -> StartReport:
     """Start in-flight updates on an ``LLM``: the commit coordinator in EngineCore, a listener
     on every worker. Returns the first worker's report with ``ranks`` (all workers)."""
     return _report(llm.collective_rpc("inflight_start", args=(config.to_json(),)))
 
 
-async def start_inflight_async(engine: Any, config: InflightConfig) -> dict[str, Any]:
+async def start_inflight_async(engine: Any, config: InflightConfig) -> StartReport:
     """Start in-flight updates on an ``AsyncLLM``."""
     return _report(await engine.collective_rpc("inflight_start", args=(config.to_json(),)))
 
@@ -69,12 +73,13 @@ def coordinator_of(llm: Any) -> Any:
     return core.__dict__[ATTR]
 
 
-def inflight_status(llm: Any) -> dict[str, Any]:
-    return llm.collective_rpc("inflight_status")[0]
+def inflight_status(llm: Any) -> WorkerStatus:
+    """The first worker's status, with its engine's (``engine``)."""
+    return as_result(llm.collective_rpc("inflight_status")[0], WorkerStatus)
 
 
-async def inflight_status_async(engine: Any) -> dict[str, Any]:
-    return (await engine.collective_rpc("inflight_status"))[0]
+async def inflight_status_async(engine: Any) -> WorkerStatus:
+    return as_result((await engine.collective_rpc("inflight_status"))[0], WorkerStatus)
 
 
 async def stream_tagged(engine: Any, prompt: Any, sampling_params: Any, request_id: str) -> AsyncIterator[tuple[Any, list[int]]]:

@@ -1,6 +1,6 @@
 """The engine process: keep GRPO groups decoding, tag every token, ship finished groups.
 
-    python -m trainer.rollout --config CONFIG --model-dir DIR --host TRAINER --port PORT [--engine-id 0]
+    python -m trainer.engine_process --config CONFIG --model-dir DIR --host TRAINER --port PORT [--engine-id 0]
 
 (the trainer starts ``engine.count`` of them itself unless ``engine.spawn = false``; engine i
 joins the weight group with the ranks ``engine.ranks(i)``, one per tensor parallel worker,
@@ -60,7 +60,7 @@ def cpu_binding(workers: int, cores: list[int] | None = None) -> str:
 
 
 def sampling_of(params) -> Sampling:
-    """What a group was sampled with, for the trainer's check (``inflight.buffer.check_group``)."""
+    """What a group was sampled with, for the trainer's check (``inflight.rollout_queue.check_group``)."""
     return Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
                     repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
                     frequency_penalty=params.frequency_penalty)
@@ -86,10 +86,11 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
     from vllm.sampling_params import RequestOutputKind
 
     from engine_patches.config import InflightConfig, engine_kwargs
-    from engine_patches.engine import coordinator_of, inflight_status, start_inflight, tagged
+    from engine_patches.client import coordinator_of, inflight_status, start_inflight, tagged
     from engine_patches.routing import routing_fields
-    from inflight.buffer import RolloutQueue
-    from inflight.transport.group import INCARNATION, GroupConfig, TransportError, connect_store
+    from inflight.rollout_queue import RolloutQueue
+    from inflight.transport.errors import TransportError
+    from inflight.transport.group import GroupConfig, INCARNATION
     from trainer.tasks import Completion, build_task, encode_prompt, model_stop_ids
 
     if not 0 <= engine_index < cfg.engine.count:
@@ -106,7 +107,7 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
               max_model_len=cfg.engine.max_model_len, seed=cfg.run.seed + rank, **extra, **engine_kwargs())
     start_inflight(llm, InflightConfig(group=group, rank=rank, initial_version=initial_version,
                                        stale_timeout_s=cfg.transport.timeout_s, record_routing=cfg.loss.routing_replay))
-    store = connect_store(group, "rollout")
+    store = group.connect("rollout")
     queue = RolloutQueue(store, cfg.rollout.queue_capacity)
 
     def stop_requested() -> bool:
@@ -119,7 +120,7 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
             except (RuntimeError, TransportError):  # the trainer's store is gone: wait for the next trainer
                 time.sleep(1.0)
                 try:
-                    store = connect_store(group, "rollout")
+                    store = group.connect("rollout")
                     queue = RolloutQueue(store, cfg.rollout.queue_capacity)
                 except TransportError:
                     pass
@@ -153,7 +154,7 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
     steps = 0
     batch_mode = cfg.rollout.mode == "batch"
     next_version = max(initial_version, wait_for_version)  # batch mode: the version the next batch is sampled with
-    while inflight_status(llm)["live_version"] < wait_for_version:
+    while inflight_status(llm).live_version < wait_for_version:
         if stop_requested():
             return
         time.sleep(0.01)
@@ -213,7 +214,7 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
                     return
                 continue
         elif not prompts:  # the last batch is shipped: wait, idle, for the next version
-            while inflight_status(llm)["live_version"] < next_version:
+            while inflight_status(llm).live_version < next_version:
                 if stop_requested():
                     return
                 time.sleep(0.002)

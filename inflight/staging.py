@@ -1,6 +1,8 @@
-"""Staging memory and device ordering: what an in-flight worker needs beside the engine's
-own memory, checked and reserved when it starts, and how a commit is ordered against the
-forward passes around it on CUDA.
+"""Staging: where a version waits between its buckets' arrival and its commit.
+
+The pool of staging buffers (kept across group generations), the memory an in-flight
+worker needs beside the engine's own (checked and reserved when it starts), and how a
+commit is ordered against the forward passes around it on CUDA.
 
 Memory. vLLM sizes its KV cache at engine start (``gpu_memory_utilization`` of the GPU,
 ``VLLM_CPU_KVCACHE_SPACE`` on CPU) before any worker extension runs. A staging buffer
@@ -27,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from inflight.transport.layout import ALIGN
-from inflight.transport.listener import TensorSchema
-from inflight.protocol import DTYPE_ITEMSIZE
+from inflight.protocol import DTYPE_ITEMSIZE, UpdateAnnounce
+from inflight.settings import StagingPlace
+from inflight.transport.layout import ALIGN, TensorSchema
 
 GiB = float(1 << 30)
 CUDA_MARGIN_BYTES = 512 << 20
@@ -53,7 +55,7 @@ class StagingNeed:
     update_bytes: int
     copies: int
     """Staging buffers: the version being staged, plus the live one's if ``keep_rollback``."""
-    where: str
+    where: StagingPlace
     """``device`` (the engine's device) or ``host`` (pinned host memory)."""
     extra_bytes: int = 0
     """Prepared weights beside the live ones (the CPU ``swap`` commit's shadow modules)."""
@@ -68,7 +70,7 @@ class StagingNeed:
                 f"update{', one kept for rollback' if self.copies > 1 else ''}{extra})")
 
 
-def staging_need(schema: TensorSchema, *, staging: str, keep_rollback: bool) -> StagingNeed:
+def staging_need(schema: TensorSchema, *, staging: StagingPlace, keep_rollback: bool) -> StagingNeed:
     return StagingNeed(update_bytes(schema), 2 if keep_rollback else 1, staging)
 
 
@@ -130,3 +132,46 @@ def ordered_commit(device: torch.device, ready: torch.cuda.Event | None, apply: 
     done = torch.cuda.Event()
     done.record(stream)
     done.synchronize()  # every copy finished: no later forward, on any stream, can read old bytes
+
+
+class StagingPool:
+    """The worker's staging buffers, kept across group generations so a rejoin neither
+    reallocates nor doubles them. ``reserve`` allocates them up front (at engine start,
+    before the memory is gone); ``take`` hands out a buffer of at least n bytes."""
+
+    def __init__(self, device: torch.device, *, pin: bool = False) -> None:
+        self.device = device
+        self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
+        self._free: list[torch.Tensor] = []
+        self.previous: StagedVersion | None = None
+        """The live version's bytes (``keep_rollback``), kept across generations with the pool."""
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
+
+    def reserve(self, nbytes: int, count: int) -> None:
+        self._free = [self._alloc(nbytes) for _ in range(count)]
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        for i, t in enumerate(self._free):
+            if t.numel() >= nbytes:
+                return self._free.pop(i)
+        if self._free:  # too small for this update: replace rather than keep both
+            self._free.pop(0)
+        return self._alloc(nbytes)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free.append(buffer)
+
+
+class StagedVersion:
+    """A version whose every bucket arrived and verified: its bytes and the views of its tensors."""
+
+    def __init__(self, announce: UpdateAnnounce, flat: torch.Tensor, first_bucket_step: int,
+                 views: dict[str, torch.Tensor]) -> None:
+        self.announce = announce
+        self.flat = flat
+        self.first_bucket_step = first_bucket_step
+        # built once, by the receive (``_Streamed``): the listener shares the engine's GIL, so
+        # Python work per tensor is decode time
+        self.views = views

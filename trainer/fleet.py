@@ -39,10 +39,10 @@ from typing import Literal
 
 from tqdm import tqdm
 
-from inflight.buffer import RolloutQueue
+from inflight.rollout_queue import RolloutQueue
 from inflight.transport.pusher import WeightPusher
 from trainer.config import TrainConfig
-from trainer.rollout import run_engine
+from trainer.engine_process import run_engine
 
 log = logging.getLogger("inflight.supervisor")
 

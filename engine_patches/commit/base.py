@@ -1,0 +1,106 @@
+"""How a staged version becomes live: the commit strategy interface, and the choice of one.
+
+Staged tensors carry Hugging Face checkpoint names; vLLM stacks some of them (``qkv_proj``,
+``gate_up_proj``) and, on CPU, prepacks linear weights for oneDNN (``layer.weight`` becomes
+an empty tensor). So every strategy goes through the model's own weight loaders, which
+know the name mapping and the shard offsets.
+
+Phases, by thread (ordering invariant: live weights change only in ``apply``, ``restore``
+and ``undo``, on the engine's execution thread, between two steps):
+- listener thread, while the engine decodes: ``feed`` (each bucket's verified tensors),
+  ``prepare`` (after the last bucket), ``discard`` (the update was refused or superseded);
+- execution thread, inside the stall: ``apply``; after a failed ``apply``, ``restore``;
+  after a successful ``apply`` that another rank of the engine failed, ``undo``.
+
+Strategies: ``swap`` (eager CPU: load and re-pack into shadow modules before the commit,
+swap attributes at it; ``engine_patches.commit.swap``), ``reload`` and ``copy`` (write into
+the live storage at the commit; ``engine_patches.commit.in_storage``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Literal, Protocol
+
+import torch
+
+from inflight.settings import CommitChoice
+from inflight.transport.layout import TensorSchema, torch_dtype
+
+log = logging.getLogger("inflight.commit")
+
+Resolved = Literal["swap", "reload", "copy"]
+
+
+class CommitStrategy(Protocol):
+    """One engine worker's way of making a prepared version live."""
+
+    strategy: Resolved
+
+    def feed(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Listener thread: these verified tensors of the version being staged arrived."""
+
+    def prepare(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Listener thread: every tensor arrived; do all the commit can do ahead of time."""
+
+    def discard(self) -> None:
+        """Listener thread: drop what ``feed``/``prepare`` built; nothing live changed."""
+
+    def apply(self) -> None:
+        """Execution thread, inside the stall: make the prepared version live."""
+
+    def restore(self, previous: Mapping[str, torch.Tensor] | None) -> None:
+        """Execution thread: after a failed ``apply``, put the last good weights back."""
+
+    def undo(self, previous: Mapping[str, torch.Tensor] | None) -> None:
+        """Execution thread: take back a successful ``apply`` (another rank failed)."""
+
+    def release_rollback(self) -> None:
+        """The engine committed and keeps no rollback copy: drop what ``undo`` would need."""
+
+    def prepared_bytes(self) -> int:
+        """Memory a prepared version takes beside the live one (0 if it is only the staged bytes)."""
+
+    def close(self) -> None:
+        """Stop any thread of the strategy's own."""
+
+
+def resolve_strategy(strategy: CommitChoice, device: torch.device, quantized: bool, eager: bool) -> Resolved:
+    """The strategy ``strategy`` names for this engine (``auto``: the best that is right)."""
+    if strategy == "auto":
+        if device.type == "cpu":
+            return "swap" if eager and not quantized else "reload"
+        return "reload" if quantized else "copy"
+    if strategy == "copy" and device.type == "cpu":
+        raise ValueError("inflight: commit='copy' is wrong on CPU (linear weights are prepacked); use 'swap' or 'reload'")
+    if strategy == "swap" and (device.type != "cpu" or not eager or quantized):
+        raise ValueError("inflight: commit='swap' needs an eager (enforce_eager=True), unquantized CPU engine")
+    return strategy
+
+
+def make_strategy(model_runner: Any, strategy: CommitChoice, schema: TensorSchema, *, quantized: bool,
+                  eager: bool) -> CommitStrategy:
+    """The commit strategy for this engine; ``auto`` falls back from swap to reload when the
+    model's loaders do more than route tensors."""
+    from engine_patches.commit.in_storage import InStorageApplier
+    from engine_patches.commit.swap import RoutingError, SwapApplier
+
+    chosen = resolve_strategy(strategy, torch.device(model_runner.device), quantized, eager)
+    model_class = type(model_runner.get_model()).__name__
+    if chosen == "swap":
+        shapes = {n: (shape, torch_dtype(dt)) for n, (shape, dt) in schema.tensors.items()}
+        try:
+            return SwapApplier(model_runner.get_model(), shapes)
+        except RoutingError as e:
+            if strategy == "swap":
+                raise RoutingError(f"inflight: commit='swap' is not possible for {model_class}: {e}") from e
+            log.warning("inflight: swap commits unavailable for %s (%s); using reload", model_class, e)
+            chosen = "reload"
+        except Exception as e:  # a model's loader we did not foresee: refuse, naming it, rather than a bare error
+            raise RuntimeError(f"inflight: building the swap commit for {model_class} failed: {e!r}; "
+                               f"start with InflightConfig(commit='reload')") from e
+    try:
+        return InStorageApplier(model_runner, chosen)
+    except Exception as e:
+        raise RuntimeError(f"inflight: building the {chosen} commit for {model_class} failed: {e!r}") from e

@@ -1,0 +1,175 @@
+"""The engine worker as the listener sees it (``CommitTarget``), and the execution-thread
+half of the engine's two-phase commit.
+
+Two threads use it. The listener thread stages, prepares and, on the trainer's ``Commit``,
+posts ``CommitReady`` on the engine's channel and waits for the coordinator's outcome
+(``commit``). The worker's execution thread, between two engine steps, applies the ready
+version (``execute_commit``) or takes it back (``execute_rollback``), as the engine's
+commit coordinator asks through ``collective_rpc``.
+
+Ordering invariant: a ready version is handed to exactly one of the commit and its
+withdrawal (``_lock``): a listener that stops waiting withdraws it only if the execution
+thread has not taken it, so nothing the engine applied is ever dropped unseen.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine_patches.commit.base import CommitStrategy
+from engine_patches.config import InflightConfig
+from engine_patches.rpc import WorkerCommitResult, WorkerRollbackResult
+from inflight.protocol import CommitReady, EngineCommitted, ProtocolError, decode_engine, encode
+from inflight.staging import ordered_commit, ready_event
+from inflight.transport.errors import TransportError, TransportTimeout
+from inflight.transport.listener import CommitFailed, CommitInfo
+from inflight.transport.store import wait_key
+
+
+@dataclass
+class _Ready:
+    version: int
+    weights: Mapping[str, torch.Tensor]
+    previous: Mapping[str, torch.Tensor] | None
+    event: Any  # torch.cuda.Event on CUDA: staging of this version is complete
+
+
+class EngineTarget:
+    """The listener's view of this worker (``CommitTarget``) and the execution-thread half
+    of the engine's two-phase commit."""
+
+    def __init__(self, applier: CommitStrategy, config: InflightConfig, rank: int, device: torch.device) -> None:
+        self.applier = applier
+        self.config = config
+        self.rank = rank
+        self.device = device
+        self._live = config.initial_version
+        self._disk_version = config.initial_version
+        self.channel: Any = None  # this engine's commit channel in the current generation's store
+        self.incarnation = ""  # of the trainer's store the channel lives in
+        self._lock = threading.Lock()  # hands a ready version to exactly one of: commit, withdrawal
+        self._ready: _Ready | None = None
+        self._applied: _Ready | None = None
+        self._event: Any = None
+        self.forwards = 0
+        self.forward_thread: int | None = None
+        self.commits: list[WorkerCommitResult] = []
+
+    def on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """Forward pre-hook: counts this worker's model steps and remembers which thread runs them."""
+        self.forwards += 1
+        self.forward_thread = threading.get_ident()
+
+    # -- listener thread (CommitTarget) -----------------------------------------------------
+    @property
+    def live_version(self) -> int:
+        return self._live
+
+    def steps(self) -> int:
+        return self.forwards
+
+    def prepare_part(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        self.applier.feed(weights)  # the swap commit re-packs layer by layer; the others wait for all
+
+    def prepare(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        self.applier.prepare(weights)
+        self._event = ready_event(self.device)
+
+    def discard(self) -> None:
+        self.applier.discard()
+
+    def leave(self) -> None:
+        """The trainer is leaving: have the engine's coordinator let go of its store first (it
+        deletes ``bye/<rank>`` as the last thing it does with it; see the coordinator)."""
+        key = f"bye/{self.rank}"
+        self.channel.set(key, self.incarnation.encode())
+        deadline = time.monotonic() + 5.0  # a coordinator busy committing answers within a step; else go on
+        while self.channel.check([key]) and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+    def commit(self, version: int, weights: dict[str, torch.Tensor], previous: Mapping[str, torch.Tensor] | None) -> CommitInfo:
+        """Announce readiness to the engine's coordinator and relay its outcome."""
+        ready = _Ready(version, weights, previous, self._event)
+        with self._lock:
+            self._ready = ready
+        key, what = f"outcome/{version}", f"the engine's commit of v{version}"
+        self.channel.delete_key(key)  # a failed earlier attempt at this version left its outcome (issue 17)
+        self.channel.set(f"ready/{self.rank}", encode(CommitReady(rank=self.rank, version=version)))
+        try:
+            raw = wait_key(self.channel, key, timeout_s=self.config.commit_timeout_s, stop=None, what=what, who=f"rank {self.rank}")
+        except TransportTimeout as e:
+            with self._lock:
+                withdrawn = self._ready is ready
+                if withdrawn:
+                    self._ready = None
+            if withdrawn:  # the engine never took it: nothing changed anywhere
+                self.channel.delete_key(f"ready/{self.rank}")
+                raise CommitFailed(f"v{version} withdrawn: {e}") from e
+            # the commit is running on the execution thread: its outcome is moments away
+            raw = wait_key(self.channel, key, timeout_s=self.config.commit_timeout_s, stop=None, what=what, who=f"rank {self.rank}")
+        self._applied = None
+        try:
+            outcome = decode_engine(raw)
+        except ProtocolError as e:
+            raise TransportError(f"rank {self.rank}: unreadable commit outcome: {e}") from e
+        if not isinstance(outcome, EngineCommitted) or outcome.version != version:
+            raise CommitFailed(getattr(outcome, "reason", f"unexpected outcome {outcome!r}"))
+        self._live = version
+        if not self.config.keep_rollback:
+            self.applier.release_rollback()
+        return CommitInfo(step=outcome.step, commit_ms=outcome.commit_ms, tokens_at_commit=dict(outcome.tokens_at_commit))
+
+    # -- execution thread (called by the coordinator between two engine steps) --------------
+    def execute_commit(self, version: int) -> WorkerCommitResult:
+        me = threading.current_thread()
+        result = functools.partial(
+            WorkerCommitResult, rank=self.rank, version=version, thread=me.name, main_thread=me is threading.main_thread(),
+            # None before this worker ran any forward pass since the listener started
+            forward_thread=None if self.forward_thread is None else self.forward_thread == threading.get_ident())
+        with self._lock:
+            ready, self._ready = self._ready, None
+            if ready is not None and ready.version != version:  # not the version the engine commits: keep it
+                self._ready, ready = ready, None
+        if ready is None:
+            return self._log(result(ok=False, error=f"v{version} is not staged and committed by the trainer on this "
+                                                    "rank (withdrawn or lost)"))
+        t0 = time.perf_counter()
+        try:
+            ordered_commit(self.device, ready.event, self.applier.apply)
+        except Exception as e:
+            error = f"applying v{version} failed: {e!r}"
+            try:
+                self._undo(ready, self.applier.restore)
+            except Exception as e2:  # state unknown: ask the coordinator to roll this rank back too
+                self._applied = ready
+                return self._log(result(ok=False, applied=True, error=f"{error}; restoring failed: {e2!r}"))
+            return self._log(result(ok=False, error=error))
+        self._applied = ready
+        return self._log(result(ok=True, applied=True, ms=1e3 * (time.perf_counter() - t0)))
+
+    def execute_rollback(self, version: int) -> WorkerRollbackResult:
+        applied, self._applied = self._applied, None
+        if applied is None or applied.version != version:
+            return WorkerRollbackResult(rank=self.rank, version=version, ok=True)  # nothing of v went live here
+        try:
+            self._undo(applied, self.applier.undo)
+        except Exception as e:
+            return WorkerRollbackResult(rank=self.rank, version=version, ok=False, error=repr(e))
+        return WorkerRollbackResult(rank=self.rank, version=version, ok=True)
+
+    def _undo(self, ready: _Ready, how: Any) -> None:
+        if ready.previous is None and self.applier.strategy != "swap" and self._live != self._disk_version:
+            raise RuntimeError(f"no rollback copy of v{self._live} (keep_rollback=False) and the checkpoint on disk "
+                               f"is v{self._disk_version}")
+        ordered_commit(self.device, None, lambda: how(ready.previous))
+
+    def _log(self, result: WorkerCommitResult) -> WorkerCommitResult:
+        self.commits = (self.commits + [result])[-64:]
+        return result

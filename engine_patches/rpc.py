@@ -1,0 +1,98 @@
+"""Typed results of the worker's ``collective_rpc`` methods (worker -> EngineCore -> client).
+
+Plain (untagged) msgspec Structs. An in-process client (``LLM`` with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``) gets them as they are; across vLLM's EngineCore
+process boundary they are msgpack maps, which arrive as dicts (and as JSON objects from
+``vllm serve``'s ``/collective_rpc``): ``engine_patches.client`` converts them back with
+``as_result``, so every caller reads the same types.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+from msgspec import Struct
+
+from inflight.protocol import NonNeg
+
+R = TypeVar("R")
+
+
+class _Result(Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class StartReport(_Result):
+    """``inflight_start``: what one worker set up."""
+
+    rank: NonNeg
+    instance_id: str
+    commit: str
+    """The commit strategy in use (swap, reload, copy)."""
+    schema_tensors: NonNeg
+    staging: str
+    """Where staging lives: device or host."""
+    staging_bytes: NonNeg
+    routing: tuple[NonNeg, NonNeg] | None = None
+    """(MoE layers, top-k) recorded per token, or None."""
+    ranks: tuple[NonNeg, ...] = ()
+    """Filled by the client: every worker's rank (one per tensor parallel rank)."""
+
+
+class WorkerCommitResult(_Result):
+    """``inflight_commit``: one worker's part of an engine's commit, on its execution thread."""
+
+    rank: NonNeg
+    version: NonNeg
+    ok: bool
+    applied: bool = False
+    """Whether the new weights went live here (to be taken back if another rank failed)."""
+    error: str = ""
+    ms: float = 0.0
+    thread: str = ""
+    main_thread: bool = False
+    forward_thread: bool | None = None
+    """Whether it ran on the thread of the worker's forward passes (None: no forward yet)."""
+
+
+class WorkerRollbackResult(_Result):
+    """``inflight_rollback``: one worker took back ``version`` (or had nothing of it live)."""
+
+    rank: NonNeg
+    version: NonNeg
+    ok: bool
+    error: str = ""
+
+
+class EngineState(_Result):
+    """The engine's commit coordinator, as ``inflight_status`` reports it."""
+
+    live_version: NonNeg
+    steps: NonNeg
+    broken: str
+    commits: NonNeg
+
+
+class WorkerStatus(_Result):
+    """``inflight_status``: one worker's listener and commits, with its engine's state."""
+
+    started: bool
+    rank: NonNeg = 0
+    joined: bool = False
+    listening: bool = False
+    generation: tuple[str, NonNeg] | None = None
+    live_version: NonNeg = 0
+    forward_steps: NonNeg = 0
+    committed: NonNeg = 0
+    rejections: dict[str, NonNeg] = {}
+    rejoins: NonNeg = 0
+    dropped_staging: NonNeg = 0
+    last_error: str = ""
+    commits: tuple[WorkerCommitResult, ...] = ()
+    engine: EngineState | None = None
+
+
+def as_result(value: Any, kind: type[R]) -> R:
+    """``value`` as ``kind``: a result as returned in-process, or its map from another process."""
+    return value if isinstance(value, kind) else msgspec.convert(value, kind)

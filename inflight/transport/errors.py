@@ -1,0 +1,30 @@
+"""The transport's errors: every wait either returns or raises one of these, naming the peer."""
+
+from __future__ import annotations
+
+from inflight.protocol import RejectCode
+
+
+class TransportError(RuntimeError):
+    """The group failed: a peer vanished, a collective broke, or a message was unusable."""
+
+
+class GaveUp(TransportError):
+    """A wait was abandoned: what it waited for will not come (e.g. a newer generation opened)."""
+
+
+class TransportTimeout(TransportError):
+    """A wait on the group ran past its timeout; ``ranks``: the members waited for, if known."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class UpdateRejected(Exception):
+    """A worker refuses an update; ``code`` is a protocol ``RejectCode``."""
+
+    def __init__(self, code: RejectCode, reason: str) -> None:
+        super().__init__(f"[{code}] {reason}")
+        self.code = code
+        self.reason = reason
