@@ -406,7 +406,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds the steps of none/inflight/native are split into")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--listener-nice", type=int, default=19,
-                    help="InflightConfig.listener_nice of the engine (19, as the README's table was measured; "
+                    help="InflightConfig.listener_nice of the engine (19, as docs/performance.md's table was measured; "
                          "the engine's own default is 0)")
     ap.add_argument("--routing", action="store_true", help="add record_routing rows on the tiny MoE")
     ap.add_argument("--train-steps", type=int, default=0, help="also time the training loop (0: skip); see bench.e2e")

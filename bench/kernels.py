@@ -17,7 +17,7 @@ import time
 import torch
 
 from kernels.logprob_entropy import logprob_entropy
-from kernels.tis_loss import TISParams, tis_loss
+from kernels.tis_loss import tis_loss
 
 
 def _time(fn, device: torch.device, reps: int) -> float:
@@ -82,11 +82,11 @@ def bench_loss(sizes: list[int], device: torch.device, reps: int) -> None:
         mu, adv = logp.detach() + 0.3 * torch.randn(n, device=device), torch.randn(n, device=device)
         mask, lag = torch.ones(n, device=device), torch.randint(0, 8, (n,), device=device).float()
         for objective in ("reinforce", "ppo"):
-            p = TISParams(objective=objective, lag_decay=0.9)
             row = {"tokens": n, "objective": objective}
             for impl in impls:
                 def step() -> None:
-                    loss, _ = tis_loss(logp, mu, adv, mask, float(n), p, lag=lag, impl=impl)  # type: ignore[arg-type]
+                    loss, _ = tis_loss(logp, mu, adv, mask, float(n), lag=lag, lag_decay=0.9,
+                                       objective=objective, impl=impl)  # type: ignore[arg-type]
                     loss.backward()
                     logp.grad = None
 

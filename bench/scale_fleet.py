@@ -6,7 +6,7 @@ Variants of the in-flight mode differ only in where the staged version waits and
 of it: ``inflight`` (device memory; every TP rank stages the full checkpoint S, what this
 project builds today), ``inflight_host`` (pinned host memory, S per rank, one bucket on
 the device; the commit becomes a host-to-device copy), and their ``_shard`` forms, which
-keep only the rank's S / TP (designed in the README, not built).
+keep only the rank's S / TP (designed in docs/performance.md, not built).
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def run_one(name: str, base: dict, steps: int, seed: int, out_root: Path) -> dic
     k = max(1, len(rows) // 5)
     ev = evaluate(out / "checkpoint", cfg.task.completion_tokens, cfg.task.digit_credit)
     return {
-        "run": name, "mode": cfg.rollout.mode, "max_lag": cfg.loss.max_lag, "objective": cfg.loss.tis.objective,
+        "run": name, "mode": cfg.rollout.mode, "max_lag": cfg.loss.max_lag, "objective": cfg.loss.objective.name,
         "steps": len(rows), "loop_s": round(wall[-1], 1), "total_s": round(total_s, 1),
         "samples": per_step * len(rows),
         "reward_first20": round(_mean([r["reward_mean"] for r in rows[:k]]), 3),

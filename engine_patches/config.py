@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
+from inflight.settings import CommitChoice, StagingPlace, check_choices
 from inflight.transport.group import GroupConfig
 
 WORKER_EXTENSION = "engine_patches.worker.InflightWorkerExtension"
@@ -24,13 +25,13 @@ class InflightConfig:
     engine (vLLM's worker rank) joins as ``rank + i``."""
     initial_version: int = 0
     """Version of the weights the engine loaded (non-zero when resuming from a checkpoint)."""
-    commit: Literal["auto", "swap", "reload", "copy"] = "auto"
+    commit: CommitChoice = "auto"
     """How staged weights become live: ``swap`` (load and re-pack before the commit, swap at it;
     eager CPU), ``reload`` (layerwise reload at the commit; compiled CPU, quantized), ``copy``
     (one device copy per tensor; CUDA, unquantized); ``auto`` picks in that order."""
     commit_timeout_s: float = 30.0
     """Longest wait for a step boundary once a commit is requested."""
-    stale_timeout_s: float = 60.0
+    stale_timeout_s: float = 120.0
     """A staged version whose ``Commit`` does not come within this is dropped (the trainer died)."""
     listener_nice: int = 0
     """Scheduling priority (Linux nice, 0..19) of the listener thread. 0, an equal share, by
@@ -41,7 +42,7 @@ class InflightConfig:
     against 225. 19 makes staging yield to decode where both share idle cores (what
     ``bench.inflight --listener-nice 19`` measured); on a GPU engine the listener mostly
     waits on the device and its priority matters little."""
-    staging: Literal["device", "host"] = "device"
+    staging: StagingPlace = "device"
     """Where a version waits between its buckets' arrival and its commit. ``device``: the
     engine's device; the commit is a device-to-device copy (or, on CPU, a swap), but the
     staging bytes come out of memory the KV cache could have had. ``host``: pinned host
@@ -69,10 +70,7 @@ class InflightConfig:
             raise ValueError(f"InflightConfig.rank={self.rank} outside 1..{self.group.world_size - 1}")
         if self.initial_version < 0:
             raise ValueError(f"InflightConfig.initial_version={self.initial_version} must be >= 0")
-        if self.staging not in ("device", "host"):
-            raise ValueError(f"InflightConfig.staging={self.staging!r} is not device or host")
-        if self.commit not in ("auto", "swap", "reload", "copy"):
-            raise ValueError(f"InflightConfig.commit={self.commit!r} is not auto, swap, reload or copy")
+        check_choices(self, "InflightConfig")
         if not 0 <= self.listener_nice <= 19:
             raise ValueError(f"InflightConfig.listener_nice={self.listener_nice} must be in 0..19")
         for name in ("commit_timeout_s", "stale_timeout_s"):

@@ -1,6 +1,6 @@
 """The authentication envelope of the group's messages: an HMAC-SHA256 with a shared secret.
 
-Threat model (see the README's Guarantees): anyone who can reach the trainer's store (its
+Threat model (see docs/guarantees.md): anyone who can reach the trainer's store (its
 TCP port) can read and write every key of it. Without a secret that is enough to announce
 and commit weights into a serving engine, or to queue samples the trainer trains on. With
 ``INFLIGHT_SECRET`` set on the trainer and every engine, each control message, reply, hello,

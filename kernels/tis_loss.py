@@ -24,80 +24,71 @@ for a given l_t: GSPO-token's sg[s_i] pi_t / sg[pi_t]) and vanishes where the cl
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple, get_args
 
 import torch
 import triton
 import triton.language as tl
 
 Objective = Literal["reinforce", "ppo", "icepop", "none"]
-_OBJECTIVE_ID = {"reinforce": 0, "ppo": 1, "icepop": 2, "none": 3}
+_OBJECTIVE_ID = {name: i for i, name in enumerate(get_args(Objective))}  # the kernel's OBJECTIVE
 
 
-@dataclass(frozen=True, kw_only=True)
-class TISParams:
-    """Constants of the loss (see the module docstring)."""
+class _Consts(NamedTuple):
+    """The constants of one call (see the module docstring and ``tis_loss``), bundled for the launch."""
 
-    objective: Objective = "reinforce"
-    """reinforce (truncated IS, default), ppo (clipped ratio; GSPO at loss.level = "sequence"),
-    icepop (mask outside [lo, hi]) or none (w = 1: no off-policy correction)."""
-    truncation: float = 2.0
-    """C in min(r, C) for reinforce."""
-    clip_low: float = 0.2
-    """eps_lo for ppo."""
-    clip_high: float = 0.28
-    """eps_hi for ppo (asymmetric, as in DAPO)."""
-    icepop_low: float = 0.5
-    """lo for icepop."""
-    icepop_high: float = 2.0
-    """hi for icepop."""
-    lag_decay: float = 1.0
-    """d in (0, 1]: the upper constant of each objective (C, hi, eps_hi) is multiplied by
-    d ** lag, so staler tokens get a tighter bound. 1 turns it off."""
-
-    def __post_init__(self) -> None:
-        if self.objective not in _OBJECTIVE_ID:
-            raise ValueError(f"TISParams.objective={self.objective!r} is not reinforce, ppo, icepop or none")
-        if not self.truncation > 0:
-            raise ValueError(f"TISParams.truncation={self.truncation} must be > 0")
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ValueError(f"TISParams clip=({self.clip_low}, {self.clip_high}) needs 0 <= low < 1, high >= 0")
-        if not 0 <= self.icepop_low < self.icepop_high:
-            raise ValueError(f"TISParams icepop=({self.icepop_low}, {self.icepop_high}) needs 0 <= low < high")
-        if not 0 < self.lag_decay <= 1:
-            raise ValueError(f"TISParams.lag_decay={self.lag_decay} must be in (0, 1]")
+    objective: Objective
+    truncation: float
+    clip_low: float
+    clip_high: float
+    icepop_low: float
+    icepop_high: float
+    lag_decay: float
 
 
-def lag_factor(lag: torch.Tensor, p: TISParams) -> torch.Tensor:
-    """f_t = d ** lag_t, computed as exp(lag_t log d) in float32 exactly as the kernel does."""
-    return torch.exp(lag.float() * math.log(p.lag_decay))
+def _objective_id(objective: str) -> int:
+    if objective not in _OBJECTIVE_ID:
+        raise ValueError(f"objective={objective!r} is not one of {', '.join(map(repr, _OBJECTIVE_ID))}")
+    return _OBJECTIVE_ID[objective]
 
 
-def tis_loss_reference(logp, mu, adv, mask, n_tokens: float, p: TISParams, lag=None,
-                       log_ratio=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (scalar loss, per-token weight w_t, detached). All inputs (N,) float32."""
+def lag_factor(lag: torch.Tensor, lag_decay: float) -> torch.Tensor:
+    """f_t = d ** lag_t (d = ``lag_decay``), computed as exp(lag_t log d) in float32 exactly as the kernel does."""
+    return torch.exp(lag.float() * math.log(lag_decay))
+
+
+def tis_loss_reference(logp, mu, adv, mask, n_tokens: float, *, objective: Objective = "reinforce",
+                       truncation: float = 2.0, clip_low: float = 0.2, clip_high: float = 0.28,
+                       icepop_low: float = 0.5, icepop_high: float = 2.0, lag_decay: float = 1.0,
+                       lag=None, log_ratio=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (scalar loss, per-token weight w_t, detached). All inputs (N,) float32; the
+    arguments are ``tis_loss``'s."""
     if log_ratio is None:
         r = torch.exp(logp - mu)
     else:  # value exp(l_t), gradient d r / d logp = r (GSPO-token)
         r = torch.exp(log_ratio.detach() + logp - logp.detach())
-    f = lag_factor(lag, p) if lag is not None else torch.ones_like(logp)
-    per_token, weight = objective_terms(r, adv, logp, f, p)
+    c = _Consts(objective, truncation, clip_low, clip_high, icepop_low, icepop_high, lag_decay)
+    per_token, weight = objective_terms(r, adv, logp, lag, **c._asdict())
     return (per_token * mask).sum() / n_tokens, weight
 
 
-def objective_terms(rho: torch.Tensor, adv: torch.Tensor, logp: torch.Tensor, f: torch.Tensor,
-                    p: TISParams) -> tuple[torch.Tensor, torch.Tensor]:
+def objective_terms(rho: torch.Tensor, adv: torch.Tensor, logp: torch.Tensor, lag: torch.Tensor | None, *,
+                    objective: Objective = "reinforce", truncation: float = 2.0, clip_low: float = 0.2,
+                    clip_high: float = 0.28, icepop_low: float = 0.5, icepop_high: float = 2.0,
+                    lag_decay: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss terms (before mask and 1/N) and weights of the objective, given the ratio
-    ``rho`` the objective sees (its gradient path is the caller's) and the lag factor ``f``."""
-    if p.objective == "ppo":
-        clipped = torch.minimum(torch.clamp(rho, min=1 - p.clip_low), 1 + p.clip_high * f) * adv
+    ``rho`` the objective sees (its gradient path is the caller's) and each token's ``lag``
+    (None: 0) for the lag factor f_t."""
+    _objective_id(objective)
+    f = lag_factor(lag, lag_decay) if lag is not None else torch.ones_like(logp)
+    if objective == "ppo":
+        clipped = torch.minimum(torch.clamp(rho, min=1 - clip_low), 1 + clip_high * f) * adv
         return -torch.minimum(rho * adv, clipped), rho.detach()
     rd = rho.detach()
-    if p.objective == "reinforce":
-        weight = torch.minimum(rd, p.truncation * f)
-    elif p.objective == "icepop":
-        weight = torch.where((rd >= p.icepop_low) & (rd <= p.icepop_high * f), rd, torch.zeros_like(rd))
+    if objective == "reinforce":
+        weight = torch.minimum(rd, truncation * f)
+    elif objective == "icepop":
+        weight = torch.where((rd >= icepop_low) & (rd <= icepop_high * f), rd, torch.zeros_like(rd))
     else:
         weight = torch.ones_like(rd)
     return -weight * adv * logp, weight
@@ -142,7 +133,7 @@ def _tis_kernel(logp_ptr, mu_ptr, lr_ptr, lag_ptr, adv_ptr, mask_ptr, loss_ptr, 
 
 class _TISLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logp, mu, log_ratio, lag, adv, mask, n_tokens: float, p: TISParams):
+    def forward(ctx, logp, mu, log_ratio, lag, adv, mask, n_tokens: float, c: _Consts):
         n = logp.numel()
         loss, w, dlogp = (torch.empty(n, dtype=torch.float32, device=logp.device) for _ in range(3))
         if n:
@@ -150,8 +141,8 @@ class _TISLoss(torch.autograd.Function):
             given = log_ratio is not None
             _tis_kernel[(triton.cdiv(n, block),)](
                 logp, mu, log_ratio if given else mu, lag, adv, mask, loss, w, dlogp, n, 1.0 / n_tokens,
-                p.truncation, p.clip_low, p.clip_high, p.icepop_low, p.icepop_high, math.log(p.lag_decay),
-                OBJECTIVE=_OBJECTIVE_ID[p.objective], GIVEN_RATIO=given, BLOCK=block,
+                c.truncation, c.clip_low, c.clip_high, c.icepop_low, c.icepop_high, math.log(c.lag_decay),
+                OBJECTIVE=_objective_id(c.objective), GIVEN_RATIO=given, BLOCK=block,
             )
         ctx.save_for_backward(dlogp)
         ctx.mark_non_differentiable(w)
@@ -163,12 +154,18 @@ class _TISLoss(torch.autograd.Function):
         return dlogp * g_loss, None, None, None, None, None, None, None
 
 
-def tis_loss(logp, mu, adv, mask, n_tokens: float, p: TISParams, *, lag=None, log_ratio=None,
-             impl: Literal["auto", "triton", "reference"] = "auto"):
+def tis_loss(logp, mu, adv, mask, n_tokens: float, *, objective: Objective = "reinforce", truncation: float = 2.0,
+             clip_low: float = 0.2, clip_high: float = 0.28, icepop_low: float = 0.5, icepop_high: float = 2.0,
+             lag_decay: float = 1.0, lag=None, log_ratio=None, impl: Literal["auto", "triton", "reference"] = "auto"):
     """Scalar loss and per-token weights from flat (N,) float32 tensors; grad flows to ``logp``.
 
-    ``lag`` (N,) is each token's lag for ``p.lag_decay`` (None: 0); ``log_ratio`` (N,), if
-    given, replaces logp - mu as the ratio's log (the sequence level)."""
+    ``objective`` and its constants are the module docstring's: ``truncation`` C (reinforce),
+    ``clip_low``/``clip_high`` eps_lo/eps_hi (ppo), ``icepop_low``/``icepop_high`` lo/hi
+    (icepop), ``lag_decay`` d; the caller validates their ranges (``trainer.config.ObjectiveConfig``),
+    an unknown objective is refused here. ``lag`` (N,) is each token's lag for ``lag_decay``
+    (None: 0); ``log_ratio`` (N,), if given, replaces logp - mu as the ratio's log (the sequence level)."""
+    c = _Consts(objective, truncation, clip_low, clip_high, icepop_low, icepop_high, lag_decay)
+    _objective_id(objective)
     tensors = [t for t in (logp, mu, adv, mask, lag, log_ratio) if t is not None]
     if not (all(t.shape == logp.shape for t in tensors) and logp.dim() == 1):
         raise ValueError(f"tis_loss wants equal (N,) tensors, got {[tuple(t.shape) for t in tensors]}")
@@ -176,7 +173,7 @@ def tis_loss(logp, mu, adv, mask, n_tokens: float, p: TISParams, *, lag=None, lo
         raise ValueError(f"n_tokens={n_tokens} must be > 0")
     use_triton = impl == "triton" or (impl == "auto" and logp.device.type == "cuda")
     if not use_triton:
-        return tis_loss_reference(logp, mu, adv, mask, n_tokens, p, lag, log_ratio)
+        return tis_loss_reference(logp, mu, adv, mask, n_tokens, lag=lag, log_ratio=log_ratio, **c._asdict())
     lag = torch.zeros_like(logp) if lag is None else lag
     args = [t.detach().float().contiguous() if t is not None else None for t in (mu, log_ratio, lag, adv, mask)]
-    return _TISLoss.apply(logp.float().contiguous(), *args, float(n_tokens), p)
+    return _TISLoss.apply(logp.float().contiguous(), *args, float(n_tokens), c)

@@ -44,6 +44,24 @@ def port():
     release_port("127.0.0.1", port)
 
 
+@pytest.fixture(scope="module")
+def hold_port():
+    """``hold_port(host="127.0.0.1")`` holds a port as ``port`` does, for a store hosted in
+    this process by a module-scoped fixture (one port per call: a parametrized fixture's
+    instances each get their own) or on another address; what no store took is released
+    when the module ends. A store hosted by a child process cannot take a port held here:
+    the child reserves its own and hands it on."""
+    held: list[tuple[str, int]] = []
+
+    def hold(host: str = "127.0.0.1") -> int:
+        held.append((host, reserve_port(host)))
+        return held[-1][1]
+
+    yield hold
+    for host, port in held:
+        release_port(host, port)
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen(tmp_path_factory: pytest.TempPathFactory):
     """A 2-layer Qwen2 (qkv bias, tied embeddings), fp32 on disk."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ from safetensors.torch import load_file
 
 from engine_patches.config import InflightConfig, engine_kwargs
 from engine_patches.client import inflight_status, start_inflight, tagged
+from engine_patches.rpc import WorkerStatus
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushResult, WeightPusher
 
@@ -40,8 +42,8 @@ class Harness:
             self.start_report = start_inflight(self.llm, InflightConfig(group=self.group, commit=commit))  # type: ignore[arg-type]
             self.pusher = WeightPusher(self.group, PushConfig(dtype=dtype, bucket_mb=0.25))
         except BaseException:
-            # Tear the engine down now (e.g. free_port's port was taken before the pusher bound
-            # it): left to the failure's traceback, it would be collected during a later test,
+            # Tear the engine down now (e.g. the pusher could not host the group's store):
+            # left to the failure's traceback, it would be collected during a later test,
             # and vLLM's teardown resets per-process globals (its parallel groups) under that
             # test's live engine.
             with contextlib.suppress(Exception):
@@ -69,7 +71,7 @@ class Harness:
         outs = self.llm.generate(prompts, sp, use_tqdm=False)
         return [(list(o.prompt_token_ids), tagged(o.outputs[0])) for o in outs]
 
-    def status(self) -> dict:
+    def status(self) -> WorkerStatus:
         return inflight_status(self.llm)
 
     def close(self) -> None:
@@ -136,3 +138,44 @@ def drive(llm: Any, coordinator: Any, prompts: Sequence[str], sp: Any, *, hold_a
             if out.finished:
                 done[out.request_id] = out
     return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+class StepPushes:
+    """A trainer thread (see ``push_at_steps``): its pushes' results, in order, and errors."""
+
+    def __init__(self, steps: Callable[[], int], at: Sequence[int], push: Callable[[int], Any]) -> None:
+        self.results: list[Any] = []
+        self.errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(steps, tuple(at), push), daemon=True)
+        self._thread.start()
+
+    def _run(self, steps: Callable[[], int], at: tuple[int, ...], push: Callable[[int], Any]) -> None:
+        try:
+            for k, mark in enumerate(at):
+                while steps() < mark:
+                    time.sleep(0.001)  # an event, not a deadline: the engine reaching the step
+                self.results.append(push(k))
+        except BaseException as e:  # noqa: BLE001  surfaced by ``join``
+            self.errors.append(e)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self) -> list[Any]:
+        """Wait for the last push; fail with the trainer's error if it had one. Returns the results."""
+        self._thread.join()
+        assert not self.errors, self.errors
+        return self.results
+
+
+def push_at_steps(steps: Callable[[], int], at: Sequence[int], push: Callable[[int], Any]) -> StepPushes:
+    """Start a trainer thread that calls ``push(k)`` once ``steps()`` reached ``at[k]``, for
+    each k in turn (a push still running at the next mark delays the next one).
+
+    ``steps`` counts engine steps since the test's start: a commit coordinator's
+    (``lambda: gate.steps - start``) when EngineCore runs in this process, else the steps
+    (or outputs, or rounds) the test's own loop has taken. So pushes follow the engine
+    however slow the machine, never a wall-clock deadline; pair it with ``drive`` to hold
+    the engine until each commit can land at its step.
+    """
+    return StepPushes(steps, at, push)

@@ -22,7 +22,7 @@ from inflight.rollout_queue import RolloutBuffer, RolloutQueue
 from inflight.protocol import AuthError, Commit, RolloutGroup, RolloutSample, encode
 from inflight.transport.errors import TransportError
 from inflight.transport.group import GroupConfig, WeightGroup
-from inflight.transport.store import reserve_port, store_reachable, wait_key
+from inflight.transport.store import store_reachable, wait_key
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from tests.engine_harness import Harness, perturbed
 
@@ -41,40 +41,41 @@ def _outside_address() -> str | None:
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
-def test_store_listens_on_loopback_unless_an_address_is_configured(host: str) -> None:
+def test_store_listens_on_loopback_unless_an_address_is_configured(host: str, hold_port) -> None:
     outside = _outside_address()
     if outside is None:
         pytest.skip("this machine has no address but loopback")
-    config = GroupConfig(host=host, port=reserve_port(), world_size=2, timeout_s=5.0)
+    config = GroupConfig(host=host, port=hold_port(host), world_size=2, timeout_s=5.0)
     errors: list[BaseException] = []
+    trainers: list[WeightGroup] = []
     up = threading.Event()
 
-    def trainer() -> None:  # hosts the store, waits for a worker that never comes
+    def trainer() -> None:  # hosts the store, waits for the worker
         try:
-            WeightGroup(config, 0, join_timeout_s=60.0)
-        except BaseException as e:  # noqa: BLE001  expected: nobody joins
+            trainers.append(WeightGroup(config, 0, join_timeout_s=60.0))
+        except BaseException as e:  # noqa: BLE001  surfaced below
             errors.append(e)
         up.set()
 
     threading.Thread(target=trainer, daemon=True).start()
-    while not store_reachable("127.0.0.1", config.port) and not up.is_set():  # the store is up
-        pass
+    # the held socket is the store's own (``hold_port``): it listens from the start, on ``host`` only
     assert store_reachable("127.0.0.1", config.port)
     assert store_reachable(outside, config.port) == (host == "0.0.0.0")
     # let the trainer go: a worker joins, so the trainer's wait ends with the group formed
     worker = WeightGroup(GroupConfig(host="127.0.0.1", port=config.port, world_size=2, timeout_s=5.0), 1,
                          join_timeout_s=60.0)
-    up.wait(60)
+    assert up.wait(60) and not errors, errors  # the store was this very socket, and the group formed
     worker.close()
+    trainers[0].close()
 
 
 # -- a serving engine with a secret ---------------------------------------------------------------
 @pytest.fixture(scope="module")
-def harness(tiny_llama):
+def harness(tiny_llama, hold_port):
     saved = os.environ.get(SECRET_ENV)
     os.environ[SECRET_ENV] = SECRET  # the engine reads it at its start, the pusher at its construction
     try:
-        h = Harness(tiny_llama, "float32", reserve_port(), timeout_s=10.0)
+        h = Harness(tiny_llama, "float32", hold_port(), timeout_s=10.0)
     finally:
         os.environ.pop(SECRET_ENV) if saved is None else os.environ.__setitem__(SECRET_ENV, saved)
     yield h
@@ -109,7 +110,7 @@ def test_trainer_with_a_wrong_or_missing_secret_is_refused(harness: Harness, mon
             _trainer(h)
         assert "worker rank 1's hello" in str(exc.value) and says in str(exc.value), str(exc.value)
         _serves(h, live)
-        assert h.status()["live_version"] == live
+        assert h.status().live_version == live
     monkeypatch.setenv(SECRET_ENV, SECRET)  # the right trainer comes back and pushes
     h.pusher = _trainer(h)
     h.push(perturbed(h.base, seed=2))
@@ -123,7 +124,7 @@ def test_a_forged_control_message_is_refused_and_the_engine_keeps_serving(harnes
     live = h.version
     g, seq = h.pusher.group.generation, h.pusher.control.seq
     stray = PrefixStore(h.group.name, TCPStore(h.group.host, h.group.port, is_master=False, wait_for_workers=False))
-    refused_before = h.status()["rejections"].get("unauthenticated", 0)
+    refused_before = h.status().rejections.get("unauthenticated", 0)
     forgeries = [encode(Commit(version=live + 1)),  # unsigned
                  seal(encode(Commit(version=live + 1)), b"guessed", f"inflight/x/gen{g}/ctl/msg/{seq + 1}")]
     for k, forged in enumerate(forgeries):
@@ -133,7 +134,7 @@ def test_a_forged_control_message_is_refused_and_the_engine_keeps_serving(harnes
             h.pusher.push(live + 1, perturbed(h.base, seed=4))
         assert exc.value.codes == {"unauthenticated"} and SECRET_ENV in str(exc.value), str(exc.value)
         _serves(h, live)
-    assert h.status()["rejections"]["unauthenticated"] == refused_before + 2
+    assert h.status().rejections["unauthenticated"] == refused_before + 2
     h.push(perturbed(h.base, seed=4))  # the real trainer's next update lands
     _serves(h, h.version)
 

@@ -20,8 +20,7 @@ import math
 import pytest
 import torch
 
-from kernels.tis_loss import TISParams
-from trainer.config import LossConfig
+from trainer.config import LossConfig, ObjectiveConfig
 from trainer.correction import m2po_keep
 from trainer.loss import Batch, compute_loss
 from trainer.metrics import ess_warning
@@ -59,7 +58,7 @@ def _grad(per_token: list[list[float]]) -> torch.Tensor:
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_gspo_sequence_ratio_clip_by_hand(impl: str) -> None:
-    loss, grad, m = _run(impl, level="sequence", tis=TISParams(objective="ppo", clip_low=0.2, clip_high=0.1))
+    loss, grad, m = _run(impl, level="sequence", objective=ObjectiveConfig(name="ppo", clip_low=0.2, clip_high=0.1))
     # sample 0: s = 1.221 > 1.1, A > 0: clipped, -1.1 per kept token, no gradient
     # sample 1: s = 0.819 inside [0.8, 1.1]: -s A = 2 s per token; d/dlogp_t = -A s n_i/(N n_i) = 2 s / 9
     # sample 2: s = 0.670 < 0.8, A > 0: min picks the unclipped s A: -0.5 s per token, grad -0.5 s / 9
@@ -71,7 +70,7 @@ def test_gspo_sequence_ratio_clip_by_hand(impl: str) -> None:
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_seq_tis_truncates_the_sequence_ratio(impl: str) -> None:
-    loss, grad, m = _run(impl, level="sequence", tis=TISParams(truncation=1.1))
+    loss, grad, m = _run(impl, level="sequence", objective=ObjectiveConfig(truncation=1.1))
     w = [1.1, S[1], S[2]]  # min(s_i, C), the same on every token of a sample
     assert float(loss) == pytest.approx(-LOG_HALF * (4 * w[0] * A[0] + 2 * w[1] * A[1] + 2 * w[2] * A[2]) / 9, abs=1e-6)
     want = [[-w[i] * A[i] * k for k in KEPT[i]] for i in range(3)]
@@ -82,7 +81,7 @@ def test_seq_tis_truncates_the_sequence_ratio(impl: str) -> None:
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_lag_aware_truncation_token_level(impl: str) -> None:
     # C_t = 2 * 0.5 ** lag_t: sample 0 [1, 1, 2, 2], sample 1 [-, 1, 2], sample 2 [2, 2]
-    loss, grad, m = _run(impl, tis=TISParams(truncation=2.0, lag_decay=0.5))
+    loss, grad, m = _run(impl, objective=ObjectiveConfig(truncation=2.0, lag_decay=0.5))
     w = [[1.0, 1.0, math.exp(-0.2), math.exp(0.4)], [0, 1.0, math.exp(-0.5), 0], [math.exp(-1.0), math.exp(0.2), 0, 0]]
     want = [[-w[i][t] * A[i] * KEPT[i][t] for t in range(4)] for i in range(3)]
     torch.testing.assert_close(grad, _grad(want), atol=1e-7, rtol=0)
@@ -92,7 +91,7 @@ def test_lag_aware_truncation_token_level(impl: str) -> None:
 
 def test_lag_aware_truncation_sequence_level_uses_the_oldest_kept_token() -> None:
     # lag_i = max kept lag: [1, 1, 0] -> C_i = [1, 1, 2]; w = [1, s1, s2]
-    _, grad, _ = _run(level="sequence", tis=TISParams(truncation=2.0, lag_decay=0.5))
+    _, grad, _ = _run(level="sequence", objective=ObjectiveConfig(truncation=2.0, lag_decay=0.5))
     w = [1.0, S[1], S[2]]
     torch.testing.assert_close(grad, _grad([[-w[i] * A[i] * k for k in KEPT[i]] for i in range(3)]), atol=1e-7, rtol=0)
 
@@ -100,7 +99,7 @@ def test_lag_aware_truncation_sequence_level_uses_the_oldest_kept_token() -> Non
 def test_m2po_greedy_mask_by_hand() -> None:
     # kept q = l^2: [.16 .04 .04 .16 | .01 .25 | 1 .04], mean .2125 > .05: drop 1 (mean .1),
     # .25 (.075), .16 (.058), .16 (.0325 <= .05): four tokens go
-    loss, grad, m = _run(tis=TISParams(objective="none"), m2_threshold=0.05)
+    loss, grad, m = _run(objective=ObjectiveConfig(name="none"), m2_threshold=0.05)
     kept = [[0, 1, 1, 0], [0, 1, 0, 0], [0, 1, 0, 0]]
     want = [[-A[i] * kept[i][t] for t in range(4)] for i in range(3)]
     torch.testing.assert_close(grad, _grad(want), atol=1e-7, rtol=0)
@@ -122,7 +121,7 @@ def test_m2po_keeps_everything_under_the_threshold_and_can_drop_all() -> None:
     ("geometric", 0.75, 1.25, [0, 1]),   # e^0.2, e^-0.2 inside; e^-0.4 = 0.67 outside
 ])
 def test_seq_mis_masks_whole_samples(kind: str, low: float, high: float, kept_samples: list[int]) -> None:
-    loss, grad, m = _run(tis=TISParams(objective="none"), seq_mask=kind, seq_mask_low=low, seq_mask_high=high)
+    loss, grad, m = _run(objective=ObjectiveConfig(name="none"), seq_mask=kind, seq_mask_low=low, seq_mask_high=high)
     want = [[-A[i] * KEPT[i][t] * (i in kept_samples) for t in range(4)] for i in range(3)]
     torch.testing.assert_close(grad, _grad(want), atol=1e-7, rtol=0)
     dropped = sum(sum(KEPT[i]) for i in range(3) if i not in kept_samples)
@@ -133,7 +132,7 @@ def test_seq_mis_masks_whole_samples(kind: str, low: float, high: float, kept_sa
 def test_veto_drops_samples_with_a_catastrophic_kept_token() -> None:
     # r = e^-1 = 0.37 < 0.4 in sample 2; sample 1's e^-5 is lag-masked and its padding e^-9 is not
     # a token, so sample 1 stays
-    _, grad, m = _run(tis=TISParams(objective="none"), veto=True, veto_threshold=0.4)
+    _, grad, m = _run(objective=ObjectiveConfig(name="none"), veto=True, veto_threshold=0.4)
     want = [[-A[i] * KEPT[i][t] * (i != 2) for t in range(4)] for i in range(3)]
     torch.testing.assert_close(grad, _grad(want), atol=1e-7, rtol=0)
     assert m["frac_masked_veto"] == pytest.approx(2 / 9) and m["frac_seq_vetoed"] == pytest.approx(1 / 3)
@@ -141,7 +140,7 @@ def test_veto_drops_samples_with_a_catastrophic_kept_token() -> None:
 
 
 def test_metrics_by_hand() -> None:
-    _, _, m = _run(tis=TISParams(truncation=1.3), veto_threshold=0.4)
+    _, _, m = _run(objective=ObjectiveConfig(truncation=1.3), veto_threshold=0.4)
     l = [0.4, 0.2, -0.2, 0.4, 0.1, -0.5, -1.0, 0.2]  # the kept tokens
     r = [math.exp(x) for x in l]
     mean = sum(r) / 8
@@ -175,16 +174,16 @@ def test_metrics_by_hand() -> None:
 
 
 def test_ess_warning() -> None:
-    _, _, m = _run(tis=TISParams(truncation=1.3))
+    _, _, m = _run(objective=ObjectiveConfig(truncation=1.3))
     assert ess_warning(m, 0.3) is None
     msg = ess_warning({**m, "ess": 0.2}, 0.3)
     assert msg is not None and msg.startswith("ESS 0.20 < 0.3")
-    assert m["ess_low"] is False and _run(tis=TISParams(truncation=1.3), ess_warn=1.0)[2]["ess_low"] is True
+    assert m["ess_low"] is False and _run(objective=ObjectiveConfig(truncation=1.3), ess_warn=1.0)[2]["ess_low"] is True
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("level", "group", r"loss.level='group' is not token or sequence"),
-    ("seq_mask", "arith", r"loss.seq_mask='arith' is not off, geometric or product"),
+    ("level", "group", r"loss.level='group' is not one of 'token', 'sequence'"),
+    ("seq_mask", "arith", r"loss.seq_mask='arith' is not one of 'off', 'geometric', 'product'"),
     ("seq_mask_low", 3.0, r"loss.seq_mask=\(3.0, 2.0\) needs 0 <= low < high"),
     ("veto_threshold", 0.0, r"loss.veto_threshold=0.0 must be in \(0, 1\)"),
     ("m2_threshold", -1.0, r"loss.m2_threshold=-1.0 must be >= 0"),
@@ -193,5 +192,5 @@ def test_ess_warning() -> None:
 def test_config_rejects_bad_values(field: str, value, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LossConfig(**{field: value})
-    with pytest.raises(ValueError, match=r"TISParams.lag_decay=0.0 must be in \(0, 1\]"):
-        TISParams(lag_decay=0.0)
+    with pytest.raises(ValueError, match=r"loss.objective.lag_decay=0.0 must be in \(0, 1\]"):
+        ObjectiveConfig(lag_decay=0.0)

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -17,8 +16,7 @@ import torch
 
 from engine_patches.client import tagged
 from inflight.versions import boundaries, is_monotone
-from inflight.transport.store import reserve_port
-from tests.engine_harness import Harness, Reference, drive, perturbed
+from tests.engine_harness import Harness, Reference, drive, perturbed, push_at_steps
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5=", "lazy dog"]
 # Measured here: fp32 <= 1.7e-6 (oneDNN vs transformers' matmuls); bf16 <= 0.016 (every
@@ -33,10 +31,10 @@ ENGINES = [("qwen2", "float32", "auto"), ("qwen2", "bfloat16", "auto"), ("llama"
 
 
 @pytest.fixture(scope="module", params=ENGINES, ids=lambda p: "-".join(p))
-def harness(request, tiny_qwen, tiny_llama):
+def harness(request, tiny_qwen, tiny_llama, hold_port):
     arch, dtype, commit = request.param
-    h = Harness(tiny_qwen if arch == "qwen2" else tiny_llama, dtype, reserve_port(), commit=commit)
-    assert h.start_report["commit"] == ("swap" if commit == "auto" else commit)
+    h = Harness(tiny_qwen if arch == "qwen2" else tiny_llama, dtype, hold_port(), commit=commit)
+    assert h.start_report.commit == ("swap" if commit == "auto" else commit)
     yield h
     h.close()
 
@@ -81,26 +79,13 @@ def test_requests_span_many_versions_with_exact_boundaries(harness: Harness) -> 
     h = harness
     gate = h.gate()
     n_steps, commit_at = 160, (20, 55, 90, 125)
-    commits = []
-    errors: list[BaseException] = []
     start = gate.steps
-
-    def trainer() -> None:
-        try:
-            for k, at in enumerate(commit_at):
-                while gate.steps - start < at:
-                    time.sleep(0.001)
-                commits.append(h.push(perturbed(h.base, seed=100 + k, scale=0.02)).commits[1])
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    t = threading.Thread(target=trainer)
-    t.start()
+    pushes = push_at_steps(lambda: gate.steps - start, commit_at,
+                           lambda k: h.push(perturbed(h.base, seed=100 + k, scale=0.02)).commits[1])
     sp = SamplingParams(temperature=1.0, max_tokens=n_steps, logprobs=0, ignore_eos=True, seed=7)
     # each commit lands within 30 steps of its mark, however slow the machine: see ``drive``
     outs = drive(h.llm, gate, [f"{i}+{i}=" for i in range(12)], sp, hold_at=[a + 30 for a in commit_at], start=start)
-    t.join()
-    assert not errors, errors
+    commits = pushes.join()
     assert len(commits) == len(commit_at)
     for o in outs:
         tc = tagged(o.outputs[0])
@@ -117,7 +102,7 @@ def test_requests_span_many_versions_with_exact_boundaries(harness: Harness) -> 
     landed = {c.version for c in commits}
     records = [r for r in gate.history if r.version in landed]
     assert {r.via for r in records} == {"step"}, [(r.version, r.via) for r in records]
-    assert all(w["forward_thread"] is True for r in records for w in r.workers)
+    assert all(w.forward_thread is True for r in records for w in r.workers)
 
 
 @ONCE
@@ -139,9 +124,7 @@ def test_decoding_continues_while_buckets_arrive(harness: Harness) -> None:
             result["sender_waiting"] = False
         return header, data
 
-    def trainer() -> None:
-        while gate.steps - start < 5:
-            time.sleep(0.001)
+    def stage_then_commit(_: int) -> None:  # once the engine stepped 5 times
         h.version += 1
         stats, staged = h.pusher.send(h.version, perturbed(h.base, seed=7), tamper=hold_bucket_20)
         result["staged"] = staged[1]
@@ -152,8 +135,7 @@ def test_decoding_continues_while_buckets_arrive(harness: Harness) -> None:
         result["commit"] = h.pusher.commit(h.version)[1]
 
     try:
-        t = threading.Thread(target=trainer)
-        t.start()
+        pushes = push_at_steps(lambda: gate.steps - start, [5], stage_then_commit)
         # long requests, held near their end until the commit; on a busy machine staging may
         # outlast 990 steps, so the hold lets the engine step while the trainer waits for its
         # steps (and only then), and the commit still lands before the end
@@ -163,7 +145,7 @@ def test_decoding_continues_while_buckets_arrive(harness: Harness) -> None:
             return result.get("sender_waiting", False) or ("steps_staged" in result and "steps_before_commit" not in result)
 
         outs = drive(h.llm, gate, ["1+1=", "2+2="], sp, hold_at=[990], start=start, release=waiting_for_steps)
-        t.join()
+        pushes.join()
     finally:
         h.pusher.sender.bucket_bytes = h.pusher.config.bucket_bytes
     staged, commit = result["staged"], result["commit"]
@@ -191,7 +173,7 @@ def test_behaviour_logprobs_honour_temperature(harness: Harness) -> None:
         torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), want, atol=1e-5, rtol=0)
 
 
-def test_misconfigured_engine_is_refused(tiny_llama) -> None:
+def test_misconfigured_engine_is_refused(tiny_llama, port) -> None:
     from vllm import LLM
 
     from engine_patches.config import WORKER_EXTENSION, InflightConfig
@@ -201,14 +183,14 @@ def test_misconfigured_engine_is_refused(tiny_llama) -> None:
     llm = LLM(str(tiny_llama), enforce_eager=True, max_model_len=256, worker_extension_cls=WORKER_EXTENSION,
               enable_prefix_caching=True)
     with pytest.raises(Exception) as exc:
-        start_inflight(llm, InflightConfig(group=GroupConfig(port=reserve_port())))
+        start_inflight(llm, InflightConfig(group=GroupConfig(port=port)))
     assert "enable_prefix_caching must be False" in str(exc.value)
     assert "need 'processed_logprobs'" in str(exc.value)
     assert getattr(llm.llm_engine.engine_core.engine_core, "_inflight_coordinator", None) is None  # nothing attached
     del llm
 
 
-def test_engines_without_a_between_steps_boundary_are_refused(tiny_llama) -> None:
+def test_engines_without_a_between_steps_boundary_are_refused(tiny_llama, port) -> None:
     """Pipeline and data parallelism, and ranks beyond the group, are refused by name, on the
     real engine configuration with only the parallel layout changed."""
     import copy
@@ -221,7 +203,7 @@ def test_engines_without_a_between_steps_boundary_are_refused(tiny_llama) -> Non
 
     llm = LLM(str(tiny_llama), enforce_eager=True, max_model_len=256, **engine_kwargs())
     real = llm.llm_engine.vllm_config
-    config = InflightConfig(group=GroupConfig(port=reserve_port(), world_size=3))
+    config = InflightConfig(group=GroupConfig(port=port, world_size=3))
     assert check_engine(real, config) == 1
 
     def layout(**sizes: int):

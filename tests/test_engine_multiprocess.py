@@ -11,7 +11,6 @@ step through ``LLMEngine.step`` and triggers pushes by the outputs it has seen.
 from __future__ import annotations
 
 import gc
-import threading
 
 import pytest
 import torch
@@ -20,14 +19,13 @@ from safetensors.torch import load_file
 from engine_patches.config import InflightConfig, engine_kwargs
 from engine_patches.client import inflight_status, start_inflight, tagged
 from inflight.transport.group import GroupConfig
-from inflight.transport.store import reserve_port
 from inflight.transport.pusher import PushConfig, WeightPusher
 from inflight.versions import boundaries, is_monotone, tags_from_spans
-from tests.engine_harness import Reference, perturbed
+from tests.engine_harness import Reference, perturbed, push_at_steps
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_qwen):
+def engine(tiny_qwen, hold_port):
     import vllm.envs
     from vllm import LLM
 
@@ -36,7 +34,7 @@ def engine(tiny_qwen):
         vllm.envs.disable_envs_cache()  # an earlier in-process engine cached the environment
         llm = LLM(str(tiny_qwen), enforce_eager=True, dtype="float32", max_model_len=512, seed=0, **engine_kwargs())
         assert llm.llm_engine.engine_core.__class__.__name__ == "SyncMPClient"
-        group = GroupConfig(port=reserve_port(), world_size=2, timeout_s=120)
+        group = GroupConfig(port=hold_port(), world_size=2, timeout_s=120)
         start_inflight(llm, InflightConfig(group=group))
         pusher = WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25))
         yield llm, pusher, load_file(str(tiny_qwen / "model.safetensors")), tiny_qwen
@@ -67,8 +65,8 @@ def test_idle_push_commits_on_the_engine_thread_and_matches_transformers(engine)
         assert out.token_ids == ref.greedy(prompt, 10)
         torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), ref.logprobs(prompt, out.token_ids),
                                    atol=1e-5, rtol=0)
-    (commit,) = [c for c in inflight_status(llm)["commits"] if c["version"] == 1]
-    assert commit["ok"] and commit["forward_thread"] is True
+    (commit,) = [c for c in inflight_status(llm).commits if c.version == 1]
+    assert commit.ok and commit.forward_thread is True
 
 
 def test_pushes_while_decoding_land_between_steps_with_exact_tags(engine) -> None:
@@ -77,26 +75,14 @@ def test_pushes_while_decoding_land_between_steps_with_exact_tags(engine) -> Non
 
     llm, pusher, base, _ = engine
     core = llm.llm_engine
-    trigger, results, errors = threading.Event(), [], []
-
-    def trainer() -> None:
-        try:
-            for k in range(3):
-                trigger.wait()
-                trigger.clear()
-                results.append(pusher.push(2 + k, perturbed(base, seed=50 + k, scale=0.02)))
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=trainer)
-    t.start()
     finished: dict[str, list[int]] = {}
     active: set[str] = set()
     n_req, seen = 0, 0
     # Keep 8 requests decoding until every push returned, so each commit lands mid-decode;
-    # pushes are triggered by outputs seen, never by wall-clock time.
-    while t.is_alive() or active:
-        while t.is_alive() and len(active) < 8:
+    # pushes are triggered by the steps this loop took, never by wall-clock time.
+    pushes = push_at_steps(lambda: seen, (25, 50, 75), lambda k: pusher.push(2 + k, perturbed(base, seed=50 + k, scale=0.02)))
+    while pushes.alive() or active:
+        while pushes.alive() and len(active) < 8:
             rid = f"r{n_req}"
             n_req += 1
             sp = SamplingParams(max_tokens=120, ignore_eos=True, temperature=1.0, seed=n_req,
@@ -109,10 +95,7 @@ def test_pushes_while_decoding_land_between_steps_with_exact_tags(engine) -> Non
                 spans = out.outputs[0].weight_versions
                 finished[out.request_id] = tags_from_spans(spans, len(out.outputs[0].token_ids))
         seen += 1
-        if seen % 25 == 0 and len(results) < 3:
-            trigger.set()
-    t.join()
-    assert not errors, errors
+    results = pushes.join()
     assert [r.version for r in results] == [2, 3, 4]
     for r in results:
         assert any(n > 0 for n in r.commits[1].tokens_at_commit.values()), "a commit did not land mid-decode"
@@ -127,5 +110,5 @@ def test_pushes_while_decoding_land_between_steps_with_exact_tags(engine) -> Non
                 assert first[c.version] == c.tokens_at_commit.get(rid, 0), (rid, c.version)
     assert spanning > 0
     status = inflight_status(llm)
-    assert status["live_version"] == 4 and status["engine_live_version"] == 4 and status["engine_commits"] == 4
-    assert all(c["forward_thread"] is True for c in status["commits"] if c["ok"])
+    assert status.live_version == 4 and status.engine.live_version == 4 and status.engine.commits == 4
+    assert all(c.forward_thread is True for c in status.commits if c.ok)

@@ -13,8 +13,6 @@ three ranks (trainer 0, workers 1 and 2).
 from __future__ import annotations
 
 import gc
-import threading
-import time
 
 import pytest
 import torch
@@ -22,17 +20,17 @@ from safetensors.torch import load_file
 
 from engine_patches.config import InflightConfig, engine_kwargs
 from engine_patches.client import coordinator_of, start_inflight, tagged
+from engine_patches.rpc import WorkerStatus, as_result
 from inflight.transport.group import GroupConfig
-from inflight.transport.store import reserve_port
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
-from tests.engine_harness import Reference, drive, perturbed
+from tests.engine_harness import Reference, drive, perturbed, push_at_steps
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5="]
 
 
 class TPEngine:
-    def __init__(self, model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, model_dir, port: int, monkeypatch: pytest.MonkeyPatch) -> None:
         from vllm import LLM
 
         # one core per rank: without the bind vLLM CPU refuses TP=2 ("Not enough allowed NUMA nodes")
@@ -43,7 +41,7 @@ class TPEngine:
         self.model_dir = model_dir
         self.llm = LLM(str(model_dir), tensor_parallel_size=2, distributed_executor_backend="mp", enforce_eager=True,
                        dtype="float32", max_model_len=512, seed=0, **engine_kwargs())
-        self.group = GroupConfig(port=reserve_port(), world_size=3, timeout_s=120)
+        self.group = GroupConfig(port=port, world_size=3, timeout_s=120)
         self.report = start_inflight(self.llm, InflightConfig(group=self.group))
         self.pusher = WeightPusher(self.group, PushConfig(dtype="float32", bucket_mb=0.25))
         self.coordinator = coordinator_of(self.llm)
@@ -60,8 +58,9 @@ class TPEngine:
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
         return [(list(o.prompt_token_ids), tagged(o.outputs[0])) for o in self.llm.generate(PROMPTS, sp, use_tqdm=False)]
 
-    def statuses(self) -> list[dict]:
-        return self.llm.collective_rpc("inflight_status")
+    def statuses(self) -> list[WorkerStatus]:
+        """Every worker's status (the workers are processes: their results arrive as maps)."""
+        return [as_result(s, WorkerStatus) for s in self.llm.collective_rpc("inflight_status")]
 
     def close(self) -> None:
         self.pusher.close()
@@ -72,9 +71,9 @@ class TPEngine:
 
 
 @pytest.fixture(scope="module")
-def tp(tiny_llama):
+def tp(tiny_llama, hold_port):
     with pytest.MonkeyPatch.context() as mp:
-        engine = TPEngine(tiny_llama, mp)
+        engine = TPEngine(tiny_llama, hold_port(), mp)
         yield engine
         engine.close()
     import vllm.envs
@@ -96,29 +95,17 @@ def _assert_matches(tp: TPEngine, state, version: int) -> list:
 def test_tp2_takes_updates_while_decoding_on_both_ranks_at_one_step(tp: TPEngine) -> None:
     from vllm import SamplingParams
 
-    assert tp.report["ranks"] == [1, 2]
-    assert {s["rank"] for s in tp.statuses()} == {1, 2}
+    assert tp.report.ranks == (1, 2)
+    assert {s.rank for s in tp.statuses()} == {1, 2}
     _assert_matches(tp, tp.base, 0)
     coordinator = tp.coordinator
     start, commit_at = coordinator.steps, (15, 45, 75)
-    commits, errors = [], []
-
-    def trainer() -> None:  # commits are driven by engine steps, never by wall-clock time
-        try:
-            for k, at in enumerate(commit_at):
-                while coordinator.steps - start < at:
-                    time.sleep(0.001)
-                commits.append(tp.push(perturbed(tp.base, seed=200 + k, scale=0.02)))
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=trainer)
-    t.start()
+    pushes = push_at_steps(lambda: coordinator.steps - start, commit_at,
+                           lambda k: tp.push(perturbed(tp.base, seed=200 + k, scale=0.02)))
     sp = SamplingParams(temperature=1.0, max_tokens=110, logprobs=0, ignore_eos=True, seed=5)
     # each commit lands within 25 steps of its mark, however slow the machine (see ``drive``)
     outs = drive(tp.llm, coordinator, [f"{i}+{i}=" for i in range(6)], sp, hold_at=[a + 25 for a in commit_at], start=start)
-    t.join()
-    assert not errors, errors
+    commits = pushes.join()
     assert [r.version for r in commits] == [1, 2, 3]
     for r in commits:
         # both ranks report the one engine commit: same step, same token counts
@@ -135,11 +122,11 @@ def test_tp2_takes_updates_while_decoding_on_both_ranks_at_one_step(tp: TPEngine
             assert first[c.version] == c.tokens_at_commit[o.request_id] == c.step - start
     _assert_matches(tp, perturbed(tp.base, seed=202, scale=0.02), 3)
     for status in tp.statuses():
-        landed = [c for c in status["commits"] if c["ok"]]
-        assert [c["version"] for c in landed][-3:] == [1, 2, 3]
+        landed = [c for c in status.commits if c.ok]
+        assert [c.version for c in landed][-3:] == [1, 2, 3]
         # the worker process's main thread runs its forward passes and every commit
-        assert all(c["main_thread"] and c["forward_thread"] for c in landed[-3:]), landed
-        assert status["live_version"] == 3 and status["engine_live_version"] == 3
+        assert all(c.main_thread and c.forward_thread for c in landed[-3:]), landed
+        assert status.live_version == 3 and status.engine.live_version == 3
 
 
 def _fail_next_commit_on_vllm_rank_1(worker) -> int:
@@ -172,7 +159,7 @@ def test_failure_on_one_rank_rolls_back_both_and_the_label_stays(tp: TPEngine) -
     for (_, a), (_, b) in zip(before, after):  # the same weights on both ranks, the same label
         assert b.versions == [live] * len(b.token_ids)
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
-    assert [s["live_version"] for s in tp.statuses()] == [live, live]
+    assert [s.live_version for s in tp.statuses()] == [live, live]
     # the next update lands on both ranks
     state = perturbed(tp.base, seed=301, scale=0.02)
     result = tp.push(state)

@@ -22,7 +22,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,21 +32,20 @@ from engine_patches.client import coordinator_of, start_inflight, tagged
 from inflight.rollout_queue import RolloutQueue
 from inflight.transport.errors import TransportError
 from inflight.transport.group import GroupConfig
-from inflight.transport.store import reserve_port
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
-from tests.engine_harness import perturbed
-from tests.test_recovery import _check_ledger, _config, _pending_ids, _rows
+from tests.engine_harness import perturbed, push_at_steps
+from tests.helpers import check_ledger, metrics_rows, pending_ids, run_config, wait_rows
 from trainer.config import config_from_dict
 from trainer.fleet import Fleet, Placement
 from trainer.train import train
 
 
-def test_two_engines_take_every_update_with_exact_tags_on_each(tiny_qwen) -> None:
+def test_two_engines_take_every_update_with_exact_tags_on_each(tiny_qwen, port) -> None:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    group = GroupConfig(port=reserve_port(), world_size=3, timeout_s=60)
+    group = GroupConfig(port=port, world_size=3, timeout_s=60)
     llms = [LLM(str(tiny_qwen), enforce_eager=True, dtype="float32", max_model_len=512, seed=i, **engine_kwargs())
             for i in range(2)]
     for i, llm in enumerate(llms):
@@ -57,19 +55,6 @@ def test_two_engines_take_every_update_with_exact_tags_on_each(tiny_qwen) -> Non
     coordinators = [coordinator_of(llm) for llm in llms]
     try:
         assert sorted(pusher.engine_versions) == [1, 2]
-        trigger, results, errors = threading.Event(), [], []
-
-        def trainer() -> None:
-            try:
-                for k in range(3):
-                    trigger.wait()
-                    trigger.clear()
-                    results.append(pusher.push(k + 1, perturbed(base, seed=60 + k, scale=0.02)))
-            except BaseException as e:
-                errors.append(e)
-
-        t = threading.Thread(target=trainer)
-        t.start()
         # vLLM 0.32 keeps one forward context per process (a module global of
         # vllm.forward_context), so two engines of one process must never run forward passes
         # at once: one reads the other's attention metadata and KV cache, and the process
@@ -79,10 +64,11 @@ def test_two_engines_take_every_update_with_exact_tags_on_each(tiny_qwen) -> Non
         engines = [llm.llm_engine for llm in llms]
         active: list[set[str]] = [set(), set()]
         finished: list[dict] = [{}, {}]
-        n_req, rounds, asked = 0, 0, 0
-        while t.is_alive() or any(active):
+        n_req, rounds = 0, 0
+        pushes = push_at_steps(lambda: rounds, (30, 60, 90), lambda k: pusher.push(k + 1, perturbed(base, seed=60 + k, scale=0.02)))
+        while pushes.alive() or any(active):
             for i, engine in enumerate(engines):
-                while t.is_alive() and len(active[i]) < 4:
+                while pushes.alive() and len(active[i]) < 4:
                     n_req += 1
                     sp = SamplingParams(temperature=1.0, max_tokens=110, logprobs=0, ignore_eos=True, seed=n_req,
                                         output_kind=RequestOutputKind.FINAL_ONLY)
@@ -93,11 +79,7 @@ def test_two_engines_take_every_update_with_exact_tags_on_each(tiny_qwen) -> Non
                         active[i].discard(out.request_id)
                         finished[i][out.request_id] = tagged(out.outputs[0])
             rounds += 1
-            if rounds % 30 == 0 and asked == len(results) < 3:
-                asked += 1
-                trigger.set()
-        t.join()
-        assert not errors, errors
+        results = pushes.join()
         assert [r.version for r in results] == [1, 2, 3]
         for i, rank in enumerate((1, 2)):
             spanning = 0
@@ -137,9 +119,9 @@ def _idle_engine(model_dir: str, group: GroupConfig, rank: int, ready) -> None:
 
 
 @pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
-def test_an_engine_lost_mid_transfer_costs_the_fleet_one_timeout(tiny_qwen, tmp_path, sig: str) -> None:
+def test_an_engine_lost_mid_transfer_costs_the_fleet_one_timeout(tiny_qwen, tmp_path, port, sig: str) -> None:
     timeout_s = 6.0
-    group = GroupConfig(port=reserve_port(), world_size=3, timeout_s=timeout_s)
+    group = GroupConfig(port=port, world_size=3, timeout_s=timeout_s)
     ctx = mp.get_context("spawn")
     ready = [ctx.Event() for _ in range(2)]
     procs = [ctx.Process(target=_idle_engine, args=(str(tiny_qwen), group, 1 + i, ready[i]), daemon=True) for i in range(2)]
@@ -147,7 +129,7 @@ def test_an_engine_lost_mid_transfer_costs_the_fleet_one_timeout(tiny_qwen, tmp_
         p.start()
     pusher = WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25), join_timeout_s=300)
     cfg = config_from_dict({"run": {"out_dir": str(tmp_path)}, "engine": {"spawn": False, "count": 2},
-                            "transport": {"timeout_s": timeout_s}})
+                            "transport": {"collective_timeout_s": timeout_s, "reply_timeout_s": timeout_s, "stale_timeout_s": timeout_s}})
     fleet = Fleet(cfg, tiny_qwen, 0, group.host, group.port, Placement(backend="gloo", engine_devices=None), tmp_path)
     base = load_file(str(tiny_qwen / "model.safetensors"))
     try:
@@ -193,15 +175,6 @@ def test_an_engine_lost_mid_transfer_costs_the_fleet_one_timeout(tiny_qwen, tmp_
 FLEET = {"engine": {"count": 2}, "rollout": {"in_flight_groups": 2, "queue_capacity": 6}}
 
 
-def _wait_rows(out: Path, n: int, *, where=lambda row: True) -> list[dict]:
-    """Block until the run has written ``n`` rows, the last satisfying ``where``."""
-    while True:
-        rows = _rows(out)
-        if len(rows) >= n and where(rows[-1]):
-            return rows
-        time.sleep(0.05)
-
-
 def _committed_on(rows: list[dict], rank: int) -> set[int]:
     # every push that landed, not only the one a row reports: the last row has two (a run
     # whose thawed engine tagged its last batch with the second-to-last version failed here)
@@ -210,18 +183,17 @@ def _committed_on(rows: list[dict], rank: int) -> set[int]:
 
 def test_a_killed_engine_is_restarted_while_the_other_takes_every_update(tmp_path) -> None:
     out = tmp_path / "run"
-    cfg = _config(out, steps=10, **FLEET)
+    cfg = run_config(out, steps=10, **FLEET)
 
     def killer() -> None:  # once engine 1 fed a batch: "both engines fed the queue" below is then not a race
-        while not (len(rows := _rows(out)) >= 3 and any("e1" in r["versions_by_engine"] for r in rows)):
-            time.sleep(0.05)
+        wait_rows(out, 3, where=lambda rows: any("e1" in r["versions_by_engine"] for r in rows))
         os.kill(int((out / "engine1.pid").read_text()), signal.SIGKILL)
 
     t = threading.Thread(target=killer, daemon=True)
     t.start()
     summary = train(cfg)
     t.join(5)
-    rows = _rows(out)
+    rows = metrics_rows(out)
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert rows[-1]["engine_restarts"] == 1
     # the survivor (rank 1) committed every version the trainer pushed
@@ -234,29 +206,29 @@ def test_a_killed_engine_is_restarted_while_the_other_takes_every_update(tmp_pat
     # also be dropped once for silence, and let back in: that is a recovery without a restart)
     restarts = [e for e in summary["engine_events"] if e["restarted"]]
     assert [e["restarted"] for e in restarts] == [[1]], summary["engine_events"]
-    consumed = _check_ledger(summary, rows, _pending_ids(out))
+    consumed = check_ledger(summary, rows, pending_ids(out))
     assert {g.split(".", 1)[0] for g in consumed} == {"e0", "e1"}  # both engines fed the queue
 
 
 def test_a_frozen_engine_is_dropped_and_rejoins_without_stale_tags(tmp_path) -> None:
     out = tmp_path / "run"
-    cfg = _config(out, steps=16, **FLEET)
+    cfg = run_config(out, steps=16, **FLEET)
     marks: dict = {}
 
     def freezer() -> None:
-        _wait_rows(out, 3)
+        wait_rows(out, 3)
         pid = int((out / "engine1.pid").read_text())
         os.kill(pid, signal.SIGSTOP)
-        rows = _wait_rows(out, 0, where=lambda r: r["engine_drops"] >= 1)  # dropped; the run went on
+        rows = wait_rows(out, 0, where=lambda rows: rows[-1]["engine_drops"] >= 1)  # dropped; the run went on
         marks["dropped_at"] = rows[-1]["step"]
-        _wait_rows(out, rows[-1]["step"] + 2)  # two more updates without it
+        wait_rows(out, rows[-1]["step"] + 2)  # two more updates without it
         os.kill(pid, signal.SIGCONT)
 
     t = threading.Thread(target=freezer, daemon=True)
     t.start()
     summary = train(cfg)
     t.join(5)
-    rows = _rows(out)
+    rows = metrics_rows(out)
     assert [r["step"] for r in rows] == list(range(1, 17))
     assert rows[-1]["engine_restarts"] == 0 and rows[-1]["engine_drops"] >= 1
     alone = [r for r in rows if r.get("committed_ranks") == [1]]
@@ -267,7 +239,7 @@ def test_a_frozen_engine_is_dropped_and_rejoins_without_stale_tags(tmp_path) -> 
     tagged_by_e1 = {v for r in rows for v in r["versions_by_engine"].get("e1", [])}
     assert tagged_by_e1 <= on_e1, (sorted(tagged_by_e1 - on_e1), sorted(on_e1))
     assert {v for r in alone for v in [r["pushed_version"]]}.isdisjoint(on_e1)
-    _check_ledger(summary, rows, _pending_ids(out))
+    check_ledger(summary, rows, pending_ids(out))
 
 
 def test_spawned_engines_split_the_engine_gpus_evenly() -> None:
@@ -287,10 +259,10 @@ def test_a_tensor_parallel_engine_takes_every_update_on_both_workers(tmp_path) -
     """``engine.tensor_parallel_size = 2``: the spawned engine's two workers (vLLM's ``mp``
     executor, one core each) take weight-group ranks 1 and 2, and every push commits on both."""
     out = tmp_path / "run"
-    summary = train(_config(out, steps=4, engine={"tensor_parallel_size": 2}))
-    rows = _rows(out)
+    summary = train(run_config(out, steps=4, engine={"tensor_parallel_size": 2}))
+    rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["committed_ranks"] == [1, 2] for r in rows if "committed_ranks" in r)
     assert rows[-1]["pushed_version"] == rows[-1]["version"] == 4 and rows[-1]["engines_live"] == 1
     assert all(len(set(r["commit_steps"].values())) == 1 for r in rows if "commit_steps" in r)  # one engine, one step
-    _check_ledger(summary, rows, _pending_ids(out))
+    check_ledger(summary, rows, pending_ids(out))

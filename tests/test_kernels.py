@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels.logprob_entropy import logprob_entropy, logprob_entropy_reference
-from kernels.tis_loss import TISParams, tis_loss
+from kernels.tis_loss import tis_loss
 
 # (B, T, V): vocabularies that are not powers of two (37, 769) or are GPT-2's (50257), odd T
 SHAPES = [(2, 7, 37), (3, 5, 769), (2, 3, 50257)]
@@ -88,11 +88,11 @@ def _check_tis(objective: str, device: str, n: int = 1001, lag_decay: float = 1.
     lag = torch.randint(0, 9, (n,), generator=g).float().to(device)
     # a given log-ratio (the sequence level's log s_i), shared by runs of 1-6 tokens
     log_ratio = (0.6 * torch.randn(n, generator=g)).repeat_interleave(6)[:n].to(device) if given_ratio else None
-    p = TISParams(objective=objective, lag_decay=lag_decay)  # type: ignore[arg-type]
     out = {}
     for impl in ("reference", "triton"):
         lp = logp0.clone().requires_grad_()
-        loss, w = tis_loss(lp, mu, adv, mask, 777.0, p, lag=lag, log_ratio=log_ratio, impl=impl)  # type: ignore[arg-type]
+        loss, w = tis_loss(lp, mu, adv, mask, 777.0, lag_decay=lag_decay, lag=lag, log_ratio=log_ratio,
+                           objective=objective, impl=impl)  # type: ignore[arg-type]
         loss.backward()
         out[impl] = (loss.detach(), w, lp.grad)
     for ref, new in zip(out["reference"], out["triton"]):
@@ -118,7 +118,7 @@ def _check_compute_loss(objective: str, level: str, lag_decay: float, device: st
     """The whole trainer loss through the kernel (masks, sequence reduction, GSPO-token
     gradient) against ``correction_loss_reference``'s honest autograd, on a ragged batch of
     mixed versions; every mask is on."""
-    from trainer.config import LossConfig
+    from trainer.config import LossConfig, ObjectiveConfig
     from trainer.correction import correction_loss_reference, correction_masks
     from trainer.loss import Batch, compute_loss
 
@@ -132,9 +132,9 @@ def _check_compute_loss(objective: str, level: str, lag_decay: float, device: st
                   position_ids=torch.zeros(b, t + 1, dtype=torch.long), completion_ids=torch.zeros(b, t, dtype=torch.long),
                   completion_mask=real, behaviour_logp=mu, versions=versions, rewards=torch.zeros(b),
                   advantages=torch.randn(b, generator=g))
-    tis = TISParams(objective=objective, lag_decay=lag_decay, clip_low=0.1, clip_high=0.1, truncation=1.2)  # type: ignore[arg-type]
+    obj = ObjectiveConfig(name=objective, lag_decay=lag_decay, clip_low=0.1, clip_high=0.1, truncation=1.2)  # type: ignore[arg-type]
     cfg = LossConfig(level=level, max_lag=5, veto=True, veto_threshold=0.3, seq_mask="geometric", seq_mask_low=0.6,
-                     seq_mask_high=1.6, m2_threshold=0.1, tis=tis)
+                     seq_mask_high=1.6, m2_threshold=0.1, objective=obj)
     batch = batch.to(torch.device(device))
     lp = logp0.to(device).requires_grad_()
     loss, m = compute_loss(lp, torch.zeros_like(lp), batch, version=9, cfg=cfg, impl="triton")
@@ -144,7 +144,7 @@ def _check_compute_loss(objective: str, level: str, lag_decay: float, device: st
     mask = correction_masks(lp.detach() - batch.behaviour_logp, batch.completion_mask > 0, 9 - batch.versions, cfg).final
     lr = lp.detach().clone().requires_grad_()
     ref = correction_loss_reference(lr, batch.behaviour_logp, batch.advantages[:, None].expand_as(lr), mask,
-                                    9 - batch.versions, float(real.sum()), cfg.tis, level)
+                                    9 - batch.versions, float(real.sum()), cfg.objective, level)
     ref.backward()
     torch.testing.assert_close(loss.detach(), ref.detach(), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(lp.grad, lr.grad, atol=1e-6, rtol=1e-5)

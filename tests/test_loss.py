@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from inflight.protocol import RolloutGroup, RolloutSample
-from kernels.tis_loss import TISParams, tis_loss
-from trainer.config import LossConfig
+from kernels.tis_loss import tis_loss
+from trainer.config import LossConfig, ObjectiveConfig
 from trainer.loss import Batch, collate, compute_loss, grpo_advantages, policy_logprobs
 
 
@@ -43,7 +43,8 @@ def _hand_batch() -> tuple[Batch, torch.Tensor]:
 def test_reinforce_tis_by_hand() -> None:
     batch, logp0 = _hand_batch()
     logp = logp0.clone().requires_grad_()
-    loss, m = compute_loss(logp, torch.zeros(2, 3), batch, version=7, cfg=LossConfig(tis=TISParams(truncation=2.0), max_lag=2))
+    cfg = LossConfig(objective=ObjectiveConfig(truncation=2.0), max_lag=2)
+    loss, m = compute_loss(logp, torch.zeros(2, 3), batch, version=7, cfg=cfg)
     # w = min(r, 2) on unmasked tokens = [1, 2, 0.5 | -, 1.5]; N = 5 real tokens
     # loss = -(1/5) * log(0.5) * [(1 + 2 + 0.5) * (+1) + 1.5 * (-1)] = -(2/5) log 0.5
     assert float(loss.detach()) == pytest.approx(-0.4 * math.log(0.5), abs=1e-6)
@@ -75,9 +76,8 @@ def _flat(r: list[float], adv: list[float]):
 
 
 def test_ppo_clip_by_hand() -> None:
-    p = TISParams(objective="ppo", clip_low=0.2, clip_high=0.28)
     logp, mu, adv, mask = _flat([1.5, 0.5, 0.5, 1.1], [1.0, 1.0, -1.0, -1.0])
-    loss, _ = tis_loss(logp, mu, adv, mask, 4.0, p, impl="reference")
+    loss, _ = tis_loss(logp, mu, adv, mask, 4.0, objective="ppo", clip_low=0.2, clip_high=0.28, impl="reference")
     # per token -min(rA, clip(r)A): -1.28 (clipped above), -0.5 (unclipped), +0.8 (clipped below), +1.1 (inside)
     assert float(loss.detach()) == pytest.approx((-1.28 - 0.5 + 0.8 + 1.1) / 4, abs=1e-6)
     loss.backward()
@@ -86,11 +86,17 @@ def test_ppo_clip_by_hand() -> None:
 
 
 def test_icepop_masks_outside_band() -> None:
-    p = TISParams(objective="icepop", icepop_low=0.5, icepop_high=2.0)
     logp, mu, adv, mask = _flat([3.0, 0.3, 1.2], [1.0, 1.0, 1.0])
-    loss, w = tis_loss(logp, mu, adv, mask, 3.0, p, impl="reference")
+    loss, w = tis_loss(logp, mu, adv, mask, 3.0, objective="icepop", icepop_low=0.5, icepop_high=2.0, impl="reference")
     torch.testing.assert_close(w, torch.tensor([0.0, 0.0, 1.2]))
     assert float(loss.detach()) == pytest.approx(-1.2 * math.log(0.25) / 3, abs=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_tis_loss_refuses_an_unknown_objective(impl: str) -> None:
+    logp, mu, adv, mask = _flat([1.0], [1.0])
+    with pytest.raises(ValueError, match=r"objective='sft' is not one of 'reinforce', 'ppo', 'icepop', 'none'"):
+        tis_loss(logp, mu, adv, mask, 1.0, objective="sft", impl=impl)  # type: ignore[arg-type]
 
 
 def _groups() -> list[RolloutGroup]:

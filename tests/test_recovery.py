@@ -17,66 +17,24 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import msgspec
 import torch
 
 from inflight.rollout_queue import RolloutQueue
-from inflight.protocol import RolloutGroup, RolloutSample, decode_group
+from inflight.protocol import RolloutGroup, RolloutSample
 from inflight.transport.group import GroupConfig
-from inflight.transport.store import reserve_port
-from trainer.config import config_from_dict
+from tests.helpers import check_ledger, metrics_rows, pending_ids, run_config, wait_rows
 from trainer.train import train
-
-BASE = {
-    "run": {"seed": 5},
-    "model": {"tiny": {"hidden_size": 64, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 128}},
-    "task": {"completion_tokens": 24},
-    "rollout": {"group_size": 4, "groups_per_step": 2, "in_flight_groups": 2, "queue_capacity": 4},
-    "transport": {"bucket_mb": 0.05, "timeout_s": 15.0, "rejoin_timeout_s": 180.0},
-}
-
-
-def _config(out: Path, steps: int, **sections):
-    data = {k: dict(v) for k, v in BASE.items()}
-    data["run"].update(steps=steps, out_dir=str(out))
-    for name, values in sections.items():
-        data.setdefault(name, {}).update(values)
-    return config_from_dict(data)
-
-
-def _rows(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-
-
-def _pending_ids(out: Path) -> list[str]:
-    raw = msgspec.msgpack.decode((out / "checkpoint" / "pending.msgpack").read_bytes())
-    return [decode_group(b).group_id for b in raw]
-
-
-def _check_ledger(summary: dict, rows: list[dict], pending: list[str]) -> list[str]:
-    """Every queued slot was read, every read is admitted, refused or a hole, and every admitted
-    group was trained on, dropped as stale, or saved as pending. Returns the consumed ids."""
-    q = summary["queue"]
-    consumed = [g for r in rows for g in r["group_ids"]]
-    dropped = [g for r in rows for g in r["dropped_ids"]]
-    assert q["put"] == q["read"], q  # the final checkpoint drained the queue
-    assert q["admitted"] + sum(q["rejected"].values()) + q["queue_holes"] == q["read"], q
-    assert len(consumed) + len(dropped) + len(pending) == q["admitted"], (len(consumed), len(dropped), pending, q)
-    assert len(set(consumed + dropped + pending)) == len(consumed) + len(dropped) + len(pending), "a group came twice"
-    return consumed
 
 
 def test_engine_killed_mid_run_is_restarted_and_no_queued_group_is_lost(tmp_path) -> None:
     out = tmp_path / "run"
-    cfg = _config(out, steps=8)
+    cfg = run_config(out, steps=8)
     killed: dict = {}
 
     def killer() -> None:
-        while len(_rows(out)) < 3:
-            time.sleep(0.05)
+        wait_rows(out, 3)
         pid = int((out / "engine0.pid").read_text())
         killed["t"] = time.time()
         os.kill(pid, signal.SIGKILL)
@@ -85,15 +43,15 @@ def test_engine_killed_mid_run_is_restarted_and_no_queued_group_is_lost(tmp_path
     t.start()
     summary = train(cfg)
     t.join(5)
-    rows = _rows(out)
+    rows = metrics_rows(out)
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert rows[-1]["engine_restarts"] == 1 and rows[-1]["engine_failures"] == 1
     (event,) = summary["engine_events"]
     # noticed within the transport timeout (a push failing, or the process found dead while waiting)
-    assert 0 <= event["t"] - killed["t"] < cfg.transport.timeout_s + 2, event
+    assert 0 <= event["t"] - killed["t"] < cfg.transport.reply_timeout_s + 2, event
     assert event["restarted"] and ("exited" in event["reason"] or "push failed" in event["reason"]), event
     assert rows[-1]["pushed_version"] == rows[-1]["version"] and rows[-1]["version"] >= 8
-    consumed = _check_ledger(summary, rows, _pending_ids(out))
+    consumed = check_ledger(summary, rows, pending_ids(out))
     incarnations = {g.rsplit(".", 1)[0] for g in consumed}
     assert len(incarnations) == 2, incarnations  # trained on groups of both engine processes
 
@@ -109,13 +67,12 @@ def _inject_malformed(port: int) -> None:
          "logprobs": [-1.0, -1.0, -1.0], "versions": [0, 0], "reward": 0.0}] * 4}))
 
 
-def test_resume_continues_without_repeating_or_dropping_groups(tmp_path, monkeypatch) -> None:
+def test_resume_continues_without_repeating_or_dropping_groups(tmp_path, monkeypatch, port) -> None:
     import trainer.train as train_module
 
     out = tmp_path / "run"
-    port = reserve_port()
     # a loose max lag lets the engine run ahead of the trainer (trainer.engine_process.may_start_group)
-    first = _config(out, steps=3, transport={"port": port}, loss={"max_lag": 8})
+    first = run_config(out, steps=3, transport={"port": port}, loss={"max_lag": 8})
     forward, calls = train_module.policy_logprobs, []
 
     def last_step_waits_for_a_full_queue(*args, **kwargs):
@@ -129,25 +86,24 @@ def test_resume_continues_without_repeating_or_dropping_groups(tmp_path, monkeyp
     monkeypatch.setattr(train_module, "policy_logprobs", last_step_waits_for_a_full_queue)
 
     def inject() -> None:  # malformed rollouts arrive on the queue while the first run trains
-        while not _rows(out):
-            time.sleep(0.05)
+        wait_rows(out, 1)
         _inject_malformed(port)
 
     t = threading.Thread(target=inject, daemon=True)
     t.start()
     summary_a = train(first)
     t.join(5)
-    rows_a = _rows(out)
-    pending_a = _pending_ids(out)
-    consumed_a = _check_ledger(summary_a, rows_a, pending_a)
+    rows_a = metrics_rows(out)
+    pending_a = pending_ids(out)
+    consumed_a = check_ledger(summary_a, rows_a, pending_a)
     assert summary_a["queue"]["rejected"] == {"nonfinite_logprob": 1, "length_mismatch": 1}
     assert len(pending_a) >= 2, "the checkpoint should hold the full queue (4, less 2 malformed at most)"
     state = json.loads((out / "checkpoint" / "state.json").read_text())
     assert state["step"] == 3 and state["version"] == 3 and state["buffer_stats"]["rejected"] == summary_a["queue"]["rejected"]
 
     monkeypatch.setattr(train_module, "policy_logprobs", forward)
-    summary_b = train(_config(out, steps=6, run={"resume": True}, loss={"max_lag": 8}))
-    rows_b = _rows(out)[len(rows_a):]
+    summary_b = train(run_config(out, steps=6, run={"resume": True}, loss={"max_lag": 8}))
+    rows_b = metrics_rows(out)[len(rows_a):]
     assert [r["step"] for r in rows_b] == [4, 5, 6] and [r["version"] for r in rows_b] == [4, 5, 6]
     # the buffer's counters continue from the checkpoint (nothing was injected the second time)
     assert rows_b[-1]["rejected"] == summary_a["queue"]["rejected"] and rows_b[0]["admitted"] > rows_a[-1]["admitted"]
@@ -157,7 +113,7 @@ def test_resume_continues_without_repeating_or_dropping_groups(tmp_path, monkeyp
     # the groups queued at the checkpoint come first, in order, and none is lost
     taken = [g for g in consumed_b + dropped_b if g in set(pending_a)]
     assert taken == pending_a[: len(taken)]
-    pending_b = _pending_ids(out)
+    pending_b = pending_ids(out)
     assert set(pending_a) <= set(consumed_b) | set(dropped_b) | set(pending_b)
     # the optimizer continued: Adam's step count is the total number of steps
     opt = torch.load(out / "checkpoint" / "optimizer.pt", weights_only=True)

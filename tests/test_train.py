@@ -48,8 +48,8 @@ def test_config_errors_name_the_key(tmp_path) -> None:
     bad.write_text("[rollout]\ngroup_size = 1\n")
     with pytest.raises(ValueError, match=r"rollout: rollout.group_size=1: GRPO needs at least 2"):
         load_config(bad)
-    bad.write_text("[loss.tis]\nobjective = 'sft'\n")
-    with pytest.raises(ValueError, match=r"loss.tis: TISParams.objective='sft'"):
+    bad.write_text("[loss.objective]\nname = 'sft'\n")
+    with pytest.raises(ValueError, match=r"loss.objective: loss.objective.name='sft' is not one of 'reinforce', 'ppo', 'icepop', 'none'"):
         load_config(bad)
     bad.write_text("[loss]\nmax_lag = 0\n")
     with pytest.raises(ValueError, match=r"loss.max_lag=0 with rollout.mode='inflight'"):

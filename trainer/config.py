@@ -7,14 +7,18 @@ the dotted path of the offending key.
 from __future__ import annotations
 
 import dataclasses
-import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kernels.tis_loss import TISParams
+from inflight.settings import Backend, ModelDtype, RolloutMode, check_choices
+from inflight.transport.group import GroupConfig
+from inflight.transport.pusher import PushConfig
+from kernels.tis_loss import Objective
+from engine_patches.config import InflightConfig
+from trainer.tasks.config import ArithmeticConfig, JsonlConfig, TaskConfig  # noqa: F401  (sections of TrainConfig)
 from trainer.tiny_model import TinyModelConfig
 
 
@@ -49,97 +53,13 @@ class ModelConfig:
     path: str = ""
     """A Hugging Face causal LM directory, a hub id, or ``smollm2`` (SmolLM2-135M-Instruct from
     the ``smollm2`` extra, converted once: ``trainer/models.py``); empty builds the tiny demo model."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: ModelDtype = "float32"
     """Engine dtype, and the dtype weights are cast to before they travel."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the tiny model when ``path`` is empty."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"model.dtype={self.dtype!r} is not float32 or bfloat16")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ArithmeticConfig:
-    """Difficulty of the ``arithmetic`` task."""
-
-    digits: int = 1
-    """Digits of every operand (1: 0-9, 2: 10-99, ...)."""
-    terms: int = 2
-    """Operands per expression."""
-    ops: tuple[str, ...] = ("+",)
-    """Operators drawn from (any of + - *)."""
-    template: str = "What is {expr}? Answer with just the number."
-    """The prompt; ``{expr}`` becomes the expression."""
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.digits <= 9:
-            raise ValueError(f"task.arithmetic.digits={self.digits} must be in 1..9")
-        if self.terms < 2:
-            raise ValueError(f"task.arithmetic.terms={self.terms} must be >= 2")
-        if not self.ops or set(self.ops) - {"+", "-", "*"}:
-            raise ValueError(f"task.arithmetic.ops={list(self.ops)} must be a non-empty subset of ['+', '-', '*']")
-        if "{expr}" not in self.template:
-            raise ValueError(f"task.arithmetic.template={self.template!r} has no {{expr}}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class JsonlConfig:
-    """The ``jsonl`` task's data: one ``{"prompt"|"messages": ..., "answer": ...}`` per line."""
-
-    path: str = ""
-    """Training prompts (empty: the sample file ``trainer/tasks/data/sample_gsm.jsonl``)."""
-    eval_path: str = ""
-    """Held-out prompts for evaluation (empty: the last ``eval.prompts`` records of ``path``)."""
-    match: Literal["number", "exact"] = "number"
-    """number: the completion's final number (GSM8K ``#### N`` style) equals the answer's.
-    exact: the stripped completion equals the stripped answer."""
-
-    def __post_init__(self) -> None:
-        if self.match not in ("number", "exact"):
-            raise ValueError(f"task.jsonl.match={self.match!r} is not number or exact")
-        for name in ("path", "eval_path"):
-            if getattr(self, name) and not Path(getattr(self, name)).is_file():
-                raise ValueError(f"task.jsonl.{name}={getattr(self, name)!r}: no such file")
-
-
-_BUILTIN_TASKS = ("repeat_digit", "arithmetic", "jsonl")
-_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TaskConfig:
-    """What the policy is trained on (``trainer/tasks``)."""
-
-    name: str = "repeat_digit"
-    """repeat_digit | arithmetic | jsonl, or your own ``pkg.module:factory`` (called as
-    ``factory(tokenizer=..., **options)``, returning a ``trainer.tasks.Task``)."""
-    completion_tokens: int = 16
-    """Most tokens sampled per completion (generation also stops at the model's end-of-sequence)."""
-    chat: Literal["auto", "off"] = "auto"
-    """auto: a model whose tokenizer has a chat template gets its prompts through it. off: raw text."""
-    digit_credit: float = 0.5
-    """repeat_digit only: reward for a digit token that is not D (D itself earns 1). It makes
-    learning reliable (every seed learns digits) and is a shortcut: policies rarely go on to read D."""
-    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
-    """arithmetic only: difficulty."""
-    jsonl: JsonlConfig = field(default_factory=JsonlConfig)
-    """jsonl only: the files and how answers match."""
-    options: dict[str, Any] = field(default_factory=dict)
-    """A ``module:factory`` task only: keyword arguments of the factory."""
-
-    def __post_init__(self) -> None:
-        if self.name not in _BUILTIN_TASKS and not _FACTORY.match(self.name):
-            raise ValueError(f"task.name={self.name!r} is not one of {list(_BUILTIN_TASKS)} or a 'pkg.module:factory'")
-        if self.options and self.name in _BUILTIN_TASKS:
-            raise ValueError(f"task.options={self.options!r}: only a 'module:factory' task takes options "
-                             f"({self.name} is configured by its own table)")
-        if self.completion_tokens < 1:
-            raise ValueError(f"task.completion_tokens={self.completion_tokens} must be >= 1")
-        if self.chat not in ("auto", "off"):
-            raise ValueError(f"task.chat={self.chat!r} is not auto or off")
-        if not 0 <= self.digit_credit <= 1:
-            raise ValueError(f"task.digit_credit={self.digit_credit} must be in [0, 1]")
+        check_choices(self, "model")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,7 +96,7 @@ class RolloutConfig:
     """Groups with any token older than this many versions are dropped at the queue."""
     queue_timeout_s: float = 300.0
     """How long the trainer waits for the next group before it reports the engine gone."""
-    mode: Literal["inflight", "batch"] = "inflight"
+    mode: RolloutMode = "inflight"
     """inflight: the engine samples continuously and commits updates between decode steps.
     batch: the baseline of synchronous RL: the engine samples one step's groups with the
     current version, then waits idle for the next version."""
@@ -191,15 +111,54 @@ class RolloutConfig:
             raise ValueError(f"rollout.temperature={self.temperature} must be > 0")
         if self.admit_lag < 0:
             raise ValueError(f"rollout.admit_lag={self.admit_lag} must be >= 0")
-        if self.mode not in ("inflight", "batch"):
-            raise ValueError(f"rollout.mode={self.mode!r} is not inflight or batch")
+        check_choices(self, "rollout")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObjectiveConfig:
+    """The ``[loss.objective]`` table: the per-token objective and its constants
+    (``kernels.tis_loss`` takes them as plain values: ``kernel_args``)."""
+
+    name: Objective = "reinforce"
+    """reinforce (truncated IS, default), ppo (clipped ratio; GSPO at loss.level = "sequence"),
+    icepop (mask outside [lo, hi]) or none (w = 1: no off-policy correction)."""
+    truncation: float = 2.0
+    """C in min(r, C) for reinforce."""
+    clip_low: float = 0.2
+    """eps_lo for ppo."""
+    clip_high: float = 0.28
+    """eps_hi for ppo (asymmetric, as in DAPO)."""
+    icepop_low: float = 0.5
+    """lo for icepop."""
+    icepop_high: float = 2.0
+    """hi for icepop."""
+    lag_decay: float = 1.0
+    """d in (0, 1]: the upper constant of each objective (C, hi, eps_hi) is multiplied by
+    d ** lag, so staler tokens get a tighter bound. 1 turns it off."""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "loss.objective")
+        if not self.truncation > 0:
+            raise ValueError(f"loss.objective.truncation={self.truncation} must be > 0")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError(f"loss.objective clip=({self.clip_low}, {self.clip_high}) needs 0 <= low < 1, high >= 0")
+        if not 0 <= self.icepop_low < self.icepop_high:
+            raise ValueError(f"loss.objective icepop=({self.icepop_low}, {self.icepop_high}) needs 0 <= low < high")
+        if not 0 < self.lag_decay <= 1:
+            raise ValueError(f"loss.objective.lag_decay={self.lag_decay} must be in (0, 1]")
+
+    def kernel_args(self) -> dict[str, Any]:
+        """The constants as ``kernels.tis_loss`` takes them (keyword arguments, plain values)."""
+        return {"objective": self.name, "truncation": self.truncation, "clip_low": self.clip_low,
+                "clip_high": self.clip_high, "icepop_low": self.icepop_low, "icepop_high": self.icepop_high,
+                "lag_decay": self.lag_decay}
 
 
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    """The objective and its off-policy correction (formulas: README, *Off-policy correction*)."""
+    """The objective and its off-policy correction (formulas: docs/training.md, *Off-policy correction*)."""
 
-    tis: TISParams = field(default_factory=TISParams)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     """Objective and its constants (reinforce + truncation C, ppo clips, icepop bounds, none;
     lag_decay for lag-aware bounds)."""
     level: Literal["token", "sequence"] = "token"
@@ -237,12 +196,9 @@ class LossConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.routing_replay, bool):
             raise ValueError(f"loss.routing_replay={self.routing_replay!r} must be true or false")
-        if self.level not in ("token", "sequence"):
-            raise ValueError(f"loss.level={self.level!r} is not token or sequence")
+        check_choices(self, "loss")
         if self.max_lag < 0:
             raise ValueError(f"loss.max_lag={self.max_lag} must be >= 0")
-        if self.seq_mask not in ("off", "geometric", "product"):
-            raise ValueError(f"loss.seq_mask={self.seq_mask!r} is not off, geometric or product")
         if not 0 <= self.seq_mask_low < self.seq_mask_high:
             raise ValueError(f"loss.seq_mask=({self.seq_mask_low}, {self.seq_mask_high}) needs 0 <= low < high")
         if not 0 < self.veto_threshold < 1:
@@ -273,30 +229,36 @@ class OptimConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TransportConfig:
-    """The weight group between the trainer and the engine."""
+    """The weight group between the trainer and the engines. Each default is the library's
+    own (``GroupConfig``, ``PushConfig``, ``InflightConfig``): one default per setting, and
+    ``group_config``/``push_config``/``inflight_config`` below are the only mapping."""
 
-    host: str = "127.0.0.1"
-    """Address the trainer's store listens on (and the engine connects to)."""
+    host: str = GroupConfig.host
+    """Address the trainer's store listens on (and the engines connect to)."""
     port: int = 0
-    """Store port; 0 picks a free one (single machine only)."""
-    bucket_mb: float = 64.0
-    """Bucket size of weight pushes."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Store port; 0: the trainer holds a free one (``reserve_port``) and hands it to the engines it spawns."""
+    backend: Backend = GroupConfig.backend
     """Data plane: ``auto`` is NCCL when the trainer and the engine each have a GPU (a spawned
     engine gets every visible GPU but the trainer's first), else gloo (CPU, or one shared GPU,
     which NCCL cannot connect to itself)."""
-    timeout_s: float = 120.0
-    """Limit on every transport wait: a push the engine does not answer within it fails, and
-    an engine whose trainer stalls this long mid-transfer drops the update and rejoins."""
+    bucket_mb: float = PushConfig.bucket_mb
+    """Bucket size of weight pushes."""
+    collective_timeout_s: float = GroupConfig.timeout_s
+    """Connecting, joining a generation, and each bucket's broadcast: an engine whose trainer
+    stalls this long mid-transfer drops the update and rejoins."""
+    reply_timeout_s: float = PushConfig.reply_timeout_s
+    """A worker's reply to each phase of a push (accepted, staged, committed): a push the
+    engines do not answer within it fails, and the fleet goes on without the silent ones."""
+    stale_timeout_s: float = InflightConfig.stale_timeout_s
+    """A staged version whose ``Commit`` does not come within this is dropped (the trainer died)."""
     rejoin_timeout_s: float = 600.0
     """After a failure, how long the trainer waits for the engine to come back (start-up included)."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "transport")
         if not self.bucket_mb > 0:
             raise ValueError(f"transport.bucket_mb={self.bucket_mb} must be > 0")
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"transport.backend={self.backend!r} is not auto, gloo or nccl")
-        for name in ("timeout_s", "rejoin_timeout_s"):
+        for name in ("collective_timeout_s", "reply_timeout_s", "stale_timeout_s", "rejoin_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"transport.{name}={getattr(self, name)} must be > 0")
 
@@ -363,6 +325,24 @@ class TrainConfig:
         if self.rollout.mode == "inflight" and self.loss.max_lag < 1:
             raise ValueError(f"loss.max_lag={self.loss.max_lag} with rollout.mode='inflight': in-flight samples lag "
                              "the trainer by 1 at least; use max_lag >= 1, or rollout.mode='batch'")
+
+
+def group_config(cfg: TrainConfig, *, port: int, backend: Backend | None = None) -> GroupConfig:
+    """The weight group of this run (``backend``: the placement's, default ``transport.backend``)."""
+    t = cfg.transport
+    return GroupConfig(host=t.host, port=port, world_size=cfg.engine.world_size, timeout_s=t.collective_timeout_s,
+                       backend=backend or t.backend)
+
+
+def push_config(cfg: TrainConfig) -> PushConfig:
+    """How the trainer packs and sends this run's pushes."""
+    return PushConfig(bucket_mb=cfg.transport.bucket_mb, dtype=cfg.model.dtype, reply_timeout_s=cfg.transport.reply_timeout_s)
+
+
+def inflight_config(cfg: TrainConfig, group: GroupConfig, *, rank: int, initial_version: int) -> InflightConfig:
+    """What engine ``rank``'s workers need to join ``group`` and commit this run's pushes."""
+    return InflightConfig(group=group, rank=rank, initial_version=initial_version,
+                          stale_timeout_s=cfg.transport.stale_timeout_s, record_routing=cfg.loss.routing_replay)
 
 
 def _build(cls: type, data: dict[str, Any], where: str) -> Any:

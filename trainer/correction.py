@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.tis_loss import TISParams, lag_factor, objective_terms
+from kernels.tis_loss import lag_factor, objective_terms
+from trainer.config import ObjectiveConfig
 
 
 @dataclass
@@ -102,8 +103,9 @@ def sequence_inputs(log_ratio: torch.Tensor, mask: torch.Tensor, lag: torch.Tens
 
 
 def correction_loss_reference(logp: torch.Tensor, mu: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                              lag: torch.Tensor, n_tokens: float, p: TISParams, level: str) -> torch.Tensor:
-    """The per-token loss of the README in plain (B, T) torch with honest autograd: at the
+                              lag: torch.Tensor, n_tokens: float, objective: ObjectiveConfig,
+                              level: str) -> torch.Tensor:
+    """The per-token loss of docs/training.md in plain (B, T) torch with honest autograd: at the
     sequence level the gradient flows through s_i's mean (no GSPO-token rewrite), so the
     kernel's per-token shortcut can be checked against it. ``adv`` is (B, T)."""
     l = logp - mu
@@ -112,18 +114,18 @@ def correction_loss_reference(logp: torch.Tensor, mu: torch.Tensor, adv: torch.T
         lag = (lag.float() * mask).amax(-1, keepdim=True).expand_as(l)
     else:
         rho = torch.exp(l)
-    per_token, _ = objective_terms(rho, adv, logp, lag_factor(lag, p), p)
+    per_token, _ = objective_terms(rho, adv, logp, lag, **objective.kernel_args())
     return (per_token * mask).sum() / n_tokens
 
 
-def bounds(p: TISParams, lag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def bounds(objective: ObjectiveConfig, lag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(low, high) per token: where the objective stops following the ratio (truncation, clip or
     band); low is 0 where there is none (reinforce, none) and high inf for none."""
-    f = lag_factor(lag, p)
-    if p.objective == "reinforce":
-        return torch.zeros_like(f), p.truncation * f
-    if p.objective == "ppo":
-        return torch.full_like(f, 1 - p.clip_low), 1 + p.clip_high * f
-    if p.objective == "icepop":
-        return torch.full_like(f, p.icepop_low), p.icepop_high * f
+    f = lag_factor(lag, objective.lag_decay)
+    if objective.name == "reinforce":
+        return torch.zeros_like(f), objective.truncation * f
+    if objective.name == "ppo":
+        return torch.full_like(f, 1 - objective.clip_low), 1 + objective.clip_high * f
+    if objective.name == "icepop":
+        return torch.full_like(f, objective.icepop_low), objective.icepop_high * f
     return torch.zeros_like(f), torch.full_like(f, float("inf"))

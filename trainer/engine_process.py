@@ -21,14 +21,21 @@ with version v, ship them, sit idle until version v+1 is live, repeat.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import random
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling
-from trainer.config import TrainConfig, load_config
+from inflight.rollout_queue import RolloutQueue
+from inflight.settings import Backend, choices
+from inflight.transport.errors import TransportError
+from inflight.transport.group import INCARNATION, GroupConfig
+from trainer.config import TrainConfig, group_config, inflight_config, load_config
 
 log = logging.getLogger("inflight.rollout")
 
@@ -70,8 +77,202 @@ def _parent_gone(parent_pid: int | None) -> bool:
     return parent_pid is not None and os.getppid() != parent_pid
 
 
+class RolloutLoop:
+    """One engine's sampling loop: keeps groups decoding, ships finished ones to the queue.
+
+    Ordering invariants: every ``llm_engine.step()`` runs on this thread, and a commit lands
+    only at a step boundary (or while idle), so each group's tokens carry exact version tags;
+    a group is started only when ``may_start_group`` says the trainer will train on it
+    within ``loss.max_lag``; a finished group that the full queue has no room for waits in
+    ``backlog`` while the running requests hold still, except for one step whenever a
+    commit is pending (the trainer may wait for that commit before it reads the queue)."""
+
+    def __init__(self, cfg: TrainConfig, llm: Any, model_dir: str, group: GroupConfig, engine_index: int, rank: int,
+                 parent_pid: int | None) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from engine_patches.client import coordinator_of
+        from trainer.tasks import build_task, model_stop_ids
+
+        self.cfg, self.llm, self.group, self.parent_pid = cfg, llm, group, parent_pid
+        self.engine_id = f"e{engine_index}"
+        self.llm_engine = llm.llm_engine
+        self.coordinator = coordinator_of(llm)
+        self.tokenizer = llm.get_tokenizer()
+        self.task = build_task(cfg, self.tokenizer)
+        self.rng = random.Random(cfg.run.seed * 1000 + rank)
+        # a chat model ends its turn with a token only its generation config may name (<|im_end|>)
+        self.params = SamplingParams(n=cfg.rollout.group_size, temperature=cfg.rollout.temperature,
+                                     max_tokens=cfg.task.completion_tokens, logprobs=0,
+                                     stop_token_ids=model_stop_ids(model_dir, self.tokenizer),
+                                     output_kind=RequestOutputKind.FINAL_ONLY)
+        self.queue = RolloutQueue(group.connect("rollout"), cfg.rollout.queue_capacity)
+        self.prompts: dict[str, Any] = {}
+        self.backlog: deque[RolloutGroup] = deque()
+        self.counter = 0
+        self.steps = 0
+        self._next_version = 0
+
+    # -- the two modes ------------------------------------------------------------------------
+    def run_inflight(self) -> None:
+        """Sample continuously; the worker commits pushed versions between two steps."""
+        self._loop(self._start_inflight)
+
+    def run_batch(self, next_version: int) -> None:
+        """The synchronous baseline: sample one step's groups with version v, ship them, wait
+        idle until v+1 is live, repeat."""
+        self._next_version = next_version
+        self._loop(self._start_batch)
+
+    def _start_inflight(self) -> bool | None:
+        while len(self.prompts) < self.cfg.rollout.in_flight_groups and self._room_to_start():
+            self._add_group()
+        if not self.prompts:  # the trainer is loss.max_lag behind: idle (an idle engine commits without steps)
+            return None if self._held() else False
+        return True
+
+    def _start_batch(self) -> bool | None:
+        if not self.prompts:  # the last batch is shipped: wait, idle, for the next version
+            if not self.wait_for_version(self._next_version):
+                return None
+            self._next_version += 1
+            for _ in range(self.cfg.rollout.groups_per_step):
+                self._add_group()
+        return True
+
+    def _loop(self, start_groups: Callable[[], bool | None]) -> None:
+        """Ship, start groups (``start_groups``: True to step, False to look again, None to
+        stop), step; until the trainer asks to stop."""
+        while True:
+            if not self._ship_backlog():
+                return
+            if self.backlog:
+                if not self.coordinator.commit_pending():
+                    if self._held():
+                        return
+                    continue
+            else:
+                started = start_groups()
+                if started is None:
+                    return
+                if not started:
+                    continue
+            if not self._step():
+                return
+
+    def wait_for_version(self, version: int) -> bool:
+        """Wait, idle, until ``version`` is live; False if the trainer asked to stop meanwhile."""
+        while self.coordinator.live_version < version:
+            if self.stop_requested():
+                return False
+            time.sleep(0.002)
+        return True
+
+    # -- steps and groups ---------------------------------------------------------------------
+    def _step(self) -> bool:
+        """One engine step; finished groups go to the backlog. False once the trainer asked to stop."""
+        for out in self.llm_engine.step():
+            if out.finished:
+                self.backlog.append(self._group_of(out))
+        self.steps += 1
+        if self.steps % 16 == 0 and self.stop_requested():
+            log.info("rollout: the trainer asked to stop after %d engine steps", self.steps)
+            return False
+        return True
+
+    def _add_group(self) -> None:
+        from trainer.tasks import encode_prompt
+
+        prompt = self.task.sample(self.rng)
+        rid = f"{self.engine_id}.{INCARNATION[:8]}.{self.counter}"  # unique across engine restarts
+        self.counter += 1
+        self.prompts[rid] = prompt
+        # token ids, not text: the chat template already holds the special tokens (the engine's own
+        # tokenization would add a BOS in front of it), and evaluation encodes the same way
+        ids = encode_prompt(self.tokenizer, prompt, self.cfg.task.chat)
+        self.llm_engine.add_request(rid, {"prompt_token_ids": ids}, self.params)
+
+    def _group_of(self, out: Any) -> RolloutGroup:
+        from engine_patches.client import tagged
+        from engine_patches.routing import routing_fields
+        from trainer.tasks import Completion
+
+        prompt = self.prompts.pop(out.request_id)
+        rewards = self.task.score([prompt] * len(out.outputs),
+                                  [Completion(c.text, c.token_ids, c.finish_reason or "") for c in out.outputs])
+        samples = []
+        for i, completion in enumerate(out.outputs):
+            t = tagged(completion)
+            routing = routing_fields(completion) if self.cfg.loss.routing_replay else {}
+            samples.append(RolloutSample(
+                sample_id=f"{out.request_id}-{i}", group_id=out.request_id, prompt_ids=list(out.prompt_token_ids),
+                token_ids=t.token_ids, logprobs=t.logprobs, versions=t.versions, reward=float(rewards[i]),
+                finish_reason=t.finish_reason or "", prompt_text=prompt.display, completion_text=t.text, **routing))
+        return RolloutGroup(group_id=out.request_id, samples=tuple(samples), engine_id=self.engine_id,
+                            sampling=sampling_of(self.params))
+
+    # -- the queue, across trainer restarts ---------------------------------------------------
+    def _ship_backlog(self) -> bool:
+        """Queue what the backlog holds while there is room; False: stop."""
+        while self.backlog:
+            shipped = self._ship(self.backlog[0], wait=not self.llm_engine.has_unfinished_requests())
+            if shipped is False:
+                return False
+            if shipped is None:
+                return True
+            self.backlog.popleft()
+        return True
+
+    def _ship(self, item: RolloutGroup, *, wait: bool) -> bool | None:
+        """Queue a finished group, across a trainer restart if need be. True: queued; None: the
+        queue is full and ``wait`` is False; False: stop."""
+        while True:
+            try:
+                self.queue.put(item, timeout_s=1.0 if wait else 0.0)
+                return True
+            except TimeoutError:  # the queue is full: the trainer is busy, or done with us
+                if not wait:
+                    return None
+                if self.stop_requested():
+                    return False
+            except (RuntimeError, TransportError) as e:
+                log.warning("rollout: queue unreachable (%s); holding group %s", e, item.group_id)
+                if self.stop_requested():
+                    return False
+
+    def _room_to_start(self) -> bool:
+        try:  # groups ahead of a new one: queued, or decoding on each engine of the fleet (the
+            # others' share estimated as this one's)
+            ahead = self.queue.depth() + len(self.prompts) * self.cfg.engine.count
+            trainer = self.queue.consumer_version()
+        except (RuntimeError, TransportError):  # the trainer's store is gone: hold for the next trainer
+            return False
+        return may_start_group(ahead=ahead, trainer_version=trainer, live_version=self.coordinator.live_version,
+                               groups_per_step=self.cfg.rollout.groups_per_step, max_lag=self.cfg.loss.max_lag)
+
+    def _held(self) -> bool:
+        """Wait a moment without stepping; True once the trainer asked to stop."""
+        time.sleep(0.005)
+        self.steps += 1  # counts the stop check below, so a stop is seen while held
+        return self.steps % 16 == 0 and self.stop_requested()
+
+    def stop_requested(self) -> bool:
+        while True:
+            if _parent_gone(self.parent_pid):
+                return True
+            try:
+                return self.queue.store.check(["stop"])
+            except (RuntimeError, TransportError):  # the trainer's store is gone: wait for the next trainer
+                time.sleep(1.0)
+                try:
+                    self.queue = RolloutQueue(self.group.connect("rollout"), self.cfg.rollout.queue_capacity)
+                except TransportError:
+                    pass
+
+
 def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_index: int = 0, initial_version: int = 0,
-               wait_for_version: int = 0, parent_pid: int | None = None, *, backend: str | None = None,
+               wait_for_version: int = 0, parent_pid: int | None = None, *, backend: Backend | None = None,
                cuda_devices: str | None = None) -> None:
     """Serve rollouts until the trainer says stop (or, when spawned by it, until it is gone).
 
@@ -82,22 +283,15 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
     """
     engine_environment(cfg, cuda_devices)
     import torch
-    from vllm import LLM, SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm import LLM
 
-    from engine_patches.config import InflightConfig, engine_kwargs
-    from engine_patches.client import coordinator_of, inflight_status, start_inflight, tagged
-    from engine_patches.routing import routing_fields
-    from inflight.rollout_queue import RolloutQueue
-    from inflight.transport.errors import TransportError
-    from inflight.transport.group import GroupConfig, INCARNATION
-    from trainer.tasks import Completion, build_task, encode_prompt, model_stop_ids
+    from engine_patches.client import start_inflight
+    from engine_patches.config import engine_kwargs
 
     if not 0 <= engine_index < cfg.engine.count:
         raise ValueError(f"engine index {engine_index} outside engine.count={cfg.engine.count}")
-    rank, engine_id = cfg.engine.ranks(engine_index)[0], f"e{engine_index}"
-    group = GroupConfig(host=host, port=port, world_size=cfg.engine.world_size, timeout_s=cfg.transport.timeout_s,
-                        backend=backend or cfg.transport.backend)
+    rank = cfg.engine.ranks(engine_index)[0]
+    group = dataclasses.replace(group_config(cfg, port=port, backend=backend), host=host)
     extra: dict = {} if torch.cuda.is_available() else {"enforce_eager": True}
     if cfg.engine.tensor_parallel_size > 1:  # one worker process per rank (the in-process executor holds one)
         extra.update(tensor_parallel_size=cfg.engine.tensor_parallel_size, distributed_executor_backend="mp")
@@ -105,144 +299,15 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
         extra["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
     llm = LLM(model_dir, dtype=cfg.model.dtype, max_num_seqs=cfg.engine.max_num_seqs,
               max_model_len=cfg.engine.max_model_len, seed=cfg.run.seed + rank, **extra, **engine_kwargs())
-    start_inflight(llm, InflightConfig(group=group, rank=rank, initial_version=initial_version,
-                                       stale_timeout_s=cfg.transport.timeout_s, record_routing=cfg.loss.routing_replay))
-    store = group.connect("rollout")
-    queue = RolloutQueue(store, cfg.rollout.queue_capacity)
-
-    def stop_requested() -> bool:
-        nonlocal store, queue
-        while True:
-            if _parent_gone(parent_pid):
-                return True
-            try:
-                return store.check(["stop"])
-            except (RuntimeError, TransportError):  # the trainer's store is gone: wait for the next trainer
-                time.sleep(1.0)
-                try:
-                    store = group.connect("rollout")
-                    queue = RolloutQueue(store, cfg.rollout.queue_capacity)
-                except TransportError:
-                    pass
-
-    def ship(item: RolloutGroup, *, wait: bool = True) -> bool | None:
-        """Queue a finished group, across a trainer restart if need be. True: queued; None: the
-        queue is full and ``wait`` is False; False: stop."""
-        while True:
-            try:
-                queue.put(item, timeout_s=1.0 if wait else 0.0)
-                return True
-            except TimeoutError:  # the queue is full: the trainer is busy, or done with us
-                if not wait:
-                    return None
-                if stop_requested():
-                    return False
-            except (RuntimeError, TransportError) as e:
-                log.warning("rollout: queue unreachable (%s); holding group %s", e, item.group_id)
-                if stop_requested():
-                    return False
-    tokenizer = llm.get_tokenizer()
-    task = build_task(cfg, tokenizer)
-    rng = random.Random(cfg.run.seed * 1000 + rank)
-    # a chat model ends its turn with a token only its generation config may name (<|im_end|>)
-    params = SamplingParams(n=cfg.rollout.group_size, temperature=cfg.rollout.temperature,
-                            max_tokens=cfg.task.completion_tokens, stop_token_ids=model_stop_ids(model_dir, tokenizer),
-                            logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
-    engine = llm.llm_engine
-    prompts: dict[str, object] = {}
-    counter = 0
-    steps = 0
-    batch_mode = cfg.rollout.mode == "batch"
+    start_inflight(llm, inflight_config(cfg, group, rank=rank, initial_version=initial_version))
+    loop = RolloutLoop(cfg, llm, model_dir, group, engine_index, rank, parent_pid)
     next_version = max(initial_version, wait_for_version)  # batch mode: the version the next batch is sampled with
-    while inflight_status(llm).live_version < wait_for_version:
-        if stop_requested():
-            return
-        time.sleep(0.01)
-
-    def add_group() -> None:
-        nonlocal counter
-        prompt = task.sample(rng)
-        rid = f"{engine_id}.{INCARNATION[:8]}.{counter}"  # unique across engine restarts
-        counter += 1
-        prompts[rid] = prompt
-        # token ids, not text: the chat template already holds the special tokens (the engine's own
-        # tokenization would add a BOS in front of it), and evaluation encodes the same way
-        engine.add_request(rid, {"prompt_token_ids": encode_prompt(tokenizer, prompt, cfg.task.chat)}, params)
-
-    # Finished groups the full queue has no room for yet. While they wait, the running requests
-    # hold still, except for one step whenever a pushed version is ready to commit: it commits
-    # only at a step boundary, and the trainer may wait for that commit before it reads the
-    # queue again (a big model stages for seconds, long enough for the queue to fill). With
-    # nothing running, the engine is idle, commits without steps, and waiting blocks nobody.
-    backlog: deque[RolloutGroup] = deque()
-    gate = coordinator_of(llm)
-
-    def room_to_start() -> bool:
-        try:  # groups ahead of a new one: queued, or decoding on each engine of the fleet (the
-            # others' share estimated as this one's)
-            ahead, trainer = queue.depth() + len(prompts) * cfg.engine.count, queue.consumer_version()
-        except (RuntimeError, TransportError):  # the trainer's store is gone: hold for the next trainer
-            return False
-        return may_start_group(ahead=ahead, trainer_version=trainer, live_version=gate.live_version,
-                               groups_per_step=cfg.rollout.groups_per_step, max_lag=cfg.loss.max_lag)
-
-    def held() -> bool:
-        """Wait a moment without stepping; True once the trainer asked to stop."""
-        nonlocal steps
-        time.sleep(0.005)
-        steps += 1  # counts the stop check below, so a stop is seen while held
-        return steps % 16 == 0 and stop_requested()
-
-    while True:
-        while backlog:
-            shipped = ship(backlog[0], wait=not engine.has_unfinished_requests())
-            if shipped is False:
-                return
-            if shipped is None:
-                break
-            backlog.popleft()
-        if backlog:
-            if not gate.commit_pending():
-                if held():
-                    return
-                continue
-        elif not batch_mode:
-            while len(prompts) < cfg.rollout.in_flight_groups and room_to_start():
-                add_group()
-            if not prompts:  # the trainer is loss.max_lag behind: idle (an idle engine commits without steps)
-                if held():
-                    return
-                continue
-        elif not prompts:  # the last batch is shipped: wait, idle, for the next version
-            while inflight_status(llm).live_version < next_version:
-                if stop_requested():
-                    return
-                time.sleep(0.002)
-            next_version += 1
-            for _ in range(cfg.rollout.groups_per_step):
-                add_group()
-        for out in engine.step():
-            if not out.finished:
-                continue
-            prompt = prompts.pop(out.request_id)
-            rewards = task.score([prompt] * len(out.outputs),
-                                 [Completion(c.text, c.token_ids, c.finish_reason or "") for c in out.outputs])
-            samples = []
-            for i, completion in enumerate(out.outputs):
-                t = tagged(completion)
-                routing = routing_fields(completion) if cfg.loss.routing_replay else {}
-                samples.append(RolloutSample(
-                    sample_id=f"{out.request_id}-{i}", group_id=out.request_id, prompt_ids=list(out.prompt_token_ids),
-                    token_ids=t.token_ids, logprobs=t.logprobs, versions=t.versions,
-                    reward=float(rewards[i]), finish_reason=t.finish_reason or "",
-                    prompt_text=prompt.display, completion_text=t.text, **routing,
-                ))
-            backlog.append(RolloutGroup(group_id=out.request_id, samples=tuple(samples), engine_id=engine_id,
-                                        sampling=sampling_of(params)))
-        steps += 1
-        if steps % 16 == 0 and stop_requested():
-            log.info("rollout: the trainer asked to stop after %d engine steps", steps)
-            return
+    if not loop.wait_for_version(wait_for_version):
+        return
+    if cfg.rollout.mode == "batch":
+        loop.run_batch(next_version)
+    else:
+        loop.run_inflight()
 
 
 def may_start_group(*, ahead: int, trainer_version: int | None, live_version: int, groups_per_step: int,
@@ -268,7 +333,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--engine-id", type=int, default=0, help="this engine's index in the fleet (0 .. engine.count - 1)")
     ap.add_argument("--initial-version", type=int, default=0, help="version of the weights in --model-dir")
-    ap.add_argument("--backend", choices=["auto", "gloo", "nccl"], help="the trainer's (default: transport.backend)")
+    ap.add_argument("--backend", choices=choices(Backend), help="the trainer's (default: transport.backend)")
     args = ap.parse_args()
     run_engine(load_config(args.config), args.model_dir, args.host, args.port, args.engine_id, args.initial_version,
                backend=args.backend)

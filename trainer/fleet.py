@@ -1,7 +1,7 @@
 """Keeping the fleet: notice when an engine is gone, bring it back, keep the rest going.
 
 The trainer notices a lost engine in three places: a push that fails (the weight group
-breaks, or a worker does not reply within ``transport.timeout_s``), a spawned engine
+breaks, or a worker does not reply within ``transport.reply_timeout_s``), a spawned engine
 process found dead (checked every step, and while waiting for rollouts), or an engine
 knocking to be let back into the group. ``Fleet.recover`` and ``Fleet.admit`` run then.
 
@@ -14,7 +14,7 @@ Ordering invariants of a recovery:
    the failed wait, or by its heartbeat stopping: see ``inflight.transport.liveness``; with
    a single engine there is no one else: it waits ``transport.rejoin_timeout_s`` for it);
    whoever is left out is counted in ``engine_drops`` and knocks when it is back. So a
-   failure costs the fleet one ``transport.timeout_s`` (the wait that failed) plus the
+   failure costs the fleet one ``transport.reply_timeout_s`` (the wait that failed) plus the
    heartbeat window, not a second timeout for a member that will not come;
 4. if no member serves the current version yet, the trainer pushes it now; otherwise the
    laggards get the next step's version with everyone (a version is pushed to a whole
@@ -35,11 +35,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from tqdm import tqdm
 
 from inflight.rollout_queue import RolloutQueue
+from inflight.settings import Backend, DataPlane
 from inflight.transport.pusher import WeightPusher
 from trainer.config import TrainConfig
 from trainer.engine_process import run_engine
@@ -51,7 +51,7 @@ log = logging.getLogger("inflight.supervisor")
 class Placement:
     """Which GPUs the trainer and a spawned engine use, and the weight group's data plane."""
 
-    backend: Literal["gloo", "nccl"]
+    backend: DataPlane
     """Backend of the weight group; both sides must use the same one."""
     engine_devices: str | None
     """``CUDA_VISIBLE_DEVICES`` of a spawned engine; None: it inherits the trainer's."""
@@ -67,7 +67,7 @@ def visible_gpus() -> list[str]:
     return ids[:n]
 
 
-def place(backend: Literal["auto", "gloo", "nccl"], *, spawn: bool, gpus: Sequence[str]) -> Placement:
+def place(backend: Backend, *, spawn: bool, gpus: Sequence[str]) -> Placement:
     """Split ``gpus`` between the trainer and the engine it spawns.
 
     The trainer takes the first GPU and a spawned engine the others. NCCL cannot connect two
@@ -75,8 +75,6 @@ def place(backend: Literal["auto", "gloo", "nccl"], *, spawn: bool, gpus: Sequen
     through host memory; the engine still stages them off the decode path). An engine that
     is not spawned runs elsewhere, on GPUs of its own.
     """
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"transport.backend={backend!r} is not auto, gloo or nccl")
     if not gpus:
         if backend == "nccl":
             raise ValueError("transport.backend='nccl' needs CUDA, and no GPU is visible")
@@ -146,13 +144,13 @@ class EngineProcess:
 class Fleet:
     """The trainer's engines: start, watch, recover, let back in."""
 
-    def __init__(self, cfg: TrainConfig, model_dir: Path, model_version: int, host: str, port: int,
-                 placement: Placement, out: Path) -> None:
+    def __init__(self, cfg: TrainConfig, model_dir: Path, model_version: int, port: int, placement: Placement,
+                 out: Path) -> None:
         self.cfg = cfg
         self.model_dir = model_dir
         self.model_version = model_version
         """The version of the weights in ``model_dir``, which a (re)started engine serves first."""
-        self.engines = [EngineProcess(cfg, i, placement, host, port, out / f"engine{i}.pid") for i in range(cfg.engine.count)]
+        self.engines = [EngineProcess(cfg, i, placement, cfg.transport.host, port, out / f"engine{i}.pid") for i in range(cfg.engine.count)]
         self.failures = 0
         self.drops = 0
         """Times a member was left out of a generation (silent, frozen or restarting)."""
@@ -199,7 +197,7 @@ class Fleet:
         try:
             if want:  # the restarting and the silent knock later. The live ones come as soon as
                 # they see the failure: at once, since re-forming closes this side's connections
-                live = pusher.rejoin(self.cfg.transport.timeout_s, want=want, require=set())
+                live = pusher.rejoin(self.cfg.transport.reply_timeout_s, want=want, require=set())
             else:  # nobody else to go on with: wait for them
                 live = pusher.rejoin(self.cfg.transport.rejoin_timeout_s, require=set())
         except Exception as e:
@@ -224,7 +222,7 @@ class Fleet:
         if wait:
             live = pusher.rejoin(self.cfg.transport.rejoin_timeout_s, require=set())
         else:
-            live = pusher.rejoin(self.cfg.transport.timeout_s, want=before | knocking, require=set())
+            live = pusher.rejoin(self.cfg.transport.reply_timeout_s, want=before | knocking, require=set())
         self._count_drops(before, set(live))
         tqdm.write(f"inflight: engines on ranks {sorted(set(live) - before)} back in the weight group "
                    f"(serving {dict(sorted(live.items()))})")
@@ -233,7 +231,7 @@ class Fleet:
     def _count_drops(self, before: set[int], after: set[int]) -> None:
         for r in sorted(before - after):
             self.drops += 1
-            tqdm.write(f"inflight: engine on rank {r} left out of the weight group (silent for {self.cfg.transport.timeout_s}s)")
+            tqdm.write(f"inflight: engine on rank {r} left out of the weight group (silent for {self.cfg.transport.reply_timeout_s}s)")
             log.warning("engine on rank %d dropped from the weight group", r)
 
     def stop(self, timeout_s: float = 60.0) -> None:

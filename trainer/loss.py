@@ -112,13 +112,14 @@ def compute_loss(logp: torch.Tensor, entropy: torch.Tensor, batch: Batch, *, ver
     else:
         seq_lr, obj_lag, rho = None, lag.float(), torch.exp(log_ratio)
     loss, weight = tis_loss(logp.reshape(-1), batch.behaviour_logp.reshape(-1), adv.reshape(-1).contiguous(),
-                            mask.reshape(-1), n_tokens, cfg.tis, lag=obj_lag.reshape(-1),
-                            log_ratio=None if seq_lr is None else seq_lr.reshape(-1), impl=impl)  # type: ignore[arg-type]
+                            mask.reshape(-1), n_tokens, lag=obj_lag.reshape(-1),
+                            log_ratio=None if seq_lr is None else seq_lr.reshape(-1), impl=impl,  # type: ignore[arg-type]
+                            **cfg.objective.kernel_args())
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * (entropy * real).sum() / n_tokens
     with torch.no_grad():
         w = weight.reshape(logp.shape)
-        low, high = bounds(cfg.tis, obj_lag)
+        low, high = bounds(cfg.objective, obj_lag)
         stats = correction_stats(log_ratio, w, rho, low, high, cand=masks.lag, final=mask, real=masks.real,
                                  seq_sel=real.any(-1), seq_cand=masks.lag, seq_final=mask, seq_real=masks.real,
                                  catastrophic=cfg.veto_threshold)

@@ -15,6 +15,8 @@ from typing import Literal
 
 import torch
 
+from inflight.settings import check_choices
+
 SPECIAL_TOKENS = ("<unk>", "<|endoftext|>", "<|pad|>")
 
 
@@ -48,8 +50,7 @@ class TinyModelConfig:
     """qwen3_moe only: width of each expert's MLP."""
 
     def __post_init__(self) -> None:
-        if self.arch not in ("qwen2", "llama", "qwen3_moe"):
-            raise ValueError(f"TinyModelConfig.arch={self.arch!r} is not qwen2, llama or qwen3_moe")
+        check_choices(self, "model.tiny")
         if not 1 <= self.experts_per_token <= self.num_experts:
             raise ValueError(f"TinyModelConfig.experts_per_token={self.experts_per_token} must be in "
                              f"1..num_experts={self.num_experts}")

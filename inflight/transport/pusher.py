@@ -17,7 +17,6 @@ import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
@@ -34,6 +33,7 @@ from inflight.protocol import (
     Staged,
     UpdateAnnounce,
 )
+from inflight.settings import ChecksumChoice, PushDtype, check_choices
 from inflight.transport.buckets import BucketSender, SendStats, Tamper
 from inflight.transport.control import TrainerControl
 from inflight.transport.errors import TransportError
@@ -47,20 +47,17 @@ class PushConfig:
 
     bucket_mb: float = 256.0
     """Bucket size in MiB; tensors larger than a bucket span several."""
-    checksum: Literal["auto", "xxh3", "crc32", "wsum64"] = "auto"
+    checksum: ChecksumChoice = "auto"
     """Per-bucket checksum: ``auto`` is xxh3 on gloo (CPU) and wsum64 on NCCL (computed on the GPU)."""
-    dtype: Literal["keep", "float32", "bfloat16", "float16"] = "keep"
+    dtype: PushDtype = "keep"
     """Cast to the engine's dtype once while packing; ``keep`` sends each tensor's own dtype."""
-    reply_timeout_s: float = 60.0
+    reply_timeout_s: float = 120.0
     """How long to wait for every worker's reply to each phase (accept, staged, committed)."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "PushConfig")
         if not self.bucket_mb > 0:
             raise ValueError(f"PushConfig.bucket_mb={self.bucket_mb} must be > 0")
-        if self.checksum not in ("auto", "xxh3", "crc32", "wsum64"):
-            raise ValueError(f"PushConfig.checksum={self.checksum!r} is not auto, xxh3, crc32 or wsum64")
-        if self.dtype not in ("keep", "float32", "bfloat16", "float16"):
-            raise ValueError(f"PushConfig.dtype={self.dtype!r} is not keep, float32, bfloat16 or float16")
         if not self.reply_timeout_s > 0:
             raise ValueError(f"PushConfig.reply_timeout_s={self.reply_timeout_s} must be > 0")
 

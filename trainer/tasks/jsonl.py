@@ -24,6 +24,9 @@ from typing import Literal
 
 from trainer.tasks.base import Completion, Prompt, Task, final_number
 
+Match = Literal["number", "exact"]
+"""number: the final number equals the answer's; exact: the stripped texts are equal."""
+
 SAMPLE = Path(__file__).parent / "data" / "sample_gsm.jsonl"
 """A small sample in the repository: GSM8K-style word problems with ``#### N`` answers."""
 
@@ -78,7 +81,7 @@ def load_jsonl(path: str | Path, match: str = "number") -> list[Prompt]:
 
 
 class JsonlTask(Task):
-    def __init__(self, path: str | Path = SAMPLE, *, match: Literal["number", "exact"] = "number",
+    def __init__(self, path: str | Path = SAMPLE, *, match: Match = "number",
                  eval_path: str | Path | None = None, eval_size: int = 0) -> None:
         if match not in ("number", "exact"):
             raise ValueError(f"jsonl: match={match!r} is not number or exact")

@@ -1,0 +1,92 @@
+"""The ``[task]`` section of the training config: what the policy is trained on."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inflight.settings import check_choices
+from trainer.tasks.base import ChatMode
+from trainer.tasks.jsonl import Match
+
+@dataclass(frozen=True, kw_only=True)
+class ArithmeticConfig:
+    """Difficulty of the ``arithmetic`` task."""
+
+    digits: int = 1
+    """Digits of every operand (1: 0-9, 2: 10-99, ...)."""
+    terms: int = 2
+    """Operands per expression."""
+    ops: tuple[str, ...] = ("+",)
+    """Operators drawn from (any of + - *)."""
+    template: str = "What is {expr}? Answer with just the number."
+    """The prompt; ``{expr}`` becomes the expression."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.digits <= 9:
+            raise ValueError(f"task.arithmetic.digits={self.digits} must be in 1..9")
+        if self.terms < 2:
+            raise ValueError(f"task.arithmetic.terms={self.terms} must be >= 2")
+        if not self.ops or set(self.ops) - {"+", "-", "*"}:
+            raise ValueError(f"task.arithmetic.ops={list(self.ops)} must be a non-empty subset of ['+', '-', '*']")
+        if "{expr}" not in self.template:
+            raise ValueError(f"task.arithmetic.template={self.template!r} has no {{expr}}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JsonlConfig:
+    """The ``jsonl`` task's data: one ``{"prompt"|"messages": ..., "answer": ...}`` per line."""
+
+    path: str = ""
+    """Training prompts (empty: the sample file ``trainer/tasks/data/sample_gsm.jsonl``)."""
+    eval_path: str = ""
+    """Held-out prompts for evaluation (empty: the last ``eval.prompts`` records of ``path``)."""
+    match: Match = "number"
+    """number: the completion's final number (GSM8K ``#### N`` style) equals the answer's.
+    exact: the stripped completion equals the stripped answer."""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "task.jsonl")
+        for name in ("path", "eval_path"):
+            if getattr(self, name) and not Path(getattr(self, name)).is_file():
+                raise ValueError(f"task.jsonl.{name}={getattr(self, name)!r}: no such file")
+
+
+_BUILTIN_TASKS = ("repeat_digit", "arithmetic", "jsonl")
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """What the policy is trained on (``trainer/tasks``)."""
+
+    name: str = "repeat_digit"
+    """repeat_digit | arithmetic | jsonl, or your own ``pkg.module:factory`` (called as
+    ``factory(tokenizer=..., **options)``, returning a ``trainer.tasks.Task``)."""
+    completion_tokens: int = 16
+    """Most tokens sampled per completion (generation also stops at the model's end-of-sequence)."""
+    chat: ChatMode = "auto"
+    """auto: a model whose tokenizer has a chat template gets its prompts through it. off: raw text."""
+    digit_credit: float = 0.5
+    """repeat_digit only: reward for a digit token that is not D (D itself earns 1). It makes
+    learning reliable (every seed learns digits) and is a shortcut: policies rarely go on to read D."""
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    """arithmetic only: difficulty."""
+    jsonl: JsonlConfig = field(default_factory=JsonlConfig)
+    """jsonl only: the files and how answers match."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """A ``module:factory`` task only: keyword arguments of the factory."""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "task")
+        if self.name not in _BUILTIN_TASKS and not _FACTORY.match(self.name):
+            raise ValueError(f"task.name={self.name!r} is not one of {list(_BUILTIN_TASKS)} or a 'pkg.module:factory'")
+        if self.options and self.name in _BUILTIN_TASKS:
+            raise ValueError(f"task.options={self.options!r}: only a 'module:factory' task takes options "
+                             f"({self.name} is configured by its own table)")
+        if self.completion_tokens < 1:
+            raise ValueError(f"task.completion_tokens={self.completion_tokens} must be >= 1")
+        if not 0 <= self.digit_credit <= 1:
+            raise ValueError(f"task.digit_credit={self.digit_credit} must be in [0, 1]")
