@@ -9,8 +9,8 @@ requests with 16..512 new tokens, ``--concurrency`` in flight, refilled as they 
 trainer process holds the weights and, on the driver's cue every N engine steps:
 
 1. none: no updates (the ceiling);
-2. inflight: ``WeightPusher.push`` while the engine keeps stepping; the commit lands in
-   the step gate. A push that comes due while the previous one is still staging is
+2. inflight: ``WeightPusher.push`` while the engine keeps stepping; the commit lands at
+   a step boundary. A push that comes due while the previous one is still staging is
    skipped, so in-flight's *achieved* cadence can be lower than the requested one;
 3. native: ``pause_scheduler(keep)`` + ``start_weight_update`` / ``update_weights`` (the
    trainer's broadcast) / ``finish_weight_update`` + ``resume_scheduler``, at the
@@ -49,6 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench.inflight_report import COLS, compare, plot  # noqa: E402
 from trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus  # noqa: E402
 
 SIZES = {  # tiny random-init models; MoE: a Qwen3-MoE (4 experts, top-2) for the record_routing rows
@@ -60,9 +61,11 @@ SIZES = {  # tiny random-init models; MoE: a Qwen3-MoE (4 experts, top-2) for th
 }
 
 
-def _trainer(conn, inflight_group, native_group, model_dir: str) -> None:
+def _trainer(conn, model_dir: str) -> None:
     """The trainer process: owns the weights, pushes or broadcasts them when told.
 
+    It hosts both groups' stores (in-flight and native), so it holds their ports
+    (``reserve_port``) and sends the two ``GroupConfig``s to the engine's process first.
     It stands in for a trainer on other hardware, so it runs at low priority: on this
     machine it shares the cores with the engine it measures.
     """
@@ -71,8 +74,9 @@ def _trainer(conn, inflight_group, native_group, model_dir: str) -> None:
     os.nice(19)
     torch.set_num_threads(1)
     from bench.native_gloo import broadcast_state
-    from inflight.transport.group import WeightGroup
+    from inflight.transport.group import GroupConfig, WeightGroup
     from inflight.transport.pusher import PushConfig, WeightPusher
+    from inflight.transport.store import reserve_port
 
     base = load_file(str(Path(model_dir) / "model.safetensors"))
     # Two weight sets, alternated: making new weights is the trainer's job (on its own hardware
@@ -80,6 +84,9 @@ def _trainer(conn, inflight_group, native_group, model_dir: str) -> None:
     states = [{k: v + 1e-3 * torch.randn(v.shape, generator=torch.Generator().manual_seed(i)) for k, v in base.items()}
               for i in range(2)]
     del base  # memory: a real model's weights are 0.5+ GB here, on a shared machine
+    inflight_group = GroupConfig(port=reserve_port(), world_size=2, timeout_s=120)
+    native_group = GroupConfig(port=reserve_port(), world_size=2, backend="gloo", name="native")
+    conn.send((inflight_group, native_group))
     pusher = WeightPusher(inflight_group, PushConfig(bucket_mb=64))
     native = WeightGroup(native_group, 0)
     conn.send("ready")
@@ -115,9 +122,7 @@ class Bench:
         from engine_patches.client import coordinator_of, start_inflight
         from safetensors.torch import load_file
 
-        from bench.native_gloo import update_info
-        from inflight.transport.group import GroupConfig
-        from inflight.transport.store import reserve_port
+        from bench.native_gloo import register, update_info
 
         self.size, self.concurrency, self.seed = size, concurrency, seed
         if size in SIZES:
@@ -131,21 +136,19 @@ class Bench:
         self.params = sum(t.numel() for t in state.values())
         self.native_info = update_info(state)
         del state
+        register()  # the native baseline's transfer engine, in this process (EngineCore runs here)
         self.llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", max_model_len=640, seed=seed,
                        max_num_seqs=concurrency, weight_transfer_config={"backend": "inflight_gloo"}, **engine_kwargs())
-        inflight_group = GroupConfig(port=reserve_port(), world_size=2, timeout_s=120)
-        native_port = reserve_port()
         self.conn, child = mp.get_context("spawn").Pipe()
-        self.proc = mp.get_context("spawn").Process(
-            target=_trainer, args=(child, inflight_group, GroupConfig(port=native_port, world_size=2, backend="gloo",
-                                                                      name="native"), str(model_dir)), daemon=True)
+        self.proc = mp.get_context("spawn").Process(target=_trainer, args=(child, str(model_dir)), daemon=True)
         self.proc.start()
+        inflight_group, native_group = self.conn.recv()  # the trainer's stores, on the ports it holds
         self.config = InflightConfig(group=inflight_group, listener_nice=listener_nice, record_routing=record_routing)
         start_inflight(self.llm, self.config)
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {
-            "host": "127.0.0.1", "port": native_port, "world_size": 2, "rank": 1, "name": "native"}})
+            "host": native_group.host, "port": native_group.port, "world_size": 2, "rank": 1, "name": native_group.name}})
         assert self.conn.recv() == "ready"
-        self.gate = coordinator_of(self.llm)
+        self.coordinator = coordinator_of(self.llm)
         self.core = self.llm.llm_engine.engine_core.engine_core
         self.version = 0
         self.routing = record_routing
@@ -164,7 +167,7 @@ class Bench:
         elif not on and worker._inflight_routing is not None:
             worker._inflight_routing.close()
             worker._inflight_routing = None
-        self.gate.config = dataclasses.replace(self.gate.config, record_routing=on)
+        self.coordinator.config = dataclasses.replace(self.coordinator.config, record_routing=on)
         self.routing = on
 
     def run(self, mode: str, every: int, steps: int) -> dict:
@@ -181,7 +184,7 @@ class Bench:
         lags: list[int] = []
         st = {"tokens": 0, "routed": 0, "finished": 0, "skipped": 0, "n_req": 0}
         pushing, draining = False, False
-        gate_start = self.gate.steps
+        coordinator_start = self.coordinator.steps
 
         def refill() -> None:
             while not draining and len(active) < self.concurrency:
@@ -201,12 +204,12 @@ class Bench:
                     st["routed"] += out.outputs[0].routed_experts is not None
                     spans = out.outputs[0].weight_versions
                     tags = tags_from_spans(spans, spans[-1].end if spans else 0)
-                    lags.extend(self.gate.live_version - v for v in tags)
+                    lags.extend(self.coordinator.live_version - v for v in tags)
             times.append(time.perf_counter())
 
         def landed() -> None:
             r = self.conn.recv()
-            events.append((r["commit_step"] - gate_start + 1, "commit", r))
+            events.append((r["commit_step"] - coordinator_start + 1, "commit", r))
 
         for i in range(steps):
             due = i > 0 and i % every == 0
@@ -228,7 +231,7 @@ class Bench:
                 self.conn.send(("native", self.version))
                 self.llm.collective_rpc("update_weights", kwargs={"update_info": self.native_info})
                 self.llm.collective_rpc("finish_weight_update")
-                self.gate.set_label(self.version)  # tag tokens with the version the native path loaded
+                self.coordinator.set_label(self.version)  # tag tokens with the version the native path loaded
                 self.core.resume_scheduler()
                 r = self.conn.recv()
                 r["pause_ms"] = 1e3 * (time.perf_counter() - t0)
@@ -298,33 +301,6 @@ class Bench:
         self.llm.collective_rpc("inflight_stop")
 
 
-CAP = 4.0  # steps longer than CAP x none's median step count as that (``lost_ms_per_update_capped``)
-
-
-def compare(rows: list[dict]) -> None:
-    """Against ``none`` of the same model and cadence group: throughput ratio, and decode time
-    lost per update = (wall - the wall none needs for the same tokens) / updates."""
-    for r in rows:
-        ceiling = next(x for x in rows if x["model"] == r["model"] and x["group"] == r["group"] and x["mode"] == "none")
-        r["vs_none"] = round(r["tok_s"] / ceiling["tok_s"], 3)
-        lost = r["wall_s"] - r["tokens"] / ceiling["tok_s"]
-        r["lost_ms_per_update"] = round(1e3 * lost / r["updates"], 1) if r["updates"] else None
-        r["lost_ms_per_step"] = round(1e3 * lost / r["steps"], 2)
-        # The same with outlier steps capped: on a machine shared with other jobs a few steps take
-        # seconds (another job's burst) and land in whichever mode ran then. Steps without an
-        # update event longer than CAP x none's median count as CAP x that median; the
-        # intervals holding an update (native's pause, batch's drain) are never capped.
-        cap = CAP * ceiling["step_ms"] / 1e3
-        capped = [g for g in r["_quiet"] if g > cap]
-        robust = sum(min(g, cap) for g in r["_quiet"]) + sum(r["_events"])
-        r["capped_steps"] = len(capped)
-        none_rate = ceiling["tokens"] / sum(min(g, cap) for g in ceiling["_quiet"])  # tokens/s, none's steps capped alike
-        lost_robust = robust - r["tokens"] / none_rate
-        r["lost_ms_per_update_capped"] = round(1e3 * lost_robust / r["updates"], 1) if r["updates"] else None
-    for r in rows:
-        r.pop("_quiet"), r.pop("_events")
-
-
 def bench_model(bench: Bench, everys: list[int], steps: int, rounds: int) -> list[dict]:
     rows = []
     chunk = steps // rounds
@@ -363,38 +339,6 @@ def bench_routing(bench: Bench, every: int, steps: int, rounds: int) -> list[dic
         r["group"] = f"routing/{every}"
         rows.append(r)
     return rows
-
-
-def plot(rows: list[dict], png: Path) -> None:
-    """Left: decode time lost per update, per model and mode (log scale); right: throughput
-    relative to no updates. Labels carry requested -> achieved steps per update."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shown = [r for r in rows if r["mode"] != "none" and r["updates"] and not str(r["group"]).startswith("routing")]
-    fig, axes = plt.subplots(1, 2, figsize=(14, 0.8 + 0.28 * len(shown)))
-    labels = [f"{r['model']} every {r['every']} {r['mode']} (-> {r['steps_per_update']})" for r in shown]
-    colors = {"inflight": "C1", "native": "C2", "native@inflight": "C4", "batch": "C3"}
-    ys = range(len(shown))
-    axes[0].barh(ys, [max(r["lost_ms_per_update"], 0.1) for r in shown], color=[colors[r["mode"]] for r in shown])
-    axes[0].set_xscale("log")
-    axes[0].set_yticks(ys, labels, fontsize=7)
-    axes[0].invert_yaxis()
-    axes[0].set_xlabel("decode time lost per update, ms (wall - none's wall for the same tokens) / updates")
-    axes[1].barh(ys, [r["vs_none"] for r in shown], color=[colors[r["mode"]] for r in shown])
-    axes[1].set_yticks(ys, [""] * len(shown))
-    axes[1].invert_yaxis()
-    axes[1].axvline(1.0, color="k", lw=0.6)
-    axes[1].set_xlim(0, 1.05)
-    axes[1].set_xlabel("tokens/s relative to no updates")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-
-
-COLS = ["model", "every", "mode", "updates", "steps_per_update", "tok_s", "vs_none", "lost_ms_per_update",
-        "lost_ms_per_update_capped", "capped_steps", "step_ms", "stall_ms", "commit_ms", "stage_ms", "ms_per_gb"]
 
 
 def main() -> None:

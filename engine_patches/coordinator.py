@@ -54,6 +54,7 @@ from inflight.protocol import (
     encode,
 )
 from inflight.transport.errors import TransportError
+from inflight.transport.poll import poll_until
 from inflight.transport.store import store_reachable
 
 log = logging.getLogger("inflight.coordinator")
@@ -303,18 +304,22 @@ class CommitCoordinator:
         """The version every rank is ready for, None (try again), or the trainer's store
         incarnation when a worker relayed its ``Shutdown`` (``bye/<rank>``, deleted here as the
         last use of the store: the worker answers the trainer only then)."""
-        pause = 0.0002
         byes = [f"bye/{r}" for r in self.ranks]
-        while not store.check(keys):
-            if self._stop.is_set():
-                return None
-            if store.check(byes):
-                incarnation = store.get(byes[0]).decode()
-                for k in byes:
-                    store.delete_key(k)
-                return incarnation
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX_S)
+
+        def ready_or_bye() -> str | None:
+            if store.check(keys):
+                return "ready"
+            return "bye" if store.check(byes) else None
+        try:
+            seen = poll_until(ready_or_bye, timeout_s=None, stop=self._stop, what="every rank's CommitReady",
+                              who="inflight coordinator", max_pause_s=_POLL_MAX_S)
+        except InterruptedError:
+            return None
+        if seen == "bye":
+            incarnation = store.get(byes[0]).decode()
+            for k in byes:
+                store.delete_key(k)
+            return incarnation
         versions = set()
         for k in keys:
             try:

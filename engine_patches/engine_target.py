@@ -30,6 +30,7 @@ from inflight.protocol import CommitReady, EngineCommitted, ProtocolError, decod
 from inflight.staging import ordered_commit, ready_event
 from inflight.transport.errors import TransportError, TransportTimeout
 from inflight.transport.listener import CommitFailed, CommitInfo
+from inflight.transport.poll import poll_until
 from inflight.transport.store import wait_key
 
 
@@ -90,9 +91,11 @@ class EngineTarget:
         deletes ``bye/<rank>`` as the last thing it does with it; see the coordinator)."""
         key = f"bye/{self.rank}"
         self.channel.set(key, self.incarnation.encode())
-        deadline = time.monotonic() + 5.0  # a coordinator busy committing answers within a step; else go on
-        while self.channel.check([key]) and time.monotonic() < deadline:
-            time.sleep(0.002)
+        try:  # a coordinator busy committing answers within a step; else go on
+            poll_until(lambda: None if self.channel.check([key]) else True, timeout_s=5.0, what="the coordinator's goodbye",
+                       who=f"rank {self.rank}")
+        except TransportTimeout:
+            pass
 
     def commit(self, version: int, weights: dict[str, torch.Tensor], previous: Mapping[str, torch.Tensor] | None) -> CommitInfo:
         """Announce readiness to the engine's coordinator and relay its outcome."""

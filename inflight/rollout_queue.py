@@ -37,6 +37,8 @@ from torch.distributed import Store
 
 from inflight.auth import read_secret, seal, unseal
 from inflight.protocol import AuthError, ProtocolError, RolloutGroup, decode_group, encode
+from inflight.transport.errors import TransportTimeout
+from inflight.transport.poll import poll_until
 from inflight.transport.store import wait_key
 
 _POLL_S = 0.002
@@ -75,14 +77,12 @@ class RolloutQueue:
     def put(self, group: RolloutGroup, *, timeout_s: float | None = None, stop: threading.Event | None = None) -> int:
         """Enqueue; blocks while the queue is full. Returns the sequence number."""
         data = encode(group)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            while self.depth() >= self.capacity:
-                if stop is not None and stop.is_set():
-                    raise InterruptedError("rollout producer stopped while the queue was full")
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"rollout queue full ({self.capacity}) for {timeout_s:.1f}s: is the trainer alive?")
-                time.sleep(_POLL_S)
+            try:
+                poll_until(lambda: True if self.depth() < self.capacity else None, timeout_s=timeout_s, stop=stop,
+                           what="room in the rollout queue", who="rollout producer", max_pause_s=_POLL_S)
+            except TransportTimeout:
+                raise TimeoutError(f"rollout queue full ({self.capacity}) for {timeout_s:.1f}s: is the trainer alive?") from None
             seq = self.store.add("tail", 1) - 1
             sealed = seal(data, self.secret, f"rollout/item/{seq}")
             if self.store.compare_set(f"item/{seq}", "", sealed) == sealed:

@@ -16,13 +16,14 @@ import sys
 import typing
 from typing import Any, Literal
 
-Backend = Literal["auto", "gloo", "nccl"]
-"""The weight group's data plane: NCCL between GPUs, gloo through host memory; ``auto``
-picks NCCL where CUDA is available."""
 DataPlane = Literal["gloo", "nccl"]
-"""A resolved ``Backend``."""
-CommitChoice = Literal["auto", "swap", "reload", "copy"]
+"""The weight group's data plane: NCCL between GPUs, gloo through host memory."""
+Backend = Literal["auto", DataPlane]
+"""A ``DataPlane``, or ``auto``: NCCL where CUDA is available, else gloo."""
+CommitStrategyName = Literal["swap", "reload", "copy"]
 """How staged weights become live (``engine_patches.commit``)."""
+CommitChoice = Literal["auto", CommitStrategyName]
+"""A ``CommitStrategyName``, or ``auto``: the best one that is right for the engine."""
 StagingPlace = Literal["device", "host"]
 """Where a version waits between its buckets' arrival and its commit."""
 ChecksumChoice = Literal["auto", "xxh3", "crc32", "wsum64"]

@@ -58,7 +58,7 @@ class Harness:
         self.version += 1
         return self.pusher.push(self.version, state)
 
-    def gate(self):
+    def coordinator(self):
         """The engine's commit coordinator (EngineCore runs in this process)."""
         from engine_patches.client import coordinator_of
 
@@ -173,7 +173,7 @@ def push_at_steps(steps: Callable[[], int], at: Sequence[int], push: Callable[[i
     each k in turn (a push still running at the next mark delays the next one).
 
     ``steps`` counts engine steps since the test's start: a commit coordinator's
-    (``lambda: gate.steps - start``) when EngineCore runs in this process, else the steps
+    (``lambda: coordinator.steps - start``) when EngineCore runs in this process, else the steps
     (or outputs, or rounds) the test's own loop has taken. So pushes follow the engine
     however slow the machine, never a wall-clock deadline; pair it with ``drive`` to hold
     the engine until each commit can land at its step.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +48,18 @@ def wait_rows(out: Path, n: int, *, where: Callable[[list[dict]], bool] = lambda
         if rows and len(rows) >= n and where(rows):
             return rows
         time.sleep(0.05)
+
+
+def train_beside(cfg: TrainConfig, beside: Callable[[], None]) -> tuple[dict, list[dict]]:
+    """``train(cfg)`` while ``beside`` runs in a thread (a fault or an input it injects when
+    the run's rows say so: see ``wait_rows``). Returns the run's summary and its rows."""
+    from trainer.train import train
+
+    t = threading.Thread(target=beside, daemon=True)
+    t.start()
+    summary = train(cfg)
+    t.join(5)
+    return summary, metrics_rows(Path(cfg.run.out_dir))
 
 
 def pending_ids(out: Path) -> list[str]:

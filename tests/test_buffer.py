@@ -13,6 +13,7 @@ from torch.distributed import PrefixStore, TCPStore
 
 from inflight.rollout_queue import RolloutBuffer, RolloutQueue
 from inflight.protocol import RolloutGroup, RolloutSample
+from inflight.transport.store import host_store
 
 
 def _group(gid: str, versions: list[int], *, logprob: float = -1.0, size: int = 2, reward: float = 1.0) -> RolloutGroup:
@@ -24,7 +25,7 @@ def _group(gid: str, versions: list[int], *, logprob: float = -1.0, size: int = 
 
 @pytest.fixture
 def store(port):
-    master = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    master = host_store("127.0.0.1", port, 2, timedelta(seconds=10))  # on the socket ``port`` holds
     yield PrefixStore("test/rollout", master)
 
 

@@ -12,6 +12,8 @@ trainer script that pushes one version, and orders their exits (what is tested):
 - ``del_llm``: ``del llm`` (the engine's shutdown hook), then the trainer closes.
 
 Each step waits for an event (a line a process printed, its exit, a store key), never a time.
+The trainer hosts the group's store, so it holds the port (``reserve_port``) and prints it;
+the engine script is started on that port.
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ TRAINER = r"""
 import sys
 from safetensors.torch import load_file
 from inflight.transport.group import GroupConfig
-from inflight.transport.store import wait_key
+from inflight.transport.store import reserve_port, wait_key
 from inflight.transport.pusher import PushConfig, WeightPusher
-model, port = sys.argv[1], int(sys.argv[2])
+model, port = sys.argv[1], reserve_port()
+print("PORT", port, flush=True)
 pusher = WeightPusher(GroupConfig(port=port, world_size=2, timeout_s=10), PushConfig(bucket_mb=0.25), join_timeout_s=300)
 pusher.push(1, load_file(model + "/model.safetensors"))
 print("PUSHED", flush=True)
@@ -97,11 +100,12 @@ class _Proc:
 
 
 @pytest.mark.parametrize("order", ["trainer_first", "trainer_vanishes", "engine_first", "del_llm"])
-def test_script_exits_cleanly_in_any_shutdown_order(order: str, tiny_llama, port, tmp_path: Path) -> None:
-    engine = _Proc(ENGINE, [str(tiny_llama), str(port)], tmp_path, "engine")
-    engine.expect("STARTED")
-    trainer = _Proc(TRAINER, [str(tiny_llama), str(port)], tmp_path, "trainer")
+def test_script_exits_cleanly_in_any_shutdown_order(order: str, tiny_llama, tmp_path: Path) -> None:
+    trainer = _Proc(TRAINER, [str(tiny_llama)], tmp_path, "trainer")
+    port = trainer.expect("PORT").split()[1]
+    engine = _Proc(ENGINE, [str(tiny_llama), port], tmp_path, "engine")
     try:
+        engine.expect("STARTED")
         trainer.expect("PUSHED")
         engine.say("pushed")
         assert engine.expect("VERSIONS").strip() == "VERSIONS [1, 1, 1, 1]"

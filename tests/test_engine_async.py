@@ -10,13 +10,12 @@ import torch
 from engine_patches.config import InflightConfig, engine_kwargs
 from engine_patches.client import inflight_status_async, start_inflight_async, stream_tagged, tagged
 from inflight.transport.group import GroupConfig
-from inflight.transport.store import reserve_port
 from inflight.transport.pusher import PushConfig, WeightPusher
 from inflight.versions import boundaries, is_monotone
-from tests.engine_harness import Reference, perturbed
+from tests.engine_harness import Reference, perturbed, push_at_steps
 
 
-async def _run(model_dir) -> None:
+async def _run(model_dir, port: int) -> None:
     from safetensors.torch import load_file
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -25,14 +24,17 @@ async def _run(model_dir) -> None:
     args = AsyncEngineArgs(model=str(model_dir), enforce_eager=True, dtype="float32", max_model_len=1024, seed=0,
                            **engine_kwargs())
     engine = AsyncLLM.from_engine_args(args)
-    group = GroupConfig(port=reserve_port(), world_size=2, timeout_s=60)
+    group = GroupConfig(port=port, world_size=2, timeout_s=60)
     try:
         await start_inflight_async(engine, InflightConfig(group=group))
         pusher = await asyncio.to_thread(WeightPusher, group, PushConfig(bucket_mb=0.25))
         base = load_file(str(model_dir / "model.safetensors"))
         n_req, versions = 6, 3
         progress = [0] * n_req
-        commits = []
+        # commit whenever every stream has moved on by 60 tokens (the engine's steps, as streamed)
+        pushes = push_at_steps(lambda: min(progress), [60 * (k + 1) for k in range(versions)],
+                               lambda k: pusher.push(k + 1, perturbed(base, seed=k, scale=0.02)).commits[1])
+        commits = pushes.results
 
         async def consume(i: int):
             # EngineCore runs in its own process, free of this test: the requests are long
@@ -49,17 +51,11 @@ async def _run(model_dir) -> None:
                     progress[i] = len(tags)
                     if len(commits) == versions and len(seen) > commits[-1].tokens_at_commit.get(rid, 0) + 20:
                         break  # closing the stream aborts the request
-            assert len(commits) == versions, "a request ended before every commit landed"
+            assert len(commits) == versions, ("a request ended before every commit landed", pushes.errors)
             return rid, seen
 
-        async def trainer() -> None:
-            for k in range(versions):  # commit whenever every stream has moved on by 60 tokens
-                while min(progress) < 60 * (k + 1):
-                    await asyncio.sleep(0.002)
-                result = await asyncio.to_thread(pusher.push, k + 1, perturbed(base, seed=k, scale=0.02))
-                commits.append(result.commits[1])
-
-        *finished, _ = await asyncio.gather(*(consume(i) for i in range(n_req)), trainer())
+        finished = await asyncio.gather(*(consume(i) for i in range(n_req)))
+        await asyncio.to_thread(pushes.join)
         assert [c.version for c in commits] == [1, 2, 3]
         for request_id, seen in finished:
             assert is_monotone(seen)
@@ -80,12 +76,12 @@ async def _run(model_dir) -> None:
         torch.testing.assert_close(torch.tensor(done.logprobs, dtype=torch.float64),
                                    ref.logprobs(list(out.prompt_token_ids), done.token_ids), atol=1e-5, rtol=0)
         status = await inflight_status_async(engine)
-        assert status["live_version"] == 3 and status["committed"] == 3 and status["last_error"] == ""
+        assert status.live_version == 3 and status.committed == 3 and status.last_error == ""
         await asyncio.to_thread(pusher.close)
     finally:
         engine.shutdown()
         del engine  # let AsyncLLM.__del__ run now, not at interpreter exit
 
 
-def test_async_llm_multiprocess_engine(tiny_qwen) -> None:
-    asyncio.run(_run(tiny_qwen))
+def test_async_llm_multiprocess_engine(tiny_qwen, port) -> None:
+    asyncio.run(_run(tiny_qwen, port))

@@ -77,14 +77,14 @@ def test_requests_span_many_versions_with_exact_boundaries(harness: Harness) -> 
     from vllm import SamplingParams
 
     h = harness
-    gate = h.gate()
+    coordinator = h.coordinator()
     n_steps, commit_at = 160, (20, 55, 90, 125)
-    start = gate.steps
-    pushes = push_at_steps(lambda: gate.steps - start, commit_at,
+    start = coordinator.steps
+    pushes = push_at_steps(lambda: coordinator.steps - start, commit_at,
                            lambda k: h.push(perturbed(h.base, seed=100 + k, scale=0.02)).commits[1])
     sp = SamplingParams(temperature=1.0, max_tokens=n_steps, logprobs=0, ignore_eos=True, seed=7)
     # each commit lands within 30 steps of its mark, however slow the machine: see ``drive``
-    outs = drive(h.llm, gate, [f"{i}+{i}=" for i in range(12)], sp, hold_at=[a + 30 for a in commit_at], start=start)
+    outs = drive(h.llm, coordinator, [f"{i}+{i}=" for i in range(12)], sp, hold_at=[a + 30 for a in commit_at], start=start)
     commits = pushes.join()
     assert len(commits) == len(commit_at)
     for o in outs:
@@ -100,7 +100,7 @@ def test_requests_span_many_versions_with_exact_boundaries(harness: Harness) -> 
     # commits that landed mid-generation ran at a step boundary, on the thread that runs the
     # forward passes; an idle in-process engine's commit runs under the step lock instead
     landed = {c.version for c in commits}
-    records = [r for r in gate.history if r.version in landed]
+    records = [r for r in coordinator.history if r.version in landed]
     assert {r.via for r in records} == {"step"}, [(r.version, r.via) for r in records]
     assert all(w.forward_thread is True for r in records for w in r.workers)
 
@@ -112,14 +112,14 @@ def test_decoding_continues_while_buckets_arrive(harness: Harness) -> None:
     h = harness
     h.pusher.sender.bucket_bytes = 16384  # ~80 buckets
     result: dict = {}
-    gate = h.gate()
-    start = gate.steps
+    coordinator = h.coordinator()
+    start = coordinator.steps
 
     def hold_bucket_20(header, data):  # the sender waits at bucket 20 until the engine stepped 3 more times
         if header.index == 20:
-            at = gate.steps
+            at = coordinator.steps
             result["sender_waiting"] = True
-            while gate.steps < at + 3:
+            while coordinator.steps < at + 3:
                 time.sleep(0.001)
             result["sender_waiting"] = False
         return header, data
@@ -128,14 +128,14 @@ def test_decoding_continues_while_buckets_arrive(harness: Harness) -> None:
         h.version += 1
         stats, staged = h.pusher.send(h.version, perturbed(h.base, seed=7), tamper=hold_bucket_20)
         result["staged"] = staged[1]
-        result["steps_staged"] = gate.steps
-        while gate.steps < result["steps_staged"] + 3:  # staged, not committed: the engine keeps serving
+        result["steps_staged"] = coordinator.steps
+        while coordinator.steps < result["steps_staged"] + 3:  # staged, not committed: the engine keeps serving
             time.sleep(0.001)
-        result["steps_before_commit"] = gate.steps
+        result["steps_before_commit"] = coordinator.steps
         result["commit"] = h.pusher.commit(h.version)[1]
 
     try:
-        pushes = push_at_steps(lambda: gate.steps - start, [5], stage_then_commit)
+        pushes = push_at_steps(lambda: coordinator.steps - start, [5], stage_then_commit)
         # long requests, held near their end until the commit; on a busy machine staging may
         # outlast 990 steps, so the hold lets the engine step while the trainer waits for its
         # steps (and only then), and the commit still lands before the end
@@ -144,7 +144,7 @@ def test_decoding_continues_while_buckets_arrive(harness: Harness) -> None:
         def waiting_for_steps() -> bool:  # the sender at bucket 20, or the trainer after staging
             return result.get("sender_waiting", False) or ("steps_staged" in result and "steps_before_commit" not in result)
 
-        outs = drive(h.llm, gate, ["1+1=", "2+2="], sp, hold_at=[990], start=start, release=waiting_for_steps)
+        outs = drive(h.llm, coordinator, ["1+1=", "2+2="], sp, hold_at=[990], start=start, release=waiting_for_steps)
         pushes.join()
     finally:
         h.pusher.sender.bucket_bytes = h.pusher.config.bucket_bytes

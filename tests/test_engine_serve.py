@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from engine_patches.config import WORKER_EXTENSION, InflightConfig
+from engine_patches.rpc import StartReport, WorkerStatus, as_result
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
-from inflight.transport.store import reserve_port
 from tests.engine_harness import Reference, perturbed
+from tests.helpers import free_port
 
 
 def _post(url: str, body: dict) -> dict:
@@ -34,7 +35,7 @@ def _post(url: str, body: dict) -> dict:
 
 @pytest.fixture
 def server(tiny_qwen, tmp_path):
-    http = reserve_port()
+    http = free_port()  # the server binds it itself: see ``free_port``
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_qwen), "--port", str(http),
            "--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
@@ -61,19 +62,19 @@ def server(tiny_qwen, tmp_path):
         proc.kill()
 
 
-def test_vllm_serve_commits_pushed_weights(server, tiny_qwen) -> None:
+def test_vllm_serve_commits_pushed_weights(server, tiny_qwen, port) -> None:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    group = GroupConfig(port=reserve_port(), world_size=2, timeout_s=60)
+    group = GroupConfig(port=port, world_size=2, timeout_s=60)
     started = _post(server + "/collective_rpc", {"method": "inflight_start", "args": [InflightConfig(group=group).to_json()]})
-    assert started["results"][0]["commit"] == "swap"  # eager CPU engine
+    assert as_result(started["results"][0], StartReport).commit == "swap"  # eager CPU engine
     pusher = WeightPusher(group, PushConfig())
     state = perturbed(load_file(str(tiny_qwen / "model.safetensors")), seed=5)
     result = pusher.push(1, state)
     assert result.commits[1].version == 1
-    status = _post(server + "/collective_rpc", {"method": "inflight_status"})["results"][0]
-    assert status["live_version"] == 1 and status["committed"] == 1
+    status = as_result(_post(server + "/collective_rpc", {"method": "inflight_status"})["results"][0], WorkerStatus)
+    assert status.live_version == 1 and status.committed == 1
 
     out = _post(server + "/v1/completions", {"model": str(tiny_qwen), "prompt": "1+2=", "max_tokens": 8,
                                              "temperature": 0, "logprobs": 0, "ignore_eos": True})

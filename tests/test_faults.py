@@ -22,18 +22,17 @@ import torch
 from engine_patches.client import tagged
 from inflight.protocol import BucketHeader
 from inflight.transport.group import GroupConfig
-from inflight.transport.store import reserve_port
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
-from tests.engine_harness import Harness, Reference, perturbed
+from tests.engine_harness import Harness, Reference, perturbed, push_at_steps
 
 PROMPTS = ["1+2=", "count 3 4", "lazy dog"]
 TIMEOUT_S = 4.0  # the worker's limit on every wait: a stalled trainer is dropped after this
 
 
 @pytest.fixture(scope="module")
-def harness(tiny_llama):
-    h = Harness(tiny_llama, "float32", reserve_port(), timeout_s=TIMEOUT_S)
+def harness(tiny_llama, hold_port):
+    h = Harness(tiny_llama, "float32", hold_port(), timeout_s=TIMEOUT_S)
     yield h
     h.close()
 
@@ -84,44 +83,36 @@ def test_bad_updates_are_refused_while_the_engine_decodes(harness: Harness) -> N
         ("bucket_order", "bucket 1", live + 1, good, {"tamper": _out_of_order}),
         ("nonfinite", name, live + 1, nan, {}),
     ]
-    gate = h.gate()
+    coordinator = h.coordinator()
     steps_during: list[int] = []
-    errors: list[BaseException] = []
 
-    def trainer() -> None:
-        try:
-            start = gate.steps
-            while gate.steps - start < 3:
-                time.sleep(0.001)
-            for code, fragment, version, state, kw in cases:
-                s0 = gate.steps
-                keep = kw.pop("keep_dtype", False)
-                cast, h.pusher._dtype = h.pusher._dtype, (None if keep else h.pusher._dtype)  # send as given
-                try:
-                    with pytest.raises(PushRejected) as exc:
-                        h.pusher.push(version, state, **kw)
-                finally:
-                    h.pusher._dtype = cast
-                assert exc.value.codes == {code}, str(exc.value)
-                assert fragment in str(exc.value), str(exc.value)
-                steps_during.append(gate.steps - s0)
-            with pytest.raises(PushRejected) as exc:  # commit of a version whose buckets never came
-                h.pusher.commit(live + 1)
-            assert exc.value.codes == {"incomplete"} and f"commit of v{live + 1}" in str(exc.value)
-        except BaseException as e:  # surfaced below
-            errors.append(e)
+    def refuse_all(_: int) -> None:  # every case, once the engine has stepped 3 times
+        for code, fragment, version, state, kw in cases:
+            s0 = coordinator.steps
+            keep = kw.pop("keep_dtype", False)
+            cast, h.pusher._dtype = h.pusher._dtype, (None if keep else h.pusher._dtype)  # send as given
+            try:
+                with pytest.raises(PushRejected) as exc:
+                    h.pusher.push(version, state, **kw)
+            finally:
+                h.pusher._dtype = cast
+            assert exc.value.codes == {code}, str(exc.value)
+            assert fragment in str(exc.value), str(exc.value)
+            steps_during.append(coordinator.steps - s0)
+        with pytest.raises(PushRejected) as exc:  # commit of a version whose buckets never came
+            h.pusher.commit(live + 1)
+        assert exc.value.codes == {"incomplete"} and f"commit of v{live + 1}" in str(exc.value)
 
-    t = threading.Thread(target=trainer)
-    t.start()
+    start = coordinator.steps
+    pushes = push_at_steps(lambda: coordinator.steps - start, [3], refuse_all)
     sp = SamplingParams(temperature=1.0, max_tokens=600, logprobs=0, ignore_eos=True, seed=5)
     outs = h.llm.generate(["1+1=", "2+2="], sp, use_tqdm=False)
-    t.join()
-    assert not errors, errors
+    pushes.join()
     for o in outs:  # decoding went on throughout, all of it on the one live version
         assert tagged(o.outputs[0]).versions == [live] * 600
     assert sum(steps_during) > 0, "the engine stopped while refusing updates"
     status = h.status()
-    assert status["live_version"] == live and status["rejections"] == {
+    assert status.live_version == live and status.rejections == {
         "stale_version": 2, "unknown_tensor": 1, "missing_tensor": 1, "bad_shape": 1, "bad_dtype": 1, "checksum": 1,
         "short_bucket": 1, "bucket_order": 2, "nonfinite": 1, "incomplete": 1}
     assert _outputs(h) == before  # bit-identical: nothing reached the live weights
@@ -143,6 +134,10 @@ def _stall_at_bucket_2(h: BucketHeader, data: torch.Tensor):
 
 
 def _stalling_trainer(group: GroupConfig, version: int, state: dict, ready) -> None:
+    """A restarted trainer comes back where the engine looks for it, on the group's port: it
+    cannot reserve a port of its own and hand it on as other child-hosted stores do, so the
+    port is unheld from the previous trainer's close until this process binds it (as for any
+    trainer restarted on a fixed port)."""
     pusher = WeightPusher(group, PushConfig(bucket_mb=0.25))
     ready.set()
     pusher.push(version, state, tamper=_stall_at_bucket_2)
@@ -160,12 +155,12 @@ def test_stalled_trainer_is_dropped_and_a_restarted_one_rejoins(harness: Harness
     try:
         assert ready.wait(60), "the stalling trainer never formed the group"
         deadline = time.monotonic() + 20 * TIMEOUT_S
-        while h.status()["dropped_staging"] == status0["dropped_staging"]:
+        while h.status().dropped_staging == status0.dropped_staging:
             assert time.monotonic() < deadline, h.status()
             assert _outputs(h) == before  # the engine serves the last good version meanwhile
         status = h.status()
-        assert status["live_version"] == live
-        err = status["last_error"]  # the bucket it stalled on: gloo may not have sent the ones posted before the stop
+        assert status.live_version == live
+        err = status.last_error  # the bucket it stalled on: gloo may not have sent the ones posted before the stop
         assert "bucket" in err and "trainer (rank 0)" in err and f"{TIMEOUT_S:.1f}s" in err, err
     finally:
         victim.kill()
@@ -177,8 +172,8 @@ def test_stalled_trainer_is_dropped_and_a_restarted_one_rejoins(harness: Harness
     new = perturbed(h.base, seed=14)
     h.push(new)
     status = h.status()
-    assert status["live_version"] == h.version == live + 1
-    assert status["rejoins"] >= status0["rejoins"] + 2  # after the clean shutdown, and after the stall
+    assert status.live_version == h.version == live + 1
+    assert status.rejoins >= status0.rejoins + 2  # after the clean shutdown, and after the stall
     ref = Reference(h.model_dir, "float32").load(new)
     for prompt, out in h.greedy(PROMPTS):
         assert out.token_ids == ref.greedy(prompt, len(out.token_ids))
@@ -221,7 +216,7 @@ def test_soak_200_updates_while_decoding(harness: Harness) -> None:
         outs += h.llm.generate([f"{i}+{i}=" for i in range(8)], sp, use_tqdm=False)
     t.join()
     assert not errors, errors
-    assert len(commits) == n_updates and h.status()["live_version"] == h.version
+    assert len(commits) == n_updates and h.status().live_version == h.version
     by_version = {c.version: c for c in commits}
     spanning = 0
     for o in outs:

@@ -24,7 +24,6 @@ import threading
 import time
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from engine_patches.config import InflightConfig, engine_kwargs
@@ -35,7 +34,7 @@ from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import perturbed, push_at_steps
-from tests.helpers import check_ledger, metrics_rows, pending_ids, run_config, wait_rows
+from tests.helpers import check_ledger, metrics_rows, pending_ids, run_config, train_beside, wait_rows
 from trainer.config import config_from_dict
 from trainer.fleet import Fleet, Placement
 from trainer.train import train
@@ -130,7 +129,7 @@ def test_an_engine_lost_mid_transfer_costs_the_fleet_one_timeout(tiny_qwen, tmp_
     pusher = WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25), join_timeout_s=300)
     cfg = config_from_dict({"run": {"out_dir": str(tmp_path)}, "engine": {"spawn": False, "count": 2},
                             "transport": {"collective_timeout_s": timeout_s, "reply_timeout_s": timeout_s, "stale_timeout_s": timeout_s}})
-    fleet = Fleet(cfg, tiny_qwen, 0, group.host, group.port, Placement(backend="gloo", engine_devices=None), tmp_path)
+    fleet = Fleet(cfg, tiny_qwen, 0, group.port, Placement(backend="gloo", engine_devices=None), tmp_path)
     base = load_file(str(tiny_qwen / "model.safetensors"))
     try:
         for e in ready:
@@ -189,11 +188,7 @@ def test_a_killed_engine_is_restarted_while_the_other_takes_every_update(tmp_pat
         wait_rows(out, 3, where=lambda rows: any("e1" in r["versions_by_engine"] for r in rows))
         os.kill(int((out / "engine1.pid").read_text()), signal.SIGKILL)
 
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
-    summary = train(cfg)
-    t.join(5)
-    rows = metrics_rows(out)
+    summary, rows = train_beside(cfg, killer)
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert rows[-1]["engine_restarts"] == 1
     # the survivor (rank 1) committed every version the trainer pushed
@@ -224,11 +219,7 @@ def test_a_frozen_engine_is_dropped_and_rejoins_without_stale_tags(tmp_path) -> 
         wait_rows(out, rows[-1]["step"] + 2)  # two more updates without it
         os.kill(pid, signal.SIGCONT)
 
-    t = threading.Thread(target=freezer, daemon=True)
-    t.start()
-    summary = train(cfg)
-    t.join(5)
-    rows = metrics_rows(out)
+    summary, rows = train_beside(cfg, freezer)
     assert [r["step"] for r in rows] == list(range(1, 17))
     assert rows[-1]["engine_restarts"] == 0 and rows[-1]["engine_drops"] >= 1
     alone = [r for r in rows if r.get("committed_ranks") == [1]]

@@ -29,14 +29,14 @@ from inflight.rollout_queue import RolloutBuffer, RolloutQueue
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling
 from inflight.transport.errors import TransportError
 from inflight.transport.group import GroupConfig
-from inflight.transport.store import reserve_port, wait_key
+from inflight.transport.store import wait_key
 from inflight.transport.pusher import PushRejected
 from tests.engine_harness import Harness, Reference, perturbed
 
 
 @pytest.fixture(scope="module")
-def harness(tiny_llama):
-    h = Harness(tiny_llama, "float32", reserve_port(), commit="reload", timeout_s=20.0)
+def harness(tiny_llama, hold_port):
+    h = Harness(tiny_llama, "float32", hold_port(), commit="reload", timeout_s=20.0)
     yield h
     h.close()
 
@@ -69,7 +69,7 @@ def test_pusher_refuses_bad_input_by_name_and_the_engine_keeps_serving(harness: 
     with pytest.raises(PushRejected) as rejected:  # version 0: the engines' loaded weights, refused by them
         h.pusher.push(0, good)
     assert rejected.value.codes == {"stale_version"} and "versions start at 1" in str(rejected.value)
-    assert h.status()["live_version"] == live
+    assert h.status().live_version == live
     _serves(h, live)
     # the next good update lands, exactly, even with a non-contiguous tensor (packed by value)
     transposed_back = good[name].t().contiguous().t()
@@ -141,13 +141,13 @@ def test_failed_commit_after_a_rejoin_restores_the_live_version(harness: Harness
         h.pusher.push(live + 1, perturbed(h.base, seed=6))
     assert exc.value.codes == {"commit_failed"} and "injected failure" in str(exc.value)
     status = h.status()
-    assert status["live_version"] == status["engine_live_version"] == live and not status["engine_broken"]
+    assert status.live_version == status.engine.live_version == live and not status.engine.broken
     ref = Reference(h.model_dir, "float32").load(live_state)  # exactly the live version, not the checkpoint
     for prompt, out in h.greedy(["1+2=", "count 3 4"]):
         assert out.versions == [live] * len(out.token_ids)
         assert out.token_ids == ref.greedy(prompt, len(out.token_ids))
     h.push(perturbed(h.base, seed=6))  # the same version again: it must not read the failed attempt's outcome
-    assert h.status()["live_version"] == h.version == live + 1
+    assert h.status().live_version == h.version == live + 1
 
 
 def test_commit_reports_token_counts_while_requests_come_and_go(harness: Harness) -> None:
@@ -185,11 +185,11 @@ def test_commit_reports_token_counts_while_requests_come_and_go(harness: Harness
         stop.set()
         t.join(10)
         sys.setswitchinterval(switch)
-    assert h.status()["live_version"] == h.version
+    assert h.status().live_version == h.version
 
 
 # -- item 4: sampling mismatch --------------------------------------------------------------------
-def test_engine_with_model_sampling_defaults_refuses_to_start(tiny_llama, tmp_path) -> None:
+def test_engine_with_model_sampling_defaults_refuses_to_start(tiny_llama, tmp_path, port) -> None:
     from vllm import LLM
 
     from engine_patches.client import start_inflight
@@ -201,7 +201,7 @@ def test_engine_with_model_sampling_defaults_refuses_to_start(tiny_llama, tmp_pa
     assert engine_kwargs()["generation_config"] == "vllm"
     llm = LLM(str(model), enforce_eager=True, dtype="float32", max_model_len=256, **engine_kwargs(generation_config="auto"))
     try:
-        config = InflightConfig(group=GroupConfig(port=reserve_port(), world_size=2))
+        config = InflightConfig(group=GroupConfig(port=port, world_size=2))
         with pytest.raises(Exception, match=r"top_k=20, top_p=0.8, repetition_penalty=1.05.*generation_config='vllm'"):
             start_inflight(llm, config)
     finally:

@@ -19,7 +19,6 @@ import threading
 import pytest
 import torch
 
-from inflight.transport.store import reserve_port
 from tests.engine_harness import Harness, Reference, perturbed
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown"]
@@ -29,10 +28,10 @@ def _worker(h: Harness):
     return h.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
 
 
-def test_plan_writes_exactly_what_the_loaders_write(tiny_qwen) -> None:
+def test_plan_writes_exactly_what_the_loaders_write(tiny_qwen, port) -> None:
     from engine_patches.commit.swap import SwapApplier
 
-    h = Harness(tiny_qwen, "float32", reserve_port())
+    h = Harness(tiny_qwen, "float32", port)
     try:
         applier = _worker(h)._inflight_target.applier
         assert isinstance(applier, SwapApplier) and applier.load_plan is not None
@@ -62,12 +61,12 @@ def _check(h: Harness, state: dict[str, torch.Tensor], version: int) -> None:
         torch.testing.assert_close(got, ref.logprobs(prompt, out.token_ids), atol=1e-5, rtol=0)
 
 
-def test_staging_into_reused_buffers_never_touches_the_live_version(tiny_qwen) -> None:
+def test_staging_into_reused_buffers_never_touches_the_live_version(tiny_qwen, port) -> None:
     """Each version is staged (received, checked and re-packed into the reused buffers) while
     the one before it serves, and the live one must still be exactly itself then: a buffer
     taken as consumed by the re-pack but still read by a live packed weight would show here.
     Six updates cycle the three rotating sets and come back to the first."""
-    h = Harness(tiny_qwen, "float32", reserve_port())
+    h = Harness(tiny_qwen, "float32", port)
     try:
         applier = _worker(h)._inflight_target.applier
         repacks = {"during receive": 0, "after": 0}  # when each layer's re-pack was started
@@ -105,11 +104,11 @@ def test_staging_into_reused_buffers_never_touches_the_live_version(tiny_qwen) -
 
 
 def test_a_repack_failing_on_the_repack_thread_refuses_the_update_and_the_live_version_stays(
-        tiny_qwen, monkeypatch) -> None:
+        tiny_qwen, monkeypatch, port) -> None:
     import engine_patches.commit.swap as swap
     from inflight.transport.pusher import PushRejected
 
-    h = Harness(tiny_qwen, "float32", reserve_port())
+    h = Harness(tiny_qwen, "float32", port)
     try:
         good = perturbed(h.base, seed=1)
         h.push(good)

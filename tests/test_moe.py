@@ -23,7 +23,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from inflight.transport.store import reserve_port
 from tests.engine_harness import Harness
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5=", "lazy dog"]
@@ -102,12 +101,12 @@ def _check(h: Harness, model, version: int) -> float:
 
 
 @pytest.mark.parametrize("commit", ["auto", "reload"])
-def test_moe_engine_takes_updates_with_parity(tiny_moe, commit: str) -> None:
+def test_moe_engine_takes_updates_with_parity(tiny_moe, port, commit: str) -> None:
     from inflight.transport.pusher import named_weights
 
-    h = Harness(tiny_moe, "float32", reserve_port(), commit=commit)
+    h = Harness(tiny_moe, "float32", port, commit=commit)
     try:
-        assert h.start_report["commit"] == ("swap" if commit == "auto" else "reload")
+        assert h.start_report.commit == ("swap" if commit == "auto" else "reload")
         _check(h, _trainer_model(tiny_moe), 0)
         disk_bytes = sum(t.numel() * t.element_size() for t in _on_disk(tiny_moe).values())
         for seed in (1, 2):  # two updates: the second goes through the state the first left

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import signal
-import threading
 import time
 
 import msgspec
@@ -24,7 +23,7 @@ import torch
 from inflight.rollout_queue import RolloutQueue
 from inflight.protocol import RolloutGroup, RolloutSample
 from inflight.transport.group import GroupConfig
-from tests.helpers import check_ledger, metrics_rows, pending_ids, run_config, wait_rows
+from tests.helpers import check_ledger, metrics_rows, pending_ids, run_config, train_beside, wait_rows
 from trainer.train import train
 
 
@@ -39,11 +38,7 @@ def test_engine_killed_mid_run_is_restarted_and_no_queued_group_is_lost(tmp_path
         killed["t"] = time.time()
         os.kill(pid, signal.SIGKILL)
 
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
-    summary = train(cfg)
-    t.join(5)
-    rows = metrics_rows(out)
+    summary, rows = train_beside(cfg, killer)
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert rows[-1]["engine_restarts"] == 1 and rows[-1]["engine_failures"] == 1
     (event,) = summary["engine_events"]
@@ -68,12 +63,12 @@ def _inject_malformed(port: int) -> None:
 
 
 def test_resume_continues_without_repeating_or_dropping_groups(tmp_path, monkeypatch, port) -> None:
-    import trainer.train as train_module
+    import trainer.policy as policy_module
 
     out = tmp_path / "run"
     # a loose max lag lets the engine run ahead of the trainer (trainer.engine_process.may_start_group)
     first = run_config(out, steps=3, transport={"port": port}, loss={"max_lag": 8})
-    forward, calls = train_module.policy_logprobs, []
+    forward, calls = policy_module.policy_logprobs, []
 
     def last_step_waits_for_a_full_queue(*args, **kwargs):
         calls.append(1)
@@ -83,17 +78,13 @@ def test_resume_continues_without_repeating_or_dropping_groups(tmp_path, monkeyp
                 time.sleep(0.01)
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, "policy_logprobs", last_step_waits_for_a_full_queue)
+    monkeypatch.setattr(policy_module, "policy_logprobs", last_step_waits_for_a_full_queue)
 
     def inject() -> None:  # malformed rollouts arrive on the queue while the first run trains
         wait_rows(out, 1)
         _inject_malformed(port)
 
-    t = threading.Thread(target=inject, daemon=True)
-    t.start()
-    summary_a = train(first)
-    t.join(5)
-    rows_a = metrics_rows(out)
+    summary_a, rows_a = train_beside(first, inject)
     pending_a = pending_ids(out)
     consumed_a = check_ledger(summary_a, rows_a, pending_a)
     assert summary_a["queue"]["rejected"] == {"nonfinite_logprob": 1, "length_mismatch": 1}
@@ -101,7 +92,7 @@ def test_resume_continues_without_repeating_or_dropping_groups(tmp_path, monkeyp
     state = json.loads((out / "checkpoint" / "state.json").read_text())
     assert state["step"] == 3 and state["version"] == 3 and state["buffer_stats"]["rejected"] == summary_a["queue"]["rejected"]
 
-    monkeypatch.setattr(train_module, "policy_logprobs", forward)
+    monkeypatch.setattr(policy_module, "policy_logprobs", forward)
     summary_b = train(run_config(out, steps=6, run={"resume": True}, loss={"max_lag": 8}))
     rows_b = metrics_rows(out)[len(rows_a):]
     assert [r["step"] for r in rows_b] == [4, 5, 6] and [r["version"] for r in rows_b] == [4, 5, 6]

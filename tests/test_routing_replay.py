@@ -27,7 +27,7 @@ import torch
 from engine_patches.client import tagged
 from engine_patches.routing import routing_fields, routing_of, streamed_routing
 from inflight.protocol import RolloutGroup, RolloutSample
-from inflight.transport.store import reserve_port
+from tests.engine_harness import push_at_steps
 from tests.test_moe import MOE, _trainer_model, tiny_moe  # noqa: F401  (the fixture)
 from trainer.loss import collate, compute_loss, policy_logprobs
 from trainer.routing_replay import NO_ROUTE, RoutingReplay, collate_routing, gate_weights
@@ -38,7 +38,7 @@ PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5=", "lazy dog"]
 class RecordingEngine:
     """An in-process ``LLM`` with the in-flight worker recording routing, and its pusher."""
 
-    def __init__(self, model_dir, dtype: str) -> None:
+    def __init__(self, model_dir, dtype: str, port: int) -> None:
         from vllm import LLM
 
         from engine_patches.config import InflightConfig, engine_kwargs
@@ -47,7 +47,7 @@ class RecordingEngine:
         from inflight.transport.pusher import PushConfig, WeightPusher
 
         self.llm = LLM(str(model_dir), enforce_eager=True, dtype=dtype, max_model_len=1024, seed=0, **engine_kwargs())
-        group = GroupConfig(port=reserve_port(), world_size=2, timeout_s=60.0)
+        group = GroupConfig(port=port, world_size=2, timeout_s=60.0)
         self.report = start_inflight(self.llm, InflightConfig(group=group, record_routing=True))
         self.pusher = WeightPusher(group, PushConfig(dtype=dtype, bucket_mb=0.25))
         self.version = 0
@@ -68,8 +68,8 @@ class RecordingEngine:
 
 
 @pytest.fixture(scope="module")
-def fp32_engine(tiny_moe):  # noqa: F811
-    e = RecordingEngine(tiny_moe, "float32")
+def fp32_engine(tiny_moe, hold_port):  # noqa: F811
+    e = RecordingEngine(tiny_moe, "float32", hold_port())
     yield e
     e.close()
 
@@ -114,7 +114,7 @@ def test_recorded_routing_is_the_routers_topk(fp32_engine, tiny_moe) -> None:  #
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
-    assert fp32_engine.report["routing"] == [2, 2]
+    assert fp32_engine.report.routing == (2, 2)
     assert _check_routing_against(fp32_engine.generate(PROMPTS, sp), _trainer_model(tiny_moe)) > 100
     moved = _trainer_model(tiny_moe, seed=5)
     fp32_engine.push(moved)  # tokens of the new version are routed by the new weights
@@ -130,28 +130,20 @@ def test_streamed_routing_covers_exactly_the_tokens_shown(fp32_engine, tiny_moe)
 
     from engine_patches.client import coordinator_of
 
-    gate = coordinator_of(fp32_engine.llm)
+    coordinator = coordinator_of(fp32_engine.llm)
     engine = fp32_engine.llm.llm_engine
     sp = SamplingParams(temperature=1.0, max_tokens=40, logprobs=0, ignore_eos=True, seed=3)
-    start, errors = gate.steps, []
-    commits = gate.commits()
-
-    def trainer() -> None:
-        try:
-            fp32_engine.push(_trainer_model(tiny_moe, seed=6))
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
+    start = coordinator.steps
+    commits = coordinator.commits()
     for rid, prompt in (("s0", "3+4="), ("s1", "count 1 2")):
         engine.add_request(rid, prompt, sp)
-    t = threading.Thread(target=trainer)
-    t.start()
+    pushes = push_at_steps(lambda: coordinator.steps - start, [0], lambda _: fp32_engine.push(_trainer_model(tiny_moe, seed=6)))
     counts: dict[str, list[int]] = {"s0": [], "s1": []}
     shown: dict[str, np.ndarray] = {}
     done = {}
     while engine.has_unfinished_requests():
-        if gate.steps - start >= 20 and gate.commits() == commits:  # hold until the commit can land here
-            while not gate.commit_pending() and gate.commits() == commits:
+        if coordinator.steps - start >= 20 and coordinator.commits() == commits:  # hold until the commit can land here
+            while not coordinator.commit_pending() and coordinator.commits() == commits:
                 threading.Event().wait(0.001)
         for out in engine.step():
             if out.finished:
@@ -161,8 +153,7 @@ def test_streamed_routing_covers_exactly_the_tokens_shown(fp32_engine, tiny_moe)
             assert rows is not None and len(rows) == len(out.outputs[0].token_ids)  # exactly the tokens shown
             shown[out.request_id] = rows
             counts[out.request_id].append(len(rows))
-    t.join()
-    assert not errors, errors
+    pushes.join()
     for rid, o in done.items():
         final = routing_of(o.outputs[0])
         assert len(final) == 40 and len(set(tagged(o.outputs[0]).versions)) == 2  # the request spans the commit
@@ -170,7 +161,7 @@ def test_streamed_routing_covers_exactly_the_tokens_shown(fp32_engine, tiny_moe)
         assert np.array_equal(shown[rid], final[: len(shown[rid])])
 
 
-def test_preempted_requests_keep_exact_routing(tiny_moe) -> None:  # noqa: F811
+def test_preempted_requests_keep_exact_routing(tiny_moe, port) -> None:  # noqa: F811
     """A KV cache of 8 blocks of 32 for 6 requests of 64+ tokens: vLLM preempts some and
     recomputes them on resume; their routing still covers each token once, as the router chose."""
     from vllm import LLM, SamplingParams
@@ -182,11 +173,11 @@ def test_preempted_requests_keep_exact_routing(tiny_moe) -> None:  # noqa: F811
 
     llm = LLM(str(tiny_moe), enforce_eager=True, dtype="float32", max_model_len=128, seed=0, block_size=32,
               num_gpu_blocks_override=8, **engine_kwargs())
-    group = GroupConfig(port=reserve_port(), world_size=2, timeout_s=60.0)
+    group = GroupConfig(port=port, world_size=2, timeout_s=60.0)
     start_inflight(llm, InflightConfig(group=group, record_routing=True))
     pusher = WeightPusher(group)
     try:
-        gate, engine = coordinator_of(llm), llm.llm_engine
+        coordinator, engine = coordinator_of(llm), llm.llm_engine
         sp = SamplingParams(temperature=0.0, max_tokens=60, logprobs=0, ignore_eos=True)
         for i in range(6):
             engine.add_request(f"p{i}", f"{i}+{i}=", sp)
@@ -196,7 +187,7 @@ def test_preempted_requests_keep_exact_routing(tiny_moe) -> None:  # noqa: F811
             for out in engine.step():
                 if out.finished:
                     done[out.request_id] = out
-            preempted |= {rid.rsplit("-", 1)[0] for rid, r in list(gate.core.scheduler.requests.items()) if r.num_preemptions}
+            preempted |= {rid.rsplit("-", 1)[0] for rid, r in list(coordinator.core.scheduler.requests.items()) if r.num_preemptions}
     finally:
         pusher.close()
         llm.collective_rpc("inflight_stop")
@@ -220,12 +211,12 @@ def _samples(outs) -> list[RolloutGroup]:
     return groups
 
 
-def test_replay_brings_the_trainer_to_the_engine(tiny_moe) -> None:  # noqa: F811
+def test_replay_brings_the_trainer_to_the_engine(tiny_moe, port) -> None:  # noqa: F811
     """bf16 engine, fp32 trainer on the same weights: the routers disagree on some rows."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    e = RecordingEngine(tiny_moe, "bfloat16")
+    e = RecordingEngine(tiny_moe, "bfloat16", port)
     try:
         sp = SamplingParams(n=4, temperature=1.0, max_tokens=32, logprobs=0, ignore_eos=True, seed=1)
         groups = _samples(e.generate([f"{i}+{i}=" for i in range(8)], sp))
@@ -281,7 +272,7 @@ def test_collate_routing_aligns_with_the_sampling_positions(tiny_moe) -> None:  
 
 
 def _reference_moe(block: torch.nn.Module, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Sparse-MoE block by hand, token by token: softmax gate, the given experts, renormalised."""
+    """Sparse-MoE block by hand, token by token: softmax coordinator, the given experts, renormalised."""
     flat = x.reshape(-1, x.shape[-1])
     logits = flat @ block.gate.weight.t()
     out = torch.zeros_like(flat)

@@ -72,7 +72,7 @@ def test_engine_serves_it_and_an_inflight_push_matches_transformers(smollm2: Pat
         assert final_number(answer.text) == "5", answer.text  # the real model, converted right: "2 + 3 = 5"
         new = perturbed(h.base, seed=3, scale=1e-3)
         result = h.push(new)
-        assert result.commits[1].version == 1 and h.status()["live_version"] == 1
+        assert result.commits[1].version == 1 and h.status().live_version == 1
         sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
         outs = [tagged(o.outputs[0]) for o in h.llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
                                                              use_tqdm=False)]

@@ -20,7 +20,6 @@ from inflight.staging import (
     staging_need,
     update_bytes,
 )
-from inflight.transport.store import reserve_port
 from inflight.transport.layout import plan_tensors
 from inflight.staging import StagingPool
 
@@ -71,7 +70,7 @@ def test_the_pool_hands_out_what_it_reserved() -> None:
     assert pool.take(1000).data_ptr() == a.data_ptr()
 
 
-def test_engine_reserves_at_start_and_refuses_a_budget_it_would_not_fit(tiny_qwen, monkeypatch) -> None:
+def test_engine_reserves_at_start_and_refuses_a_budget_it_would_not_fit(tiny_qwen, monkeypatch, port) -> None:
     import engine_patches.worker as worker
     from vllm import LLM, SamplingParams
 
@@ -80,7 +79,7 @@ def test_engine_reserves_at_start_and_refuses_a_budget_it_would_not_fit(tiny_qwe
     from inflight.transport.group import GroupConfig
 
     llm = LLM(str(tiny_qwen), enforce_eager=True, dtype="float32", max_model_len=256, seed=0, **engine_kwargs())
-    config = InflightConfig(group=GroupConfig(port=reserve_port(), world_size=2))
+    config = InflightConfig(group=GroupConfig(port=port, world_size=2))
     schema = checkpoint_schema(tiny_qwen, torch.float32)
     params = sum(t.numel() * 4 for t in load_file(str(tiny_qwen / "model.safetensors")).values())  # tied: embedding once
     try:
@@ -96,7 +95,7 @@ def test_engine_reserves_at_start_and_refuses_a_budget_it_would_not_fit(tiny_qwe
         # weights, in the engine's shapes: vLLM pads the (tied) vocabulary to a multiple of 64
         vocab, hidden = schema.tensors["model.embed_tokens.weight"][0]
         engine_params = params + (-(-vocab // 64) * 64 - vocab) * hidden * 4
-        assert report["staging_bytes"] == 2 * update_bytes(schema) + 2 * engine_params
+        assert report.staging_bytes == 2 * update_bytes(schema) + 2 * engine_params
     finally:
         llm.collective_rpc("inflight_stop")
         del llm

@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from inflight.settings import CommitChoice
+from inflight.settings import CommitChoice, CommitStrategyName as Resolved
 from inflight.transport.layout import TensorSchema, torch_dtype
 
 log = logging.getLogger("inflight.commit")
-
-Resolved = Literal["swap", "reload", "copy"]
-
 
 class CommitStrategy(Protocol):
     """One engine worker's way of making a prepared version live."""
