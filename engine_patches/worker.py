@@ -60,6 +60,8 @@ class InflightWorkerExtension:
         vc = self.vllm_config
         _refuse_sampling_defaults(vc.model_config)
         rank = config.rank + self.rank
+        secret = read_secret()  # once: the environment at the engine's start decides
+        config.group.check_exposure(secret, f"inflight worker rank {rank}")
         device = torch.device(self.model_runner.device)
         schema = checkpoint_schema(checkpoint_dir(vc.model_config.model, vc.model_config.revision), vc.model_config.dtype)
         applier = make_strategy(self.model_runner, config.commit, schema, quantized=vc.model_config.quantization is not None,
@@ -74,7 +76,7 @@ class InflightWorkerExtension:
         self._inflight_pool = pool
         self._inflight_engine_id = engine_id
         self._inflight_stop = threading.Event()
-        self._inflight_secret = read_secret()  # once: the environment at the engine's start decides
+        self._inflight_secret = secret
         self._inflight_listener: UpdateListener | None = None
         self._inflight_stats = ListenerStats()
         self._inflight_thread = threading.Thread(

@@ -5,6 +5,7 @@ TCP port) can read and write every key of it. Without a secret that is enough to
 and commit weights into a serving engine, or to queue samples the trainer trains on. With
 ``INFLIGHT_SECRET`` set on the trainer and every engine, each control message, reply, hello,
 roster and rollout item is sealed for its key (and the group's incarnation and generation),
+every bucket carries a keyed MAC in the (sealed) announce,
 so such a client can neither forge nor alter nor replay one; it can still delete or
 overwrite keys (denial of service), and it can read them (weights are not secret).
 """
@@ -15,12 +16,23 @@ import hashlib
 import hmac
 import os
 
+import torch
+
 from inflight.protocol import AuthError
 
 SECRET_ENV = "INFLIGHT_SECRET"
 """Environment variable holding the group's shared secret, on the trainer and on every engine."""
 _SEAL = b"IFA1"  # never the start of a msgpack map, so sealed and plain messages are told apart
 _MAC_BYTES = 32
+
+
+def bucket_mac(secret: bytes, context: str, data: torch.Tensor) -> bytes:
+    """HMAC-SHA256 of a bucket's bytes (a 1-D uint8 tensor; a device tensor is read through a
+    host copy) for ``context`` (its version, index and the group's incarnation). hashlib
+    releases the GIL while it hashes, so a worker's MAC check does not hold up decoding."""
+    mac = hmac.new(secret, context.encode() + b"\0", hashlib.sha256)
+    mac.update(data.cpu().numpy() if data.numel() else b"")
+    return mac.digest()
 
 
 def read_secret() -> bytes | None:

@@ -98,6 +98,9 @@ class BucketSpec(Struct, frozen=True, forbid_unknown_fields=True):
     offset: NonNeg
     nbytes: Pos
     checksum: NonNeg
+    mac: bytes = b""
+    """With a shared secret: the bucket's keyed MAC (``auth.bucket_mac``). The checksum catches
+    corruption; ``wsum64`` is linear, so only the MAC stops a forged bucket with a valid one."""
 
 
 class UpdateAnnounce(_Wire, tag="announce"):

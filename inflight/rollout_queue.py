@@ -19,8 +19,10 @@ Ordering invariants:
   within ``mask_lag``: a group the loss would mask whole is dropped as stale, not trained
   on as an empty batch; what it admitted but has not yet handed out is ``pending`` (saved in
   checkpoints, so a resumed run neither repeats nor drops a sample), and so are its counters;
-- with a shared secret (``INFLIGHT_SECRET``) every item is sealed for its slot, so a client of
-  the store without it cannot queue samples the trainer would train on.
+- with a shared secret (``INFLIGHT_SECRET``) every item is sealed for its slot in this store's
+  incarnation (the trainer's, published by the consumer; producers wait for it), so a client of
+  the store without it cannot queue samples the trainer would train on, and an item sealed for
+  an earlier run's store cannot be replayed into this one.
 """
 
 from __future__ import annotations
@@ -49,12 +51,18 @@ HOLE = b"\x00hole"
 class RolloutQueue:
     """Both ends of the queue; ``put`` from engines, ``get`` from the single trainer."""
 
-    def __init__(self, store: Store, capacity: int, *, secret: bytes | None | Literal["env"] = "env") -> None:
+    def __init__(self, store: Store, capacity: int, *, secret: bytes | None | Literal["env"] = "env",
+                 incarnation: str | None = None) -> None:
+        """``incarnation``: the consumer passes its store's (``WeightGroup.incarnation``) and
+        publishes it; producers leave it None and read the published one."""
         if capacity < 1:
             raise ValueError(f"RolloutQueue capacity={capacity} must be >= 1")
         self.store = store
         self.capacity = capacity
         self.secret = read_secret() if secret == "env" else secret
+        self.incarnation = incarnation
+        if incarnation is not None:
+            store.set("incarnation", incarnation.encode())
         self._head = store.add("head", 0)  # consumer's next sequence number
 
     def depth(self) -> int:
@@ -79,15 +87,25 @@ class RolloutQueue:
         data = encode(group)
         while True:
             try:
-                poll_until(lambda: True if self.depth() < self.capacity else None, timeout_s=timeout_s, stop=stop,
-                           what="room in the rollout queue", who="rollout producer", max_pause_s=_POLL_S)
+                incarnation = poll_until(self._room, timeout_s=timeout_s, stop=stop, what="room in the rollout queue",
+                                         who="rollout producer", max_pause_s=_POLL_S)
             except TransportTimeout:
-                raise TimeoutError(f"rollout queue full ({self.capacity}) for {timeout_s:.1f}s: is the trainer alive?") from None
+                raise TimeoutError(f"rollout queue full ({self.capacity}) for {timeout_s:.1f}s, or no consumer: is the "
+                                   "trainer alive?") from None
             seq = self.store.add("tail", 1) - 1
-            sealed = seal(data, self.secret, f"rollout/item/{seq}")
+            sealed = seal(data, self.secret, f"rollout/{incarnation}/item/{seq}")
             if self.store.compare_set(f"item/{seq}", "", sealed) == sealed:
                 return seq
             # the consumer holed this slot while we were stopped between claim and write: again
+
+    def _room(self) -> str | None:
+        """The incarnation to seal for, once there is room (and, with a secret, a consumer that
+        published its incarnation); else None."""
+        if self.depth() >= self.capacity:
+            return None
+        if self.secret is None:
+            return ""
+        return self.store.get("incarnation").decode() if self.store.check(["incarnation"]) else None
 
     def put_raw(self, data: bytes) -> int:
         """Enqueue bytes as they are (fault drills: the consumer must survive anything)."""
@@ -130,7 +148,7 @@ class RolloutQueue:
         if data == HOLE:
             return data
         try:
-            return unseal(data, self.secret, f"rollout/{key}")
+            return unseal(data, self.secret, f"rollout/{self.incarnation or ''}/{key}")
         except AuthError as e:
             return _Refused(str(e).encode())
 

@@ -1,6 +1,7 @@
-"""Issue 17, item 6: nobody pushes weights who should not.
+"""Nobody pushes weights who should not.
 
-- the trainer's store listens on loopback unless an address is configured;
+- the trainer's store listens on loopback unless an address is configured, and a group
+  reachable from other machines without a shared secret is refused unless ``insecure``;
 - with ``INFLIGHT_SECRET`` on both sides every control message is authenticated: a trainer
   with a wrong or missing secret is refused with an error naming the secret, a message a
   stray client forges is refused (``unauthenticated``), and the engine keeps serving;
@@ -45,7 +46,7 @@ def test_store_listens_on_loopback_unless_an_address_is_configured(host: str, ho
     outside = _outside_address()
     if outside is None:
         pytest.skip("this machine has no address but loopback")
-    config = GroupConfig(host=host, port=hold_port(host), world_size=2, timeout_s=5.0)
+    config = GroupConfig(host=host, port=hold_port(host), world_size=2, timeout_s=5.0, insecure=host == "0.0.0.0")
     errors: list[BaseException] = []
     trainers: list[WeightGroup] = []
     up = threading.Event()
@@ -67,6 +68,43 @@ def test_store_listens_on_loopback_unless_an_address_is_configured(host: str, ho
     assert up.wait(60) and not errors, errors  # the store was this very socket, and the group formed
     worker.close()
     trainers[0].close()
+
+
+def test_a_group_off_loopback_without_a_secret_is_refused_unless_insecure(hold_port, monkeypatch, caplog) -> None:
+    """Both ends refuse before anything listens or connects; ``insecure`` lets it through, loudly."""
+    import dataclasses
+    import logging
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    config = GroupConfig(host="0.0.0.0", port=hold_port("0.0.0.0"), world_size=2, timeout_s=5.0)
+    with pytest.raises(ValueError, match=f"rank 0: the weight group at 0.0.0.0:{config.port} is reachable from other "
+                                         f"machines and has no shared secret.*Set {SECRET_ENV}"):
+        WeightGroup(config, 0, join_timeout_s=1.0)
+    with pytest.raises(ValueError, match="rank 1: the weight group at 0.0.0.0.* has no shared secret"):
+        WeightGroup(config, 1, join_timeout_s=1.0)
+    for loopback in ("127.0.0.1", "127.0.0.2", "localhost"):
+        dataclasses.replace(config, host=loopback).check_exposure(None, "rank 0")  # loopback: nothing to refuse
+    config.check_exposure(SECRET.encode(), "rank 0")  # a secret seals everything: nothing to refuse
+    with caplog.at_level(logging.WARNING, logger="inflight.group"):
+        dataclasses.replace(config, insecure=True).check_exposure(None, "rank 0")
+    assert "INSECURE" in caplog.text and "0.0.0.0" in caplog.text
+
+
+def test_an_engine_off_loopback_without_a_secret_refuses_to_start_and_keeps_serving(tiny_llama, monkeypatch) -> None:
+    from vllm import LLM, SamplingParams
+
+    from engine_patches.client import inflight_status, start_inflight
+    from engine_patches.config import InflightConfig, engine_kwargs
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    llm = LLM(str(tiny_llama), enforce_eager=True, dtype="float32", max_model_len=256, seed=0, **engine_kwargs())
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    before = llm.generate(["1+2="], sp, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match=f"inflight worker rank 1: the weight group at 10.9.8.7:29999 .* {SECRET_ENV}"):
+        start_inflight(llm, InflightConfig(group=GroupConfig(host="10.9.8.7", port=29999)))
+    assert not inflight_status(llm).started  # nothing was set up: no listener, no coordinator
+    assert llm.generate(["1+2="], sp, use_tqdm=False)[0].outputs[0].token_ids == before
+    del llm
 
 
 # -- a serving engine with a secret ---------------------------------------------------------------
@@ -139,13 +177,48 @@ def test_a_forged_control_message_is_refused_and_the_engine_keeps_serving(harnes
     _serves(h, h.version)
 
 
+def test_a_forged_bucket_with_a_valid_checksum_is_refused_and_the_engine_keeps_serving(harness: Harness,
+                                                                                      monkeypatch) -> None:
+    """Bytes altered on the data plane so that the (linear) wsum64 checksum still matches are
+    caught by the bucket's keyed MAC: the update is refused, nothing of it goes live."""
+    import torch
+
+    h = harness
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    h.push(perturbed(h.base, seed=5))
+    live = h.version
+    (_, before), = h.greedy(["1+2="], max_tokens=4)
+    h.pusher.close()  # a trainer whose buckets carry the linear checksum takes its place
+    pusher = h.pusher = WeightPusher(h.group, PushConfig(dtype="float32", bucket_mb=0.25, checksum="wsum64"),
+                                     join_timeout_s=120.0)
+
+    def forge(header, data: torch.Tensor):
+        words = data.clone().view(torch.int64)  # w_i += a(2j+1), w_j -= a(2i+1): the same wsum64
+        i, j, a = 3, 11, 12345
+        words[i] += a * (2 * j + 1)
+        words[j] -= a * (2 * i + 1)
+        forged = words.view(torch.uint8)
+        from inflight.transport.layout import checksum
+
+        assert checksum(forged, "wsum64") == checksum(data, "wsum64") and not torch.equal(forged, data)
+        return header, forged if header.index == 1 else data
+    with pytest.raises(PushRejected) as exc:
+        pusher.push(live + 1, perturbed(h.base, seed=6), tamper=forge)
+    assert exc.value.codes == {"unauthenticated"} and "bucket 1 of v" in str(exc.value), str(exc.value)
+    (_, after), = h.greedy(["1+2="], max_tokens=4)
+    assert after.versions == [live] * 4 and after.token_ids == before.token_ids and after.logprobs == before.logprobs
+    h.version = live
+    h.push(perturbed(h.base, seed=6))  # the same update, untampered, lands
+    _serves(h, h.version)
+
+
 def test_rollout_items_are_authenticated() -> None:
     sample = RolloutSample(sample_id="s", group_id="g", prompt_ids=[1], token_ids=[5], logprobs=[-0.5], versions=[0],
                            reward=1.0)
     store = HashStore()
-    queue = RolloutQueue(store, capacity=10, secret=SECRET.encode())
+    queue = RolloutQueue(store, capacity=10, secret=SECRET.encode(), incarnation="this-run")  # the consumer
     buffer = RolloutBuffer(queue, admit_lag=4)
-    queue.put(RolloutGroup(group_id="g", samples=(sample,)))
+    RolloutQueue(store, capacity=10, secret=SECRET.encode()).put(RolloutGroup(group_id="g", samples=(sample,)))
     queue.put_raw(msgspec.msgpack.encode(RolloutGroup(group_id="forged", samples=(
         msgspec.structs.replace(sample, group_id="forged"),))))
     RolloutQueue(store, capacity=10, secret=b"other").put(RolloutGroup(group_id="g2", samples=(
@@ -153,6 +226,36 @@ def test_rollout_items_are_authenticated() -> None:
     assert buffer.drain(current_version=0) == 3
     assert [g.group_id for g in buffer.pending] == ["g"]
     assert buffer.stats()["rejected"] == {"unauthenticated": 2}
+
+
+def test_a_rollout_item_of_an_earlier_run_is_refused_in_the_next(hold_port) -> None:
+    """An item sealed for its slot in one run's store, replayed byte for byte into the same
+    slot of the next run's store (the same secret, a new incarnation), is not trained on."""
+    from inflight.transport.store import host_store
+
+    sample = RolloutSample(sample_id="s", group_id="g", prompt_ids=[1], token_ids=[5], logprobs=[-0.5], versions=[0],
+                           reward=1.0)
+    group = RolloutGroup(group_id="g", samples=(sample,))
+    recorded: list[bytes] = []
+    for run in ("first-run", "next-run"):
+        from datetime import timedelta
+
+        port = hold_port()
+        store = PrefixStore("inflight/rollout", host_store("127.0.0.1", port, 2, timedelta(seconds=10)))
+        consumer = RolloutQueue(store, capacity=4, secret=SECRET.encode(), incarnation=run)
+        producer = RolloutQueue(PrefixStore("inflight/rollout", TCPStore("127.0.0.1", port, is_master=False)),
+                                capacity=4, secret=SECRET.encode())
+        buffer = RolloutBuffer(consumer, admit_lag=4)
+        if not recorded:  # the first run: a genuine item, recorded by a store client on its way
+            producer.put(group)
+            recorded.append(store.get("item/0"))
+            assert buffer.drain(current_version=0) == 1 and [g.group_id for g in buffer.pending] == ["g"]
+        else:  # the next run: the recorded bytes, replayed into slot 0
+            producer.put_raw(recorded[0])
+            assert buffer.drain(current_version=0) == 1
+            assert buffer.pending == [] and buffer.stats()["rejected"] == {"unauthenticated": 1}
+            producer.put(group)  # the same group, sealed for this run, is taken
+            assert buffer.drain(current_version=0) == 1 and [g.group_id for g in buffer.pending] == ["g"]
 
 
 def test_worker_with_a_secret_refuses_an_unsealed_roster(port) -> None:

@@ -253,6 +253,8 @@ class TransportConfig:
     """A staged version whose ``Commit`` does not come within this is dropped (the trainer died)."""
     rejoin_timeout_s: float = 600.0
     """After a failure, how long the trainer waits for the engine to come back (start-up included)."""
+    insecure: bool = GroupConfig.insecure
+    """Allow a non-loopback ``host`` without ``INFLIGHT_SECRET`` (``GroupConfig.insecure``)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "transport")
@@ -331,7 +333,7 @@ def group_config(cfg: TrainConfig, *, port: int, backend: Backend | None = None)
     """The weight group of this run (``backend``: the placement's, default ``transport.backend``)."""
     t = cfg.transport
     return GroupConfig(host=t.host, port=port, world_size=cfg.engine.world_size, timeout_s=t.collective_timeout_s,
-                       backend=backend or t.backend)
+                       backend=backend or t.backend, insecure=t.insecure)
 
 
 def push_config(cfg: TrainConfig) -> PushConfig:

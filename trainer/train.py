@@ -56,7 +56,8 @@ def train(cfg: TrainConfig) -> dict:
     policy = Policy(cfg, model_dir, resumed)
     pusher = WeightPusher(group_config(cfg, port=port, backend=placement.backend), push_config(cfg),
                           join_timeout_s=cfg.transport.rejoin_timeout_s)
-    queue = RolloutQueue(pusher.group.sub_store("rollout"), cfg.rollout.queue_capacity)
+    queue = RolloutQueue(pusher.group.sub_store("rollout"), cfg.rollout.queue_capacity,
+                         incarnation=pusher.group.incarnation)  # items sealed for another run's store are refused
     buffer = RolloutBuffer(queue, admit_lag=cfg.rollout.admit_lag, mask_lag=cfg.loss.max_lag,
                            group_size=cfg.rollout.group_size, pending=resumed.pending if resumed else (),
                            stats=resumed.buffer_stats if resumed else None)

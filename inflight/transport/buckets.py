@@ -14,12 +14,15 @@ so the group stays in lockstep and the caller gets one ``UpdateRejected`` at the
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
+from inflight.auth import bucket_mac
 from inflight.protocol import (
     Abort,
     BucketHeader,
@@ -35,6 +38,10 @@ from inflight.protocol import (
 from inflight.transport.errors import TransportError, UpdateRejected
 from inflight.transport.group import WeightGroup
 from inflight.transport.layout import bucket_specs, checksum, dtype_name, pack_into, plan_tensors
+
+def _mac_context(group: WeightGroup, version: int, index: int) -> str:
+    return group.auth_context(f"bucket/{version}/{index}")
+
 
 FRAME_BYTES = 256  # header frame: 4-byte little-endian length + msgpack, zero padded
 
@@ -93,9 +100,14 @@ class BucketSender:
             self._flat = torch.empty(total, dtype=torch.uint8, device=self.group.device)
         self._flat[:total].zero_()  # alignment padding is part of the checksummed bytes
         pack_into(self._flat, tensors, named)
+        buckets = bucket_specs(self._flat, total, self.bucket_bytes, self.checksum_algo)
+        if self.group.secret is not None:  # the announce is sealed, so the MACs in it are the trainer's
+            buckets = [msgspec.structs.replace(b, mac=bucket_mac(self.group.secret, _mac_context(self.group, version, b.index),
+                                                                 self._flat[b.offset: b.offset + b.nbytes]))
+                       for b in buckets]
         announce = UpdateAnnounce(
             version=version, total_bytes=total, bucket_bytes=self.bucket_bytes, checksum_algo=self.checksum_algo,
-            tensors=tensors, buckets=bucket_specs(self._flat, total, self.bucket_bytes, self.checksum_algo),
+            tensors=tensors, buckets=tuple(buckets),
         )
         self.last_pack_s = time.perf_counter() - t0
         return announce
@@ -233,7 +245,7 @@ class BucketReceiver:
                 host: torch.Tensor | None) -> UpdateRejected | None:
         """Verify a landed bucket; with host staging, copy it to the host once it verified
         (synchronously: its landing slot is reused two buckets later)."""
-        error = self._verify(spec, window, announce)
+        error = self._verify(spec, window, announce) or self._authenticate(spec, window, announce.version)
         if error is None and host is not None:
             host[spec.offset: spec.offset + spec.nbytes].copy_(window)
         return error
@@ -243,6 +255,17 @@ class BucketReceiver:
         if checksum(window, announce.checksum_algo) == spec.checksum:
             return None
         return UpdateRejected("checksum", f"bucket {spec.index} of v{announce.version}: {announce.checksum_algo} mismatch")
+
+    def _authenticate(self, spec: BucketSpec, window: torch.Tensor, version: int) -> UpdateRejected | None:
+        """With a secret, the bucket's bytes must carry the trainer's MAC (a valid checksum is not
+        proof: anyone who reaches the data plane can match a linear one)."""
+        secret = self.group.secret
+        if secret is None:
+            return None
+        if hmac.compare_digest(spec.mac, bucket_mac(secret, _mac_context(self.group, version, spec.index), window)):
+            return None
+        return UpdateRejected("unauthenticated", f"bucket {spec.index} of v{version}: its bytes do not carry the "
+                                                 "trainer's MAC (forged or altered in transit; INFLIGHT_SECRET)")
 
     def receive_abort(self, version: int, timeout_s: float | None = None) -> None:
         """Join the single abort frame that follows an announce this worker refused."""

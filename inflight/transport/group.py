@@ -12,6 +12,9 @@ the next generation and the workers join it (see ``WeightGroup``).
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+import socket
 import threading
 import time
 import uuid
@@ -31,6 +34,8 @@ from inflight.transport.errors import GaveUp, TransportError, TransportTimeout
 from inflight.transport.liveness import Heartbeat, silent_ranks
 from inflight.transport.poll import poll_until
 from inflight.transport.store import (await_trainer_gone, connect_retrying, connect_store, host_store, wait_key)
+
+log = logging.getLogger("inflight.group")
 
 INCARNATION = uuid.uuid4().hex[:12]
 """This process's id in ``Joined`` messages."""
@@ -54,6 +59,11 @@ class GroupConfig:
     """The collective timeout: connecting, joining, and each bucket's broadcast."""
     name: str = "inflight"
     """Key prefix in the store, so several groups can share one store."""
+    insecure: bool = False
+    """Allow a group on a non-loopback address without a shared secret (``INFLIGHT_SECRET``).
+    Without one, anyone who reaches the store's address can push weights into the serving
+    engines and queue samples the trainer trains on; so such a group is refused unless this
+    says so, and then it is logged as a warning by every member."""
 
     def __post_init__(self) -> None:
         check_choices(self, "GroupConfig")
@@ -63,6 +73,19 @@ class GroupConfig:
             raise ValueError(f"GroupConfig.world_size={self.world_size}: need the trainer and at least one worker")
         if not self.timeout_s > 0:
             raise ValueError(f"GroupConfig.timeout_s={self.timeout_s} must be > 0")
+
+    def check_exposure(self, secret: bytes | None, who: str) -> None:
+        """Refuse (``ValueError``) a group reachable off this machine with no secret, unless
+        ``insecure``; with ``insecure``, warn."""
+        if secret is not None or is_loopback(self.host):
+            return
+        risk = (f"{who}: the weight group at {self.host}:{self.port} is reachable from other machines and has no "
+                f"shared secret: anyone who reaches it can push weights into the serving engines and queue samples "
+                f"the trainer trains on")
+        if not self.insecure:
+            raise ValueError(f"{risk}. Set INFLIGHT_SECRET (the same value on the trainer and every engine), "
+                             "or GroupConfig(insecure=True) / transport.insecure = true to accept that")
+        log.warning("inflight: INSECURE: %s (insecure=True)", risk)
 
     def resolved_backend(self) -> ResolvedBackend:
         if self.backend == "auto":
@@ -76,6 +99,14 @@ class GroupConfig:
     def await_trainer_gone(self, incarnation: str, stop: threading.Event) -> None:
         """Return once the trainer whose store had ``incarnation`` left (``store.await_trainer_gone``)."""
         await_trainer_gone(self.host, self.port, self.name, incarnation, stop)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names a loopback address (127.0.0.0/8, ::1, localhost)."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 def _open_generation(root: Store, rank: int, tried: set[int], deadline: float | None, stop: threading.Event | None) -> int:
@@ -123,6 +154,7 @@ class WeightGroup:
         self.device = device
         self.timeout = timedelta(seconds=config.timeout_s)
         self.secret = read_secret() if secret == "env" else secret
+        config.check_exposure(self.secret, f"rank {rank}")
         """Shared secret sealing every message of the group (``INFLIGHT_SECRET``; None: none)."""
         self.data: DataPlane | None = None
         self.roster: tuple[int, ...] = ()
