@@ -212,6 +212,45 @@ def test_a_forged_bucket_with_a_valid_checksum_is_refused_and_the_engine_keeps_s
     _serves(h, h.version)
 
 
+def test_forged_generation_and_rendezvous_keys_are_refused(port, monkeypatch) -> None:
+    """With a secret, a stray store client can neither pull a worker out of its generation
+    (the generation number is sealed) nor pose as a member in the data plane's rendezvous
+    (gloo's addresses are sealed): the forged values are refused, the group keeps working."""
+    from datetime import timedelta
+
+    import torch
+
+    from inflight.transport.data_plane import DataPlane
+    from inflight.transport.store import SealedStore
+
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    config = GroupConfig(port=port, world_size=2, timeout_s=10.0)
+    trainers: list[WeightGroup] = []
+    t = threading.Thread(target=lambda: trainers.append(WeightGroup(config, 0, join_timeout_s=60.0)), daemon=True)
+    t.start()
+    worker = WeightGroup(config, 1, join_timeout_s=60.0)
+    t.join(60)
+    trainer = trainers[0]
+    stray = PrefixStore(config.name, TCPStore(config.host, config.port, is_master=False, wait_for_workers=False))
+    for forged in (b"99", seal(b"99", b"guessed", f"{config.name}/{trainer.incarnation}/generation")):
+        stray.set("generation", forged)
+        assert not worker.superseded()  # a forged number pulls no one out of generation 1
+    got = torch.zeros(4)
+    pending = worker.start_broadcast(got, what="after the forgeries")
+    trainer.broadcast(torch.arange(4.0), what="after the forgeries")
+    worker.wait(pending)
+    assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+    # the rendezvous of a data plane: rank 0's address, forged by the stray client
+    stray.set("forged/pg/0/0", b"an address of the stray client's choosing")
+    rendezvous = SealedStore(PrefixStore(f"{config.name}/forged/pg", worker._tcp), SECRET.encode(), "ctx")
+    with pytest.raises(TransportError, match="rank 1: forming a gloo group of 2 failed: ctx/0/0: unauthenticated message"):
+        DataPlane(rendezvous, rank=1, pg_rank=1, size=2, backend="gloo", timeout=timedelta(seconds=5),
+                  device=torch.device("cpu"), peers=[0], superseded=lambda: False)
+    worker.close()
+    trainer.close()
+
+
 def test_rollout_items_are_authenticated() -> None:
     sample = RolloutSample(sample_id="s", group_id="g", prompt_ids=[1], token_ids=[5], logprobs=[-0.5], versions=[0],
                            reward=1.0)

@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -33,7 +33,7 @@ from inflight.transport.data_plane import DataPlane
 from inflight.transport.errors import GaveUp, TransportError, TransportTimeout
 from inflight.transport.liveness import Heartbeat, silent_ranks
 from inflight.transport.poll import poll_until
-from inflight.transport.store import (await_trainer_gone, connect_retrying, connect_store, host_store, wait_key)
+from inflight.transport.store import SealedStore, await_trainer_gone, connect_retrying, connect_store, host_store, wait_key
 
 log = logging.getLogger("inflight.group")
 
@@ -109,11 +109,29 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _open_generation(root: Store, rank: int, tried: set[int], deadline: float | None, stop: threading.Event | None) -> int:
-    """The generation rank 0 has open for joining, other than those in ``tried``."""
+def read_generation(root: Store, secret: bytes | None, name: str) -> int:
+    """The generation rank 0 opened last, 0 before the first, -1 for a value that does not
+    authenticate. The value is sealed for the store's incarnation (``WeightGroup.reform``):
+    one a stray client wrote or replayed from another store (or a trainer with another
+    secret) neither pulls members out of a generation nor lures them into a forged one."""
+    if not root.check(["incarnation", "generation"]):
+        return 0
+    incarnation = root.get("incarnation").decode(errors="replace")
+    try:
+        return int(unseal(root.get("generation"), secret, f"{name}/{incarnation}/generation"))
+    except (ProtocolError, ValueError):
+        return -1
+
+
+def _open_generation(root: Store, secret: bytes | None, name: str, rank: int, tried: set[int], deadline: float | None,
+                     stop: threading.Event | None, unauthenticated: Callable[[], None]) -> int:
+    """The generation rank 0 has open for joining, other than those in ``tried``;
+    ``unauthenticated()`` runs whenever the generation number does not authenticate."""
     def ready() -> int | None:
         try:
-            g = root.add("generation", 0) if root.check(["incarnation"]) else 0
+            g = read_generation(root, secret, name)
+            if g < 0:
+                unauthenticated()
             return g if g > 0 and g not in tried and root.check([f"gen{g}/open"]) else None
         except RuntimeError as e:
             raise TransportError(f"rank {rank}: the group store failed while waiting to join: {e}") from e
@@ -162,6 +180,7 @@ class WeightGroup:
         self.hellos: dict[int, Joined] = {}
         """Rank 0: each member's ``Joined`` for the current generation."""
         self._heartbeat: Heartbeat | None = None
+        self._generations = 0  # rank 0: generations opened so far
         join_timeout = config.timeout_s if join_timeout_s is None else join_timeout_s
         if rank == 0:
             try:
@@ -204,7 +223,8 @@ class WeightGroup:
         timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
         want = set(self.workers) if want is None else set(want)
         require = want if require is None else set(require)
-        g = self._root.add("generation", 1)
+        g = self._generations = self._generations + 1
+        self._root.set("generation", seal(str(g).encode(), self.secret, self._context("generation")))
         self._root.set(f"gen{g}/open", b"1")
         try:
             hellos = self._collect_hellos(g, want, time.monotonic() + timeout_s)
@@ -232,6 +252,7 @@ class WeightGroup:
 
         def all_in() -> bool | None:
             for r in sorted(want - hellos.keys()):
+                self._check_unauthenticated(r, g)
                 key = f"gen{g}/hello/{r}"
                 if self._root.check([key]):
                     try:
@@ -252,6 +273,20 @@ class WeightGroup:
             pass  # the caller decides what the ones that came are enough for
         return hellos
 
+    def _check_unauthenticated(self, r: int, g: int) -> None:
+        """Rank 0: raise ``AuthError`` if worker ``r`` could not authenticate this group (its hello,
+        sealed with its secret, does not unseal with ours)."""
+        key = f"unauthenticated/{r}"
+        if not self._root.check([key]):
+            return
+        raw = self._root.get(key)
+        self._root.delete_key(key)
+        try:
+            unseal(raw, self.secret, self._context(key))
+        except AuthError as e:
+            raise AuthError(f"rank 0: worker rank {r}'s hello to generation {g} failed authentication: {e}") from None
+        # it shares our secret: what it could not read was written by someone else; it looks again
+
     def silent(self, ranks: Iterable[int] | None = None) -> tuple[int, ...]:
         """Rank 0: which of ``ranks`` (default: this generation's members) are dead or frozen,
         by their heartbeats (see ``liveness``); blocks for a short window."""
@@ -265,7 +300,7 @@ class WeightGroup:
         """Worker: rank 0 opened a generation after this one (this member was dropped, or
         everyone is being re-formed): whatever this generation waits for will not come."""
         try:
-            return self._root.add("generation", 0) > self.generation
+            return read_generation(self._root, self.secret, self.config.name) > self.generation
         except RuntimeError as e:
             raise TransportError(f"rank {self.rank}: the group store failed: {e}") from e
 
@@ -283,7 +318,8 @@ class WeightGroup:
                               engine_ranks=tuple(engine_ranks)))
         while True:
             self._root.set(f"knock/{self.rank}", INCARNATION.encode())
-            g = _open_generation(self._root, self.rank, tried, deadline, stop)
+            g = _open_generation(self._root, self.secret, self.config.name, self.rank, tried, deadline, stop,
+                                 lambda: self._hello_unauthenticated(hello))
             tried.add(g)
             try:
                 self.incarnation = self._root.get("incarnation").decode()  # set before any generation opens
@@ -301,6 +337,15 @@ class WeightGroup:
                 if deadline is not None and time.monotonic() > deadline:
                     raise
 
+    def _hello_unauthenticated(self, hello: bytes) -> None:
+        """Worker: the generation number does not authenticate (the trainer has another secret,
+        or none, or a stray client wrote it): post the sealed hello where rank 0 looks for it
+        while it waits, so a trainer with the wrong secret learns so at once."""
+        key = f"unauthenticated/{self.rank}"
+        if not self._root.check([key]):
+            incarnation = self._root.get("incarnation").decode(errors="replace")
+            self._root.set(key, seal(hello, self.secret, f"{self.config.name}/{incarnation}/{key}"))
+
     def _wait_roster(self, g: int, deadline: float | None, stop: threading.Event | None) -> Roster | None:
         """The roster of g, or None if rank 0 closed g without posting one."""
         left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
@@ -316,7 +361,10 @@ class WeightGroup:
 
     def _form_data_plane(self, g: int) -> None:
         prefix = f"{self.config.name}/gen{g}"
-        self.data = DataPlane(PrefixStore(prefix + "/pg", self._tcp), rank=self.rank,
+        rendezvous: Store = PrefixStore(prefix + "/pg", self._tcp)
+        if self.secret is not None:  # gloo's addresses, NCCL's unique id: sealed, so no one poses as a member
+            rendezvous = SealedStore(rendezvous, self.secret, self._context(f"gen{g}/pg"))
+        self.data = DataPlane(rendezvous, rank=self.rank,
                               pg_rank=0 if self.rank == 0 else 1 + self.roster.index(self.rank), size=1 + len(self.roster),
                               backend=self.backend, timeout=self.timeout, device=self.device, peers=self.peers,
                               superseded=self.superseded)

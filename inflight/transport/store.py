@@ -19,8 +19,10 @@ import threading
 import time
 from datetime import timedelta
 
+import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore
 
+from inflight.auth import seal, unseal
 from inflight.transport.errors import TransportError, TransportTimeout
 from inflight.transport.poll import poll_until
 
@@ -76,6 +78,42 @@ def host_store(host: str, port: int, world_size: int, timeout: timedelta) -> TCP
     except BaseException:
         os.close(fd)
         raise
+
+
+class SealedStore(dist.Store):
+    """A store whose values are sealed for their key (``auth.seal``): what the process-group
+    rendezvous (gloo's addresses, NCCL's unique id) writes and reads through it, so a client
+    of the store without the secret cannot pose as a member. A forged or replayed value
+    fails its ``get`` with ``AuthError``, and the process group's construction with it."""
+
+    def __init__(self, inner: Store, secret: bytes, context: str) -> None:
+        super().__init__()
+        self._inner, self._secret, self._context = inner, secret, context
+
+    def set(self, key: str, value: bytes | str) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self._inner.set(key, seal(data, self._secret, f"{self._context}/{key}"))
+
+    def get(self, key: str) -> bytes:
+        return unseal(self._inner.get(key), self._secret, f"{self._context}/{key}")
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._inner.set_timeout(timeout)
 
 
 def store_reachable(host: str, port: int, timeout_s: float = 1.0) -> bool:
