@@ -12,14 +12,10 @@ the next generation and the workers join it (see ``WeightGroup``).
 
 from __future__ import annotations
 
-import ipaddress
-import logging
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
@@ -28,85 +24,16 @@ from torch.distributed import PrefixStore, Store, Work
 
 from inflight.auth import read_secret, seal, unseal
 from inflight.protocol import AuthError, Joined, ProtocolError, Roster, decode_control, decode_reply, encode
-from inflight.settings import Backend, DataPlane as ResolvedBackend, check_choices
 from inflight.transport.data_plane import DataPlane
 from inflight.transport.errors import GaveUp, TransportError, TransportTimeout
 from inflight.transport.liveness import Heartbeat, silent_ranks
 from inflight.transport.poll import poll_until
-from inflight.transport.store import SealedStore, await_trainer_gone, connect_retrying, connect_store, host_store, wait_key
+from inflight.transport.group_config import GroupConfig  # noqa: F401  (its home; imported from here too)
+from inflight.transport.store import SealedStore, connect_retrying, host_store, wait_key
 
-log = logging.getLogger("inflight.group")
 
 INCARNATION = uuid.uuid4().hex[:12]
 """This process's id in ``Joined`` messages."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class GroupConfig:
-    """How trainer rank 0 and the engine workers find each other."""
-
-    host: str = "127.0.0.1"
-    """Address of the trainer's TCPStore: rank 0 listens on this address only (loopback by
-    default, so nothing off the machine can reach the group unless an address is configured;
-    ``0.0.0.0`` listens everywhere), and workers connect to it."""
-    port: int
-    """TCP port of the store (``store.reserve_port`` holds one free for it)."""
-    world_size: int = 2
-    """1 trainer + the number of engine workers that receive weights."""
-    backend: Backend = "auto"
-    """Data-plane backend: ``auto`` picks NCCL when CUDA is available, else gloo."""
-    timeout_s: float = 120.0
-    """The collective timeout: connecting, joining, and each bucket's broadcast."""
-    name: str = "inflight"
-    """Key prefix in the store, so several groups can share one store."""
-    insecure: bool = False
-    """Allow a group on a non-loopback address without a shared secret (``INFLIGHT_SECRET``).
-    Without one, anyone who reaches the store's address can push weights into the serving
-    engines and queue samples the trainer trains on; so such a group is refused unless this
-    says so, and then it is logged as a warning by every member."""
-
-    def __post_init__(self) -> None:
-        check_choices(self, "GroupConfig")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"GroupConfig.port={self.port} is not a TCP port")
-        if self.world_size < 2:
-            raise ValueError(f"GroupConfig.world_size={self.world_size}: need the trainer and at least one worker")
-        if not self.timeout_s > 0:
-            raise ValueError(f"GroupConfig.timeout_s={self.timeout_s} must be > 0")
-
-    def check_exposure(self, secret: bytes | None, who: str) -> None:
-        """Refuse (``ValueError``) a group reachable off this machine with no secret, unless
-        ``insecure``; with ``insecure``, warn."""
-        if secret is not None or is_loopback(self.host):
-            return
-        risk = (f"{who}: the weight group at {self.host}:{self.port} is reachable from other machines and has no "
-                f"shared secret: anyone who reaches it can push weights into the serving engines and queue samples "
-                f"the trainer trains on")
-        if not self.insecure:
-            raise ValueError(f"{risk}. Set INFLIGHT_SECRET (the same value on the trainer and every engine), "
-                             "or GroupConfig(insecure=True) / transport.insecure = true to accept that")
-        log.warning("inflight: INSECURE: %s (insecure=True)", risk)
-
-    def resolved_backend(self) -> ResolvedBackend:
-        if self.backend == "auto":
-            return "nccl" if torch.cuda.is_available() else "gloo"
-        return self.backend
-
-    def connect(self, name: str) -> PrefixStore:
-        """A client of the group's store for processes outside the group (key space ``name``)."""
-        return connect_store(self.host, self.port, f"{self.name}/{name}", self.timeout_s)
-
-    def await_trainer_gone(self, incarnation: str, stop: threading.Event) -> None:
-        """Return once the trainer whose store had ``incarnation`` left (``store.await_trainer_gone``)."""
-        await_trainer_gone(self.host, self.port, self.name, incarnation, stop)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names a loopback address (127.0.0.0/8, ::1, localhost)."""
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
 
 
 def read_generation(root: Store, secret: bytes | None, name: str) -> int:
