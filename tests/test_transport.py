@@ -241,3 +241,39 @@ def test_receiver_timeout_names_peer_and_bucket(port) -> None:
         BucketReceiver(worker).receive(announce, flat, timeout_s=1.0)
     msg = str(exc.value)
     assert "header of bucket 0 of v1" in msg and "trainer (rank 0)" in msg
+
+
+def test_data_sockets_bind_the_group_address_not_the_default_interface(port, monkeypatch) -> None:
+    """gloo's default device binds the hostname's (or ``GLOO_SOCKET_IFNAME``'s) address: a group
+    configured on loopback must not listen for bucket bytes on another interface."""
+    import psutil
+
+    from inflight.transport.group_config import is_loopback
+
+    from torch.distributed import ProcessGroupGloo
+
+    outside = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+               if a.family.name == "AF_INET" and not is_loopback(a.address)]
+    if not outside:
+        pytest.skip("this machine has no interface but loopback")
+    # a machine whose hostname resolves to its LAN address, where gloo's default device binds
+    # (this one's resolves to loopback, which would hide the difference)
+    lan_device = ProcessGroupGloo.create_device  # a device listens from its creation: made only when asked for
+    monkeypatch.setattr(ProcessGroupGloo, "create_default_device", staticmethod(lambda: lan_device(hostname=outside[0])))
+    config = GroupConfig(port=port, world_size=2, timeout_s=10.0)
+    trainers: list[WeightGroup] = []
+    t = threading.Thread(target=lambda: trainers.append(WeightGroup(config, 0, join_timeout_s=60.0)), daemon=True)
+    t.start()
+    worker = WeightGroup(config, 1, join_timeout_s=60.0)
+    t.join(60)
+    got = torch.zeros(3)
+    pending = worker.start_broadcast(got, what="a bucket")
+    trainers[0].broadcast(torch.ones(3), what="a bucket")
+    worker.wait(pending)
+    assert got.tolist() == [1.0, 1.0, 1.0]
+    sockets = psutil.Process().net_connections(kind="tcp")
+    listening = {c.laddr.ip for c in sockets if c.status == psutil.CONN_LISTEN}
+    used = {c.laddr.ip for c in sockets if c.status == psutil.CONN_ESTABLISHED}
+    assert listening and all(is_loopback(ip.removeprefix("::ffff:")) for ip in listening | used), (listening, used)
+    worker.close()
+    trainers[0].close()

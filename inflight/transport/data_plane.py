@@ -24,13 +24,18 @@ _NCCL_ENV_LOCK = threading.Lock()
 
 
 def _make_process_group(store: PrefixStore, rank: int, size: int, backend: Backend, timeout: timedelta,
-                        device: torch.device) -> ProcessGroup:
+                        device: torch.device, bind: str | None) -> ProcessGroup:
     # Same construction as torch's init_process_group, minus the global registration.
     pg = ProcessGroup(store, rank, size)
     if backend == "gloo":
         from torch.distributed import ProcessGroupGloo
 
-        impl = ProcessGroupGloo(store, rank, size, timeout)
+        opts = ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        # gloo's default device binds the hostname's address (or GLOO_SOCKET_IFNAME's): a group
+        # configured on loopback would still listen for bucket bytes on another interface
+        opts._devices = [ProcessGroupGloo.create_device(hostname=bind) if bind else ProcessGroupGloo.create_default_device()]
+        impl = ProcessGroupGloo(store, rank, size, opts)
         kind = ProcessGroup.BackendType.GLOO
     else:
         from torch.distributed import ProcessGroupNCCL
@@ -67,14 +72,14 @@ class DataPlane:
 
     def __init__(self, store: PrefixStore, *, rank: int, pg_rank: int, size: int, backend: Backend,
                  timeout: timedelta, device: torch.device, peers: list[int],
-                 superseded: Callable[[], bool]) -> None:
+                 superseded: Callable[[], bool], bind: str | None = None) -> None:
         self.rank = rank
         self.backend = backend
         self.timeout = timeout
         self.peers = peers
         self._superseded = superseded
         try:
-            self.pg: ProcessGroup | None = _make_process_group(store, pg_rank, size, backend, timeout, device)
+            self.pg: ProcessGroup | None = _make_process_group(store, pg_rank, size, backend, timeout, device, bind)
         except Exception as e:
             raise TransportError(f"rank {rank}: forming a {backend} group of {size} failed: {e}") from e
 

@@ -28,7 +28,7 @@ from inflight.transport.data_plane import DataPlane
 from inflight.transport.errors import GaveUp, TransportError, TransportTimeout
 from inflight.transport.liveness import Heartbeat, silent_ranks
 from inflight.transport.poll import poll_until
-from inflight.transport.group_config import GroupConfig  # noqa: F401  (its home; imported from here too)
+from inflight.transport.group_config import GroupConfig, data_plane_address  # GroupConfig's home is group_config
 from inflight.transport.store import SealedStore, connect_retrying, host_store, wait_key
 
 
@@ -294,7 +294,7 @@ class WeightGroup:
         self.data = DataPlane(rendezvous, rank=self.rank,
                               pg_rank=0 if self.rank == 0 else 1 + self.roster.index(self.rank), size=1 + len(self.roster),
                               backend=self.backend, timeout=self.timeout, device=self.device, peers=self.peers,
-                              superseded=self.superseded)
+                              superseded=self.superseded, bind=data_plane_address(self.config.host, self.rank))
         self.generation = g
         self.incarnation = self._root.get("incarnation").decode()
         self.store = PrefixStore(prefix + "/ctl", self._tcp)

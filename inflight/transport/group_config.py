@@ -78,6 +78,20 @@ class GroupConfig:
         await_trainer_gone(self.host, self.port, self.name, incarnation, stop)
 
 
+def data_plane_address(host: str, rank: int) -> str | None:
+    """The local address a member's data-plane sockets bind: the trainer's configured address
+    (None for a wildcard: gloo's default), a worker's address on the route to the trainer. So
+    a group on loopback never opens a data socket on another interface."""
+    if rank == 0:
+        return None if host in ("", "0.0.0.0", "::") else host
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # no packet is sent: this only picks the interface towards the trainer
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` names a loopback address (127.0.0.0/8, ::1, localhost)."""
     try:
