@@ -47,6 +47,27 @@ def moe_runners(model: torch.nn.Module) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, MoERunner)]
 
 
+def capture_problem(runner_class: type, *, device_type: str, enforce_eager: bool, cudagraph_mode: Any) -> str | None:
+    """Why this module cannot record routing on an engine of this kind, or None.
+
+    It needs Model Runner V1 (vLLM 0.32's ``vllm.v1.worker.gpu_model_runner``, which the CPU
+    runner extends): rows are aligned with requests through its ``input_batch`` and
+    ``query_start_loc``, which V2 (picked on CUDA with Triton) does not have, so the hook would
+    raise inside a forward and fail the step. And it needs eager forwards: under CUDA-graph
+    replay Python hooks do not run, so rows would silently be missing or stale."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+
+    if not issubclass(runner_class, V1Runner):
+        return (f"the engine runs {runner_class.__module__}.{runner_class.__qualname__} (Model Runner V2), which "
+                "has no input_batch/query_start_loc to align rows with requests: use vLLM's own capture there "
+                "(enable_return_routed_experts=True), or VLLM_USE_V2_MODEL_RUNNER=0 for this recorder")
+    graphs = getattr(cudagraph_mode, "name", str(cudagraph_mode)) not in ("NONE", "None")
+    if device_type == "cuda" and not enforce_eager and graphs:
+        return (f"the engine replays CUDA graphs (cudagraph_mode={getattr(cudagraph_mode, 'name', cudagraph_mode)}), "
+                "in which the capture hooks do not run: start it with enforce_eager=True")
+    return None
+
+
 class RoutingRecorder:
     """Worker side: the top-k expert ids, per MoE layer, of every request's sampling position
     in the last forward pass. Installed by ``inflight_start`` when ``record_routing`` is on."""
@@ -54,6 +75,12 @@ class RoutingRecorder:
     def __init__(self, model_runner: Any) -> None:
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
+        vc = model_runner.vllm_config
+        problem = capture_problem(type(model_runner), device_type=torch.device(model_runner.device).type,
+                                  enforce_eager=vc.model_config.enforce_eager,
+                                  cudagraph_mode=vc.compilation_config.cudagraph_mode)
+        if problem is not None:
+            raise RuntimeError(f"inflight: record_routing=True cannot capture on this engine: {problem}")
         self.runner = model_runner
         model = model_runner.get_model()
         runners = moe_runners(model)

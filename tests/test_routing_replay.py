@@ -384,3 +384,23 @@ def test_training_with_routing_replay(tmp_path) -> None:
     assert all(0 < r["routing_replayed_rows"] <= 2 * 8 * 12 for r in rows)  # tokens x MoE layers
     assert all(0.0 <= r["routing_mismatch"] < 1.0 for r in rows)
     print("routing mismatch per step (trainer vs engine experts):", [round(r["routing_mismatch"], 4) for r in rows])
+
+
+def test_capture_is_refused_where_its_hooks_cannot_run() -> None:
+    """Model Runner V2 (vLLM's pick on CUDA with Triton) has no ``input_batch`` to align rows
+    with, and CUDA-graph replay runs no Python hook: ``inflight_start`` refuses both by name
+    instead of failing a step (V2) or recording nothing (graphs). The eager CPU runner and an
+    eager V1 GPU runner record."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+
+    from engine_patches.routing import capture_problem
+
+    v2 = capture_problem(V2Runner, device_type="cuda", enforce_eager=True, cudagraph_mode=CUDAGraphMode.NONE)
+    assert v2 is not None and "Model Runner V2" in v2 and "enable_return_routed_experts" in v2
+    graphs = capture_problem(V1Runner, device_type="cuda", enforce_eager=False, cudagraph_mode=CUDAGraphMode.FULL)
+    assert graphs is not None and "cudagraph_mode=FULL" in graphs and "enforce_eager=True" in graphs
+    assert capture_problem(V1Runner, device_type="cuda", enforce_eager=True, cudagraph_mode=CUDAGraphMode.FULL) is None
+    assert capture_problem(CPUModelRunner, device_type="cpu", enforce_eager=True, cudagraph_mode=CUDAGraphMode.NONE) is None
