@@ -51,9 +51,11 @@ class InflightConfig:
     keep_rollback: bool = True
     """Keep the live version's bytes staged after each commit, so a commit that fails on any
     rank restores the exact previous weights on every rank. Costs one more update's bytes
-    (where ``staging`` says). Without it a failed commit reloads the checkpoint on disk if
-    the engine still serves that version, and otherwise stops the engine (fail-stop; a
-    supervisor restarts it) rather than serve a mix of two versions."""
+    (where ``staging`` says); the weights the engine loaded are read into it at start, so a
+    failed first commit restores them from memory too. Nothing is ever read from disk inside
+    the engine's stall: without it, a failed ``reload``/``copy`` commit stops the engine
+    (fail-stop, with the reason; a supervisor restarts it) rather than serve a mix of two
+    versions. The ``swap`` commit keeps the swapped-out modules either way."""
     check_finite: bool = True
     """Refuse updates with NaN or Inf in any floating tensor, before they are staged."""
     record_routing: bool = False

@@ -52,7 +52,6 @@ class EngineTarget:
         self.rank = rank
         self.device = device
         self._live = config.initial_version
-        self._disk_version = config.initial_version
         self.channel: Any = None  # this engine's commit channel in the current generation's store
         self.incarnation = ""  # of the trainer's store the channel lives in
         self._lock = threading.Lock()  # hands a ready version to exactly one of: commit, withdrawal
@@ -168,9 +167,10 @@ class EngineTarget:
         return WorkerRollbackResult(rank=self.rank, version=version, ok=True)
 
     def _undo(self, ready: _Ready, how: Any) -> None:
-        if ready.previous is None and self.applier.strategy != "swap" and self._live != self._disk_version:
-            raise RuntimeError(f"no rollback copy of v{self._live} (keep_rollback=False) and the checkpoint on disk "
-                               f"is v{self._disk_version}")
+        if ready.previous is None and self.applier.strategy != "swap":
+            # reading the checkpoint from disk here would hold the step lock for minutes at scale
+            raise RuntimeError(f"no rollback copy of v{self._live} (keep_rollback=False): the engine fails closed "
+                               "rather than reload its checkpoint inside the stall")
         ordered_commit(self.device, None, lambda: how(ready.previous))
 
     def _log(self, result: WorkerCommitResult) -> WorkerCommitResult:

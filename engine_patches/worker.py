@@ -32,13 +32,13 @@ from typing import Any
 import torch
 
 from engine_patches.commit.base import CommitStrategy, make_strategy
-from engine_patches.commit.checkpoint import checkpoint_dir, checkpoint_schema
+from engine_patches.commit.checkpoint import checkpoint_dir, checkpoint_schema, read_checkpoint_into
 from engine_patches.config import InflightConfig
 from engine_patches.engine_target import EngineTarget
 from engine_patches.rpc import StartReport, WorkerCommitResult, WorkerRollbackResult, WorkerStatus
 from inflight.auth import read_secret
 from inflight.protocol import ENGINE_CHANNEL, Sampling
-from inflight.staging import StagingNeed, StagingPool, check_fits, memory_budget, staging_need
+from inflight.staging import StagedVersion, StagingNeed, StagingPool, check_fits, memory_budget, staging_need
 from inflight.transport.errors import TransportError
 from inflight.transport.group import WeightGroup
 from inflight.transport.layout import TensorSchema
@@ -107,6 +107,13 @@ class InflightWorkerExtension:
                    gpu_memory_utilization=getattr(self.vllm_config.cache_config, "gpu_memory_utilization", None))
         pool = StagingPool(pool_device, pin=where == "host")
         pool.reserve(need.update_bytes, need.copies)
+        if config.keep_rollback and applier.strategy != "swap":
+            # what a failed first commit restores, read now: never from disk inside the stall
+            # (the swap commit keeps the swapped-out modules instead)
+            vc = self.vllm_config.model_config
+            flat = pool.take(need.update_bytes)
+            pool.previous = StagedVersion(None, flat, 0, read_checkpoint_into(checkpoint_dir(vc.model, vc.revision), schema,
+                                                                              flat))
         return pool, need
 
     def _inflight_serve(self, config: InflightConfig, schema, rank: int) -> None:

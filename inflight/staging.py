@@ -167,7 +167,7 @@ class StagingPool:
 class StagedVersion:
     """A version whose every bucket arrived and verified: its bytes and the views of its tensors."""
 
-    def __init__(self, announce: UpdateAnnounce, flat: torch.Tensor, first_bucket_step: int,
+    def __init__(self, announce: UpdateAnnounce | None, flat: torch.Tensor, first_bucket_step: int,
                  views: dict[str, torch.Tensor]) -> None:
         self.announce = announce
         self.flat = flat

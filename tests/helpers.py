@@ -90,3 +90,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def fail_after_applying(worker) -> int:
+    """Inside the worker: its next apply writes the new weights, then fails (a half-done commit)."""
+    applier = worker._inflight_target.applier
+    real = applier.apply
+
+    def apply() -> None:
+        applier.apply = real
+        real()
+        raise RuntimeError("injected failure after the weights were written")
+
+    applier.apply = apply
+    return 1

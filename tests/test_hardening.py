@@ -31,6 +31,7 @@ from inflight.transport.errors import TransportError
 from inflight.transport.group import GroupConfig
 from inflight.transport.store import wait_key
 from inflight.transport.pusher import PushRejected
+from tests.helpers import fail_after_applying
 from tests.engine_harness import Harness, Reference, perturbed
 
 
@@ -116,27 +117,13 @@ def test_stray_bytes_in_the_group_store_are_named_and_the_engine_keeps_serving(h
 
 
 # -- item 3: races and recovery -------------------------------------------------------------------
-def _fail_after_applying(worker) -> int:
-    """Inside the worker: its next apply writes the new weights, then fails (a half-done commit)."""
-    applier = worker._inflight_target.applier
-    real = applier.apply
-
-    def apply() -> None:
-        applier.apply = real
-        real()
-        raise RuntimeError("injected failure after the weights were written")
-
-    applier.apply = apply
-    return 1
-
-
 def test_failed_commit_after_a_rejoin_restores_the_live_version(harness: Harness) -> None:
     h = harness
     live_state = perturbed(h.base, seed=5)
     h.push(live_state)
     live = h.version
     h.pusher.rejoin(60.0)  # a new generation: the worker runs a new listener, which never committed
-    h.llm.collective_rpc(_fail_after_applying)
+    h.llm.collective_rpc(fail_after_applying)
     with pytest.raises(PushRejected) as exc:
         h.pusher.push(live + 1, perturbed(h.base, seed=6))
     assert exc.value.codes == {"commit_failed"} and "injected failure" in str(exc.value)

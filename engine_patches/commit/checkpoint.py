@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from inflight.transport.layout import TensorSchema, dtype_name
+from inflight.transport.layout import TensorSchema, dtype_name, plan_tensors, tensor_views, torch_dtype
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
                        "I64": "int64", "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
@@ -47,3 +47,21 @@ def checkpoint_schema(model_dir: Path, engine_dtype: torch.dtype) -> TensorSchem
                     wire = dtype_name(engine_dtype)
                 tensors[name] = (tuple(sl.get_shape()), wire)
     return TensorSchema(tensors)
+
+
+@torch.no_grad()
+def read_checkpoint_into(model_dir: Path, schema: TensorSchema, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, in ``schema``'s wire dtypes, laid out in ``flat`` as an update
+    of them would be; returns the views. Read at start, so that rolling back a first commit
+    never reads the disk inside the engine's stall."""
+    from safetensors import safe_open
+
+    specs, total = plan_tensors((name, shape, dtype) for name, (shape, dtype) in schema.tensors.items())
+    if flat.numel() < total:
+        raise ValueError(f"inflight: a buffer of {flat.numel()} B cannot hold the checkpoint's {total} B")
+    views = tensor_views(flat, specs)
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                views[name].copy_(st.get_tensor(name).to(torch_dtype(schema.tensors[name][1])))
+    return views

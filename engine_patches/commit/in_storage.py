@@ -18,7 +18,6 @@ import torch
 
 from engine_patches.commit.postload import cpu_unquantized_moe, modules_sharing_parameters, reprocess
 
-log = logging.getLogger("inflight.commit")
 
 
 class _ExpectedNoWeights(logging.Filter):
@@ -91,15 +90,11 @@ class InStorageApplier:
 
     @torch.no_grad()
     def restore(self, previous: Mapping[str, torch.Tensor] | None) -> None:
-        """Put the last good weights back: the previous staged version, or the checkpoint on
-        disk (the caller checks that the engine still serves the version on disk)."""
-        if previous is not None:
-            self._write(previous)
-            return
-        log.warning("inflight: restoring the checkpoint from disk")
-        self.runner.reload_weights(is_checkpoint_format=True)
-        reprocess(self._tied)
-        self._repack_experts()
+        """Put the last good weights back: the live version's bytes, kept in memory
+        (``keep_rollback``; the weights the engine loaded are read into them at start)."""
+        if previous is None:
+            raise RuntimeError("no rollback copy (keep_rollback=False)")
+        self._write(previous)
 
     def _repack_experts(self) -> None:
         """The reload ran the MoE method's update path, which left the new expert weights
