@@ -179,6 +179,50 @@ def test_stalled_trainer_is_dropped_and_a_restarted_one_rejoins(harness: Harness
         assert out.token_ids == ref.greedy(prompt, len(out.token_ids))
 
 
+def _killed_trainer(group: GroupConfig, version: int, state: dict, ready) -> None:
+    """A trainer that dies (SIGKILL, no goodbye) in the middle of a bucket late in a transfer:
+    the bucket before the last, its header sent, its bytes not."""
+    from inflight.transport.layout import plan_tensors
+
+    config = PushConfig(dtype="float32", bucket_mb=0.25)
+    _, total = plan_tensors((n, tuple(t.shape), "float32") for n, t in state.items())
+    late = -(-total // config.bucket_bytes) - 2
+
+    def die_late(h: BucketHeader, data: torch.Tensor):
+        if h.index == late:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return h, data
+    pusher = WeightPusher(group, config)
+    ready.set()
+    pusher.push(version, state, tamper=die_late)
+
+
+def test_a_trainer_killed_mid_bucket_is_noticed_within_the_timeout_and_a_new_one_pushes(harness: Harness) -> None:
+    h = harness
+    live, before = h.version, _outputs(h)
+    status0 = h.status()
+    h.pusher.close()
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    victim = ctx.Process(target=_killed_trainer, args=(h.group, live + 1, perturbed(h.base, seed=15), ready), daemon=True)
+    victim.start()
+    assert ready.wait(60), "the trainer never formed the group"
+    victim.join(120)
+    assert victim.exitcode == -signal.SIGKILL
+    dead = time.monotonic()
+    while h.status().dropped_staging == status0.dropped_staging:  # the half-received update is dropped
+        assert time.monotonic() - dead < TIMEOUT_S, h.status()  # within the worker's timeout, not after it
+    assert _outputs(h) == before and h.status().live_version == live  # the last version, still served
+    h.pusher = WeightPusher(h.group, PushConfig(dtype="float32", bucket_mb=0.25))  # a new trainer pushes
+    assert h.pusher.engine_versions == {1: live}
+    new = perturbed(h.base, seed=16)
+    h.push(new)
+    assert h.status().live_version == h.version == live + 1
+    ref = Reference(h.model_dir, "float32").load(new)
+    for prompt, out in h.greedy(PROMPTS):
+        assert out.token_ids == ref.greedy(prompt, len(out.token_ids))
+
+
 # -- soak --------------------------------------------------------------------------------------
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:

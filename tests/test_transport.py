@@ -277,3 +277,24 @@ def test_data_sockets_bind_the_group_address_not_the_default_interface(port, mon
     assert listening and all(is_loopback(ip.removeprefix("::ffff:")) for ip in listening | used), (listening, used)
     worker.close()
     trainers[0].close()
+
+
+def test_a_data_plane_with_work_posted_is_aborted_never_shut_down(port) -> None:
+    """A graceful shutdown waits for the collectives posted on it; NCCL's finalize never returns
+    when their root is dead (a killed trainer), hanging the listener. So ``close`` aborts a
+    data plane with work posted, or after a failure, and shuts down only an idle one."""
+    config = GroupConfig(port=port, world_size=2, timeout_s=10.0)
+    trainers: list[WeightGroup] = []
+    t = threading.Thread(target=lambda: trainers.append(WeightGroup(config, 0, join_timeout_s=60.0)), daemon=True)
+    t.start()
+    worker = WeightGroup(config, 1, join_timeout_s=60.0)
+    t.join(60)
+    trainer = trainers[0]
+    aborted: list[str] = []
+    for name, member in (("worker", worker), ("trainer", trainer)):
+        real = member.data.abort
+        member.data.abort = lambda name=name, real=real: (aborted.append(name), real())
+    worker.start_broadcast(torch.zeros(4), what="a bucket the trainer never sends")
+    worker.close()
+    trainer.close()  # idle: nothing posted, nothing failed
+    assert aborted == ["worker"]

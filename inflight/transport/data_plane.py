@@ -78,6 +78,8 @@ class DataPlane:
         self.timeout = timeout
         self.peers = peers
         self._superseded = superseded
+        self._unfinished = 0  # broadcasts posted and not yet waited for successfully
+        self._failed = False
         try:
             self.pg: ProcessGroup | None = _make_process_group(store, pg_rank, size, backend, timeout, device, bind)
         except Exception as e:
@@ -93,9 +95,12 @@ class DataPlane:
         opts = BroadcastOptions()
         opts.rootRank = 0
         try:
-            return self.pg.broadcast([tensor], opts), what
+            work = self.pg.broadcast([tensor], opts)
         except Exception as e:
+            self._failed = True
             raise TransportError(f"rank {self.rank}: posting {what} failed: {e}") from e
+        self._unfinished += 1
+        return work, what
 
     def wait(self, pending: tuple[Work, str], timeout_s: float | None = None) -> None:
         """Finish a posted broadcast; raise ``TransportTimeout`` naming the peer and what it carried.
@@ -115,9 +120,12 @@ class DataPlane:
             if self.backend == "nccl":
                 self._poll_nccl(work, timeout.total_seconds(), f"{what} from/to {peer}")
             work.wait(timeout)  # raises the collective's own error, if it failed
+            self._unfinished -= 1
         except TransportError:
+            self._failed = True
             raise
         except Exception as e:
+            self._failed = True
             msg = f"rank {self.rank}: {what} from/to {peer} failed after <= {timeout.total_seconds():.1f}s: {e}"
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise TransportTimeout(msg) from e
@@ -129,14 +137,15 @@ class DataPlane:
         try:
             poll_until(lambda: True if work.is_completed() else None, timeout_s=timeout_s, what=what, who=who,
                        give_up=give_up, first_pause_s=0.00005, max_pause_s=0.001)
-        except GaveUp:
+        except BaseException as e:  # every way out aborts: a communicator with work posted is never shut down
             self.abort()
-            raise TransportError(f"{who}: {what}: the trainer moved to a newer generation; "
-                                 "NCCL communicator aborted") from None
-        except TransportTimeout:
-            self.abort()
-            raise TransportTimeout(f"{who}: {what} did not complete within {timeout_s:.1f}s; "
-                                   "NCCL communicator aborted") from None
+            if isinstance(e, GaveUp):
+                raise TransportError(f"{who}: {what}: the trainer moved to a newer generation; "
+                                     "NCCL communicator aborted") from None
+            if isinstance(e, TransportTimeout):
+                raise TransportTimeout(f"{who}: {what} did not complete within {timeout_s:.1f}s; "
+                                       "NCCL communicator aborted") from None
+            raise
 
     def broadcast(self, tensor: torch.Tensor, *, what: str, timeout_s: float | None = None) -> None:
         """Blocking ``start_broadcast`` + ``wait``."""
@@ -151,7 +160,12 @@ class DataPlane:
             pass
 
     def close(self) -> None:
-        """Shut the process group down."""
+        """Shut the process group down, gracefully only when it is idle: a graceful shutdown
+        waits for posted collectives, and one whose root is dead never completes (NCCL's
+        finalize would hang the caller); so after any failure, or with work posted, abort."""
+        if self._failed or self._unfinished:
+            self.abort()
+            return
         pg, self.pg = self.pg, None
         try:
             pg.shutdown() if pg is not None and hasattr(pg, "shutdown") else None
