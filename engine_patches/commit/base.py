@@ -20,11 +20,12 @@ the live storage at the commit; ``engine_patches.commit.in_storage``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
+from engine_patches.commit.postload import copy_refusals
 from inflight.settings import CommitChoice, CommitStrategyName as Resolved
 from inflight.transport.layout import TensorSchema, torch_dtype
 
@@ -63,12 +64,19 @@ class CommitStrategy(Protocol):
         """Stop any thread of the strategy's own."""
 
 
-def resolve_strategy(strategy: CommitChoice, device: torch.device, quantized: bool, eager: bool) -> Resolved:
-    """The strategy ``strategy`` names for this engine (``auto``: the best that is right)."""
+def resolve_strategy(strategy: CommitChoice, device: torch.device, quantized: bool, eager: bool,
+                     copy_refused: Sequence[str] = ()) -> Resolved:
+    """The strategy ``strategy`` names for this engine (``auto``: the best that is right).
+    ``copy_refused``: the layer kinds a plain copy would leave stale (``postload.copy_refusals``)."""
     if strategy == "auto":
         if device.type == "cpu":
             return "swap" if eager and not quantized else "reload"
-        return "reload" if quantized else "copy"
+        if copy_refused and not quantized:
+            log.info("inflight: copy commits would skip the post-load processing of %s; using reload", copy_refused)
+        return "reload" if quantized or copy_refused else "copy"
+    if strategy == "copy" and copy_refused:
+        raise ValueError(f"inflight: commit='copy' would leave the post-load state of {copy_refused} at the old "
+                         "version (the copy skips vLLM's processing of loaded weights); use 'reload'")
     if strategy == "copy" and device.type == "cpu":
         raise ValueError("inflight: commit='copy' is wrong on CPU (linear weights are prepacked); use 'swap' or 'reload'")
     if strategy == "swap" and (device.type != "cpu" or not eager or quantized):
@@ -83,7 +91,9 @@ def make_strategy(model_runner: Any, strategy: CommitChoice, schema: TensorSchem
     from engine_patches.commit.in_storage import InStorageApplier
     from engine_patches.commit.swap import RoutingError, SwapApplier
 
-    chosen = resolve_strategy(strategy, torch.device(model_runner.device), quantized, eager)
+    device = torch.device(model_runner.device)
+    refused = copy_refusals(model_runner.get_model()) if device.type != "cpu" and strategy in ("auto", "copy") else []
+    chosen = resolve_strategy(strategy, device, quantized, eager, refused)
     model_class = type(model_runner.get_model()).__name__
     if chosen == "swap":
         shapes = {n: (shape, torch_dtype(dt)) for n, (shape, dt) in schema.tensors.items()}

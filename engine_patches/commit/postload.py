@@ -57,3 +57,30 @@ def modules_sharing_parameters(model: torch.nn.Module) -> list[torch.nn.Module]:
             if p is not None:
                 owners.setdefault(id(p), []).append(module)
     return [m for ms in owners.values() if len(ms) > 1 for m in ms]
+
+
+def copy_refusals(model: torch.nn.Module) -> list[str]:
+    """The layer kinds of ``model`` that a plain copy commit (``load_weights`` into the live
+    storage, no post-load processing) would leave wrong on a GPU, by name.
+
+    vLLM's post-load processing derives state from weights: MLA attention keeps ``W_UK_T`` and
+    ``W_UV`` computed from ``kv_b_proj``; FlashInfer MoE backends re-lay the experts (CUTLASS
+    swaps the w1/w3 halves, TRTLLM re-blocks); quantized methods repack. A copy leaves that
+    state at the old version, silently. Proven to need none on CUDA: unquantized linear and
+    embedding layers (their processing only prepacks on CPU), layers with no processing of
+    their own (norms), and plain ``Attention`` (its processing reads kv-cache scales, which an
+    update does not carry). Anything else is named here, and the copy commit is not used."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    copy_safe_methods = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+    found: set[str] = set()
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if module._parameters and method is not None and type(method) not in copy_safe_methods:
+            found.add(f"{type(module).__name__} ({type(method).__name__})")
+        elif type(module) is not Attention and any("process_weights_after_loading" in vars(c)
+                                                   for c in type(module).__mro__ if c is not torch.nn.Module):
+            found.add(type(module).__name__)
+    return sorted(found)
