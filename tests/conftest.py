@@ -33,6 +33,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 from inflight.transport.store import release_port, reserve_port  # noqa: E402  (after the environment above)
+from tests.helpers import MOE  # noqa: E402
 
 
 @pytest.fixture
@@ -77,3 +78,11 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory):
 
     cfg = TinyModelConfig(arch="llama", hidden_size=128, num_heads=2, num_kv_heads=1, tie_word_embeddings=False, seed=1)
     return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), default_corpus(), cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory):
+    """A 2-layer Qwen3-MoE (4 experts, top-2, head_dim 64, tied embeddings), fp32 on disk."""
+    from trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_moe"), default_corpus(), TinyModelConfig(**MOE, seed=2))

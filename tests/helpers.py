@@ -11,8 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import torch
 
 from inflight.protocol import decode_group
+from inflight.transport.group import GroupConfig, WeightGroup
+from inflight.transport.layout import TensorSchema
+from inflight.transport.listener import UpdateListener
+from inflight.transport.peer import DictTarget
+from inflight.transport.pusher import PushConfig, WeightPusher
 from trainer.config import TrainConfig, config_from_dict
 
 RUN_BASE = {  # a tiny policy, short completions, small groups
@@ -104,3 +110,58 @@ def fail_after_applying(worker) -> int:
 
     applier.apply = apply
     return 1
+
+
+MOE = dict(arch="qwen3_moe", hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256,
+           num_experts=4, experts_per_token=2, moe_intermediate_size=128)
+
+
+def state_dict_of(path) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors by name (one safetensors file)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def moe_trainer_model(path, seed: int | None = None):
+    """The policy as the trainer holds it (experts fused), optionally moved by a perturbation."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model
+
+
+class ListenerPair:
+    """Trainer rank 0 in the test thread, a listener (rank 1) in a background thread."""
+
+    def __init__(self, port: int, schema: TensorSchema | None, timeout_s: float = 20.0, *,
+                 target: DictTarget | None = None, bucket_mb: float = 0.01) -> None:
+        self.config = GroupConfig(port=port, world_size=2, timeout_s=timeout_s)
+        self.target = target if target is not None else DictTarget()
+        self.error: BaseException | None = None
+        ready = threading.Event()
+
+        def serve() -> None:
+            try:
+                group = WeightGroup(self.config, 1)
+                self.listener = UpdateListener(group, self.target, schema)
+                ready.set()
+                self.listener.run(self.stop)
+            except BaseException as e:  # reported by the test
+                self.error = e
+                ready.set()
+
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+        self.pusher = WeightPusher(self.config, PushConfig(bucket_mb=bucket_mb))
+        assert ready.wait(30)
+
+    def close(self) -> None:
+        self.pusher.close()
+        self.thread.join(10)

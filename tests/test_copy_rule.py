@@ -16,7 +16,6 @@ import torch
 
 from engine_patches.commit.base import resolve_strategy
 from engine_patches.commit.postload import copy_refusals
-from tests.test_moe import tiny_moe  # noqa: F401  (the fixture)
 
 
 class DerivesABuffer(torch.nn.Module):

@@ -24,42 +24,18 @@ import torch
 from safetensors import safe_open
 
 from tests.engine_harness import Harness
+from tests.helpers import MOE, moe_trainer_model
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5=", "lazy dog"]
-MOE = dict(arch="qwen3_moe", hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256,
-           num_experts=4, experts_per_token=2, moe_intermediate_size=128)
-
-
-@pytest.fixture(scope="session")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory):
-    """A 2-layer Qwen3-MoE (4 experts, top-2, head_dim 64, tied embeddings), fp32 on disk."""
-    from trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_moe"), default_corpus(), TinyModelConfig(**MOE, seed=2))
-
-
 def _on_disk(path) -> dict[str, torch.Tensor]:
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def _trainer_model(path, seed: int | None = None):
-    """The policy as the trainer holds it (experts fused), optionally moved by a perturbation."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    if seed is not None:
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return model
-
-
 def test_named_weights_are_the_checkpoint_one_copy_per_expert(tiny_moe) -> None:
     from inflight.transport.pusher import named_weights
 
-    model = _trainer_model(tiny_moe)
+    model = moe_trainer_model(tiny_moe)
     assert "model.layers.0.mlp.experts.gate_up_proj" in dict(model.named_parameters())  # fused in memory
     sent, disk = named_weights(model), _on_disk(tiny_moe)
     assert sent.keys() == disk.keys()
@@ -107,10 +83,10 @@ def test_moe_engine_takes_updates_with_parity(tiny_moe, port, commit: str) -> No
     h = Harness(tiny_moe, "float32", port, commit=commit)
     try:
         assert h.start_report.commit == ("swap" if commit == "auto" else "reload")
-        _check(h, _trainer_model(tiny_moe), 0)
+        _check(h, moe_trainer_model(tiny_moe), 0)
         disk_bytes = sum(t.numel() * t.element_size() for t in _on_disk(tiny_moe).values())
         for seed in (1, 2):  # two updates: the second goes through the state the first left
-            model = _trainer_model(tiny_moe, seed)
+            model = moe_trainer_model(tiny_moe, seed)
             result = h.push(named_weights(model))
             # what crossed the wire: the checkpoint's bytes once (64-byte aligned offsets)
             assert disk_bytes <= result.send.nbytes < disk_bytes + 64 * len(h.base)

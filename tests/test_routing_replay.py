@@ -28,7 +28,7 @@ from engine_patches.client import tagged
 from engine_patches.routing import routing_fields, routing_of, streamed_routing
 from inflight.protocol import RolloutGroup, RolloutSample
 from tests.engine_harness import push_at_steps
-from tests.test_moe import MOE, _trainer_model, tiny_moe  # noqa: F401  (the fixture)
+from tests.helpers import MOE, moe_trainer_model
 from trainer.loss import collate, compute_loss, policy_logprobs
 from trainer.routing_replay import NO_ROUTE, RoutingReplay, collate_routing, gate_weights
 
@@ -68,7 +68,7 @@ class RecordingEngine:
 
 
 @pytest.fixture(scope="module")
-def fp32_engine(tiny_moe, hold_port):  # noqa: F811
+def fp32_engine(tiny_moe, hold_port):
     e = RecordingEngine(tiny_moe, "float32", hold_port())
     yield e
     e.close()
@@ -110,20 +110,20 @@ def _check_routing_against(outs, model) -> int:
     return checked
 
 
-def test_recorded_routing_is_the_routers_topk(fp32_engine, tiny_moe) -> None:  # noqa: F811
+def test_recorded_routing_is_the_routers_topk(fp32_engine, tiny_moe) -> None:
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
     assert fp32_engine.report.routing == (2, 2)
-    assert _check_routing_against(fp32_engine.generate(PROMPTS, sp), _trainer_model(tiny_moe)) > 100
-    moved = _trainer_model(tiny_moe, seed=5)
+    assert _check_routing_against(fp32_engine.generate(PROMPTS, sp), moe_trainer_model(tiny_moe)) > 100
+    moved = moe_trainer_model(tiny_moe, seed=5)
     fp32_engine.push(moved)  # tokens of the new version are routed by the new weights
     outs = fp32_engine.generate(PROMPTS, sp)
     assert all(tagged(o.outputs[0]).versions == [fp32_engine.version] * 16 for o in outs)
     assert _check_routing_against(outs, moved) > 100
 
 
-def test_streamed_routing_covers_exactly_the_tokens_shown(fp32_engine, tiny_moe) -> None:  # noqa: F811
+def test_streamed_routing_covers_exactly_the_tokens_shown(fp32_engine, tiny_moe) -> None:
     """Stepped by the test (see ``tests.engine_harness.drive``), read after every step as a
     streaming client reads, with a commit landing mid-generation."""
     from vllm import SamplingParams
@@ -137,7 +137,7 @@ def test_streamed_routing_covers_exactly_the_tokens_shown(fp32_engine, tiny_moe)
     commits = coordinator.commits()
     for rid, prompt in (("s0", "3+4="), ("s1", "count 1 2")):
         engine.add_request(rid, prompt, sp)
-    pushes = push_at_steps(lambda: coordinator.steps - start, [0], lambda _: fp32_engine.push(_trainer_model(tiny_moe, seed=6)))
+    pushes = push_at_steps(lambda: coordinator.steps - start, [0], lambda _: fp32_engine.push(moe_trainer_model(tiny_moe, seed=6)))
     counts: dict[str, list[int]] = {"s0": [], "s1": []}
     shown: dict[str, np.ndarray] = {}
     done = {}
@@ -161,7 +161,7 @@ def test_streamed_routing_covers_exactly_the_tokens_shown(fp32_engine, tiny_moe)
         assert np.array_equal(shown[rid], final[: len(shown[rid])])
 
 
-def test_preempted_requests_keep_exact_routing(tiny_moe, port) -> None:  # noqa: F811
+def test_preempted_requests_keep_exact_routing(tiny_moe, port) -> None:
     """A KV cache of 8 blocks of 32 for 6 requests of 64+ tokens: vLLM preempts some and
     recomputes them on resume; their routing still covers each token once, as the router chose."""
     from vllm import LLM, SamplingParams
@@ -195,7 +195,7 @@ def test_preempted_requests_keep_exact_routing(tiny_moe, port) -> None:  # noqa:
     assert len(preempted) >= 2, preempted
     outs = [done[rid] for rid in sorted(preempted)]
     assert all(len(o.outputs[0].token_ids) == 60 for o in outs)
-    assert _check_routing_against(outs, _trainer_model(tiny_moe)) > 200
+    assert _check_routing_against(outs, moe_trainer_model(tiny_moe)) > 200
 
 
 def _samples(outs) -> list[RolloutGroup]:
@@ -211,7 +211,7 @@ def _samples(outs) -> list[RolloutGroup]:
     return groups
 
 
-def test_replay_brings_the_trainer_to_the_engine(tiny_moe, port) -> None:  # noqa: F811
+def test_replay_brings_the_trainer_to_the_engine(tiny_moe, port) -> None:
     """bf16 engine, fp32 trainer on the same weights: the routers disagree on some rows."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
@@ -222,7 +222,7 @@ def test_replay_brings_the_trainer_to_the_engine(tiny_moe, port) -> None:  # noq
         groups = _samples(e.generate([f"{i}+{i}=" for i in range(8)], sp))
     finally:
         e.close()
-    model = _trainer_model(tiny_moe)
+    model = moe_trainer_model(tiny_moe)
     batch = collate(groups, AutoTokenizer.from_pretrained(str(tiny_moe)).pad_token_id, True)
     replay = RoutingReplay(model)
     routing = collate_routing(groups, batch.input_ids, batch.completion_ids.shape[1])
@@ -261,7 +261,7 @@ def _tiny_batch(seed: int = 0):
     return groups, batch, collate_routing(groups, batch.input_ids, batch.completion_ids.shape[1])
 
 
-def test_collate_routing_aligns_with_the_sampling_positions(tiny_moe) -> None:  # noqa: F811
+def test_collate_routing_aligns_with_the_sampling_positions(tiny_moe) -> None:
     groups, batch, routing = _tiny_batch()
     p_len = batch.input_ids.shape[1] - batch.completion_ids.shape[1]
     for i, s in enumerate(s for g in groups for s in g.samples):
@@ -287,10 +287,10 @@ def _reference_moe(block: torch.nn.Module, x: torch.Tensor, index: torch.Tensor)
     return out.reshape(x.shape)
 
 
-def test_replay_loss_and_gradient_match_a_reference(tiny_moe) -> None:  # noqa: F811
+def test_replay_loss_and_gradient_match_a_reference(tiny_moe) -> None:
     from trainer.config import LossConfig
 
-    model = _trainer_model(tiny_moe)
+    model = moe_trainer_model(tiny_moe)
     _, batch, routing = _tiny_batch()
     replay = RoutingReplay(model)
     blocks = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock"]
@@ -325,8 +325,8 @@ def test_replay_loss_and_gradient_match_a_reference(tiny_moe) -> None:  # noqa: 
     assert ref_grads["model.layers.0.mlp.gate.weight"].abs().sum() > 0  # the router learns through its weights
 
 
-def test_replaying_the_routers_own_choice_changes_nothing(tiny_moe) -> None:  # noqa: F811
-    model = _trainer_model(tiny_moe)
+def test_replaying_the_routers_own_choice_changes_nothing(tiny_moe) -> None:
+    model = moe_trainer_model(tiny_moe)
     _, batch, _ = _tiny_batch()
     replay = RoutingReplay(model)
     own: list[torch.Tensor] = []
@@ -344,7 +344,7 @@ def test_replaying_the_routers_own_choice_changes_nothing(tiny_moe) -> None:  # 
     torch.testing.assert_close(w, torch.tensor([[np.e ** 3 / (np.e ** 3 + 1), 1 / (np.e ** 3 + 1)]], dtype=torch.float32))
 
 
-def test_refusals_name_what_is_missing(tiny_moe) -> None:  # noqa: F811
+def test_refusals_name_what_is_missing(tiny_moe) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     dense = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=64, intermediate_size=64, num_hidden_layers=1,

@@ -25,7 +25,7 @@ from inflight.transport.layout import completed_by_bucket, plan_tensors
 from inflight.transport.layout import TensorSchema
 from inflight.transport.peer import DictTarget
 from inflight.transport.pusher import PushRejected
-from tests.test_transport import _Pair, _state_dict
+from tests.helpers import ListenerPair, state_dict_of
 
 
 def _buckets(total: int, size: int) -> list[BucketSpec]:
@@ -117,7 +117,7 @@ class Recording(DictTarget):
 
 @pytest.fixture
 def model(tiny_qwen):
-    sd = _state_dict(tiny_qwen)
+    sd = state_dict_of(tiny_qwen)
     return sd, TensorSchema({k: (tuple(v.shape), "float32") for k, v in sd.items()})
 
 
@@ -128,7 +128,7 @@ def _version(sd: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
 def test_buckets_are_fed_as_they_verify_while_later_ones_are_on_the_wire(model, port) -> None:
     sd, schema = model
     target = Recording(_version(sd, 1))
-    pair = _Pair(port, schema, target=target, bucket_mb=BUCKET_MB)
+    pair = ListenerPair(port, schema, target=target, bucket_mb=BUCKET_MB)
     try:
         for v in (1, 2, 3):  # the staging buffers rotate: a landed check against stale bytes would show
             named = _version(sd, v)
@@ -152,7 +152,7 @@ def test_a_fault_mid_stream_refuses_the_update_and_feeds_nothing_after_it(model,
     sd, schema = model
     good = _version(sd, 1)
     target = Recording(good)
-    pair = _Pair(port, schema, target=target, bucket_mb=BUCKET_MB)
+    pair = ListenerPair(port, schema, target=target, bucket_mb=BUCKET_MB)
     try:
         pair.pusher.push(1, good)
         bad = _version(sd, 2)
@@ -185,7 +185,7 @@ def test_an_update_of_empty_tensors_has_no_bucket_and_still_stages(port) -> None
     """Nothing to stream: the finite check, ``prepare_part`` and ``prepare`` still run once each,
     after the (empty) receive."""
     target = Recording({"empty": torch.zeros(0), "none": torch.zeros(0, 3)})
-    pair = _Pair(port, None, target=target, bucket_mb=BUCKET_MB)
+    pair = ListenerPair(port, None, target=target, bucket_mb=BUCKET_MB)
     try:
         pair.pusher.push(1, target.named)
         assert target.parts == [["empty", "none"]] and target.prepared == [["empty", "none"]]

@@ -20,12 +20,9 @@ from inflight.transport.group import GroupConfig, WeightGroup
 from inflight.transport.layout import ALIGN, bucket_windows, checksum, pack_into, plan_tensors, tensor_views
 from inflight.transport.layout import TensorSchema
 from inflight.transport.listener import UpdateListener
-from inflight.transport.peer import DictTarget, run_peer
+from inflight.transport.peer import run_peer
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
-
-
-def _state_dict(path) -> dict[str, torch.Tensor]:
-    return load_file(str(path / "model.safetensors"))
+from tests.helpers import ListenerPair, state_dict_of
 
 
 # -- layout and checksums -----------------------------------------------------------------
@@ -101,7 +98,7 @@ def test_named_weights_match_the_checkpoint(tiny_qwen, tiny_llama) -> None:
 
     for path in (tiny_qwen, tiny_llama):  # tied and untied LM heads
         model = AutoModelForCausalLM.from_pretrained(str(path))
-        on_disk = _state_dict(path)
+        on_disk = state_dict_of(path)
         sent = named_weights(model)
         assert sent.keys() == on_disk.keys()
         assert all(torch.equal(sent[k], on_disk[k]) for k in sent)
@@ -116,7 +113,7 @@ def test_state_dict_crosses_processes_exactly(tiny_qwen, port, tmp_path, dtype: 
                                               backend: str) -> None:
     if backend == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("NCCL needs a GPU per rank: two GPUs")
-    sd = _state_dict(tiny_qwen)
+    sd = state_dict_of(tiny_qwen)
     largest = max(t.numel() * t.element_size() for t in sd.values())
     assert bucket_bytes < largest or bucket_bytes > sum(t.numel() * 4 for t in sd.values())
     group = GroupConfig(port=port, world_size=2, timeout_s=60, backend=backend)
@@ -139,42 +136,11 @@ def test_state_dict_crosses_processes_exactly(tiny_qwen, port, tmp_path, dtype: 
 
 # -- one process, two threads: refusals leave the live version untouched ------------------
 
-class _Pair:
-    """Trainer rank 0 in the test thread, a listener (rank 1) in a background thread."""
-
-    def __init__(self, port: int, schema: TensorSchema | None, timeout_s: float = 20.0, *,
-                 target: DictTarget | None = None, bucket_mb: float = 0.01) -> None:
-        self.config = GroupConfig(port=port, world_size=2, timeout_s=timeout_s)
-        self.target = target if target is not None else DictTarget()
-        self.error: BaseException | None = None
-        ready = threading.Event()
-
-        def serve() -> None:
-            try:
-                group = WeightGroup(self.config, 1)
-                self.listener = UpdateListener(group, self.target, schema)
-                ready.set()
-                self.listener.run(self.stop)
-            except BaseException as e:  # reported by the test
-                self.error = e
-                ready.set()
-
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=serve, daemon=True)
-        self.thread.start()
-        self.pusher = WeightPusher(self.config, PushConfig(bucket_mb=bucket_mb))
-        assert ready.wait(30)
-
-    def close(self) -> None:
-        self.pusher.close()
-        self.thread.join(10)
-
-
 @pytest.fixture
 def pair(tiny_qwen, port):
-    sd = _state_dict(tiny_qwen)
+    sd = state_dict_of(tiny_qwen)
     schema = TensorSchema({k: (tuple(v.shape), "float32") for k, v in sd.items()})
-    p = _Pair(port, schema)
+    p = ListenerPair(port, schema)
     yield p, sd
     p.close()
 
