@@ -26,6 +26,7 @@ from inflight.transport.group import GroupConfig, WeightGroup
 from inflight.transport.store import store_reachable, wait_key
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from tests.engine_harness import Harness, perturbed
+from tests.helpers import form_pair
 
 SECRET = "correct horse battery staple"
 
@@ -67,7 +68,7 @@ def test_store_listens_on_loopback_unless_an_address_is_configured(host: str, ho
                          join_timeout_s=60.0)
     assert up.wait(60) and not errors, errors  # the store was this very socket, and the group formed
     worker.close()
-    trainers[0].close()
+    trainer.close()
 
 
 def test_a_group_off_loopback_without_a_secret_is_refused_unless_insecure(hold_port, monkeypatch, caplog) -> None:
@@ -224,13 +225,8 @@ def test_forged_generation_and_rendezvous_keys_are_refused(port, monkeypatch) ->
     from inflight.transport.store import SealedStore
 
     monkeypatch.setenv(SECRET_ENV, SECRET)
-    config = GroupConfig(port=port, world_size=2, timeout_s=10.0)
-    trainers: list[WeightGroup] = []
-    t = threading.Thread(target=lambda: trainers.append(WeightGroup(config, 0, join_timeout_s=60.0)), daemon=True)
-    t.start()
-    worker = WeightGroup(config, 1, join_timeout_s=60.0)
-    t.join(60)
-    trainer = trainers[0]
+    trainer, worker = form_pair(port)
+    config = trainer.config
     stray = PrefixStore(config.name, TCPStore(config.host, config.port, is_master=False, wait_for_workers=False))
     for forged in (b"99", seal(b"99", b"guessed", f"{config.name}/{trainer.incarnation}/generation")):
         stray.set("generation", forged)

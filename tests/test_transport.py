@@ -22,7 +22,7 @@ from inflight.transport.layout import TensorSchema
 from inflight.transport.listener import UpdateListener
 from inflight.transport.peer import run_peer
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
-from tests.helpers import ListenerPair, state_dict_of
+from tests.helpers import ListenerPair, form_pair, state_dict_of
 
 
 # -- layout and checksums -----------------------------------------------------------------
@@ -226,15 +226,10 @@ def test_data_sockets_bind_the_group_address_not_the_default_interface(port, mon
     # (this one's resolves to loopback, which would hide the difference)
     lan_device = ProcessGroupGloo.create_device  # a device listens from its creation: made only when asked for
     monkeypatch.setattr(ProcessGroupGloo, "create_default_device", staticmethod(lambda: lan_device(hostname=outside[0])))
-    config = GroupConfig(port=port, world_size=2, timeout_s=10.0)
-    trainers: list[WeightGroup] = []
-    t = threading.Thread(target=lambda: trainers.append(WeightGroup(config, 0, join_timeout_s=60.0)), daemon=True)
-    t.start()
-    worker = WeightGroup(config, 1, join_timeout_s=60.0)
-    t.join(60)
+    trainer, worker = form_pair(port)
     got = torch.zeros(3)
     pending = worker.start_broadcast(got, what="a bucket")
-    trainers[0].broadcast(torch.ones(3), what="a bucket")
+    trainer.broadcast(torch.ones(3), what="a bucket")
     worker.wait(pending)
     assert got.tolist() == [1.0, 1.0, 1.0]
     sockets = psutil.Process().net_connections(kind="tcp")
@@ -242,20 +237,15 @@ def test_data_sockets_bind_the_group_address_not_the_default_interface(port, mon
     used = {c.laddr.ip for c in sockets if c.status == psutil.CONN_ESTABLISHED}
     assert listening and all(is_loopback(ip.removeprefix("::ffff:")) for ip in listening | used), (listening, used)
     worker.close()
-    trainers[0].close()
+    trainer.close()
 
 
 def test_a_data_plane_with_work_posted_is_aborted_never_shut_down(port) -> None:
     """A graceful shutdown waits for the collectives posted on it; NCCL's finalize never returns
     when their root is dead (a killed trainer), hanging the listener. So ``close`` aborts a
     data plane with work posted, or after a failure, and shuts down only an idle one."""
-    config = GroupConfig(port=port, world_size=2, timeout_s=10.0)
-    trainers: list[WeightGroup] = []
-    t = threading.Thread(target=lambda: trainers.append(WeightGroup(config, 0, join_timeout_s=60.0)), daemon=True)
-    t.start()
-    worker = WeightGroup(config, 1, join_timeout_s=60.0)
-    t.join(60)
-    trainer = trainers[0]
+    trainer, worker = form_pair(port)
+    config = trainer.config
     aborted: list[str] = []
     for name, member in (("worker", worker), ("trainer", trainer)):
         real = member.data.abort
