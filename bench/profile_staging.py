@@ -1,4 +1,4 @@
-"""Where one in-flight update's staging time goes, phase by phase (issue 15).
+"""Where one in-flight update's staging time goes, phase by phase.
 
     python -m bench.profile_staging [--model smollm2] [--updates 4] [--steps 96] [--concurrency 32] [--no-load-plan]
 
@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=4, help="updates per condition")
     ap.add_argument("--steps", type=int, default=96, help="decode steps between updates (decoding condition)")
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--no-load-plan", action="store_true", help="the path before issue 15: vLLM's loaders, fresh shadows")
+    ap.add_argument("--no-load-plan", action="store_true", help="without the load plan: vLLM's loaders into fresh shadows")
     args = ap.parse_args()
     if args.no_load_plan:
         from engine_patches.commit.swap import SwapApplier

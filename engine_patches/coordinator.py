@@ -275,7 +275,7 @@ class CommitCoordinator:
             try:
                 while not self._stop.is_set():
                     ready = self._wait_ready(store, keys)
-                    if isinstance(ready, str):  # the trainer is leaving (issue 17): let go of its store first
+                    if isinstance(ready, str):  # the trainer is leaving: let go of its store first
                         store = None
                         try:
                             self.config.group.await_trainer_gone(ready, self._stop)

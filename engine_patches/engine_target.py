@@ -102,7 +102,7 @@ class EngineTarget:
         with self._lock:
             self._ready = ready
         key, what = f"outcome/{version}", f"the engine's commit of v{version}"
-        self.channel.delete_key(key)  # a failed earlier attempt at this version left its outcome (issue 17)
+        self.channel.delete_key(key)  # a failed earlier attempt at this version left its outcome
         self.channel.set(f"ready/{self.rank}", encode(CommitReady(rank=self.rank, version=version)))
         try:
             raw = wait_key(self.channel, key, timeout_s=self.config.commit_timeout_s, stop=None, what=what, who=f"rank {self.rank}")

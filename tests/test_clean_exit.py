@@ -1,4 +1,4 @@
-"""Issue 17, item 2: a user script with an in-flight ``LLM`` and a trainer in another process
+"""A user script with an in-flight ``LLM`` and a trainer in another process
 ends with status 0 and no stack traces, whatever leaves first.
 
 Each case runs two fresh interpreters, the user's engine script (``LLM`` in-process) and a

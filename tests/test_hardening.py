@@ -1,4 +1,4 @@
-"""Issue 17, items 3-5, on a real vLLM CPU engine where one can run.
+"""Hardening, on a real vLLM CPU engine where one can run.
 
 - bad input on the public API gets an error naming the problem, and the engine keeps serving;
 - random bytes a stray client writes to the group's store keys are named, not crashed on;
@@ -48,7 +48,7 @@ def _serves(h: Harness, version: int) -> None:
     assert out.versions == [version] * 4
 
 
-# -- item 5: bad input ---------------------------------------------------------------------------
+# -- bad input ---------------------------------------------------------------------------
 def test_pusher_refuses_bad_input_by_name_and_the_engine_keeps_serving(harness: Harness) -> None:
     h = harness
     h.push(perturbed(h.base, seed=1))
@@ -116,7 +116,7 @@ def test_stray_bytes_in_the_group_store_are_named_and_the_engine_keeps_serving(h
     _serves(h, h.version)
 
 
-# -- item 3: races and recovery -------------------------------------------------------------------
+# -- races and recovery -------------------------------------------------------------------
 def test_failed_commit_after_a_rejoin_restores_the_live_version(harness: Harness) -> None:
     h = harness
     live_state = perturbed(h.base, seed=5)
@@ -175,7 +175,7 @@ def test_commit_reports_token_counts_while_requests_come_and_go(harness: Harness
     assert h.status().live_version == h.version
 
 
-# -- item 4: sampling mismatch --------------------------------------------------------------------
+# -- sampling mismatch --------------------------------------------------------------------
 def test_engine_with_model_sampling_defaults_refuses_to_start(tiny_llama, tmp_path, port) -> None:
     from vllm import LLM
 
@@ -219,7 +219,7 @@ def test_queue_refuses_groups_sampled_with_transforms_the_trainer_does_not_apply
     assert buffer.stats()["rejected"] == {"sampling_transform": 2}
 
 
-# -- item 3: checkpoints and counters -------------------------------------------------------------
+# -- checkpoints and counters -------------------------------------------------------------
 class _Model:
     def __init__(self, marker: str) -> None:
         self.marker = marker

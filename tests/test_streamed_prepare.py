@@ -1,4 +1,4 @@
-"""Preparing an update bucket by bucket, while the rest of it is on the wire (issue 15).
+"""Preparing an update bucket by bucket, while the rest of it is on the wire.
 
 - ``completed_by_bucket`` lists every tensor exactly once, with the bucket holding its last
   byte (checked against a byte-by-byte reference on awkward layouts: buckets of 1 byte,
