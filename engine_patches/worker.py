@@ -39,6 +39,7 @@ from engine_patches.rpc import StartReport, WorkerCommitResult, WorkerRollbackRe
 from inflight.auth import read_secret
 from inflight.protocol import ENGINE_CHANNEL, Sampling
 from inflight.staging import StagedVersion, StagingNeed, StagingPool, check_fits, memory_budget, staging_need
+from inflight.transport.data_plane import nccl_error_handling_once
 from inflight.transport.errors import TransportError
 from inflight.transport.group import WeightGroup
 from inflight.transport.layout import TensorSchema
@@ -61,6 +62,8 @@ class InflightWorkerExtension:
         _refuse_sampling_defaults(vc.model_config)
         rank = config.rank + self.rank
         secret = read_secret()  # once: the environment at the engine's start decides
+        if config.group.resolved_backend() == "nccl":
+            nccl_error_handling_once()  # on the worker's own thread, before the listener's start
         config.group.check_exposure(secret, f"inflight worker rank {rank}")
         device = torch.device(self.model_runner.device)
         schema = checkpoint_schema(checkpoint_dir(vc.model_config.model, vc.model_config.revision), vc.model_config.dtype)

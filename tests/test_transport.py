@@ -254,3 +254,25 @@ def test_a_data_plane_with_work_posted_is_aborted_never_shut_down(port) -> None:
     worker.close()
     trainer.close()  # idle: nothing posted, nothing failed
     assert aborted == ["worker"]
+
+
+def test_nccl_error_handling_is_set_once_per_process(monkeypatch) -> None:
+    """The variable NCCL reads per group is written once, at start-up, never per generation:
+    ``setenv`` is not thread-safe beside another thread's ``getenv`` (a listener's, NCCL's)."""
+    import os
+
+    from inflight.transport import data_plane
+
+    writes: list[tuple[str, str]] = []
+
+    class Counting(dict):
+        def __setitem__(self, key: str, value: str) -> None:
+            writes.append((key, value))
+            super().__setitem__(key, value)
+
+    monkeypatch.setattr(os, "environ", Counting(os.environ))
+    monkeypatch.setattr(data_plane, "_nccl_env_set", False)
+    for _ in range(3):  # start-up, then two generations' data planes
+        data_plane.nccl_error_handling_once()
+    assert writes == [("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")]
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"

@@ -21,6 +21,25 @@ from inflight.transport.errors import GaveUp, TransportError, TransportTimeout
 from inflight.transport.poll import poll_until
 
 _NCCL_ENV_LOCK = threading.Lock()
+_nccl_env_set = False
+
+
+def nccl_error_handling_once() -> None:
+    """Set ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` ("clean up only") once per process.
+
+    NCCL's watchdog acts on a collective that outlives its timeout according to this
+    variable, read when a ProcessGroupNCCL is built. Its default (3) tears the whole process
+    down: a stalled trainer would kill a serving engine. 2 aborts the communicator and leaves
+    the process alone; our own wait (``DataPlane.wait``) notices the timeout first, aborts and
+    raises, and the next generation builds a new communicator. It is written once, at start-up
+    (``inflight_start``, the trainer's first group), never per generation: ``setenv`` is not
+    thread-safe in glibc beside another thread's ``getenv``. NCCL groups the process builds
+    later get the same handling; vLLM builds its own before ``inflight_start``."""
+    global _nccl_env_set
+    with _NCCL_ENV_LOCK:
+        if not _nccl_env_set:
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+            _nccl_env_set = True
 
 
 def _make_process_group(store: PrefixStore, rank: int, size: int, backend: Backend, timeout: timedelta,
@@ -42,23 +61,8 @@ def _make_process_group(store: PrefixStore, rank: int, size: int, backend: Backe
 
         opts = ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        # NCCL's watchdog acts on a collective that outlives the timeout according to
-        # TORCH_NCCL_ASYNC_ERROR_HANDLING, read when the group is built. Its default (3)
-        # tears the whole process down: a stalled trainer would kill a serving engine. 2
-        # ("clean up only") aborts the communicator and leaves the process alone; our own
-        # wait (``DataPlane.wait``) notices the timeout first, aborts the group and raises,
-        # and the worker forms a fresh communicator in the next generation. Scoped to this
-        # group's construction: vLLM's own NCCL groups keep their settings.
-        with _NCCL_ENV_LOCK:
-            saved = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
-            try:
-                impl = ProcessGroupNCCL(store, rank, size, opts)
-            finally:
-                if saved is None:
-                    os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
-                else:
-                    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = saved
+        nccl_error_handling_once()  # a no-op after start-up, which already set it
+        impl = ProcessGroupNCCL(store, rank, size, opts)
         kind = ProcessGroup.BackendType.NCCL
     pg._set_default_backend(kind)
     impl._set_sequence_number_for_group()

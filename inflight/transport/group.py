@@ -24,7 +24,7 @@ from torch.distributed import PrefixStore, Store, Work
 
 from inflight.auth import read_secret, seal, unseal
 from inflight.protocol import AuthError, Joined, ProtocolError, Roster, decode_control, decode_reply, encode
-from inflight.transport.data_plane import DataPlane
+from inflight.transport.data_plane import DataPlane, nccl_error_handling_once
 from inflight.transport.errors import GaveUp, TransportError, TransportTimeout
 from inflight.transport.liveness import Heartbeat, silent_ranks
 from inflight.transport.poll import poll_until
@@ -94,6 +94,8 @@ class WeightGroup:
         self.config = config
         self.rank = rank
         self.backend = config.resolved_backend()
+        if self.backend == "nccl":
+            nccl_error_handling_once()  # the trainer: here, at its first group; a worker: at inflight_start
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.device = device
