@@ -1,8 +1,11 @@
-"""What an update must contain: the schema of the engine's own checkpoint on disk.
+"""The engine's own checkpoint on disk: what an update must contain, and the weights the
+engine loaded, as the rollback copy of a first commit.
 
 Staged tensors carry Hugging Face checkpoint names (``...q_proj.weight``) and shapes, so
 the schema an update is checked against (``inflight.transport.layout.TensorSchema``) is
-read from the checkpoint the engine loaded, float tensors in the engine's dtype.
+read from the checkpoint the engine loaded, float tensors in the engine's dtype. The same
+files are read once more at start into the rollback buffer (``read_checkpoint_into``), so
+that no rollback reads the disk inside the engine's stall.
 """
 
 from __future__ import annotations

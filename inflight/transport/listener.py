@@ -13,7 +13,7 @@ Ordering invariants:
   live; a commit that fails restores the previous weights before replying ``Rejected``;
 - the bytes of the live version (``keep_rollback``) belong to the worker's ``StagingPool``,
   not to one listener, so a listener of the group's next generation can still roll back to
-  the live version rather than to the checkpoint on disk;
+  the live version (before the first commit: the weights the engine loaded, read at start);
 - on ``Shutdown`` the worker lets go of the trainer's store before it answers ``Left``
   (``leave``), so the trainer can close its store without a peer's read failing.
 """
