@@ -68,7 +68,7 @@ def test_store_listens_on_loopback_unless_an_address_is_configured(host: str, ho
                          join_timeout_s=60.0)
     assert up.wait(60) and not errors, errors  # the store was this very socket, and the group formed
     worker.close()
-    trainer.close()
+    trainers[0].close()
 
 
 def test_a_group_off_loopback_without_a_secret_is_refused_unless_insecure(hold_port, monkeypatch, caplog) -> None:
