@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Literal
