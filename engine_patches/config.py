@@ -55,7 +55,13 @@ class InflightConfig:
     failed first commit restores them from memory too. Nothing is ever read from disk inside
     the engine's stall: without it, a failed ``reload``/``copy`` commit stops the engine
     (fail-stop, with the reason; a supervisor restarts it) rather than serve a mix of two
-    versions. The ``swap`` commit keeps the swapped-out modules either way."""
+    versions. The ``swap`` commit needs no copy: it swaps the old modules back, which it
+    keeps only inside the commit's window."""
+    max_bucket_mb: float = 256.0
+    """The largest bucket this worker lands, in MiB: its bucket windows (scratch for a bad
+    bucket; landing windows for host staging on a GPU) are reserved at start at this size,
+    and an update in larger buckets is refused. The trainer's ``bucket_mb`` must not exceed
+    it (the training entry point passes its own)."""
     check_finite: bool = True
     """Refuse updates with NaN or Inf in any floating tensor, before they are staged."""
     record_routing: bool = False
@@ -75,7 +81,7 @@ class InflightConfig:
         check_choices(self, "InflightConfig")
         if not 0 <= self.listener_nice <= 19:
             raise ValueError(f"InflightConfig.listener_nice={self.listener_nice} must be in 0..19")
-        for name in ("commit_timeout_s", "stale_timeout_s"):
+        for name in ("commit_timeout_s", "stale_timeout_s", "max_bucket_mb"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"InflightConfig.{name}={getattr(self, name)} must be > 0")
 

@@ -18,11 +18,14 @@ Ordering invariants:
   ``EngineCore`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, no busy loop) with no request at all
   commits from the watcher thread instead, holding ``lock``, which no step can enter
   meanwhile (nothing else would step it: the user's thread may be the one waiting on push);
-- a commit is one ``collective_rpc("inflight_commit", v)``: every worker runs it on its own
+- a commit is ``collective_rpc("inflight_commit", v)``: every worker runs it on its own
   execution thread, between two ``execute_model`` calls. If any rank fails, every rank that
   applied v rolls back (``inflight_rollback``) in the same window and the label stays;
-  otherwise the label (``EngineCore._weight_version``, attached to every output) moves to v
-  in the same window: tokens of the next step are tagged v, none before;
+  otherwise every rank keeps v (``inflight_confirm``: its live version and rollback copy
+  move; an engine of one rank keeps v inside ``inflight_commit``) and the label
+  (``EngineCore._weight_version``, attached to every output) moves to v in the same window:
+  tokens of the next step are tagged v, none before. So each worker's live version is the
+  label whether or not its listener ever reads the outcome;
 - if a rollback itself fails the engine holds mixed weights: it is marked broken and its
   next step raises (fail-stop: vLLM reports the engine dead, a supervisor restarts it),
   never serving a mix under any label;
@@ -43,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine_patches.config import InflightConfig
-from engine_patches.rpc import EngineState, WorkerCommitResult, WorkerRollbackResult, as_result
+from engine_patches.rpc import EngineState, WorkerCommitResult, WorkerSettleResult, as_result
 from inflight.protocol import (
     ENGINE_CHANNEL,
     CommitReady,
@@ -203,9 +206,15 @@ class CommitCoordinator:
     def _commit(self, version: int, via: Via) -> EngineCommitted | EngineCommitFailed:
         executor = self.core.model_executor
         t0 = time.perf_counter()
-        results = [as_result(r, WorkerCommitResult) for r in executor.collective_rpc("inflight_commit", args=(version,))]
+        final = len(self.ranks) == 1  # one rank: its own success is the engine's, kept at once
+        results = [as_result(r, WorkerCommitResult) for r in executor.collective_rpc("inflight_commit", args=(version, final))]
         failed = {r.rank: r.error for r in results if not r.ok}
         if not failed:
+            if not final:
+                kept = [as_result(r, WorkerSettleResult) for r in executor.collective_rpc("inflight_confirm", args=(version,))]
+                unkept = {r.rank: r.error for r in kept if not r.ok}
+                if unkept:  # cannot happen unless a worker lost track: its live version is unknown
+                    raise EngineBroken(f"commit of v{version} applied but not kept on ranks {sorted(unkept)}: {unkept}")
             self.live_version = version
             self.core._weight_version = str(version)
             ms = 1e3 * (time.perf_counter() - t0)
@@ -214,7 +223,7 @@ class CommitCoordinator:
         applied = [r.rank for r in results if r.applied]
         reason = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
         if applied:
-            back = [as_result(r, WorkerRollbackResult) for r in executor.collective_rpc("inflight_rollback", args=(version,))]
+            back = [as_result(r, WorkerSettleResult) for r in executor.collective_rpc("inflight_rollback", args=(version,))]
             stuck = {r.rank: r.error for r in back if not r.ok}
             if stuck:
                 raise EngineBroken(f"commit of v{version} failed ({reason}) and rollback failed on ranks {sorted(stuck)}: {stuck}")

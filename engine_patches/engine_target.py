@@ -2,14 +2,22 @@
 half of the engine's two-phase commit.
 
 Two threads use it. The listener thread stages, prepares and, on the trainer's ``Commit``,
-posts ``CommitReady`` on the engine's channel and waits for the coordinator's outcome
-(``commit``). The worker's execution thread, between two engine steps, applies the ready
-version (``execute_commit``) or takes it back (``execute_rollback``), as the engine's
-commit coordinator asks through ``collective_rpc``.
+hands the staged version over, posts ``CommitReady`` on the engine's channel and relays the
+coordinator's outcome (``commit``). The worker's execution thread, between two engine
+steps, applies the ready version (``execute_commit``), then keeps it (``execute_confirm``)
+or takes it back (``execute_rollback``), as the engine's commit coordinator decides for
+every rank in the same window, through ``collective_rpc``.
 
-Ordering invariant: a ready version is handed to exactly one of the commit and its
-withdrawal (``_lock``): a listener that stops waiting withdraws it only if the execution
-thread has not taken it, so nothing the engine applied is ever dropped unseen.
+Ordering invariants:
+- a ready version is handed to exactly one of the commit and its withdrawal (``_lock``): a
+  listener that stops waiting withdraws it only if the execution thread has not taken it,
+  so nothing the engine applied is ever dropped unseen;
+- the live version and the rollback copy (``StagingPool.previous``) change only on the
+  execution thread, in the window where the coordinator moves the engine's label: every
+  rank's hello reports the label, whether or not its listener ever reads the outcome (the
+  trainer may die between its ``Commit`` and that read);
+- the staged bytes belong to the execution thread from the moment it takes them: it keeps
+  them as the next rollback copy or gives them back to the pool.
 """
 
 from __future__ import annotations
@@ -17,7 +25,6 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,9 +32,9 @@ import torch
 
 from engine_patches.commit.base import CommitStrategy
 from engine_patches.config import InflightConfig
-from engine_patches.rpc import WorkerCommitResult, WorkerRollbackResult
+from engine_patches.rpc import WorkerCommitResult, WorkerSettleResult
 from inflight.protocol import CommitReady, EngineCommitted, ProtocolError, decode_engine, encode
-from inflight.staging import ordered_commit, ready_event
+from inflight.staging import StagedVersion, StagingPool, ordered_commit, ready_event
 from inflight.transport.errors import TransportError, TransportTimeout
 from inflight.transport.listener import CommitFailed, CommitInfo
 from inflight.transport.poll import poll_until
@@ -37,9 +44,16 @@ from inflight.transport.store import wait_key
 @dataclass
 class _Ready:
     version: int
-    weights: Mapping[str, torch.Tensor]
-    previous: Mapping[str, torch.Tensor] | None
+    staged: StagedVersion
+    pool: StagingPool
     event: Any  # torch.cuda.Event on CUDA: staging of this version is complete
+
+
+@dataclass
+class _Applied:
+    ready: _Ready
+    previous: StagedVersion | None
+    """The rollback copy the commit found: what a rollback of ``ready`` restores."""
 
 
 class EngineTarget:
@@ -56,7 +70,7 @@ class EngineTarget:
         self.incarnation = ""  # of the trainer's store the channel lives in
         self._lock = threading.Lock()  # hands a ready version to exactly one of: commit, withdrawal
         self._ready: _Ready | None = None
-        self._applied: _Ready | None = None
+        self._applied: _Applied | None = None  # applied in the open window, neither kept nor taken back yet
         self._event: Any = None
         self.forwards = 0
         self.forward_thread: int | None = None
@@ -96,40 +110,55 @@ class EngineTarget:
         except TransportTimeout:
             pass
 
-    def commit(self, version: int, weights: dict[str, torch.Tensor], previous: Mapping[str, torch.Tensor] | None) -> CommitInfo:
-        """Announce readiness to the engine's coordinator and relay its outcome."""
-        ready = _Ready(version, weights, previous, self._event)
+    def commit(self, version: int, staged: StagedVersion, pool: StagingPool) -> CommitInfo:
+        """Hand ``staged`` to the execution thread, announce readiness to the engine's
+        coordinator and relay its outcome. Whatever happens, ``staged`` is this target's now:
+        withdrawn (never applied), its bytes go back to ``pool`` here; taken, the execution
+        thread keeps or returns them."""
+        ready = _Ready(version, staged, pool, self._event)
         with self._lock:
             self._ready = ready
         key, what = f"outcome/{version}", f"the engine's commit of v{version}"
-        self.channel.delete_key(key)  # a failed earlier attempt at this version left its outcome
-        self.channel.set(f"ready/{self.rank}", encode(CommitReady(rank=self.rank, version=version)))
         try:
-            raw = wait_key(self.channel, key, timeout_s=self.config.commit_timeout_s, stop=None, what=what, who=f"rank {self.rank}")
-        except TransportTimeout as e:
-            with self._lock:
-                withdrawn = self._ready is ready
-                if withdrawn:
-                    self._ready = None
-            if withdrawn:  # the engine never took it: nothing changed anywhere
-                self.channel.delete_key(f"ready/{self.rank}")
-                raise CommitFailed(f"v{version} withdrawn: {e}") from e
-            # the commit is running on the execution thread: its outcome is moments away
-            raw = wait_key(self.channel, key, timeout_s=self.config.commit_timeout_s, stop=None, what=what, who=f"rank {self.rank}")
-        self._applied = None
+            self.channel.delete_key(key)  # a failed earlier attempt at this version left its outcome
+            self.channel.set(f"ready/{self.rank}", encode(CommitReady(rank=self.rank, version=version)))
+            try:
+                raw = wait_key(self.channel, key, timeout_s=self.config.commit_timeout_s, stop=None, what=what,
+                               who=f"rank {self.rank}")
+            except TransportTimeout as e:
+                if self._withdraw(ready):  # the engine never took it: nothing changed anywhere
+                    self.channel.delete_key(f"ready/{self.rank}")
+                    raise CommitFailed(f"v{version} withdrawn: {e}") from e
+                # the commit is running on the execution thread: its outcome is moments away
+                raw = wait_key(self.channel, key, timeout_s=self.config.commit_timeout_s, stop=None, what=what,
+                               who=f"rank {self.rank}")
+        except TransportError:
+            self._withdraw(ready)  # the store is gone: if the engine took v, its own window settled it
+            raise
         try:
             outcome = decode_engine(raw)
         except ProtocolError as e:
+            self._withdraw(ready)
             raise TransportError(f"rank {self.rank}: unreadable commit outcome: {e}") from e
         if not isinstance(outcome, EngineCommitted) or outcome.version != version:
+            self._withdraw(ready)  # refused before the window (not newer than the live version)
             raise CommitFailed(getattr(outcome, "reason", f"unexpected outcome {outcome!r}"))
-        self._live = version
-        if not self.config.keep_rollback:
-            self.applier.release_rollback()
         return CommitInfo(step=outcome.step, commit_ms=outcome.commit_ms, tokens_at_commit=dict(outcome.tokens_at_commit))
 
+    def _withdraw(self, ready: _Ready) -> bool:
+        """Take ``ready`` back unless the execution thread took it; True if withdrawn."""
+        with self._lock:
+            withdrawn = self._ready is ready
+            if withdrawn:
+                self._ready = None
+        if withdrawn:
+            ready.pool.give(ready.staged.flat)
+        return withdrawn
+
     # -- execution thread (called by the coordinator between two engine steps) --------------
-    def execute_commit(self, version: int) -> WorkerCommitResult:
+    def execute_commit(self, version: int, final: bool = False) -> WorkerCommitResult:
+        """Apply the ready ``version``. ``final``: this is the engine's only rank, so its own
+        success is the engine's and the commit is kept at once (no ``execute_confirm``)."""
         me = threading.current_thread()
         result = functools.partial(
             WorkerCommitResult, rank=self.rank, version=version, thread=me.name, main_thread=me is threading.main_thread(),
@@ -142,36 +171,61 @@ class EngineTarget:
         if ready is None:
             return self._log(result(ok=False, error=f"v{version} is not staged and committed by the trainer on this "
                                                     "rank (withdrawn or lost)"))
+        applied = _Applied(ready, ready.pool.previous)
         t0 = time.perf_counter()
         try:
             ordered_commit(self.device, ready.event, self.applier.apply)
         except Exception as e:
             error = f"applying v{version} failed: {e!r}"
             try:
-                self._undo(ready, self.applier.restore)
+                self._undo(applied, self.applier.restore)
             except Exception as e2:  # state unknown: ask the coordinator to roll this rank back too
-                self._applied = ready
+                self._applied = applied
                 return self._log(result(ok=False, applied=True, error=f"{error}; restoring failed: {e2!r}"))
             return self._log(result(ok=False, error=error))
-        self._applied = ready
+        self._applied = applied
+        if final:
+            self.execute_confirm(version)
         return self._log(result(ok=True, applied=True, ms=1e3 * (time.perf_counter() - t0)))
 
-    def execute_rollback(self, version: int) -> WorkerRollbackResult:
+    def execute_confirm(self, version: int) -> WorkerSettleResult:
+        """Every rank applied ``version``: it is live. The staged bytes become the rollback copy
+        (``keep_rollback``; the ``swap`` commit rolls back by module instead) and the copy they
+        replace goes back to the pool."""
         applied, self._applied = self._applied, None
-        if applied is None or applied.version != version:
-            return WorkerRollbackResult(rank=self.rank, version=version, ok=True)  # nothing of v went live here
+        if applied is None or applied.ready.version != version:
+            return WorkerSettleResult(rank=self.rank, version=version, ok=False,
+                                      error=f"v{version} was not applied on this rank")
+        self._live = version
+        pool, staged = applied.ready.pool, applied.ready.staged
+        if self.config.keep_rollback and self.applier.strategy != "swap":
+            pool.keep_as_previous(staged)
+        else:
+            pool.give(staged.flat)
+        self.applier.release_rollback()  # nothing rolls back past a kept commit but the copy above
+        return WorkerSettleResult(rank=self.rank, version=version, ok=True)
+
+    def execute_rollback(self, version: int) -> WorkerSettleResult:
+        """Another rank failed ``version``: take it back here too (or it never went live here)."""
+        applied, self._applied = self._applied, None
+        if applied is None or applied.ready.version != version:
+            return WorkerSettleResult(rank=self.rank, version=version, ok=True)  # nothing of v went live here
         try:
             self._undo(applied, self.applier.undo)
         except Exception as e:
-            return WorkerRollbackResult(rank=self.rank, version=version, ok=False, error=repr(e))
-        return WorkerRollbackResult(rank=self.rank, version=version, ok=True)
+            return WorkerSettleResult(rank=self.rank, version=version, ok=False, error=repr(e))
+        return WorkerSettleResult(rank=self.rank, version=version, ok=True)
 
-    def _undo(self, ready: _Ready, how: Any) -> None:
-        if ready.previous is None and self.applier.strategy != "swap":
+    def _undo(self, applied: _Applied, how: Any) -> None:
+        """Put the live version back (``how``: after a failed or a refused apply); the refused
+        version's bytes go back to the pool."""
+        previous = applied.previous
+        if previous is None and self.applier.strategy != "swap":
             # reading the checkpoint from disk here would hold the step lock for minutes at scale
             raise RuntimeError(f"no rollback copy of v{self._live} (keep_rollback=False): the engine fails closed "
                                "rather than reload its checkpoint inside the stall")
-        ordered_commit(self.device, None, lambda: how(ready.previous))
+        ordered_commit(self.device, None, lambda: how(None if previous is None else previous.views))
+        applied.ready.pool.give(applied.ready.staged.flat)
 
     def _log(self, result: WorkerCommitResult) -> WorkerCommitResult:
         self.commits = (self.commits + [result])[-64:]

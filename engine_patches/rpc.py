@@ -34,6 +34,8 @@ class StartReport(_Result):
     staging: str
     """Where staging lives: device or host."""
     staging_bytes: NonNeg
+    node_workers: NonNeg = 1
+    """Workers of this engine on this worker's host: host staging was checked for all of them."""
     routing: tuple[NonNeg, NonNeg] | None = None
     """(MoE layers, top-k) recorded per token, or None."""
     ranks: tuple[NonNeg, ...] = ()
@@ -56,8 +58,9 @@ class WorkerCommitResult(_Result):
     """Whether it ran on the thread of the worker's forward passes (None: no forward yet)."""
 
 
-class WorkerRollbackResult(_Result):
-    """``inflight_rollback``: one worker took back ``version`` (or had nothing of it live)."""
+class WorkerSettleResult(_Result):
+    """``inflight_confirm`` / ``inflight_rollback``: one worker kept ``version`` as its live
+    one, or took it back (or had nothing of it live)."""
 
     rank: NonNeg
     version: NonNeg

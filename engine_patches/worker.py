@@ -9,15 +9,17 @@ called through ``collective_rpc``:
   keeps decoding (and rejoins whenever the group fails). It passes through the patched
   ``EngineCore.collective_rpc``, which checks the engine and attaches the commit
   coordinator first (``engine_patches.coordinator``);
-- ``inflight_commit(v)`` / ``inflight_rollback(v)``: called by the coordinator, between
-  two engine steps, on this worker's execution thread: apply the prepared version, or
-  take it back because another rank of the engine failed;
+- ``inflight_commit(v)``, then ``inflight_confirm(v)`` or ``inflight_rollback(v)``: called
+  by the coordinator, between two engine steps, on this worker's execution thread: apply
+  the prepared version, then keep it (every rank applied it) or take it back (another rank
+  of the engine failed);
 - ``inflight_status()``, ``inflight_stop()``.
 
-Ordering invariants: live weights are touched only by ``inflight_commit`` and
-``inflight_rollback``, on the execution thread, between steps, for a version this worker
-fully staged and prepared and for which the trainer sent ``Commit``. The listener thread
-only stages, prepares, announces readiness and relays the engine's outcome.
+Ordering invariants: live weights, the live version and the rollback copy are touched
+only by ``inflight_commit``, ``inflight_confirm`` and ``inflight_rollback``, on the
+execution thread, between steps, for a version this worker fully staged and prepared and
+for which the trainer sent ``Commit``. The listener thread only stages, prepares,
+announces readiness and relays the engine's outcome.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 import threading
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,10 +39,11 @@ from engine_patches.commit.base import CommitStrategy, make_strategy
 from engine_patches.commit.checkpoint import checkpoint_dir, checkpoint_schema, read_checkpoint_into
 from engine_patches.config import InflightConfig
 from engine_patches.engine_target import EngineTarget
-from engine_patches.rpc import StartReport, WorkerCommitResult, WorkerRollbackResult, WorkerStatus
+from engine_patches.rpc import StartReport, WorkerCommitResult, WorkerSettleResult, WorkerStatus
 from inflight.auth import read_secret
 from inflight.protocol import ENGINE_CHANNEL, Sampling
-from inflight.staging import StagedVersion, StagingNeed, StagingPool, check_fits, memory_budget, staging_need
+from inflight.memory import BucketWindows, MemoryBudget, StagingNeed, check_fits, memory_budget, staging_need
+from inflight.staging import StagedVersion, StagingPool
 from inflight.transport.data_plane import nccl_error_handling_once
 from inflight.transport.errors import TransportError
 from inflight.transport.group import WeightGroup
@@ -58,6 +63,10 @@ class InflightWorkerExtension:
         config = InflightConfig.from_json(config_json)
         if getattr(self, "_inflight_thread", None) is not None:
             raise RuntimeError("inflight: already started on this worker")
+        device = torch.device(self.model_runner.device)
+        # first, on every rank alike: each measures before any allocates, and learns how many
+        # of this engine's workers share its host RAM
+        budget, node_workers = memory_budget(device), _same_node_workers()
         vc = self.vllm_config
         _refuse_sampling_defaults(vc.model_config)
         rank = config.rank + self.rank
@@ -65,14 +74,13 @@ class InflightWorkerExtension:
         if config.group.resolved_backend() == "nccl":
             nccl_error_handling_once()  # on the worker's own thread, before the listener's start
         config.group.check_exposure(secret, f"inflight worker rank {rank}")
-        device = torch.device(self.model_runner.device)
         schema = checkpoint_schema(checkpoint_dir(vc.model_config.model, vc.model_config.revision), vc.model_config.dtype)
         applier = make_strategy(self.model_runner, config.commit, schema, quantized=vc.model_config.quantization is not None,
                                eager=vc.model_config.enforce_eager)
         from engine_patches.routing import RoutingRecorder
 
         self._inflight_routing = RoutingRecorder(self.model_runner) if config.record_routing else None
-        pool, need = self._inflight_reserve(config, schema, applier, device)
+        pool, need = self._inflight_reserve(config, schema, applier, device, budget, node_workers, secret is not None)
         target = EngineTarget(applier, config, rank, device)
         self._inflight_hook = self.model_runner.get_model().register_forward_pre_hook(target.on_forward)
         self._inflight_target = target
@@ -93,26 +101,28 @@ class InflightWorkerExtension:
         atexit.register(self._inflight_atexit)
         routing = self._inflight_routing
         return StartReport(rank=rank, instance_id=engine_id, commit=applier.strategy, schema_tensors=len(schema.tensors),
-                           staging=need.where, staging_bytes=need.nbytes,
+                           staging=need.where, staging_bytes=need.nbytes, node_workers=node_workers,
                            routing=None if routing is None else (routing.layers, routing.top_k))
 
-    def _inflight_reserve(self, config: InflightConfig, schema: TensorSchema, applier: CommitStrategy,
-                          device: torch.device) -> tuple[StagingPool, StagingNeed]:
-        """Check the staging buffers fit where they will live, then allocate them now."""
+    def _inflight_reserve(self, config: InflightConfig, schema: TensorSchema, applier: CommitStrategy, device: torch.device,
+                          budget: MemoryBudget, node_workers: int, mac: bool) -> tuple[StagingPool, StagingNeed]:
+        """Check that everything staging holds fits where it will live (``inflight.memory``),
+        then allocate it now, at its exact size."""
         data = self._inflight_data_device(config)
         pool_device = data if config.staging == "device" else torch.device("cpu")
         where = "device" if pool_device.type == device.type else "host"  # gloo next to a GPU engine stages on the host
-        need = staging_need(schema, staging=where, keep_rollback=config.keep_rollback)
-        if applier.prepared_bytes():  # prepared shadow weights (+ the swapped-out ones kept for rollback)
-            need = StagingNeed(need.update_bytes, need.copies, need.where, applier.prepared_bytes() * need.copies)
-        free, total = memory_budget(device, need)
-        check_fits(need, device=device, free_bytes=free, total_bytes=total,
+        rollback_copy = config.keep_rollback and applier.strategy != "swap"  # swap rolls back by module
+        plane = "device" if data.type == device.type else "host"
+        bucket_bytes = int(config.max_bucket_mb * (1 << 20))
+        need = staging_need(schema, staging=where, rollback_copy=rollback_copy, commit_bytes=applier.held_bytes(),
+                            commit=applier.strategy, bucket_bytes=bucket_bytes, plane=plane, plane_cuda=data.type == "cuda", mac=mac)
+        check_fits(need, device=device, budget=budget, node_workers=node_workers,
                    gpu_memory_utilization=getattr(self.vllm_config.cache_config, "gpu_memory_utilization", None))
         pool = StagingPool(pool_device, pin=where == "host")
         pool.reserve(need.update_bytes, need.copies)
-        if config.keep_rollback and applier.strategy != "swap":
+        pool.windows = BucketWindows.reserve(bucket_bytes, data, landing=data.type == "cuda" and where == "host", mac=mac)
+        if rollback_copy:
             # what a failed first commit restores, read now: never from disk inside the stall
-            # (the swap commit keeps the swapped-out modules instead)
             vc = self.vllm_config.model_config
             flat = pool.take(need.update_bytes)
             pool.previous = StagedVersion(None, flat, 0, read_checkpoint_into(checkpoint_dir(vc.model, vc.revision), schema,
@@ -150,8 +160,7 @@ class InflightWorkerExtension:
             target.channel = group.sub_store(f"{ENGINE_CHANNEL}/{self._inflight_engine_id}")
             target.incarnation = group.incarnation
             self._inflight_listener = UpdateListener(group, target, schema, stats=stats, stale_timeout_s=config.stale_timeout_s,
-                                                     check_finite=config.check_finite, pool=self._inflight_pool,
-                                                     keep_rollback=config.keep_rollback)
+                                                     check_finite=config.check_finite, pool=self._inflight_pool)
             try:
                 self._inflight_listener.run(stop)
             except TransportError as e:
@@ -174,10 +183,13 @@ class InflightWorkerExtension:
             return torch.device(self.model_runner.device)
         return torch.device("cpu")
 
-    def inflight_commit(self, version: int) -> WorkerCommitResult:
-        return self._inflight_target.execute_commit(version)
+    def inflight_commit(self, version: int, final: bool = False) -> WorkerCommitResult:
+        return self._inflight_target.execute_commit(version, final)
 
-    def inflight_rollback(self, version: int) -> WorkerRollbackResult:
+    def inflight_confirm(self, version: int) -> WorkerSettleResult:
+        return self._inflight_target.execute_confirm(version)
+
+    def inflight_rollback(self, version: int) -> WorkerSettleResult:
         return self._inflight_target.execute_rollback(version)
 
     def inflight_take_routing(self) -> tuple[list[str], Any]:
@@ -208,6 +220,23 @@ class InflightWorkerExtension:
             self._inflight_routing.close()
         self._inflight_target.applier.close()  # the swap commit's re-pack thread
         self._inflight_thread = None
+
+
+def _same_node_workers() -> int:
+    """How many workers of this engine run on this host (this one included): their staging
+    shares its RAM. A collective over vLLM's world group: every worker calls it at once."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_world_group
+
+    group = get_world_group().cpu_group
+    size = dist.get_world_size(group)
+    if size == 1:
+        return 1
+    boot = Path("/proc/sys/kernel/random/boot_id")  # one per running kernel: containers on a host share it
+    here = f"{socket.gethostname()}/{boot.read_text().strip() if boot.exists() else ''}"
+    names: list[Any] = [None] * size
+    dist.all_gather_object(names, here, group=group)
+    return names.count(here)
 
 
 def _refuse_sampling_defaults(model_config: Any) -> None:

@@ -96,6 +96,7 @@ def test_tp2_takes_updates_while_decoding_on_both_ranks_at_one_step(tp: TPEngine
     from vllm import SamplingParams
 
     assert tp.report.ranks == (1, 2)
+    assert tp.report.node_workers == 2  # both ranks' host staging was checked against this host's memory
     assert {s.rank for s in tp.statuses()} == {1, 2}
     _assert_matches(tp, tp.base, 0)
     coordinator = tp.coordinator

@@ -176,8 +176,11 @@ FLEET = {"engine": {"count": 2}, "rollout": {"in_flight_groups": 2, "queue_capac
 
 def _committed_on(rows: list[dict], rank: int) -> set[int]:
     # every push that landed, not only the one a row reports: the last row has two (a run
-    # whose thawed engine tagged its last batch with the second-to-last version failed here)
-    return {0} | {v for r in rows for v, ranks in r["pushes_landed"] if rank in ranks}
+    # whose thawed engine tagged its last batch with the second-to-last version failed here);
+    # and what the engine reported serving when it rejoined: an engine frozen after its
+    # commit of v, before its reply, committed v though the trainer's push of v failed
+    landed = {v for r in rows for v, ranks in r["pushes_landed"] + r["engines_rejoined"] if rank in ranks}
+    return {0} | landed
 
 
 def test_a_killed_engine_is_restarted_while_the_other_takes_every_update(tmp_path) -> None:

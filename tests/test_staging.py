@@ -1,73 +1,125 @@
-"""Staging memory is accounted before the first push: the exact bytes, the refusal that
-names them and a setting that fits, the reservation at start; and, on CUDA, the order of
-a commit's copies against the next forward pass."""
+"""Staging memory is accounted before the first push: every part and why it exists, the
+exact bytes, per node, the refusal that names them and a setting that fits, the
+reservation at start (resident, at its exact size); and, on CUDA, the order of a commit's
+copies against the next forward pass."""
 
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from engine_patches.commit.checkpoint import checkpoint_schema
-from inflight.staging import (
+from inflight.memory import (
+    MemoryBudget,
     StagingMemoryError,
     StagingNeed,
     check_fits,
-    ordered_commit,
-    ready_event,
+    pinned_exact,
     staging_need,
     update_bytes,
 )
-from inflight.transport.layout import plan_tensors
-from inflight.staging import StagingPool
+from inflight.staging import StagingPool, ordered_commit, ready_event
+from inflight.transport.layout import WSUM_TEMP_BYTES, plan_tensors
 
 GiB = 1 << 30
+MiB = 1 << 20
 
 
-def test_update_bytes_is_exactly_what_the_trainer_packs(tiny_qwen) -> None:
+def _need(update: int, *, copies: int = 2, prepared: int = 0, where: str = "device") -> StagingNeed:
+    from inflight.memory import Part
+
+    parts = [Part("staging", update, where)] + ([Part("rollback copy", update, where)] if copies == 2 else [])
+    if prepared:
+        parts.append(Part("swap commit", prepared, "device"))
+    return StagingNeed(update, copies, where, tuple(parts))  # type: ignore[arg-type]
+
+
+def test_update_bytes_is_exactly_what_the_trainer_packs_and_each_part_is_named(tiny_qwen) -> None:
     schema = checkpoint_schema(tiny_qwen, torch.float32)
     state = load_file(str(tiny_qwen / "model.safetensors"))
     _, packed = plan_tensors((n, tuple(t.shape), "float32") for n, t in state.items())
     assert update_bytes(schema) == packed
-    need = staging_need(schema, staging="device", keep_rollback=True)
-    assert need.nbytes == 2 * packed
-    assert staging_need(schema, staging="host", keep_rollback=False).nbytes == packed
+    reload = staging_need(schema, staging="device", rollback_copy=True)
+    assert reload.nbytes == 2 * packed and [p.what for p in reload.parts] == ["staging", "rollback copy"]
+    swap = staging_need(schema, staging="device", rollback_copy=False, commit_bytes=3 * packed)
+    assert swap.nbytes == 4 * packed and swap.copies == 1
+    # a GPU data plane staging to host memory: two landing windows on the GPU, a host copy
+    # of one bucket for its MAC, and wsum64's chunk temporaries
+    gpu = staging_need(schema, staging="host", rollback_copy=True, bucket_bytes=64 * MiB, plane="device",
+                       plane_cuda=True, mac=True)
+    cuda = torch.device("cuda", 0)
+    assert gpu.bytes_on("host", cuda) == 2 * packed + 64 * MiB
+    assert gpu.bytes_on("device", cuda) == 2 * 64 * MiB + WSUM_TEMP_BYTES
+    # gloo on a CPU engine: buckets land in the staging buffer itself, a bad one too
+    assert staging_need(schema, staging="device", rollback_copy=True, bucket_bytes=64 * MiB).nbytes == 2 * packed
 
 
 def test_a_gpu_that_cannot_stage_is_refused_with_the_bytes_and_a_utilization_that_fits() -> None:
-    need = StagingNeed(update_bytes=GiB, copies=2, where="device")
+    need = _need(GiB)
     cuda = torch.device("cuda", 0)
-    check_fits(need, device=cuda, free_bytes=3 * GiB, total_bytes=80 * GiB, gpu_memory_utilization=0.9)  # fits
+    roomy = MemoryBudget(3 * GiB, 80 * GiB, 64 * GiB, 512 * GiB)
+    check_fits(need, device=cuda, budget=roomy, gpu_memory_utilization=0.9)  # fits
     with pytest.raises(StagingMemoryError) as exc:
-        check_fits(need, device=cuda, free_bytes=int(1.5 * GiB), total_bytes=80 * GiB, gpu_memory_utilization=0.9)
+        check_fits(need, device=cuda, budget=MemoryBudget(int(1.5 * GiB), 80 * GiB, 64 * GiB, 512 * GiB),
+                   gpu_memory_utilization=0.9)
     msg = str(exc.value)
     # 2 GiB + 0.5 GiB margin - 1.5 GiB free = 1 GiB short of 80 GiB: 0.9 - 1/80 = 0.8875 -> 0.88
-    assert "2.00 GiB of device memory (2 x 1.00 GiB update, one kept for rollback)" in msg
+    assert "2.00 GiB (staging 1.00, rollback copy 1.00) of device memory" in msg
     assert "1.50 GiB of 80.00 GiB is free" in msg and "gpu_memory_utilization=0.90" in msg
     assert "gpu_memory_utilization<=0.88" in msg and "staging='host'" in msg
     with pytest.raises(StagingMemoryError, match="cannot stage on this GPU at any gpu_memory_utilization"):
-        check_fits(StagingNeed(update_bytes=60 * GiB, copies=2, where="device"), device=cuda, free_bytes=GiB,
-                   total_bytes=80 * GiB, gpu_memory_utilization=0.9)
+        check_fits(_need(60 * GiB), device=cuda, budget=MemoryBudget(GiB, 80 * GiB, 64 * GiB, 512 * GiB),
+                   gpu_memory_utilization=0.9)
 
 
 def test_a_cpu_engine_that_cannot_stage_names_the_kv_cache_space_to_give_up() -> None:
-    need = StagingNeed(update_bytes=GiB, copies=2, where="device", extra_bytes=GiB // 2)
+    need = _need(GiB, prepared=GiB // 2)
+    cpu = torch.device("cpu")
     with pytest.raises(StagingMemoryError) as exc:
-        check_fits(need, device=torch.device("cpu"), free_bytes=GiB, total_bytes=16 * GiB, gpu_memory_utilization=None)
-    assert "2.50 GiB of device memory" in str(exc.value) and "+ 0.50 GiB prepared weights" in str(exc.value)
+        check_fits(need, device=cpu, budget=MemoryBudget(GiB, 16 * GiB, GiB, 16 * GiB))
+    assert "2.50 GiB (staging 1.00, rollback copy 1.00, swap commit 0.50) of host memory" in str(exc.value)
     assert "Lower VLLM_CPU_KVCACHE_SPACE by 2 GiB" in str(exc.value)
 
 
-def test_the_pool_hands_out_what_it_reserved() -> None:
+def test_host_memory_is_checked_for_every_worker_of_the_engine_on_the_node() -> None:
+    """Tensor parallel workers on one host share its RAM: what fits one of them may not fit two."""
+    need = _need(GiB)  # 2 GiB per worker
+    cpu = torch.device("cpu")
+    budget = MemoryBudget(3 * GiB, 16 * GiB, 3 * GiB, 16 * GiB)
+    check_fits(need, device=cpu, budget=budget, node_workers=1)
+    with pytest.raises(StagingMemoryError) as exc:
+        check_fits(need, device=cpu, budget=budget, node_workers=2)
+    assert "2 workers of this engine on this node x 2.00 GiB" in str(exc.value)
+    assert "Lower VLLM_CPU_KVCACHE_SPACE by 1 GiB" in str(exc.value)  # per worker: 4 - 3 GiB over 2
+    # a GPU engine's host staging (pinned) counts per node too; its device memory per GPU
+    gpu_need = _need(GiB, where="host")
+    roomy_gpu = MemoryBudget(80 * GiB, 80 * GiB, 3 * GiB, 16 * GiB)
+    check_fits(gpu_need, device=torch.device("cuda", 0), budget=roomy_gpu, node_workers=1, gpu_memory_utilization=0.9)
+    with pytest.raises(StagingMemoryError, match="Free host memory"):
+        check_fits(gpu_need, device=torch.device("cuda", 0), budget=roomy_gpu, node_workers=2, gpu_memory_utilization=0.9)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_the_pool_hands_out_what_it_reserved_and_the_reservation_is_resident() -> None:
     pool = StagingPool(torch.device("cpu"))
-    pool.reserve(1000, 2)
+    before = _rss()
+    pool.reserve(64 * MiB, 2)
+    # written at once: an untouched allocation is not resident, so the next engine starting on
+    # the node would count it as free
+    assert _rss() - before >= 2 * 64 * MiB - 4 * MiB
     ptrs = {t.data_ptr() for t in pool._free}
-    a, b = pool.take(900), pool.take(1000)
+    a, b = pool.take(60 * MiB), pool.take(64 * MiB)
     assert {a.data_ptr(), b.data_ptr()} == ptrs
     pool.give(a)
-    assert pool.take(1000).data_ptr() == a.data_ptr()
+    assert pool.take(64 * MiB).data_ptr() == a.data_ptr()
 
 
 def test_engine_reserves_at_start_and_refuses_a_budget_it_would_not_fit(tiny_qwen, monkeypatch, port) -> None:
@@ -83,19 +135,24 @@ def test_engine_reserves_at_start_and_refuses_a_budget_it_would_not_fit(tiny_qwe
     schema = checkpoint_schema(tiny_qwen, torch.float32)
     params = sum(t.numel() * 4 for t in load_file(str(tiny_qwen / "model.safetensors")).values())  # tied: embedding once
     try:
-        monkeypatch.setattr(worker, "memory_budget", lambda device, need: (need.nbytes - 1, 16 * GiB))  # forced: 1 B short
-        with pytest.raises(Exception, match="inflight: staging needs .* GiB of device memory") as exc:
+        tight = MemoryBudget(GiB // 1024, 16 * GiB, GiB // 1024, 16 * GiB)  # forced: 1 MiB free
+        monkeypatch.setattr(worker, "memory_budget", lambda device: tight)
+        with pytest.raises(Exception, match="inflight: staging needs .* GiB .* of host memory") as exc:
             start_inflight(llm, config)
         assert "Lower VLLM_CPU_KVCACHE_SPACE" in str(exc.value)
         sp = SamplingParams(temperature=0.0, max_tokens=4)
         assert len(llm.generate(["1+1="], sp, use_tqdm=False)[0].outputs[0].token_ids) == 4  # still serving
         monkeypatch.undo()
+        before = _rss()
         report = start_inflight(llm, config)  # nothing was left half-started
-        # two update buffers (staging + rollback) and the swap commit's prepared and swapped-out
-        # weights, in the engine's shapes: vLLM pads the (tied) vocabulary to a multiple of 64
+        # the swap commit: one staging buffer (no rollback copy: it swaps the old modules back)
+        # and one prepared version (shadow parameters and their re-packed copies), in the
+        # engine's shapes: vLLM pads the (tied) vocabulary to a multiple of 64
         vocab, hidden = schema.tensors["model.embed_tokens.weight"][0]
         engine_params = params + (-(-vocab // 64) * 64 - vocab) * hidden * 4
-        assert report.staging_bytes == 2 * update_bytes(schema) + 2 * engine_params
+        assert report.commit == "swap"
+        assert report.staging_bytes == update_bytes(schema) + 2 * engine_params
+        assert _rss() - before >= update_bytes(schema) - MiB  # the staging buffer is resident from the start
     finally:
         llm.collective_rpc("inflight_stop")
         del llm
@@ -104,6 +161,26 @@ def test_engine_reserves_at_start_and_refuses_a_budget_it_would_not_fit(tiny_qwe
         # the process's parallel groups (a later test then failed "pipeline model parallel
         # group is not initialized").
         gc.collect()
+
+
+@pytest.mark.gpu
+def test_pinned_staging_is_allocated_at_its_exact_size() -> None:
+    """The caching host allocator would round 1.5 GiB + 1 B up to 2 GiB; the pool registers a
+    plain allocation instead, so the bytes pinned are the bytes counted."""
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)
+    nbytes = 3 * GiB // 2 + 1
+    pool = StagingPool(torch.device("cpu"), pin=True)
+    pool.reserve(nbytes, 1)
+    buf = pool.take(nbytes)
+    assert buf.is_pinned() and buf.numel() == nbytes
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) == before  # not the caching allocator
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf[-1] = 7
+    on_gpu = buf.to(dev, non_blocking=True)  # an asynchronous copy out of pinned memory
+    torch.cuda.synchronize()
+    assert int(on_gpu[-1]) == 7
+    small = pinned_exact(5)
+    assert small.is_pinned() and small.numel() == 5
 
 
 @pytest.mark.gpu

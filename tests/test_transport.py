@@ -194,6 +194,58 @@ def test_refusals_keep_last_good_version(pair) -> None:
     assert p.error is None
 
 
+def test_buckets_larger_than_the_reserved_windows_are_refused_before_any_byte(pair) -> None:
+    """A worker that reserved bucket windows for buckets of up to N bytes (a GPU data plane,
+    ``InflightConfig.max_bucket_mb``) refuses an update in larger ones, naming both sizes,
+    rather than allocate mid-update; the trainer's next update in buckets that fit lands."""
+    from inflight.memory import BucketWindows
+
+    p, sd = pair
+    p.pusher.push(1, sd)
+    small = PushConfig(bucket_mb=0.01).bucket_bytes // 2
+    p.listener.receiver.windows = BucketWindows(bucket_bytes=small, landing=[], mac_host=None)
+    _expect_refusal(p, "no_memory", 2, {k: v + 1 for k, v in sd.items()})
+    reason = p.listener.stats.last_error
+    assert f"larger than the {small} B this worker reserved" in reason and "max_bucket_mb" in reason
+    p.listener.receiver.windows = BucketWindows(bucket_bytes=PushConfig(bucket_mb=0.01).bucket_bytes, landing=[],
+                                                mac_host=None)
+    p.pusher.push(2, {k: v + 1 for k, v in sd.items()})
+    assert p.target.live_version == 2 and p.error is None
+
+
+def test_a_bucket_declaring_more_than_the_whole_update_breaks_the_group(port) -> None:
+    """A bad bucket lands over its refused update's own bytes (no scratch buffer): one that
+    declares more than the whole update cannot, and the sender is not speaking this protocol."""
+    from inflight.transport.errors import TransportError
+
+    config = GroupConfig(port=port, world_size=2, timeout_s=10)
+    trainer: list[WeightGroup] = []
+    t = threading.Thread(target=lambda: trainer.append(WeightGroup(config, 0)))
+    t.start()
+    worker = WeightGroup(config, 1)
+    t.join()
+    sender = BucketSender(trainer[0], bucket_bytes=4096, checksum_algo="crc32")
+    announce = sender.pack(1, {"w": torch.ones(64)})  # 256 B, one bucket
+    flat = torch.zeros(announce.total_bytes, dtype=torch.uint8)
+
+    def long(h: BucketHeader, data: torch.Tensor):
+        return msgspec.structs.replace(h, nbytes=1024), torch.zeros(1024, dtype=torch.uint8)
+    sending = threading.Thread(target=lambda: _quietly(sender.send, announce, tamper=long), daemon=True)
+    sending.start()
+    with pytest.raises(TransportError, match="declares 1024 B, more than the whole update"):
+        BucketReceiver(worker).receive(announce, flat, timeout_s=5.0)
+    worker.close()
+    trainer[0].close()
+    sending.join(30)
+
+
+def _quietly(fn, *args, **kw) -> None:
+    try:
+        fn(*args, **kw)
+    except Exception:  # the receiver left: the sender's broadcast fails, as it should
+        pass
+
+
 def test_receiver_timeout_names_peer_and_bucket(port) -> None:
     config = GroupConfig(port=port, world_size=2, timeout_s=10)
     trainer: list[WeightGroup] = []

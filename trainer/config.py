@@ -343,7 +343,7 @@ def push_config(cfg: TrainConfig) -> PushConfig:
 
 def inflight_config(cfg: TrainConfig, group: GroupConfig, *, rank: int, initial_version: int) -> InflightConfig:
     """What engine ``rank``'s workers need to join ``group`` and commit this run's pushes."""
-    return InflightConfig(group=group, rank=rank, initial_version=initial_version,
+    return InflightConfig(group=group, rank=rank, initial_version=initial_version, max_bucket_mb=cfg.transport.bucket_mb,
                           stale_timeout_s=cfg.transport.stale_timeout_s, record_routing=cfg.loss.routing_replay)
 
 

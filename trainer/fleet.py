@@ -209,7 +209,7 @@ class Fleet:
         if all(v < version for v in live.values()):
             event["pushed"] = [version, sorted(pusher.push(version, weights()).commits)]
         event.update(version=version, members=sorted(live), back_after_s=round(time.time() - event["t"], 2),
-                     restarted=[e.index for e in dead])
+                     restarted=[e.index for e in dead], serving=dict(sorted(live.items())))
         tqdm.write(f"inflight: fleet at v{version} with engines on ranks {sorted(live)} "
                    f"(generation {pusher.group.generation})")
         return version

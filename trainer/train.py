@@ -117,7 +117,8 @@ def _policy_on_disk(cfg: TrainConfig, out: Path, ckpt_dir: Path) -> tuple[Traine
 def _row(step: int, version: int, result: StepResult, groups: list, t0: float, t_wait: float, sync: WeightSync,
          buffer: RolloutBuffer, queue: RolloutQueue, fleet: Fleet) -> dict:
     """The metrics row of one step. ``pushes_landed`` lists every push that completed in the
-    step (the last row: two; a recovery's push of the current version too), as [version, ranks]."""
+    step (the last row: two; a recovery's push of the current version too), as [version, ranks];
+    ``engines_rejoined`` what members reported serving when a generation formed."""
     batch, tp = result.batch, sync.cfg.engine.tensor_parallel_size
     row = {"step": step + 1, "version": version, "loss": result.loss, "grad_norm": result.grad_norm,
            "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std()),
@@ -127,7 +128,7 @@ def _row(step: int, version: int, result: StepResult, groups: list, t0: float, t
            "engine_failures": fleet.failures, "engine_restarts": fleet.restarts, "engine_drops": fleet.drops,
            "engines_live": len(sync.pusher.group.roster) // tp, "group_ids": [g.group_id for g in groups],
            "dropped_ids": buffer.dropped_ids, "versions_by_engine": _versions_by_engine(groups),
-           "pushes_landed": sync.take_landed()}
+           "pushes_landed": sync.take_landed(), "engines_rejoined": sync.take_rejoined()}
     buffer.dropped_ids = []
     return row
 

@@ -62,6 +62,9 @@ class WeightSync:
         except the last row, which reports its own)."""
         self.landed: list[list[Any]] = []
         """[version, committed ranks] of every push that landed since the last ``take_landed``."""
+        self.rejoined: list[list[Any]] = []
+        """[version, ranks]: what members serving that version reported when a generation formed
+        (their execution thread's live version: a push that failed may have committed there)."""
         self.wait_s = 0.0
         """How long the trainer blocked on the previous push in the last ``push``."""
 
@@ -70,8 +73,17 @@ class WeightSync:
         self.in_flight = None
         events = len(self.fleet.events)
         version = self.fleet.recover(self.pusher, reason, version, self.weights, self.queue, silent=silent)
-        self.landed += [e["pushed"] for e in self.fleet.events[events:] if "pushed" in e]
+        new = self.fleet.events[events:]
+        self.landed += [e["pushed"] for e in new if "pushed" in e]
+        for e in new:
+            self._rejoined(e.get("serving", {}))
         return version
+
+    def _rejoined(self, serving: dict[int, int]) -> None:
+        by_version: dict[int, list[int]] = {}
+        for rank, v in serving.items():
+            by_version.setdefault(v, []).append(rank)
+        self.rejoined += [[v, sorted(ranks)] for v, ranks in by_version.items()]
 
     def catch_up(self, version: int) -> int:
         """A resumed trainer behind a live engine moves its version above the engines'."""
@@ -120,9 +132,9 @@ class WeightSync:
                 self.wait_s, self.in_flight = time.perf_counter() - t0, None
             evaluation = score()
             if last and len(self.pusher.group.roster) < self.cfg.engine.world_size - 1:
-                self.fleet.admit(self.pusher, wait=True)  # the run ends with every engine that can come
+                self._rejoined(self.fleet.admit(self.pusher, wait=True))  # the run ends with every engine that can come
             elif self.pusher.knocking():  # engines back from a restart or a freeze: in before this push
-                self.fleet.admit(self.pusher)
+                self._rejoined(self.fleet.admit(self.pusher))
             self.in_flight = self.pusher.push_async(version, self.weights())
             if last:
                 self._landed(self.in_flight.result())
@@ -139,3 +151,8 @@ class WeightSync:
         """Every push that landed since the last call, sorted, as [version, committed ranks]."""
         landed, self.landed = sorted(self.landed), []
         return landed
+
+    def take_rejoined(self) -> list[list[Any]]:
+        """What (re)joining members reported serving since the last call, as [version, ranks]."""
+        rejoined, self.rejoined = sorted(self.rejoined), []
+        return rejoined

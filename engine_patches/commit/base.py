@@ -57,8 +57,9 @@ class CommitStrategy(Protocol):
     def release_rollback(self) -> None:
         """The engine committed and keeps no rollback copy: drop what ``undo`` would need."""
 
-    def prepared_bytes(self) -> int:
-        """Memory a prepared version takes beside the live one (0 if it is only the staged bytes)."""
+    def held_bytes(self) -> int:
+        """Memory the strategy holds or allocates beside the live weights and the staged bytes,
+        at its peak (``inflight.memory`` counts it with the rest of staging)."""
 
     def close(self) -> None:
         """Stop any thread of the strategy's own."""

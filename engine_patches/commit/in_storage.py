@@ -58,9 +58,15 @@ class InStorageApplier:
     def prepare(self, weights: Mapping[str, torch.Tensor]) -> None:
         self._weights = weights
 
-    def prepared_bytes(self) -> int:
-        """Nothing beside the staged bytes."""
-        return 0
+    def held_bytes(self) -> int:
+        """``reload``: vLLM's layerwise reload materializes each layer's parameters anew and
+        re-runs its processing; measured on a CPU engine (``bench.staging_memory``), the
+        commit's peak grows the engine's memory by the model's parameter bytes. ``copy``
+        writes straight into the live storage: nothing."""
+        if self.strategy == "copy":
+            return 0
+        unique = {p.untyped_storage().data_ptr(): p.numel() * p.element_size() for p in self.runner.get_model().parameters()}
+        return sum(unique.values())
 
     def close(self) -> None:
         """No thread of its own."""

@@ -10,8 +10,10 @@ Which buffers can be reused, learned from the first update:
   handle, a packed MoE weight) and the prepared module no longer holds them. One scratch
   set serves every update: nothing live reads it.
 - *kept* parameters (embeddings, norms, biases): the prepared module holds them, so they
-  become live. They rotate through at most three sets: the live version's, the previous
-  one's (kept for rollback) and the one being prepared, which is never either of those.
+  become live. They rotate through two sets: the live version's and the one being
+  prepared. Inside a commit's window the second holds the swapped-out version (for a
+  rollback); the engine keeping the commit releases it (``released``) before the next
+  update is prepared into it, so a third set is made only if one is ever still held then.
 
 A re-pack that replaces a parameter's storage in place (``param.data = ...``), or that
 keeps a tensor sharing a consumed buffer among the module's attributes, would make reuse
@@ -27,7 +29,7 @@ import torch
 
 from engine_patches.commit.load_plan import LoadPlan
 
-_SETS = 3  # live, previous (rollback), being prepared
+_SETS = 3  # live, previous (inside a commit's window only), being prepared
 
 
 def _ptr(t: torch.Tensor) -> int:

@@ -8,12 +8,10 @@ per-parameter ``weight_loader`` that writes into whatever parameter it is handed
 CPU GEMM dispatch keeps its result in plain module attributes (``cpu_linear``, an empty
 ``weight``). So, in the listener thread:
 
-1. ``RoutingPlan.record`` (once, at start): run the model's own ``load_weights`` with
-   recording loaders to learn, for each checkpoint name, which parameter's loader takes it
-   and with which arguments, positional or keyword (FusedMoE: ``loaded_weight=``,
-   ``expert_id=``, ...). A model whose ``load_weights`` transforms tensors on the way
-   (anything but plain routing, or a view reading the same elements) is refused, and the
-   caller falls back to ``reload``.
+1. ``RoutingPlan.record`` (``engine_patches.commit.routing_plan``, once, at start): run the
+   model's own ``load_weights`` with recording loaders to learn which parameter's loader
+   takes each checkpoint name; a model whose ``load_weights`` transforms tensors on the way
+   is refused, and the caller falls back to ``reload``.
 2. ``SwapApplier.feed`` (bucket by bucket, during the receive) and ``prepare`` (after the
    last bucket): fill shadow parameters (shaped from the pre-processing metadata vLLM
    recorded at model construction) with the staged tensors, and run each layer's
@@ -24,7 +22,10 @@ CPU GEMM dispatch keeps its result in plain module attributes (``cpu_linear``, a
    (``engine_patches.commit.shadow_sets``); ``load_plan=False`` runs the loaders into fresh shadows.
    Live modules are not touched; a failure here refuses the update.
 3. ``SwapApplier.apply`` (under the commit coordinator's lock): assign the prepared parameters and
-   attributes to the live modules, keeping the previous ones for an instant rollback.
+   attributes to the live modules, keeping the previous ones for an instant rollback in the
+   commit's own window (another rank of the engine failed); once the engine keeps the
+   commit (``release_rollback``) they are let go, so one spare set of modules exists at a
+   time: the swapped-out one inside the window, the one being prepared outside it.
 
 Only for eager CPU engines: compiled graphs and CUDA graphs capture parameter storage, so
 there the copy-into-storage commits are the right ones.
@@ -43,99 +44,12 @@ import torch
 from engine_patches.commit.postload import process_after_loading
 from engine_patches.commit.load_plan import LoadPlan
 from engine_patches.commit.readiness import Countdown, Dependencies
+from engine_patches.commit.routing_plan import RoutingError, RoutingPlan, Route
 from engine_patches.commit.shadow_sets import ShadowSets
 
+__all__ = ["RoutingError", "SwapApplier"]
+
 _STRUCTURAL = frozenset({"_parameters", "_buffers", "_modules"})
-
-
-class RoutingError(RuntimeError):
-    """The model's load_weights does more than route tensors to loaders."""
-
-
-# Placeholders in a recorded loader call: the parameter it writes into, the tensor it loads.
-_PARAM = object()
-_TENSOR = object()
-
-
-@dataclass(frozen=True)
-class _Route:
-    param_id: int  # id() of the live parameter the loader writes into
-    args: tuple  # the loader's positional arguments, with _PARAM / _TENSOR where those went
-    kwargs: dict  # its keyword arguments, likewise (FusedMoE: param=, loaded_weight=, expert_id=, ...)
-
-    def call(self, loader: Any, target: torch.Tensor, tensor: torch.Tensor) -> Any:
-        def fill(v: Any) -> Any:
-            return target if v is _PARAM else tensor if v is _TENSOR else v
-        return loader(*(fill(a) for a in self.args), **{k: fill(v) for k, v in self.kwargs.items()})
-
-
-def _same_elements(loaded: Any, probe: torch.Tensor) -> bool:
-    """``loaded`` reads exactly ``probe``'s elements in ``probe``'s layout: ``probe`` itself or
-    a trivial view of it (FusedMoE's loader hands each expert on as ``t.unsqueeze(0).unbind()[0]``)."""
-    if loaded is probe:
-        return True
-    return (isinstance(loaded, torch.Tensor) and loaded._base is probe and loaded.shape == probe.shape
-            and loaded.stride() == probe.stride() and loaded.storage_offset() == probe.storage_offset())
-
-
-@dataclass
-class RoutingPlan:
-    routes: dict[str, list[_Route]]  # checkpoint name -> loader calls
-
-    @classmethod
-    def record(cls, model: torch.nn.Module, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> RoutingPlan:
-        params = {id(p): p for p in model.parameters()}  # each shared parameter once
-        saved = {pid: p.__dict__.get("weight_loader") for pid, p in params.items()}
-        calls: list[tuple[int, tuple, dict]] = []
-
-        def recorder(pid: int):
-            # Loaders are called positionally (``loader(param, w, shard_id)``) or by keyword
-            # (FusedMoE: ``loader(param=, loaded_weight=, weight_name=, shard_id=, expert_id=,
-            # return_success=True)``): record the call as made.
-            def record(*args: Any, **kwargs: Any) -> bool | None:
-                calls.append((pid, args, kwargs))
-                return True if kwargs.get("return_success") else None  # "loaded": the caller goes on as at load
-            return record
-
-        routes: dict[str, list[_Route]] = {}
-        try:
-            for pid, p in params.items():
-                try:
-                    p.weight_loader = recorder(pid)
-                except AttributeError as e:  # a parameter class with a read-only loader property
-                    raise RoutingError(f"cannot intercept the loader of a {type(p).__name__}: {e}") from None
-            for name, (shape, dtype) in shapes.items():
-                probe = torch.empty(shape, dtype=dtype, device="meta")
-                calls.clear()
-                model.load_weights(iter([(name, probe)]))
-                routes[name] = [cls._route(model, name, params[pid], pid, probe, args, kwargs) for pid, args, kwargs in calls]
-            covered = {r.param_id for rs in routes.values() for r in rs}
-            bare = [n for n, p in model.named_parameters() if id(p) not in covered]
-            if bare:  # a shadow of these would stay uninitialised
-                raise RoutingError(f"no checkpoint tensor loads {bare[:3]}")
-        finally:
-            for pid, p in params.items():
-                if saved[pid] is None:
-                    p.__dict__.pop("weight_loader", None)
-                else:
-                    p.weight_loader = saved[pid]
-        return cls(routes)
-
-    @staticmethod
-    def _route(model: torch.nn.Module, name: str, param: torch.Tensor, pid: int, probe: torch.Tensor,
-               args: tuple, kwargs: dict) -> _Route:
-        def mark(v: Any) -> Any:
-            if v is param:
-                return _PARAM
-            return _TENSOR if _same_elements(v, probe) else v
-        args, kwargs = tuple(mark(a) for a in args), {k: mark(v) for k, v in kwargs.items()}
-        marks = [v for v in (*args, *kwargs.values()) if v is _PARAM or v is _TENSOR]
-        if marks.count(_PARAM) != 1 or marks.count(_TENSOR) != 1:
-            # a slice, a transpose, a concatenation: the loader gets something else than the tensor
-            raise RoutingError(f"{type(model).__name__}.load_weights transforms {name!r} before loading")
-        if any(isinstance(v, torch.Tensor) for v in (*args, *kwargs.values())):
-            raise RoutingError(f"{type(model).__name__}.load_weights passes other tensors along with {name!r}")
-        return _Route(pid, args, kwargs)
 
 
 @dataclass
@@ -184,7 +98,7 @@ class SwapApplier:
                 self._templates.setdefault(id(live), (meta_params.get(name, live), m))
         self._prepared: list[_ModuleState] | None = None
         self._previous: list[_ModuleState] | None = None
-        self._released: list[_ModuleState] | None = None  # swapped out by the last commit, not yet freed
+        self._released: list[_ModuleState] | None = None  # swapped out by a kept commit, not yet freed
         self.load_plan = self._record_load_plan(shapes) if load_plan else None
         self._writes_of = self.load_plan.writes_by_name() if self.load_plan is not None else {}
         self._targets = ShadowSets()
@@ -194,7 +108,7 @@ class SwapApplier:
         self._update: _Update | None = None
         self._pool: ThreadPoolExecutor | None = None  # the re-pack thread, started on the first update
 
-    def _loader_call(self, route: _Route):
+    def _loader_call(self, route: Route):
         def call(target: torch.Tensor, tensor: torch.Tensor) -> None:
             loader = getattr(target, "weight_loader", None)  # vLLM's v2 parameters expose it as a property
             if loader is None:
@@ -207,9 +121,12 @@ class SwapApplier:
         routes = {name: [(r.param_id, self._loader_call(r)) for r in rs] for name, rs in self.plan.routes.items()}
         return LoadPlan.record(shapes, routes, scratch)
 
-    def prepared_bytes(self) -> int:
-        """Bytes of one set of shadow parameters (before the CPU re-pack, which holds about as much again)."""
-        return sum(t.numel() * t.element_size() for t, _ in self._templates.values())
+    def held_bytes(self) -> int:
+        """What one prepared version holds beside the live modules, at most: its shadow
+        parameters, and the re-packed copies the CPU GEMM keeps of the ones it consumes (a
+        bound: the kept parameters, embeddings and norms, have no re-packed copy). One such
+        version exists at a time (the swapped-out one, inside a commit's window, in its place)."""
+        return 2 * sum(t.numel() * t.element_size() for t, _ in self._templates.values())
 
     @staticmethod
     def _shadow(template: torch.Tensor, owner: torch.nn.Module) -> torch.nn.Parameter:
@@ -265,7 +182,7 @@ class SwapApplier:
         return self._update if self._update is not None else self._begin()
 
     def _begin(self) -> _Update:
-        self._released = None  # the version before the previous one: freed here, off the engine thread
+        self._released = None  # what the last kept commit swapped out: freed here, off the engine thread
         if self.load_plan is None:
             shadows, destinations = self._shadows(), []
         else:
@@ -344,10 +261,7 @@ class SwapApplier:
         if self._prepared is None:
             raise RuntimeError("swap commit without a prepared version")
         previous = self._swap(self._prepared)
-        # The version before the previous one is freed later, on the listener thread (``prepare``,
-        # ``discard``): freeing a model's packed weights is munmap work, tens of ms measured on a
-        # 0.5 GB model, which the commit would otherwise spend inside the engine's stall.
-        self._released = self._previous
+        self._release(self._previous)  # none: the last commit was kept (``release_rollback``) or taken back
         self._prepared, self._previous = None, previous
         self._targets.applied()
 
@@ -370,9 +284,18 @@ class SwapApplier:
         self._targets.released()
 
     def release_rollback(self) -> None:
-        """The engine committed: drop the previous weights (``keep_rollback=False``)."""
+        """The engine kept the commit: the swapped-out modules are never swapped back (a
+        rollback happens only in the commit's own window), so let them go."""
+        self._release(self._previous)
         self._previous = None
         self._targets.released()
+
+    def _release(self, states: list[_ModuleState] | None) -> None:
+        """Free ``states`` later, on the listener thread (``_begin``, ``discard``): freeing a
+        model's packed weights is munmap work, tens of ms measured on a 0.5 GB model, which
+        the engine's stall would otherwise pay."""
+        if states is not None:
+            self._released = (self._released or []) + states
 
     @classmethod
     def _swap(cls, states: list[_ModuleState]) -> list[_ModuleState]:

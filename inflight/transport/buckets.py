@@ -8,8 +8,9 @@ copy, so the trainer may keep stepping its optimizer while the bytes are in flig
 Receiver (workers): ``receive`` lands each bucket straight into the caller's flat buffer
 (no intermediate copy) after checking its header against the announce, and verifies the
 checksum. Ordering invariant: a receiver consumes exactly as many buckets as announced,
-each of the size its header declares, even when one is bad (it then lands in scratch),
-so the group stays in lockstep and the caller gets one ``UpdateRejected`` at the end.
+each of the size its header declares, even when one is bad (it then lands over the
+refused update's own bytes), so the group stays in lockstep and the caller gets one
+``UpdateRejected`` at the end.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import msgspec
 import torch
 
 from inflight.auth import bucket_mac
+from inflight.memory import BucketWindows
 from inflight.protocol import (
     Abort,
     BucketHeader,
@@ -142,24 +144,38 @@ class BucketSender:
 class BucketReceiver:
     """A worker: receives announced buckets into caller-provided flat storage."""
 
-    def __init__(self, group: WeightGroup) -> None:
+    def __init__(self, group: WeightGroup, windows: BucketWindows | None = None) -> None:
         self.group = group
         # two header frames: the next bucket's header is posted while this bucket's bytes arrive
         self._frames = [torch.zeros(FRAME_BYTES, dtype=torch.uint8, device=group.device) for _ in range(2)]
-        self._scratch = torch.empty(0, dtype=torch.uint8, device=group.device)
+        # reserved at the worker's start (``inflight.memory``), or allocated on need (tests, peers)
+        self.windows = windows
         # host staging on a device data plane: buckets land here (NCCL writes device memory
         # only), are verified, then copied to the host destination; two, like the frames
-        self._landing: list[torch.Tensor] = []
+        self._landing: list[torch.Tensor] = [] if windows is None else windows.landing
+
+    def fits(self, announce: UpdateAnnounce) -> str | None:
+        """Why this receiver cannot land ``announce``'s buckets in what it reserved, or None."""
+        w = self.windows
+        if w is None or announce.bucket_bytes <= w.bucket_bytes:
+            return None
+        return (f"v{announce.version} comes in buckets of {announce.bucket_bytes} B, larger than the {w.bucket_bytes} B "
+                "this worker reserved (InflightConfig.max_bucket_mb; the trainer's bucket_mb must not exceed it)")
 
     def _landing_for(self, index: int, nbytes: int, bucket_bytes: int) -> torch.Tensor:
         if not self._landing or self._landing[0].numel() < bucket_bytes:  # sized once per bucket size
             self._landing = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.group.device) for _ in range(2)]
         return self._landing[index % 2][:nbytes]
 
-    def _scratch_for(self, nbytes: int) -> torch.Tensor:
-        if self._scratch.numel() < nbytes:
-            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
-        return self._scratch[:nbytes]
+    def _refused_window(self, dest: torch.Tensor, nbytes: int, announce: UpdateAnnounce) -> torch.Tensor:
+        """Where a bucket of a refused update lands so the group stays in step: the update's
+        own staging buffer (nothing reads it again: feeding stopped at the first error), so
+        no scratch memory is ever needed. A bucket larger than the whole buffer means the
+        sender is not speaking this protocol."""
+        if nbytes > dest.numel():
+            raise TransportError(f"rank {self.group.rank}: a bucket of v{announce.version} declares {nbytes} B, more "
+                                 f"than the whole update ({announce.total_bytes} B); the data plane is out of step")
+        return dest[:nbytes]
 
     def receive(
         self,
@@ -215,12 +231,12 @@ class BucketReceiver:
                 )
             first_error = first_error or error
             good = first_error is None
-            if not good:
-                window = self._scratch_for(nbytes)
-            elif to_host:
+            if to_host:
                 window = self._landing_for(spec.index, nbytes, announce.bucket_bytes)
-            else:
+            elif good:
                 window = dest[spec.offset: spec.offset + nbytes]
+            else:  # the update is refused: its bytes are garbage from here on, and land over its own
+                window = self._refused_window(dest, nbytes, announce)
             pending = self.group.start_broadcast(window, what=f"bucket {spec.index}/{n} of v{v}")
             if spec.index + 1 < n:
                 next_header = self.group.start_broadcast(
@@ -262,6 +278,8 @@ class BucketReceiver:
         secret = self.group.secret
         if secret is None:
             return None
+        if window.device.type != "cpu" and self.windows is not None and self.windows.mac_host is not None:
+            window = self.windows.mac_host[:window.numel()].copy_(window)  # the reserved host copy, not a new one
         if hmac.compare_digest(spec.mac, bucket_mac(secret, _mac_context(self.group, version, spec.index), window)):
             return None
         return UpdateRejected("unauthenticated", f"bucket {spec.index} of v{version}: its bytes do not carry the "

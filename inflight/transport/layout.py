@@ -64,6 +64,8 @@ def bucket_windows(total_bytes: int, bucket_bytes: int) -> list[tuple[int, int]]
 
 
 _WSUM_CHUNK = 1 << 22  # int64 words per step: bounds the temporary to 32 MiB
+WSUM_TEMP_BYTES = 2 * 8 * _WSUM_CHUNK
+"""Device temporaries of one ``wsum64`` chunk (its weights and their products)."""
 
 
 def checksum(data: torch.Tensor, algo: ChecksumAlgo) -> int:

@@ -11,9 +11,11 @@ Ordering invariants:
   (names, shapes, dtypes) exactly, so nothing unknown, missing or mis-shaped is staged;
 - any failure before the commit drops the staging buffer and leaves the last good version
   live; a commit that fails restores the previous weights before replying ``Rejected``;
-- the bytes of the live version (``keep_rollback``) belong to the worker's ``StagingPool``,
-  not to one listener, so a listener of the group's next generation can still roll back to
-  the live version (before the first commit: the weights the engine loaded, read at start);
+- on ``Commit`` the staged version is handed to the target, which owns it from then on
+  (``CommitTarget.commit``): the listener never touches the live version or the rollback
+  copy, so losing the trainer between its ``Commit`` and the outcome leaves both right;
+- the rollback copy belongs to the worker's ``StagingPool``, not to one listener, so a
+  listener of the group's next generation can still roll back to the live version;
 - on ``Shutdown`` the worker lets go of the trainer's store before it answers ``Left``
   (``leave``), so the trainer can close its store without a peer's read failing.
 """
@@ -90,8 +92,10 @@ class CommitTarget(Protocol):
         """Drop what ``prepare`` built (the update was aborted or superseded)."""
         ...
 
-    def commit(self, version: int, weights: dict[str, torch.Tensor], previous: dict[str, torch.Tensor] | None) -> CommitInfo:
-        """Make ``weights`` live at a step boundary; on failure restore ``previous`` and raise ``CommitFailed``."""
+    def commit(self, version: int, staged: StagedVersion, pool: StagingPool) -> CommitInfo:
+        """Make ``staged.views`` live at a step boundary; on failure restore the previous
+        weights and raise ``CommitFailed``. ``staged`` is the target's from the call on: it
+        gives its buffer back to ``pool`` once nothing needs it."""
         ...
 
     def leave(self) -> None:
@@ -162,7 +166,7 @@ class UpdateListener:
     def __init__(
         self, group: WeightGroup, target: CommitTarget, schema: TensorSchema | None, *,
         stale_timeout_s: float = 60.0, check_finite: bool = True, stats: ListenerStats | None = None,
-        pool: StagingPool | None = None, keep_rollback: bool = True,
+        pool: StagingPool | None = None,
     ) -> None:
         self.group = group
         self.target = target
@@ -170,9 +174,8 @@ class UpdateListener:
         self.stale_timeout_s = stale_timeout_s
         self.check_finite = check_finite
         self.control = WorkerControl(group)
-        self.receiver = BucketReceiver(group)
         self.pool = pool if pool is not None else StagingPool(group.device)
-        self.keep_rollback = keep_rollback
+        self.receiver = BucketReceiver(group, self.pool.windows)
         self._staged: StagedVersion | None = None
         self.stats = stats if stats is not None else ListenerStats()
         self.trainer_left = False
@@ -218,6 +221,8 @@ class UpdateListener:
     def _on_announce(self, seq: int, a: UpdateAnnounce) -> None:
         self._drop()  # a new announce supersedes anything staged but not committed
         error = self._check_announce(a)
+        if error is None and (why := self.receiver.fits(a)) is not None:
+            error = UpdateRejected("no_memory", why)
         flat = None
         if error is None:
             try:  # before Accepted: a buffer that cannot be had refuses the update, not the group
@@ -264,23 +269,15 @@ class UpdateListener:
             have = "nothing" if staged is None else f"v{staged.announce.version}"
             self._reject(seq, c.version, "incomplete", f"commit of v{c.version} but {have} is fully staged")
             return
-        previous = self.pool.previous.views if self.pool.previous is not None else None
+        self._staged = None  # the target's from here on, whatever the outcome
         try:
-            info = self.target.commit(c.version, staged.views, previous)
+            info = self.target.commit(c.version, staged, self.pool)
         except CommitFailed as e:
-            self._drop()
+            self.target.discard()  # the engine's window is over (or never opened): nothing reads what prepare built
             self._reject(seq, c.version, "commit_failed", str(e))
             return
         # (the commit consumed what prepare built: nothing to discard)
         self.stats.committed += 1
-        self._staged = None
-        if self.pool.previous is not None:
-            self.pool.give(self.pool.previous.flat)
-            self.pool.previous = None
-        if self.keep_rollback:
-            self.pool.previous = staged
-        else:
-            self.pool.give(staged.flat)
         self.control.reply(seq, Committed(
             rank=self.group.rank, version=c.version, step=info.step, commit_ms=info.commit_ms,
             steps_since_first_bucket=max(0, info.step - staged.first_bucket_step), tokens_at_commit=info.tokens_at_commit,

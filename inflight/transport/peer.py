@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from inflight.staging import StagedVersion, StagingPool
 from inflight.transport.group import GroupConfig, WeightGroup
 from inflight.transport.layout import TensorSchema
 from inflight.transport.listener import CommitInfo, UpdateListener
@@ -46,10 +47,11 @@ class DictTarget:
     def leave(self) -> None:
         """Nothing else holds the trainer's store."""
 
-    def commit(self, version: int, weights: dict[str, torch.Tensor], previous: dict[str, torch.Tensor] | None) -> CommitInfo:
+    def commit(self, version: int, staged: StagedVersion, pool: StagingPool) -> CommitInfo:
         t0 = time.perf_counter()
         if self.keep:
-            self.live = {k: v.clone() for k, v in weights.items()}
+            self.live = {k: v.clone() for k, v in staged.views.items()}
+        pool.give(staged.flat)  # copied (or not kept): the staging buffer is free again
         self._version = version
         if self.out_dir is not None:
             from safetensors.torch import save_file

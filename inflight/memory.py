@@ -1,0 +1,219 @@
+"""The memory an in-flight worker holds beside the engine's own: every byte counted, per
+node, checked before anything is allocated, then allocated at that exact size.
+
+vLLM sizes its KV cache at engine start (``gpu_memory_utilization`` of the GPU,
+``VLLM_CPU_KVCACHE_SPACE`` on CPU) before any worker extension runs, so whatever the
+worker allocates on the first push would find the memory taken and fail mid-update.
+``inflight_start`` therefore counts what it needs (``staging_need``), refuses to start with
+the figure and a setting that would fit when it is not free (``check_fits``), and otherwise
+allocates it at once: an engine that started can always stage.
+
+What a worker holds, and why each exists:
+- the staging buffer (one update): the next version lands here while the engine decodes
+  the live one; it is what lets the engine keep decoding during a transfer;
+- the rollback copy (one update; ``keep_rollback`` with the ``reload`` and ``copy``
+  commits): those commits write into the live storage, so a commit that fails on one rank
+  of an engine can only be undone on the others from a copy of the live bytes, taken
+  before the window (never read from disk inside it). The ``swap`` commit needs none: it
+  rolls back by swapping the old modules back;
+- the commit strategy's own memory (``CommitStrategy.held_bytes``): for ``swap`` (CPU), the
+  next version loaded and re-packed for oneDNN before the commit, so the commit is an
+  attribute swap; inside the commit's window the set holds the swapped-out version instead
+  (for a rollback), so one such set exists at a time. For ``reload``, what vLLM's layerwise
+  reload materializes at the commit; ``copy`` writes into the live storage and needs none;
+- bucket windows (GPU data plane only): two landing windows when NCCL stages to host
+  memory (NCCL writes device memory only), and a host copy of a bucket to compute its MAC
+  over when a secret is set. Everywhere else a bucket lands in the staging buffer itself,
+  a bad one too (over the refused update's own bytes), so there is no scratch;
+- checksum temporaries: ``wsum64`` works through a GPU bucket in bounded chunks.
+
+Exact sizes. Pinned host memory from PyTorch's caching host allocator is rounded up to the
+next power of two (a 14.2 GiB request takes 16 GiB, 131 GiB takes 256 GiB); host buffers
+are instead plain allocations registered with CUDA (``pinned_exact``). Host buffers are
+written once when reserved, so the memory is resident from the start (an untouched
+allocation would be counted as free by the next engine starting on the node). The tensor
+parallel workers of a node share its RAM: host bytes are checked for all of them at once.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from inflight.settings import StagingPlace
+from inflight.transport.layout import ALIGN, WSUM_TEMP_BYTES, TensorSchema
+from inflight.protocol import DTYPE_ITEMSIZE
+
+GiB = float(1 << 30)
+CUDA_MARGIN_BYTES = 512 << 20
+"""Left free on a GPU beyond staging: allocator fragmentation and NCCL's own buffers."""
+
+
+class StagingMemoryError(RuntimeError):
+    """The engine cannot hold the staging buffers it would need."""
+
+
+def update_bytes(schema: TensorSchema) -> int:
+    """Bytes of one update on the wire and in staging (the aligned flat layout)."""
+    total = 0
+    for shape, dtype in schema.tensors.values():
+        total += -(-math.prod(shape) * DTYPE_ITEMSIZE[dtype] // ALIGN) * ALIGN
+    return total
+
+
+@dataclass(frozen=True)
+class Part:
+    what: str
+    nbytes: int
+    place: StagingPlace
+    """``device``: the engine's device (host RAM on a CPU engine); ``host``: host RAM."""
+
+
+@dataclass(frozen=True)
+class StagingNeed:
+    """Every buffer one worker holds beside the engine's own, by where it lives."""
+
+    update_bytes: int
+    copies: int
+    """Update-sized buffers: the one staged, plus the rollback copy (``reload``/``copy`` commits)."""
+    where: StagingPlace
+    """Where those live: ``device`` (the engine's device) or ``host`` (pinned host memory)."""
+    parts: tuple[Part, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def bytes_on(self, place: StagingPlace, device: torch.device) -> int:
+        """Bytes in ``place``; on a CPU engine both places are host RAM."""
+        return sum(p.nbytes for p in self.parts if p.place == place or device.type == "cpu")
+
+    def describe(self, place: StagingPlace | None = None, device: torch.device | None = None) -> str:
+        parts = [p for p in self.parts if place is None or p.place == place or (device is not None and device.type == "cpu")]
+        total = sum(p.nbytes for p in parts)
+        items = ", ".join(f"{p.what} {p.nbytes / GiB:.2f}" for p in parts if p.nbytes)
+        return f"{total / GiB:.2f} GiB ({items})"
+
+
+def staging_need(schema: TensorSchema, *, staging: StagingPlace, rollback_copy: bool, commit_bytes: int = 0,
+                 commit: str = "swap", bucket_bytes: int = 0, plane: StagingPlace = "device", plane_cuda: bool = False,
+                 mac: bool = False) -> StagingNeed:
+    """What a worker holds (see the module docstring). ``plane``: where the data plane lands
+    buckets (``device``: NCCL on the engine's GPU, or gloo on a CPU engine; ``host``: gloo
+    beside a GPU engine); ``plane_cuda``: that is a GPU; ``mac``: a secret is set."""
+    n = update_bytes(schema)
+    copies = 2 if rollback_copy else 1
+    parts = [Part("staging", n, staging)]
+    if rollback_copy:
+        parts.append(Part("rollback copy", n, staging))
+    if commit_bytes:
+        parts.append(Part(f"{commit} commit", commit_bytes, "device"))
+    if plane_cuda:
+        if staging == "host":
+            parts.append(Part("landing windows", 2 * bucket_bytes, plane))
+        if mac:
+            parts.append(Part("MAC host copy", bucket_bytes, "host"))
+        parts.append(Part("checksum temporaries", WSUM_TEMP_BYTES, plane))
+    return StagingNeed(n, copies, staging, tuple(parts))
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Free and total bytes, measured before anything was reserved: on the engine's device
+    (for a CPU engine, the host) and on the host."""
+
+    device_free: int
+    device_total: int
+    host_free: int
+    host_total: int
+
+
+def memory_budget(device: torch.device) -> MemoryBudget:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return MemoryBudget(free, total, vm.available, vm.total)
+    return MemoryBudget(vm.available, vm.total, vm.available, vm.total)
+
+
+def check_fits(need: StagingNeed, *, device: torch.device, budget: MemoryBudget, node_workers: int = 1,
+               gpu_memory_utilization: float | None = None) -> None:
+    """Raise ``StagingMemoryError`` naming the bytes and a setting that would fit, unless
+    ``need`` fits: device bytes in the device's free memory (less a margin on a GPU), and
+    host bytes of all ``node_workers`` workers of this engine on this node (each needs the
+    same) in the host's."""
+    if device.type == "cuda":
+        _check_gpu(need, device, budget, gpu_memory_utilization)
+    host = need.bytes_on("host", device) * node_workers
+    if host <= budget.host_free:
+        return
+    deficit = host - budget.host_free
+    who = f"{node_workers} workers of this engine on this node x " if node_workers > 1 else ""
+    msg = (f"inflight: staging needs {who}{need.describe('host', device)} of host memory, but only "
+           f"{budget.host_free / GiB:.2f} GiB of {budget.host_total / GiB:.2f} GiB is free on this host.")
+    if device.type == "cpu":
+        msg += f" Lower VLLM_CPU_KVCACHE_SPACE by {math.ceil(deficit / GiB / node_workers)} GiB, or "
+    else:
+        msg += " Free host memory, or "
+    msg += "set InflightConfig(keep_rollback=False)." if need.copies > 1 else "use a smaller max_bucket_mb."
+    raise StagingMemoryError(msg)
+
+
+def _check_gpu(need: StagingNeed, device: torch.device, budget: MemoryBudget, utilization: float | None) -> None:
+    nbytes = need.bytes_on("device", device)
+    if nbytes + CUDA_MARGIN_BYTES <= budget.device_free:
+        return
+    assert utilization is not None
+    deficit = nbytes + CUDA_MARGIN_BYTES - budget.device_free
+    fit = math.floor(100 * (utilization - deficit / budget.device_total)) / 100
+    msg = (f"inflight: staging needs {need.describe('device', device)} of device memory, but only "
+           f"{budget.device_free / GiB:.2f} GiB of {budget.device_total / GiB:.2f} GiB is free after vLLM sized its "
+           f"KV cache at gpu_memory_utilization={utilization:.2f}. ")
+    msg += (f"Start the engine with gpu_memory_utilization<={fit:.2f}, or " if fit > 0 else "The model cannot stage on "
+            "this GPU at any gpu_memory_utilization: use ")
+    msg += "InflightConfig(staging='host') (commit becomes a host-to-device copy), or keep_rollback=False."
+    raise StagingMemoryError(msg)
+
+
+def pinned_exact(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of pinned host memory, exactly: a plain host allocation registered with CUDA
+    (``cudaHostRegister``), unregistered when the tensor is collected (before the memory is
+    freed: views keep the storage alive, not the registration)."""
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes == 0:
+        return t
+    t.zero_()  # resident now (registration pins the pages either way)
+    cudart = torch.cuda.cudart()
+    err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0))
+    if err != 0:
+        raise RuntimeError(f"inflight: pinning {nbytes} B of host memory failed (cudaError {err}); the host's "
+                           "locked-memory limit (ulimit -l) may be too low")
+    weakref.finalize(t, _unregister, t.data_ptr())
+    return t
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+@dataclass
+class BucketWindows:
+    """A worker's reserved bucket windows (see the module docstring), sized for buckets of
+    up to ``bucket_bytes``; the receiver refuses an update with larger ones."""
+
+    bucket_bytes: int
+    landing: list[torch.Tensor]
+    mac_host: torch.Tensor | None
+
+    @classmethod
+    def reserve(cls, bucket_bytes: int, plane: torch.device, *, landing: bool, mac: bool) -> BucketWindows | None:
+        """The windows a GPU data plane needs (None where buckets land in the staging buffer)."""
+        if plane.type != "cuda" or not (landing or mac):
+            return None
+        return cls(bucket_bytes, [torch.empty(bucket_bytes, dtype=torch.uint8, device=plane) for _ in range(2 if landing else 0)],
+                   pinned_exact(bucket_bytes) if mac else None)
