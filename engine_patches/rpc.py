@@ -36,6 +36,8 @@ class StartReport(_Result):
     staging_bytes: NonNeg
     node_workers: NonNeg = 1
     """Workers of this engine on this worker's host: host staging was checked for all of them."""
+    plan_digest: str = ""
+    """Digest of this worker's shard plan (``inflight.shard_plan``); empty: it reads whole tensors."""
     routing: tuple[NonNeg, NonNeg] | None = None
     """(MoE layers, top-k) recorded per token, or None."""
     ranks: tuple[NonNeg, ...] = ()

@@ -41,7 +41,7 @@ from engine_patches.config import InflightConfig
 from engine_patches.engine_target import EngineTarget
 from engine_patches.rpc import StartReport, WorkerCommitResult, WorkerSettleResult, WorkerStatus
 from inflight.auth import read_secret
-from inflight.protocol import ENGINE_CHANNEL, Sampling
+from inflight.protocol import ENGINE_CHANNEL, Sampling, ShardPlan
 from inflight.memory import BucketWindows, MemoryBudget, StagingNeed, check_fits, memory_budget, staging_need
 from inflight.staging import StagedVersion, StagingPool
 from inflight.transport.data_plane import nccl_error_handling_once
@@ -80,6 +80,7 @@ class InflightWorkerExtension:
         from engine_patches.routing import RoutingRecorder
 
         self._inflight_routing = RoutingRecorder(self.model_runner) if config.record_routing else None
+        plan = applier.shard_plan()  # what this rank's loaders read, sent to the trainer in each hello
         pool, need = self._inflight_reserve(config, schema, applier, device, budget, node_workers, secret is not None)
         target = EngineTarget(applier, config, rank, device)
         self._inflight_hook = self.model_runner.get_model().register_forward_pre_hook(target.on_forward)
@@ -91,7 +92,7 @@ class InflightWorkerExtension:
         self._inflight_listener: UpdateListener | None = None
         self._inflight_stats = ListenerStats()
         self._inflight_thread = threading.Thread(
-            target=self._inflight_serve, args=(config, schema, rank), name=f"inflight-listener-{rank}", daemon=True
+            target=self._inflight_serve, args=(config, schema, rank, plan), name=f"inflight-listener-{rank}", daemon=True
         )
         self._inflight_thread.start()
         # the listener stops with the interpreter too (a plain exit, no engine shutdown), before
@@ -102,6 +103,7 @@ class InflightWorkerExtension:
         routing = self._inflight_routing
         return StartReport(rank=rank, instance_id=engine_id, commit=applier.strategy, schema_tensors=len(schema.tensors),
                            staging=need.where, staging_bytes=need.nbytes, node_workers=node_workers,
+                           plan_digest="" if plan is None else plan.digest,
                            routing=None if routing is None else (routing.layers, routing.top_k))
 
     def _inflight_reserve(self, config: InflightConfig, schema: TensorSchema, applier: CommitStrategy, device: torch.device,
@@ -129,7 +131,7 @@ class InflightWorkerExtension:
                                                                               flat))
         return pool, need
 
-    def _inflight_serve(self, config: InflightConfig, schema, rank: int) -> None:
+    def _inflight_serve(self, config: InflightConfig, schema: TensorSchema, rank: int, plan: ShardPlan | None) -> None:
         """The listener thread: join the group, stage and commit updates, and whenever the
         group fails (trainer killed, a stalled transfer timed out) drop what was staged, keep
         serving the live version, and join the next generation the trainer opens."""
@@ -147,7 +149,7 @@ class InflightWorkerExtension:
                 engine_ranks = tuple(range(config.rank, config.rank + self.vllm_config.parallel_config.world_size))
                 group = WeightGroup(config.group, rank, device=self._inflight_data_device(config),
                                     live_version=target.live_version, stop=stop, join_timeout_s=None,
-                                    engine_ranks=engine_ranks, secret=secret)
+                                    engine_ranks=engine_ranks, secret=secret, plan=plan)
             except InterruptedError:
                 return
             except TransportError as e:  # the store went away while joining: try again

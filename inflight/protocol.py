@@ -168,6 +168,25 @@ class Shutdown(_Wire, tag="shutdown"):
     reason: str = ""
 
 
+class TensorShard(Struct, frozen=True, forbid_unknown_fields=True):
+    """The box of checkpoint tensor ``name`` one worker's loaders read: ``start[i]`` ..
+    ``start[i] + length[i]`` along every dim (the whole tensor: zeros and its shape)."""
+
+    name: Annotated[str, Meta(min_length=1)]
+    start: tuple[NonNeg, ...]
+    length: tuple[NonNeg, ...]
+
+
+class ShardPlan(Struct, frozen=True, forbid_unknown_fields=True):
+    """What one worker consumes of each checkpoint tensor (``inflight.shard_plan``), sent in
+    its ``Joined``; ``digest`` (of the shards) is checked by the trainer and echoed back."""
+
+    shards: tuple[TensorShard, ...]
+    fallbacks: tuple[str, ...] = ()
+    """Tensors whose loaders do more than copy boxes of them: they need the whole tensor."""
+    digest: str = ""
+
+
 class Joined(_Wire, tag="joined"):
     """Worker -> trainer, once per group generation, before the data plane forms: who joins
     and which version it serves (a restarted trainer continues above the engines' versions)."""
@@ -179,6 +198,8 @@ class Joined(_Wire, tag="joined"):
     engine_ranks: tuple[NonNeg, ...] = ()
     """Every weight-group rank of this worker's engine (its TP workers); empty: just ``rank``.
     A generation admits an engine whole or not at all: a commit needs every one of its ranks."""
+    plan: ShardPlan | None = None
+    """What this worker's loaders read of each tensor; None: it needs every tensor whole."""
 
 
 class Accepted(_Wire, tag="accepted"):

@@ -13,6 +13,7 @@ three ranks (trainer 0, workers 1 and 2).
 from __future__ import annotations
 
 import gc
+import math
 
 import pytest
 import torch
@@ -166,3 +167,40 @@ def test_failure_on_one_rank_rolls_back_both_and_the_label_stays(tp: TPEngine) -
     result = tp.push(state)
     assert result.commits[1].step == result.commits[2].step
     _assert_matches(tp, state, tp.version)
+
+
+def test_each_rank_reports_what_its_loaders_read_and_the_two_tile_every_split_tensor(tp: TPEngine) -> None:
+    """The shard plans the ranks send in their hellos: every tensor is read by some rank; a
+    tensor a rank reads only part of is split between the two exactly (disjoint boxes that
+    tile it); the rest (norms) is read whole by both; no fallback on Llama."""
+    from inflight.shard_plan import check_plan, plan_bytes
+
+    schema = {n: (tuple(t.shape), "float32") for n, t in tp.base.items()}
+    plans = {r: tp.pusher.group.hellos[r].plan for r in (1, 2)}
+    assert all(p is not None for p in plans.values())
+    for r, p in plans.items():
+        check_plan(p, schema, f"rank {r}")
+    assert plans[1].digest == tp.report.plan_digest  # the first worker's, as its StartReport said
+    boxes = {r: {s.name: s for s in p.shards} for r, p in plans.items()}
+    split = []
+    for name, (shape, _) in schema.items():
+        a, b = boxes[1][name], boxes[2][name]
+        if a.length == shape and b.length == shape:
+            continue  # replicated
+        split.append(name)
+        dims = [i for i in range(len(shape)) if a.length[i] != shape[i] or b.length[i] != shape[i]]
+        assert len(dims) == 1, (name, a, b)
+        d = dims[0]
+        first, second = sorted([a, b], key=lambda s: s.start[d])
+        assert first.start[d] == 0 and first.start[d] + first.length[d] == second.start[d]  # disjoint, adjacent
+        assert second.start[d] + second.length[d] == shape[d]  # together, the whole tensor
+    kinds = {n.rsplit(".", 1)[0].split(".")[-1] for n in split}
+    assert kinds == {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head"}, kinds
+    # one KV head for two ranks: vLLM replicates k_proj and v_proj, and each rank reads them whole
+    total = sum(math.prod(shape) * 4 for shape, _ in schema.values())
+    split_bytes = sum(math.prod(schema[n][0]) * 4 for n in split)
+    counted = {r: plan_bytes(p, schema) for r, p in plans.items()}
+    assert counted[1].sharded + counted[2].sharded == split_bytes  # each split byte read by one rank
+    for r, b in counted.items():
+        assert b.fallback == 0 and plans[r].fallbacks == ()
+        assert b.replicated == total - split_bytes and b.total == b.sharded + total - split_bytes

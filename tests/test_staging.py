@@ -6,7 +6,6 @@ copies against the next forward pass."""
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 import torch
@@ -103,18 +102,38 @@ def test_host_memory_is_checked_for_every_worker_of_the_engine_on_the_node() -> 
         check_fits(gpu_need, device=torch.device("cuda", 0), budget=roomy_gpu, node_workers=2, gpu_memory_utilization=0.9)
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def resident_fraction(t: torch.Tensor) -> float:
+    """The fraction of ``t``'s pages in memory now (``mincore``): an allocation nothing wrote
+    to has none, whatever the process's RSS says (freed memory the allocator reuses is
+    resident already, so an RSS delta can show nothing)."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    pages = -(-length // page)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(v & 1 for v in vec) / pages
+
+
+def _pool_residency(worker) -> list[float]:
+    """Inside the worker: how resident each of its staging buffers is."""
+    pool = worker._inflight_pool
+    return [resident_fraction(t) for t in pool._free]
 
 
 def test_the_pool_hands_out_what_it_reserved_and_the_reservation_is_resident() -> None:
+    assert resident_fraction(torch.empty(64 * MiB, dtype=torch.uint8)) < 0.5  # what torch.empty gives: not resident
     pool = StagingPool(torch.device("cpu"))
-    before = _rss()
     pool.reserve(64 * MiB, 2)
     # written at once: an untouched allocation is not resident, so the next engine starting on
     # the node would count it as free
-    assert _rss() - before >= 2 * 64 * MiB - 4 * MiB
+    assert [resident_fraction(t) for t in pool._free] == [1.0, 1.0]
     ptrs = {t.data_ptr() for t in pool._free}
     a, b = pool.take(60 * MiB), pool.take(64 * MiB)
     assert {a.data_ptr(), b.data_ptr()} == ptrs
@@ -143,7 +162,6 @@ def test_engine_reserves_at_start_and_refuses_a_budget_it_would_not_fit(tiny_qwe
         sp = SamplingParams(temperature=0.0, max_tokens=4)
         assert len(llm.generate(["1+1="], sp, use_tqdm=False)[0].outputs[0].token_ids) == 4  # still serving
         monkeypatch.undo()
-        before = _rss()
         report = start_inflight(llm, config)  # nothing was left half-started
         # the swap commit: one staging buffer (no rollback copy: it swaps the old modules back)
         # and one prepared version (shadow parameters and their re-packed copies), in the
@@ -152,7 +170,7 @@ def test_engine_reserves_at_start_and_refuses_a_budget_it_would_not_fit(tiny_qwe
         engine_params = params + (-(-vocab // 64) * 64 - vocab) * hidden * 4
         assert report.commit == "swap"
         assert report.staging_bytes == update_bytes(schema) + 2 * engine_params
-        assert _rss() - before >= update_bytes(schema) - MiB  # the staging buffer is resident from the start
+        assert llm.collective_rpc(_pool_residency) == [[1.0]]  # the staging buffer is resident from the start
     finally:
         llm.collective_rpc("inflight_stop")
         del llm

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from engine_patches.commit.postload import copy_refusals
+from inflight.protocol import ShardPlan
 from inflight.settings import CommitChoice, CommitStrategyName as Resolved
 from inflight.transport.layout import TensorSchema, torch_dtype
 
@@ -56,6 +57,10 @@ class CommitStrategy(Protocol):
 
     def release_rollback(self) -> None:
         """The engine committed and keeps no rollback copy: drop what ``undo`` would need."""
+
+    def shard_plan(self) -> ShardPlan | None:
+        """What this worker's loaders read of each checkpoint tensor (``inflight.shard_plan``),
+        or None where the strategy hands whole tensors to vLLM's loaders."""
 
     def held_bytes(self) -> int:
         """Memory the strategy holds or allocates beside the live weights and the staged bytes,

@@ -58,6 +58,10 @@ class InStorageApplier:
     def prepare(self, weights: Mapping[str, torch.Tensor]) -> None:
         self._weights = weights
 
+    def shard_plan(self) -> None:
+        """vLLM's loaders take whole checkpoint tensors here: no shard plan."""
+        return None
+
     def held_bytes(self) -> int:
         """``reload``: vLLM's layerwise reload materializes each layer's parameters anew and
         re-runs its processing; measured on a CPU engine (``bench.staging_memory``), the

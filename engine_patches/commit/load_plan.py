@@ -26,6 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from inflight.protocol import ShardPlan
+from inflight.shard_plan import Box, bounding, box_of_view, make_plan, whole
+
 View = tuple[tuple[int, ...], tuple[int, ...], int]  # shape, stride, element offset from the base's own offset
 
 
@@ -140,6 +143,23 @@ class LoadPlan:
             shape, stride, offset = w.dst
             out.append(base.as_strided(shape, stride, base.storage_offset() + offset))
         return out
+
+    def shard_plan(self, shapes: Mapping[str, tuple[int, ...]]) -> ShardPlan:
+        """What these loaders read of each checkpoint tensor (``inflight.shard_plan``): the
+        bounding box of its planned copies' sources; a tensor left on its loaders, or read
+        through a view that is not a box of it, is a fallback (whole)."""
+        boxes: dict[str, list[Box]] = {}
+        fallbacks = set(self.loaded)
+        for w in self.writes:
+            full = shapes[w.name]
+            box = whole(full) if w.src is None else box_of_view(*w.src, full)
+            if box is None:
+                fallbacks.add(w.name)
+            else:
+                boxes.setdefault(w.name, []).append(box)
+        # a tensor no loader reads (none routed it) is sent whole too: the update names every tensor
+        return make_plan({n: whole(shape) if n in fallbacks or n not in boxes else bounding(boxes[n])
+                          for n, shape in shapes.items()}, fallbacks)
 
     def sources(self, weights: Mapping[str, torch.Tensor], indices: Iterable[int] | None = None) -> list[torch.Tensor]:
         """What the planned copies read from ``weights`` (those at ``indices`` only, if given)."""

@@ -46,6 +46,7 @@ from engine_patches.commit.load_plan import LoadPlan
 from engine_patches.commit.readiness import Countdown, Dependencies
 from engine_patches.commit.routing_plan import RoutingError, RoutingPlan, Route
 from engine_patches.commit.shadow_sets import ShadowSets
+from inflight.protocol import ShardPlan
 
 __all__ = ["RoutingError", "SwapApplier"]
 
@@ -81,6 +82,7 @@ class SwapApplier:
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         self.model = model
+        self._shapes = dict(shapes)
         self.plan = RoutingPlan.record(model, shapes)
         self._owners: list[torch.nn.Module] = [m for m in model.modules() if m._parameters]
         # Slots are (module, name), fixed now: a swap replaces the parameter objects, and a
@@ -120,6 +122,12 @@ class SwapApplier:
         scratch = self._shadows()
         routes = {name: [(r.param_id, self._loader_call(r)) for r in rs] for name, rs in self.plan.routes.items()}
         return LoadPlan.record(shapes, routes, scratch)
+
+    def shard_plan(self) -> ShardPlan | None:
+        """What the recorded load plan reads of each checkpoint tensor (None without a plan)."""
+        if self.load_plan is None:
+            return None
+        return self.load_plan.shard_plan({n: shape for n, (shape, _) in self._shapes.items()})
 
     def held_bytes(self) -> int:
         """What one prepared version holds beside the live modules, at most: its shadow

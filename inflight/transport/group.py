@@ -23,7 +23,7 @@ import torch
 from torch.distributed import PrefixStore, Store, Work
 
 from inflight.auth import read_secret, seal, unseal
-from inflight.protocol import AuthError, Joined, ProtocolError, Roster, decode_control, decode_reply, encode
+from inflight.protocol import AuthError, Joined, ProtocolError, Roster, ShardPlan, decode_control, decode_reply, encode
 from inflight.transport.data_plane import DataPlane, nccl_error_handling_once
 from inflight.transport.errors import GaveUp, TransportError, TransportTimeout
 from inflight.transport.liveness import Heartbeat, silent_ranks
@@ -87,7 +87,7 @@ class WeightGroup:
     def __init__(
         self, config: GroupConfig, rank: int, device: torch.device | None = None, *,
         live_version: int = 0, stop: threading.Event | None = None, join_timeout_s: float | None = None,
-        engine_ranks: tuple[int, ...] = (), secret: bytes | None | Literal["env"] = "env",
+        engine_ranks: tuple[int, ...] = (), secret: bytes | None | Literal["env"] = "env", plan: ShardPlan | None = None,
     ) -> None:
         if not 0 <= rank < config.world_size:
             raise ValueError(f"rank {rank} outside world_size {config.world_size}")
@@ -126,7 +126,7 @@ class WeightGroup:
                 raise
         else:
             try:
-                self._join(live_version, stop, join_timeout_s, engine_ranks or (rank,))
+                self._join(live_version, stop, join_timeout_s, engine_ranks or (rank,), plan)
             except BaseException:
                 self.close()  # a member that never joined must not go on beating
                 raise
@@ -234,7 +234,7 @@ class WeightGroup:
             raise TransportError(f"rank {self.rank}: the group store failed: {e}") from e
 
     def _join(self, live_version: int, stop: threading.Event | None, timeout_s: float | None,
-              engine_ranks: tuple[int, ...]) -> None:
+              engine_ranks: tuple[int, ...], plan: ShardPlan | None) -> None:
         """Worker: connect to the store, wait for an open generation, announce, form."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._tcp = connect_retrying(self.config.host, self.config.port, self.config.world_size, self.config.timeout_s,
@@ -244,7 +244,7 @@ class WeightGroup:
         self._heartbeat = Heartbeat(self.config.host, self.config.port, self.config.name, self.rank, self.config.timeout_s)
         tried: set[int] = set()
         hello = encode(Joined(rank=self.rank, live_version=live_version, incarnation=INCARNATION,
-                              engine_ranks=tuple(engine_ranks)))
+                              engine_ranks=tuple(engine_ranks), plan=plan))
         while True:
             self._root.set(f"knock/{self.rank}", INCARNATION.encode())
             g = _open_generation(self._root, self.secret, self.config.name, self.rank, tried, deadline, stop,

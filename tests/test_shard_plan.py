@@ -1,0 +1,78 @@
+"""Shard plans from recorded loaders: the boxes a tensor-parallel rank's loaders read of each
+checkpoint tensor, the fallbacks, and the checks both sides run on a plan.
+(The plans of a real TP=2 engine: ``tests/test_engine_tp.py``.)"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from engine_patches.commit.load_plan import LoadPlan
+from inflight.protocol import Joined, decode_reply, encode
+from inflight.shard_plan import box_of_view, check_plan, make_plan, plan_bytes, whole
+
+
+def _box(t: torch.Tensor, base: torch.Tensor):
+    return box_of_view(tuple(t.shape), tuple(t.stride()), t.storage_offset() - base.storage_offset(), tuple(base.shape))
+
+
+def test_boxes_of_views() -> None:
+    t = torch.empty(6, 4, 3)
+    assert _box(t, t) == ((0, 0, 0), (6, 4, 3))
+    assert _box(t.narrow(0, 2, 3), t) == ((2, 0, 0), (3, 4, 3))  # column parallel: rows
+    assert _box(t.narrow(1, 1, 2), t) == ((0, 1, 0), (6, 2, 3))  # row parallel: a strided box
+    assert _box(t[1:3, 1:3, 2:3], t) == ((1, 1, 2), (2, 2, 1))
+    assert _box(t.transpose(0, 1), t) is None  # not a box: the loader re-lays the tensor
+    assert _box(t.view(24, 3), t) is None
+    assert _box(t[::2], t) is None  # every other row: a box would overstate nothing, but it is not one
+
+
+def _record(shapes: dict, loaders: dict) -> LoadPlan:
+    """A plan recorded from plain loaders writing into parameters of their own shapes."""
+    targets = {name: torch.empty(shape) for name, (shape, _) in loaders.items()}
+    routes = {name: [(name, lambda target, w, fn=fn: fn(target, w))] for name, (_, fn) in loaders.items()}
+    return LoadPlan.record({n: (s, torch.float32) for n, s in shapes.items()}, routes, targets)
+
+
+def test_a_plan_from_loaders_that_narrow_copy_whole_or_transpose() -> None:
+    shapes = {"col": (8, 4), "row": (4, 8), "norm": (4,), "rot": (4, 6)}
+    rank = 1
+
+    def col(p, w):  # rows 4..8: the second of two ranks
+        p.copy_(w.narrow(0, rank * 4, 4))
+
+    def row(p, w):
+        p.copy_(w.narrow(1, rank * 4, 4))
+
+    def norm(p, w):
+        p.copy_(w)
+
+    def rot(p, w):  # re-laid: this rank needs the whole tensor
+        p.copy_(w.t())
+    plan = _record(shapes, {"col": ((4, 4), col), "row": ((4, 4), row), "norm": ((4,), norm), "rot": ((6, 4), rot)})
+    sp = plan.shard_plan(shapes)
+    boxes = {s.name: (s.start, s.length) for s in sp.shards}
+    assert boxes == {"col": ((4, 0), (4, 4)), "row": ((0, 4), (4, 4)), "norm": ((0,), (4,)), "rot": ((0, 0), (4, 6))}
+    assert sp.fallbacks == ("rot",)
+    schema = {n: (s, "float32") for n, s in shapes.items()}
+    check_plan(sp, schema, "rank 1")
+    b = plan_bytes(sp, schema)
+    assert (b.sharded, b.replicated, b.fallback) == (2 * 16 * 4, 4 * 4, 24 * 4)
+
+
+def test_a_plan_is_checked_by_its_digest_and_against_the_checkpoint() -> None:
+    schema = {"a": ((8, 4), "float32"), "b": ((4,), "float32")}
+    plan = make_plan({"a": ((0, 0), (4, 4)), "b": whole((4,))}, [])
+    check_plan(plan, schema, "rank 1")
+    again = decode_reply(encode(Joined(rank=1, live_version=0, incarnation="x", plan=plan)))
+    assert again.plan == plan  # it travels in the hello as it is
+    altered = msgspec.structs.replace(plan, shards=(msgspec.structs.replace(plan.shards[0], length=(8, 4)),) + plan.shards[1:])
+    with pytest.raises(ValueError, match="digest .* does not match its shards"):
+        check_plan(altered, schema, "rank 1")
+    with pytest.raises(ValueError, match=r"missing \['c'\]"):
+        check_plan(plan, schema | {"c": ((2,), "float32")}, "rank 1")
+    outside = make_plan({"a": ((6, 0), (4, 4)), "b": whole((4,))}, [])
+    with pytest.raises(ValueError, match="shard of a .* is not inside its shape"):
+        check_plan(outside, schema, "rank 1")
+    assert make_plan({"b": whole((4,)), "a": ((0, 0), (4, 4))}, []).digest == plan.digest  # order-free
