@@ -76,3 +76,35 @@ def test_a_plan_is_checked_by_its_digest_and_against_the_checkpoint() -> None:
     with pytest.raises(ValueError, match="shard of a .* is not inside its shape"):
         check_plan(outside, schema, "rank 1")
     assert make_plan({"b": whole((4,)), "a": ((0, 0), (4, 4))}, []).digest == plan.digest  # order-free
+
+
+def test_copies_replayed_from_a_box_write_what_they_write_from_the_whole_tensor() -> None:
+    """A rank staged only the box its plan asked for: the recorded copies, replayed from the
+    box, land exactly the values they land from the whole tensor."""
+    shapes = {"col": (8, 6), "row": (6, 8), "norm": (6,)}
+
+    def col(p, w):  # two copies from one tensor: rows 4..6 and 6..8 into the two halves of p
+        p.narrow(0, 0, 2).copy_(w.narrow(0, 4, 2))
+        p.narrow(0, 2, 2).copy_(w.narrow(0, 6, 2))
+
+    def row(p, w):
+        p.copy_(w.narrow(1, 4, 4))
+
+    def norm(p, w):
+        p.copy_(w)
+    plan = _record(shapes, {"col": ((4, 6), col), "row": ((6, 4), row), "norm": ((6,), norm)})
+    sp = plan.shard_plan(shapes)
+    g = torch.Generator().manual_seed(0)
+    full = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    boxed = {}
+    for s in sp.shards:
+        t = full[s.name]
+        for d, (b, n) in enumerate(zip(s.start, s.length)):
+            t = t.narrow(d, b, n)
+        boxed[s.name] = t.contiguous()  # as it lands in staging
+    assert boxed["col"].shape == (4, 6) and boxed["row"].shape == (6, 4) and boxed["norm"].shape == (6,)
+    boxes = {s.name: ((s.start, s.length), shapes[s.name]) for s in sp.shards}
+    from_full, from_box = plan.sources(full), plan.sources(boxed, boxes=boxes)
+    assert len(from_full) == len(from_box) == 4
+    for a, b in zip(from_full, from_box):
+        assert torch.equal(a, b)

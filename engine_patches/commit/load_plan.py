@@ -161,12 +161,23 @@ class LoadPlan:
         return make_plan({n: whole(shape) if n in fallbacks or n not in boxes else bounding(boxes[n])
                           for n, shape in shapes.items()}, fallbacks)
 
-    def sources(self, weights: Mapping[str, torch.Tensor], indices: Iterable[int] | None = None) -> list[torch.Tensor]:
-        """What the planned copies read from ``weights`` (those at ``indices`` only, if given)."""
+    def sources(self, weights: Mapping[str, torch.Tensor], indices: Iterable[int] | None = None,
+                boxes: Mapping[str, tuple[Box, tuple[int, ...]]] | None = None) -> list[torch.Tensor]:
+        """What the planned copies read from ``weights`` (those at ``indices`` only, if given).
+        ``boxes``: name -> (box, full shape) for tensors staged as the box this worker's plan
+        asked for (``shard_plan``) rather than whole: each copy then reads the same elements
+        at their place inside the box."""
         out = []
         for w in self.writes if indices is None else (self.writes[i] for i in indices):
             t = weights[w.name]
-            if w.src is not None:
+            boxed = boxes.get(w.name) if boxes is not None else None
+            if boxed is not None and tuple(t.shape) != boxed[1]:
+                (start, _), full = boxed
+                src = whole(full) if w.src is None else box_of_view(*w.src, full)
+                assert src is not None, f"{w.name}: a copy reading outside a box was planned as a box"
+                for d, (s, n) in enumerate(zip(*src)):
+                    t = t.narrow(d, s - start[d], n)
+            elif w.src is not None:
                 shape, stride, offset = w.src
                 t = t.as_strided(shape, stride, t.storage_offset() + offset)
             out.append(t)

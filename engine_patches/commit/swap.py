@@ -103,6 +103,9 @@ class SwapApplier:
         self._released: list[_ModuleState] | None = None  # swapped out by a kept commit, not yet freed
         self.load_plan = self._record_load_plan(shapes) if load_plan else None
         self._writes_of = self.load_plan.writes_by_name() if self.load_plan is not None else {}
+        plan = self.shard_plan()
+        # where a tensor arrives as the box this rank's plan asked for, its copies read inside the box
+        self._boxes = {} if plan is None else {s.name: ((s.start, s.length), shapes[s.name][0]) for s in plan.shards}
         self._targets = ShadowSets()
         self._deps = Dependencies(
             {name: [r.param_id for r in rs] for name, rs in self.plan.routes.items()},
@@ -161,7 +164,7 @@ class SwapApplier:
         else:
             planned = [i for name in weights for i in self._writes_of.get(name, ())]
             if planned:
-                self._copy([u.destinations[i] for i in planned], self.load_plan.sources(weights, planned))
+                self._copy([u.destinations[i] for i in planned], self.load_plan.sources(weights, planned, self._boxes))
             self.load_plan.fill(u.shadows, weights.keys())
             self._load({n: t for n, t in weights.items() if n in self.load_plan.loaded}, u.shadows)
         for layer in u.countdown.arrived(weights):
