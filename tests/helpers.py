@@ -98,6 +98,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def fail_next_commit_on_vllm_rank_1(worker) -> int:
+    """Runs inside each worker process (collective_rpc with a callable): the worker of vLLM
+    rank 1 (weight-group rank 2) fails its next apply, before touching any weight."""
+    if worker.rank != 1:
+        return 0
+    applier = worker._inflight_target.applier
+    real = applier.apply
+
+    def apply() -> None:
+        applier.apply = real
+        raise RuntimeError("injected commit failure")
+
+    applier.apply = apply
+    return 1
+
+
 def fail_after_applying(worker) -> int:
     """Inside the worker: its next apply writes the new weights, then fails (a half-done commit)."""
     applier = worker._inflight_target.applier

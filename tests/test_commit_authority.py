@@ -29,6 +29,7 @@ from engine_patches.rpc import WorkerStatus, as_result
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from tests.engine_harness import Reference, perturbed
+from tests.helpers import fail_next_commit_on_vllm_rank_1
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown"]
 PUSH = PushConfig(dtype="float32", bucket_mb=0.25)
@@ -44,22 +45,6 @@ def _first_trainer(model_dir, ports, go) -> None:
     go.wait()
     pusher = WeightPusher(GroupConfig(port=port, world_size=3, timeout_s=120), PUSH)
     pusher.push(1, perturbed(load_file(str(model_dir / "model.safetensors")), seed=400, scale=0.02))
-
-
-def _fail_next_commit_on_vllm_rank_1(worker) -> int:
-    """Inside each worker process: vLLM rank 1 (weight-group rank 2) fails its next apply
-    before touching a weight; rank 0 applies, then must take it back."""
-    if worker.rank != 1:
-        return 0
-    applier = worker._inflight_target.applier
-    real = applier.apply
-
-    def apply() -> None:
-        applier.apply = real
-        raise RuntimeError("injected commit failure")
-
-    applier.apply = apply
-    return 1
 
 
 def _statuses(llm) -> list[WorkerStatus]:
@@ -118,7 +103,7 @@ def test_a_trainer_lost_between_commit_and_outcome_leaves_every_rank_at_the_labe
 
         pusher = WeightPusher(group, PUSH)  # a new trainer, on the same port
         assert pusher.engine_versions == {1: 1, 2: 1}
-        assert llm.collective_rpc(_fail_next_commit_on_vllm_rank_1) == [0, 1]
+        assert llm.collective_rpc(fail_next_commit_on_vllm_rank_1) == [0, 1]
         with pytest.raises(PushRejected) as exc:
             pusher.push(2, perturbed(base, seed=401, scale=0.05))
         assert exc.value.codes == {"commit_failed"} and "rolled back on ranks [1]" in exc.value.rejections[1].reason

@@ -26,6 +26,7 @@ from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import Reference, drive, perturbed, push_at_steps
+from tests.helpers import fail_next_commit_on_vllm_rank_1
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5="]
 
@@ -131,26 +132,10 @@ def test_tp2_takes_updates_while_decoding_on_both_ranks_at_one_step(tp: TPEngine
         assert status.live_version == 3 and status.engine.live_version == 3
 
 
-def _fail_next_commit_on_vllm_rank_1(worker) -> int:
-    """Runs inside each worker process (collective_rpc with a callable): the worker of vLLM
-    rank 1 (weight-group rank 2) fails its next apply, before touching any weight."""
-    if worker.rank != 1:
-        return 0
-    applier = worker._inflight_target.applier
-    real = applier.apply
-
-    def apply() -> None:
-        applier.apply = real
-        raise RuntimeError("injected commit failure")
-
-    applier.apply = apply
-    return 1
-
-
 def test_failure_on_one_rank_rolls_back_both_and_the_label_stays(tp: TPEngine) -> None:
     before = tp.greedy()
     live = before[0][1].versions[0]
-    assert tp.llm.collective_rpc(_fail_next_commit_on_vllm_rank_1) == [0, 1]
+    assert tp.llm.collective_rpc(fail_next_commit_on_vllm_rank_1) == [0, 1]
     with pytest.raises(PushRejected) as exc:
         tp.push(perturbed(tp.base, seed=300, scale=0.05))
     assert exc.value.phase == "commit" and exc.value.codes == {"commit_failed"}

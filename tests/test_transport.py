@@ -218,13 +218,8 @@ def test_a_bucket_declaring_more_than_the_whole_update_breaks_the_group(port) ->
     declares more than the whole update cannot, and the sender is not speaking this protocol."""
     from inflight.transport.errors import TransportError
 
-    config = GroupConfig(port=port, world_size=2, timeout_s=10)
-    trainer: list[WeightGroup] = []
-    t = threading.Thread(target=lambda: trainer.append(WeightGroup(config, 0)))
-    t.start()
-    worker = WeightGroup(config, 1)
-    t.join()
-    sender = BucketSender(trainer[0], bucket_bytes=4096, checksum_algo="crc32")
+    trainer, worker = form_pair(port)
+    sender = BucketSender(trainer, bucket_bytes=4096, checksum_algo="crc32")
     announce = sender.pack(1, {"w": torch.ones(64)})  # 256 B, one bucket
     flat = torch.zeros(announce.total_bytes, dtype=torch.uint8)
 
@@ -235,7 +230,7 @@ def test_a_bucket_declaring_more_than_the_whole_update_breaks_the_group(port) ->
     with pytest.raises(TransportError, match="declares 1024 B, more than the whole update"):
         BucketReceiver(worker).receive(announce, flat, timeout_s=5.0)
     worker.close()
-    trainer[0].close()
+    trainer.close()
     sending.join(30)
 
 
@@ -247,13 +242,8 @@ def _quietly(fn, *args, **kw) -> None:
 
 
 def test_receiver_timeout_names_peer_and_bucket(port) -> None:
-    config = GroupConfig(port=port, world_size=2, timeout_s=10)
-    trainer: list[WeightGroup] = []
-    t = threading.Thread(target=lambda: trainer.append(WeightGroup(config, 0)))
-    t.start()
-    worker = WeightGroup(config, 1)
-    t.join()
-    announce = BucketSender(trainer[0], bucket_bytes=128, checksum_algo="crc32").pack(1, {"w": torch.ones(64)})
+    trainer, worker = form_pair(port)
+    announce = BucketSender(trainer, bucket_bytes=128, checksum_algo="crc32").pack(1, {"w": torch.ones(64)})
     flat = torch.zeros(announce.total_bytes, dtype=torch.uint8)
     with pytest.raises(TransportTimeout) as exc:  # the trainer announced but never sends bucket 0
         BucketReceiver(worker).receive(announce, flat, timeout_s=1.0)
