@@ -81,7 +81,7 @@ class InflightWorkerExtension:
 
         self._inflight_routing = RoutingRecorder(self.model_runner) if config.record_routing else None
         plan = applier.shard_plan()  # what this rank's loaders read, sent to the trainer in each hello
-        pool, need = self._inflight_reserve(config, schema, applier, device, budget, node_workers, secret is not None)
+        pool, need = self._inflight_reserve(config, schema, applier, device, budget, node_workers, secret is not None, plan)
         target = EngineTarget(applier, config, rank, device)
         self._inflight_hook = self.model_runner.get_model().register_forward_pre_hook(target.on_forward)
         self._inflight_target = target
@@ -107,7 +107,8 @@ class InflightWorkerExtension:
                            routing=None if routing is None else (routing.layers, routing.top_k))
 
     def _inflight_reserve(self, config: InflightConfig, schema: TensorSchema, applier: CommitStrategy, device: torch.device,
-                          budget: MemoryBudget, node_workers: int, mac: bool) -> tuple[StagingPool, StagingNeed]:
+                          budget: MemoryBudget, node_workers: int, mac: bool,
+                          plan: ShardPlan | None) -> tuple[StagingPool, StagingNeed]:
         """Check that everything staging holds fits where it will live (``inflight.memory``),
         then allocate it now, at its exact size."""
         data = self._inflight_data_device(config)
@@ -116,7 +117,7 @@ class InflightWorkerExtension:
         rollback_copy = config.keep_rollback and applier.strategy != "swap"  # swap rolls back by module
         plane = "device" if data.type == device.type else "host"
         bucket_bytes = int(config.max_bucket_mb * (1 << 20))
-        need = staging_need(schema, staging=where, rollback_copy=rollback_copy, commit_bytes=applier.held_bytes(),
+        need = staging_need(schema, plan=plan, staging=where, rollback_copy=rollback_copy, commit_bytes=applier.held_bytes(),
                             commit=applier.strategy, bucket_bytes=bucket_bytes, plane=plane, plane_cuda=data.type == "cuda", mac=mac)
         check_fits(need, device=device, budget=budget, node_workers=node_workers,
                    gpu_memory_utilization=getattr(self.vllm_config.cache_config, "gpu_memory_utilization", None))
@@ -162,7 +163,8 @@ class InflightWorkerExtension:
             target.channel = group.sub_store(f"{ENGINE_CHANNEL}/{self._inflight_engine_id}")
             target.incarnation = group.incarnation
             self._inflight_listener = UpdateListener(group, target, schema, stats=stats, stale_timeout_s=config.stale_timeout_s,
-                                                     check_finite=config.check_finite, pool=self._inflight_pool)
+                                                     check_finite=config.check_finite, pool=self._inflight_pool,
+                                                     plan=plan)
             try:
                 self._inflight_listener.run(stop)
             except TransportError as e:

@@ -45,7 +45,7 @@ import torch
 
 from inflight.settings import StagingPlace
 from inflight.transport.layout import ALIGN, WSUM_TEMP_BYTES, TensorSchema
-from inflight.protocol import DTYPE_ITEMSIZE
+from inflight.protocol import DTYPE_ITEMSIZE, ShardPlan
 
 GiB = float(1 << 30)
 CUDA_MARGIN_BYTES = 512 << 20
@@ -56,11 +56,13 @@ class StagingMemoryError(RuntimeError):
     """The engine cannot hold the staging buffers it would need."""
 
 
-def update_bytes(schema: TensorSchema) -> int:
-    """Bytes of one update on the wire and in staging (the aligned flat layout)."""
+def update_bytes(schema: TensorSchema, plan: ShardPlan | None = None) -> int:
+    """Bytes of one update on the wire and in staging (the aligned flat layout): every tensor
+    whole, or, with this worker's shard ``plan``, the boxes it reads."""
+    boxes = {} if plan is None else {s.name: s.length for s in plan.shards}
     total = 0
-    for shape, dtype in schema.tensors.values():
-        total += -(-math.prod(shape) * DTYPE_ITEMSIZE[dtype] // ALIGN) * ALIGN
+    for name, (shape, dtype) in schema.tensors.items():
+        total += -(-math.prod(boxes.get(name, shape)) * DTYPE_ITEMSIZE[dtype] // ALIGN) * ALIGN
     return total
 
 
@@ -98,13 +100,14 @@ class StagingNeed:
         return f"{total / GiB:.2f} GiB ({items})"
 
 
-def staging_need(schema: TensorSchema, *, staging: StagingPlace, rollback_copy: bool, commit_bytes: int = 0,
-                 commit: str = "swap", bucket_bytes: int = 0, plane: StagingPlace = "device", plane_cuda: bool = False,
-                 mac: bool = False) -> StagingNeed:
+def staging_need(schema: TensorSchema, *, plan: ShardPlan | None = None, staging: StagingPlace, rollback_copy: bool,
+                 commit_bytes: int = 0, commit: str = "swap", bucket_bytes: int = 0, plane: StagingPlace = "device",
+                 plane_cuda: bool = False, mac: bool = False) -> StagingNeed:
     """What a worker holds (see the module docstring). ``plane``: where the data plane lands
     buckets (``device``: NCCL on the engine's GPU, or gloo on a CPU engine; ``host``: gloo
-    beside a GPU engine); ``plane_cuda``: that is a GPU; ``mac``: a secret is set."""
-    n = update_bytes(schema)
+    beside a GPU engine); ``plane_cuda``: that is a GPU; ``mac``: a secret is set; ``plan``:
+    this worker's shard plan, whose boxes alone it stages (in a point-to-point generation)."""
+    n = update_bytes(schema, plan)
     copies = 2 if rollback_copy else 1
     parts = [Part("staging", n, staging)]
     if rollback_copy:

@@ -16,14 +16,14 @@ Channels:
   coordinator in EngineCore's process): ``CommitReady`` from every worker, then one
   ``EngineCommitted`` or ``EngineCommitFailed`` from the coordinator
 
-Ordering of one update (two-phase, so several engines commit the same versions):
-``UpdateAnnounce(v)`` -> every worker replies ``Accepted``/``Rejected`` -> if all accepted,
-frames ``BucketHeader(v, i)`` + bytes for i = 0..n-1, else one ``Abort`` frame -> every worker
-replies ``Staged``/``Rejected`` -> if all staged ``Commit(v)``, else ``Abort(v)`` -> every
-worker posts ``CommitReady(v)`` to its engine's coordinator, which commits v on all of that
-engine's workers at one step boundary (or on none) and posts the outcome -> every worker
-replies ``Committed``/``Rejected`` with that outcome. Every worker joins every frame broadcast, the
-refusing ones too, so the data plane never falls out of step.
+Ordering of one update (two-phase): ``UpdateAnnounce(v)`` -> ``Accepted``/``Rejected`` from
+every worker -> if all accepted, ``BucketHeader(v, i)`` + bytes for each bucket, else one
+``Abort`` frame -> ``Staged``/``Rejected`` -> ``Commit(v)`` if all staged, else ``Abort(v)`` ->
+``CommitReady(v)`` to each engine's coordinator, which commits v on all of that engine's
+workers at one step boundary (or on none) -> ``Committed``/``Rejected``. Every worker takes
+every frame, the refusing ones too, so the data plane never falls out of step. Frames are
+broadcast, or, in a generation whose members all sent a ``ShardPlan``, sent to each worker
+alone with the announce it reads at its own key (``ForEachRank``).
 """
 
 from __future__ import annotations
@@ -60,9 +60,8 @@ class ProtocolError(ValueError):
 
 
 class AuthError(ProtocolError):
-    """A message that fails authentication: it was not sealed with this side's shared secret
-    (the peers hold different ``INFLIGHT_SECRET``s, only one side has one, or a stray client
-    wrote it)."""
+    """A message not sealed with this side's shared secret (``INFLIGHT_SECRET``s differ, only
+    one side has one, or a stray client wrote it)."""
 
 
 class _Wire(Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind"):
@@ -77,11 +76,15 @@ class TensorSpec(Struct, frozen=True, forbid_unknown_fields=True):
     dtype: WireDtype
     offset: NonNeg
     nbytes: NonNeg
+    start: tuple[NonNeg, ...] = ()
+    """With a shard plan: where the box starts in the whole tensor (``shape`` is the box's)."""
 
     def __post_init__(self) -> None:
         numel = 1
         for d in self.shape:
             numel *= d
+        if self.start and len(self.start) != len(self.shape):
+            raise ValueError(f"tensor {self.name!r}: box start {self.start} for shape {self.shape}")
         if numel * DTYPE_ITEMSIZE[self.dtype] != self.nbytes:
             raise ValueError(
                 f"tensor {self.name!r}: nbytes={self.nbytes} but shape {self.shape} of {self.dtype} "
@@ -113,6 +116,8 @@ class UpdateAnnounce(_Wire, tag="announce"):
     tensors: tuple[TensorSpec, ...]
     buckets: tuple[BucketSpec, ...]
     protocol: int = PROTOCOL_VERSION
+    plan_digest: str = ""
+    """The digest of the worker's ``ShardPlan`` its boxes follow ("": whole tensors)."""
 
     def __post_init__(self) -> None:
         if self.protocol != PROTOCOL_VERSION:
@@ -149,6 +154,10 @@ class BucketHeader(_Wire, tag="bucket"):
     checksum: NonNeg
 
 
+class ForEachRank(_Wire, tag="for_each_rank"):
+    """Trainer -> workers: message ``seq`` differs per worker; each reads its own at ``msg/<seq>/<rank>``."""
+
+
 class Commit(_Wire, tag="commit"):
     """Trainer -> workers: every bucket of ``version`` was sent; swap it in at the next step boundary."""
 
@@ -164,7 +173,6 @@ class Abort(_Wire, tag="abort"):
 
 class Shutdown(_Wire, tag="shutdown"):
     """Trainer -> workers: the trainer is leaving the group; stop listening."""
-
     reason: str = ""
 
 
@@ -196,24 +204,20 @@ class Joined(_Wire, tag="joined"):
     incarnation: str
     """A random id per worker process: a restarted engine is told apart from a rejoining one."""
     engine_ranks: tuple[NonNeg, ...] = ()
-    """Every weight-group rank of this worker's engine (its TP workers); empty: just ``rank``.
-    A generation admits an engine whole or not at all: a commit needs every one of its ranks."""
+    """Every weight-group rank of this worker's engine (empty: ``rank``); admitted whole or not at all."""
     plan: ShardPlan | None = None
     """What this worker's loaders read of each tensor; None: it needs every tensor whole."""
 
 
 class Accepted(_Wire, tag="accepted"):
     """Worker -> trainer: the announce is valid and staging is ready for its buckets."""
-
     rank: NonNeg
     version: NonNeg
 
 
 class Staged(_Wire, tag="staged"):
-    """Worker -> trainer: every bucket of ``version`` arrived and matched its checksum.
-
-    ``steps_during_transfer`` counts engine steps run while the buckets were arriving.
-    """
+    """Worker -> trainer: every bucket of ``version`` arrived and matched its checksum
+    (``steps_during_transfer``: engine steps run while they arrived)."""
 
     rank: NonNeg
     version: NonNeg
@@ -239,15 +243,10 @@ class Left(_Wire, tag="left"):
 
 
 class Committed(_Wire, tag="committed"):
-    """Worker -> trainer: ``version`` is live from engine step ``step`` on.
-
-    ``step`` counts model steps the engine ran before the commit, so the first token
-    tagged ``version`` comes from step ``step + 1``. ``tokens_at_commit`` maps each running
-    request (user id) to its number of output tokens at the commit: exactly the index of
-    its first token tagged ``version``. ``steps_since_first_bucket`` counts engine steps
-    run between the first bucket's arrival and the commit: decoding that the transfer
-    did not stop.
-    """
+    """Worker -> trainer: ``version`` is live from engine step ``step + 1`` on (``step``: model
+    steps before the commit). ``tokens_at_commit``: each running request's (user id) output
+    tokens at the commit, the index of its first token tagged ``version``;
+    ``steps_since_first_bucket``: steps decoded between the first bucket and the commit."""
 
     rank: NonNeg
     version: NonNeg
@@ -307,8 +306,8 @@ class Sampling(Struct, frozen=True, forbid_unknown_fields=True):
 
     def transforms(self) -> list[str]:
         """The transforms beyond temperature that are on, as ``name=value``."""
-        off = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "repetition_penalty": (1.0,),
-               "presence_penalty": (0.0,), "frequency_penalty": (0.0,)}
+        off = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "repetition_penalty": (1.0,), "presence_penalty": (0.0,),
+               "frequency_penalty": (0.0,)}
         return [f"{name}={getattr(self, name)}" for name, neutral in off.items() if getattr(self, name) not in neutral]
 
 
@@ -320,8 +319,8 @@ class RolloutGroup(_Wire, tag="group"):
     engine_id: str = ""
     """Which engine of the fleet sampled it (``trainer.engine_process``: ``e<index>``)."""
     sampling: Sampling | None = None
-    """How it was sampled; the trainer refuses groups whose distribution it cannot reproduce
-    (``inflight.rollout_queue.check_group``). None: not reported (a producer outside this package)."""
+    """How it was sampled (None: not reported); the trainer refuses groups whose distribution
+    it cannot reproduce (``inflight.rollout_queue.check_group``)."""
 
     def __post_init__(self) -> None:
         for s in self.samples:
@@ -363,9 +362,11 @@ class Roster(_Wire, tag="roster"):
 
     generation: Pos
     members: tuple[Pos, ...]
+    point_to_point: bool = False
+    """Every member sent a shard plan: frames go to each worker alone, each its own bytes."""
 
 
-ControlMessage = Union[UpdateAnnounce, Commit, Abort, Shutdown, Roster]
+ControlMessage = Union[UpdateAnnounce, ForEachRank, Commit, Abort, Shutdown, Roster]
 EngineMessage = Union[CommitReady, EngineCommitted, EngineCommitFailed]
 FrameMessage = Union[BucketHeader, Abort]
 ReplyMessage = Union[Joined, Accepted, Staged, Rejected, Committed, Left]

@@ -82,11 +82,16 @@ Schema = Mapping[str, tuple[tuple[int, ...], str]]
 """name -> (shape, wire dtype), as ``TensorSchema.tensors``."""
 
 
+def check_digest(plan: ShardPlan, who: str) -> None:
+    """Raise ``ValueError`` unless ``plan``'s digest is that of its shards."""
+    if plan.digest != plan_digest(plan.shards, plan.fallbacks):
+        raise ValueError(f"{who}: shard plan digest {plan.digest!r} does not match its shards (corrupted or altered)")
+
+
 def check_plan(plan: ShardPlan, schema: Schema, who: str) -> None:
     """Raise ``ValueError`` naming what is wrong unless ``plan`` has its digest and one box,
     inside the tensor, for every tensor of ``schema``."""
-    if plan.digest != plan_digest(plan.shards, plan.fallbacks):
-        raise ValueError(f"{who}: shard plan digest {plan.digest!r} does not match its shards (corrupted or altered)")
+    check_digest(plan, who)
     names = [s.name for s in plan.shards]
     if sorted(names) != sorted(schema) or len(set(names)) != len(names):
         missing, extra = sorted(set(schema) - set(names)), sorted(set(names) - set(schema))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -82,8 +83,27 @@ class Harness:
         gc.collect()
 
 
+def _fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's per-expert tensors (``...experts.<e>.gate_proj.weight``) as transformers
+    keeps them in memory: ``experts.gate_up_proj`` [E, 2I, H] (gate rows first) and
+    ``experts.down_proj`` [E, H, I]."""
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for name, t in state.items():
+        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+        if m is None:
+            out[name] = t
+        else:
+            experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = t
+    for prefix, by_expert in experts.items():
+        order = sorted(by_expert)
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_expert[e]["gate"], by_expert[e]["up"]]) for e in order])
+        out[f"{prefix}.down_proj"] = torch.stack([by_expert[e]["down"] for e in order])
+    return out
+
+
 class Reference:
-    """The same model in transformers, loaded with any state."""
+    """The same model in transformers, loaded with any state (experts fused as transformers keeps them)."""
 
     def __init__(self, model_dir: Path, dtype: str) -> None:
         from transformers import AutoModelForCausalLM
@@ -91,6 +111,7 @@ class Reference:
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
 
     def load(self, state: dict[str, torch.Tensor]) -> Reference:
+        state = _fused_experts(state)
         with torch.no_grad():
             result = self.model.load_state_dict({k: v.to(self.model.dtype) for k, v in state.items()}, strict=False)
         tied = getattr(self.model.config, "tie_word_embeddings", False)

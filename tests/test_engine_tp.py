@@ -1,6 +1,10 @@
 """A tensor-parallel (TP=2) engine: two worker processes (vLLM's ``mp`` executor), one
 EngineCore (in this process, so the test reads its step counter), one weight group of
-three ranks (trainer 0, workers 1 and 2).
+three ranks (trainer 0, workers 1 and 2). Every test runs on a tiny Llama and on a tiny
+Qwen3-MoE.
+
+- each rank's shard plan: the boxes of the checkpoint its loaders read; the two ranks'
+  boxes tile every split tensor, and each rank is sent and stages exactly its own;
 
 - in-flight updates while decoding land on both ranks at the same engine step, with exact
   tags, and the engine then equals transformers with the new weights (fp32, 1e-5);
@@ -72,10 +76,10 @@ class TPEngine:
         gc.collect()
 
 
-@pytest.fixture(scope="module")
-def tp(tiny_llama, hold_port):
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_moe"])
+def tp(request, hold_port):
     with pytest.MonkeyPatch.context() as mp:
-        engine = TPEngine(tiny_llama, hold_port(), mp)
+        engine = TPEngine(request.getfixturevalue(request.param), hold_port(), mp)
         yield engine
         engine.close()
     import vllm.envs
@@ -158,7 +162,9 @@ def test_each_rank_reports_what_its_loaders_read_and_the_two_tile_every_split_te
     """The shard plans the ranks send in their hellos: every tensor is read by some rank; a
     tensor a rank reads only part of is split between the two exactly (disjoint boxes that
     tile it); the rest (norms) is read whole by both; no fallback on Llama."""
+    from inflight.memory import update_bytes
     from inflight.shard_plan import check_plan, plan_bytes
+    from inflight.transport.layout import TensorSchema
 
     schema = {n: (tuple(t.shape), "float32") for n, t in tp.base.items()}
     plans = {r: tp.pusher.group.hellos[r].plan for r in (1, 2)}
@@ -180,7 +186,10 @@ def test_each_rank_reports_what_its_loaders_read_and_the_two_tile_every_split_te
         assert first.start[d] == 0 and first.start[d] + first.length[d] == second.start[d]  # disjoint, adjacent
         assert second.start[d] + second.length[d] == shape[d]  # together, the whole tensor
     kinds = {n.rsplit(".", 1)[0].split(".")[-1] for n in split}
-    assert kinds == {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head"}, kinds
+    # a Qwen3-MoE's experts are split the same way; its embeddings are tied (no lm_head); its router is read whole
+    moe = any(".experts." in n for n in schema)
+    expected = {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"} | (set() if moe else {"lm_head"})
+    assert kinds == expected, kinds
     # one KV head for two ranks: vLLM replicates k_proj and v_proj, and each rank reads them whole
     total = sum(math.prod(shape) * 4 for shape, _ in schema.values())
     split_bytes = sum(math.prod(schema[n][0]) * 4 for n in split)
@@ -189,3 +198,19 @@ def test_each_rank_reports_what_its_loaders_read_and_the_two_tile_every_split_te
     for r, b in counted.items():
         assert b.fallback == 0 and plans[r].fallbacks == ()
         assert b.replicated == total - split_bytes and b.total == b.sharded + total - split_bytes
+    # every member sent a plan: each rank is sent, and stages, exactly its boxes
+    assert tp.pusher.group.point_to_point
+    mine = {r: update_bytes(TensorSchema(schema), p) for r, p in plans.items()}
+    assert max(mine.values()) < 0.6 * update_bytes(TensorSchema(schema))
+    state = perturbed(tp.base, seed=250, scale=0.02)
+    result = tp.push(state)
+    assert result.send.nbytes == sum(mine.values())
+    assert sorted(tp.llm.collective_rpc(_staging_buffer_bytes)) == sorted(mine.values())
+    _assert_matches(tp, state, tp.version)
+
+
+def _staging_buffer_bytes(worker) -> int:
+    """Inside a worker: the bytes of its staging buffer (the swap commit keeps no rollback copy)."""
+    pool = worker._inflight_pool
+    assert pool.previous is None and len(pool._free) == 1
+    return pool._free[0].numel()

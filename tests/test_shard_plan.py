@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine_patches.commit.load_plan import LoadPlan
-from inflight.protocol import Joined, decode_reply, encode
+from inflight.protocol import BucketSpec, Joined, decode_reply, encode
 from inflight.shard_plan import box_of_view, check_plan, make_plan, plan_bytes, whole
 
 
@@ -108,3 +108,28 @@ def test_copies_replayed_from_a_box_write_what_they_write_from_the_whole_tensor(
     assert len(from_full) == len(from_box) == 4
     for a, b in zip(from_full, from_box):
         assert torch.equal(a, b)
+
+
+def test_an_announce_is_checked_against_the_workers_own_plan() -> None:
+    """A point-to-point announce must follow the plan this worker sent: its digest, and for
+    every tensor exactly the box the plan names; boxes without a plan are refused too."""
+    from inflight.protocol import UpdateAnnounce
+    from inflight.transport.layout import TensorSchema, plan_tensors
+
+    schema = TensorSchema({"a": ((8, 4), "float32"), "b": ((4,), "float32")})
+    plan = make_plan({"a": ((4, 0), (4, 4)), "b": whole((4,))}, [])
+
+    def announce(boxes: dict, digest: str) -> UpdateAnnounce:
+        tensors, total = plan_tensors(((n, b[1], "float32") for n, b in boxes.items()), starts={n: b[0] for n, b in boxes.items()})
+        return UpdateAnnounce(version=1, total_bytes=total, bucket_bytes=1 << 20, checksum_algo="crc32", tensors=tensors,
+                              buckets=(BucketSpec(index=0, offset=0, nbytes=total, checksum=0),), plan_digest=digest)
+    good = {"a": ((4, 0), (4, 4)), "b": ((0,), (4,))}
+    assert schema.check(announce(good, plan.digest), plan) is None
+    wrong_box = schema.check(announce({"a": ((0, 0), (4, 4)), "b": ((0,), (4,))}, plan.digest), plan)
+    assert wrong_box is not None and wrong_box.code == "bad_shape" and "plan reads (4, 0)+(4, 4)" in wrong_box.reason
+    other = schema.check(announce(good, "0" * 32), plan)
+    assert other is not None and other.code == "bad_layout" and "follows shard plan 000" in other.reason
+    unplanned = schema.check(announce(good, plan.digest), None)
+    assert unplanned is not None and unplanned.code == "bad_layout" and "this worker sent no shard plan" in unplanned.reason
+    boxes_only = schema.check(announce(good, ""), plan)
+    assert boxes_only is not None and boxes_only.code == "bad_layout" and "boxes without a shard plan" in boxes_only.reason

@@ -128,7 +128,10 @@ def _pool_residency(worker) -> list[float]:
 
 
 def test_the_pool_hands_out_what_it_reserved_and_the_reservation_is_resident() -> None:
-    assert resident_fraction(torch.empty(64 * MiB, dtype=torch.uint8)) < 0.5  # what torch.empty gives: not resident
+    import mmap
+
+    untouched = mmap.mmap(-1, 64 * MiB)  # a fresh mapping nothing wrote to: the probe sees it is not resident
+    assert resident_fraction(torch.frombuffer(untouched, dtype=torch.uint8)) < 0.5
     pool = StagingPool(torch.device("cpu"))
     pool.reserve(64 * MiB, 2)
     # written at once: an untouched allocation is not resident, so the next engine starting on

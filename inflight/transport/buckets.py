@@ -33,6 +33,7 @@ from inflight.protocol import (
     FrameMessage,
     ProtocolError,
     RejectCode,
+    ShardPlan,
     UpdateAnnounce,
     decode_frame,
     encode,
@@ -41,8 +42,10 @@ from inflight.transport.errors import TransportError, UpdateRejected
 from inflight.transport.group import WeightGroup
 from inflight.transport.layout import bucket_specs, checksum, dtype_name, pack_into, plan_tensors
 
-def _mac_context(group: WeightGroup, version: int, index: int) -> str:
-    return group.auth_context(f"bucket/{version}/{index}")
+def _mac_context(group: WeightGroup, version: int, index: int, rank: int | None = None) -> str:
+    """What a bucket's MAC binds: its version and index, and, when it goes to one worker
+    alone, that worker (a bucket sent to one rank cannot be replayed to another)."""
+    return group.auth_context(f"bucket/{version}/{index}" if rank is None else f"bucket/{version}/{rank}/{index}")
 
 
 FRAME_BYTES = 256  # header frame: 4-byte little-endian length + msgpack, zero padded
@@ -79,6 +82,11 @@ class SendStats:
 Tamper = Callable[[BucketHeader, torch.Tensor], tuple[BucketHeader, torch.Tensor]]
 
 
+def _fits(box: tuple[tuple[int, ...], tuple[int, ...]], shape: torch.Size) -> bool:
+    start, length = box
+    return len(start) == len(shape) and all(s + n <= d for s, n, d in zip(start, length, shape))
+
+
 class BucketSender:
     """Rank 0: owns the flat snapshot buffer, reused across versions."""
 
@@ -90,7 +98,7 @@ class BucketSender:
         self.group = group
         self.bucket_bytes = bucket_bytes
         self.checksum_algo = checksum_algo
-        self._flat = torch.empty(0, dtype=torch.uint8, device=group.device)
+        self._flats: dict[int | None, torch.Tensor] = {}  # None: the broadcast snapshot; a rank: its own
         self.last_pack_s = 0.0
 
     def pack(self, version: int, named: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> UpdateAnnounce:
@@ -98,21 +106,41 @@ class BucketSender:
         t0 = time.perf_counter()
         wire = {name: dtype_name(dtype or t.dtype) for name, t in named.items()}
         tensors, total = plan_tensors((name, tuple(t.shape), wire[name]) for name, t in named.items())
-        if self._flat.numel() < total:
-            self._flat = torch.empty(total, dtype=torch.uint8, device=self.group.device)
-        self._flat[:total].zero_()  # alignment padding is part of the checksummed bytes
-        pack_into(self._flat, tensors, named)
-        buckets = bucket_specs(self._flat, total, self.bucket_bytes, self.checksum_algo)
-        if self.group.secret is not None:  # the announce is sealed, so the MACs in it are the trainer's
-            buckets = [msgspec.structs.replace(b, mac=bucket_mac(self.group.secret, _mac_context(self.group, version, b.index),
-                                                                 self._flat[b.offset: b.offset + b.nbytes]))
-                       for b in buckets]
-        announce = UpdateAnnounce(
-            version=version, total_bytes=total, bucket_bytes=self.bucket_bytes, checksum_algo=self.checksum_algo,
-            tensors=tensors, buckets=tuple(buckets),
-        )
+        announce = self._snapshot(None, version, tensors, total, named)
         self.last_pack_s = time.perf_counter() - t0
         return announce
+
+    def pack_each(self, version: int, named: Mapping[str, torch.Tensor], plans: Mapping[int, ShardPlan],
+                  dtype: torch.dtype | None = None) -> dict[int, UpdateAnnounce]:
+        """Snapshot, for each worker, the boxes of ``named`` its shard plan asks for (in the
+        update's tensor order), and describe them: one announce per worker."""
+        t0 = time.perf_counter()
+        wire = {name: dtype_name(dtype or t.dtype) for name, t in named.items()}
+        out = {}
+        for rank, plan in plans.items():
+            boxes = {s.name: (s.start, s.length) for s in plan.shards}
+            # a tensor the plan has no box for that fits goes whole (start ()): the worker refuses
+            # the update naming it, as it would a broadcast one
+            fit = {n: b for n, b in boxes.items() if n in named and _fits(b, named[n].shape)}
+            tensors, total = plan_tensors(((n, fit[n][1] if n in fit else tuple(t.shape), wire[n]) for n, t in named.items()),
+                                          starts={n: fit[n][0] if n in fit else () for n in named})
+            out[rank] = msgspec.structs.replace(self._snapshot(rank, version, tensors, total, named), plan_digest=plan.digest)
+        self.last_pack_s = time.perf_counter() - t0
+        return out
+
+    def _snapshot(self, rank: int | None, version: int, tensors: tuple, total: int,
+                  named: Mapping[str, torch.Tensor]) -> UpdateAnnounce:
+        flat = self._flats.get(rank)
+        if flat is None or flat.numel() < total:
+            flat = self._flats[rank] = torch.empty(total, dtype=torch.uint8, device=self.group.device)
+        flat[:total].zero_()  # alignment padding is part of the checksummed bytes
+        pack_into(flat, tensors, named)
+        buckets = bucket_specs(flat, total, self.bucket_bytes, self.checksum_algo)
+        if self.group.secret is not None:  # the announce is sealed, so the MACs in it are the trainer's
+            buckets = tuple(msgspec.structs.replace(b, mac=bucket_mac(self.group.secret, _mac_context(
+                self.group, version, b.index, rank), flat[b.offset: b.offset + b.nbytes])) for b in buckets)
+        return UpdateAnnounce(version=version, total_bytes=total, bucket_bytes=self.bucket_bytes,
+                              checksum_algo=self.checksum_algo, tensors=tensors, buckets=tuple(buckets))
 
     def send(self, announce: UpdateAnnounce, *, tamper: Tamper | None = None) -> SendStats:
         """Broadcast every bucket of the last ``pack``; returns when all broadcasts completed.
@@ -120,25 +148,48 @@ class BucketSender:
         Keeps at most two buckets in flight, so the link stays busy while the receivers
         verify the previous bucket.
         """
+        return self.send_each({None: announce}, tamper=tamper)
+
+    def send_each(self, announces: Mapping[int | None, UpdateAnnounce], *, tamper: Tamper | None = None) -> SendStats:
+        """Send every bucket of the last ``pack`` (``{None: announce}``: broadcast) or
+        ``pack_each`` (``{rank: announce}``: each worker its own, in turn, bucket by bucket).
+        Keeps at most two buckets in flight per destination, so the link stays busy while
+        the receivers verify the previous bucket."""
         t0 = time.perf_counter()
-        in_flight: list[tuple] = []
-        for b in announce.buckets:
-            header = BucketHeader(version=announce.version, index=b.index, offset=b.offset, nbytes=b.nbytes, checksum=b.checksum)
-            data = self._flat[b.offset: b.offset + b.nbytes]
-            if tamper is not None:
-                header, data = tamper(header, data)
-            v, n = announce.version, len(announce.buckets)
-            in_flight.append(self.group.start_broadcast(_frame(header, self.group.device), what=f"header of bucket {b.index} of v{v}"))
-            in_flight.append(self.group.start_broadcast(data, what=f"bucket {b.index}/{n} of v{v} ({data.numel()} B)"))
-            while len(in_flight) > 4:
-                self.group.wait(in_flight.pop(0))
-        for pending in in_flight:
-            self.group.wait(pending)
-        return SendStats(announce.version, announce.total_bytes, len(announce.buckets), self.last_pack_s, time.perf_counter() - t0)
+        in_flight: dict[int | None, list[tuple]] = {r: [] for r in announces}
+        for i in range(max((len(a.buckets) for a in announces.values()), default=0)):
+            for rank, announce in announces.items():
+                if i >= len(announce.buckets):
+                    continue
+                b, v, n = announce.buckets[i], announce.version, len(announce.buckets)
+                header = BucketHeader(version=v, index=b.index, offset=b.offset, nbytes=b.nbytes, checksum=b.checksum)
+                data = self._flats[rank][b.offset: b.offset + b.nbytes]
+                if tamper is not None:
+                    header, data = tamper(header, data)
+                to = "" if rank is None else f" to rank {rank}"
+                in_flight[rank].append(self._post(_frame(header, self.group.device), rank, f"header of bucket {b.index} of v{v}{to}"))
+                in_flight[rank].append(self._post(data, rank, f"bucket {b.index}/{n} of v{v}{to} ({data.numel()} B)"))
+                while len(in_flight[rank]) > 4:
+                    self.group.wait(in_flight[rank].pop(0))
+        for pending in in_flight.values():
+            for p in pending:
+                self.group.wait(p)
+        first = next(iter(announces.values()))
+        return SendStats(first.version, sum(a.total_bytes for a in announces.values()),
+                         sum(len(a.buckets) for a in announces.values()), self.last_pack_s, time.perf_counter() - t0)
+
+    def _post(self, tensor: torch.Tensor, rank: int | None, what: str) -> tuple:
+        if rank is None:
+            return self.group.start_broadcast(tensor, what=what)
+        return self.group.start_send(tensor, rank, what=what)
 
     def send_abort(self, version: int, reason: str) -> None:
-        """Broadcast the single ``Abort`` frame that replaces the buckets of a refused update."""
-        self.group.broadcast(_frame(Abort(version=version, reason=reason[:120]), self.group.device), what=f"abort frame of v{version}")
+        """The single ``Abort`` frame that replaces the buckets of a refused update: broadcast,
+        or sent to each worker in a point-to-point generation."""
+        frame = _frame(Abort(version=version, reason=reason[:120]), self.group.device)
+        ranks = list(self.group.roster) if self.group.point_to_point else [None]
+        for pending in [self._post(frame, r, f"abort frame of v{version}") for r in ranks]:
+            self.group.wait(pending)
 
 
 class BucketReceiver:
@@ -206,7 +257,7 @@ class BucketReceiver:
         first_error: UpdateRejected | None = None
         landed: tuple[BucketSpec, torch.Tensor] | None = None  # received, not yet verified
         n = len(announce.buckets)
-        next_header = self.group.start_broadcast(self._frames[0], what=f"header of bucket 0 of v{v}")
+        next_header = self.group.start_frame(self._frames[0], what=f"header of bucket 0 of v{v}")
         for spec in announce.buckets:
             self.group.wait(next_header, timeout_s)
             header: BucketHeader | None = None
@@ -237,9 +288,9 @@ class BucketReceiver:
                 window = dest[spec.offset: spec.offset + nbytes]
             else:  # the update is refused: its bytes are garbage from here on, and land over its own
                 window = self._refused_window(dest, nbytes, announce)
-            pending = self.group.start_broadcast(window, what=f"bucket {spec.index}/{n} of v{v}")
+            pending = self.group.start_frame(window, what=f"bucket {spec.index}/{n} of v{v}")
             if spec.index + 1 < n:
-                next_header = self.group.start_broadcast(
+                next_header = self.group.start_frame(
                     self._frames[(spec.index + 1) % 2], what=f"header of bucket {spec.index + 1} of v{v}"
                 )
             if landed is not None:  # verify the previous bucket while this one is on the wire
@@ -280,14 +331,15 @@ class BucketReceiver:
             return None
         if window.device.type != "cpu" and self.windows is not None and self.windows.mac_host is not None:
             window = self.windows.mac_host[:window.numel()].copy_(window)  # the reserved host copy, not a new one
-        if hmac.compare_digest(spec.mac, bucket_mac(secret, _mac_context(self.group, version, spec.index), window)):
+        rank = self.group.rank if self.group.point_to_point else None
+        if hmac.compare_digest(spec.mac, bucket_mac(secret, _mac_context(self.group, version, spec.index, rank), window)):
             return None
         return UpdateRejected("unauthenticated", f"bucket {spec.index} of v{version}: its bytes do not carry the "
                                                  "trainer's MAC (forged or altered in transit; INFLIGHT_SECRET)")
 
     def receive_abort(self, version: int, timeout_s: float | None = None) -> None:
         """Join the single abort frame that follows an announce this worker refused."""
-        self.group.broadcast(self._frames[0], what=f"abort frame of v{version}", timeout_s=timeout_s)
+        self.group.wait(self.group.start_frame(self._frames[0], what=f"abort frame of v{version}"), timeout_s)
         try:
             frame = _unframe(self._frames[0])
         except ProtocolError as e:

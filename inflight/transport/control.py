@@ -4,7 +4,9 @@ Ordering invariant: the trainer posts message ``seq`` only after collecting ever
 needs for earlier messages, and each worker reads messages strictly in ``seq`` order, so
 both sides agree on the sequence without any further handshake. Keys:
 
-- ``msg/<seq>``: a control message (``UpdateAnnounce``, ``Commit``, ``Abort``, ``Shutdown``);
+- ``msg/<seq>``: a control message (``UpdateAnnounce``, ``Commit``, ``Abort``, ``Shutdown``),
+  or ``ForEachRank`` when each worker's differs: worker ``rank`` reads ``msg/<seq>/<rank>``,
+  written before the marker;
 - ``rep/<seq>/<phase>/<rank>``: worker ``rank``'s reply to message ``seq`` (see ``Phase``).
 
 With a shared secret (``INFLIGHT_SECRET``) every message and reply is sealed with an HMAC
@@ -21,6 +23,7 @@ from typing import Literal
 
 from inflight.protocol import (
     ControlMessage,
+    ForEachRank,
     ProtocolError,
     ReplyMessage,
     decode_control,
@@ -28,7 +31,7 @@ from inflight.protocol import (
     encode,
 )
 from inflight.auth import seal, unseal
-from inflight.transport.errors import GaveUp, TransportTimeout
+from inflight.transport.errors import GaveUp, TransportError, TransportTimeout
 from inflight.transport.group import WeightGroup
 from inflight.transport.store import wait_key
 
@@ -49,13 +52,24 @@ class TrainerControl:
             raise ValueError("TrainerControl belongs to rank 0")
         self.group = group
         self.seq = 0
+        self._each: set[int] = set()  # messages posted per worker
 
     def post(self, msg: ControlMessage) -> int:
         seq = self.seq
-        key = f"msg/{seq}"
-        self.group.store.set(key, seal(encode(msg), self.group.secret, self.group.auth_context(key)))
+        self._set(f"msg/{seq}", msg)
         self.seq += 1
         return seq
+
+    def post_each(self, msgs: dict[int, ControlMessage]) -> int:
+        """One message per worker (every member of the generation), under one number."""
+        seq = self.seq
+        for rank, msg in msgs.items():
+            self._set(f"msg/{seq}/{rank}", msg)
+        self._each.add(seq)
+        return self.post(ForEachRank())
+
+    def _set(self, key: str, msg: ControlMessage) -> None:
+        self.group.store.set(key, seal(encode(msg), self.group.secret, self.group.auth_context(key)))
 
     def replies(self, seq: int, timeout_s: float, what: str, phase: Phase = "ack") -> dict[int, ReplyMessage]:
         """Each worker's reply to message ``seq``; raises naming the worker that stayed silent."""
@@ -73,6 +87,10 @@ class TrainerControl:
             self.group.store.delete_key(f"rep/{seq}/{phase}/{rank}")
         if seq > 0:  # every worker has read everything before ``seq``
             self.group.store.delete_key(f"msg/{seq - 1}")
+            if seq - 1 in self._each:
+                self._each.discard(seq - 1)
+                for rank in self.group.peers:
+                    self.group.store.delete_key(f"msg/{seq - 1}/{rank}")
         return out
 
     def read_reply(self, key: str, raw: bytes, what: str) -> ReplyMessage:
@@ -108,8 +126,15 @@ class WorkerControl:
         except GaveUp as e:
             raise GaveUp(f"{e}: the trainer opened a newer generation of the group") from None
         self.seq += 1
-        key = f"msg/{seq}"
-        return seq, decode_control(unseal(raw, self.group.secret, self.group.auth_context(key)))
+        msg = decode_control(unseal(raw, self.group.secret, self.group.auth_context(f"msg/{seq}")))
+        if isinstance(msg, ForEachRank):  # this worker's own is there already
+            key = f"msg/{seq}/{self.group.rank}"
+            try:
+                raw = self.group.store.get(key)
+            except RuntimeError as e:
+                raise TransportError(f"rank {self.group.rank}: control message #{seq} for this rank: {e}") from e
+            msg = decode_control(unseal(raw, self.group.secret, self.group.auth_context(key)))
+        return seq, msg
 
     def reply(self, seq: int, msg: ReplyMessage, phase: Phase = "ack") -> None:
         key = f"rep/{seq}/{phase}/{self.group.rank}"

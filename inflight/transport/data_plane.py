@@ -94,12 +94,24 @@ class DataPlane:
 
         Every member must post the same broadcasts in the same order.
         """
-        if self.pg is None:
-            raise TransportError(f"rank {self.rank}: posting {what}: the data plane was closed")
         opts = BroadcastOptions()
         opts.rootRank = 0
+        return self._post(lambda pg: pg.broadcast([tensor], opts), what)
+
+    def start_send(self, tensor: torch.Tensor, pg_rank: int, *, what: str) -> tuple[Work, str]:
+        """Rank 0: post ``tensor`` to one member alone (its process-group rank); finish with ``wait``.
+        Sends to one member arrive in the order posted."""
+        return self._post(lambda pg: pg.send([tensor], pg_rank, 0), what)
+
+    def start_recv(self, tensor: torch.Tensor, *, what: str) -> tuple[Work, str]:
+        """A worker: post a receive from rank 0 into ``tensor``; finish with ``wait``."""
+        return self._post(lambda pg: pg.recv([tensor], 0, 0), what)
+
+    def _post(self, op: Callable[[ProcessGroup], Work], what: str) -> tuple[Work, str]:
+        if self.pg is None:
+            raise TransportError(f"rank {self.rank}: posting {what}: the data plane was closed")
         try:
-            work = self.pg.broadcast([tensor], opts)
+            work = op(self.pg)
         except Exception as e:
             self._failed = True
             raise TransportError(f"rank {self.rank}: posting {what} failed: {e}") from e

@@ -106,6 +106,8 @@ class WeightGroup:
         self.data: DataPlane | None = None
         self.roster: tuple[int, ...] = ()
         """The worker ranks of the current generation, in data-plane order."""
+        self.point_to_point = False
+        """Frames go to each member alone (every member of the generation sent a shard plan)."""
         self.hellos: dict[int, Joined] = {}
         """Rank 0: each member's ``Joined`` for the current generation."""
         self._heartbeat: Heartbeat | None = None
@@ -164,9 +166,10 @@ class WeightGroup:
             if not members:
                 raise TransportTimeout(f"rank 0: no engine joined generation {g} whole within {timeout_s:.1f}s "
                                        f"(heard from ranks {sorted(hellos)}, wanted {sorted(want)})")
-            self._root.set(f"gen{g}/roster", seal(encode(Roster(generation=g, members=members)), self.secret,
-                                                  self._context(f"gen{g}/roster")))
-            self.roster = members
+            p2p = all(hellos[r].plan is not None for r in members)  # each its own bytes, point to point
+            self._root.set(f"gen{g}/roster", seal(encode(Roster(generation=g, members=members, point_to_point=p2p)),
+                                                  self.secret, self._context(f"gen{g}/roster")))
+            self.roster, self.point_to_point = members, p2p
             self._form_data_plane(g)
         finally:
             self._root.delete_key(f"gen{g}/open")
@@ -258,7 +261,7 @@ class WeightGroup:
             roster = self._wait_roster(g, deadline, stop)
             if roster is None or self.rank not in roster.members:
                 continue  # rank 0 formed g without this engine (it came too late): knock for the next
-            self.roster = roster.members
+            self.roster, self.point_to_point = roster.members, roster.point_to_point
             try:
                 self._form_data_plane(g)
                 return
@@ -340,8 +343,20 @@ class WeightGroup:
         """Post a broadcast from rank 0 (``DataPlane.start_broadcast``)."""
         return self._plane().start_broadcast(tensor, what=what)
 
+    def start_send(self, tensor: torch.Tensor, rank: int, *, what: str) -> tuple[Work, str]:
+        """Rank 0: post ``tensor`` to worker ``rank`` alone (``DataPlane.start_send``)."""
+        return self._plane().start_send(tensor, 1 + self.roster.index(rank), what=what)
+
+    def start_recv(self, tensor: torch.Tensor, *, what: str) -> tuple[Work, str]:
+        """A worker: post a receive from rank 0 (``DataPlane.start_recv``)."""
+        return self._plane().start_recv(tensor, what=what)
+
+    def start_frame(self, tensor: torch.Tensor, *, what: str) -> tuple[Work, str]:
+        """A worker: take the next frame or bucket of rank 0's, broadcast or sent to it alone."""
+        return self.start_recv(tensor, what=what) if self.point_to_point else self.start_broadcast(tensor, what=what)
+
     def wait(self, pending: tuple[Work, str], timeout_s: float | None = None) -> None:
-        """Finish a posted broadcast (``DataPlane.wait``)."""
+        """Finish a posted broadcast, send or receive (``DataPlane.wait``)."""
         self._plane().wait(pending, timeout_s)
 
     def broadcast(self, tensor: torch.Tensor, *, what: str, timeout_s: float | None = None) -> None:

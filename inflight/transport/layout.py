@@ -19,7 +19,7 @@ import xxhash
 
 import torch
 
-from inflight.protocol import DTYPE_ITEMSIZE, BucketSpec, ChecksumAlgo, TensorSpec, UpdateAnnounce
+from inflight.protocol import DTYPE_ITEMSIZE, BucketSpec, ChecksumAlgo, ShardPlan, TensorSpec, UpdateAnnounce
 from inflight.transport.errors import UpdateRejected
 
 ALIGN = 64  # bytes; a cache line, and enough for every dtype's alignment on CPU and GPU
@@ -42,8 +42,10 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown wire dtype {name!r}") from None
 
 
-def plan_tensors(specs: Iterable[tuple[str, Sequence[int], str]]) -> tuple[tuple[TensorSpec, ...], int]:
-    """Lay out ``(name, shape, dtype)`` in the given order; return the specs and total bytes."""
+def plan_tensors(specs: Iterable[tuple[str, Sequence[int], str]],
+                 starts: Mapping[str, Sequence[int]] | None = None) -> tuple[tuple[TensorSpec, ...], int]:
+    """Lay out ``(name, shape, dtype)`` in the given order; return the specs and total bytes.
+    ``starts``: for boxes of tensors (a shard plan's), where each starts; ``shape`` is the box's."""
     out: list[TensorSpec] = []
     offset = 0
     for name, shape, dtype in specs:
@@ -51,7 +53,9 @@ def plan_tensors(specs: Iterable[tuple[str, Sequence[int], str]]) -> tuple[tuple
         for d in shape:
             numel *= int(d)
         nbytes = numel * DTYPE_ITEMSIZE[dtype]
-        out.append(TensorSpec(name=name, shape=tuple(int(d) for d in shape), dtype=dtype, offset=offset, nbytes=nbytes))
+        start = tuple(int(s) for s in starts[name]) if starts is not None else ()
+        out.append(TensorSpec(name=name, shape=tuple(int(d) for d in shape), dtype=dtype, offset=offset, nbytes=nbytes,
+                              start=start))
         offset += -(-nbytes // ALIGN) * ALIGN
     return tuple(out), offset
 
@@ -144,9 +148,12 @@ def tensor_views(flat: torch.Tensor, tensors: Sequence[TensorSpec]) -> dict[str,
 def pack_into(flat: torch.Tensor, tensors: Sequence[TensorSpec], named: Mapping[str, torch.Tensor]) -> None:
     """Copy (and cast, once) each named tensor into its place in ``flat``."""
     views = tensor_views(flat, tensors)
+    starts = {t.name: t.start for t in tensors if t.start}
     with torch.no_grad():
         for name, view in views.items():
             src = named[name]
+            for d, s in enumerate(starts.get(name, ())):  # a box of the tensor: only its part goes
+                src = src.narrow(d, s, view.shape[d])
             if tuple(src.shape) != tuple(view.shape):
                 raise ValueError(f"tensor {name!r}: shape {tuple(src.shape)} does not match layout {tuple(view.shape)}")
             view.copy_(src.detach())
@@ -158,7 +165,21 @@ class TensorSchema:
 
     tensors: Mapping[str, tuple[tuple[int, ...], str]]
 
-    def check(self, announce: UpdateAnnounce) -> UpdateRejected | None:
+    def check(self, announce: UpdateAnnounce, plan: ShardPlan | None = None) -> UpdateRejected | None:
+        """Why ``announce`` is not exactly an update of these tensors (each whole, or, when it
+        follows this worker's shard ``plan``, each the plan's box of it), or None."""
+        if announce.plan_digest:
+            if plan is None or announce.plan_digest != plan.digest:
+                mine = "no shard plan" if plan is None else f"shard plan {plan.digest}"
+                return UpdateRejected("bad_layout", f"v{announce.version} follows shard plan {announce.plan_digest}; "
+                                                    f"this worker sent {mine}")
+            boxes = {s.name: (tuple(s.start), tuple(s.length)) for s in plan.shards}
+            for t in announce.tensors:
+                if t.name in boxes and (tuple(t.start), tuple(t.shape)) != boxes[t.name]:
+                    return UpdateRejected("bad_shape", f"{t.name}: box {tuple(t.start)}+{tuple(t.shape)}, this worker's plan "
+                                                       f"reads {boxes[t.name][0]}+{boxes[t.name][1]}")
+        elif any(t.start for t in announce.tensors):
+            return UpdateRejected("bad_layout", f"v{announce.version} sends boxes without a shard plan")
         names = {t.name for t in announce.tensors}
         unknown = sorted(names - self.tensors.keys())
         if unknown:
@@ -168,7 +189,7 @@ class TensorSchema:
             return UpdateRejected("missing_tensor", f"v{announce.version} lacks {len(missing)} tensors, e.g. {missing[:5]}")
         for t in announce.tensors:
             shape, dtype = self.tensors[t.name]
-            if tuple(t.shape) != tuple(shape):
+            if tuple(t.shape) != tuple(shape) and not announce.plan_digest:
                 return UpdateRejected("bad_shape", f"{t.name}: shape {tuple(t.shape)}, engine has {tuple(shape)}")
             if t.dtype != dtype:
                 return UpdateRejected("bad_dtype", f"{t.name}: dtype {t.dtype}, engine runs {dtype}")

@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 
 from inflight.protocol import (
+    ShardPlan,
     Abort,
     Accepted,
     AuthError,
@@ -166,7 +167,7 @@ class UpdateListener:
     def __init__(
         self, group: WeightGroup, target: CommitTarget, schema: TensorSchema | None, *,
         stale_timeout_s: float = 60.0, check_finite: bool = True, stats: ListenerStats | None = None,
-        pool: StagingPool | None = None,
+        pool: StagingPool | None = None, plan: ShardPlan | None = None,
     ) -> None:
         self.group = group
         self.target = target
@@ -175,6 +176,8 @@ class UpdateListener:
         self.check_finite = check_finite
         self.control = WorkerControl(group)
         self.pool = pool if pool is not None else StagingPool(group.device)
+        self.plan = plan
+        """This worker's shard plan (sent in its hello): a point-to-point announce must follow it."""
         self.receiver = BucketReceiver(group, self.pool.windows)
         self._staged: StagedVersion | None = None
         self.stats = stats if stats is not None else ListenerStats()
@@ -322,7 +325,7 @@ class UpdateListener:
         if a.version <= self.target.live_version:
             note = " (versions start at 1: 0 names the weights the engine loaded)" if a.version == 0 else ""
             return UpdateRejected("stale_version", f"v{a.version} is not newer than the live v{self.target.live_version}{note}")
-        return self.schema.check(a) if self.schema is not None else None
+        return self.schema.check(a, self.plan) if self.schema is not None else None
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         return self.pool.take(nbytes)

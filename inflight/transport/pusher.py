@@ -34,11 +34,16 @@ from inflight.protocol import (
     UpdateAnnounce,
 )
 from inflight.settings import ChecksumChoice, PushDtype, check_choices
+from inflight.shard_plan import check_digest
 from inflight.transport.buckets import BucketSender, SendStats, Tamper
 from inflight.transport.control import TrainerControl
 from inflight.transport.errors import TransportError
 from inflight.transport.group import GroupConfig, WeightGroup
 from inflight.transport.store import wait_key
+
+
+Packed = dict[int | None, UpdateAnnounce]
+"""What a push sends: ``{None: announce}`` (broadcast) or ``{rank: announce}`` (each worker its own)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,22 +180,29 @@ class WeightPusher:
         self._atexit = lambda: (p := ref()) is not None and p.close("trainer process exiting")
         atexit.register(self._atexit)
 
-    def _pack(self, version: int, named: Mapping[str, torch.Tensor]) -> UpdateAnnounce:
+    def _pack(self, version: int, named: Mapping[str, torch.Tensor]) -> Packed:
+        """One announce for every worker (broadcast), or, in a generation whose members all sent
+        shard plans, one per worker with its boxes only (``inflight.shard_plan``)."""
         check_update(version, named, self.group.device)
-        return self.sender.pack(version, named, self._dtype)
+        if not self.group.point_to_point:
+            return {None: self.sender.pack(version, named, self._dtype)}
+        plans = {r: h.plan for r, h in self.group.hellos.items() if h.plan is not None}
+        for rank, plan in plans.items():  # a corrupted plan is the trainer's to refuse; a mismatched update, the worker's
+            check_digest(plan, f"worker rank {rank}")
+        return dict(self.sender.pack_each(version, named, plans, self._dtype))
 
     def send(self, version: int, named: Mapping[str, torch.Tensor], *, tamper: Tamper | None = None) -> tuple[SendStats, dict[int, Staged]]:
         """Phase 1: announce, stream the buckets, and collect ``Staged`` from every worker."""
         return self._send_packed(self._pack(version, named), tamper)
 
-    def _send_packed(self, announce: UpdateAnnounce, tamper: Tamper | None = None) -> tuple[SendStats, dict[int, Staged]]:
-        version = announce.version
-        seq = self.control.post(announce)
+    def _send_packed(self, packed: Packed, tamper: Tamper | None = None) -> tuple[SendStats, dict[int, Staged]]:
+        version = next(iter(packed.values())).version
+        seq = self.control.post(packed[None]) if None in packed else self.control.post_each(packed)  # type: ignore[arg-type]
         accepted, refused = _split(self.control.replies(seq, self.config.reply_timeout_s, f"announce of v{version}"), Accepted)
         if refused:
             self.sender.send_abort(version, "refused by " + ",".join(str(r) for r in sorted(refused)))
             raise PushRejected(version, "announce", refused)
-        stats = self.sender.send(announce, tamper=tamper)
+        stats = self.sender.send_each(packed, tamper=tamper)
         staged, bad = _split(self.control.replies(seq, self.config.reply_timeout_s, f"buckets of v{version}", phase="staged"), Staged)
         if bad:
             self.abort(version, "a worker failed to stage")
@@ -213,12 +225,13 @@ class WeightPusher:
         """Send then commit; returns when every engine serves ``version``."""
         return self._push_packed(self._pack(version, named), tamper)
 
-    def _push_packed(self, announce: UpdateAnnounce, tamper: Tamper | None = None) -> PushResult:
+    def _push_packed(self, packed: Packed, tamper: Tamper | None = None) -> PushResult:
         t0 = time.perf_counter()
-        stats, staged = self._send_packed(announce, tamper)
+        stats, staged = self._send_packed(packed, tamper)
         t1 = time.perf_counter()
-        commits = self.commit(announce.version)
-        return PushResult(announce.version, stats, staged, commits, t1 - t0, time.perf_counter() - t1)
+        version = next(iter(packed.values())).version
+        commits = self.commit(version)
+        return PushResult(version, stats, staged, commits, t1 - t0, time.perf_counter() - t1)
 
     def push_async(self, version: int, named: Mapping[str, torch.Tensor]) -> Future[PushResult]:
         """Snapshot ``named`` now, then send and commit in the background.
@@ -228,8 +241,8 @@ class WeightPusher:
         """
         if self._in_flight is not None:
             self._in_flight.exception()  # wait (the snapshot buffer is in use); its owner reads the outcome
-        announce = self._pack(version, named)  # the snapshot
-        self._in_flight = self._background.submit(self._push_packed, announce)
+        packed = self._pack(version, named)  # the snapshot
+        self._in_flight = self._background.submit(self._push_packed, packed)
         return self._in_flight
 
     @property
