@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import signal
+import threading
 
 import pytest
 import torch
@@ -79,6 +80,7 @@ def test_a_trainer_lost_between_commit_and_outcome_leaves_every_rank_at_the_labe
               dtype="float32", max_model_len=512, seed=0, **engine_kwargs())
     group = GroupConfig(port=port, world_size=3, timeout_s=120)
     pusher = None
+    killed = threading.Event()
     try:
         assert start_inflight(llm, InflightConfig(group=group, commit="reload")).commit == "reload"
         coordinator = coordinator_of(llm)
@@ -87,12 +89,13 @@ def test_a_trainer_lost_between_commit_and_outcome_leaves_every_rank_at_the_labe
         def commit_then_lose_the_trainer(version: int):
             outcome = real(version)  # every rank applied v and kept it, in one window
             first.kill()  # before the coordinator posts the outcome: no listener will read it
-            first.join(60)
+            first.join()  # reaped here only: a second join on another thread could miss the exit code
+            killed.set()
             return outcome
 
         coordinator._request = commit_then_lose_the_trainer
         go.set()
-        first.join(300)
+        assert killed.wait(1800), "the first trainer's push never reached the engine's commit"
         assert first.exitcode == -signal.SIGKILL
         coordinator._request = real
         base = load_file(str(tiny_llama / "model.safetensors"))
@@ -115,7 +118,7 @@ def test_a_trainer_lost_between_commit_and_outcome_leaves_every_rank_at_the_labe
         _assert_serves(llm, tiny_llama, v3, 3)
         assert [s.live_version for s in _statuses(llm)] == [3, 3]
     finally:
-        if first.is_alive():
+        if not killed.is_set() and first.is_alive():
             first.kill()
         if pusher is not None:
             pusher.close()

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from inflight.protocol import BucketHeader
 from inflight.transport.buckets import BucketReceiver, BucketSender
 from inflight.transport.errors import TransportTimeout
-from inflight.transport.group import GroupConfig, WeightGroup
+from inflight.transport.group import GroupConfig
 from inflight.transport.layout import ALIGN, bucket_windows, checksum, pack_into, plan_tensors, tensor_views
 from inflight.transport.layout import TensorSchema
 from inflight.transport.listener import UpdateListener

@@ -32,7 +32,6 @@ from inflight.protocol import (
     ChecksumAlgo,
     FrameMessage,
     ProtocolError,
-    RejectCode,
     ShardPlan,
     UpdateAnnounce,
     decode_frame,
