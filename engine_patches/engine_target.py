@@ -49,13 +49,6 @@ class _Ready:
     event: Any  # torch.cuda.Event on CUDA: staging of this version is complete
 
 
-@dataclass
-class _Applied:
-    ready: _Ready
-    previous: StagedVersion | None
-    """The rollback copy the commit found: what a rollback of ``ready`` restores."""
-
-
 class EngineTarget:
     """The listener's view of this worker (``CommitTarget``) and the execution-thread half
     of the engine's two-phase commit."""
@@ -70,7 +63,7 @@ class EngineTarget:
         self.incarnation = ""  # of the trainer's store the channel lives in
         self._lock = threading.Lock()  # hands a ready version to exactly one of: commit, withdrawal
         self._ready: _Ready | None = None
-        self._applied: _Applied | None = None  # applied in the open window, neither kept nor taken back yet
+        self._applied: _Ready | None = None  # applied in the open window, neither kept nor taken back yet
         self._event: Any = None
         self.forwards = 0
         self.forward_thread: int | None = None
@@ -171,44 +164,42 @@ class EngineTarget:
         if ready is None:
             return self._log(result(ok=False, error=f"v{version} is not staged and committed by the trainer on this "
                                                     "rank (withdrawn or lost)"))
-        applied = _Applied(ready, ready.pool.previous)
         t0 = time.perf_counter()
         try:
             ordered_commit(self.device, ready.event, self.applier.apply)
         except Exception as e:
             error = f"applying v{version} failed: {e!r}"
             try:
-                self._undo(applied, self.applier.restore)
+                self._undo(ready, self.applier.restore)
             except Exception as e2:  # state unknown: ask the coordinator to roll this rank back too
-                self._applied = applied
+                self._applied = ready
                 return self._log(result(ok=False, applied=True, error=f"{error}; restoring failed: {e2!r}"))
             return self._log(result(ok=False, error=error))
-        self._applied = applied
+        self._applied = ready
         if final:
             self.execute_confirm(version)
         return self._log(result(ok=True, applied=True, ms=1e3 * (time.perf_counter() - t0)))
 
     def execute_confirm(self, version: int) -> WorkerSettleResult:
-        """Every rank applied ``version``: it is live. The staged bytes become the rollback copy
-        (``keep_rollback``; the ``swap`` commit rolls back by module instead) and the copy they
-        replace goes back to the pool."""
+        """Every rank applied ``version``: it is live. Where the pool keeps a rollback copy
+        (reserved at start: ``keep_rollback`` with ``reload``/``copy``), the staged bytes become
+        it and the copy they replace goes back to the pool; else they go back themselves."""
         applied, self._applied = self._applied, None
-        if applied is None or applied.ready.version != version:
+        if applied is None or applied.version != version:
             return WorkerSettleResult(rank=self.rank, version=version, ok=False,
                                       error=f"v{version} was not applied on this rank")
         self._live = version
-        pool, staged = applied.ready.pool, applied.ready.staged
-        if self.config.keep_rollback and self.applier.strategy != "swap":
-            pool.keep_as_previous(staged)
+        if applied.pool.previous is not None:
+            applied.pool.keep_as_previous(applied.staged)
         else:
-            pool.give(staged.flat)
+            applied.pool.give(applied.staged.flat)
         self.applier.release_rollback()  # nothing rolls back past a kept commit but the copy above
         return WorkerSettleResult(rank=self.rank, version=version, ok=True)
 
     def execute_rollback(self, version: int) -> WorkerSettleResult:
         """Another rank failed ``version``: take it back here too (or it never went live here)."""
         applied, self._applied = self._applied, None
-        if applied is None or applied.ready.version != version:
+        if applied is None or applied.version != version:
             return WorkerSettleResult(rank=self.rank, version=version, ok=True)  # nothing of v went live here
         try:
             self._undo(applied, self.applier.undo)
@@ -216,16 +207,17 @@ class EngineTarget:
             return WorkerSettleResult(rank=self.rank, version=version, ok=False, error=repr(e))
         return WorkerSettleResult(rank=self.rank, version=version, ok=True)
 
-    def _undo(self, applied: _Applied, how: Any) -> None:
-        """Put the live version back (``how``: after a failed or a refused apply); the refused
-        version's bytes go back to the pool."""
-        previous = applied.previous
+    def _undo(self, applied: _Ready, how: Any) -> None:
+        """Put the live version back from the pool's rollback copy (``how``: after a failed or
+        a refused apply; the copy moves only when a commit is kept); the refused version's
+        bytes go back to the pool."""
+        previous = applied.pool.previous
         if previous is None and self.applier.strategy != "swap":
             # reading the checkpoint from disk here would hold the step lock for minutes at scale
             raise RuntimeError(f"no rollback copy of v{self._live} (keep_rollback=False): the engine fails closed "
                                "rather than reload its checkpoint inside the stall")
         ordered_commit(self.device, None, lambda: how(None if previous is None else previous.views))
-        applied.ready.pool.give(applied.ready.staged.flat)
+        applied.pool.give(applied.staged.flat)
 
     def _log(self, result: WorkerCommitResult) -> WorkerCommitResult:
         self.commits = (self.commits + [result])[-64:]

@@ -115,10 +115,9 @@ class InflightWorkerExtension:
         pool_device = data if config.staging == "device" else torch.device("cpu")
         where = "device" if pool_device.type == device.type else "host"  # gloo next to a GPU engine stages on the host
         rollback_copy = config.keep_rollback and applier.strategy != "swap"  # swap rolls back by module
-        plane = "device" if data.type == device.type else "host"
         bucket_bytes = int(config.max_bucket_mb * (1 << 20))
         need = staging_need(schema, plan=plan, staging=where, rollback_copy=rollback_copy, commit_bytes=applier.held_bytes(),
-                            commit=applier.strategy, bucket_bytes=bucket_bytes, plane=plane, plane_cuda=data.type == "cuda", mac=mac)
+                            commit=applier.strategy, bucket_bytes=bucket_bytes, plane_cuda=data.type == "cuda", mac=mac)
         check_fits(need, device=device, budget=budget, node_workers=node_workers,
                    gpu_memory_utilization=getattr(self.vllm_config.cache_config, "gpu_memory_utilization", None))
         pool = StagingPool(pool_device, pin=where == "host")

@@ -101,12 +101,12 @@ class StagingNeed:
 
 
 def staging_need(schema: TensorSchema, *, plan: ShardPlan | None = None, staging: StagingPlace, rollback_copy: bool,
-                 commit_bytes: int = 0, commit: str = "swap", bucket_bytes: int = 0, plane: StagingPlace = "device",
-                 plane_cuda: bool = False, mac: bool = False) -> StagingNeed:
-    """What a worker holds (see the module docstring). ``plane``: where the data plane lands
-    buckets (``device``: NCCL on the engine's GPU, or gloo on a CPU engine; ``host``: gloo
-    beside a GPU engine); ``plane_cuda``: that is a GPU; ``mac``: a secret is set; ``plan``:
-    this worker's shard plan, whose boxes alone it stages (in a point-to-point generation)."""
+                 commit_bytes: int = 0, commit: str = "swap", bucket_bytes: int = 0, plane_cuda: bool = False,
+                 mac: bool = False) -> StagingNeed:
+    """What a worker holds (see the module docstring). ``plane_cuda``: buckets land on the
+    engine's GPU (NCCL), where the windows and checksum temporaries live; ``mac``: a secret
+    is set; ``plan``: this worker's shard plan, whose boxes alone it stages (in a
+    point-to-point generation)."""
     n = update_bytes(schema, plan)
     copies = 2 if rollback_copy else 1
     parts = [Part("staging", n, staging)]
@@ -116,10 +116,10 @@ def staging_need(schema: TensorSchema, *, plan: ShardPlan | None = None, staging
         parts.append(Part(f"{commit} commit", commit_bytes, "device"))
     if plane_cuda:
         if staging == "host":
-            parts.append(Part("landing windows", 2 * bucket_bytes, plane))
+            parts.append(Part("landing windows", 2 * bucket_bytes, "device"))
         if mac:
             parts.append(Part("MAC host copy", bucket_bytes, "host"))
-        parts.append(Part("checksum temporaries", WSUM_TEMP_BYTES, plane))
+        parts.append(Part("checksum temporaries", WSUM_TEMP_BYTES, "device"))
     return StagingNeed(n, copies, staging, tuple(parts))
 
 

@@ -55,6 +55,11 @@ def box_of_view(shape: Sequence[int], stride: Sequence[int], offset: int, full: 
     return tuple(start), tuple(shape)
 
 
+def inside(start: Sequence[int], length: Sequence[int], shape: Sequence[int]) -> bool:
+    """The box ``start`` + ``length`` lies inside a tensor of ``shape``."""
+    return len(start) == len(length) == len(shape) and all(b + n <= f for b, n, f in zip(start, length, shape))
+
+
 def bounding(boxes: Iterable[Box]) -> Box:
     boxes = list(boxes)
     lo = tuple(min(b[0][i] for b in boxes) for i in range(len(boxes[0][0])))
@@ -98,8 +103,7 @@ def check_plan(plan: ShardPlan, schema: Schema, who: str) -> None:
         raise ValueError(f"{who}: shard plan does not cover the checkpoint: missing {missing[:3]}, unknown {extra[:3]}")
     for s in plan.shards:
         shape = schema[s.name][0]
-        if len(s.start) != len(shape) or len(s.length) != len(shape) or any(
-                b + n > f or n == 0 for b, n, f in zip(s.start, s.length, shape)):
+        if not inside(s.start, s.length, shape) or 0 in s.length:
             raise ValueError(f"{who}: shard of {s.name} {s.start}+{s.length} is not inside its shape {shape}")
     bad = sorted(set(plan.fallbacks) - set(schema))
     if bad:

@@ -48,8 +48,7 @@ def test_update_bytes_is_exactly_what_the_trainer_packs_and_each_part_is_named(t
     assert swap.nbytes == 4 * packed and swap.copies == 1
     # a GPU data plane staging to host memory: two landing windows on the GPU, a host copy
     # of one bucket for its MAC, and wsum64's chunk temporaries
-    gpu = staging_need(schema, staging="host", rollback_copy=True, bucket_bytes=64 * MiB, plane="device",
-                       plane_cuda=True, mac=True)
+    gpu = staging_need(schema, staging="host", rollback_copy=True, bucket_bytes=64 * MiB, plane_cuda=True, mac=True)
     cuda = torch.device("cuda", 0)
     assert gpu.bytes_on("host", cuda) == 2 * packed + 64 * MiB
     assert gpu.bytes_on("device", cuda) == 2 * 64 * MiB + WSUM_TEMP_BYTES

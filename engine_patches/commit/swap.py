@@ -82,7 +82,6 @@ class SwapApplier:
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         self.model = model
-        self._shapes = dict(shapes)
         self.plan = RoutingPlan.record(model, shapes)
         self._owners: list[torch.nn.Module] = [m for m in model.modules() if m._parameters]
         # Slots are (module, name), fixed now: a swap replaces the parameter objects, and a
@@ -103,9 +102,11 @@ class SwapApplier:
         self._released: list[_ModuleState] | None = None  # swapped out by a kept commit, not yet freed
         self.load_plan = self._record_load_plan(shapes) if load_plan else None
         self._writes_of = self.load_plan.writes_by_name() if self.load_plan is not None else {}
-        plan = self.shard_plan()
+        self._shard_plan = None if self.load_plan is None else self.load_plan.shard_plan(
+            {n: shape for n, (shape, _) in shapes.items()})
         # where a tensor arrives as the box this rank's plan asked for, its copies read inside the box
-        self._boxes = {} if plan is None else {s.name: ((s.start, s.length), shapes[s.name][0]) for s in plan.shards}
+        self._boxes = {} if self._shard_plan is None else {
+            s.name: ((s.start, s.length), shapes[s.name][0]) for s in self._shard_plan.shards}
         self._targets = ShadowSets()
         self._deps = Dependencies(
             {name: [r.param_id for r in rs] for name, rs in self.plan.routes.items()},
@@ -128,9 +129,7 @@ class SwapApplier:
 
     def shard_plan(self) -> ShardPlan | None:
         """What the recorded load plan reads of each checkpoint tensor (None without a plan)."""
-        if self.load_plan is None:
-            return None
-        return self.load_plan.shard_plan({n: shape for n, (shape, _) in self._shapes.items()})
+        return self._shard_plan
 
     def held_bytes(self) -> int:
         """What one prepared version holds beside the live modules, at most: its shadow

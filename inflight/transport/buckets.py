@@ -25,6 +25,7 @@ import torch
 
 from inflight.auth import bucket_mac
 from inflight.memory import BucketWindows
+from inflight.shard_plan import inside
 from inflight.protocol import (
     Abort,
     BucketHeader,
@@ -81,11 +82,6 @@ class SendStats:
 Tamper = Callable[[BucketHeader, torch.Tensor], tuple[BucketHeader, torch.Tensor]]
 
 
-def _fits(box: tuple[tuple[int, ...], tuple[int, ...]], shape: torch.Size) -> bool:
-    start, length = box
-    return len(start) == len(shape) and all(s + n <= d for s, n, d in zip(start, length, shape))
-
-
 class BucketSender:
     """Rank 0: owns the flat snapshot buffer, reused across versions."""
 
@@ -120,7 +116,7 @@ class BucketSender:
             boxes = {s.name: (s.start, s.length) for s in plan.shards}
             # a tensor the plan has no box for that fits goes whole (start ()): the worker refuses
             # the update naming it, as it would a broadcast one
-            fit = {n: b for n, b in boxes.items() if n in named and _fits(b, named[n].shape)}
+            fit = {n: b for n, b in boxes.items() if n in named and inside(*b, named[n].shape)}
             tensors, total = plan_tensors(((n, fit[n][1] if n in fit else tuple(t.shape), wire[n]) for n, t in named.items()),
                                           starts={n: fit[n][0] if n in fit else () for n in named})
             out[rank] = msgspec.structs.replace(self._snapshot(rank, version, tensors, total, named), plan_digest=plan.digest)

@@ -32,7 +32,6 @@ from typing import Protocol
 import torch
 
 from inflight.protocol import (
-    ShardPlan,
     Abort,
     Accepted,
     AuthError,
@@ -42,6 +41,7 @@ from inflight.protocol import (
     ProtocolError,
     Rejected,
     RejectCode,
+    ShardPlan,
     Shutdown,
     Staged,
     UpdateAnnounce,
