@@ -34,8 +34,8 @@ from bench.inflight import Bench
 
 PHASES = [  # (owner, attribute, phase name); missing attributes are skipped (older or newer code)
     ("inflight.transport.listener:UpdateListener", "_on_announce", "staging total (announce to Staged)"),
-    ("inflight.transport.buckets:BucketReceiver", "receive", "receive (with the per-bucket work below)"),
-    ("inflight.transport.buckets:BucketReceiver", "_verify", "  checksums"),
+    ("inflight.transport.receiver:BucketReceiver", "receive", "receive (with the per-bucket work below)"),
+    ("inflight.transport.receiver:BucketReceiver", "_verify", "  checksums"),
     ("inflight.transport.listener:UpdateListener", "_nonfinite", "  finite check"),
     ("inflight.transport.listener:_Streamed", "verified", "  prepare during receive (per bucket)"),
     ("engine_patches.commit.swap:SwapApplier", "prepare", "prepare after the last bucket"),

@@ -33,7 +33,7 @@ from typing import Annotated, Any, Callable, Literal, Union  # typing only: the 
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Names are torch dtype names without the "torch." prefix.
 WireDtype = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"]
@@ -100,10 +100,6 @@ class BucketSpec(Struct, frozen=True, forbid_unknown_fields=True):
     index: NonNeg
     offset: NonNeg
     nbytes: Pos
-    checksum: NonNeg
-    mac: bytes = b""
-    """With a shared secret: the bucket's keyed MAC (``auth.bucket_mac``). The checksum catches
-    corruption; ``wsum64`` is linear, so only the MAC stops a forged bucket with a valid one."""
 
 
 class UpdateAnnounce(_Wire, tag="announce"):
@@ -145,13 +141,17 @@ class UpdateAnnounce(_Wire, tag="announce"):
 
 
 class BucketHeader(_Wire, tag="bucket"):
-    """Sent in-band right before bucket ``index``'s bytes, so order and size are checked."""
+    """Sent in-band right before bucket ``index``'s bytes, so order and size are checked; its
+    checksum and MAC are made as it is packed (the announce goes before any byte is read)."""
 
     version: NonNeg
     index: NonNeg
     offset: NonNeg
     nbytes: Pos
     checksum: NonNeg
+    mac: bytes = b""
+    """With a shared secret: the bucket's keyed MAC (``auth.bucket_mac``). The checksum catches
+    corruption; ``wsum64`` is linear, so only the MAC stops a forged bucket with a valid one."""
 
 
 class ForEachRank(_Wire, tag="for_each_rank"):

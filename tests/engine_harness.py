@@ -22,6 +22,13 @@ from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushResult, WeightPusher
 
 
+def stop_engine(llm: Any) -> None:
+    """Stop an engine's in-flight workers, then its engine-core processes; the caller drops
+    its reference and runs ``gc.collect()``, so no later test's engine starts beside them."""
+    llm.collective_rpc("inflight_stop")
+    llm.llm_engine.engine_core.shutdown()
+
+
 def perturbed(state: dict[str, torch.Tensor], seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in state.items()}

@@ -29,7 +29,7 @@ from engine_patches.config import InflightConfig, engine_kwargs
 from engine_patches.rpc import WorkerStatus, as_result
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
-from tests.engine_harness import Reference, perturbed
+from tests.engine_harness import Reference, stop_engine, perturbed
 from tests.helpers import fail_next_commit_on_vllm_rank_1
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown"]
@@ -122,8 +122,7 @@ def test_a_trainer_lost_between_commit_and_outcome_leaves_every_rank_at_the_labe
             first.kill()
         if pusher is not None:
             pusher.close()
-        llm.collective_rpc("inflight_stop")
-        llm.llm_engine.engine_core.shutdown()
+        stop_engine(llm)
         del llm
         gc.collect()
         monkeypatch.undo()

@@ -21,7 +21,7 @@ from engine_patches.client import inflight_status, start_inflight, tagged
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
 from inflight.versions import boundaries, is_monotone, tags_from_spans
-from tests.engine_harness import Reference, perturbed, push_at_steps
+from tests.engine_harness import Reference, stop_engine, perturbed, push_at_steps
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +39,7 @@ def engine(tiny_qwen, hold_port):
         pusher = WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25))
         yield llm, pusher, load_file(str(tiny_qwen / "model.safetensors")), tiny_qwen
         pusher.close()
-        llm.collective_rpc("inflight_stop")
-        llm.llm_engine.engine_core.shutdown()
+        stop_engine(llm)
         del llm
         gc.collect()
     vllm.envs.disable_envs_cache()

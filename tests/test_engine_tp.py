@@ -29,7 +29,7 @@ from engine_patches.rpc import WorkerStatus, as_result
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
-from tests.engine_harness import Reference, drive, perturbed, push_at_steps
+from tests.engine_harness import Reference, stop_engine, drive, perturbed, push_at_steps
 from tests.helpers import fail_next_commit_on_vllm_rank_1
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5="]
@@ -70,8 +70,7 @@ class TPEngine:
 
     def close(self) -> None:
         self.pusher.close()
-        self.llm.collective_rpc("inflight_stop")
-        self.llm.llm_engine.engine_core.shutdown()
+        stop_engine(self.llm)
         del self.llm
         gc.collect()
 

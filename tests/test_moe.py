@@ -33,7 +33,7 @@ def _on_disk(path) -> dict[str, torch.Tensor]:
 
 
 def test_named_weights_are_the_checkpoint_one_copy_per_expert(tiny_moe) -> None:
-    from inflight.transport.pusher import named_weights
+    from inflight.transport.sources import named_weights
 
     model = moe_trainer_model(tiny_moe)
     assert "model.layers.0.mlp.experts.gate_up_proj" in dict(model.named_parameters())  # fused in memory
@@ -78,7 +78,7 @@ def _check(h: Harness, model, version: int) -> float:
 
 @pytest.mark.parametrize("commit", ["auto", "reload"])
 def test_moe_engine_takes_updates_with_parity(tiny_moe, port, commit: str) -> None:
-    from inflight.transport.pusher import named_weights
+    from inflight.transport.sources import named_weights
 
     h = Harness(tiny_moe, "float32", port, commit=commit)
     try:

@@ -14,7 +14,7 @@ from inflight.transport.layout import bucket_windows, plan_tensors
 
 def _announce(**over) -> P.UpdateAnnounce:
     tensors, total = plan_tensors([("a.weight", (4, 8), "float32"), ("b.bias", (3,), "bfloat16")])
-    buckets = tuple(P.BucketSpec(index=i, offset=o, nbytes=n, checksum=7 * i) for i, (o, n) in enumerate(bucket_windows(total, 64)))
+    buckets = tuple(P.BucketSpec(index=i, offset=o, nbytes=n) for i, (o, n) in enumerate(bucket_windows(total, 64)))
     fields = dict(version=3, total_bytes=total, bucket_bytes=64, checksum_algo="crc32", tensors=tensors, buckets=buckets)
     fields.update(over)
     return P.UpdateAnnounce(**fields)

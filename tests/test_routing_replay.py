@@ -53,7 +53,7 @@ class RecordingEngine:
         self.version = 0
 
     def push(self, model) -> None:
-        from inflight.transport.pusher import named_weights
+        from inflight.transport.sources import named_weights
 
         self.version += 1
         self.pusher.push(self.version, named_weights(model))

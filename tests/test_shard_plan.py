@@ -122,7 +122,7 @@ def test_an_announce_is_checked_against_the_workers_own_plan() -> None:
     def announce(boxes: dict, digest: str) -> UpdateAnnounce:
         tensors, total = plan_tensors(((n, b[1], "float32") for n, b in boxes.items()), starts={n: b[0] for n, b in boxes.items()})
         return UpdateAnnounce(version=1, total_bytes=total, bucket_bytes=1 << 20, checksum_algo="crc32", tensors=tensors,
-                              buckets=(BucketSpec(index=0, offset=0, nbytes=total, checksum=0),), plan_digest=digest)
+                              buckets=(BucketSpec(index=0, offset=0, nbytes=total),), plan_digest=digest)
     good = {"a": ((4, 0), (4, 4)), "b": ((0,), (4,))}
     assert schema.check(announce(good, plan.digest), plan) is None
     wrong_box = schema.check(announce({"a": ((0, 0), (4, 4)), "b": ((0,), (4,))}, plan.digest), plan)

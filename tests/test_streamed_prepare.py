@@ -29,7 +29,7 @@ from tests.helpers import ListenerPair, state_dict_of
 
 
 def _buckets(total: int, size: int) -> list[BucketSpec]:
-    return [BucketSpec(index=i, offset=o, nbytes=min(size, total - o), checksum=0)
+    return [BucketSpec(index=i, offset=o, nbytes=min(size, total - o))
             for i, o in enumerate(range(0, total, size))]
 
 

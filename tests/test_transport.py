@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from inflight.protocol import BucketHeader
-from inflight.transport.buckets import BucketReceiver, BucketSender
+from inflight.transport.receiver import BucketReceiver
+from inflight.transport.sender import BucketSender
 from inflight.transport.errors import TransportTimeout
 from inflight.transport.group import GroupConfig
 from inflight.transport.layout import ALIGN, bucket_windows, checksum, pack_into, plan_tensors, tensor_views
@@ -94,7 +95,7 @@ def test_a_reserved_port_is_held_until_the_store_takes_that_very_socket() -> Non
 def test_named_weights_match_the_checkpoint(tiny_qwen, tiny_llama) -> None:
     from transformers import AutoModelForCausalLM
 
-    from inflight.transport.pusher import named_weights
+    from inflight.transport.sources import named_weights
 
     for path in (tiny_qwen, tiny_llama):  # tied and untied LM heads
         model = AutoModelForCausalLM.from_pretrained(str(path))
@@ -126,7 +127,8 @@ def test_state_dict_crosses_processes_exactly(tiny_qwen, port, tmp_path, dtype: 
         pusher.close()
         peer.join(60)
     assert peer.exitcode == 0
-    assert result.send.buckets == len(bucket_windows(result.send.nbytes, bucket_bytes))
+    cut = bucket_bytes // 64 * 64  # bucket_mb rounds down to 64 B, so no element straddles two buckets
+    assert pusher.config.bucket_bytes == cut and result.send.buckets == len(bucket_windows(result.send.nbytes, cut))
     got = load_file(str(tmp_path / "v1.safetensors"))
     assert got.keys() == sd.keys()
     for name, t in sd.items():

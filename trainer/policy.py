@@ -12,13 +12,14 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from inflight.protocol import RolloutGroup
 from inflight.rollout_queue import RolloutBuffer
-from inflight.transport.pusher import named_weights
+from inflight.transport.sources import named_weights
 from trainer.checkpoint import TrainerState, restore_rng, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.loss import Batch, collate, compute_loss, policy_logprobs
@@ -67,8 +68,11 @@ class Policy:
         """The tensors a push sends, by checkpoint name (``named_weights``)."""
         return named_weights(self.unwrapped)
 
-    def step(self, groups: list[RolloutGroup], version: int, step: int) -> StepResult:
-        """One optimizer step on ``groups``, scored against the trainer's ``version``."""
+    def step(self, groups: list[RolloutGroup], version: int, step: int, *,
+             before_write: Callable[[], object] = lambda: None) -> StepResult:
+        """One optimizer step on ``groups``, scored against the trainer's ``version``.
+        ``before_write`` runs right before the optimizer writes the parameters: a push in
+        flight reads them until then (``WeightPusher.wait_reads``)."""
         cfg = self.cfg
         batch = collate(groups, self.tokenizer.pad_token_id, cfg.loss.normalize_std).to(self.accelerator.device)
         routing = collate_routing(groups, batch.input_ids, batch.completion_ids.shape[1]) if self.replay.enabled else None
@@ -81,6 +85,7 @@ class Policy:
         self.accelerator.backward(loss)
         clip = cfg.optim.grad_clip
         grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), clip)) if clip else 0.0
+        before_write()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(float(loss.detach()), grad_norm, batch, metrics)

@@ -76,7 +76,7 @@ def train(cfg: TrainConfig) -> dict:
             t0 = time.perf_counter()
             groups, version = sync.next_batch(buffer, version)
             t_wait = time.perf_counter() - t0
-            result = policy.step(groups, version, step)
+            result = policy.step(groups, version, step, before_write=sync.wait_reads)
             version += 1
             score = (lambda: evaluator(policy.unwrapped)) if evaluator is not None and evaluator.due(step + 1) else dict
             version, evaluation = sync.push(version, last=step + 1 == cfg.run.steps, score=score)
@@ -123,7 +123,7 @@ def _row(step: int, version: int, result: StepResult, groups: list, t0: float, t
     row = {"step": step + 1, "version": version, "loss": result.loss, "grad_norm": result.grad_norm,
            "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std()),
            "max_versions_per_sample": int(max(len(set(s.versions)) for g in groups for s in g.samples)),
-           "wait_ms": 1e3 * t_wait, "push_wait_ms": 1e3 * sync.wait_s, "step_ms": 1e3 * (time.perf_counter() - t0),
+           "wait_ms": 1e3 * t_wait, "push_wait_ms": 1e3 * sync.wait_s, "read_wait_ms": 1e3 * sync.read_wait_s, "step_ms": 1e3 * (time.perf_counter() - t0),
            "queue_depth": queue.depth(), **buffer.stats(), **result.metrics, **sync.last,
            "engine_failures": fleet.failures, "engine_restarts": fleet.restarts, "engine_drops": fleet.drops,
            "engines_live": len(sync.pusher.group.roster) // tp, "group_ids": [g.group_id for g in groups],

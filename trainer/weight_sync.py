@@ -10,6 +10,8 @@ Ordering invariants:
   (``landed``, with the pushes a recovery made);
 - the new version is scored (``score``) after the previous push landed and before the new
   one is sent, so no transfer competes with the evaluation;
+- the optimizer writes the parameters only after the push in flight read them all
+  (``wait_reads``, called by ``Policy.step``): pushes read the live parameters, not a copy;
 - engines that knock (back from a restart or a freeze) are admitted between two pushes,
   never during one; before the last push, every engine that can come is waited for, so a
   run ends with the whole fleet on its last version;
@@ -46,7 +48,7 @@ def push_metrics(result: PushResult) -> dict[str, Any]:
             "committed_ranks": sorted(result.commits), "commit_steps": {r: c.step for r, c in result.commits.items()},
             "commit_spread_steps": max(waits) - min(waits),
             "push_ms": 1e3 * (result.stage_wait_s + result.commit_wait_s), "send_ms": 1e3 * result.send.send_s,
-            "push_mb": result.send.nbytes / 2**20,
+            "push_mb": result.send.nbytes / 2**20, "read_ms": 1e3 * result.send.read_s,
             "steps_during_transfer": result.staged[min(result.staged)].steps_during_transfer}
 
 
@@ -67,6 +69,8 @@ class WeightSync:
         (their execution thread's live version: a push that failed may have committed there)."""
         self.wait_s = 0.0
         """How long the trainer blocked on the previous push in the last ``push``."""
+        self.read_wait_s = 0.0
+        """How long the last optimizer step waited for the push in flight to finish reading."""
 
     def recover(self, reason: str, version: int, silent: Sequence[int] = ()) -> int:
         """``Fleet.recover``; the push in flight, if any, is given up."""
@@ -90,6 +94,11 @@ class WeightSync:
         if max(self.pusher.engine_versions.values(), default=-1) > version:
             return self.recover(f"engines serve {self.pusher.engine_versions}, ahead of v{version}", version)
         return version
+
+    def wait_reads(self) -> None:
+        """Before the optimizer writes the parameters: the push in flight reads them as its
+        buckets go out (no copy of the model), so it must have packed its last bucket."""
+        self.read_wait_s = self.pusher.wait_reads()
 
     def next_batch(self, buffer: RolloutBuffer, version: int) -> tuple[list[RolloutGroup], int]:
         """The next batch of groups, and the trainer's version (a recovery may move it)."""

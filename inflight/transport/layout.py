@@ -115,14 +115,6 @@ def _wsum64(data: torch.Tensor) -> int:
     return int(total.item()) & 0xFFFFFFFFFFFFFFFF
 
 
-def bucket_specs(flat: torch.Tensor, total_bytes: int, bucket_bytes: int, algo: ChecksumAlgo) -> tuple[BucketSpec, ...]:
-    """Cut ``flat[:total_bytes]`` into buckets and checksum each."""
-    return tuple(
-        BucketSpec(index=i, offset=o, nbytes=n, checksum=checksum(flat[o:o + n], algo))
-        for i, (o, n) in enumerate(bucket_windows(total_bytes, bucket_bytes))
-    )
-
-
 def completed_by_bucket(tensors: Sequence[TensorSpec], buckets: Sequence[BucketSpec]) -> list[list[str]]:
     """For each bucket, the tensors whose last byte it holds: once buckets ``0..i`` verified,
     every tensor listed up to ``i`` is complete. A tensor of no bytes goes with the bucket

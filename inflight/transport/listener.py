@@ -47,7 +47,7 @@ from inflight.protocol import (
     UpdateAnnounce,
 )
 from inflight.staging import StagedVersion, StagingPool
-from inflight.transport.buckets import BucketReceiver
+from inflight.transport.receiver import BucketReceiver
 from inflight.transport.control import Phase, WorkerControl
 from inflight.transport.errors import TransportError, UpdateRejected
 from inflight.transport.group import WeightGroup

@@ -12,6 +12,7 @@ Ordering invariants (rank 0 is the only writer, so it alone decides the sequence
 from __future__ import annotations
 
 import atexit
+import threading
 import time
 import weakref
 from collections.abc import Mapping
@@ -35,15 +36,26 @@ from inflight.protocol import (
 )
 from inflight.settings import ChecksumChoice, PushDtype, check_choices
 from inflight.shard_plan import check_digest
-from inflight.transport.buckets import BucketSender, SendStats, Tamper
+from inflight.transport.sender import BucketSender, SendStats, SourceError, Tamper
 from inflight.transport.control import TrainerControl
 from inflight.transport.errors import TransportError
 from inflight.transport.group import GroupConfig, WeightGroup
+from inflight.transport.packing import aligned_bucket_bytes, first_use_order
+from inflight.transport.sources import ShardedSource, Weights, weights_of
 from inflight.transport.store import wait_key
 
 
-Packed = dict[int | None, UpdateAnnounce]
-"""What a push sends: ``{None: announce}`` (broadcast) or ``{rank: announce}`` (each worker its own)."""
+@dataclass(frozen=True)
+class Packed:
+    """An update laid out: ``{None: announce}`` (broadcast) or ``{rank: announce}`` (each worker
+    its own), and the sharded source its buckets gather from, if any."""
+
+    announces: dict[int | None, UpdateAnnounce]
+    sharded: ShardedSource | None = None
+
+    @property
+    def version(self) -> int:
+        return next(iter(self.announces.values())).version
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +80,8 @@ class PushConfig:
 
     @property
     def bucket_bytes(self) -> int:
-        return max(1, int(self.bucket_mb * (1 << 20)))
+        """``bucket_mb`` in bytes, rounded down to a multiple of 64 so no element straddles two buckets."""
+        return aligned_bucket_bytes(int(self.bucket_mb * (1 << 20)))
 
 
 class PushRejected(RuntimeError):
@@ -101,31 +114,10 @@ class PushResult:
         return self.commits[min(self.commits)].step
 
 
-@torch.no_grad()
-def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A model's tensors by checkpoint name, each shared tensor once: what ``save_pretrained``
-    writes, so a tied LM head travels as the input embedding it is.
-
-    The engine's schema comes from the checkpoint, so names and layouts must be the
-    checkpoint's, not the in-memory module's: transformers 5 fuses some weights at load
-    (a MoE layer's experts become one ``experts.gate_up_proj`` of shape (E, 2I, H) where the
-    checkpoint has ``experts.{e}.gate_proj.weight`` ...). transformers' own
-    ``revert_weight_conversion``, the step ``save_pretrained`` applies, undoes that for every
-    architecture it knows; the split experts are copies (one expert each, made once here)."""
-    named = {name: p.detach() for name, p in model.named_parameters()}
-    try:
-        from transformers import PreTrainedModel
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # a trainer without transformers: its modules are already in checkpoint form
-        return named
-    if isinstance(model, PreTrainedModel):
-        named = revert_weight_conversion(model, named)
-    return named
-
-
-def check_update(version: int, named: Mapping[str, torch.Tensor], device: torch.device) -> None:
+def check_update(version: int, named: Mapping[str, torch.Tensor], device: torch.device, *, sharded: bool = False) -> None:
     """Refuse, naming the problem, what the engines could only refuse later or misread:
-    called before anything is packed, so a bad call costs the engines nothing."""
+    called before anything is packed, so a bad call costs the engines nothing. ``sharded``:
+    ``named`` is a ``ShardedSource``'s layout (meta tensors), checked for names and dtypes."""
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"version={version!r}: versions are integers >= 1 (0 names the weights the engines loaded)")
     if not isinstance(named, Mapping) or not named:
@@ -138,7 +130,9 @@ def check_update(version: int, named: Mapping[str, torch.Tensor], device: torch.
             raise TypeError(f"{name}: {type(t).__name__} is not a torch.Tensor")
         if not t.is_floating_point():
             raise ValueError(f"{name}: dtype {t.dtype} is not floating point (weights are; an index or mask tensor?)")
-        # packing copies into one flat buffer on the group's device: any real device can be read
+        if sharded:
+            continue
+        # packing copies into bucket buffers on the group's device: any real device can be read
         # from, except another GPU than the group's, which would be an implicit cross-device copy
         if t.device.type == "meta" or (t.device.type == device.type == "cuda" and t.device.index != device.index):
             raise ValueError(f"{name}: on device {t.device}, but this pusher sends from {device}")
@@ -174,40 +168,67 @@ class WeightPusher:
         self._dtype = None if config.dtype == "keep" else getattr(torch, config.dtype)
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-push")
         self._in_flight: Future[PushResult] | None = None
+        self._reads = threading.Event()  # clear while a push may still read the caller's tensors
+        self._reads.set()
         self._closed = False
         # a script that ends without close() still says goodbye, so no engine reads a dead store
         ref = weakref.ref(self)
         self._atexit = lambda: (p := ref()) is not None and p.close("trainer process exiting")
         atexit.register(self._atexit)
 
-    def _pack(self, version: int, named: Mapping[str, torch.Tensor]) -> Packed:
-        """One announce for every worker (broadcast), or, in a generation whose members all sent
-        shard plans, one per worker with its boxes only (``inflight.shard_plan``)."""
-        check_update(version, named, self.group.device)
+    def _pack(self, version: int, weights: Weights) -> Packed:
+        """Lay the update out: one announce for every worker (broadcast), or, in a generation
+        whose members all sent shard plans, one per worker with its boxes only
+        (``inflight.shard_plan``). Reads no tensor: buckets are packed as they are sent."""
+        sharded = weights if isinstance(weights, ShardedSource) else None
+        named = sharded.meta if sharded is not None else weights_of(weights)
+        check_update(version, named, self.group.device, sharded=sharded is not None)
         if not self.group.point_to_point:
-            return {None: self.sender.pack(version, named, self._dtype)}
+            return Packed({None: self.sender.pack(version, named, self._dtype, sharded)}, sharded)
         plans = {r: h.plan for r, h in self.group.hellos.items() if h.plan is not None}
         for rank, plan in plans.items():  # a corrupted plan is the trainer's to refuse; a mismatched update, the worker's
             check_digest(plan, f"worker rank {rank}")
-        return dict(self.sender.pack_each(version, named, plans, self._dtype))
+        return Packed(dict(self.sender.pack_each(version, named, plans, self._dtype, sharded)), sharded)
 
-    def send(self, version: int, named: Mapping[str, torch.Tensor], *, tamper: Tamper | None = None) -> tuple[SendStats, dict[int, Staged]]:
+    def send(self, version: int, weights: Weights, *, tamper: Tamper | None = None) -> tuple[SendStats, dict[int, Staged]]:
         """Phase 1: announce, stream the buckets, and collect ``Staged`` from every worker."""
-        return self._send_packed(self._pack(version, named), tamper)
+        self._reads.clear()
+        return self._send_packed(self._pack(version, weights), tamper)
 
     def _send_packed(self, packed: Packed, tamper: Tamper | None = None) -> tuple[SendStats, dict[int, Staged]]:
-        version = next(iter(packed.values())).version
-        seq = self.control.post(packed[None]) if None in packed else self.control.post_each(packed)  # type: ignore[arg-type]
-        accepted, refused = _split(self.control.replies(seq, self.config.reply_timeout_s, f"announce of v{version}"), Accepted)
-        if refused:
-            self.sender.send_abort(version, "refused by " + ",".join(str(r) for r in sorted(refused)))
-            raise PushRejected(version, "announce", refused)
-        stats = self.sender.send_each(packed, tamper=tamper)
+        version = packed.version
+        try:
+            seq = self.control.post(packed.announces[None]) if None in packed.announces else self.control.post_each(packed.announces)  # type: ignore[arg-type]
+            accepted, refused = _split(self.control.replies(seq, self.config.reply_timeout_s, f"announce of v{version}"), Accepted)
+            if refused:
+                self.sender.send_abort(version, "refused by " + ",".join(str(r) for r in sorted(refused)))
+                raise PushRejected(version, "announce", refused)
+            stats = self._stream(packed, tamper)
+        finally:
+            if packed.sharded is not None:
+                packed.sharded.finish(version)
+            self._reads.set()
         staged, bad = _split(self.control.replies(seq, self.config.reply_timeout_s, f"buckets of v{version}", phase="staged"), Staged)
         if bad:
             self.abort(version, "a worker failed to stage")
             raise PushRejected(version, "staging", bad)
         return stats, staged  # type: ignore[return-value]
+
+    def _stream(self, packed: Packed, tamper: Tamper | None) -> SendStats:
+        """The buckets of an accepted update; a source that fails mid-stream drops it everywhere."""
+        version, announces = packed.version, packed.announces
+        try:
+            if packed.sharded is not None:
+                packed.sharded.begin(version, first_use_order([a.tensors for a in announces.values()],
+                                                              [[(b.offset, b.nbytes) for b in a.buckets] for a in announces.values()]))
+        except SourceError as e:  # the other trainer ranks are gone before any byte: call the update off
+            self.sender.send_abort(version, str(e))
+            raise
+        try:
+            return self.sender.send_each(announces, tamper=tamper, on_read_done=self._reads.set)
+        except SourceError as e:  # the stream ended in step: the workers that finished drop what they staged
+            self.abort(version, str(e)[:200])
+            raise
 
     def commit(self, version: int) -> dict[int, Committed]:
         """Phase 2: every worker swaps ``version`` in at its next step boundary."""
@@ -221,29 +242,45 @@ class WeightPusher:
         """Drop a staged ``version`` on every worker."""
         self.control.post(Abort(version=version, reason=reason))
 
-    def push(self, version: int, named: Mapping[str, torch.Tensor], *, tamper: Tamper | None = None) -> PushResult:
-        """Send then commit; returns when every engine serves ``version``."""
-        return self._push_packed(self._pack(version, named), tamper)
+    def push(self, version: int, weights: Weights, *, tamper: Tamper | None = None) -> PushResult:
+        """Send then commit; returns when every engine serves ``version``. ``weights``: a module,
+        a mapping or iterator of ``(name, tensor)``, or a ``ShardedSource`` (rank 0 of a sharded
+        trainer; the other ranks call its ``follow``)."""
+        self._reads.clear()
+        return self._push_packed(self._pack(version, weights), tamper)
 
     def _push_packed(self, packed: Packed, tamper: Tamper | None = None) -> PushResult:
         t0 = time.perf_counter()
         stats, staged = self._send_packed(packed, tamper)
         t1 = time.perf_counter()
-        version = next(iter(packed.values())).version
-        commits = self.commit(version)
-        return PushResult(version, stats, staged, commits, t1 - t0, time.perf_counter() - t1)
+        commits = self.commit(packed.version)
+        return PushResult(packed.version, stats, staged, commits, t1 - t0, time.perf_counter() - t1)
 
-    def push_async(self, version: int, named: Mapping[str, torch.Tensor]) -> Future[PushResult]:
-        """Snapshot ``named`` now, then send and commit in the background.
+    def push_async(self, version: int, weights: Weights) -> Future[PushResult]:
+        """Send and commit in the background; the tensors are read as their buckets go out.
 
-        The caller may change its tensors (take the next optimizer step) as soon as this
-        returns. Waits for the previous background push first: one update in flight.
+        Reads, not writes: the caller may run the next forward and backward at once, but must
+        call ``wait_reads`` before it writes a parameter (``optimizer.step``). Waits for the
+        previous background push first: one update in flight.
         """
         if self._in_flight is not None:
-            self._in_flight.exception()  # wait (the snapshot buffer is in use); its owner reads the outcome
-        packed = self._pack(version, named)  # the snapshot
+            self._in_flight.exception()  # wait (one push at a time); its owner reads the outcome
+        self._reads.clear()
+        try:
+            packed = self._pack(version, weights)
+        except BaseException:
+            self._reads.set()
+            raise
         self._in_flight = self._background.submit(self._push_packed, packed)
         return self._in_flight
+
+    def wait_reads(self, timeout_s: float | None = None) -> float:
+        """Block until the push in flight has read every tensor it sends (its last bucket is
+        packed, or it ended); returns the seconds waited. Call it before writing parameters."""
+        t0 = time.perf_counter()
+        if not self._reads.wait(timeout_s):
+            raise TimeoutError(f"the push in flight still reads the trainer's tensors after {timeout_s} s")
+        return time.perf_counter() - t0
 
     @property
     def engine_versions(self) -> dict[int, int]:
