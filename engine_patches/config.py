@@ -7,10 +7,12 @@ from typing import Any
 
 import msgspec
 
-from inflight.settings import CommitChoice, StagingPlace, check_choices
+from inflight.settings import Backend, CommitChoice, StagingPlace, check_choices
 from inflight.transport.group import GroupConfig
 
 WORKER_EXTENSION = "engine_patches.worker.InflightWorkerExtension"
+STAGING_INTENT_KEY = "inflight_staging"
+"""The key of the staging intent in vLLM's ``additional_config`` (``engine_kwargs(reserve_staging=...)``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +113,56 @@ def _refuse_unknown(cls: type, raw: Any, where: str) -> None:
         raise ValueError(f"{where}: unknown fields {unknown} (known: {', '.join(f.name for f in fields(cls))})")
 
 
-def engine_kwargs(**overrides: object) -> dict[str, object]:
+_DEFAULTS = {f.name: f.default for f in fields(InflightConfig)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagingIntent:
+    """The staging an engine will be started with (``inflight_start``), known when it is built,
+    so that a GPU worker sets its device bytes aside before vLLM sizes the KV cache
+    (``engine_patches.kv_budget``). ``inflight_start`` then refuses a config that needs more
+    device memory than was set aside. Defaults are ``InflightConfig``'s."""
+
+    staging: StagingPlace = _DEFAULTS["staging"]
+    keep_rollback: bool = _DEFAULTS["keep_rollback"]
+    max_bucket_mb: float = _DEFAULTS["max_bucket_mb"]
+    commit: CommitChoice = _DEFAULTS["commit"]
+    backend: Backend = "auto"
+    """The weight group's data plane (``GroupConfig.backend``): on a GPU, NCCL lands buckets on
+    the device and gloo stages through host memory."""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "StagingIntent")
+        if type(self.keep_rollback) is not bool:
+            raise ValueError(f"StagingIntent.keep_rollback={self.keep_rollback!r} must be a bool")
+        if not self.max_bucket_mb > 0:
+            raise ValueError(f"StagingIntent.max_bucket_mb={self.max_bucket_mb} must be > 0")
+
+    @classmethod
+    def of(cls, config: InflightConfig) -> StagingIntent:
+        """The intent of the config the engine will be started with."""
+        return cls(staging=config.staging, keep_rollback=config.keep_rollback, max_bucket_mb=config.max_bucket_mb,
+                   commit=config.commit, backend=config.group.backend)
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_additional_config(cls, additional: Any) -> StagingIntent | None:
+        """The intent ``engine_kwargs`` recorded in vLLM's ``additional_config``, or None (an
+        engine not built with one); a malformed one is an error naming it."""
+        raw = additional.get(STAGING_INTENT_KEY) if isinstance(additional, dict) else None
+        if raw is None:
+            return None
+        _refuse_unknown(cls, raw, f"additional_config[{STAGING_INTENT_KEY!r}]")
+        try:
+            return msgspec.convert(raw, type=cls)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"additional_config[{STAGING_INTENT_KEY!r}]: {e}") from None
+
+
+def engine_kwargs(*, reserve_staging: StagingIntent | InflightConfig | None = None,
+                  **overrides: object) -> dict[str, object]:
     """Engine arguments an in-flight engine needs, for ``LLM(...)`` / ``AsyncEngineArgs(...)``.
 
     - the worker extension that receives and commits weights;
@@ -122,7 +173,12 @@ def engine_kwargs(**overrides: object) -> dict[str, object]:
     - processed log-probs: behaviour log-probs of the distribution actually sampled from;
     - vLLM's neutral sampling defaults, not the model's ``generation_config.json`` (its top-k,
       top-p, penalties would apply to every request that leaves them unset, and the trainer
-      scores with the temperature alone; the worker refuses such an engine).
+      scores with the temperature alone; the worker refuses such an engine);
+    - with ``reserve_staging`` (the ``InflightConfig`` the engine will be started with, or its
+      ``StagingIntent``): the intent, in ``additional_config``, which reaches every worker, so
+      a GPU worker subtracts staging's device bytes from what vLLM may give its KV cache
+      (``engine_patches.kv_budget``). Without it the KV cache is sized as vLLM alone would,
+      and ``inflight_start`` checks staging against the memory left free.
     """
     kwargs: dict[str, object] = dict(
         worker_extension_cls=WORKER_EXTENSION,
@@ -132,4 +188,10 @@ def engine_kwargs(**overrides: object) -> dict[str, object]:
         generation_config="vllm",
     )
     kwargs.update(overrides)
+    if reserve_staging is not None:
+        intent = reserve_staging if isinstance(reserve_staging, StagingIntent) else StagingIntent.of(reserve_staging)
+        additional = overrides.get("additional_config") or {}
+        if not isinstance(additional, dict):
+            raise ValueError(f"engine_kwargs: additional_config={additional!r} must be a dict to carry the staging intent")
+        kwargs["additional_config"] = {**additional, STAGING_INTENT_KEY: intent.to_dict()}
     return kwargs

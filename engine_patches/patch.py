@@ -1,4 +1,5 @@
-"""The one patch `inflight` applies to vLLM, and the function that applies it.
+"""The step-boundary patch `inflight` applies to vLLM, and the function that applies it (the
+other, the KV cache's budget on a GPU, is ``engine_patches.kv_budget``; the plugin applies both).
 
 Why a patch at all: in vLLM 0.32 nothing runs between two EngineCore steps except client
 requests (utility calls), and workers cannot issue those. A commit that must land at a

@@ -3,7 +3,9 @@
 It only adds methods (vLLM forbids overriding worker methods from an extension), all
 called through ``collective_rpc``:
 
-- ``inflight_start(config_json)``: reserve staging memory (or refuse, naming the bytes),
+- ``inflight_start(config_json)``: reserve staging memory (or refuse, naming the bytes; on
+  an engine built with a staging intent, against what was set aside before vLLM sized its
+  KV cache: ``engine_patches.kv_budget``),
   build the commit strategy, and start the listener thread, which joins the weight group
   as rank ``config.rank + <vLLM worker rank>`` and stages every update while the engine
   keeps decoding (and rejoins whenever the group fails). It passes through the patched
@@ -39,10 +41,11 @@ from engine_patches.commit.base import CommitStrategy, make_strategy
 from engine_patches.commit.checkpoint import checkpoint_dir, checkpoint_schema, read_checkpoint_into
 from engine_patches.config import InflightConfig
 from engine_patches.engine_target import EngineTarget
+from engine_patches.kv_budget import SET_ASIDE_ATTR, planned_need
 from engine_patches.rpc import StartReport, WorkerCommitResult, WorkerSettleResult, WorkerStatus
 from inflight.auth import read_secret
 from inflight.protocol import ENGINE_CHANNEL, Sampling, ShardPlan
-from inflight.memory import BucketWindows, MemoryBudget, StagingNeed, check_fits, memory_budget, staging_need
+from inflight.memory import BucketWindows, MemoryBudget, StagingNeed, check_fits, memory_budget
 from inflight.staging import StagedVersion, StagingPool
 from inflight.transport.data_plane import nccl_error_handling_once
 from inflight.transport.errors import TransportError
@@ -112,18 +115,18 @@ class InflightWorkerExtension:
         """Check that everything staging holds fits where it will live (``inflight.memory``),
         then allocate it now, at its exact size."""
         data = self._inflight_data_device(config)
-        pool_device = data if config.staging == "device" else torch.device("cpu")
-        where = "device" if pool_device.type == device.type else "host"  # gloo next to a GPU engine stages on the host
-        rollback_copy = config.keep_rollback and applier.strategy != "swap"  # swap rolls back by module
         bucket_bytes = int(config.max_bucket_mb * (1 << 20))
-        need = staging_need(schema, plan=plan, staging=where, rollback_copy=rollback_copy, commit_bytes=applier.held_bytes(),
-                            commit=applier.strategy, bucket_bytes=bucket_bytes, plane_cuda=data.type == "cuda", mac=mac)
+        need = planned_need(schema, applier, plan, staging=config.staging, keep_rollback=config.keep_rollback,
+                            bucket_bytes=bucket_bytes, engine=device, data=data, mac=mac)
+        # an engine built with a staging intent kept its device bytes out of the KV cache: the
+        # config must fit in those, not in the free memory (which holds vLLM's activation peak)
         check_fits(need, device=device, budget=budget, node_workers=node_workers,
-                   gpu_memory_utilization=getattr(self.vllm_config.cache_config, "gpu_memory_utilization", None))
-        pool = StagingPool(pool_device, pin=where == "host")
+                   gpu_memory_utilization=getattr(self.vllm_config.cache_config, "gpu_memory_utilization", None),
+                   set_aside=getattr(self, SET_ASIDE_ATTR, None))
+        pool = StagingPool(data if config.staging == "device" else torch.device("cpu"), pin=need.where == "host")
         pool.reserve(need.update_bytes, need.copies)
-        pool.windows = BucketWindows.reserve(bucket_bytes, data, landing=data.type == "cuda" and where == "host", mac=mac)
-        if rollback_copy:
+        pool.windows = BucketWindows.reserve(bucket_bytes, data, landing=data.type == "cuda" and need.where == "host", mac=mac)
+        if need.copies > 1:  # the rollback copy
             # what a failed first commit restores, read now: never from disk inside the stall
             vc = self.vllm_config.model_config
             flat = pool.take(need.update_bytes)

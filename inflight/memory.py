@@ -8,6 +8,13 @@ worker allocates on the first push would find the memory taken and fail mid-upda
 the figure and a setting that would fit when it is not free (``check_fits``), and otherwise
 allocates it at once: an engine that started can always stage.
 
+On a GPU the memory free after vLLM sized its KV cache includes the activation peak vLLM
+budgeted for and released, which a later long prefill takes back: staging must not count
+it as its own. An engine built with a staging intent (``engine_kwargs(reserve_staging=...)``)
+therefore has its device bytes taken out of the KV cache's budget before vLLM sizes it
+(``kv_cache_after_staging``, applied by ``engine_patches.kv_budget``), and ``inflight_start``
+checks its config against that ``SetAside`` instead of the free memory.
+
 What a worker holds, and why each exists:
 - the staging buffer (one update): the next version lands here while the engine decodes
   the live one; it is what lets the engine keep decoding during a transfer;
@@ -144,13 +151,53 @@ def memory_budget(device: torch.device) -> MemoryBudget:
     return MemoryBudget(vm.available, vm.total, vm.available, vm.total)
 
 
+@dataclass(frozen=True)
+class SetAside:
+    """What a worker took out of its KV cache's budget for staging, before vLLM sized it."""
+
+    nbytes: int
+    """Staging's device bytes at the intent's settings, with the GPU margin (``set_aside_bytes``)."""
+    built_for: str
+    """The intent it was computed for, as the refusal names it."""
+    kv_before: int
+    """What vLLM would have given the KV cache without it."""
+
+
+def set_aside_bytes(need: StagingNeed, device: torch.device) -> int:
+    """Device bytes to keep out of the KV cache for ``need``: its device part, and on a GPU the
+    margin ``check_fits`` keeps free beside it (fragmentation, the weight group's NCCL buffers)."""
+    return need.bytes_on("device", device) + (CUDA_MARGIN_BYTES if device.type == "cuda" else 0)
+
+
+def kv_cache_after_staging(available: int, need: StagingNeed, *, device: torch.device, total: int,
+                           utilization: float) -> int:
+    """What the KV cache may have once ``need`` is set aside: ``available`` (vLLM's figure, its
+    requested memory less weights, activation peak and graphs) less ``set_aside_bytes``.
+    Raise ``StagingMemoryError`` naming the bytes and a setting that fits when nothing is left."""
+    nbytes = set_aside_bytes(need, device)
+    if nbytes < available:
+        return available - nbytes
+    margin = f" + {CUDA_MARGIN_BYTES / GiB:.2f} GiB margin" if device.type == "cuda" else ""
+    fit = round(math.floor(100 * (utilization + (nbytes - available) / total)) / 100 + 0.01, 2)  # strictly above
+    msg = (f"inflight: staging needs {need.describe('device', device)}{margin} of device memory per rank, set aside "
+           f"before the KV cache, but vLLM's budget at gpu_memory_utilization={utilization:.2f} leaves only "
+           f"{available / GiB:.2f} GiB of {total / GiB:.2f} GiB for the KV cache. ")
+    msg += (f"Start the engine with gpu_memory_utilization>={fit:.2f}, or " if fit <= 1 else
+            "No gpu_memory_utilization leaves room for it on this GPU: ")
+    msg += "set staging='host' (only bucket windows stay on the device), or keep_rollback=False."
+    raise StagingMemoryError(msg)
+
+
 def check_fits(need: StagingNeed, *, device: torch.device, budget: MemoryBudget, node_workers: int = 1,
-               gpu_memory_utilization: float | None = None) -> None:
+               gpu_memory_utilization: float | None = None, set_aside: SetAside | None = None) -> None:
     """Raise ``StagingMemoryError`` naming the bytes and a setting that would fit, unless
-    ``need`` fits: device bytes in the device's free memory (less a margin on a GPU), and
-    host bytes of all ``node_workers`` workers of this engine on this node (each needs the
-    same) in the host's."""
-    if device.type == "cuda":
+    ``need`` fits: device bytes in what was set aside for them before the KV cache was sized
+    (``set_aside``) or else in the device's free memory (less a margin on a GPU), and host
+    bytes of all ``node_workers`` workers of this engine on this node (each needs the same) in
+    the host's."""
+    if set_aside is not None:
+        _check_set_aside(need, device, set_aside)
+    elif device.type == "cuda":
         _check_gpu(need, device, budget, gpu_memory_utilization)
     host = need.bytes_on("host", device) * node_workers
     if host <= budget.host_free:
@@ -181,6 +228,18 @@ def _check_gpu(need: StagingNeed, device: torch.device, budget: MemoryBudget, ut
             "this GPU at any gpu_memory_utilization: use ")
     msg += "InflightConfig(staging='host') (commit becomes a host-to-device copy), or keep_rollback=False."
     raise StagingMemoryError(msg)
+
+
+def _check_set_aside(need: StagingNeed, device: torch.device, set_aside: SetAside) -> None:
+    nbytes = set_aside_bytes(need, device)
+    if nbytes <= set_aside.nbytes:
+        return
+    margin = f" + {CUDA_MARGIN_BYTES / GiB:.2f} GiB margin" if device.type == "cuda" else ""
+    raise StagingMemoryError(
+        f"inflight: this config stages {need.describe('device', device)}{margin} of device memory per rank, but the "
+        f"engine set aside {set_aside.nbytes / GiB:.2f} GiB before sizing its KV cache, for {set_aside.built_for}. "
+        "Start it with those settings, or ones that stage less on the device (staging='host', keep_rollback=False), "
+        "or build the engine with engine_kwargs(reserve_staging=<this config>).")
 
 
 def pinned_exact(nbytes: int) -> torch.Tensor:
