@@ -4,15 +4,20 @@
                           [--png docs/scale.png]
 
 For each scenario (one TOML under configs/scale/, every figure published or derived from
-one, with its source beside it), each way of updating is planned (``scale_fleet.plan``:
-memory, concurrency, decode step time, what an update costs) and one engine is stepped
-through a dozen updates (``scale_model.simulate``); a fleet's tokens/s is its engines'.
-Then two sweeps find where in-flight stops paying: request length (the KV cache that
-staging takes matters once memory, not ``max_num_seqs``, bounds concurrency) and update
-period (pausing costs less the rarer the updates). Last, the same model, fed the costs a
-``bench.inflight`` run measured on this machine, predicts that run's tokens/s ratios.
+one, with its source beside it), first what an update moves: the bytes the trainer sends
+one engine and the most one rank stages, from the model's shapes (``scale_shapes``), and
+pause's update time at each system's published rate (``transfers.toml``). Then each way of
+updating is planned (``scale_fleet.plan``: memory, concurrency, decode step time, what an
+update costs) and one engine is stepped through a dozen updates (``scale_model.simulate``);
+a fleet's tokens/s is its engines'. Pause runs at the fastest published rate, and again at
+checkpoint-engine's. Where in-flight gains little, its cadence: how often it can update and
+still decode what pause does. Then two sweeps find where in-flight stops paying: request
+length (the KV cache that staging takes matters once memory, not ``max_num_seqs``, bounds
+concurrency) and update period (pausing costs less the rarer the updates). Last, the same
+model, fed the costs a ``bench.inflight`` run measured on this machine, predicts that run's
+tokens/s ratios.
 
-Prints the table and one JSON line; writes the figure.
+Prints markdown tables and one JSON line; writes the figure.
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ import math
 import statistics
 from pathlib import Path
 
-from bench.scale_fleet import BUILT, CPU_LENGTHS, VARIANTS, Plan, Scenario, cpu_step_time, cpu_update, plan
+from bench.scale_fleet import (BUILT, CPU_LENGTHS, VARIANTS, Plan, Scenario, bytes_row, cpu_step_time, cpu_update, plan,
+                               published_rows, scenario_paths)
 from bench.scale_model import Run, simulate
 
 LENGTH_FACTORS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0, 2.0)
 PERIODS_S = (5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 TOLERANCE = 0.15  # the CPU check: every predicted ratio within 15% of the measured one
+BESIDE = "checkpoint-engine"  # pause is shown at this system's published rate too
 
 
 def run_plan(p: Plan, s: Scenario, updates: int = 12, seed: int = 0) -> Run | None:
@@ -43,14 +50,16 @@ def run_plan(p: Plan, s: Scenario, updates: int = 12, seed: int = 0) -> Run | No
 
 
 def scenario_rows(s: Scenario) -> list[dict]:
-    """One table row per variant of scenario ``s``: memory, concurrency, and what its engine did."""
-    plans = {v: plan(s, v) for v in VARIANTS}
+    """One table row per variant of scenario ``s``: memory, concurrency, and what its engine did;
+    pause once more at checkpoint-engine's published rate (``pause@checkpoint-engine``)."""
+    beside = f"pause@{BESIDE}"
+    plans = {v: plan(s, v) for v in VARIANTS} | {beside: plan(s.via(BESIDE), "pause")}
     runs = {v: run_plan(p, s) for v, p in plans.items()}
     ceiling = runs["none"]
     rows = []
-    for v in VARIANTS:
+    for v in plans:
         p, r = plans[v], runs[v]
-        row = {"scenario": s.name, "variant": v, "built": v in BUILT, "fits": r is not None, "note": p.note,
+        row = {"scenario": s.name, "variant": v, "built": p.variant in BUILT, "fits": r is not None, "note": p.note,
                "slots": p.slots, "kv_lost": round(1 - p.kv_tokens / plans["none"].kv_tokens, 3),
                "staging_gb_gpu": round(p.staging_gb_gpu, 1), "host_gb_node": round(p.host_gb_node),
                "stall_s": round(p.update.stall_s, 3)}
@@ -67,7 +76,7 @@ def scenario_rows(s: Scenario) -> list[dict]:
 
 
 def best_fit(s: Scenario, variants: tuple[str, ...]) -> str | None:
-    """The first of ``variants`` (built before designed) that fits the scenario."""
+    """The first of ``variants`` (full staging before shard) that fits the scenario."""
     return next((v for v in variants if plan(s, v).slots > 0), None)
 
 
@@ -75,6 +84,39 @@ def gain(s: Scenario, variant: str) -> float:
     """In-flight's tokens/s over pause's (> 1: in-flight pays); 0 where it does not fit."""
     r_in, r_pause = run_plan(plan(s, variant), s, updates=6), run_plan(plan(s, "pause"), s, updates=6)
     return r_in.tok_s / r_pause.tok_s if r_in and r_pause else 0.0
+
+
+def cadence(s: Scenario) -> dict | None:
+    """Where in-flight gains little over pause: the shortest update period at which the best
+    in-flight variant that fits still decodes pause's tokens/s at the scenario's period (at
+    most as often as the link lands a version), the updates per hour that leaves, and the
+    lag (versions, i.e. trainer steps, and seconds) of its tokens then, beside pause's."""
+    fits = [v for v in VARIANTS if v.startswith("inflight") and plan(s, v).slots > 0]
+    if not fits:
+        return None
+    v = max(fits, key=lambda v: gain(s, v))
+
+    def run(period: float) -> Run:
+        at = s.replace(every_s=period)
+        return run_plan(plan(at, v), at, updates=6)
+
+    target, here = run_plan(plan(s, "pause"), s, updates=6), run(s.updates.every_s)
+    out = {"scenario": s.name, "variant": v, "pause_per_hour": round(3600 / s.updates.every_s, 1),
+           "pause_lag_mean": round(target.lag_mean, 2), "pause_lag_p90": target.lag_quantile(0.9),
+           "pause_lag_mean_s": round(target.lag_mean * s.updates.every_s, 1)}
+    if here.tok_s < target.tok_s:
+        return out | {"inflight_per_hour": None}
+    lo, hi = plan(s, v).update.stage_s, s.updates.every_s  # a version cannot land faster than the link moves it
+    if run(lo).tok_s >= target.tok_s:
+        hi = lo
+    for _ in range(12):  # bisection on log(period): tokens/s falls as updates come more often
+        if hi / lo < 1.02:
+            break
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if run(mid).tok_s >= target.tok_s else (mid, hi)
+    r = run(hi)
+    return out | {"inflight_per_hour": round(3600 / hi, 1), "period_s": round(hi, 2), "lag_mean": round(r.lag_mean, 2),
+                  "lag_p90": r.lag_quantile(0.9), "lag_mean_s": round(r.lag_mean * hi, 1)}
 
 
 def crossover(xs: tuple[float, ...], ys: list[float]) -> float | None:
@@ -204,18 +246,38 @@ def validate_cpu(bench: dict) -> list[dict]:
     return out
 
 
-def print_table(rows: list[dict]) -> None:
-    cols = ["variant", "slots", "kv_lost", "tok_s", "vs_none", "stall_s", "lost_s_per_update", "lag_mean", "lag_p90",
-            "staging_gb_gpu", "host_gb_node"]
-    for name in dict.fromkeys(r["scenario"] for r in rows):
-        print(f"\n{name}")
-        print(" ".join(f"{c:>19}" for c in cols))
-        for r in (r for r in rows if r["scenario"] == name):
-            label = r["variant"] + ("" if r["built"] else "*")
-            cells = [label] + [r.get(c, "-") if r["fits"] or c in ("kv_lost", "staging_gb_gpu", "host_gb_node") else "-"
-                               for c in cols[1:]]
-            print(" ".join(f"{c!s:>19}" for c in cells) + (f"  {r['note']}" if r["note"] else ""))
-    print("* designed, not built")
+def markdown(head: list[str], body: list[list[object]]) -> None:
+    print("\n| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
+    for cells in body:
+        print("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
+
+
+def print_tables(moved: list[dict], published: list[dict], rows: list[dict], cadences: list[dict]) -> None:
+    markdown(["scenario", "TP", "checkpoint GB", "trainer -> one engine GB", "staged by one rank GB (most)",
+              "of it whole tensors GB", "x S / TP", "with rollback GB"],
+             [[m["scenario"], m["tp"], m["checkpoint_gb"], m["link_gb"], m["rank_gb"], m["rank_whole_gb"],
+               m["rank_over_even"], m["rank_rollback_gb"]] for m in moved])
+    systems, names = list(dict.fromkeys(p["system"] for p in published)), dict.fromkeys(p["scenario"] for p in published)
+    markdown(["scenario"] + [f"{x}: GB/s, pause s" for x in systems],
+             [[name] + [f"{p['engine_gbps']:g}, {p['pause_s']}" for x in systems for p in published
+                        if p["scenario"] == name and p["system"] == x] for name in names])
+    body, last = [], None
+    for r in rows:
+        fits, updates = r["fits"], r["variant"] != "none"
+        body.append([r["scenario"] if r["scenario"] != last else "", r["variant"],
+                     r["slots"] if fits else "", f"{100 * r['kv_lost']:.0f}%" if fits else "",
+                     f"{r['tok_s']:,}" if fits else r["note"], r.get("vs_none"), r["stall_s"] if fits and updates else "",
+                     r.get("lost_s_per_update") if updates else "", f"{r['lag_mean']:.2f} / {r['lag_p90']}" if fits else "",
+                     r["staging_gb_gpu"] or "", r["host_gb_node"] or ""])
+        last = r["scenario"]
+    markdown(["scenario", "mode", "slots per engine", "KV lost", "fleet tokens/s", "vs none", "stall s / update",
+              "decode lost s / update", "lag mean / p90", "staging GB / GPU", "pinned host GB / node"], body)
+    markdown(["scenario", "in-flight mode", "pause: updates / h", "pause lag mean / p90 (versions), mean s",
+              "in-flight at pause's tokens/s: updates / h", "its lag mean / p90 (versions), mean s"],
+             [[c["scenario"], c["variant"], c["pause_per_hour"],
+               f"{c['pause_lag_mean']} / {c['pause_lag_p90']}, {c['pause_lag_mean_s']}",
+               c["inflight_per_hour"] or "none: fewer tokens/s at every cadence",
+               f"{c['lag_mean']} / {c['lag_p90']}, {c['lag_mean_s']}" if c["inflight_per_hour"] else ""] for c in cadences])
 
 
 def plot(rows: list[dict], swept: list[dict], checks: list[dict], png: Path) -> None:
@@ -226,14 +288,13 @@ def plot(rows: list[dict], swept: list[dict], checks: list[dict], png: Path) -> 
 
     fig, axes = plt.subplots(2, 2, figsize=(14, 9.5))
     names = list(dict.fromkeys(r["scenario"] for r in rows))
-    shown = VARIANTS[1:]
+    shown = VARIANTS[1:] + (f"pause@{BESIDE}",)
     ax = axes[0, 0]
     width = 0.8 / len(shown)
     for j, v in enumerate(shown):
         ys = [next(r.get("vs_none", 0.0) for r in rows if r["scenario"] == n and r["variant"] == v) for n in names]
         xs = [i + (j - (len(shown) - 1) / 2) * width for i in range(len(names))]
-        ax.bar(xs, ys, width=width, color=f"C{j}", label=v + ("" if v in BUILT else " (not built)"),
-               hatch="" if v in BUILT else "//")
+        ax.bar(xs, ys, width=width, color=f"C{j}", label=v)
         for x, y in zip(xs, ys):
             if y == 0:
                 ax.text(x, 0.02, "x", ha="center", color=f"C{j}")
@@ -255,9 +316,7 @@ def plot(rows: list[dict], swept: list[dict], checks: list[dict], png: Path) -> 
         ax.set_ylabel("in-flight tokens/s / pause tokens/s")
         ax.legend(fontsize=6)
     axes[0, 1].set_title("in-flight / pause vs request length (solid: device staging, dashed: host)")
-    axes[1, 0].set_yscale("log")
-    axes[1, 0].set_ylim(0.4, 5)  # 1T at 5-10 s: pause's 21.5 s update is longer than the period (x460)
-    axes[1, 0].set_title("in-flight / pause vs update period (log; 1T off the chart below 30 s)")
+    axes[1, 0].set_title("in-flight / pause vs update period (pause at the fastest published rate)")
     ax = axes[1, 1]
     ax.fill_between([0.4, 1.1], [0.4 * (1 - TOLERANCE), 1.1 * (1 - TOLERANCE)],
                     [0.4 * (1 + TOLERANCE), 1.1 * (1 + TOLERANCE)], color="0.9")
@@ -281,13 +340,15 @@ def plot(rows: list[dict], swept: list[dict], checks: list[dict], png: Path) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", nargs="+", type=Path, default=sorted(Path("configs/scale").glob("*.toml")))
+    ap.add_argument("--configs", nargs="+", type=Path, default=scenario_paths(Path("configs/scale")))
     ap.add_argument("--cpu-bench", type=Path, default=Path("bench/scale_cpu_bench.json"))
     ap.add_argument("--png", type=Path, default=Path("docs/scale.png"))
     args = ap.parse_args()
     scenarios = sorted((Scenario.load(p) for p in args.configs), key=lambda s: s.model.params_b)
     rows = [r for s in scenarios for r in scenario_rows(s)]
-    print_table(rows)
+    moved, published = [bytes_row(s) for s in scenarios], [p for s in scenarios for p in published_rows(s)]
+    cadences = [c for s in scenarios if (c := cadence(s)) is not None]
+    print_tables(moved, published, rows, cadences)
     swept = [sweeps(s) for s in scenarios]
     for sw in swept:
         for place in ("device", "host"):
@@ -307,7 +368,8 @@ def main() -> None:
         print(f"CPU check: worst error {100 * max(judged):.1f}% over {len(judged)} rows (limit {100 * TOLERANCE:.0f}%): "
               f"{'PASS' if max(judged) <= TOLERANCE else 'FAIL'}")
     plot(rows, swept, checks, args.png)
-    print(json.dumps({"bench": "scale", "rows": rows, "sweeps": swept, "length_factors": LENGTH_FACTORS,
+    print(json.dumps({"bench": "scale", "bytes": moved, "published": published, "rows": rows, "cadence": cadences,
+                      "sweeps": swept, "length_factors": LENGTH_FACTORS,
                       "periods_s": PERIODS_S, "cpu_check": checks}))
 
 

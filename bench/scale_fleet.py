@@ -3,24 +3,39 @@
 a decode step time and, per way of updating, what an update costs the engine.
 
 Variants of the in-flight mode differ only in where the staged version waits and how much
-of it: ``inflight`` (device memory; every TP rank stages the full checkpoint S, what this
-project builds today), ``inflight_host`` (pinned host memory, S per rank, one bucket on
-the device; the commit becomes a host-to-device copy), and their ``_shard`` forms, which
-keep only the rank's S / TP (designed in docs/performance.md, not built).
+of it: ``inflight`` (device memory; every TP rank stages the full checkpoint S),
+``inflight_host`` (pinned host memory, S per rank, one bucket on the device; the commit
+becomes a host-to-device copy), and their ``_shard`` forms: each rank is sent and stages only
+the boxes its weight loaders read (``inflight.shard_plan``), computed from the model's
+published shapes by ``scale_shapes`` (about S / TP, plus what every rank reads whole), and
+the trainer sends an engine the sum over its ranks. All are built: the shard-targeted
+transfer is what the engine does wherever its commit records its loaders (the CPU ``swap``
+commit today; a GPU ``copy``/``reload`` commit sends no plan yet and is sent whole tensors).
+
+Every mode's transfer runs at the fastest published update rate (``transfers.toml``, beside
+the scenarios) that the engine can take in, at most ``tp`` x one NIC's line rate: pause is
+held to the strongest published figure. ``Scenario.via`` puts another system's rate in its place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from bench.scale_model import Lengths, StepTime, Update
+from bench.scale_shapes import Arch, link_bytes, rank_bytes, staging_bytes
 
 VARIANTS = ("none", "batch", "pause", "inflight", "inflight_host", "inflight_shard", "inflight_host_shard")
-BUILT = ("none", "batch", "pause", "inflight", "inflight_host")  # the other two are designed, not built
+BUILT = VARIANTS  # every variant: the shard modes are the engine's shard-targeted transfer
 GB = 1e9
+TRANSFERS = "transfers.toml"  # the published update times, beside the scenarios: not a scenario
+
+
+def scenario_paths(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.glob("*.toml") if p.name != TRANSFERS)
 
 
 def _check_positive(obj: object, *, allow_zero: tuple[str, ...] = ()) -> None:
@@ -85,8 +100,35 @@ class Serving:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Transfer:
+    """A published weight update: ``gb`` received by each engine in ``seconds``, load included."""
+
+    system: str
+    model: str
+    gb: float
+    seconds: float
+
+    def __post_init__(self) -> None:
+        _check_positive(self)
+
+    @property
+    def gbps(self) -> float:
+        return self.gb / self.seconds
+
+
+def engine_rate(transfers: tuple[Transfer, ...], system: str, tp: int, nic_gbps: float) -> float:
+    """The GB/s one engine of ``tp`` GPUs receives an update at by ``system``: its fastest
+    published rate, as far as the engine's NICs take it in."""
+    rates = [t.gbps for t in transfers if t.system == system]
+    if not rates:
+        raise ValueError(f"engine_rate: no published update by system={system!r} ({TRANSFERS})")
+    return min(max(rates), tp * nic_gbps)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Link:
     engine_gbps: float  # rate at which one engine receives a whole update (GB/s)
+    nic_gbps: float  # line rate into one GPU: an engine takes in at most tp x this
     egress_gbps: float  # trainer side, all engines together; 0: not the bottleneck
     load_fixed_s: float  # pause path per update: pause/resume and finish_weight_update post-processing
     commit_fixed_s: float  # in-flight: one step-boundary RPC to every worker
@@ -111,6 +153,8 @@ class Updates:
 class Scenario:
     name: str
     model: Model
+    arch: Arch
+    transfers: tuple[Transfer, ...]
     fleet: Fleet
     gpu: Gpu
     serving: Serving
@@ -124,20 +168,26 @@ class Scenario:
         raw = tomllib.loads(path.read_text())
         try:
             work = raw["workload"]
-            return cls(name=raw["name"], model=Model(**raw["model"]), fleet=Fleet(**raw["fleet"]), gpu=Gpu(**raw["gpu"]),
-                       serving=Serving(**raw["serving"]), link=Link(**raw["link"]), updates=Updates(**raw["updates"]),
-                       prompt_tokens=work["prompt_tokens"], lengths=Lengths(**work["lengths"]))
-        except (KeyError, TypeError) as e:
+            transfers = tuple(Transfer(**t) for t in tomllib.loads((path.parent / TRANSFERS).read_text())["update"])
+            fleet = Fleet(**raw["fleet"])
+            fastest = max(transfers, key=lambda t: t.gbps).system
+            link = Link(engine_gbps=engine_rate(transfers, fastest, fleet.tp, raw["link"]["nic_gbps"]), **raw["link"])
+            return cls(name=raw["name"], model=Model(**raw["model"]), arch=Arch.from_config(raw["arch"]),
+                       transfers=transfers, fleet=fleet, gpu=Gpu(**raw["gpu"]), serving=Serving(**raw["serving"]),
+                       link=link, updates=Updates(**raw["updates"]), prompt_tokens=work["prompt_tokens"],
+                       lengths=Lengths(**work["lengths"]))
+        except (KeyError, TypeError, OSError) as e:
             raise ValueError(f"{path}: {e}") from e
+
+    def via(self, system: str) -> Scenario:
+        """This scenario with every transfer at ``system``'s published rate (``engine_rate``)."""
+        gbps = engine_rate(self.transfers, system, self.fleet.tp, self.link.nic_gbps)
+        return dataclasses.replace(self, link=dataclasses.replace(self.link, engine_gbps=gbps))
 
     def replace(self, *, lengths: Lengths | None = None, every_s: float | None = None) -> Scenario:
         """This scenario with other request lengths or another update cadence (the sweeps)."""
-        u = self.updates
-        upd = u if every_s is None else Updates(every_s=every_s, rollback=u.rollback, bucket_gb=u.bucket_gb,
-                                                staging_hbm_passes=u.staging_hbm_passes,
-                                                commit_hbm_passes=u.commit_hbm_passes)
-        return Scenario(name=self.name, model=self.model, fleet=self.fleet, gpu=self.gpu, serving=self.serving,
-                        link=self.link, updates=upd, prompt_tokens=self.prompt_tokens, lengths=lengths or self.lengths)
+        upd = self.updates if every_s is None else dataclasses.replace(self.updates, every_s=every_s)
+        return dataclasses.replace(self, updates=upd, lengths=lengths or self.lengths)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +213,11 @@ def plan(s: Scenario, variant: str) -> Plan:
     ranks = f.tp * f.pp
     shard = size / ranks  # live weights per GPU
     copies = 2 if u.rollback else 1
-    per_rank = shard if variant.endswith("_shard") else size  # what one rank keeps of a staged version
+    # what one rank keeps of a staged version, and what the trainer sends one engine: the whole
+    # checkpoint, or (_shard) the rank's boxes, the most any rank reads, and the sum over ranks
+    boxed = variant.endswith("_shard")
+    per_rank = staging_bytes(s.arch, f.tp, m.bytes_per_param) if boxed else size
+    sent = link_bytes(s.arch, f.tp, m.bytes_per_param) if boxed else size
     on_host = variant.startswith("inflight_host")
     staging = 0.0 if not variant.startswith("inflight") else u.bucket_gb * GB if on_host else per_rank * copies
     host = per_rank * copies * f.gpus_per_node if on_host else 0.0
@@ -184,19 +238,42 @@ def plan(s: Scenario, variant: str) -> Plan:
                     weights_per_seq_s=m.active_params_b * 1e9 * m.bytes_per_param / ranks / hbm,
                     kv_per_seq_s=held * m.kv_bytes_per_token_gpu / hbm,
                     flops_per_seq_s=2 * m.active_params_b * 1e9 / ranks / (g.tflops * 1e12 * sv.mfu))
-    transfer = max(size / (ln.engine_gbps * GB), f.engines * size / (ln.egress_gbps * GB) if ln.egress_gbps else 0.0)
+    transfer = max(sent / (ln.engine_gbps * GB), f.engines * sent / (ln.egress_gbps * GB) if ln.egress_gbps else 0.0)
     if variant == "none":
         update = Update(mode="none")
     elif variant in ("pause", "batch"):  # the engine waits for the transfer and the load
         load = shard * u.commit_hbm_passes / hbm + ln.load_fixed_s
         update = Update(mode=variant, every_s=u.every_s, stall_s=transfer + load)
-    else:  # staged beside decoding: every rank's HBM sees the whole update go by
-        commit = shard / (g.h2d_gbps * GB) if on_host else shard * u.commit_hbm_passes / hbm
-        stolen = size * u.staging_hbm_passes / hbm  # HBM time decode loses while staging
+    else:  # staged beside decoding: every rank's HBM sees what it is sent go by
+        live = per_rank if boxed else shard  # the commit copies the rank's part into its live weights
+        commit = live / (g.h2d_gbps * GB) if on_host else live * u.commit_hbm_passes / hbm
+        stolen = per_rank * u.staging_hbm_passes / hbm  # HBM time decode loses while staging
         update = Update(mode="inflight", every_s=u.every_s, stall_s=commit + ln.commit_fixed_s, stage_s=transfer,
                         stage_cost_s=stolen)
     return Plan(variant=variant, slots=slots, step=step, update=update, kv_tokens=kv_tokens,
                 staging_gb_gpu=staging / GB, host_gb_node=host / GB, note=note)
+
+
+def bytes_row(s: Scenario) -> dict:
+    """What one update moves in scenario ``s`` (GB): the checkpoint, what the trainer sends one
+    engine with shard targeting (every rank its boxes), and what one rank stages at most."""
+    a, tp, b = s.arch, s.fleet.tp, s.model.bytes_per_param
+    top = max((rank_bytes(a, tp, r, b) for r in range(tp)), key=lambda r: r.total)
+    size = rank_bytes(a, 1, 0, b).total
+    return {"scenario": s.name, "tp": tp, "checkpoint_gb": round(size / GB, 2),
+            "link_gb": round(link_bytes(a, tp, b) / GB, 2), "rank_gb": round(top.total / GB, 2),
+            "rank_whole_gb": round(top.replicated / GB, 2), "rank_over_even": round(top.total * tp / size, 4),
+            "rank_rollback_gb": round(2 * top.total / GB, 2)}
+
+
+def published_rows(s: Scenario) -> list[dict]:
+    """Pause's update (transfer and load, seconds) in scenario ``s`` at each system's published rate."""
+    out = []
+    for system in dict.fromkeys(t.system for t in s.transfers):
+        v = s.via(system)
+        out.append({"scenario": s.name, "system": system, "engine_gbps": round(v.link.engine_gbps, 1),
+                    "pause_s": round(plan(v, "pause").update.stall_s, 3)})
+    return out
 
 
 # --- the CPU benchmark, read back as a model -------------------------------------------------

@@ -1,13 +1,16 @@
 """The fleet model of ``python -m bench.scale``: its invariants, hand-computed memory and lag,
-the shipped scenarios, and its prediction of a committed ``bench.inflight`` run.
+the shipped scenarios, and its prediction of a committed ``bench.inflight`` run; the bytes
+per rank it takes from a model's shapes (``bench.scale_shapes``), by hand and against the
+shard plans a real TP=2 engine's weight loaders give (one engine per tiny model, started once).
 
-Nothing here starts an engine or reads a clock: the model is deterministic for a seed, and
+Nothing else starts an engine or reads a clock: the model is deterministic for a seed, and
 the CPU check compares it with a run measured once and committed (bench/scale_cpu_bench.json).
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
 from dataclasses import replace
@@ -16,11 +19,13 @@ from pathlib import Path
 import pytest
 
 from bench.scale import TOLERANCE, merge_repeats, reference_ok, scenario_rows, validate_cpu
-from bench.scale_fleet import GB, Link, Scenario, plan
+from bench.scale_fleet import GB, Link, Scenario, engine_rate, plan, scenario_paths
 from bench.scale_model import Lengths, Run, StepTime, Update, _add_lags, simulate
+from bench.scale_shapes import Arch, box, link_bytes, param_count, rank_bytes, staging_bytes, tensors
+from inflight.shard_plan import PlanBytes
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = sorted((ROOT / "configs" / "scale").glob("*.toml"))
+CONFIGS = scenario_paths(ROOT / "configs" / "scale")
 STEP = StepTime(overhead_s=0.002, weights_max_s=0.006, weights_per_seq_s=0.006, kv_per_seq_s=0.0001)
 LENGTHS = Lengths(dist="uniform", low=50, high=400)
 
@@ -115,6 +120,87 @@ def test_what_does_not_fit_is_refused_with_the_figure() -> None:
     assert plan(pp, "inflight_host_shard").note == "refused: pipeline parallel"
 
 
+def test_shard_modes_stage_and_send_what_the_shapes_give() -> None:
+    """70B at TP8: each rank stages its boxes (17.6 GB, twice with rollback), which fits where
+    the full checkpoint does not; the engine is sent the sum over its ranks. Qwen3-235B's shard
+    (59 GB x 2) still does not fit an H200 beside its live weights; on the host it does."""
+    s = Scenario.load(ROOT / "configs" / "scale" / "dense_70b.toml")
+    per_rank, sent = staging_bytes(s.arch, 8, 2), link_bytes(s.arch, 8, 2)
+    assert per_rank == max(rank_bytes(s.arch, 8, r, 2).total for r in range(8))
+    p = plan(s, "inflight_shard")
+    assert p.slots > 0 and plan(s, "inflight").slots == 0
+    assert p.staging_gb_gpu == pytest.approx(2 * per_rank / GB)
+    assert p.update.stage_s == pytest.approx(sent / (s.link.engine_gbps * GB))
+    assert plan(s, "inflight_host_shard").host_gb_node == pytest.approx(8 * 2 * per_rank / GB)
+    big = Scenario.load(ROOT / "configs" / "scale" / "moe_235b.toml")
+    assert plan(big, "inflight_shard").note == "does not fit: 118 GB staging per GPU"
+    assert plan(big, "inflight_host_shard").slots > 0
+    no_rollback = replace(big, updates=replace(big.updates, rollback=False))
+    assert plan(no_rollback, "inflight_shard").slots > 0  # 59 GB staged, once
+
+
+def test_pause_is_held_to_the_fastest_published_update() -> None:
+    """Every transfer runs at the fastest published rate an engine's NICs take in: the 1T fleet
+    moves its 1.04 TB in Perplexity's 1.3 s, not checkpoint-engine's 16 s on the same fleet;
+    a TP1 engine at one NIC's line rate."""
+    s = Scenario.load(ROOT / "configs" / "scale" / "moe_1t.toml")
+    fastest = max(s.transfers, key=lambda t: t.gbps)
+    assert fastest.system == "Perplexity RDMA" and s.link.engine_gbps == pytest.approx(fastest.gbps) == 800
+    ckpt = s.via("checkpoint-engine")
+    assert ckpt.link.engine_gbps == pytest.approx(470 / 6.22)  # its fastest: Qwen3-235B on 8 x H800
+    load = 1040e9 / 16 * s.updates.commit_hbm_passes / (s.gpu.hbm_tbps * 1e12 * s.serving.mbu)
+    assert plan(s, "pause").update.stall_s == pytest.approx(1.3 + load)
+    assert plan(ckpt, "pause").update.stall_s > 10 * plan(s, "pause").update.stall_s
+    small = _scenario()
+    assert small.link.engine_gbps == 1 * small.link.nic_gbps  # 800 GB/s into one GPU is not to be had
+    rows = {r["variant"]: r for r in scenario_rows(s)}
+    assert rows["pause@checkpoint-engine"]["stall_s"] == round(plan(ckpt, "pause").update.stall_s, 3)
+    assert rows["pause@checkpoint-engine"]["tok_s"] < rows["pause"]["tok_s"]
+
+
+# --- bytes per rank from the model's shapes ---------------------------------------------------
+
+TOY = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+       "num_key_value_heads": 1, "head_dim": 4, "intermediate_size": 12, "vocab_size": 100}
+
+
+def test_bytes_per_rank_by_hand() -> None:
+    """One layer, hidden 8, two heads of 4, one KV head, MLP 12, vocabulary 100 (padded to 128:
+    64 rows per rank, the second reads 36), untied, bf16, TP=2."""
+    a = Arch.from_config(TOY)
+    # rank 0 splits: embed 64x8 + lm_head 64x8 + q 4x8 + o 8x4 + gate, up 6x8 + down 8x6
+    # whole on both ranks: two layer norms and the final norm (8 each), k and v (one KV head: 4x8 each)
+    assert rank_bytes(a, 2, 0, 2) == PlanBytes(sharded=2 * (2 * 512 + 32 + 32 + 3 * 48), replicated=2 * (3 * 8 + 2 * 32),
+                                               fallback=0)
+    assert rank_bytes(a, 2, 1, 2) == PlanBytes(sharded=2 * (2 * 288 + 32 + 32 + 3 * 48), replicated=2 * 88, fallback=0)
+    assert param_count(a) == 2 * 800 + 3 * 8 + 64 + 2 * 32 + 64 + 3 * 96
+    assert link_bytes(a, 2, 2) == 2 * (param_count(a) + 88)  # what both ranks read whole goes twice
+    assert staging_bytes(a, 2, 2) == rank_bytes(a, 2, 0, 2).total
+    assert rank_bytes(a, 1, 0, 2) == PlanBytes(sharded=0, replicated=2 * param_count(a), fallback=0)
+    k = next(t for t in tensors(a) if t.name.endswith("k_proj.weight"))
+    assert box(a, k, 2, 1) == ((0, 0), (4, 8))  # replicated, not split
+    # two KV heads over four ranks: ranks 0, 1 read head 0, ranks 2, 3 head 1
+    two = Arch.from_config(TOY | {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 16})
+    k = next(t for t in tensors(two) if t.name.endswith("k_proj.weight"))
+    assert [box(two, k, 4, r)[0][0] for r in range(4)] == [0, 0, 4, 4]
+    # a fallback is read whole on every rank, and counted as such
+    falls = Arch.from_config(TOY | {"fallbacks": ["o_proj.weight"]})
+    assert rank_bytes(falls, 2, 0, 2).fallback == 2 * 64
+    with pytest.raises(ValueError, match="do not split over tp=3"):
+        rank_bytes(a, 3, 0, 2)
+
+
+def test_each_scenario_arch_is_its_model() -> None:
+    """The [arch] shapes add up to the parameters each model card gives (within 1.5%: Kimi-K2's
+    1.04 T is 1.3% above its config's shapes), and staging per rank is about S / TP."""
+    for path in CONFIGS:
+        s = Scenario.load(path)
+        n = param_count(s.arch)
+        assert n == pytest.approx(s.model.params_b * 1e9, rel=0.015), s.name
+        even = n * s.model.bytes_per_param / s.fleet.tp
+        assert even <= staging_bytes(s.arch, s.fleet.tp, s.model.bytes_per_param) < 1.02 * even, s.name
+
+
 def test_lag_of_a_request_by_hand() -> None:
     """Tokens at steps 0..9, versions going live before steps 3 and 7 (and 12, after it)."""
     hist: dict[int, int] = {}
@@ -136,7 +222,15 @@ def test_bad_values_are_named() -> None:
     with pytest.raises(ValueError, match="'zipf'"):
         Lengths(dist="zipf")
     with pytest.raises(ValueError, match="engine_gbps=0"):
-        Link(engine_gbps=0, egress_gbps=0, load_fixed_s=0, commit_fixed_s=0)
+        Link(engine_gbps=0, nic_gbps=50, egress_gbps=0, load_fixed_s=0, commit_fixed_s=0)
+    with pytest.raises(ValueError, match="'bf16'"):
+        Arch.from_config(TOY | {"model_type": "bf16"})
+    with pytest.raises(ValueError, match="head_dim=0"):
+        replace(Arch.from_config(TOY), head_dim=0)
+    with pytest.raises(ValueError, match="split='diagonal'"):
+        replace(next(tensors(Arch.from_config(TOY))), split="diagonal")
+    with pytest.raises(ValueError, match="system='nccl'"):
+        engine_rate(_scenario().transfers, "nccl", 8, 50)
     with pytest.raises(ValueError, match="every_steps=8, every_s=1.0"):
         Update(mode="pause", every_steps=8, every_s=1.0)
 
@@ -188,3 +282,68 @@ def test_run_accumulates_chunks() -> None:
     a, b = Run(tokens=10, wall_s=1.0, lag_hist={0: 10}), Run(tokens=5, wall_s=1.0, updates=1, lag_hist={0: 3, 1: 2})
     a.add(b)
     assert (a.tokens, a.tok_s, a.updates, a.lag_hist, a.lag_quantile(0.9)) == (15, 7.5, 1, {0: 13, 1: 2}, 1)
+
+
+# --- the shape rule against a real TP=2 engine's loaders --------------------------------------
+
+def _rank_plan(worker) -> tuple[list, list]:
+    """Inside an engine worker: the shard plan its commit strategy records from vLLM's loaders,
+    as the in-flight worker builds it at start."""
+    from engine_patches.commit.base import make_strategy
+    from engine_patches.commit.checkpoint import checkpoint_dir, checkpoint_schema
+
+    mc = worker.vllm_config.model_config
+    schema = checkpoint_schema(checkpoint_dir(mc.model, mc.revision), mc.dtype)
+    plan = make_strategy(worker.model_runner, "auto", schema, quantized=False, eager=True).shard_plan()
+    return [(s.name, list(s.start), list(s.length)) for s in plan.shards], list(plan.fallbacks)
+
+
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_moe"])
+def tp2_plans(request):
+    """(model dir, each rank's plan) of a TP=2 engine on the tiny Llama or the tiny Qwen3-MoE
+    (one KV head for two ranks, a vocabulary of 300 padded to 320)."""
+    import vllm.envs
+    from vllm import LLM
+
+    from engine_patches.config import engine_kwargs
+
+    model_dir = request.getfixturevalue(request.param)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank: vLLM CPU refuses TP=2 without it
+        vllm.envs.disable_envs_cache()  # an earlier in-process engine cached the environment
+        llm = LLM(str(model_dir), tensor_parallel_size=2, distributed_executor_backend="mp", enforce_eager=True,
+                  dtype="float32", max_model_len=256, seed=0, **engine_kwargs())
+        try:
+            yield model_dir, llm.collective_rpc(_rank_plan)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+    vllm.envs.disable_envs_cache()
+
+
+def _boxes(a: Arch, rank: int, as_col: tuple[str, ...] = ()) -> dict:
+    """Every tensor's box at TP=2 by the shape rule; ``as_col``: splits read as column parallel
+    instead (a wrong rule, to see the comparison fail)."""
+    return {t.name: box(a, replace(t, split="col") if t.split in as_col else t, 2, rank) for t in tensors(a)}
+
+
+def test_the_shape_rule_reads_what_vllm_loaders_read_at_tp2(tp2_plans) -> None:
+    from safetensors import safe_open
+
+    from inflight.shard_plan import make_plan, plan_bytes
+
+    model_dir, plans = tp2_plans
+    a = Arch.from_config(json.loads((model_dir / "config.json").read_text()))
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        schema = {n: (tuple(f.get_slice(n).get_shape()), "float32") for n in f.keys()}
+    assert {t.name: (t.shape, "float32") for t in tensors(a)} == schema  # the rule names the checkpoint's tensors
+    for rank, (shards, fallbacks) in enumerate(plans):
+        real = {name: (tuple(start), tuple(length)) for name, start, length in shards}
+        assert fallbacks == [] and real == _boxes(a, rank), rank
+        counted = plan_bytes(make_plan(real, fallbacks), schema)
+        assert rank_bytes(a, 2, rank, 4) == counted
+        assert _boxes(a, rank, as_col=("kv",)) != real  # k/v split although one KV head serves both ranks: wrong
+        assert _boxes(a, rank, as_col=("vocab",)) != real  # the vocabulary split without its 64-row padding: wrong
+    assert sum(plan_bytes(make_plan({n: (tuple(b), tuple(c)) for n, b, c in shards}, []), schema).total
+               for shards, _ in plans) == link_bytes(a, 2, 4)
