@@ -66,7 +66,7 @@ def _trainer_rank(rank: int, model_dir: str, world: int, commands, results) -> N
                               PushConfig(dtype="float32", bucket_mb=0.25), join_timeout_s=600)
     results.put(("ready", rank))
     while (command := commands.get()) is not None:
-        version, die_after = command
+        version, die_rank, die_after = command
         torch.manual_seed(version)
         ids = torch.randint(0, model.config.vocab_size, (2, 24))
         model(input_ids=ids, labels=ids).loss.backward()
@@ -75,13 +75,13 @@ def _trainer_rank(rank: int, model_dir: str, world: int, commands, results) -> N
         full = {n: t.full_tensor() for n, t in source.named.items()}  # the reference: DTensor's own gather
         if rank == 0:
             safetensors.torch.save_file(full, os.path.join(model_dir, "..", f"pushed_v{version}.safetensors"))
+        if die_after and rank == die_rank:
+            _die_inside_a_gather(source, die_after)
         try:
             if rank == 0:
                 result = pusher.push(version, source)
                 results.put(("pushed", version, result.send.nbytes, sorted(result.commits)))
             else:
-                if die_after:
-                    _die_inside_a_gather(source, die_after)
                 results.put(("followed", version, source.follow(version)))
         except Exception as e:  # noqa: BLE001  reported to the test, which checks the message
             results.put(("error", rank, version, type(e).__name__, str(e)))
@@ -120,9 +120,11 @@ class _Trainer:
         got = sorted(self.results.get(timeout=900)[1] for _ in range(2))
         assert got == [0, 1]
 
-    def step_and_push(self, version: int, die_after: int = 0) -> list[tuple]:
+    def step_and_push(self, version: int, *, die_rank: int = 1, die_after: int = 0) -> list[tuple]:
+        """One step and push of ``version``; with ``die_after``, trainer rank ``die_rank`` is
+        killed inside its ``die_after``-th gather of the push (only the other rank reports)."""
         for q in self.commands:
-            q.put((version, die_after))
+            q.put((version, die_rank, die_after))
         return sorted((self.results.get(timeout=900) for _ in range(1 if die_after else 2)), key=lambda r: r[0])
 
     def close(self) -> None:
@@ -191,7 +193,7 @@ def test_an_fsdp2_trainer_pushes_in_flight_and_survives_losing_a_rank(tiny_llama
         before = _assert_serves(llm, tiny_llama, v2, 2)
 
         # rank 1 dies inside its 5th gather of v3: rank 0 has already sent buckets
-        (error,) = trainer.step_and_push(3, die_after=5)
+        (error,) = trainer.step_and_push(3, die_rank=1, die_after=5)
         assert error[:3] == ("error", 0, 3) and error[3] == "SourceError", error
         assert "v3" in error[4] and "trainer rank" in error[4], error
         trainer.ranks[1].join(60)
@@ -205,3 +207,29 @@ def test_an_fsdp2_trainer_pushes_in_flight_and_survives_losing_a_rank(tiny_llama
         gc.collect()
         monkeypatch.undo()
         vllm.envs.disable_envs_cache()
+
+
+def test_a_follower_gets_a_clear_error_when_rank_0_dies_mid_push(tiny_llama) -> None:
+    """Rank 0, the one that sends, killed inside a gather of its push: the follower's next
+    gather fails at once (gloo sees the peer gone) and says which push and which rank; the
+    receiving worker (a plain peer: the engine side of a trainer lost mid-bucket is
+    ``test_faults``') is not what the follower waits on."""
+    from inflight.transport.peer import run_peer
+
+    trainer = _Trainer(tiny_llama, world=2)
+    peer = mp.get_context("spawn").Process(
+        target=run_peer, args=(GroupConfig(port=trainer.port, world_size=2, timeout_s=120), 1, None), daemon=True)
+    peer.start()
+    try:
+        trainer.wait_ready()
+        (followed, pushed) = trainer.step_and_push(1)
+        assert followed[:2] == ("followed", 1) and pushed[:2] == ("pushed", 1), (followed, pushed)
+        (error,) = trainer.step_and_push(2, die_rank=0, die_after=5)
+        assert error[:4] == ("error", 1, 2, "SourceError"), error
+        assert "trainer rank 1" in error[4] and "for v2" in error[4], error
+        trainer.ranks[0].join(60)
+        assert trainer.ranks[0].exitcode == -signal.SIGKILL
+    finally:
+        trainer.close()
+        peer.kill()
+        peer.join(30)

@@ -158,6 +158,7 @@ class ShardedSource:
         many tensors were gathered (0: the push ended before any bucket)."""
         if self.rank == 0:
             raise ValueError("rank 0 pushes (WeightPusher.push(version, source)); the other ranks follow")
+        self._version = version
         pushed, order = self._broadcast(None)
         if pushed != version:
             raise SourceError(f"trainer rank {self.rank} follows the push of v{version}, rank 0 pushes v{pushed}")
