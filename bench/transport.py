@@ -20,11 +20,11 @@ import time
 import torch
 
 from inflight.transport.group import GroupConfig, WeightGroup
-
-from inflight.transport.store import reserve_port
 from inflight.transport.listener import UpdateListener
+from inflight.transport.packing import aligned_bucket_bytes
 from inflight.transport.peer import DictTarget
 from inflight.transport.pusher import PushConfig, WeightPusher
+from inflight.transport.store import reserve_port
 
 
 def synthetic_state_dict(total_mb: float, hidden: int = 1024) -> dict[str, torch.Tensor]:
@@ -81,7 +81,7 @@ def main() -> None:
     version = 0
     for mb, sd in sds.items():
         for bucket_mb in args.bucket_mb:
-            pusher.sender.bucket_bytes = int(bucket_mb * 2**20)
+            pusher.sender.bucket_bytes = aligned_bucket_bytes(int(bucket_mb * 2**20))  # no element straddles two
             sends, pushes, packs = [], [], []
             for _ in range(args.reps):
                 version += 1
@@ -103,7 +103,7 @@ def main() -> None:
     peer.join(60)
 
     cols = ["model_mb", "bucket_mb", "buckets", "raw_mb_s", "bucketed_mb_s", "ratio", "push_mb_s", "pack_ms", "ms_per_gb"]
-    print(f"backend={pusher.group.backend}  reps={args.reps}  (medians; bucketed = data plane incl. headers+checksums;"
+    print(f"backend={pusher.group.backend}  reps={args.reps}  (medians; bucketed = data plane incl. packing, headers, checksums;"
           " push = announce..commit)")
     print(" ".join(f"{c:>13}" for c in cols))
     for r in rows:
