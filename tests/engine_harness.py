@@ -29,6 +29,17 @@ def stop_engine(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
+def idle_engine(model_dir: str, group: GroupConfig, rank: int, ready: Any) -> None:
+    """Process entry point: an engine that only takes updates (a frozen or killed engine must
+    be a process of its own); sets ``ready`` once it listens."""
+    from vllm import LLM
+
+    llm = LLM(model_dir, enforce_eager=True, dtype="float32", max_model_len=512, seed=rank, **engine_kwargs())
+    start_inflight(llm, InflightConfig(group=group, rank=rank))
+    ready.set()
+    threading.Event().wait()
+
+
 def perturbed(state: dict[str, torch.Tensor], seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in state.items()}

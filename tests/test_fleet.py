@@ -20,7 +20,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -33,7 +32,7 @@ from inflight.transport.errors import TransportError
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
-from tests.engine_harness import perturbed, push_at_steps
+from tests.engine_harness import idle_engine, perturbed, push_at_steps
 from tests.helpers import check_ledger, metrics_rows, pending_ids, run_config, train_beside, wait_rows
 from trainer.config import config_from_dict
 from trainer.fleet import Fleet, Placement
@@ -107,23 +106,13 @@ def test_two_engines_take_every_update_with_exact_tags_on_each(tiny_qwen, port) 
         del llms
 
 
-def _idle_engine(model_dir: str, group: GroupConfig, rank: int, ready) -> None:
-    """An engine process that only takes updates (a frozen or killed one must be a process)."""
-    from vllm import LLM
-
-    llm = LLM(model_dir, enforce_eager=True, dtype="float32", max_model_len=512, seed=rank, **engine_kwargs())
-    start_inflight(llm, InflightConfig(group=group, rank=rank))
-    ready.set()
-    threading.Event().wait()
-
-
 @pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
 def test_an_engine_lost_mid_transfer_costs_the_fleet_one_timeout(tiny_qwen, tmp_path, port, sig: str) -> None:
     timeout_s = 6.0
     group = GroupConfig(port=port, world_size=3, timeout_s=timeout_s)
     ctx = mp.get_context("spawn")
     ready = [ctx.Event() for _ in range(2)]
-    procs = [ctx.Process(target=_idle_engine, args=(str(tiny_qwen), group, 1 + i, ready[i]), daemon=True) for i in range(2)]
+    procs = [ctx.Process(target=idle_engine, args=(str(tiny_qwen), group, 1 + i, ready[i]), daemon=True) for i in range(2)]
     for p in procs:
         p.start()
     pusher = WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25), join_timeout_s=300)

@@ -20,7 +20,7 @@ from datetime import timedelta
 from typing import Literal
 
 import torch
-from torch.distributed import PrefixStore, Store, Work
+from torch.distributed import PrefixStore, Store, TCPStore, Work
 
 from inflight.auth import read_secret, seal, unseal
 from inflight.protocol import AuthError, Joined, ProtocolError, Roster, ShardPlan, decode_control, decode_reply, encode
@@ -88,6 +88,7 @@ class WeightGroup:
         self, config: GroupConfig, rank: int, device: torch.device | None = None, *,
         live_version: int = 0, stop: threading.Event | None = None, join_timeout_s: float | None = None,
         engine_ranks: tuple[int, ...] = (), secret: bytes | None | Literal["env"] = "env", plan: ShardPlan | None = None,
+        store: TCPStore | None = None,
     ) -> None:
         if not 0 <= rank < config.world_size:
             raise ValueError(f"rank {rank} outside world_size {config.world_size}")
@@ -114,8 +115,9 @@ class WeightGroup:
         self._generations = 0  # rank 0: generations opened so far
         join_timeout = config.timeout_s if join_timeout_s is None else join_timeout_s
         if rank == 0:
-            try:
-                self._tcp = host_store(config.host, config.port, config.world_size, self.timeout)
+            try:  # a store shared by several groups (``config.name`` keeps their keys apart), or its own
+                self._tcp = store if store is not None else host_store(config.host, config.port, config.world_size,
+                                                                       self.timeout)
             except Exception as e:  # torch raises several store errors; name the endpoint
                 raise TransportError(f"rank 0: cannot host the group store on {config.host}:{config.port}: {e}") from e
             self._root = PrefixStore(config.name, self._tcp)

@@ -3,6 +3,7 @@ its address is reachable from other machines (which, without a shared secret, it
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import socket
@@ -63,6 +64,15 @@ class GroupConfig:
             raise ValueError(f"{risk}. Set INFLIGHT_SECRET (the same value on the trainer and every engine), "
                              "or GroupConfig(insecure=True) / transport.insecure = true to accept that")
         log.warning("inflight: INSECURE: %s (insecure=True)", risk)
+
+    def for_engine(self, engine: int, tensor_parallel_size: int) -> GroupConfig:
+        """Engine ``engine``'s own group in a fleet of per-engine groups on this store
+        (``inflight.transport.fleet_pusher``): its own key space, and the trainer with that
+        engine's workers only (ranks 1 .. ``tensor_parallel_size``)."""
+        if engine < 0 or tensor_parallel_size < 1:
+            raise ValueError(f"GroupConfig.for_engine: engine={engine} must be >= 0 and "
+                             f"tensor_parallel_size={tensor_parallel_size} >= 1")
+        return dataclasses.replace(self, name=f"{self.name}/engine{engine}", world_size=1 + tensor_parallel_size)
 
     def resolved_backend(self) -> ResolvedBackend:
         if self.backend == "auto":

@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from torch.distributed import TCPStore
 
 from inflight.protocol import (
     Abort,
@@ -158,10 +159,11 @@ class WeightPusher:
     """Rank 0 of the weight group. Not thread-safe: one push at a time."""
 
     def __init__(self, group: GroupConfig, config: PushConfig = PushConfig(), device: torch.device | None = None, *,
-                 join_timeout_s: float | None = None) -> None:
-        """Hosts the group and waits up to ``join_timeout_s`` (default: the group's timeout) for every worker."""
+                 join_timeout_s: float | None = None, store: TCPStore | None = None) -> None:
+        """Hosts the group (on ``store``, shared with other groups, if given) and waits up to
+        ``join_timeout_s`` (default: the group's timeout) for every worker."""
         self.config = config
-        self.group = WeightGroup(group, rank=0, device=device, join_timeout_s=join_timeout_s)
+        self.group = WeightGroup(group, rank=0, device=device, join_timeout_s=join_timeout_s, store=store)
         algo = config.checksum if config.checksum != "auto" else ("wsum64" if self.group.backend == "nccl" else "xxh3")
         self.sender = BucketSender(self.group, bucket_bytes=config.bucket_bytes, checksum_algo=algo)
         self.control = TrainerControl(self.group)
@@ -256,7 +258,7 @@ class WeightPusher:
         commits = self.commit(packed.version)
         return PushResult(packed.version, stats, staged, commits, t1 - t0, time.perf_counter() - t1)
 
-    def push_async(self, version: int, weights: Weights) -> Future[PushResult]:
+    def push_async(self, version: int, weights: Weights, *, tamper: Tamper | None = None) -> Future[PushResult]:
         """Send and commit in the background; the tensors are read as their buckets go out.
 
         Reads, not writes: the caller may run the next forward and backward at once, but must
@@ -271,7 +273,7 @@ class WeightPusher:
         except BaseException:
             self._reads.set()
             raise
-        self._in_flight = self._background.submit(self._push_packed, packed)
+        self._in_flight = self._background.submit(self._push_packed, packed, tamper)
         return self._in_flight
 
     def wait_reads(self, timeout_s: float | None = None) -> float:
