@@ -8,7 +8,8 @@ weight group of its own with the trainer, both groups on one store.
   frozen engine then finishes its own update late;
 - re-forming one engine's group touches only that group: the other keeps its generation;
 - a push one engine refuses lands on the other and is reported as failed on the first
-  (``FleetPushError``), which keeps serving its last good version.
+  (``FleetPushError``), which keeps serving its last good version; bad input for any engine
+  raises before anything is sent to any.
 Signals are sent from the pusher's own seam between two buckets, never on a timer.
 """
 
@@ -19,6 +20,7 @@ import os
 import signal
 import time
 
+import msgspec
 import pytest
 from safetensors.torch import load_file
 
@@ -97,6 +99,17 @@ def test_a_frozen_engine_holds_back_only_its_own_update(fleet) -> None:
 def test_an_update_one_engine_refuses_lands_on_the_other(fleet) -> None:
     pusher, _, base = fleet
     pusher.push(1, perturbed(base, seed=1, scale=0.01))
+
+    # bad input for one engine only (its shard plan altered on the trainer's side): every
+    # engine's update is laid out before any is sent, so the error comes first and no engine
+    # sees v2 (engine 0 takes the real v2 below, which it would refuse as stale otherwise)
+    group = pusher.pushers[1].group
+    assert group.point_to_point, "the engines sent shard plans"
+    good = group.hellos[1]
+    group.hellos[1] = msgspec.structs.replace(good, plan=msgspec.structs.replace(good.plan, digest="0" * 16))
+    with pytest.raises(ValueError, match="worker rank 1: shard plan digest"):
+        pusher.push(2, perturbed(base, seed=2, scale=0.01))
+    group.hellos[1] = good
 
     def corrupt(header, data):  # engine 0's first bucket arrives altered: its checksum fails there
         if header.index == 0:

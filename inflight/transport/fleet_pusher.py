@@ -74,12 +74,15 @@ class FleetPusher:
     def push_async(self, version: int, weights: Weights, *,
                    tamper: Mapping[int, Tamper] | None = None) -> dict[int, Future[PushResult]]:
         """Start ``version`` towards every engine; each engine's future resolves when that engine
-        committed it (or failed). ``tamper``: per engine, the pusher's fault-injection seam."""
+        committed it (or failed). Every engine's update is laid out before any is sent, so bad
+        input (or one engine's bad shard plan) raises here and no engine sees anything.
+        ``tamper``: per engine, the pusher's fault-injection seam."""
         if isinstance(weights, ShardedSource) and len(self.pushers) > 1:
             raise ValueError("a ShardedSource gathers in the order of one push; push it to one engine's "
                              "WeightPusher at a time, or push plain tensors to the fleet")
+        laid_out = {e: p.lay_out(version, weights) for e, p in self.pushers.items()}
         tamper = tamper or {}
-        return {e: p.push_async(version, weights, tamper=tamper.get(e)) for e, p in self.pushers.items()}
+        return {e: self.pushers[e].push_laid_out(packed, tamper=tamper.get(e)) for e, packed in laid_out.items()}
 
     def push(self, version: int, weights: Weights) -> dict[int, PushResult]:
         """Push to every engine and wait for all; raise ``FleetPushError`` naming the engines that

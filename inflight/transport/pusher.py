@@ -265,14 +265,19 @@ class WeightPusher:
         call ``wait_reads`` before it writes a parameter (``optimizer.step``). Waits for the
         previous background push first: one update in flight.
         """
+        return self.push_laid_out(self.lay_out(version, weights), tamper=tamper)
+
+    def lay_out(self, version: int, weights: Weights) -> Packed:
+        """The first half of ``push_async``: wait for the push in flight (the sender holds the
+        sources of one update at a time), then check and lay out ``version`` (``_pack``). Bad
+        input raises here, before anything is sent."""
         if self._in_flight is not None:
-            self._in_flight.exception()  # wait (one push at a time); its owner reads the outcome
+            self._in_flight.exception()  # wait; its owner reads the outcome
+        return self._pack(version, weights)
+
+    def push_laid_out(self, packed: Packed, *, tamper: Tamper | None = None) -> Future[PushResult]:
+        """The second half of ``push_async``: send and commit what the last ``lay_out`` laid out."""
         self._reads.clear()
-        try:
-            packed = self._pack(version, weights)
-        except BaseException:
-            self._reads.set()
-            raise
         self._in_flight = self._background.submit(self._push_packed, packed, tamper)
         return self._in_flight
 
