@@ -222,12 +222,13 @@ def test_a_bucket_declaring_more_than_the_whole_update_breaks_the_group(port) ->
 
     trainer, worker = form_pair(port)
     sender = BucketSender(trainer, bucket_bytes=4096, checksum_algo="crc32")
-    announce = sender.pack(1, {"w": torch.ones(64)})  # 256 B, one bucket
+    weights = {"w": torch.ones(64)}
+    announce = sender.pack(1, weights)  # 256 B, one bucket
     flat = torch.zeros(announce.total_bytes, dtype=torch.uint8)
 
     def long(h: BucketHeader, data: torch.Tensor):
         return msgspec.structs.replace(h, nbytes=1024), torch.zeros(1024, dtype=torch.uint8)
-    sending = threading.Thread(target=lambda: _quietly(sender.send, announce, tamper=long), daemon=True)
+    sending = threading.Thread(target=lambda: _quietly(sender.send, announce, weights, tamper=long), daemon=True)
     sending.start()
     with pytest.raises(TransportError, match="declares 1024 B, more than the whole update"):
         BucketReceiver(worker).receive(announce, flat, timeout_s=5.0)

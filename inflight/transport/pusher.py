@@ -49,10 +49,15 @@ from inflight.transport.store import wait_key
 @dataclass(frozen=True)
 class Packed:
     """An update laid out: ``{None: announce}`` (broadcast) or ``{rank: announce}`` (each worker
-    its own), and the sharded source its buckets gather from, if any."""
+    its own), and what its buckets are read from: the caller's tensors by name, or a sharded
+    source that gathers them."""
 
     announces: dict[int | None, UpdateAnnounce]
-    sharded: ShardedSource | None = None
+    source: Mapping[str, torch.Tensor] | ShardedSource
+
+    @property
+    def sharded(self) -> ShardedSource | None:
+        return self.source if isinstance(self.source, ShardedSource) else None
 
     @property
     def version(self) -> int:
@@ -185,12 +190,13 @@ class WeightPusher:
         sharded = weights if isinstance(weights, ShardedSource) else None
         named = sharded.meta if sharded is not None else weights_of(weights)
         check_update(version, named, self.group.device, sharded=sharded is not None)
+        source = sharded if sharded is not None else named
         if not self.group.point_to_point:
-            return Packed({None: self.sender.pack(version, named, self._dtype, sharded)}, sharded)
+            return Packed({None: self.sender.pack(version, named, self._dtype)}, source)
         plans = {r: h.plan for r, h in self.group.hellos.items() if h.plan is not None}
         for rank, plan in plans.items():  # a corrupted plan is the trainer's to refuse; a mismatched update, the worker's
             check_digest(plan, f"worker rank {rank}")
-        return Packed(dict(self.sender.pack_each(version, named, plans, self._dtype, sharded)), sharded)
+        return Packed(dict(self.sender.pack_each(version, named, plans, self._dtype)), source)
 
     def send(self, version: int, weights: Weights, *, tamper: Tamper | None = None) -> tuple[SendStats, dict[int, Staged]]:
         """Phase 1: announce, stream the buckets, and collect ``Staged`` from every worker."""
@@ -227,7 +233,7 @@ class WeightPusher:
             self.sender.send_abort(version, str(e))
             raise
         try:
-            return self.sender.send_each(announces, tamper=tamper, on_read_done=self._reads.set)
+            return self.sender.send_each(announces, packed.source, tamper=tamper, on_read_done=self._reads.set)
         except SourceError as e:  # the stream ended in step: the workers that finished drop what they staged
             self.abort(version, str(e)[:200])
             raise
@@ -268,8 +274,8 @@ class WeightPusher:
         return self.push_laid_out(self.lay_out(version, weights), tamper=tamper)
 
     def lay_out(self, version: int, weights: Weights) -> Packed:
-        """The first half of ``push_async``: wait for the push in flight (the sender holds the
-        sources of one update at a time), then check and lay out ``version`` (``_pack``). Bad
+        """The first half of ``push_async``: wait for the push in flight (one update at a time:
+        its bucket buffers are in use), then check and lay out ``version`` (``_pack``). Bad
         input raises here, before anything is sent."""
         if self._in_flight is not None:
             self._in_flight.exception()  # wait; its owner reads the outcome

@@ -1,7 +1,9 @@
 """Trainer's side of the data plane: ``BucketSender`` lays updates out and streams them.
 
 ``pack`` / ``pack_each`` give the announces without reading a byte; ``send_each`` then packs
-each bucket from the caller's tensors as it goes out (``inflight.transport.packing``).
+each bucket from a ``Source`` of the caller's tensors as it goes out
+(``inflight.transport.packing``). The sender keeps no update between the two: the caller
+hands the announces and their source to ``send_each``.
 
 Ordering invariants:
 - buckets go round-robin over the destinations (bucket 0 of each, then bucket 1, ...), at
@@ -21,7 +23,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import msgspec
 import torch
 
 from inflight.auth import bucket_mac
@@ -70,21 +71,18 @@ class BucketSender:
         self.group = group
         self.bucket_bytes = bucket_bytes
         self.checksum_algo = checksum_algo
-        self._sources: dict[int | None, Source] = {}  # what the last pack's announces read from
         self._buffers: dict[int | None, list[torch.Tensor]] = {}
 
-    def pack(self, version: int, named: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
-             source: Source | None = None) -> UpdateAnnounce:
-        """Lay ``named`` out (cast to ``dtype`` if given) and describe it; nothing is read until
-        ``send``. ``named`` gives names, shapes and dtypes; ``source`` the values (default: ``named``)."""
+    def pack(self, version: int, named: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> UpdateAnnounce:
+        """Lay ``named`` out (cast to ``dtype`` if given) and describe it from names, shapes and
+        dtypes alone; nothing is read until ``send``."""
         wire = {name: dtype_name(dtype or t.dtype) for name, t in named.items()}
         tensors, total = plan_tensors((name, tuple(t.shape), wire[name]) for name, t in named.items())
-        self._sources = {None: source or MappingSource(named)}
         return UpdateAnnounce(version=version, total_bytes=total, bucket_bytes=self.bucket_bytes,
                               checksum_algo=self.checksum_algo, tensors=tensors, buckets=_buckets(total, self.bucket_bytes))
 
     def pack_each(self, version: int, named: Mapping[str, torch.Tensor], plans: Mapping[int, ShardPlan],
-                  dtype: torch.dtype | None = None, source: Source | None = None) -> dict[int, UpdateAnnounce]:
+                  dtype: torch.dtype | None = None) -> dict[int, UpdateAnnounce]:
         """For each worker, lay out the boxes of ``named`` its shard plan asks for (in the
         update's tensor order): one announce per worker, nothing read until ``send_each``."""
         wire = {name: dtype_name(dtype or t.dtype) for name, t in named.items()}
@@ -99,22 +97,24 @@ class BucketSender:
             out[rank] = UpdateAnnounce(version=version, total_bytes=total, bucket_bytes=self.bucket_bytes,
                                        checksum_algo=self.checksum_algo, tensors=tensors,
                                        buckets=_buckets(total, self.bucket_bytes), plan_digest=plan.digest)
-        shared = source or MappingSource(named)
-        self._sources = {rank: shared for rank in plans}
         return out
 
-    def send(self, announce: UpdateAnnounce, *, tamper: Tamper | None = None) -> SendStats:
-        """Broadcast every bucket of the last ``pack``; returns when all broadcasts completed."""
-        return self.send_each({None: announce}, tamper=tamper)
+    def send(self, announce: UpdateAnnounce, source: Source | Mapping[str, torch.Tensor], *,
+             tamper: Tamper | None = None) -> SendStats:
+        """Broadcast every bucket of ``announce`` (``pack``) read from ``source``; returns when all
+        broadcasts completed."""
+        return self.send_each({None: announce}, source, tamper=tamper)
 
-    def send_each(self, announces: Mapping[int | None, UpdateAnnounce], *, tamper: Tamper | None = None,
-                  on_read_done: Callable[[], None] | None = None) -> SendStats:
-        """Pack and send every bucket of the last ``pack`` (``{None: announce}``: broadcast) or
-        ``pack_each`` (``{rank: announce}``: each worker its own), round-robin, at most two
-        buckets in flight per destination. Raises ``SourceError`` (after aborting the stream)
-        if reading the tensors fails."""
+    def send_each(self, announces: Mapping[int | None, UpdateAnnounce], source: Source | Mapping[str, torch.Tensor], *,
+                  tamper: Tamper | None = None, on_read_done: Callable[[], None] | None = None) -> SendStats:
+        """Pack, from ``source`` (a ``Source``, or the tensors by name), and send every bucket of
+        ``{None: announce}`` (``pack``: broadcast) or ``{rank: announce}`` (``pack_each``: each
+        worker its own), round-robin, at most two buckets in flight per destination. Raises
+        ``SourceError`` (after aborting the stream) if reading the tensors fails."""
         t0 = time.perf_counter()
-        fillers = {r: WindowFiller(a.tensors, self._sources[r]) for r, a in announces.items()}
+        if isinstance(source, Mapping):
+            source = MappingSource(source)
+        fillers = {r: WindowFiller(a.tensors, source) for r, a in announces.items()}
         in_flight: dict[int | None, list[list[tuple]]] = {r: [] for r in announces}
         sent = dict.fromkeys(announces, 0)
         pack_s, read_s = 0.0, 0.0
@@ -140,7 +140,6 @@ class BucketSender:
         finally:
             for filler in fillers.values():
                 filler.close()
-            self._sources = {}
             if on_read_done is not None:
                 on_read_done()
         for pending in in_flight.values():
@@ -196,7 +195,6 @@ class BucketSender:
     def send_abort(self, version: int, reason: str) -> None:
         """The single ``Abort`` frame that replaces the buckets of a refused update: broadcast,
         or sent to each worker in a point-to-point generation."""
-        self._sources = {}
         data = frame(Abort(version=version, reason=reason[:120]), self.group.device)
         ranks = list(self.group.roster) if self.group.point_to_point else [None]
         for pending in [self._post(data, r, f"abort frame of v{version}") for r in ranks]:
