@@ -1,11 +1,12 @@
-"""A fleet: one trainer, two engines, one weight group, one rollout queue.
+"""A fleet: one trainer, two engines, one rollout queue.
 
-- two in-process engines (ranks 1 and 2), stepped in turn by one thread, take every update
-  while both decode, each with exact tags at its own commit step; a version goes live on
-  both or is refused on both;
-- an engine frozen or killed in the middle of a transfer costs the fleet one transport
-  timeout: its heartbeat names it, the next generation forms without waiting for it, and
-  a frozen one that thaws is let back in still serving the version it had;
+- two in-process engines (ranks 1 and 2) in one weight group, stepped in turn by one thread,
+  take every update while both decode, each with exact tags at its own commit step; a
+  version goes live on both or is refused on both (a group spanning engines is atomic);
+- on a group per engine (``FleetPusher``, what the training loop uses), an engine frozen or
+  killed in the middle of a transfer costs the fleet one transport timeout: its heartbeat
+  names it, it is dropped without a second wait while the other engine's group is left as
+  it was, and a frozen one that thaws is let back in still serving the version it had;
 - the training loop with ``engine.count = 2``: rollouts of both engines reach the queue
   with their engine id; an engine SIGKILLed mid-run is restarted and let back in while the
   other keeps taking every update; an engine SIGSTOPped is dropped, the run goes on, and
@@ -28,7 +29,7 @@ from safetensors.torch import load_file
 from engine_patches.config import InflightConfig, engine_kwargs
 from engine_patches.client import coordinator_of, start_inflight, tagged
 from inflight.rollout_queue import RolloutQueue
-from inflight.transport.errors import TransportError
+from inflight.transport.fleet_pusher import FleetPushError, FleetPusher, collect
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
@@ -108,51 +109,59 @@ def test_two_engines_take_every_update_with_exact_tags_on_each(tiny_qwen, port) 
 
 @pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
 def test_an_engine_lost_mid_transfer_costs_the_fleet_one_timeout(tiny_qwen, tmp_path, port, sig: str) -> None:
+    """The training loop's recovery (``Fleet.recover``) on a group per engine: the engine lost
+    between two of its buckets is dropped by its heartbeat, without a second timeout; the
+    other engine took the update meanwhile and its group is left as it was."""
     timeout_s = 6.0
-    group = GroupConfig(port=port, world_size=3, timeout_s=timeout_s)
+    base = GroupConfig(port=port, timeout_s=timeout_s)
     ctx = mp.get_context("spawn")
     ready = [ctx.Event() for _ in range(2)]
-    procs = [ctx.Process(target=idle_engine, args=(str(tiny_qwen), group, 1 + i, ready[i]), daemon=True) for i in range(2)]
+    procs = [ctx.Process(target=idle_engine, args=(str(tiny_qwen), base.for_engine(e, 1), 1, ready[e]), daemon=True)
+             for e in range(2)]
     for p in procs:
         p.start()
-    pusher = WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25), join_timeout_s=300)
+    pusher = FleetPusher(base, [1, 1], PushConfig(dtype="float32", bucket_mb=0.25, reply_timeout_s=timeout_s),
+                         join_timeout_s=300)
     cfg = config_from_dict({"run": {"out_dir": str(tmp_path)}, "engine": {"spawn": False, "count": 2},
                             "transport": {"collective_timeout_s": timeout_s, "reply_timeout_s": timeout_s, "stale_timeout_s": timeout_s}})
-    fleet = Fleet(cfg, tiny_qwen, 0, group.port, Placement(backend="gloo", engine_devices=None), tmp_path)
-    base = load_file(str(tiny_qwen / "model.safetensors"))
+    fleet = Fleet(cfg, tiny_qwen, 0, base.port, Placement(backend="gloo", engine_devices=None), tmp_path)
+    weights = load_file(str(tiny_qwen / "model.safetensors"))
     try:
         for e in ready:
             assert e.wait(300), "an engine did not start"
-        assert sorted(pusher.push(1, perturbed(base, seed=1, scale=0.01)).commits) == [1, 2]
+        assert sorted(pusher.push(1, perturbed(weights, seed=1, scale=0.01))) == [0, 1]
+        generation_0 = pusher.pushers[0].group.generation
         lost: dict[str, float] = {}
 
-        def lose_rank_2(header, data):  # the pusher's tamper seam: rank 2 goes away between buckets
+        def lose_engine_1(header, data):  # the pusher's tamper seam: engine 1 goes away between buckets
             if header.index == 2 and not lost:
                 os.kill(procs[1].pid, getattr(signal, sig))
                 lost["t"] = time.monotonic()
             return header, data
 
-        v2 = perturbed(base, seed=2, scale=0.01)
-        with pytest.raises(TransportError) as failed:
-            pusher.push(2, v2, tamper=lose_rank_2)
-        queue = RolloutQueue(pusher.group.sub_store("rollout"), 4)
-        version = fleet.recover(pusher, str(failed.value), 2, lambda: v2, queue, silent=getattr(failed.value, "ranks", ()))
+        v2 = perturbed(weights, seed=2, scale=0.01)
+        with pytest.raises(FleetPushError) as failed:
+            collect(2, pusher.push_async(2, v2, tamper={1: lose_engine_1}))
+        assert sorted(failed.value.landed) == [0] and sorted(failed.value.failed) == [1]
+        queue = RolloutQueue(pusher.sub_store("rollout"), 4)
+        version = fleet.recover(pusher, str(failed.value), 2, lambda: v2, queue, failed.value.failed)
         back_after = time.monotonic() - lost["t"]
-        assert version == 2 and pusher.group.roster == (1,)
+        assert version == 2 and pusher.live == [0]
+        assert pusher.pushers[0].group.generation == generation_0  # engine 0's group untouched
         assert fleet.drops == 1 and fleet.events[-1]["members"] == [1]
-        # one timeout (the failed wait) plus the heartbeat window; waiting for the lost member
-        # again, as before heartbeats, made it three: the bound holds with a timeout to spare
+        # one timeout (the failed wait) plus the heartbeat window: no second wait for engine 1
         assert back_after < 2 * timeout_s, back_after
-        if sig == "SIGKILL":  # the survivor took v2 in the recovery and goes on alone
-            assert sorted(pusher.push(3, perturbed(base, seed=3, scale=0.01)).commits) == [1]
+        if sig == "SIGKILL":  # the survivor goes on alone
+            assert sorted(pusher.push(3, perturbed(weights, seed=3, scale=0.01))) == [0]
             return
         os.kill(procs[1].pid, signal.SIGCONT)
-        while pusher.knocking() != [2]:  # it finds its transfer failed, drops the staging, knocks
+        while pusher.knocking() != [1]:  # it finds its transfer failed, drops the staging, knocks
             time.sleep(0.05)
-        # back in: the survivor serves v2 (pushed in the recovery); the thawed engine still
-        # serves v1 under v1's label, never the v2 it was frozen in the middle of
-        assert fleet.admit(pusher) == {1: 2, 2: 1}
-        assert sorted(pusher.push(3, perturbed(base, seed=3, scale=0.01)).commits) == [1, 2]
+        # back in: engine 1 still serves v1 under v1's label, never the v2 it was frozen in the
+        # middle of; engine 0 serves v2 (fleet ranks 1 and 2)
+        assert fleet.admit(pusher) == {2: 1}
+        assert fleet.serving(pusher.engine_versions) == {1: 2, 2: 1}
+        assert sorted(pusher.push(3, perturbed(weights, seed=3, scale=0.01))) == [0, 1]
     finally:
         pusher.close()
         for p in procs:

@@ -298,14 +298,16 @@ class EngineConfig:
             raise ValueError(f"engine.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
 
     def ranks(self, index: int) -> tuple[int, ...]:
-        """The weight-group ranks of engine ``index``'s workers (the trainer is rank 0)."""
+        """The fleet ranks of engine ``index``'s workers (the trainer is 0): how metrics and seeds
+        name them. In its own weight group (``GroupConfig.for_engine``) the engine's workers are
+        ranks 1 .. ``tensor_parallel_size``."""
         t = self.tensor_parallel_size
         return tuple(range(1 + index * t, 1 + (index + 1) * t))
 
     @property
-    def world_size(self) -> int:
-        """The weight group: the trainer and every worker of every engine."""
-        return 1 + self.count * self.tensor_parallel_size
+    def tp_sizes(self) -> list[int]:
+        """Each engine's tensor parallel size: its weight group is the trainer and that many workers."""
+        return [self.tensor_parallel_size] * self.count
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,9 +332,10 @@ class TrainConfig:
 
 
 def group_config(cfg: TrainConfig, *, port: int, backend: Backend | None = None) -> GroupConfig:
-    """The weight group of this run (``backend``: the placement's, default ``transport.backend``)."""
+    """The base of this run's weight groups, one per engine (``GroupConfig.for_engine``) on the
+    trainer's store (``backend``: the placement's, default ``transport.backend``)."""
     t = cfg.transport
-    return GroupConfig(host=t.host, port=port, world_size=cfg.engine.world_size, timeout_s=t.collective_timeout_s,
+    return GroupConfig(host=t.host, port=port, timeout_s=t.collective_timeout_s,
                        backend=backend or t.backend, insecure=t.insecure)
 
 

@@ -3,8 +3,8 @@
     python -m trainer.engine_process --config CONFIG --model-dir DIR --host TRAINER --port PORT [--engine-id 0]
 
 (the trainer starts ``engine.count`` of them itself unless ``engine.spawn = false``; engine i
-joins the weight group with the ranks ``engine.ranks(i)``, one per tensor parallel worker,
-and tags its groups ``e<i>``). It drives vLLM's
+forms a weight group of its own with the trainer (``GroupConfig.for_engine``), its workers
+ranks 1 .. ``tensor_parallel_size`` there, and tags its groups ``e<i>``). It drives vLLM's
 ``LLMEngine`` step by step with ``in_flight_groups`` requests of ``n = group_size``
 samples in flight; whenever one finishes, its completions, behaviour log-probs and
 per-token versions become a ``RolloutGroup`` on the rollout queue and a new prompt takes
@@ -290,8 +290,9 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
 
     if not 0 <= engine_index < cfg.engine.count:
         raise ValueError(f"engine index {engine_index} outside engine.count={cfg.engine.count}")
-    rank = cfg.engine.ranks(engine_index)[0]
-    group = dataclasses.replace(group_config(cfg, port=port, backend=backend), host=host)
+    rank = cfg.engine.ranks(engine_index)[0]  # its fleet rank: seeds differ across the fleet
+    group = dataclasses.replace(group_config(cfg, port=port, backend=backend), host=host)  # the rollout queue's store
+    own = group.for_engine(engine_index, cfg.engine.tensor_parallel_size)  # its weight group: the trainer and its workers
     extra: dict = {} if torch.cuda.is_available() else {"enforce_eager": True}
     if cfg.engine.tensor_parallel_size > 1:  # one worker process per rank (the in-process executor holds one)
         extra.update(tensor_parallel_size=cfg.engine.tensor_parallel_size, distributed_executor_backend="mp")
@@ -299,7 +300,7 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
         extra["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
     llm = LLM(model_dir, dtype=cfg.model.dtype, max_num_seqs=cfg.engine.max_num_seqs,
               max_model_len=cfg.engine.max_model_len, seed=cfg.run.seed + rank, **extra, **engine_kwargs())
-    start_inflight(llm, inflight_config(cfg, group, rank=rank, initial_version=initial_version))
+    start_inflight(llm, inflight_config(cfg, own, rank=1, initial_version=initial_version))
     loop = RolloutLoop(cfg, llm, model_dir, group, engine_index, rank, parent_pid)
     next_version = max(initial_version, wait_for_version)  # batch mode: the version the next batch is sampled with
     if not loop.wait_for_version(wait_for_version):

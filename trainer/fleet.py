@@ -1,24 +1,26 @@
 """Keeping the fleet: notice when an engine is gone, bring it back, keep the rest going.
 
-The trainer notices a lost engine in three places: a push that fails (the weight group
+Each engine is in a weight group of its own with the trainer (``FleetPusher``): a lost
+engine is re-formed, dropped or let back in alone, and the others' groups are not touched.
+The trainer notices a lost engine in three places: a push that fails on it (its group
 breaks, or a worker does not reply within ``transport.reply_timeout_s``), a spawned engine
 process found dead (checked every step, and while waiting for rollouts), or an engine
-knocking to be let back into the group. ``Fleet.recover`` and ``Fleet.admit`` run then.
+knocking to be let back into its group. ``Fleet.recover`` and ``Fleet.admit`` run then.
+Metrics name workers by fleet rank (engine i's are ``engine.ranks(i)``).
 
 Ordering invariants of a recovery:
 1. the failure is reported first (log, progress bar, the run's ``engine_failures``);
 2. a spawned engine that died is restarted from the latest checkpoint, told to sample only
    once a version at least as new as the trainer's current one is live on it;
-3. the trainer forms the group's next generation with the engines that answer within the
-   timeout, not waiting for the restarting ones or for a member that went silent (named by
-   the failed wait, or by its heartbeat stopping: see ``inflight.transport.liveness``; with
-   a single engine there is no one else: it waits ``transport.rejoin_timeout_s`` for it);
-   whoever is left out is counted in ``engine_drops`` and knocks when it is back. So a
-   failure costs the fleet one ``transport.reply_timeout_s`` (the wait that failed) plus the
-   heartbeat window, not a second timeout for a member that will not come;
-4. if no member serves the current version yet, the trainer pushes it now; otherwise the
-   laggards get the next step's version with everyone (a version is pushed to a whole
-   generation, and a member that already serves it would refuse it).
+3. each lost engine that is alive is re-formed at once (it sees the failure and comes); one
+   that is dead, restarting or silent (its heartbeat stopped: see
+   ``inflight.transport.liveness``) is dropped without waiting, counted in ``engine_drops``,
+   and knocks when it is back. With no engine left there is no one else: the trainer waits
+   ``transport.rejoin_timeout_s`` for one. So a failure costs the fleet one
+   ``transport.reply_timeout_s`` (the wait that failed) plus the heartbeat window;
+4. live engines that do not serve the current version yet get it now, alone (each engine's
+   group is its own, so nobody else is touched); in a failed push's recovery they get the
+   version the trainer is about to push with everyone instead (``push_behind=False``).
 An engine let back in (``admit``) serves its old version under its old label until that
 push lands: never stale weights under a new label. The rollout queue lives in the
 trainer's store, so groups queued before a failure are still there afterwards; slots a
@@ -32,7 +34,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +42,8 @@ from tqdm import tqdm
 
 from inflight.rollout_queue import RolloutQueue
 from inflight.settings import Backend, DataPlane
-from inflight.transport.pusher import WeightPusher
+from inflight.transport.fleet_pusher import FleetPushError, FleetPusher
+from inflight.transport.sources import Weights
 from trainer.config import TrainConfig
 from trainer.engine_process import run_engine
 
@@ -169,19 +172,54 @@ class Fleet:
         problems = [p for e in self.engines if (p := e.exit_problem()) is not None]
         return "; ".join(problems) or None
 
-    def recover(self, pusher: WeightPusher, reason: str, version: int, weights, queue: RolloutQueue,
-                silent: Sequence[int] = ()) -> int:
-        """Steps 1-4 above; returns the trainer's version (raised above any engine's)."""
+    def ranks_of(self, engines: Iterable[int]) -> list[int]:
+        """The fleet ranks of ``engines``' workers (engine i's are ``engine.ranks(i)``): the
+        names metrics give them, though each engine is ranks 1.. of a weight group of its own."""
+        return sorted(r for e in engines for r in self.cfg.engine.ranks(e))
+
+    def serving(self, versions: Mapping[int, Mapping[int, int]]) -> dict[int, int]:
+        """Per-engine worker versions (``FleetPusher.engine_versions``) keyed by fleet rank."""
+        return {self.cfg.engine.ranks(e)[r - 1]: v for e, by_rank in versions.items() for r, v in by_rank.items()}
+
+    def recover(self, pusher: FleetPusher, reason: str, version: int, weights: Callable[[], Weights],
+                queue: RolloutQueue, lost: Collection[int] = (), *, push_behind: bool = True) -> int:
+        """Steps 1-4 above for the ``lost`` engines (those whose push failed; dead processes are
+        found here); returns the trainer's version (raised above any engine's)."""
         self.failures += 1
-        event = {"t": time.time(), "reason": reason}
+        event: dict = {"t": time.time(), "reason": reason}
         self.events.append(event)
         tqdm.write(f"inflight: engine lost ({reason}); recovering")
         log.warning("engine lost: %s", reason)
-        before = set(pusher.group.roster)
-        # a failed transfer does not say who failed: the heartbeats do (dead or frozen members).
-        # Asked first: a SIGKILLed engine's sockets close before its process can be reaped, so
-        # the push may fail while it still looks alive; the heartbeat window outlasts that
-        silent = set(silent) | set(pusher.group.silent(before))
+        before = set(pusher.live)
+        dead = self._restart_dead(version)
+        if dead:  # their claimed-but-unwritten slots; a live producer that loses one re-puts
+            queue.fill_holes()
+        lost = set(lost) | set(dead)
+        for e in sorted(lost):
+            # a failed transfer does not say why: the heartbeats say who is dead or frozen. Asked
+            # first: a SIGKILLed engine's sockets close before its process can be reaped
+            if e in dead or pusher.silent(e):
+                pusher.drop(e)  # it knocks when it is back
+            else:  # alive (it refused, or its link broke): it comes as soon as it sees the failure
+                pusher.rejoin(e, self.cfg.transport.reply_timeout_s, require=False)
+        if not pusher.live:  # nobody else to go on with: wait for them
+            self._await_any(pusher, self.cfg.transport.rejoin_timeout_s)
+        self._count_drops(before, set(pusher.live))
+        rejoined = {e: pusher.engine_versions[e] for e in pusher.live if e in lost or e not in before}
+        live = {e: pusher.engine_versions[e] for e in pusher.live}
+        ahead = max((v for by_rank in live.values() for v in by_rank.values()), default=-1)
+        if ahead > version:  # a version an engine got from a trainer state that is gone (a resume)
+            version = ahead + 1
+        behind = [e for e, by_rank in live.items() if all(v < version for v in by_rank.values())]
+        if push_behind and behind:
+            event["pushed"] = [version, self.ranks_of(self._push(pusher, version, weights, behind))]
+        event.update(version=version, members=self.ranks_of(pusher.live), back_after_s=round(time.time() - event["t"], 2),
+                     restarted=sorted(dead), serving=dict(sorted(self.serving(rejoined).items())))
+        tqdm.write(f"inflight: fleet at v{version} with engines {pusher.live} (ranks {self.ranks_of(pusher.live)})")
+        return version
+
+    def _restart_dead(self, version: int) -> list[int]:
+        """Restart every spawned engine whose process exited, told to sample from ``version`` on."""
         dead = [e for e in self.engines if e.exit_problem() is not None]
         for e in dead:
             if e.restarts >= self.cfg.engine.max_restarts:
@@ -189,50 +227,53 @@ class Fleet:
             e.restarts += 1
             e.process.join(timeout=5)
             e.start(self.model_dir, self.model_version, wait_for_version=version)
-        if dead:  # their claimed-but-unwritten slots; a live producer that loses one re-puts
-            queue.fill_holes()
-        restarting = {r for e in dead for r in e.ranks}
-        waiting = restarting | silent
-        want = set(pusher.group.workers) - waiting
-        try:
-            if want:  # the restarting and the silent knock later. The live ones come as soon as
-                # they see the failure: at once, since re-forming closes this side's connections
-                live = pusher.rejoin(self.cfg.transport.reply_timeout_s, want=want, require=set())
-            else:  # nobody else to go on with: wait for them
-                live = pusher.rejoin(self.cfg.transport.rejoin_timeout_s, require=set())
-        except Exception as e:
-            raise EngineLost(f"no engine rejoined the weight group: {e}") from e
-        self._count_drops(before, set(live))
-        ahead = max(live.values(), default=-1)
-        if ahead > version:  # a version an engine got from a trainer state that is gone (a resume)
-            version = ahead + 1
-        if all(v < version for v in live.values()):
-            event["pushed"] = [version, sorted(pusher.push(version, weights()).commits)]
-        event.update(version=version, members=sorted(live), back_after_s=round(time.time() - event["t"], 2),
-                     restarted=[e.index for e in dead], serving=dict(sorted(live.items())))
-        tqdm.write(f"inflight: fleet at v{version} with engines on ranks {sorted(live)} "
-                   f"(generation {pusher.group.generation})")
-        return version
+        return [e.index for e in dead]
 
-    def admit(self, pusher: WeightPusher, *, wait: bool = False) -> dict[int, int]:
-        """Form a generation that lets the knocking engines back in (between two pushes);
-        ``wait``: wait up to ``transport.rejoin_timeout_s`` for every engine of the fleet."""
-        before = set(pusher.group.roster)
-        knocking = set(pusher.knocking())
-        if wait:
-            live = pusher.rejoin(self.cfg.transport.rejoin_timeout_s, require=set())
-        else:
-            live = pusher.rejoin(self.cfg.transport.reply_timeout_s, want=before | knocking, require=set())
-        self._count_drops(before, set(live))
-        tqdm.write(f"inflight: engines on ranks {sorted(set(live) - before)} back in the weight group "
-                   f"(serving {dict(sorted(live.items()))})")
-        return live
+    def _await_any(self, pusher: FleetPusher, timeout_s: float) -> None:
+        """Let in every engine that knocks within ``timeout_s``, returning once one is live."""
+        deadline = time.monotonic() + timeout_s
+        while not pusher.live:
+            if time.monotonic() > deadline:
+                raise EngineLost(f"no engine rejoined its weight group within transport.rejoin_timeout_s={timeout_s}s")
+            for e in pusher.knocking():
+                pusher.rejoin(e, self.cfg.transport.reply_timeout_s, require=False)
+            time.sleep(0.05)
+
+    def _push(self, pusher: FleetPusher, version: int, weights: Callable[[], Weights], engines: list[int]) -> list[int]:
+        """Push ``version`` to ``engines`` now; the engines that took it (one that did not is dropped)."""
+        try:
+            return sorted(pusher.push(version, weights(), engines=engines))
+        except FleetPushError as e:
+            for failed in e.failed:
+                pusher.drop(failed)
+            if not e.landed:
+                raise EngineLost(f"no engine took v{version} after a recovery: {e}") from e
+            return sorted(e.landed)
+
+    def admit(self, pusher: FleetPusher, *, wait: bool = False) -> dict[int, int]:
+        """Let the knocking engines back into their groups (between two pushes); ``wait``: wait
+        up to ``transport.rejoin_timeout_s`` for every engine of the fleet. Returns what the
+        engines let in serve, by fleet rank."""
+        before = set(pusher.live)
+        deadline = time.monotonic() + (self.cfg.transport.rejoin_timeout_s if wait else 0.0)
+        admitted: dict[int, dict[int, int]] = {}
+        while True:
+            for e in pusher.knocking():
+                if versions := pusher.rejoin(e, self.cfg.transport.reply_timeout_s, require=False):
+                    admitted[e] = versions
+            if len(pusher.live) == len(self.engines) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        self._count_drops(before, set(pusher.live))
+        serving = self.serving(admitted)
+        tqdm.write(f"inflight: engines {sorted(admitted)} back in their weight groups (serving {dict(sorted(serving.items()))})")
+        return serving
 
     def _count_drops(self, before: set[int], after: set[int]) -> None:
-        for r in sorted(before - after):
+        for e in sorted(before - after):
             self.drops += 1
-            tqdm.write(f"inflight: engine on rank {r} left out of the weight group (silent for {self.cfg.transport.reply_timeout_s}s)")
-            log.warning("engine on rank %d dropped from the weight group", r)
+            tqdm.write(f"inflight: engine {e} left out of its weight group (silent for {self.cfg.transport.reply_timeout_s}s)")
+            log.warning("engine %d dropped from its weight group", e)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         for e in self.engines:

@@ -5,7 +5,7 @@
 One story, top to bottom:
 1. the policy on disk: a Hugging Face model, or a freshly built tiny one;
 2. the engine process (vLLM + the in-flight worker) starts decoding groups of samples;
-3. the trainer (accelerate) joins it in a torch.distributed weight group;
+3. the trainer (accelerate) forms a torch.distributed weight group with each engine;
 4. each step: a batch of groups from the rollout queue (stale ones dropped), a per-token
    truncated-importance-weighted loss, an optimizer step, and an in-flight push of the new
    weights, which the engine commits between two decode steps while it keeps sampling;
@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from inflight.rollout_queue import RolloutBuffer, RolloutQueue
-from inflight.transport.pusher import WeightPusher
+from inflight.transport.fleet_pusher import FleetPusher
 from inflight.transport.store import reserve_port
 from trainer.checkpoint import TrainerState, load_state, recover
 from trainer.config import TrainConfig, config_to_dict, group_config, load_config, push_config
@@ -52,12 +52,12 @@ def train(cfg: TrainConfig) -> dict:
     fleet = Fleet(cfg, model_dir, version, port, placement, out)
     fleet.start(wait_for_version=version)
 
-    # -- 3. the trainer, the weight group it hosts, and the rollout queue in its store ---------------
+    # -- 3. the trainer, a weight group per engine on the store it hosts, the rollout queue there -----
     policy = Policy(cfg, model_dir, resumed)
-    pusher = WeightPusher(group_config(cfg, port=port, backend=placement.backend), push_config(cfg),
-                          join_timeout_s=cfg.transport.rejoin_timeout_s)
-    queue = RolloutQueue(pusher.group.sub_store("rollout"), cfg.rollout.queue_capacity,
-                         incarnation=pusher.group.incarnation)  # items sealed for another run's store are refused
+    pusher = FleetPusher(group_config(cfg, port=port, backend=placement.backend), cfg.engine.tp_sizes, push_config(cfg),
+                         join_timeout_s=cfg.transport.rejoin_timeout_s)
+    queue = RolloutQueue(pusher.sub_store("rollout"), cfg.rollout.queue_capacity,
+                         incarnation=pusher.incarnation)  # items sealed for another run's store are refused
     buffer = RolloutBuffer(queue, admit_lag=cfg.rollout.admit_lag, mask_lag=cfg.loss.max_lag,
                            group_size=cfg.rollout.group_size, pending=resumed.pending if resumed else (),
                            stats=resumed.buffer_stats if resumed else None)
@@ -119,14 +119,14 @@ def _row(step: int, version: int, result: StepResult, groups: list, t0: float, t
     """The metrics row of one step. ``pushes_landed`` lists every push that completed in the
     step (the last row: two; a recovery's push of the current version too), as [version, ranks];
     ``engines_rejoined`` what members reported serving when a generation formed."""
-    batch, tp = result.batch, sync.cfg.engine.tensor_parallel_size
+    batch = result.batch
     row = {"step": step + 1, "version": version, "loss": result.loss, "grad_norm": result.grad_norm,
            "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std()),
            "max_versions_per_sample": int(max(len(set(s.versions)) for g in groups for s in g.samples)),
            "wait_ms": 1e3 * t_wait, "push_wait_ms": 1e3 * sync.wait_s, "read_wait_ms": 1e3 * sync.read_wait_s, "step_ms": 1e3 * (time.perf_counter() - t0),
            "queue_depth": queue.depth(), **buffer.stats(), **result.metrics, **sync.last,
            "engine_failures": fleet.failures, "engine_restarts": fleet.restarts, "engine_drops": fleet.drops,
-           "engines_live": len(sync.pusher.group.roster) // tp, "group_ids": [g.group_id for g in groups],
+           "engines_live": len(sync.pusher.live), "group_ids": [g.group_id for g in groups],
            "dropped_ids": buffer.dropped_ids, "versions_by_engine": _versions_by_engine(groups),
            "pushes_landed": sync.take_landed(), "engines_rejoined": sync.take_rejoined()}
     buffer.dropped_ids = []

@@ -16,15 +16,17 @@ Ordering invariants:
   never during one; before the last push, every engine that can come is waited for, so a
   run ends with the whole fleet on its last version;
 - the last step's push is waited for: the run ends on a committed version;
-- a failed push, a dead engine process, or an engine lost while waiting for rollouts goes
-  through ``Fleet.recover``, which returns the trainer's version (raised above any
-  engine's) and forgets the push in flight.
+- a push goes to every live engine at once, each on its own weight group, and each engine
+  commits it as soon as its own workers staged it (``FleetPusher``): no engine waits for
+  another. The engines it failed on (and a dead engine process, or an engine lost while
+  waiting for rollouts) go through ``Fleet.recover``, engine by engine, which returns the
+  trainer's version (raised above any engine's); the engines it landed on report it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -32,33 +34,41 @@ import torch
 
 from inflight.protocol import RolloutGroup
 from inflight.rollout_queue import RolloutBuffer, RolloutQueue
-from inflight.transport.errors import TransportError, TransportTimeout
-from inflight.transport.pusher import PushResult, WeightPusher
+from inflight.transport.errors import TransportTimeout
+from inflight.transport.fleet_pusher import FleetPushError, FleetPusher, collect
+from inflight.transport.pusher import PushResult
 from trainer.config import TrainConfig
 from trainer.fleet import EngineLost, Fleet
 
 
-def push_metrics(result: PushResult) -> dict[str, Any]:
-    """The metrics row's fields of one landed push."""
-    commit = result.commits[min(result.commits)]
+def push_metrics(results: Mapping[int, PushResult], fleet: Fleet) -> dict[str, Any]:
+    """The metrics row's fields of one push that landed on the engines of ``results``
+    (workers named by fleet rank)."""
+    first = results[min(results)]
+    commit = first.commits[min(first.commits)]
+    commits = {fleet.cfg.engine.ranks(e)[r - 1]: c for e, res in results.items() for r, c in res.commits.items()}
     # engines count their own steps, so what compares across a fleet is how many steps each
     # decoded between the first bucket and its commit
-    waits = [c.steps_since_first_bucket for c in result.commits.values()]
-    return {"pushed_version": result.version, "commit_ms": commit.commit_ms, "commit_step": commit.step,
-            "committed_ranks": sorted(result.commits), "commit_steps": {r: c.step for r, c in result.commits.items()},
+    waits = [c.steps_since_first_bucket for c in commits.values()]
+    return {"pushed_version": first.version, "commit_ms": commit.commit_ms, "commit_step": commit.step,
+            "committed_ranks": sorted(commits), "commit_steps": {r: c.step for r, c in sorted(commits.items())},
             "commit_spread_steps": max(waits) - min(waits),
-            "push_ms": 1e3 * (result.stage_wait_s + result.commit_wait_s), "send_ms": 1e3 * result.send.send_s,
-            "push_mb": result.send.nbytes / 2**20, "read_ms": 1e3 * result.send.read_s,
-            "steps_during_transfer": result.staged[min(result.staged)].steps_during_transfer}
+            "push_ms": 1e3 * max(r.stage_wait_s + r.commit_wait_s for r in results.values()),
+            "send_ms": 1e3 * max(r.send.send_s for r in results.values()),
+            "push_mb": sum(r.send.nbytes for r in results.values()) / 2**20,
+            "read_ms": 1e3 * max(r.send.read_s for r in results.values()),
+            "steps_during_transfer": first.staged[min(first.staged)].steps_during_transfer}
 
 
 class WeightSync:
     """Pushes the policy to the fleet after each optimizer step, and keeps the fleet."""
 
-    def __init__(self, cfg: TrainConfig, pusher: WeightPusher, fleet: Fleet, queue: RolloutQueue,
+    def __init__(self, cfg: TrainConfig, pusher: FleetPusher, fleet: Fleet, queue: RolloutQueue,
                  weights: Callable[[], dict[str, torch.Tensor]]) -> None:
         self.cfg, self.pusher, self.fleet, self.queue, self.weights = cfg, pusher, fleet, queue, weights
-        self.in_flight: Future[PushResult] | None = None
+        self.in_flight: dict[int, Future[PushResult]] = {}
+        """The push in flight: each engine's outcome."""
+        self.in_flight_version = -1
         self.last: dict[str, Any] = {}
         """Metrics of the push that landed last (rows report the push of the step before,
         except the last row, which reports its own)."""
@@ -72,11 +82,10 @@ class WeightSync:
         self.read_wait_s = 0.0
         """How long the last optimizer step waited for the push in flight to finish reading."""
 
-    def recover(self, reason: str, version: int, silent: Sequence[int] = ()) -> int:
-        """``Fleet.recover``; the push in flight, if any, is given up."""
-        self.in_flight = None
+    def recover(self, reason: str, version: int, lost: Collection[int] = (), *, push_behind: bool = True) -> int:
+        """``Fleet.recover``, with the push in flight landed (``_land``) or none."""
         events = len(self.fleet.events)
-        version = self.fleet.recover(self.pusher, reason, version, self.weights, self.queue, silent=silent)
+        version = self.fleet.recover(self.pusher, reason, version, self.weights, self.queue, lost, push_behind=push_behind)
         new = self.fleet.events[events:]
         self.landed += [e["pushed"] for e in new if "pushed" in e]
         for e in new:
@@ -91,8 +100,9 @@ class WeightSync:
 
     def catch_up(self, version: int) -> int:
         """A resumed trainer behind a live engine moves its version above the engines'."""
-        if max(self.pusher.engine_versions.values(), default=-1) > version:
-            return self.recover(f"engines serve {self.pusher.engine_versions}, ahead of v{version}", version)
+        serving = self.fleet.serving(self.pusher.engine_versions)
+        if max(serving.values(), default=-1) > version:
+            return self.recover(f"engines serve {serving}, ahead of v{version}", version)
         return version
 
     def wait_reads(self) -> None:
@@ -102,13 +112,21 @@ class WeightSync:
 
     def next_batch(self, buffer: RolloutBuffer, version: int) -> tuple[list[RolloutGroup], int]:
         """The next batch of groups, and the trainer's version (a recovery may move it)."""
-        if (problem := self.fleet.exit_problem()) is not None:  # a fleet's other engines keep the queue full
-            version = self.recover(problem, version)
+        if self.fleet.exit_problem() is not None:  # a fleet's other engines keep the queue full
+            version = self._recover_exit(version)
         while True:
             try:
                 return self._wait_groups(buffer, version), version
-            except EngineLost as e:
-                version = self.recover(str(e), version)
+            except EngineLost:
+                version = self._recover_exit(version)
+
+    def _recover_exit(self, version: int) -> int:
+        """An engine process exited: the push in flight lands first (it fails on that engine,
+        which ``_land`` recovers); a death it did not reveal is recovered after it."""
+        version = self._land(version, push_behind=True)
+        if (problem := self.fleet.exit_problem()) is not None:
+            version = self.recover(problem, version)
+        return version
 
     def _wait_groups(self, buffer: RolloutBuffer, version: int) -> list[RolloutGroup]:
         """Waits in short slices so a dead engine process is noticed at once rather than after
@@ -129,31 +147,39 @@ class WeightSync:
                                        "from a live engine: is it stuck?") from None
 
     def push(self, version: int, *, last: bool, score: Callable[[], dict[str, Any]]) -> tuple[int, dict[str, Any]]:
-        """Land the previous push, ``score`` the new version, admit knocking engines, send
-        ``version`` (and wait for it when ``last``). Returns the trainer's version (a failed
-        push recovers the fleet) and what ``score`` returned."""
-        evaluation: dict[str, Any] = {}
-        self.wait_s = 0.0
-        try:
-            if self.in_flight is not None:
-                t0 = time.perf_counter()
-                self._landed(self.in_flight.result())
-                self.wait_s, self.in_flight = time.perf_counter() - t0, None
-            evaluation = score()
-            if last and len(self.pusher.group.roster) < self.cfg.engine.world_size - 1:
-                self._rejoined(self.fleet.admit(self.pusher, wait=True))  # the run ends with every engine that can come
-            elif self.pusher.knocking():  # engines back from a restart or a freeze: in before this push
-                self._rejoined(self.fleet.admit(self.pusher))
-            self.in_flight = self.pusher.push_async(version, self.weights())
-            if last:
-                self._landed(self.in_flight.result())
-                self.in_flight = None
-        except TransportError as e:  # an engine is gone or silent: go on without it (see Fleet.recover)
-            version = self.recover(f"push failed: {e}", version, silent=getattr(e, "ranks", ()))
+        """Land the previous push (recovering the engines it failed on), ``score`` the new
+        version, admit knocking engines, send ``version`` to every live engine (and wait for it
+        when ``last``). Returns the trainer's version and what ``score`` returned."""
+        t0 = time.perf_counter()
+        version = self._land(version, push_behind=False)  # the lost ones get ``version`` below, with everyone
+        self.wait_s = time.perf_counter() - t0
+        evaluation = score()
+        if last and len(self.pusher.live) < self.cfg.engine.count:
+            self._rejoined(self.fleet.admit(self.pusher, wait=True))  # the run ends with every engine that can come
+        elif self.pusher.knocking():  # engines back from a restart or a freeze: in before this push
+            self._rejoined(self.fleet.admit(self.pusher))
+        self.in_flight, self.in_flight_version = self.pusher.push_async(version, self.weights()), version
+        if last:
+            version = self._land(version, push_behind=True)
         return version, evaluation
 
-    def _landed(self, result: PushResult) -> None:
-        self.last = push_metrics(result)
+    def _land(self, version: int, *, push_behind: bool) -> int:
+        """Wait for the push in flight on every engine: report it where it landed, recover the
+        engines where it failed. Returns the trainer's version."""
+        futures, self.in_flight = self.in_flight, {}
+        if not futures:
+            return version
+        try:
+            results = collect(self.in_flight_version, futures)
+        except FleetPushError as e:
+            if e.landed:
+                self._landed(e.landed)
+            return self.recover(f"push failed: {e}", version, e.failed, push_behind=push_behind)
+        self._landed(results)
+        return version
+
+    def _landed(self, results: Mapping[int, PushResult]) -> None:
+        self.last = push_metrics(results, self.fleet)
         self.landed.append([self.last["pushed_version"], self.last["committed_ranks"]])
 
     def take_landed(self) -> list[list[Any]]:

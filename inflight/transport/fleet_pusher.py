@@ -34,6 +34,7 @@ from datetime import timedelta
 import torch
 from torch.distributed import PrefixStore
 
+from inflight.transport.errors import TransportTimeout
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushResult, WeightPusher
 from inflight.transport.sender import Tamper
@@ -71,24 +72,32 @@ class FleetPusher:
             self.close("the fleet did not form")
             raise
 
-    def push_async(self, version: int, weights: Weights, *,
+    @property
+    def live(self) -> list[int]:
+        """The engines whose group has members (an engine dropped, or whose group failed to
+        re-form, is out until it knocks and is let back in with ``rejoin``)."""
+        return [e for e, p in self.pushers.items() if p.group.roster]
+
+    def push_async(self, version: int, weights: Weights, *, engines: Sequence[int] | None = None,
                    tamper: Mapping[int, Tamper] | None = None) -> dict[int, Future[PushResult]]:
-        """Start ``version`` towards every engine; each engine's future resolves when that engine
-        committed it (or failed). Every engine's update is laid out before any is sent, so bad
-        input (or one engine's bad shard plan) raises here and no engine sees anything.
-        ``tamper``: per engine, the pusher's fault-injection seam."""
-        if isinstance(weights, ShardedSource) and len(self.pushers) > 1:
+        """Start ``version`` towards ``engines`` (default: the live ones); each engine's future
+        resolves when that engine committed it (or failed). Every engine's update is laid out
+        before any is sent, so bad input (or one engine's bad shard plan) raises here and no
+        engine sees anything. ``tamper``: per engine, the pusher's fault-injection seam."""
+        engines = self.live if engines is None else list(engines)
+        if not engines:
+            raise ValueError(f"push of v{version}: no engine to push to (none is live)")
+        if isinstance(weights, ShardedSource) and len(engines) > 1:
             raise ValueError("a ShardedSource gathers in the order of one push; push it to one engine's "
                              "WeightPusher at a time, or push plain tensors to the fleet")
-        laid_out = {e: p.lay_out(version, weights) for e, p in self.pushers.items()}
+        laid_out = {e: self.pushers[e].lay_out(version, weights) for e in engines}
         tamper = tamper or {}
         return {e: self.pushers[e].push_laid_out(packed, tamper=tamper.get(e)) for e, packed in laid_out.items()}
 
-    def push(self, version: int, weights: Weights) -> dict[int, PushResult]:
-        """Push to every engine and wait for all; raise ``FleetPushError`` naming the engines that
-        did not take it (after every engine's push ended, landed or not)."""
-        futures = self.push_async(version, weights)
-        return collect(version, futures)
+    def push(self, version: int, weights: Weights, *, engines: Sequence[int] | None = None) -> dict[int, PushResult]:
+        """Push to ``engines`` (default: the live ones) and wait for all; raise ``FleetPushError``
+        naming the engines that did not take it (after every engine's push ended, landed or not)."""
+        return collect(version, self.push_async(version, weights, engines=engines))
 
     def wait_reads(self, timeout_s: float | None = None) -> float:
         """Block until every engine's push has read the caller's tensors; the seconds waited."""
@@ -97,15 +106,43 @@ class FleetPusher:
             p.wait_reads(None if timeout_s is None else max(timeout_s - (time.perf_counter() - t0), 0.0))
         return time.perf_counter() - t0
 
-    def rejoin(self, engine: int, timeout_s: float | None = None) -> dict[int, int]:
-        """Re-form engine ``engine``'s group alone (after its push failed, or to let it back in);
-        its workers' live versions. The other engines' groups are not touched."""
-        return self.pushers[engine].rejoin(timeout_s)
+    def rejoin(self, engine: int, timeout_s: float | None = None, *, require: bool = True) -> dict[int, int]:
+        """Re-form engine ``engine``'s group alone (after its push failed, or to let it back in),
+        waiting up to ``timeout_s`` for its workers; their live versions. The other engines'
+        groups are not touched. If the engine does not come whole, it is out (``live``) and
+        ``TransportTimeout`` is raised (with ``require``) or ``{}`` returned."""
+        try:
+            return self.pushers[engine].rejoin(timeout_s)
+        except TransportTimeout:
+            if require:
+                raise
+            return {}
+
+    def drop(self, engine: int) -> None:
+        """Take engine ``engine`` out without waiting for it (dead, frozen or restarting): a
+        generation of its group opens and closes without it, so its workers, when they look,
+        find themselves superseded and knock (``knocking``) to be let back in."""
+        self.rejoin(engine, 0.0, require=False)
+
+    def silent(self, engine: int) -> bool:
+        """Whether a worker of engine ``engine``'s generation stopped beating (dead or frozen);
+        blocks for a short window (``liveness``)."""
+        group = self.pushers[engine].group
+        return bool(group.roster) and bool(group.silent())
+
+    def knocking(self) -> list[int]:
+        """The engines with a worker that asked to be let (back) into its group."""
+        return [e for e, p in self.pushers.items() if p.knocking()]
 
     @property
     def engine_versions(self) -> dict[int, dict[int, int]]:
         """Per engine, each worker's live version when it joined its group's current generation."""
         return {e: p.engine_versions for e, p in self.pushers.items()}
+
+    @property
+    def incarnation(self) -> str:
+        """This fleet's store incarnation (engine 0's group's: every group is on the one store)."""
+        return self.pushers[0].group.incarnation
 
     def sub_store(self, name: str) -> PrefixStore:
         """A key space of the fleet's store for other traffic (e.g. the rollout queue)."""

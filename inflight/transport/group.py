@@ -153,6 +153,9 @@ class WeightGroup:
         if self.rank != 0:
             raise ValueError("only rank 0 opens generations; workers join them")
         self._close_data_plane()
+        # until the roster is posted the group has no members: a generation that fails to form
+        # leaves it empty (its old members see it superseded and knock), never the old roster
+        self.roster, self.point_to_point, self.hellos = (), False, {}
         timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
         want = set(self.workers) if want is None else set(want)
         require = want if require is None else set(require)

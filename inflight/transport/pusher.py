@@ -178,6 +178,7 @@ class WeightPusher:
         self._reads = threading.Event()  # clear while a push may still read the caller's tensors
         self._reads.set()
         self._closed = False
+        self._landed = -1  # the version the last push that landed in this generation committed
         # a script that ends without close() still says goodbye, so no engine reads a dead store
         ref = weakref.ref(self)
         self._atexit = lambda: (p := ref()) is not None and p.close("trainer process exiting")
@@ -262,6 +263,7 @@ class WeightPusher:
         stats, staged = self._send_packed(packed, tamper)
         t1 = time.perf_counter()
         commits = self.commit(packed.version)
+        self._landed = packed.version
         return PushResult(packed.version, stats, staged, commits, t1 - t0, time.perf_counter() - t1)
 
     def push_async(self, version: int, weights: Weights, *, tamper: Tamper | None = None) -> Future[PushResult]:
@@ -297,8 +299,9 @@ class WeightPusher:
 
     @property
     def engine_versions(self) -> dict[int, int]:
-        """Each worker's live version when it joined the current generation of the group."""
-        return {r: h.live_version for r, h in self.group.hellos.items()}
+        """Each member's live version: the last push that landed in the current generation of
+        the group, or, before one, what the member reported when it joined."""
+        return {r: max(h.live_version, self._landed) for r, h in self.group.hellos.items()}
 
     def rejoin(self, timeout_s: float | None = None, *, want: set[int] | None = None,
                require: set[int] | None = None) -> dict[int, int]:
@@ -310,6 +313,7 @@ class WeightPusher:
         if self._in_flight is not None:
             self._in_flight.exception()  # let the failed push finish failing
             self._in_flight = None
+        self._landed = -1
         self.group.reform(timeout_s, want=want, require=require)
         self.control = TrainerControl(self.group)  # message numbers restart with the generation
         return self.engine_versions
