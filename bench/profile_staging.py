@@ -36,8 +36,8 @@ PHASES = [  # (owner, attribute, phase name); missing attributes are skipped (ol
     ("inflight.transport.listener:UpdateListener", "_on_announce", "staging total (announce to Staged)"),
     ("inflight.transport.receiver:BucketReceiver", "receive", "receive (with the per-bucket work below)"),
     ("inflight.transport.receiver:BucketReceiver", "_verify", "  checksums"),
-    ("inflight.transport.listener:UpdateListener", "_nonfinite", "  finite check"),
-    ("inflight.transport.listener:_Streamed", "verified", "  prepare during receive (per bucket)"),
+    ("inflight.transport.stream_check", "nonfinite", "  finite check"),
+    ("inflight.transport.stream_check:Streamed", "verified", "  prepare during receive (per bucket)"),
     ("engine_patches.commit.swap:SwapApplier", "prepare", "prepare after the last bucket"),
     ("engine_patches.commit.swap:SwapApplier", "_shadows", "  shadow parameters (fresh)"),
     ("engine_patches.commit.shadow_sets:ShadowSets", "take", "  shadow parameters (reused)"),
@@ -92,8 +92,9 @@ def install(rec: Recorder) -> list[str]:
 
     names = []
     for target, attr, phase in PHASES:
-        mod, cls = target.split(":")
-        owner = getattr(importlib.import_module(mod), cls)
+        mod, _, cls = target.partition(":")  # "module:Class", or "module" for a module-level function
+        owner = importlib.import_module(mod)
+        owner = getattr(owner, cls) if cls else owner
         if attr in owner.__dict__:
             rec.wrap(owner, attr, phase)
             names.append(phase)

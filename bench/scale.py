@@ -9,11 +9,13 @@ one engine and the most one rank stages, from the model's shapes (``scale_shapes
 pause's update time at each system's published rate (``transfers.toml``). Then each way of
 updating is planned (``scale_fleet.plan``: memory, concurrency, decode step time, what an
 update costs) and one engine is stepped through a dozen updates (``scale_model.simulate``);
-a fleet's tokens/s is its engines'. Pause runs at the fastest published rate, and again at
-checkpoint-engine's. Where in-flight gains little, its cadence: how often it can update and
-still decode what pause does. Then two sweeps find where in-flight stops paying: request
-length (the KV cache that staging takes matters once memory, not ``max_num_seqs``, bounds
-concurrency) and update period (pausing costs less the rarer the updates). Last, the same
+a fleet's tokens/s is its engines'; the layer-granular commit's modes get a table of their
+own, beside pause and the shard modes (``scale_layer``). Pause runs at the fastest published
+rate, and again at checkpoint-engine's. Where in-flight gains little, its cadence: how often
+it can update and still decode what pause does. Then two sweeps find where in-flight stops
+paying: request length (the KV cache that staging takes matters once memory, not
+``max_num_seqs``, bounds concurrency) and update period (pausing costs less the rarer the
+updates). Last, the same
 model, fed the costs a ``bench.inflight`` run measured on this machine, predicts that run's
 tokens/s ratios.
 
@@ -30,12 +32,17 @@ from pathlib import Path
 
 from bench.scale_fleet import (BUILT, CPU_LENGTHS, VARIANTS, Plan, Scenario, bytes_row, cpu_step_time, cpu_update, plan,
                                published_rows, scenario_paths)
+from bench.scale_layer import layer_rows, layer_table
 from bench.scale_model import Run, simulate
 
 LENGTH_FACTORS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0, 2.0)
 PERIODS_S = (5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 TOLERANCE = 0.15  # the CPU check: every predicted ratio within 15% of the measured one
 BESIDE = "checkpoint-engine"  # pause is shown at this system's published rate too
+# the sweeps' in-flight variants: the first that fits of each, and its line style
+PLACES = (("device", ("inflight", "inflight_shard")), ("host", ("inflight_host", "inflight_host_shard")),
+          ("layer", ("inflight_layer",)))
+LINES = {"device": "-", "host": "--", "layer": ":"}
 
 
 def run_plan(p: Plan, s: Scenario, updates: int = 12, seed: int = 0) -> Run | None:
@@ -69,6 +76,7 @@ def scenario_rows(s: Scenario) -> list[dict]:
             lost = (r.wall_s - r.tokens / ceiling.tok_s) / r.updates if r.updates else 0.0
             row |= {"tok_s": round(s.fleet.engines * r.tok_s), "vs_none": round(r.tok_s / ceiling.tok_s, 3),
                     "step_ms": round(1e3 * p.step(p.slots), 1), "updates": r.updates,
+                    "span_s": round(r.span_s / r.updates, 2) if r.commits and r.updates else None,
                     "lost_s_per_update": round(lost, 3), "lag_mean": round(r.lag_mean, 2),
                     "lag_p50": r.lag_quantile(0.5), "lag_p90": r.lag_quantile(0.9), "lag_max": max(r.lag_hist, default=0)}
         rows.append(row)
@@ -129,9 +137,10 @@ def crossover(xs: tuple[float, ...], ys: list[float]) -> float | None:
 
 def sweeps(s: Scenario) -> dict:
     """In-flight over pause against request length and against update period, for the device-
-    and the host-staged in-flight variant that fit (full staging if it fits, else shard)."""
+    and the host-staged in-flight variant that fit (full staging if it fits, else shard), and
+    the layer-granular commit on the device."""
     out = {"scenario": s.name, "mean_len": round(s.lengths.moments()[0])}
-    for place, variants in (("device", ("inflight", "inflight_shard")), ("host", ("inflight_host", "inflight_host_shard"))):
+    for place, variants in PLACES:
         v = best_fit(s, variants)
         if v is None:
             continue
@@ -252,7 +261,8 @@ def markdown(head: list[str], body: list[list[object]]) -> None:
         print("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
 
 
-def print_tables(moved: list[dict], published: list[dict], rows: list[dict], cadences: list[dict]) -> None:
+def print_tables(moved: list[dict], published: list[dict], rows: list[dict], layer: list[dict],
+                 cadences: list[dict]) -> None:
     markdown(["scenario", "TP", "checkpoint GB", "trainer -> one engine GB", "staged by one rank GB (most)",
               "of it whole tensors GB", "x S / TP", "with rollback GB"],
              [[m["scenario"], m["tp"], m["checkpoint_gb"], m["link_gb"], m["rank_gb"], m["rank_whole_gb"],
@@ -272,6 +282,7 @@ def print_tables(moved: list[dict], published: list[dict], rows: list[dict], cad
         last = r["scenario"]
     markdown(["scenario", "mode", "slots per engine", "KV lost", "fleet tokens/s", "vs none", "stall s / update",
               "decode lost s / update", "lag mean / p90", "staging GB / GPU", "pinned host GB / node"], body)
+    markdown(*layer_table(layer))
     markdown(["scenario", "in-flight mode", "pause: updates / h", "pause lag mean / p90 (versions), mean s",
               "in-flight at pause's tokens/s: updates / h", "its lag mean / p90 (versions), mean s"],
              [[c["scenario"], c["variant"], c["pause_per_hour"],
@@ -306,7 +317,7 @@ def plot(rows: list[dict], swept: list[dict], checks: list[dict], png: Path) -> 
     for ax, key, xs, xlabel in ((axes[0, 1], "by_length", LENGTH_FACTORS, "request length, x the scenario's"),
                                 (axes[1, 0], "by_period", PERIODS_S, "seconds between updates")):
         for i, sw in enumerate(swept):
-            for place, ls in (("device", "-"), ("host", "--")):
+            for place, ls in LINES.items():
                 if place in sw:
                     ax.plot(xs, sw[place][key], ls, marker="o", ms=3, color=f"C{i}",
                             label=f"{sw['scenario'].split(',')[0]}: {sw[place]['variant']}")
@@ -315,7 +326,7 @@ def plot(rows: list[dict], swept: list[dict], checks: list[dict], png: Path) -> 
         ax.set_xlabel(xlabel)
         ax.set_ylabel("in-flight tokens/s / pause tokens/s")
         ax.legend(fontsize=6)
-    axes[0, 1].set_title("in-flight / pause vs request length (solid: device staging, dashed: host)")
+    axes[0, 1].set_title("in-flight / pause vs request length (solid: device, dashed: host, dotted: layer)")
     axes[1, 0].set_title("in-flight / pause vs update period (pause at the fastest published rate)")
     ax = axes[1, 1]
     ax.fill_between([0.4, 1.1], [0.4 * (1 - TOLERANCE), 1.1 * (1 - TOLERANCE)],
@@ -346,12 +357,13 @@ def main() -> None:
     args = ap.parse_args()
     scenarios = sorted((Scenario.load(p) for p in args.configs), key=lambda s: s.model.params_b)
     rows = [r for s in scenarios for r in scenario_rows(s)]
+    layer = [r for s in scenarios for r in layer_rows(s, rows)]
     moved, published = [bytes_row(s) for s in scenarios], [p for s in scenarios for p in published_rows(s)]
     cadences = [c for s in scenarios if (c := cadence(s)) is not None]
-    print_tables(moved, published, rows, cadences)
+    print_tables(moved, published, rows, layer, cadences)
     swept = [sweeps(s) for s in scenarios]
     for sw in swept:
-        for place in ("device", "host"):
+        for place in LINES:
             if place in sw:
                 d = sw[place]
                 print(f"{sw['scenario']}: {d['variant']} over pause: x{d['by_length'][LENGTH_FACTORS.index(1.0)]:.3f}; "
@@ -368,8 +380,8 @@ def main() -> None:
         print(f"CPU check: worst error {100 * max(judged):.1f}% over {len(judged)} rows (limit {100 * TOLERANCE:.0f}%): "
               f"{'PASS' if max(judged) <= TOLERANCE else 'FAIL'}")
     plot(rows, swept, checks, args.png)
-    print(json.dumps({"bench": "scale", "bytes": moved, "published": published, "rows": rows, "cadence": cadences,
-                      "sweeps": swept, "length_factors": LENGTH_FACTORS,
+    print(json.dumps({"bench": "scale", "bytes": moved, "published": published, "rows": rows, "layer": layer,
+                      "cadence": cadences, "sweeps": swept, "length_factors": LENGTH_FACTORS,
                       "periods_s": PERIODS_S, "cpu_check": checks}))
 
 

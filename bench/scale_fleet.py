@@ -8,9 +8,19 @@ of it: ``inflight`` (device memory; every TP rank stages the full checkpoint S),
 becomes a host-to-device copy), and their ``_shard`` forms: each rank is sent and stages only
 the boxes its weight loaders read (``inflight.shard_plan``), computed from the model's
 published shapes by ``scale_shapes`` (about S / TP, plus what every rank reads whole), and
-the trainer sends an engine the sum over its ranks. All are built: the shard-targeted
+the trainer sends an engine the sum over its ranks. These four are built: the shard-targeted
 transfer is what the engine does wherever its commit records its loaders (the CPU ``swap``
 commit today; a GPU ``copy``/``reload`` commit sends no plan yet and is sent whole tensors).
+
+``inflight_layer`` and ``inflight_host_layer`` (not built for a GPU: the engine's layer-granular
+commit, ``commit_unit="layer"``, needs the CPU ``swap`` commit today) are the shard transfer
+committed one layer group at a time (``scale_shapes.group_bytes``): a rank stages
+``staged_groups`` groups, not its shard, and each group's commit is one device copy of its
+bytes plus the whole-model commit's fixed cost (``commit_fixed_s``, one collective_rpc), at
+its own step boundary. On the host, each group is copied into a device slot before its commit,
+off the stall. No rollback copy is counted: the swap commit the engine's layer mode uses puts a
+failed group's modules back, and an update stopped part-way leaves a labelled hybrid; a GPU
+copy commit would need one more group slot for the same.
 
 Every mode's transfer runs at the fastest published update rate (``transfers.toml``, beside
 the scenarios) that the engine can take in, at most ``tp`` x one NIC's line rate: pause is
@@ -26,10 +36,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from bench.scale_model import Lengths, StepTime, Update
-from bench.scale_shapes import Arch, link_bytes, rank_bytes, staging_bytes
+from bench.scale_shapes import Arch, group_bytes, link_bytes, rank_bytes, staging_bytes
 
-VARIANTS = ("none", "batch", "pause", "inflight", "inflight_host", "inflight_shard", "inflight_host_shard")
-BUILT = VARIANTS  # every variant: the shard modes are the engine's shard-targeted transfer
+VARIANTS = ("none", "batch", "pause", "inflight", "inflight_host", "inflight_shard", "inflight_host_shard",
+            "inflight_layer", "inflight_host_layer")
+LAYERED = ("inflight_layer", "inflight_host_layer")
+BUILT = tuple(v for v in VARIANTS if v not in LAYERED)  # the shard modes: the engine's shard-targeted transfer
 GB = 1e9
 TRANSFERS = "transfers.toml"  # the published update times, beside the scenarios: not a scenario
 
@@ -144,6 +156,7 @@ class Updates:
     bucket_gb: float  # device memory of host staging (one bucket)
     staging_hbm_passes: float  # HBM traffic per staged byte (write, checksum/NaN read, copy-out)
     commit_hbm_passes: float  # HBM traffic per live byte at the commit (read staging + write live)
+    staged_groups: int = 2  # layer-granular commit: groups a rank stages at once (InflightConfig default)
 
     def __post_init__(self) -> None:
         _check_positive(self, allow_zero=("staging_hbm_passes",))
@@ -215,12 +228,17 @@ def plan(s: Scenario, variant: str) -> Plan:
     copies = 2 if u.rollback else 1
     # what one rank keeps of a staged version, and what the trainer sends one engine: the whole
     # checkpoint, or (_shard) the rank's boxes, the most any rank reads, and the sum over ranks
-    boxed = variant.endswith("_shard")
+    layered = variant in LAYERED
+    boxed = variant.endswith("_shard") or layered
     per_rank = staging_bytes(s.arch, f.tp, m.bytes_per_param) if boxed else size
     sent = link_bytes(s.arch, f.tp, m.bytes_per_param) if boxed else size
     on_host = variant.startswith("inflight_host")
     staging = 0.0 if not variant.startswith("inflight") else u.bucket_gb * GB if on_host else per_rank * copies
     host = per_rank * copies * f.gpus_per_node if on_host else 0.0
+    if layered:  # staged_groups slots of the largest group on the device (and as many on the host)
+        slots_bytes = u.staged_groups * layer_slot_bytes(s)
+        staging = slots_bytes + (u.bucket_gb * GB if on_host else 0.0)  # host: the landing bucket too
+        host = slots_bytes * f.gpus_per_node if on_host else 0.0
     free = g.memory_gb * GB * sv.mem_util - shard - sv.reserve_gb * GB - staging
     kv_tokens = max(free, 0.0) / m.kv_bytes_per_token_gpu
     _, age = s.lengths.moments()
@@ -241,6 +259,8 @@ def plan(s: Scenario, variant: str) -> Plan:
     transfer = max(sent / (ln.engine_gbps * GB), f.engines * sent / (ln.egress_gbps * GB) if ln.egress_gbps else 0.0)
     if variant == "none":
         update = Update(mode="none")
+    elif layered:
+        update = layer_update(s, transfer, hbm, on_host)
     elif variant in ("pause", "batch"):  # the engine waits for the transfer and the load
         load = shard * u.commit_hbm_passes / hbm + ln.load_fixed_s
         update = Update(mode=variant, every_s=u.every_s, stall_s=transfer + load)
@@ -252,6 +272,33 @@ def plan(s: Scenario, variant: str) -> Plan:
                         stage_cost_s=stolen)
     return Plan(variant=variant, slots=slots, step=step, update=update, kv_tokens=kv_tokens,
                 staging_gb_gpu=staging / GB, host_gb_node=host / GB, note=note)
+
+
+def layer_groups_by_rank(s: Scenario) -> list[tuple[int, ...]]:
+    """Each rank's bytes of each layer group (commit order) in scenario ``s``."""
+    return [group_bytes(s.arch, s.fleet.tp, r, s.model.bytes_per_param) for r in range(s.fleet.tp)]
+
+
+def layer_slot_bytes(s: Scenario) -> int:
+    """One staging slot of a layer-granular update: the largest group any rank holds."""
+    return max(max(g) for g in layer_groups_by_rank(s))
+
+
+def layer_update(s: Scenario, transfer: float, hbm: float, on_host: bool) -> Update:
+    """A layer-granular update: per group, its commit (the fixed cost of a step-boundary RPC,
+    ``commit_fixed_s``, plus one device copy of the group's bytes on the slowest rank, at the
+    HBM rate the whole-model commit uses), its share of the link's ``transfer`` seconds (its
+    bytes over all ranks), and, staged on the host, its copy into a device slot before it can
+    commit. Staging costs decode the same HBM traffic as the shard mode's, plus, on the host,
+    the write into the slot."""
+    ranks, u = layer_groups_by_rank(s), s.updates
+    most, sent = [max(g) for g in zip(*ranks)], [sum(g) for g in zip(*ranks)]
+    stalls = tuple(s.link.commit_fixed_s + b * u.commit_hbm_passes / hbm for b in most)
+    stage = tuple(transfer * b / sum(sent) for b in sent)
+    ready = tuple(b / (s.gpu.h2d_gbps * GB) for b in most) if on_host else ()
+    stolen = max(sum(g) for g in ranks) * (u.staging_hbm_passes + (1 if on_host else 0)) / hbm
+    return Update(mode="layer", every_s=u.every_s, stall_s=sum(stalls), stage_s=sum(stage), stage_cost_s=stolen,
+                  group_stall_s=stalls, group_stage_s=stage, group_ready_s=ready, staged_groups=u.staged_groups)
 
 
 def bytes_row(s: Scenario) -> dict:

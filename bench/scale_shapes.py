@@ -19,6 +19,10 @@ its tensor is ``sharded``, a whole tensor ``replicated``, a fallback ``fallback`
 sent its own boxes (replicated tensors go to every rank), so what the trainer sends one engine
 per update is the sum over its ranks (``link_bytes``). One ``dtype_bytes`` for every tensor: an
 FP8 checkpoint's block scales (1/16384 of its weights, 4 B each) and wider norms are left out.
+
+A layer-granular commit (``commit_unit="layer"``) stages and commits one *layer group* at a
+time, grouped as the engine groups them (``inflight.layer_groups``: the embeddings, each
+decoder layer, the rest); ``group_bytes`` is each group's bytes on one rank, in commit order.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
+from inflight.layer_groups import group_of
 from inflight.shard_plan import PlanBytes
 
 SPLITS = ("col", "row", "vocab", "kv", "whole")
@@ -255,3 +260,31 @@ def staging_bytes(a: Arch, tp: int, dtype_bytes: float) -> int:
 
 def param_count(a: Arch) -> int:
     return sum(n * math.prod(t.shape) for t, n in _alike(a))
+
+
+@lru_cache(maxsize=16)
+def _groups(a: Arch) -> tuple[tuple[tuple[int, int], tuple[tuple[Tensor, int], ...]], ...]:
+    """The checkpoint's layer groups in commit order, keyed as the engine keys them
+    (``inflight.layer_groups.group_of``), each as ``_alike`` has a checkpoint: one tensor of
+    each kind with its count (a Kimi-K2 layer holds ~1,150 expert tensors of three kinds)."""
+    by: dict[tuple[int, int], dict[tuple, list]] = {}
+    for t in tensors(a):
+        by.setdefault(group_of(t.name), {}).setdefault((t.shape, t.split, _fallback(a, t)), [t, 0])[1] += 1
+    return tuple((k, tuple((t, n) for t, n in by[k].values())) for k in sorted(by))
+
+
+def group_names(a: Arch) -> tuple[str, ...]:
+    """Each layer group's name, in commit order: ``embeddings`` (with a tied head), ``layer i``,
+    ``norm + head`` (the final norm alone where the head is tied)."""
+    names = {0: "embeddings", 2: "norm" if a.tie_word_embeddings else "norm + head"}
+    return tuple(f"layer {i}" if kind == 1 else names[kind] for (kind, i), _ in _groups(a))
+
+
+@lru_cache(maxsize=256)
+def group_bytes(a: Arch, tp: int, rank: int, dtype_bytes: float) -> tuple[int, ...]:
+    """Bytes of each layer group (commit order) rank ``rank`` of a ``tp``-way engine reads: what
+    it stages and copies of that group in a layer-granular update. They add up to ``rank_bytes``."""
+    if tp < 1 or dtype_bytes <= 0:
+        raise ValueError(f"group_bytes: tp={tp} must be >= 1 and dtype_bytes={dtype_bytes} > 0")
+    return tuple(round(dtype_bytes * sum(n * math.prod(box(a, t, tp, rank)[1]) for t, n in kinds))
+                 for _, kinds in _groups(a))

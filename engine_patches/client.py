@@ -9,14 +9,14 @@ boundaries the commit coordinator places exactly at the commits.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgspec
 
 from engine_patches.config import InflightConfig
 from engine_patches.rpc import StartReport, WorkerStatus, as_result
-from inflight.versions import tags_from_spans
+from inflight.versions import labels_from_spans, tags_from_spans
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,9 @@ class TaggedCompletion:
     versions: list[int]
     finish_reason: str | None
     text: str
+    labels: list[str] = field(default_factory=list)
+    """Each token's version label: ``versions[i]`` as a string, or the hybrid that sampled it
+    during a layer-granular commit (``inflight.layer_groups``; ``versions[i]`` is its oldest)."""
 
 
 def _sampled_logprobs(completion: Any) -> list[float]:
@@ -42,7 +45,8 @@ def tagged(completion: Any) -> TaggedCompletion:
     """Tokens, behaviour log-probs and version tags of a *finished* ``CompletionOutput``."""
     tokens = list(completion.token_ids)
     return TaggedCompletion(tokens, _sampled_logprobs(completion), tags_from_spans(completion.weight_versions, len(tokens)),
-                            completion.finish_reason, completion.text)
+                            completion.finish_reason, completion.text,
+                            labels_from_spans(completion.weight_versions, len(tokens)))
 
 
 def _report(reports: list[Any]) -> StartReport:

@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from inflight.protocol import CommitUnit
 from inflight.settings import Backend, CommitChoice, StagingPlace, check_choices
 from inflight.transport.group import GroupConfig
 
@@ -71,6 +72,19 @@ class InflightConfig:
     every MoE layer (``CompletionOutput.routed_experts``, ``[tokens, moe_layers, k]`` int16,
     ``engine_patches.routing``), for routing replay in the trainer. Costs one small RPC per
     engine step and 2 x layers x k bytes per token; refused on a model without MoE layers."""
+    commit_unit: CommitUnit = "model"
+    """What commits at once. ``model``: the whole version, at one step boundary (a version is
+    atomic across the engine's ranks and, with one weight group, across engines). ``layer``:
+    one layer group at a time (``inflight.layer_groups``: the embeddings, each decoder layer,
+    the final norm and head), each at the first step boundary after its bytes arrived and
+    were verified and prepared on every rank; the engine serves, and tags tokens with, the
+    hybrid in between (``"5>6:3"``). Staging holds ``staged_groups`` groups, not a model; the
+    stall of each commit is one group's. Needs the ``swap`` or the ``copy`` commit."""
+    staged_groups: int = 2
+    """``commit_unit="layer"``: layer groups staged at once on a rank (1 or 2): one waits for
+    its step boundary while the next arrives. More would not shorten an update: groups
+    commit one per engine step, so an update takes at least as many steps as it has groups,
+    and two already keep the wire busy while a commit waits for its step."""
     require_processed_logprobs: bool = True
     """Refuse to start unless the engine reports processed (temperature-scaled) log-probs,
     the behaviour log-probs the trainer's importance ratios need."""
@@ -86,6 +100,11 @@ class InflightConfig:
         for name in ("commit_timeout_s", "stale_timeout_s", "max_bucket_mb"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"InflightConfig.{name}={getattr(self, name)} must be > 0")
+        if self.staged_groups not in (1, 2):
+            raise ValueError(f"InflightConfig.staged_groups={self.staged_groups} must be 1 or 2")
+        if self.commit_unit == "layer" and self.commit == "reload":
+            raise ValueError("InflightConfig.commit='reload' with commit_unit='layer': layer-granular commits need the "
+                             "'swap' (eager CPU) or 'copy' (CUDA) commit; 'auto' picks the right one")
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

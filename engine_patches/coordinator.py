@@ -47,15 +47,9 @@ from typing import Any, Literal
 
 from engine_patches.config import InflightConfig
 from engine_patches.rpc import EngineState, WorkerCommitResult, WorkerSettleResult, as_result
-from inflight.protocol import (
-    ENGINE_CHANNEL,
-    CommitReady,
-    EngineCommitFailed,
-    EngineCommitted,
-    ProtocolError,
-    decode_engine,
-    encode,
-)
+from engine_patches.engine_channel import CommitReady, EngineCommitFailed, EngineCommitted, decode_engine
+from inflight.protocol import ENGINE_CHANNEL, ProtocolError, encode
+from inflight.layer_groups import Hybrid
 from inflight.transport.errors import TransportError
 from inflight.transport.poll import poll_until
 from inflight.transport.store import store_reachable
@@ -101,6 +95,11 @@ def check_engine(vllm_config: Any, config: InflightConfig) -> int:
     return workers
 
 
+def outcome_key(version: int, part: int, parts: int) -> str:
+    """Where the coordinator posts the outcome of a version (or of one of its layer groups)."""
+    return f"outcome/{version}.{part}" if parts else f"outcome/{version}"
+
+
 class EngineBroken(RuntimeError):
     """A failed commit could not be rolled back on every rank: the engine must stop."""
 
@@ -108,6 +107,8 @@ class EngineBroken(RuntimeError):
 @dataclass
 class _Pending:
     version: int
+    part: int = 0
+    parts: int = 0  # 0: the whole model; else group ``part`` of a layer-granular update
     done: threading.Event = field(default_factory=threading.Event)
     outcome: EngineCommitted | EngineCommitFailed | None = None
 
@@ -121,6 +122,8 @@ class CommitRecord:
     step: int
     ok: bool
     workers: list[WorkerCommitResult]
+    part: int = 0
+    parts: int = 0
 
 
 class CommitCoordinator:
@@ -133,6 +136,9 @@ class CommitCoordinator:
         self.instance_id = core.vllm_config.instance_id
         self.lock = threading.Lock()
         self.live_version = config.initial_version
+        """The oldest version any layer group holds (the version, outside a layer-granular update)."""
+        self.label = Hybrid(config.initial_version)
+        """What the outputs are tagged with: the version, or the hybrid of a layer-granular update."""
         self.steps = 0
         """Engine steps that ran the model since the coordinator started."""
         self.broken = ""
@@ -145,7 +151,7 @@ class CommitCoordinator:
 
     def start(self) -> None:
         """Once every worker started: label the outputs from now on, and watch for commits."""
-        self.core._weight_version = str(self.live_version)
+        self.core._weight_version = str(self.label)
         self._thread.start()
         # a plain interpreter exit stops the watcher too, before the trainer's store can go away under it
         ref = weakref.ref(self)
@@ -158,7 +164,7 @@ class CommitCoordinator:
     def set_label(self, version: int) -> None:
         """Move the label without a commit (a baseline that loaded weights by other means)."""
         with self.lock:
-            self.live_version = version
+            self.live_version, self.label = version, Hybrid(version)
             self.core._weight_version = str(version)
 
     def commit_pending(self) -> bool:
@@ -170,7 +176,8 @@ class CommitCoordinator:
         return sum(h.ok for h in self.history)
 
     def status(self) -> EngineState:
-        return EngineState(live_version=self.live_version, steps=self.steps, broken=self.broken, commits=self.commits())
+        return EngineState(live_version=self.live_version, steps=self.steps, broken=self.broken, commits=self.commits(),
+                           label=str(self.label))
 
     # -- engine thread ------------------------------------------------------------------------
     @contextmanager
@@ -195,7 +202,7 @@ class CommitCoordinator:
         if pending is None:
             return
         try:
-            pending.outcome = self._commit(pending.version, via)
+            pending.outcome = self._commit(pending.version, via, pending.part, pending.parts)
         except EngineBroken as e:
             self.broken = str(e)
             pending.outcome = EngineCommitFailed(version=pending.version, reason=str(e), live_version=self.live_version)
@@ -203,11 +210,12 @@ class CommitCoordinator:
         finally:
             pending.done.set()
 
-    def _commit(self, version: int, via: Via) -> EngineCommitted | EngineCommitFailed:
+    def _commit(self, version: int, via: Via, part: int = 0, parts: int = 0) -> EngineCommitted | EngineCommitFailed:
         executor = self.core.model_executor
         t0 = time.perf_counter()
         final = len(self.ranks) == 1  # one rank: its own success is the engine's, kept at once
-        results = [as_result(r, WorkerCommitResult) for r in executor.collective_rpc("inflight_commit", args=(version, final))]
+        results = [as_result(r, WorkerCommitResult)
+                   for r in executor.collective_rpc("inflight_commit", args=(version, final, part, parts))]
         failed = {r.rank: r.error for r in results if not r.ok}
         if not failed:
             if not final:
@@ -215,11 +223,13 @@ class CommitCoordinator:
                 unkept = {r.rank: r.error for r in kept if not r.ok}
                 if unkept:  # cannot happen unless a worker lost track: its live version is unknown
                     raise EngineBroken(f"commit of v{version} applied but not kept on ranks {sorted(unkept)}: {unkept}")
-            self.live_version = version
-            self.core._weight_version = str(version)
+            self.label = self.label.with_groups(version, part + 1, parts) if parts else Hybrid(version)
+            self.live_version = self.label.oldest
+            self.core._weight_version = str(self.label)
             ms = 1e3 * (time.perf_counter() - t0)
-            self.history.append(CommitRecord(version, via, self.steps, True, results))
-            return EngineCommitted(version=version, step=self.steps, commit_ms=ms, tokens_at_commit=self._output_tokens())
+            self.history.append(CommitRecord(version, via, self.steps, True, results, part, parts))
+            return EngineCommitted(version=version, step=self.steps, commit_ms=ms, tokens_at_commit=self._output_tokens(),
+                                   part=part, parts=parts, label=str(self.label))
         applied = [r.rank for r in results if r.applied]
         reason = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
         if applied:
@@ -228,7 +238,7 @@ class CommitCoordinator:
             if stuck:
                 raise EngineBroken(f"commit of v{version} failed ({reason}) and rollback failed on ranks {sorted(stuck)}: {stuck}")
             reason += f"; rolled back on ranks {applied}"
-        self.history.append(CommitRecord(version, via, self.steps, False, results))
+        self.history.append(CommitRecord(version, via, self.steps, False, results, part, parts))
         log.warning("inflight: commit of v%d refused on engine %s: %s; still serving v%d",
                     version, self.instance_id, reason, self.live_version)
         return EngineCommitFailed(version=version, reason=reason, live_version=self.live_version)
@@ -243,9 +253,9 @@ class CommitCoordinator:
         return {rid.rsplit("-", 1)[0]: req.num_output_tokens for rid, req in requests}
 
     # -- watcher thread -----------------------------------------------------------------------
-    def _request(self, version: int) -> EngineCommitted | EngineCommitFailed | None:
-        """Have ``version`` committed at the next step boundary; None if stopped first."""
-        pending = _Pending(version)
+    def _request(self, ready: CommitReady) -> EngineCommitted | EngineCommitFailed | None:
+        """Have ``ready``'s version (or group) committed at the next step boundary; None if stopped first."""
+        pending = _Pending(ready.version, ready.part, ready.parts)
         with self._slot:
             self._pending = pending
         if self._busy_loop:
@@ -295,22 +305,41 @@ class CommitCoordinator:
                         continue
                     for k in keys:
                         store.delete_key(k)
-                    if ready <= self.live_version:
-                        outcome: Any = EngineCommitFailed(version=ready, reason=f"v{ready} is not newer than the live "
-                                                          f"v{self.live_version}", live_version=self.live_version)
+                    why = self._refusal(ready)
+                    if why:
+                        outcome: Any = EngineCommitFailed(version=ready.version, reason=why, live_version=self.live_version)
                     else:
                         outcome = self._request(ready)
                         if outcome is None:
                             return
-                    store.set(f"outcome/{ready}", encode(outcome))
-                    if ready > 0:
-                        store.delete_key(f"outcome/{ready - 1}")  # every worker read it before v was sent
+                    store.set(outcome_key(ready.version, ready.part, ready.parts), encode(outcome))
+                    # every worker read the previous outcome before it posted this readiness
+                    if ready.parts and ready.part > 0:
+                        store.delete_key(outcome_key(ready.version, ready.part - 1, ready.parts))
+                    elif ready.version > 0:
+                        store.delete_key(outcome_key(ready.version - 1, 0, 0))
             except RuntimeError as e:  # the store's host went away
                 log.info("inflight: coordinator lost the group store (%s); reconnecting", e)
                 self._stop.wait(0.5)
 
-    def _wait_ready(self, store: Any, keys: list[str]) -> int | str | None:
-        """The version every rank is ready for, None (try again), or the trainer's store
+    def _refusal(self, ready: CommitReady) -> str:
+        """Why ``ready`` may not commit over the live weights ("" if it may): a rank refused it;
+        a whole version must be newer than the oldest group; a layer group must be the next of
+        its update (a version at least as new as every group, whose earlier groups are live)."""
+        if ready.refused:
+            return f"refused by {ready.refused}"
+        v, label = ready.version, self.label
+        if v <= label.oldest:
+            return f"v{v} is not newer than the live v{self.live_version}"
+        if not ready.parts:
+            return ""
+        done = label.steps[-1][1] if label.steps and label.steps[-1][0] == v else 0
+        if v < label.newest or ready.part > done:
+            return f"group {ready.part} of v{v} does not follow the live {label} (expected group {done} at most)"
+        return ""
+
+    def _wait_ready(self, store: Any, keys: list[str]) -> CommitReady | str | None:
+        """What every rank is ready for, None (try again), or the trainer's store
         incarnation when a worker relayed its ``Shutdown`` (``bye/<rank>``, deleted here as the
         last use of the store: the worker answers the trainer only then)."""
         byes = [f"bye/{r}" for r in self.ranks]
@@ -329,7 +358,8 @@ class CommitCoordinator:
             for k in byes:
                 store.delete_key(k)
             return incarnation
-        versions = set()
+        versions: set[tuple[int, int, int]] = set()
+        refused: list[str] = []
         for k in keys:
             try:
                 msg = decode_engine(store.get(k))
@@ -341,8 +371,11 @@ class CommitCoordinator:
                 log.warning("inflight: dropped a message at %s that is not this rank's CommitReady: %r", k, msg)
                 store.delete_key(k)
                 return None
-            versions.add(msg.version)
+            versions.add((msg.version, msg.part, msg.parts))
+            if msg.refused:
+                refused.append(f"rank {msg.rank}: {msg.refused}")
         if len(versions) > 1:  # a rank still on an older attempt; it withdraws on its timeout
             time.sleep(_POLL_MAX_S)
             return None
-        return versions.pop()
+        version, part, parts = versions.pop()
+        return CommitReady(rank=self.ranks[0], version=version, part=part, parts=parts, refused="; ".join(refused))

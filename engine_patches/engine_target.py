@@ -33,10 +33,13 @@ import torch
 from engine_patches.commit.base import CommitStrategy
 from engine_patches.config import InflightConfig
 from engine_patches.rpc import WorkerCommitResult, WorkerSettleResult
-from inflight.protocol import CommitReady, EngineCommitted, ProtocolError, decode_engine, encode
+from engine_patches.coordinator import outcome_key
+from inflight.layer_groups import Hybrid
+from engine_patches.engine_channel import CommitReady, EngineCommitted, decode_engine
+from inflight.protocol import ProtocolError, encode
 from inflight.staging import StagedVersion, StagingPool, ordered_commit, ready_event
 from inflight.transport.errors import TransportError, TransportTimeout
-from inflight.transport.listener import CommitFailed, CommitInfo
+from inflight.transport.stream_check import CommitFailed, CommitInfo
 from inflight.transport.poll import poll_until
 from inflight.transport.store import wait_key
 
@@ -47,6 +50,19 @@ class _Ready:
     staged: StagedVersion
     pool: StagingPool
     event: Any  # torch.cuda.Event on CUDA: staging of this version is complete
+    part: int = 0
+    parts: int = 0  # 0: the whole model; else layer group ``part`` of ``parts``
+
+    def names(self) -> str:
+        return f"group {self.part} of v{self.version}" if self.parts else f"v{self.version}"
+
+
+@dataclass
+class PendingCommit:
+    """A commit handed to the engine whose outcome the listener has not read yet (``begin_commit``)."""
+
+    ready: _Ready
+    key: str
 
 
 class EngineTarget:
@@ -59,6 +75,8 @@ class EngineTarget:
         self.rank = rank
         self.device = device
         self._live = config.initial_version
+        self.label = Hybrid(config.initial_version)
+        """This rank's weights, as the coordinator labels them (moves with ``_live``, on the execution thread)."""
         self.channel: Any = None  # this engine's commit channel in the current generation's store
         self.incarnation = ""  # of the trainer's store the channel lives in
         self._lock = threading.Lock()  # hands a ready version to exactly one of: commit, withdrawal
@@ -108,13 +126,37 @@ class EngineTarget:
         coordinator and relay its outcome. Whatever happens, ``staged`` is this target's now:
         withdrawn (never applied), its bytes go back to ``pool`` here; taken, the execution
         thread keeps or returns them."""
-        ready = _Ready(version, staged, pool, self._event)
+        return self.finish_commit(self.begin_commit(version, staged, pool))
+
+    def begin_commit(self, version: int, staged: StagedVersion, pool: StagingPool, part: int = 0,
+                     parts: int = 0) -> PendingCommit:
+        """The first half of ``commit``: hand ``staged`` (layer group ``part`` of ``parts``, or
+        the whole version) over and post this rank's readiness; ``finish_commit`` reads the
+        outcome. One at a time: the previous one's outcome is read first."""
+        ready = _Ready(version, staged, pool, self._event, part, parts)
         with self._lock:
             self._ready = ready
-        key, what = f"outcome/{version}", f"the engine's commit of v{version}"
+        key = outcome_key(version, part, parts)
         try:
             self.channel.delete_key(key)  # a failed earlier attempt at this version left its outcome
-            self.channel.set(f"ready/{self.rank}", encode(CommitReady(rank=self.rank, version=version)))
+            self.channel.set(f"ready/{self.rank}", encode(CommitReady(rank=self.rank, version=version, part=part,
+                                                                      parts=parts)))
+        except BaseException:
+            self._withdraw(ready)
+            raise
+        return PendingCommit(ready, key)
+
+    def refuse_commit(self, version: int, part: int, parts: int, reason: str) -> None:
+        """Layer-granular: this rank refused group ``part`` after every rank accepted it. Tell
+        the coordinator, so the ranks that handed the group over hear at once that it fails."""
+        self.channel.set(f"ready/{self.rank}", encode(CommitReady(rank=self.rank, version=version, part=part, parts=parts,
+                                                                  refused=reason[:200] or "refused")))
+
+    def finish_commit(self, pending: PendingCommit) -> CommitInfo:
+        """The second half of ``commit``: wait for the engine's outcome and relay it."""
+        ready, key = pending.ready, pending.key
+        version, what = ready.version, f"the engine's commit of {ready.names()}"
+        try:
             try:
                 raw = wait_key(self.channel, key, timeout_s=self.config.commit_timeout_s, stop=None, what=what,
                                who=f"rank {self.rank}")
@@ -133,10 +175,11 @@ class EngineTarget:
         except ProtocolError as e:
             self._withdraw(ready)
             raise TransportError(f"rank {self.rank}: unreadable commit outcome: {e}") from e
-        if not isinstance(outcome, EngineCommitted) or outcome.version != version:
+        if not isinstance(outcome, EngineCommitted) or (outcome.version, outcome.part) != (version, ready.part):
             self._withdraw(ready)  # refused before the window (not newer than the live version)
             raise CommitFailed(getattr(outcome, "reason", f"unexpected outcome {outcome!r}"))
-        return CommitInfo(step=outcome.step, commit_ms=outcome.commit_ms, tokens_at_commit=dict(outcome.tokens_at_commit))
+        return CommitInfo(step=outcome.step, commit_ms=outcome.commit_ms, tokens_at_commit=dict(outcome.tokens_at_commit),
+                          label=outcome.label)
 
     def _withdraw(self, ready: _Ready) -> bool:
         """Take ``ready`` back unless the execution thread took it; True if withdrawn."""
@@ -149,9 +192,10 @@ class EngineTarget:
         return withdrawn
 
     # -- execution thread (called by the coordinator between two engine steps) --------------
-    def execute_commit(self, version: int, final: bool = False) -> WorkerCommitResult:
-        """Apply the ready ``version``. ``final``: this is the engine's only rank, so its own
-        success is the engine's and the commit is kept at once (no ``execute_confirm``)."""
+    def execute_commit(self, version: int, final: bool = False, part: int = 0, parts: int = 0) -> WorkerCommitResult:
+        """Apply the ready ``version`` (its layer group ``part`` of ``parts``, if ``parts``).
+        ``final``: this is the engine's only rank, so its own success is the engine's and the
+        commit is kept at once (no ``execute_confirm``)."""
         me = threading.current_thread()
         result = functools.partial(
             WorkerCommitResult, rank=self.rank, version=version, thread=me.name, main_thread=me is threading.main_thread(),
@@ -159,11 +203,11 @@ class EngineTarget:
             forward_thread=None if self.forward_thread is None else self.forward_thread == threading.get_ident())
         with self._lock:
             ready, self._ready = self._ready, None
-            if ready is not None and ready.version != version:  # not the version the engine commits: keep it
-                self._ready, ready = ready, None
+            if ready is not None and (ready.version, ready.part, ready.parts) != (version, part, parts):
+                self._ready, ready = ready, None  # not what the engine commits: keep it
         if ready is None:
-            return self._log(result(ok=False, error=f"v{version} is not staged and committed by the trainer on this "
-                                                    "rank (withdrawn or lost)"))
+            what = f"group {part} of v{version}" if parts else f"v{version}"
+            return self._log(result(ok=False, error=f"{what} is not staged and ready on this rank (withdrawn or lost)"))
         t0 = time.perf_counter()
         try:
             ordered_commit(self.device, ready.event, self.applier.apply)
@@ -188,8 +232,14 @@ class EngineTarget:
         if applied is None or applied.version != version:
             return WorkerSettleResult(rank=self.rank, version=version, ok=False,
                                       error=f"v{version} was not applied on this rank")
-        self._live = version
-        if applied.pool.previous is not None:
+        if applied.parts:  # a layer group: the live version moves with the last one (see the coordinator)
+            self.label = self.label.with_groups(version, applied.part + 1, applied.parts)
+        else:
+            self.label = Hybrid(version)
+        self._live = self.label.oldest
+        if applied.parts:
+            applied.pool.give(applied.staged.flat)  # no rollback copy: a committed group is never taken back
+        elif applied.pool.previous is not None:
             applied.pool.keep_as_previous(applied.staged)
         else:
             applied.pool.give(applied.staged.flat)
@@ -212,7 +262,7 @@ class EngineTarget:
         a refused apply; the copy moves only when a commit is kept); the refused version's
         bytes go back to the pool."""
         previous = applied.pool.previous
-        if previous is None and self.applier.strategy != "swap":
+        if previous is None and getattr(self.applier, "needs_rollback_copy", True):
             # reading the checkpoint from disk here would hold the step lock for minutes at scale
             raise RuntimeError(f"no rollback copy of v{self._live} (keep_rollback=False): the engine fails closed "
                                "rather than reload its checkpoint inside the stall")

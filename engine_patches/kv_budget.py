@@ -61,8 +61,12 @@ def planned_need(schema: TensorSchema, applier: CommitStrategy, plan: ShardPlan 
     pool_device = data if staging == "device" else torch.device("cpu")
     where: StagingPlace = "device" if pool_device.type == engine.type else "host"  # gloo beside a GPU stages on the host
     rollback_copy = keep_rollback and applier.strategy != "swap"  # swap rolls back by module
+    groups, window = getattr(applier, "groups", ()), getattr(applier, "window", 0)  # a layer-granular swap
+    if groups:
+        rollback_copy = False
     return staging_need(schema, plan=plan, staging=where, rollback_copy=rollback_copy, commit_bytes=applier.held_bytes(),
-                        commit=applier.strategy, bucket_bytes=bucket_bytes, plane_cuda=data.type == "cuda", mac=mac)
+                        commit=applier.strategy, bucket_bytes=bucket_bytes, plane_cuda=data.type == "cuda", mac=mac,
+                        groups=groups, window=window)
 
 
 def intended_need(worker: Any, intent: StagingIntent) -> StagingNeed:

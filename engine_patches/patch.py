@@ -1,5 +1,7 @@
 """The step-boundary patch `inflight` applies to vLLM, and the function that applies it (the
 other, the KV cache's budget on a GPU, is ``engine_patches.kv_budget``; the plugin applies both).
+Also the opt-in plain CPU GEMM (``use_plain_cpu_gemm``), applied only where
+``INFLIGHT_CPU_PLAIN_GEMM=1``: a CPU engine the ``copy`` commit is right for.
 
 Why a patch at all: in vLLM 0.32 nothing runs between two EngineCore steps except client
 requests (utility calls), and workers cannot issue those. A commit that must land at a
@@ -129,3 +131,38 @@ def is_patched() -> bool:
     from vllm.v1.engine.core import EngineCore
 
     return bool(getattr(EngineCore.step, _MARK, False))
+
+
+PLAIN_CPU_GEMM_ENV = "INFLIGHT_CPU_PLAIN_GEMM"
+"""``1``: the plugin applies ``use_plain_cpu_gemm`` in every vLLM process (read only by
+``plain_cpu_gemm_requested``)."""
+
+
+def plain_cpu_gemm_requested() -> bool:
+    """Whether this process's environment asks for ``use_plain_cpu_gemm`` (the one place the
+    variable is read; TP workers inherit it from the process that starts them)."""
+    import os
+
+    return os.environ.get(PLAIN_CPU_GEMM_ENV, "") == "1"
+
+
+def use_plain_cpu_gemm() -> None:
+    """Make vLLM CPU's linear layers keep their weights in their parameters (vLLM 0.32.0).
+
+    ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`` (run by each linear
+    and LM head's ``process_weights_after_loading``) prepacks the weight for oneDNN and, for
+    linears, empties ``layer.weight``: a ``copy`` commit (``load_weights`` into the live
+    storage) would then write into empty placeholders. With ``vllm._custom_ops._supports_onednn``
+    False, the dispatch falls through to ``torch.nn.functional.linear`` on the parameter
+    itself, unless the sgl kernel applies (AMX with bf16/fp16 weights; never float32) or the
+    platform is Zen (``commit.base.cpu_gemm_prepacks`` names both and refuses ``copy`` there).
+    So a CPU engine runs the ``copy`` commit exactly as a GPU engine does, which is how it is
+    tested on CPU; its GEMMs are slower than oneDNN's. The dispatch reads the flag at call
+    time, so this must run before the model is loaded: the plugin applies it (only when
+    ``INFLIGHT_CPU_PLAIN_GEMM=1``). Idempotent."""
+    import vllm._custom_ops as ops
+
+    if not hasattr(ops, "_supports_onednn"):
+        raise RuntimeError("inflight: vllm._custom_ops has no _supports_onednn; this vLLM is not 0.32-compatible")
+    ops._supports_onednn = False
+

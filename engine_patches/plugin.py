@@ -1,7 +1,7 @@
 """vLLM plugin entry point (``vllm.general_plugins``): the one place `inflight` changes vLLM.
 
 vLLM calls ``register`` in every process it starts, before an EngineCore is built and
-before a worker sizes its KV cache.
+before a worker loads its model or sizes its KV cache.
 """
 
 from __future__ import annotations
@@ -9,9 +9,13 @@ from __future__ import annotations
 
 def register() -> None:
     """Apply the step-boundary patch (``engine_patches.patch``) and the KV cache budget patch
-    (``engine_patches.kv_budget``); both idempotent, as vLLM may load plugins twice."""
+    (``engine_patches.kv_budget``), and, with ``INFLIGHT_CPU_PLAIN_GEMM=1``, the plain CPU
+    GEMM (``engine_patches.patch.use_plain_cpu_gemm``); all idempotent, as vLLM may load
+    plugins twice."""
     from engine_patches.kv_budget import patch_available_memory
-    from engine_patches.patch import patch_engine_core
+    from engine_patches.patch import patch_engine_core, plain_cpu_gemm_requested, use_plain_cpu_gemm
 
     patch_engine_core()
     patch_available_memory()
+    if plain_cpu_gemm_requested():
+        use_plain_cpu_gemm()

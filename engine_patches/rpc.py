@@ -77,6 +77,8 @@ class EngineState(_Result):
     steps: NonNeg
     broken: str
     commits: NonNeg
+    label: str = ""
+    """The version label outputs carry now (a hybrid mid layer-granular update)."""
 
 
 class WorkerStatus(_Result):
@@ -96,6 +98,8 @@ class WorkerStatus(_Result):
     last_error: str = ""
     commits: tuple[WorkerCommitResult, ...] = ()
     engine: EngineState | None = None
+    staging_peak_bytes: NonNeg = 0
+    """The most staging bytes this worker ever held at once (``StagingPool.peak_bytes``)."""
 
 
 def as_result(value: Any, kind: type[R]) -> R:

@@ -79,7 +79,8 @@ class InflightWorkerExtension:
         config.group.check_exposure(secret, f"inflight worker rank {rank}")
         schema = checkpoint_schema(checkpoint_dir(vc.model_config.model, vc.model_config.revision), vc.model_config.dtype)
         applier = make_strategy(self.model_runner, config.commit, schema, quantized=vc.model_config.quantization is not None,
-                               eager=vc.model_config.enforce_eager)
+                               eager=vc.model_config.enforce_eager, commit_unit=config.commit_unit,
+                               window=config.staged_groups)
         from engine_patches.routing import RoutingRecorder
 
         self._inflight_routing = RoutingRecorder(self.model_runner) if config.record_routing else None
@@ -126,12 +127,13 @@ class InflightWorkerExtension:
         pool = StagingPool(data if config.staging == "device" else torch.device("cpu"), pin=need.where == "host")
         pool.reserve(need.update_bytes, need.copies)
         pool.windows = BucketWindows.reserve(bucket_bytes, data, landing=data.type == "cuda" and need.where == "host", mac=mac)
-        if need.copies > 1:  # the rollback copy
+        if any(p.what == "rollback copy" for p in need.parts):
             # what a failed first commit restores, read now: never from disk inside the stall
             vc = self.vllm_config.model_config
             flat = pool.take(need.update_bytes)
+            # with a shard plan the copy holds this rank's boxes, as the updates it stages do
             pool.previous = StagedVersion(None, flat, 0, read_checkpoint_into(checkpoint_dir(vc.model, vc.revision), schema,
-                                                                              flat))
+                                                                              flat, plan))
         return pool, need
 
     def _inflight_serve(self, config: InflightConfig, schema: TensorSchema, rank: int, plan: ShardPlan | None) -> None:
@@ -152,7 +154,8 @@ class InflightWorkerExtension:
                 engine_ranks = tuple(range(config.rank, config.rank + self.vllm_config.parallel_config.world_size))
                 group = WeightGroup(config.group, rank, device=self._inflight_data_device(config),
                                     live_version=target.live_version, stop=stop, join_timeout_s=None,
-                                    engine_ranks=engine_ranks, secret=secret, plan=plan)
+                                    engine_ranks=engine_ranks, secret=secret, plan=plan, commit_unit=config.commit_unit,
+                                    label="" if not target.label.steps else str(target.label))
             except InterruptedError:
                 return
             except TransportError as e:  # the store went away while joining: try again
@@ -166,7 +169,7 @@ class InflightWorkerExtension:
             target.incarnation = group.incarnation
             self._inflight_listener = UpdateListener(group, target, schema, stats=stats, stale_timeout_s=config.stale_timeout_s,
                                                      check_finite=config.check_finite, pool=self._inflight_pool,
-                                                     plan=plan)
+                                                     plan=plan, staged_groups=config.staged_groups)
             try:
                 self._inflight_listener.run(stop)
             except TransportError as e:
@@ -189,8 +192,8 @@ class InflightWorkerExtension:
             return torch.device(self.model_runner.device)
         return torch.device("cpu")
 
-    def inflight_commit(self, version: int, final: bool = False) -> WorkerCommitResult:
-        return self._inflight_target.execute_commit(version, final)
+    def inflight_commit(self, version: int, final: bool = False, part: int = 0, parts: int = 0) -> WorkerCommitResult:
+        return self._inflight_target.execute_commit(version, final, part, parts)
 
     def inflight_confirm(self, version: int) -> WorkerSettleResult:
         return self._inflight_target.execute_confirm(version)
@@ -213,7 +216,7 @@ class InflightWorkerExtension:
             generation=listener.group.identity if listener else None, live_version=target.live_version,
             forward_steps=target.forwards, committed=stats.committed, rejections=dict(stats.rejections),
             rejoins=stats.rejoins, dropped_staging=stats.dropped_staging, last_error=stats.last_error,
-            commits=tuple(target.commits))
+            commits=tuple(target.commits), staging_peak_bytes=self._inflight_pool.peak_bytes)
 
     def inflight_stop(self) -> None:
         if getattr(self, "_inflight_thread", None) is None:

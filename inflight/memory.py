@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,12 +64,15 @@ class StagingMemoryError(RuntimeError):
     """The engine cannot hold the staging buffers it would need."""
 
 
-def update_bytes(schema: TensorSchema, plan: ShardPlan | None = None) -> int:
+def update_bytes(schema: TensorSchema, plan: ShardPlan | None = None, names: Iterable[str] | None = None) -> int:
     """Bytes of one update on the wire and in staging (the aligned flat layout): every tensor
-    whole, or, with this worker's shard ``plan``, the boxes it reads."""
+    (of ``names``, if given) whole, or, with this worker's shard ``plan``, the boxes it reads."""
     boxes = {} if plan is None else {s.name: s.length for s in plan.shards}
     total = 0
+    only = None if names is None else set(names)
     for name, (shape, dtype) in schema.tensors.items():
+        if only is not None and name not in only:
+            continue
         total += -(-math.prod(boxes.get(name, shape)) * DTYPE_ITEMSIZE[dtype] // ALIGN) * ALIGN
     return total
 
@@ -109,14 +113,22 @@ class StagingNeed:
 
 def staging_need(schema: TensorSchema, *, plan: ShardPlan | None = None, staging: StagingPlace, rollback_copy: bool,
                  commit_bytes: int = 0, commit: str = "swap", bucket_bytes: int = 0, plane_cuda: bool = False,
-                 mac: bool = False) -> StagingNeed:
+                 mac: bool = False, groups: Sequence[Sequence[str]] = (), window: int = 0) -> StagingNeed:
     """What a worker holds (see the module docstring). ``plane_cuda``: buckets land on the
     engine's GPU (NCCL), where the windows and checksum temporaries live; ``mac``: a secret
     is set; ``plan``: this worker's shard plan, whose boxes alone it stages (in a
-    point-to-point generation)."""
-    n = update_bytes(schema, plan)
-    copies = 2 if rollback_copy else 1
-    parts = [Part("staging", n, staging)]
+    point-to-point generation); ``groups`` and ``window``: a layer-granular commit stages
+    ``window`` layer groups at most, each as large as the largest of ``groups``."""
+    if groups and window:
+        n = max(update_bytes(schema, plan, g) for g in groups)
+        parts = [Part(f"staging ({window} layer groups)", window * n, staging)]
+        if rollback_copy:
+            raise ValueError("a layer-granular commit keeps no rollback copy (it commits with swap)")
+        copies = window
+    else:
+        n = update_bytes(schema, plan)
+        copies = 2 if rollback_copy else 1
+        parts = [Part("staging", n, staging)]
     if rollback_copy:
         parts.append(Part("rollback copy", n, staging))
     if commit_bytes:

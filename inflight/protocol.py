@@ -1,29 +1,22 @@
-"""The wire protocol between the trainer and the engine workers.
+"""The wire protocol between the trainer and the engine workers: one module, imported by
+both sides, importing only msgspec. Every message is a frozen, tagged msgspec Struct encoded
+as msgpack, and each channel has one typed decoder, so a peer can only produce that
+channel's types. No pickle on the wire. Channels:
+- control (trainer -> workers, on the store): ``UpdateAnnounce`` | ``Commit`` | ``Abort`` | ``Shutdown``
+- frames (trainer -> workers, in-band on the data plane): ``BucketHeader`` + bytes, or one ``Abort``
+- replies (each worker -> trainer, on the store): ``Accepted`` | ``Staged`` | ``Rejected`` | ``Committed``
+- rollouts (engine -> trainer, the rollout queue): ``RolloutGroup`` of ``RolloutSample``
+(inside one engine, its workers and its commit coordinator talk on the engine channel:
+``engine_patches.engine_channel``)
 
-One module, imported by both sides; it imports neither vLLM nor the trainer, only
-msgspec. Every message is a frozen, tagged msgspec Struct encoded as msgpack, and each
-channel has one typed decoder, so a peer can only ever produce one of the types listed
-for that channel. There is no pickle anywhere on the wire.
-
-Channels:
-- control (trainer -> every engine worker, through the group's store):
-  ``UpdateAnnounce`` | ``Commit`` | ``Abort`` | ``Shutdown``
-- frames (trainer -> workers, in-band on the data plane): ``BucketHeader`` before each
-  bucket's bytes, or a single ``Abort`` when some worker refused the announce
-- replies (each worker -> trainer, through the store): ``Accepted`` | ``Staged`` | ``Rejected`` | ``Committed``
-- rollouts (engine -> trainer, through the rollout queue): ``RolloutGroup`` of ``RolloutSample``
-- engine (inside one engine, through the store: each worker <-> its engine's commit
-  coordinator in EngineCore's process): ``CommitReady`` from every worker, then one
-  ``EngineCommitted`` or ``EngineCommitFailed`` from the coordinator
-
-Ordering of one update (two-phase): ``UpdateAnnounce(v)`` -> ``Accepted``/``Rejected`` from
-every worker -> if all accepted, ``BucketHeader(v, i)`` + bytes for each bucket, else one
-``Abort`` frame -> ``Staged``/``Rejected`` -> ``Commit(v)`` if all staged, else ``Abort(v)`` ->
-``CommitReady(v)`` to each engine's coordinator, which commits v on all of that engine's
-workers at one step boundary (or on none) -> ``Committed``/``Rejected``. Every worker takes
-every frame, the refusing ones too, so the data plane never falls out of step. Frames are
-broadcast, or, in a generation whose members all sent a ``ShardPlan``, sent to each worker
-alone with the announce it reads at its own key (``ForEachRank``).
+One update (two-phase): ``UpdateAnnounce(v)`` -> ``Accepted``/``Rejected`` from every worker
+-> each bucket's frame if all accepted, else one ``Abort`` frame -> ``Staged``/``Rejected`` ->
+``Commit(v)`` if all staged, else ``Abort(v)`` -> ``CommitReady(v)``; the coordinator commits v
+on all of its engine's workers at one step boundary, or on none -> ``Committed``/``Rejected``.
+A layer-granular update sends one announce per layer group and no ``Commit``: each worker
+posts ``CommitReady`` as a group verifies and replies ``Committed`` once it is live. Every
+worker takes every frame, so the data plane never falls out of step; frames are broadcast,
+or, when every member sent a ``ShardPlan``, sent to each worker alone (``ForEachRank``).
 """
 
 from __future__ import annotations
@@ -42,6 +35,8 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1,
 }
 ChecksumAlgo = Literal["xxh3", "crc32", "wsum64"]
+CommitUnit = Literal["model", "layer"]
+"""What an engine commits at once: the whole model, or one layer group (``inflight.layer_groups``)."""
 RejectCode = Literal[
     "bad_message", "stale_version", "unknown_tensor", "missing_tensor", "bad_shape",
     "bad_dtype", "bad_layout", "checksum", "short_bucket", "bucket_order",
@@ -64,7 +59,7 @@ class AuthError(ProtocolError):
     one side has one, or a stray client wrote it)."""
 
 
-class _Wire(Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind"):
+class Wire(Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind"):
     """Base of every message: frozen, unknown fields rejected, tagged by ``kind``."""
 
 
@@ -102,7 +97,7 @@ class BucketSpec(Struct, frozen=True, forbid_unknown_fields=True):
     nbytes: Pos
 
 
-class UpdateAnnounce(_Wire, tag="announce"):
+class UpdateAnnounce(Wire, tag="announce"):
     """Trainer -> workers: the complete layout of policy version ``version``."""
 
     version: NonNeg
@@ -114,10 +109,15 @@ class UpdateAnnounce(_Wire, tag="announce"):
     protocol: int = PROTOCOL_VERSION
     plan_digest: str = ""
     """The digest of the worker's ``ShardPlan`` its boxes follow ("": whole tensors)."""
+    part: NonNeg = 0
+    parts: NonNeg = 0
+    """Layer-granular (``parts`` > 0): exactly the tensors of layer group ``part`` of ``parts``."""
 
     def __post_init__(self) -> None:
         if self.protocol != PROTOCOL_VERSION:
             raise ValueError(f"protocol {self.protocol} != {PROTOCOL_VERSION}")
+        if self.parts and self.part >= self.parts:
+            raise ValueError(f"part {self.part} of {self.parts}: parts count from 0")
         end = 0
         for i, b in enumerate(self.buckets):
             if b.index != i or b.offset != end:
@@ -140,7 +140,7 @@ class UpdateAnnounce(_Wire, tag="announce"):
                 raise ValueError(f"tensors {a!r} and {b!r} overlap")
 
 
-class BucketHeader(_Wire, tag="bucket"):
+class BucketHeader(Wire, tag="bucket"):
     """Sent in-band right before bucket ``index``'s bytes, so order and size are checked; its
     checksum and MAC are made as it is packed (the announce goes before any byte is read)."""
 
@@ -154,24 +154,24 @@ class BucketHeader(_Wire, tag="bucket"):
     corruption; ``wsum64`` is linear, so only the MAC stops a forged bucket with a valid one."""
 
 
-class ForEachRank(_Wire, tag="for_each_rank"):
+class ForEachRank(Wire, tag="for_each_rank"):
     """Trainer -> workers: message ``seq`` differs per worker; each reads its own at ``msg/<seq>/<rank>``."""
 
 
-class Commit(_Wire, tag="commit"):
+class Commit(Wire, tag="commit"):
     """Trainer -> workers: every bucket of ``version`` was sent; swap it in at the next step boundary."""
 
     version: NonNeg
 
 
-class Abort(_Wire, tag="abort"):
+class Abort(Wire, tag="abort"):
     """Trainer -> workers: drop the staged ``version``; live weights stay as they are."""
 
     version: NonNeg
     reason: str = ""
 
 
-class Shutdown(_Wire, tag="shutdown"):
+class Shutdown(Wire, tag="shutdown"):
     """Trainer -> workers: the trainer is leaving the group; stop listening."""
     reason: str = ""
 
@@ -195,7 +195,7 @@ class ShardPlan(Struct, frozen=True, forbid_unknown_fields=True):
     digest: str = ""
 
 
-class Joined(_Wire, tag="joined"):
+class Joined(Wire, tag="joined"):
     """Worker -> trainer, once per group generation, before the data plane forms: who joins
     and which version it serves (a restarted trainer continues above the engines' versions)."""
 
@@ -207,15 +207,19 @@ class Joined(_Wire, tag="joined"):
     """Every weight-group rank of this worker's engine (empty: ``rank``); admitted whole or not at all."""
     plan: ShardPlan | None = None
     """What this worker's loaders read of each tensor; None: it needs every tensor whole."""
+    label: str = ""
+    """A hybrid the engine serves (``inflight.layer_groups``; ``live_version`` is its oldest)."""
+    commit_unit: CommitUnit = "model"
+    """``layer``: the trainer sends this worker one announce per layer group."""
 
 
-class Accepted(_Wire, tag="accepted"):
+class Accepted(Wire, tag="accepted"):
     """Worker -> trainer: the announce is valid and staging is ready for its buckets."""
     rank: NonNeg
     version: NonNeg
 
 
-class Staged(_Wire, tag="staged"):
+class Staged(Wire, tag="staged"):
     """Worker -> trainer: every bucket of ``version`` arrived and matched its checksum
     (``steps_during_transfer``: engine steps run while they arrived)."""
 
@@ -225,7 +229,7 @@ class Staged(_Wire, tag="staged"):
     steps_during_transfer: NonNeg
 
 
-class Rejected(_Wire, tag="rejected"):
+class Rejected(Wire, tag="rejected"):
     """Worker -> trainer: the update was refused; live weights and version are unchanged."""
 
     rank: NonNeg
@@ -235,14 +239,14 @@ class Rejected(_Wire, tag="rejected"):
     live_version: NonNeg
 
 
-class Left(_Wire, tag="left"):
+class Left(Wire, tag="left"):
     """Worker -> trainer, the answer to ``Shutdown``: this worker (and its engine's coordinator)
     let go of the trainer's store, so the trainer may close it without a peer's read failing."""
 
     rank: NonNeg
 
 
-class Committed(_Wire, tag="committed"):
+class Committed(Wire, tag="committed"):
     """Worker -> trainer: ``version`` is live from engine step ``step + 1`` on (``step``: model
     steps before the commit). ``tokens_at_commit``: each running request's (user id) output
     tokens at the commit, the index of its first token tagged ``version``;
@@ -254,9 +258,12 @@ class Committed(_Wire, tag="committed"):
     commit_ms: Annotated[float, Meta(ge=0)]
     steps_since_first_bucket: NonNeg
     tokens_at_commit: dict[str, NonNeg] = {}
+    part: NonNeg = 0
+    parts: NonNeg = 0
+    label: str = ""  # layer-granular: the group committed and the label it left
 
 
-class RolloutSample(_Wire, tag="sample"):
+class RolloutSample(Wire, tag="sample"):
     """One completion with its per-token behaviour log-probs and policy-version tags."""
 
     sample_id: Annotated[str, Meta(min_length=1)]
@@ -274,9 +281,13 @@ class RolloutSample(_Wire, tag="sample"):
     layer, int16 little-endian, row-major ``[tokens, routing_layers, routing_k]`` (empty: none)."""
     routing_layers: NonNeg = 0
     routing_k: NonNeg = 0
+    hybrid_tokens: NonNeg = 0
+    """Tokens sampled by a hybrid of a layer-granular update (tagged with its oldest version)."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
+        if self.hybrid_tokens > n:
+            raise ValueError(f"sample {self.sample_id!r}: {self.hybrid_tokens} hybrid tokens of {n}")
         if len(self.logprobs) != n or len(self.versions) != n:
             raise ValueError(
                 f"sample {self.sample_id!r}: {n} tokens but {len(self.logprobs)} log-probs "
@@ -311,7 +322,7 @@ class Sampling(Struct, frozen=True, forbid_unknown_fields=True):
         return [f"{name}={getattr(self, name)}" for name, neutral in off.items() if getattr(self, name) not in neutral]
 
 
-class RolloutGroup(_Wire, tag="group"):
+class RolloutGroup(Wire, tag="group"):
     """All samples drawn for one prompt (a GRPO group), sent together once the last finishes."""
 
     group_id: Annotated[str, Meta(min_length=1)]
@@ -328,34 +339,7 @@ class RolloutGroup(_Wire, tag="group"):
                 raise ValueError(f"sample {s.sample_id!r} of group {s.group_id!r} filed under {self.group_id!r}")
 
 
-class CommitReady(_Wire, tag="commit_ready"):
-    """Worker -> its engine's coordinator: ``version`` is staged and prepared on this rank and
-    the trainer's ``Commit`` for it arrived; the coordinator commits once every rank is ready."""
-
-    rank: NonNeg
-    version: NonNeg
-
-
-class EngineCommitted(_Wire, tag="engine_committed"):
-    """Coordinator -> the engine's workers: every rank made ``version`` live between engine
-    steps ``step`` and ``step + 1``; meaning of the fields as in ``Committed``."""
-
-    version: NonNeg
-    step: NonNeg
-    commit_ms: Annotated[float, Meta(ge=0)]
-    tokens_at_commit: dict[str, NonNeg] = {}
-
-
-class EngineCommitFailed(_Wire, tag="engine_commit_failed"):
-    """Coordinator -> the engine's workers: ``version`` did not go live on any rank; every
-    rank that had applied it rolled back, and the label stays at ``live_version``."""
-
-    version: NonNeg
-    reason: str
-    live_version: NonNeg
-
-
-class Roster(_Wire, tag="roster"):
+class Roster(Wire, tag="roster"):
     """Trainer -> workers, once per group generation: the worker ranks that formed it, in
     data-plane order (the i-th member is data-plane rank i + 1). A worker not listed waits
     for the next generation."""
@@ -367,19 +351,18 @@ class Roster(_Wire, tag="roster"):
 
 
 ControlMessage = Union[UpdateAnnounce, ForEachRank, Commit, Abort, Shutdown, Roster]
-EngineMessage = Union[CommitReady, EngineCommitted, EngineCommitFailed]
 FrameMessage = Union[BucketHeader, Abort]
 ReplyMessage = Union[Joined, Accepted, Staged, Rejected, Committed, Left]
 
 _encoder = msgspec.msgpack.Encoder()
 
 
-def encode(msg: _Wire) -> bytes:
+def encode(msg: Wire) -> bytes:
     """Encode any protocol message as msgpack bytes."""
     return _encoder.encode(msg)
 
 
-def _decoder(types: Any, channel: str) -> Callable[[bytes | memoryview], Any]:
+def decoder(types: Any, channel: str) -> Callable[[bytes | memoryview], Any]:
     """A decoder of one channel: it yields only that channel's types, or raises ``ProtocolError``."""
     decoder = msgspec.msgpack.Decoder(types)
 
@@ -391,9 +374,8 @@ def _decoder(types: Any, channel: str) -> Callable[[bytes | memoryview], Any]:
     return decode
 
 
-decode_control: Callable[[bytes | memoryview], ControlMessage] = _decoder(ControlMessage, "control")
-decode_frame: Callable[[bytes | memoryview], FrameMessage] = _decoder(FrameMessage, "frame")
-decode_reply: Callable[[bytes | memoryview], ReplyMessage] = _decoder(ReplyMessage, "reply")
-decode_sample: Callable[[bytes | memoryview], RolloutSample] = _decoder(RolloutSample, "rollout sample")
-decode_group: Callable[[bytes | memoryview], RolloutGroup] = _decoder(RolloutGroup, "rollout group")
-decode_engine: Callable[[bytes | memoryview], EngineMessage] = _decoder(EngineMessage, "engine")
+decode_control: Callable[[bytes | memoryview], ControlMessage] = decoder(ControlMessage, "control")
+decode_frame: Callable[[bytes | memoryview], FrameMessage] = decoder(FrameMessage, "frame")
+decode_reply: Callable[[bytes | memoryview], ReplyMessage] = decoder(ReplyMessage, "reply")
+decode_sample: Callable[[bytes | memoryview], RolloutSample] = decoder(RolloutSample, "rollout sample")
+decode_group: Callable[[bytes | memoryview], RolloutGroup] = decoder(RolloutGroup, "rollout group")

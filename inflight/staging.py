@@ -68,6 +68,10 @@ class StagingPool:
         """The live version's bytes (``keep_rollback``), kept across generations with the pool."""
         self.windows: BucketWindows | None = None
         """Where buckets land on the data plane, reserved with the buffers (None: allocated on need)."""
+        self._out: dict[int, int] = {}  # data_ptr -> bytes of each buffer taken and not given back
+        self.peak_bytes = 0
+        """The most bytes of staging buffers ever out at once (staged or receiving, the rollback
+        copy included): what staging held at its peak, measured."""
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         if self.pin:
@@ -85,13 +89,21 @@ class StagingPool:
         with self._lock:
             for i, t in enumerate(self._free):
                 if t.numel() >= nbytes:
-                    return self._free.pop(i)
+                    return self._lend(self._free.pop(i))
             if self._free:  # too small for this update: replace rather than keep both
                 self._free.pop(0)
-        return self._alloc(nbytes)
+        buffer = self._alloc(nbytes)
+        with self._lock:
+            return self._lend(buffer)
+
+    def _lend(self, buffer: torch.Tensor) -> torch.Tensor:
+        self._out[buffer.data_ptr()] = buffer.numel()
+        self.peak_bytes = max(self.peak_bytes, sum(self._out.values()))
+        return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
         with self._lock:
+            self._out.pop(buffer.data_ptr(), None)
             self._free.append(buffer)
 
     def keep_as_previous(self, staged: StagedVersion) -> None:

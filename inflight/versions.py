@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from inflight.layer_groups import LabelError, parse_label
+
 
 class Span(Protocol):
     version: str
@@ -21,27 +23,35 @@ class Span(Protocol):
 
 
 class VersionTagError(ValueError):
-    """Spans that do not tile the tokens, or a label that is not an integer version."""
+    """Spans that do not tile the tokens, or a label that is neither a version nor a hybrid."""
 
 
-def tags_from_spans(spans: Iterable[Span] | None, num_tokens: int) -> list[int]:
-    """One integer version per output token; spans must tile ``[0, num_tokens)`` in order."""
+def labels_from_spans(spans: Iterable[Span] | None, num_tokens: int) -> list[str]:
+    """One version label per output token (``"5"``, or a hybrid ``"5>6:3"`` of a layer-granular
+    commit: ``inflight.layer_groups``); spans must tile ``[0, num_tokens)`` in order."""
     if spans is None:
         if num_tokens:
             raise VersionTagError(f"{num_tokens} tokens but no version spans (is the engine running inflight?)")
         return []
-    tags: list[int] = []
+    labels: list[str] = []
     for span in spans:
-        if span.start != len(tags) or span.end < span.start:
-            raise VersionTagError(f"span {span.version}@[{span.start},{span.end}) does not continue at token {len(tags)}")
-        try:
-            version = int(span.version)
-        except ValueError:
-            raise VersionTagError(f"version label {span.version!r} is not an integer") from None
-        tags.extend([version] * (span.end - span.start))
-    if len(tags) != num_tokens:
-        raise VersionTagError(f"spans cover {len(tags)} tokens, completion has {num_tokens}")
-    return tags
+        if span.start != len(labels) or span.end < span.start:
+            raise VersionTagError(f"span {span.version}@[{span.start},{span.end}) does not continue at token {len(labels)}")
+        labels.extend([span.version] * (span.end - span.start))
+    if len(labels) != num_tokens:
+        raise VersionTagError(f"spans cover {len(labels)} tokens, completion has {num_tokens}")
+    return labels
+
+
+def tags_from_spans(spans: Iterable[Span] | None, num_tokens: int) -> list[int]:
+    """One integer version per output token: the version, or for a hybrid the oldest version
+    any of its groups holds (the lag of a hybrid token counts from it)."""
+    labels = labels_from_spans(spans, num_tokens)
+    cache: dict[str, int] = {}
+    try:
+        return [cache[s] if s in cache else cache.setdefault(s, parse_label(s).oldest) for s in labels]
+    except LabelError as e:
+        raise VersionTagError(str(e)) from None
 
 
 def boundaries(tags: Sequence[int]) -> dict[int, int]:

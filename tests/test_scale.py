@@ -20,8 +20,10 @@ import pytest
 
 from bench.scale import TOLERANCE, merge_repeats, reference_ok, scenario_rows, validate_cpu
 from bench.scale_fleet import GB, Link, Scenario, engine_rate, plan, scenario_paths
+from bench.scale_layer import layer_rows
 from bench.scale_model import Lengths, Run, StepTime, Update, _add_lags, simulate
-from bench.scale_shapes import Arch, box, link_bytes, param_count, rank_bytes, staging_bytes, tensors
+from bench.scale_shapes import (Arch, box, group_bytes, group_names, link_bytes, param_count, rank_bytes, staging_bytes,
+                                tensors)
 from inflight.shard_plan import PlanBytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -233,6 +235,98 @@ def test_bad_values_are_named() -> None:
         engine_rate(_scenario().transfers, "nccl", 8, 50)
     with pytest.raises(ValueError, match="every_steps=8, every_s=1.0"):
         Update(mode="pause", every_steps=8, every_s=1.0)
+    with pytest.raises(ValueError, match="stall_s=0.5 is not its groups' sum"):
+        Update(mode="layer", every_s=1.0, stall_s=0.5, group_stall_s=(0.1, 0.1), group_stage_s=(0.0, 0.0))
+    with pytest.raises(ValueError, match="2 group stalls, 1 link times"):
+        Update(mode="layer", every_s=1.0, stall_s=0.2, group_stall_s=(0.1, 0.1), group_stage_s=(0.0,))
+
+
+# --- the layer-granular commit ----------------------------------------------------------------
+
+def _groups_by_hand(a: Arch, tp: int, rank: int, dtype_bytes: int) -> dict[str, int]:
+    """Each layer group's bytes on one rank, tensor by tensor: the embeddings, each
+    ``model.layers.<i>.``, and everything else (final norm, LM head)."""
+    out: dict[str, int] = {}
+    for t in tensors(a):
+        parts = t.name.split(".")
+        key = "embed" if parts[1] == "embed_tokens" else f"layer {parts[2]}" if parts[1] == "layers" else "rest"
+        out[key] = out.get(key, 0) + dtype_bytes * math.prod(box(a, t, tp, rank)[1])
+    return out
+
+
+def test_layer_staging_is_staged_groups_times_the_largest_group() -> None:
+    """70B at TP8: the largest group on a rank is the LM head's 16,032 vocabulary rows (128,256
+    over 8) with the final norm, 262.7 MB; a rank stages two such slots (one with staged_groups=1),
+    not its 17.6 GB shard; on the host the same slots as pinned memory, plus a landing bucket on
+    the device. Qwen3-235B's largest is a decoder layer: 128 experts' eighths and one KV head."""
+    s = Scenario.load(ROOT / "configs" / "scale" / "dense_70b.toml")
+    by_rank = [_groups_by_hand(s.arch, 8, r, 2) for r in range(8)]
+    slot = max(max(g.values()) for g in by_rank)
+    assert slot == by_rank[0]["rest"] == 2 * (128256 // 8 * 8192 + 8192)
+    for r, g in enumerate(by_rank):  # the same groups, in commit order, adding up to the rank's boxes
+        assert group_bytes(s.arch, 8, r, 2) == (g["embed"], *(g[f"layer {i}"] for i in range(80)), g["rest"])
+        assert sum(g.values()) == rank_bytes(s.arch, 8, r, 2).total
+    assert plan(s, "inflight_layer").staging_gb_gpu == pytest.approx(2 * slot / GB)
+    one = replace(s, updates=replace(s.updates, staged_groups=1))
+    assert plan(one, "inflight_layer").staging_gb_gpu == pytest.approx(slot / GB)
+    host = plan(s, "inflight_host_layer")
+    assert host.host_gb_node == pytest.approx(8 * 2 * slot / GB)
+    assert host.staging_gb_gpu == pytest.approx((2 * slot + s.updates.bucket_gb * GB) / GB)
+    big = Scenario.load(ROOT / "configs" / "scale" / "moe_235b.toml")
+    layer = 2 * (2 * 4096 + 2 * 128 + 8192 * 4096 // 8 + 2 * 128 * 4096 + 4096 * 8192 // 8 + 128 * 4096
+                 + 128 * 3 * 1536 * 4096 // 8)  # norms, q/k/v/o, q/k norms, router, experts
+    assert max(group_bytes(big.arch, 8, 0, 2)) == layer and group_names(big.arch)[1] == "layer 0"
+    assert plan(big, "inflight_layer").staging_gb_gpu == pytest.approx(2 * layer / GB)
+
+
+def test_layer_mode_loses_less_kv_than_the_shard_mode() -> None:
+    """In every shipped scenario the layer mode stages under a tenth of what the device shard
+    mode does, and so keeps more KV cache; 70B, where both fit, by hand from the rows."""
+    for path in CONFIGS:
+        s = Scenario.load(path)
+        layer, shard = plan(s, "inflight_layer"), plan(s, "inflight_shard")
+        assert layer.staging_gb_gpu < shard.staging_gb_gpu / 10, s.name
+        assert layer.kv_tokens > shard.kv_tokens, s.name
+    s = Scenario.load(ROOT / "configs" / "scale" / "dense_70b.toml")
+    rows = {r["variant"]: r for r in scenario_rows(s)}
+    assert rows["inflight_layer"]["kv_lost"] < rows["inflight_shard"]["kv_lost"]
+    assert rows["inflight_layer"]["slots"] > rows["inflight_shard"]["slots"]
+
+
+def test_layer_stall_is_the_sum_of_its_group_commits() -> None:
+    """Each group's commit: the fixed RPC cost plus one device copy (2 HBM passes at mbu x peak)
+    of the group's bytes on the slowest rank; an update's stall is their sum, and a simulated
+    engine is charged exactly that per commit, a partly committed last update included."""
+    s = Scenario.load(ROOT / "configs" / "scale" / "dense_70b.toml")
+    hbm = s.gpu.hbm_tbps * 1e12 * s.serving.mbu
+    by_rank = [_groups_by_hand(s.arch, 8, r, 2) for r in range(8)]
+    keys = ["embed"] + [f"layer {i}" for i in range(80)] + ["rest"]
+    each = [s.link.commit_fixed_s + max(g[k] for g in by_rank) * s.updates.commit_hbm_passes / hbm for k in keys]
+    p = plan(s, "inflight_layer")
+    assert p.update.group_stall_s == pytest.approx(each, rel=1e-12)
+    assert p.update.stall_s == pytest.approx(sum(each), rel=1e-12)
+    assert p.update.stall_s < plan(s, "inflight_host_shard").update.stall_s
+    r = simulate(p.slots, p.step, p.update, s.lengths, steps=20000, warmup_steps=2000)
+    full, part = divmod(r.commits, len(each))
+    assert full == r.updates >= 5
+    assert r.stall_s == pytest.approx(full * sum(each) + sum(each[:part]), rel=1e-9)
+    rows = layer_rows(s, scenario_rows(s))
+    assert rows[0]["commit_ms_max"] == round(1e3 * max(each), 2) and rows[0]["groups"] == 82
+
+
+@pytest.mark.parametrize(("staged", "stage_s", "span_s"), [(1, 0.015, 0.066), (2, 0.015, 0.056), (2, 0.001, 0.036)])
+def test_layer_groups_commit_one_per_boundary_paced_by_the_slots(staged: int, stage_s: float, span_s: float) -> None:
+    """Steps of 10 ms, an update due before step 50 (t = 0.5 s) of three groups, stalls 1, 2 and
+    3 ms. Groups 15 ms on the link, one slot: each lands 15 ms after the last committed and
+    commits at the next boundary: steps 52 (t 0.52), 54 (0.541), 56 (0.563), done at 0.566.
+    Two slots: the second lands while the first waits (commits at 52, 53, 55: done at 0.556).
+    Groups of 1 ms: all could commit at once, but one commits per boundary (51, 52, 53)."""
+    u = Update(mode="layer", every_steps=50, stall_s=0.006, stage_s=3 * stage_s, group_stall_s=(0.001, 0.002, 0.003),
+               group_stage_s=(stage_s,) * 3, staged_groups=staged)
+    r = simulate(1, StepTime(overhead_s=0.01), u, Lengths(dist="uniform", low=1000, high=1000), steps=100)
+    assert (r.commits, r.updates) == (3, 1)
+    assert r.stall_s == pytest.approx(0.006) and r.wall_s == pytest.approx(100 * 0.01 + 0.006)
+    assert r.span_s == pytest.approx(span_s)
 
 
 # --- the model against the CPU benchmark --------------------------------------------------

@@ -86,6 +86,57 @@ def test_engine_serves_it_and_an_inflight_push_matches_transformers(smollm2: Pat
                                    atol=LOGPROB_ATOL, rtol=0)
 
 
+def test_layer_commits_stage_two_groups_and_match_transformers(smollm2: Path, port: int) -> None:
+    """``commit_unit="layer"`` on the real model (32 layer groups; the tied embedding, 108 MiB
+    in fp32, is the largest): an update lands group by group while two requests decode, the
+    staging peak stays at two groups (never a model), and afterwards the engine equals
+    transformers. (TP=2 is not possible for this model: 9 attention heads; the TP=2 layer
+    commit is tested on a tiny Qwen3-MoE in ``tests/test_layer_commit.py``.)"""
+    from vllm import SamplingParams
+
+    from engine_patches.client import tagged
+    from inflight.layer_groups import Hybrid
+    from inflight.memory import update_bytes
+    from inflight.transport.layout import TensorSchema
+    from tests.engine_harness import Reference, push_at_steps
+    from tests.test_layer_commit import LayerEngine
+
+    e = LayerEngine(smollm2, port, scale=1e-3)
+    try:
+        engine = e.llm.llm_engine
+        sp = SamplingParams(temperature=1.0, max_tokens=400, logprobs=0, ignore_eos=True, seed=1)
+        for i in range(2):
+            engine.add_request(f"r{i}", {"prompt_token_ids": [1, 2 + i, 3]}, sp)
+        start = e.coordinator.steps
+        pushes = push_at_steps(lambda: e.coordinator.steps - start, [2], lambda k: e.push(1))
+        while pushes.alive():  # decode until the update landed, every group at a step boundary
+            engine.step()
+        pushes.join()
+        engine.abort_request(["r0", "r1"])
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert e.coordinator.label == Hybrid(1) and len(e.groups) == 32
+        assert sum(r.ok for r in e.coordinator.history) == 32  # one commit per group, each at its own step
+        schema = TensorSchema({n: (tuple(t.shape), "float32") for n, t in e.versions[0].items()})
+        for rank, joined in sorted(e.pusher.group.hellos.items()):
+            status = next(s for s in e.statuses() if s.rank == rank)
+            largest = max(update_bytes(schema, joined.plan, g) for g in e.groups)
+            whole = update_bytes(schema, joined.plan)
+            print(f"rank {rank}: staging peak {status.staging_peak_bytes / 2**20:.1f} MiB, two groups "
+                  f"{2 * largest / 2**20:.1f} MiB, its whole update {whole / 2**20:.1f} MiB")
+            assert 0 < status.staging_peak_bytes <= 2 * largest < whole
+        greedy = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
+        outs = [(list(o.prompt_token_ids), tagged(o.outputs[0]))
+                for o in e.llm.generate([{"prompt_token_ids": [1, 9, 4, 7]}], greedy, use_tqdm=False)]
+    finally:
+        e.close()
+    ref = Reference(smollm2, "float32").load(e.versions[1])
+    for prompt, out in outs:
+        assert out.labels == ["1"] * 8 and out.token_ids == ref.greedy(prompt, 8)
+        torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), ref.logprobs(prompt, out.token_ids),
+                                   atol=LOGPROB_ATOL, rtol=0)
+
+
 def test_smoke_run_of_the_smollm2_config(tmp_path: Path) -> None:
     """configs/smollm2_cpu.toml, cut to 2 steps and 4 eval prompts: the real model through the
     whole loop (chat prompts, EOS, arithmetic rewards, in-flight pushes, evaluation)."""

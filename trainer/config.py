@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from inflight.protocol import CommitUnit
 from inflight.settings import Backend, ModelDtype, RolloutMode, check_choices
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig
@@ -288,8 +289,13 @@ class EngineConfig:
     """Fraction of GPU memory the engine may take (GPU only)."""
     max_restarts: int = 3
     """A spawned engine that dies is restarted this many times before the run fails."""
+    commit_unit: CommitUnit = "model"
+    """What an engine commits at once (``InflightConfig.commit_unit``): the whole model, or one
+    layer group per step boundary (staging of two groups, a stall of one group's swap; tokens
+    sampled mid-update are tagged with the hybrid that sampled them)."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "engine")
         if self.max_restarts < 0:
             raise ValueError(f"engine.max_restarts={self.max_restarts} must be >= 0")
         if self.count < 1:
@@ -347,7 +353,8 @@ def push_config(cfg: TrainConfig) -> PushConfig:
 def inflight_config(cfg: TrainConfig, group: GroupConfig, *, rank: int, initial_version: int) -> InflightConfig:
     """What engine ``rank``'s workers need to join ``group`` and commit this run's pushes."""
     return InflightConfig(group=group, rank=rank, initial_version=initial_version, max_bucket_mb=cfg.transport.bucket_mb,
-                          stale_timeout_s=cfg.transport.stale_timeout_s, record_routing=cfg.loss.routing_replay)
+                          stale_timeout_s=cfg.transport.stale_timeout_s, record_routing=cfg.loss.routing_replay,
+                          commit_unit=cfg.engine.commit_unit)
 
 
 def _build(cls: type, data: dict[str, Any], where: str) -> Any:

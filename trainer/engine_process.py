@@ -208,6 +208,7 @@ class RolloutLoop:
             samples.append(RolloutSample(
                 sample_id=f"{out.request_id}-{i}", group_id=out.request_id, prompt_ids=list(out.prompt_token_ids),
                 token_ids=t.token_ids, logprobs=t.logprobs, versions=t.versions, reward=float(rewards[i]),
+                hybrid_tokens=sum(">" in s for s in t.labels),
                 finish_reason=t.finish_reason or "", prompt_text=prompt.display, completion_text=t.text, **routing))
         return RolloutGroup(group_id=out.request_id, samples=tuple(samples), engine_id=self.engine_id,
                             sampling=sampling_of(self.params))

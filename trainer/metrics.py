@@ -50,6 +50,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "reward_last_20pct": _mean([r["reward_mean"] for r in rows[-k:]]),
         "frac_samples_multi_version": _mean([r["frac_multi_version"] for r in rows]),
         "max_versions_per_sample": max((r.get("max_versions_per_sample", 1) for r in rows), default=1),
+        "hybrid_token_frac": _mean([r.get("hybrid_token_frac", 0.0) for r in rows]),
         "stall_ms_mean": _mean(stalls),
         "stall_ms_max": max(stalls, default=float("nan")),
         "lag_mean": _mean([r["lag_mean"] for r in rows]),

@@ -123,6 +123,7 @@ def _row(step: int, version: int, result: StepResult, groups: list, t0: float, t
     row = {"step": step + 1, "version": version, "loss": result.loss, "grad_norm": result.grad_norm,
            "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std()),
            "max_versions_per_sample": int(max(len(set(s.versions)) for g in groups for s in g.samples)),
+           "hybrid_token_frac": _hybrid_fraction(groups),
            "wait_ms": 1e3 * t_wait, "push_wait_ms": 1e3 * sync.wait_s, "read_wait_ms": 1e3 * sync.read_wait_s, "step_ms": 1e3 * (time.perf_counter() - t0),
            "queue_depth": queue.depth(), **buffer.stats(), **result.metrics, **sync.last,
            "engine_failures": fleet.failures, "engine_restarts": fleet.restarts, "engine_drops": fleet.drops,
@@ -141,6 +142,12 @@ def _summary(out: Path, metrics: MetricsLog, queue: RolloutQueue, buffer: Rollou
     summary["engine_events"] = fleet.events
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _hybrid_fraction(groups: list) -> float:
+    """The fraction of this batch's tokens sampled by a hybrid of a layer-granular update."""
+    tokens = sum(len(s.token_ids) for g in groups for s in g.samples)
+    return sum(s.hybrid_tokens for g in groups for s in g.samples) / max(tokens, 1)
 
 
 def _versions_by_engine(groups: list) -> dict[str, list[int]]:

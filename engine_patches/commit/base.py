@@ -14,19 +14,24 @@ and ``undo``, on the engine's execution thread, between two steps):
 
 Strategies: ``swap`` (eager CPU: load and re-pack into shadow modules before the commit,
 swap attributes at it; ``engine_patches.commit.swap``), ``reload`` and ``copy`` (write into
-the live storage at the commit; ``engine_patches.commit.in_storage``).
+the live storage at the commit; ``engine_patches.commit.in_storage``). ``swap`` and ``copy``
+replay a load plan recorded at start and so expose a shard plan (each tensor-parallel rank
+stages only what its loaders read); ``reload`` takes whole tensors. ``copy`` on CPU needs
+linears that keep their weights (``INFLIGHT_CPU_PLAIN_GEMM=1``: ``engine_patches.patch``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from engine_patches.commit.postload import copy_refusals
+from engine_patches.patch import PLAIN_CPU_GEMM_ENV
 from inflight.protocol import ShardPlan
+from inflight.protocol import CommitUnit
 from inflight.settings import CommitChoice, CommitStrategyName as Resolved
 from inflight.transport.layout import TensorSchema, torch_dtype
 
@@ -70,10 +75,33 @@ class CommitStrategy(Protocol):
         """Stop any thread of the strategy's own."""
 
 
+def cpu_gemm_prepacking(dtypes: Iterable[torch.dtype]) -> str | None:
+    """The kernel vLLM 0.32's CPU GEMM dispatch (``vllm.model_executor.layers.utils.
+    dispatch_cpu_unquantized_gemm``) packs linear weights of these dtypes for, moving them out
+    of their parameters, or None where every linear keeps its weight (the plain
+    ``torch.nn.functional.linear`` fallback: ``engine_patches.patch.use_plain_cpu_gemm``).
+    Mirrors the dispatch's order; the sgl kernel is counted for any bf16/fp16 weight on AMX
+    (the dispatch takes it for small, aligned ones), so the answer errs towards refusing."""
+    import vllm._custom_ops as ops
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    dtypes = set(dtypes)
+    if current_platform.is_zen_cpu() and hasattr(torch.ops.zentorch, "zentorch_linear_unary"):
+        return "zentorch"
+    amx = torch.cpu._is_amx_tile_supported()
+    if amx and (torch.bfloat16 in dtypes or (torch.float16 in dtypes and torch.cpu._is_amx_fp16_supported())):
+        return "the sgl AMX kernel"
+    if getattr(ops, "_supports_onednn", False) and current_platform.get_cpu_architecture() != CpuArchEnum.POWERPC:
+        return "oneDNN"
+    return None
+
+
 def resolve_strategy(strategy: CommitChoice, device: torch.device, quantized: bool, eager: bool,
-                     copy_refused: Sequence[str] = ()) -> Resolved:
+                     copy_refused: Sequence[str] = (), cpu_prepack: str | None = "oneDNN") -> Resolved:
     """The strategy ``strategy`` names for this engine (``auto``: the best that is right).
-    ``copy_refused``: the layer kinds a plain copy would leave stale (``postload.copy_refusals``)."""
+    ``copy_refused``: the layer kinds a plain copy would leave stale (``postload.copy_refusals``);
+    ``cpu_prepack``: on CPU, the kernel the GEMM dispatch prepacks linear weights for
+    (``cpu_gemm_prepacking``; None: they stay in their parameters, and ``copy`` is right)."""
     if strategy == "auto":
         if device.type == "cpu":
             return "swap" if eager and not quantized else "reload"
@@ -83,28 +111,51 @@ def resolve_strategy(strategy: CommitChoice, device: torch.device, quantized: bo
     if strategy == "copy" and copy_refused:
         raise ValueError(f"inflight: commit='copy' would leave the post-load state of {copy_refused} at the old "
                          "version (the copy skips vLLM's processing of loaded weights); use 'reload'")
-    if strategy == "copy" and device.type == "cpu":
-        raise ValueError("inflight: commit='copy' is wrong on CPU (linear weights are prepacked); use 'swap' or 'reload'")
+    if strategy == "copy" and device.type == "cpu" and cpu_prepack is not None:
+        raise ValueError(f"inflight: commit='copy' is wrong on this CPU engine: vLLM prepacks its linear weights for "
+                         f"{cpu_prepack}, so a copy would write into emptied parameters; use 'swap' or 'reload', or start "
+                         f"the engine with {PLAIN_CPU_GEMM_ENV}=1 (linears keep their weights; slower GEMMs)")
     if strategy == "swap" and (device.type != "cpu" or not eager or quantized):
         raise ValueError("inflight: commit='swap' needs an eager (enforce_eager=True), unquantized CPU engine")
     return strategy
 
 
 def make_strategy(model_runner: Any, strategy: CommitChoice, schema: TensorSchema, *, quantized: bool,
-                  eager: bool) -> CommitStrategy:
+                  eager: bool, commit_unit: CommitUnit = "model", window: int = 2) -> CommitStrategy:
     """The commit strategy for this engine; ``auto`` falls back from swap to reload when the
-    model's loaders do more than route tensors."""
+    model's loaders do more than route tensors. ``commit_unit="layer"``: the swap commit one
+    layer group at a time (``window`` groups prepared at most), or an error saying why not."""
     from engine_patches.commit.in_storage import InStorageApplier
     from engine_patches.commit.swap import RoutingError, SwapApplier
 
     device = torch.device(model_runner.device)
-    refused = copy_refusals(model_runner.get_model()) if device.type != "cpu" and strategy in ("auto", "copy") else []
-    chosen = resolve_strategy(strategy, device, quantized, eager, refused)
-    model_class = type(model_runner.get_model()).__name__
-    if chosen == "swap":
-        shapes = {n: (shape, torch_dtype(dt)) for n, (shape, dt) in schema.tensors.items()}
+    model = model_runner.get_model()
+    # a copy is checked for stale post-load state wherever it may be chosen: on GPU by ``auto``,
+    # on CPU only when named (``auto`` never picks it there)
+    check_copy = strategy == "copy" or (strategy == "auto" and device.type != "cpu")
+    refused = copy_refusals(model) if check_copy else []
+    prepack = None
+    if device.type == "cpu" and strategy == "copy":
+        prepack = cpu_gemm_prepacking(p.dtype for p in model.parameters() if p.is_floating_point())
+    chosen = resolve_strategy(strategy, device, quantized, eager, refused, prepack)
+    model_class = type(model).__name__
+    shapes = {n: (shape, torch_dtype(dt)) for n, (shape, dt) in schema.tensors.items()}
+    if commit_unit == "layer":
+        if chosen == "reload":
+            raise ValueError("inflight: commit_unit='layer' needs the swap commit (an eager, unquantized CPU engine) or "
+                             "the copy commit (CUDA, unquantized); this engine commits with 'reload'")
+        from engine_patches.commit.layer_copy import LayerCopyApplier
+        from engine_patches.commit.layer_swap import LayerSwapApplier
+
         try:
-            return SwapApplier(model_runner.get_model(), shapes)
+            if chosen == "swap":
+                return LayerSwapApplier(model, shapes, window=window)
+            return LayerCopyApplier(model_runner, shapes, window=window)
+        except RoutingError as e:
+            raise RoutingError(f"inflight: commit_unit='layer' is not possible for {model_class}: {e}") from e
+    if chosen == "swap":
+        try:
+            return SwapApplier(model, shapes)
         except RoutingError as e:
             if strategy == "swap":
                 raise RoutingError(f"inflight: commit='swap' is not possible for {model_class}: {e}") from e
@@ -114,6 +165,6 @@ def make_strategy(model_runner: Any, strategy: CommitChoice, schema: TensorSchem
             raise RuntimeError(f"inflight: building the swap commit for {model_class} failed: {e!r}; "
                                f"start with InflightConfig(commit='reload')") from e
     try:
-        return InStorageApplier(model_runner, chosen)
+        return InStorageApplier(model_runner, chosen, shapes)
     except Exception as e:
         raise RuntimeError(f"inflight: building the {chosen} commit for {model_class} failed: {e!r}") from e

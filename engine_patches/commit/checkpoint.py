@@ -4,8 +4,9 @@ engine loaded, as the rollback copy of a first commit.
 Staged tensors carry Hugging Face checkpoint names (``...q_proj.weight``) and shapes, so
 the schema an update is checked against (``inflight.transport.layout.TensorSchema``) is
 read from the checkpoint the engine loaded, float tensors in the engine's dtype. The same
-files are read once more at start into the rollback buffer (``read_checkpoint_into``), so
-that no rollback reads the disk inside the engine's stall.
+files are read once more at start into the rollback buffer (``read_checkpoint_into``; with
+a shard plan only this rank's boxes), so that no rollback reads the disk inside the engine's
+stall.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from inflight.protocol import ShardPlan
 from inflight.transport.layout import TensorSchema, dtype_name, plan_tensors, tensor_views, torch_dtype
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
@@ -53,18 +55,33 @@ def checkpoint_schema(model_dir: Path, engine_dtype: torch.dtype) -> TensorSchem
 
 
 @torch.no_grad()
-def read_checkpoint_into(model_dir: Path, schema: TensorSchema, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+def read_checkpoint_into(model_dir: Path, schema: TensorSchema, flat: torch.Tensor,
+                         plan: ShardPlan | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors, in ``schema``'s wire dtypes, laid out in ``flat`` as an update
-    of them would be; returns the views. Read at start, so that rolling back a first commit
-    never reads the disk inside the engine's stall."""
+    of them would be (with this worker's shard ``plan``: only each tensor's box, as a
+    point-to-point update following the plan lands); returns the views, keyed by name, each
+    of its box's shape. Read at start, so that rolling back a first commit never reads the
+    disk inside the engine's stall; a box is read alone (``get_slice``), never the whole
+    tensor. ``flat`` must be exactly the bytes staging reserved for one update
+    (``inflight.memory.update_bytes(schema, plan)``): a mismatch means the accounting and
+    this layout disagree, and is refused."""
     from safetensors import safe_open
 
-    specs, total = plan_tensors((name, shape, dtype) for name, (shape, dtype) in schema.tensors.items())
-    if flat.numel() < total:
-        raise ValueError(f"inflight: a buffer of {flat.numel()} B cannot hold the checkpoint's {total} B")
+    boxes = {} if plan is None else {s.name: (tuple(s.start), tuple(s.length)) for s in plan.shards}
+    specs, total = plan_tensors((name, boxes[name][1] if name in boxes else shape, dtype)
+                                for name, (shape, dtype) in schema.tensors.items())
+    if flat.numel() != total:
+        what = "this rank's boxes of the checkpoint" if plan is not None else "the checkpoint"
+        raise ValueError(f"inflight: the rollback copy's buffer is {flat.numel()} B, and {what} lays out in {total} B")
     views = tensor_views(flat, specs)
     for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
-                views[name].copy_(st.get_tensor(name).to(torch_dtype(schema.tensors[name][1])))
+                view = views[name]
+                if name in boxes and tuple(view.shape) != schema.tensors[name][0]:
+                    start, length = boxes[name]
+                    t = st.get_slice(name)[tuple(slice(b, b + n) for b, n in zip(start, length))]
+                else:
+                    t = st.get_tensor(name)
+                view.copy_(t.to(torch_dtype(schema.tensors[name][1])))
     return views

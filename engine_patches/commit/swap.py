@@ -76,6 +76,7 @@ class _Update:
 
 class SwapApplier:
     strategy = "swap"
+    needs_rollback_copy = False  # it swaps the old modules back
 
     def __init__(self, model: torch.nn.Module, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *,
                  load_plan: bool = True) -> None:

@@ -23,7 +23,7 @@ import torch
 from torch.distributed import PrefixStore, Store, TCPStore, Work
 
 from inflight.auth import read_secret, seal, unseal
-from inflight.protocol import AuthError, Joined, ProtocolError, Roster, ShardPlan, decode_control, decode_reply, encode
+from inflight.protocol import AuthError, CommitUnit, Joined, ProtocolError, Roster, ShardPlan, decode_control, decode_reply, encode
 from inflight.transport.data_plane import DataPlane, nccl_error_handling_once
 from inflight.transport.errors import GaveUp, TransportError, TransportTimeout
 from inflight.transport.liveness import Heartbeat, silent_ranks
@@ -88,7 +88,7 @@ class WeightGroup:
         self, config: GroupConfig, rank: int, device: torch.device | None = None, *,
         live_version: int = 0, stop: threading.Event | None = None, join_timeout_s: float | None = None,
         engine_ranks: tuple[int, ...] = (), secret: bytes | None | Literal["env"] = "env", plan: ShardPlan | None = None,
-        store: TCPStore | None = None,
+        store: TCPStore | None = None, commit_unit: CommitUnit = "model", label: str = "",
     ) -> None:
         if not 0 <= rank < config.world_size:
             raise ValueError(f"rank {rank} outside world_size {config.world_size}")
@@ -130,7 +130,7 @@ class WeightGroup:
                 raise
         else:
             try:
-                self._join(live_version, stop, join_timeout_s, engine_ranks or (rank,), plan)
+                self._join(live_version, stop, join_timeout_s, engine_ranks or (rank,), plan, commit_unit, label)
             except BaseException:
                 self.close()  # a member that never joined must not go on beating
                 raise
@@ -242,7 +242,8 @@ class WeightGroup:
             raise TransportError(f"rank {self.rank}: the group store failed: {e}") from e
 
     def _join(self, live_version: int, stop: threading.Event | None, timeout_s: float | None,
-              engine_ranks: tuple[int, ...], plan: ShardPlan | None) -> None:
+              engine_ranks: tuple[int, ...], plan: ShardPlan | None, commit_unit: CommitUnit = "model",
+              label: str = "") -> None:
         """Worker: connect to the store, wait for an open generation, announce, form."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._tcp = connect_retrying(self.config.host, self.config.port, self.config.world_size, self.config.timeout_s,
@@ -252,7 +253,7 @@ class WeightGroup:
         self._heartbeat = Heartbeat(self.config.host, self.config.port, self.config.name, self.rank, self.config.timeout_s)
         tried: set[int] = set()
         hello = encode(Joined(rank=self.rank, live_version=live_version, incarnation=INCARNATION,
-                              engine_ranks=tuple(engine_ranks), plan=plan))
+                              engine_ranks=tuple(engine_ranks), plan=plan, commit_unit=commit_unit, label=label))
         while True:
             self._root.set(f"knock/{self.rank}", INCARNATION.encode())
             g = _open_generation(self._root, self.secret, self.config.name, self.rank, tried, deadline, stop,

@@ -19,6 +19,7 @@ import xxhash
 
 import torch
 
+from inflight.layer_groups import layer_groups
 from inflight.protocol import DTYPE_ITEMSIZE, BucketSpec, ChecksumAlgo, ShardPlan, TensorSpec, UpdateAnnounce
 from inflight.transport.errors import UpdateRejected
 
@@ -176,7 +177,18 @@ class TensorSchema:
         unknown = sorted(names - self.tensors.keys())
         if unknown:
             return UpdateRejected("unknown_tensor", f"v{announce.version} names tensors the engine does not have: {unknown[:5]}")
-        missing = sorted(self.tensors.keys() - names)
+        expected = set(self.tensors)
+        if announce.parts:  # one layer group: exactly its tensors, in this engine's grouping
+            groups = layer_groups(self.tensors)
+            if announce.parts != len(groups):
+                return UpdateRejected("bad_layout", f"v{announce.version} comes in {announce.parts} layer groups; this "
+                                                    f"engine's model has {len(groups)}")
+            expected = set(groups[announce.part])
+            foreign = sorted(names - expected)
+            if foreign:
+                return UpdateRejected("bad_layout", f"group {announce.part} of v{announce.version} holds tensors of other "
+                                                    f"groups: {foreign[:5]}")
+        missing = sorted(expected - names)
         if missing:
             return UpdateRejected("missing_tensor", f"v{announce.version} lacks {len(missing)} tensors, e.g. {missing[:5]}")
         for t in announce.tensors:

@@ -25,9 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
@@ -51,58 +49,13 @@ from inflight.transport.receiver import BucketReceiver
 from inflight.transport.control import Phase, WorkerControl
 from inflight.transport.errors import TransportError, UpdateRejected
 from inflight.transport.group import WeightGroup
-from inflight.transport.layout import TensorSchema, completed_by_bucket, tensor_views
+from inflight.transport.layer_listener import LayerUpdates
+from inflight.transport.stream_check import CommitFailed, CommitInfo, CommitTarget, Streamed, nonfinite
+from inflight.transport.layout import TensorSchema
+
+__all__ = ["CommitFailed", "CommitInfo", "CommitTarget", "ListenerStats", "UpdateListener"]
 
 log = logging.getLogger("inflight.listener")
-
-
-@dataclass(frozen=True)
-class CommitInfo:
-    step: int
-    commit_ms: float
-    tokens_at_commit: dict[str, int] = field(default_factory=dict)
-
-
-class CommitFailed(RuntimeError):
-    """The commit did not take; the target already restored the previous weights."""
-
-
-class CommitTarget(Protocol):
-    """What the listener commits into: an engine worker, or a plain dict in tests."""
-
-    @property
-    def live_version(self) -> int: ...
-
-    def steps(self) -> int:
-        """Engine steps run so far (monotone), to measure decoding during a transfer."""
-        ...
-
-    def prepare(self, version: int, weights: dict[str, torch.Tensor]) -> None:
-        """Do everything the commit can do ahead of time (off the critical path); live weights
-        stay untouched. Raising refuses the update."""
-        ...
-
-    def prepare_part(self, version: int, weights: dict[str, torch.Tensor]) -> None:
-        """Called during the receive with each bucket's newly complete tensors (verified and
-        finite, each once), so the target can do their share of ``prepare`` while later
-        buckets are on the wire; ``prepare`` follows with every tensor. Raising refuses the
-        update, like ``prepare``."""
-        ...
-
-    def discard(self) -> None:
-        """Drop what ``prepare`` built (the update was aborted or superseded)."""
-        ...
-
-    def commit(self, version: int, staged: StagedVersion, pool: StagingPool) -> CommitInfo:
-        """Make ``staged.views`` live at a step boundary; on failure restore the previous
-        weights and raise ``CommitFailed``. ``staged`` is the target's from the call on: it
-        gives its buffer back to ``pool`` once nothing needs it."""
-        ...
-
-    def leave(self) -> None:
-        """Called on the trainer's ``Shutdown`` before the worker answers it: release whatever
-        else of the worker's holds the trainer's store (the engine's coordinator)."""
-        ...
 
 
 @dataclass
@@ -118,56 +71,13 @@ class ListenerStats:
     """Versions staged (or half received) and then discarded because the group failed."""
 
 
-class _Streamed:
-    """One update's checks and preparation, bucket by bucket as the receive verifies them.
-
-    Each tensor is handled once, when the bucket holding its last byte has passed its
-    checksum (and every bucket before it): its finite check, then the target's
-    ``prepare_part``, while the next bucket is on the wire. ``finish`` runs after the last
-    bucket: ``prepare`` with every tensor. The first failure stops the feeding and is
-    reported by ``finish``; the receive goes on regardless, keeping the group in step."""
-
-    def __init__(self, listener: UpdateListener, announce: UpdateAnnounce, flat: torch.Tensor) -> None:
-        self.listener = listener
-        self.announce = announce
-        self.views = tensor_views(flat, announce.tensors)
-        self._due = completed_by_bucket(announce.tensors, announce.buckets)
-        self._error: UpdateRejected | None = None
-
-    def verified(self, index: int) -> None:
-        if self._error is None:
-            self._take({name: self.views[name] for name in self._due[index]})
-
-    def _take(self, named: dict[str, torch.Tensor]) -> None:
-        v = self.announce.version
-        try:
-            bad = self.listener._nonfinite(named) if self.listener.check_finite else None
-            if bad is not None:
-                self._error = UpdateRejected("nonfinite", f"v{v}: {bad} has NaN or Inf values")
-            elif named:
-                self.listener.target.prepare_part(v, named)
-        except Exception as e:  # the target's work failed: nothing live was touched
-            self._error = UpdateRejected("prepare_failed", f"v{v}: {e!r}")
-
-    def finish(self) -> UpdateRejected | None:
-        if self._error is None and not self._due:
-            self._take(self.views)  # no buckets at all (an update of empty tensors): check what there is
-        if self._error is not None:
-            return self._error
-        try:
-            self.listener.target.prepare(self.announce.version, self.views)
-        except Exception as e:
-            return UpdateRejected("prepare_failed", f"v{self.announce.version}: {e!r}")
-        return None
-
-
 class UpdateListener:
     """One worker's update loop. ``run`` blocks; start it in a daemon thread."""
 
     def __init__(
         self, group: WeightGroup, target: CommitTarget, schema: TensorSchema | None, *,
         stale_timeout_s: float = 60.0, check_finite: bool = True, stats: ListenerStats | None = None,
-        pool: StagingPool | None = None, plan: ShardPlan | None = None,
+        pool: StagingPool | None = None, plan: ShardPlan | None = None, staged_groups: int = 2,
     ) -> None:
         self.group = group
         self.target = target
@@ -180,6 +90,8 @@ class UpdateListener:
         """This worker's shard plan (sent in its hello): a point-to-point announce must follow it."""
         self.receiver = BucketReceiver(group, self.pool.windows)
         self._staged: StagedVersion | None = None
+        self.layers = LayerUpdates(self, staged_groups)
+        """Layer-granular updates (announces with ``parts``), ``staged_groups`` groups staged at most."""
         self.stats = stats if stats is not None else ListenerStats()
         self.trainer_left = False
         """The trainer said ``Shutdown`` (and this worker answered ``Left``)."""
@@ -197,11 +109,15 @@ class UpdateListener:
                     self._reject(seq=self.control.seq - 1, version=self.target.live_version, code=code, reason=str(e))
                     self.receiver.receive_abort(self.target.live_version)
                     continue
-                if isinstance(msg, UpdateAnnounce):
+                if isinstance(msg, UpdateAnnounce) and msg.parts:
+                    self.layers.on_announce(seq, msg)
+                elif isinstance(msg, UpdateAnnounce):
+                    self.layers.settle(keep=0)
                     self._on_announce(seq, msg)
                 elif isinstance(msg, Commit):
                     self._on_commit(seq, msg)
                 elif isinstance(msg, Abort):
+                    self.layers.abort(msg.version, msg.reason)
                     if self._staged is not None and self._staged.announce.version == msg.version:
                         log.info("rank %d: v%d aborted by the trainer: %s", self.group.rank, msg.version, msg.reason)
                         self._drop()
@@ -239,7 +155,7 @@ class UpdateListener:
         self.control.reply(seq, Accepted(rank=self.group.rank, version=a.version))
         first_step: list[int] = []
         t0 = time.perf_counter()
-        stream = _Streamed(self, a, flat)
+        stream = Streamed(self.target, a, flat, self.check_finite)
         try:
             self.receiver.receive(a, flat, on_bucket=lambda i: first_step.append(self.target.steps()) if i == 0 else None,
                                   on_verified=stream.verified)
@@ -306,20 +222,7 @@ class UpdateListener:
             pass
 
     # -- helpers ----------------------------------------------------------------------
-    @staticmethod
-    def _nonfinite(named: Mapping[str, torch.Tensor]) -> str | None:
-        floats = [(name, t) for name, t in named.items() if t.is_floating_point()]
-        if not floats:
-            return None
-        # One fused pass per bucket's tensors. The 2-norm is NaN or Inf whenever some element is, and runs
-        # at memory speed (measured on 0.5 GB fp32, one core: 26 ms, where the inf-norm, exact
-        # but not vectorised on CPU, took 466 ms). It can also overflow on finite values
-        # (|x| ~ 1e19): the exact per-tensor search below then settles it, so nothing
-        # non-finite passes and nothing finite is refused.
-        norms = torch.stack(torch._foreach_norm([t for _, t in floats], 2))  # (n_tensors,)
-        if bool(torch.isfinite(norms).all()):
-            return None
-        return next((name for name, t in floats if not bool(torch.isfinite(t).all())), None)
+    _nonfinite = staticmethod(nonfinite)
 
     def _check_announce(self, a: UpdateAnnounce) -> UpdateRejected | None:
         if a.version <= self.target.live_version:

@@ -29,14 +29,14 @@ from inflight.protocol import (
     Committed,
     Left,
     ProtocolError,
-    Rejected,
-    ReplyMessage,
     Shutdown,
     Staged,
     UpdateAnnounce,
 )
 from inflight.settings import ChecksumChoice, PushDtype, check_choices
 from inflight.shard_plan import check_digest
+from inflight.transport.layer_pusher import push_layers, split
+from inflight.transport.outcomes import Packed, PushRejected, PushResult, _split
 from inflight.transport.sender import BucketSender, SendStats, SourceError, Tamper
 from inflight.transport.control import TrainerControl
 from inflight.transport.errors import TransportError
@@ -44,24 +44,6 @@ from inflight.transport.group import GroupConfig, WeightGroup
 from inflight.transport.packing import aligned_bucket_bytes, first_use_order
 from inflight.transport.sources import ShardedSource, Weights, weights_of
 from inflight.transport.store import wait_key
-
-
-@dataclass(frozen=True)
-class Packed:
-    """An update laid out: ``{None: announce}`` (broadcast) or ``{rank: announce}`` (each worker
-    its own), and what its buckets are read from: the caller's tensors by name, or a sharded
-    source that gathers them."""
-
-    announces: dict[int | None, UpdateAnnounce]
-    source: Mapping[str, torch.Tensor] | ShardedSource
-
-    @property
-    def sharded(self) -> ShardedSource | None:
-        return self.source if isinstance(self.source, ShardedSource) else None
-
-    @property
-    def version(self) -> int:
-        return next(iter(self.announces.values())).version
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,36 +70,6 @@ class PushConfig:
     def bucket_bytes(self) -> int:
         """``bucket_mb`` in bytes, rounded down to a multiple of 64 so no element straddles two buckets."""
         return aligned_bucket_bytes(int(self.bucket_mb * (1 << 20)))
-
-
-class PushRejected(RuntimeError):
-    """At least one worker refused the update; the engines keep their last good version."""
-
-    def __init__(self, version: int, phase: str, rejections: dict[int, Rejected]) -> None:
-        detail = "; ".join(f"rank {r}: [{m.code}] {m.reason}" for r, m in sorted(rejections.items()))
-        super().__init__(f"update v{version} refused at {phase}: {detail}")
-        self.version = version
-        self.phase = phase
-        self.rejections = rejections
-
-    @property
-    def codes(self) -> set[str]:
-        return {m.code for m in self.rejections.values()}
-
-
-@dataclass(frozen=True)
-class PushResult:
-    version: int
-    send: SendStats
-    staged: dict[int, Staged]
-    commits: dict[int, Committed]
-    stage_wait_s: float
-    commit_wait_s: float
-
-    @property
-    def step(self) -> int:
-        """Engine step after which ``version`` went live (lowest rank's engine)."""
-        return self.commits[min(self.commits)].step
 
 
 def check_update(version: int, named: Mapping[str, torch.Tensor], device: torch.device, *, sharded: bool = False) -> None:
@@ -149,15 +101,6 @@ def check_update(version: int, named: Mapping[str, torch.Tensor], device: torch.
                 raise ValueError(f"{seen[view]!r} and {name!r} are one tied parameter: send it once, under the name "
                                  "the checkpoint stores (named_weights does)")
             seen[view] = name
-
-
-def _split(replies: dict[int, ReplyMessage], want: type) -> tuple[dict[int, object], dict[int, Rejected]]:
-    good = {r: m for r, m in replies.items() if isinstance(m, want)}
-    bad = {r: m for r, m in replies.items() if isinstance(m, Rejected)}
-    odd = {r: m for r, m in replies.items() if r not in good and r not in bad}
-    if odd:
-        raise RuntimeError(f"protocol violation: expected {want.__name__}, got {odd}")
-    return good, bad
 
 
 class WeightPusher:
@@ -192,17 +135,29 @@ class WeightPusher:
         named = sharded.meta if sharded is not None else weights_of(weights)
         check_update(version, named, self.group.device, sharded=sharded is not None)
         source = sharded if sharded is not None else named
-        if not self.group.point_to_point:
-            return Packed({None: self.sender.pack(version, named, self._dtype)}, source)
         plans = {r: h.plan for r, h in self.group.hellos.items() if h.plan is not None}
         for rank, plan in plans.items():  # a corrupted plan is the trainer's to refuse; a mismatched update, the worker's
             check_digest(plan, f"worker rank {rank}")
-        return Packed(dict(self.sender.pack_each(version, named, plans, self._dtype)), source)
+
+        def lay_out(subset: Mapping[str, torch.Tensor]) -> dict[int | None, UpdateAnnounce]:
+            if not self.group.point_to_point:
+                return {None: self.sender.pack(version, subset, self._dtype)}
+            return dict(self.sender.pack_each(version, subset, plans, self._dtype))
+        if self.layered:
+            if sharded is not None:
+                raise ValueError("a ShardedSource gathers in one push's order: push it to whole-model engines "
+                                 "(commit_unit='model'), or push plain tensors to layer-granular ones")
+            groups = tuple(split(named, lay_out))
+            return Packed(groups[0], source, groups)
+        return Packed(lay_out(named), source)
 
     def send(self, version: int, weights: Weights, *, tamper: Tamper | None = None) -> tuple[SendStats, dict[int, Staged]]:
         """Phase 1: announce, stream the buckets, and collect ``Staged`` from every worker."""
+        packed = self._pack(version, weights)
+        if packed.groups:
+            raise ValueError("layer-granular engines (commit_unit='layer') commit each group as it lands: use push()")
         self._reads.clear()
-        return self._send_packed(self._pack(version, weights), tamper)
+        return self._send_packed(packed, tamper)
 
     def _send_packed(self, packed: Packed, tamper: Tamper | None = None) -> tuple[SendStats, dict[int, Staged]]:
         version = packed.version
@@ -258,7 +213,14 @@ class WeightPusher:
         self._reads.clear()
         return self._push_packed(self._pack(version, weights), tamper)
 
+    @property
+    def layered(self) -> bool:
+        """Every worker of this generation commits one layer group at a time (``commit_unit="layer"``)."""
+        return bool(self.group.hellos) and all(h.commit_unit == "layer" for h in self.group.hellos.values())
+
     def _push_packed(self, packed: Packed, tamper: Tamper | None = None) -> PushResult:
+        if packed.groups:
+            return push_layers(self, packed, tamper)
         t0 = time.perf_counter()
         stats, staged = self._send_packed(packed, tamper)
         t1 = time.perf_counter()
