@@ -161,11 +161,13 @@ def test_hybrid_tags_rebuild_the_exact_weights(engine: LayerEngine) -> None:
     for _, t in finished:  # a hybrid's integer tag is its oldest version: the conservative lag
         assert t.versions == [parse_label(s).oldest for s in t.labels]
     worst = _errors_by_label(e, finished)
+    print(f"{len(hybrids)} hybrid labels; worst |engine - rebuilt| {max(worst.values()):.2e} over {len(worst)} labels")
     assert max(worst.values()) < EXACT, worst
     # the tag matters: one group more or less at the new version is other weights
     for by in (-1, 1):
         shifted = _errors_by_label(e, finished, lambda s: _shifted(s, by) if ">" in s and 0 < parse_label(s).steps[-1][1] + by < len(e.groups) else s)
         moved = [s for s in hybrids if 0 < parse_label(s).steps[-1][1] + by < len(e.groups)]
+        print(f"shifted by {by:+d} group: smallest worst error {min(shifted[s] for s in moved):.2e} over {len(moved)} labels")
         assert moved and all(shifted[s] > 10 * EXACT for s in moved), {s: shifted[s] for s in moved}
     # staging never held more than the configured groups
     schema = TensorSchema({n: (tuple(t.shape), "float32") for n, t in e.versions[0].items()})
