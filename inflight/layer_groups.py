@@ -49,6 +49,19 @@ def layer_groups(names: Iterable[str]) -> list[tuple[str, ...]]:
     return [tuple(sorted(by_key[k])) for k in sorted(by_key)]
 
 
+def group_index(names: Iterable[str], groups: Sequence[Sequence[str]]) -> int:
+    """The index of the one group ``names`` are exactly; ``ValueError`` naming what is off."""
+    names = set(names)
+    found = {g for g, members in enumerate(groups) if names & set(members)}
+    if len(found) != 1:
+        raise ValueError(f"a layer group's update must hold one group's tensors; these reach groups {sorted(found)}")
+    g = found.pop()
+    if names != set(groups[g]):
+        raise ValueError(f"layer group {g}: missing {sorted(set(groups[g]) - names)[:3]}, "
+                         f"unknown {sorted(names - set(groups[g]))[:3]}")
+    return g
+
+
 # -- hybrid labels --------------------------------------------------------------------------
 class LabelError(ValueError):
     """A version label that is neither an integer version nor a hybrid."""

@@ -27,7 +27,7 @@ import torch
 
 from engine_patches.commit.in_storage import InStorageApplier, Shapes
 from engine_patches.commit.routing_plan import RoutingError
-from inflight.layer_groups import layer_groups
+from inflight.layer_groups import group_index, layer_groups
 
 
 class LayerCopyApplier(InStorageApplier):
@@ -44,7 +44,6 @@ class LayerCopyApplier(InStorageApplier):
         writes = self.load_plan.writes_by_name()
         self._writes_of_group = [[i for n in names for i in writes.get(n, ())] for names in self.groups]
         self._params_of_group = [sorted({pid for n in names for pid in self._routes.get(n, ())}) for names in self.groups]
-        self._group_of = {n: g for g, names in enumerate(self.groups) for n in names}
         self._prepared: deque[tuple[int, Mapping[str, torch.Tensor], list[torch.Tensor], dict[int, torch.Tensor]]] = deque()
         self._applied: dict[int, torch.Tensor] | None = None
 
@@ -61,12 +60,7 @@ class LayerCopyApplier(InStorageApplier):
     def prepare(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Group ``g``'s copy sources (views of its staged bytes) and its live bytes, aside."""
         assert self.load_plan is not None
-        found = {self._group_of.get(n, -1) for n in weights}
-        if len(found) != 1 or -1 in found:
-            raise RuntimeError(f"a layer group's update must hold one group's tensors; got groups {sorted(found)}")
-        g = found.pop()
-        if set(weights) != set(self.groups[g]):
-            raise RuntimeError(f"layer group {g} lacks {sorted(set(self.groups[g]) - set(weights))[:3]}")
+        g = group_index(weights, self.groups)
         sources = self.load_plan.sources(weights, self._writes_of_group[g], self._boxes)
         aside = {pid: self._params[pid].detach().clone() for pid in self._params_of_group[g]}
         self._prepared.append((g, weights, sources, aside))

@@ -27,7 +27,7 @@ import torch
 
 from engine_patches.commit.routing_plan import RoutingError
 from engine_patches.commit.swap import SwapApplier, _ModuleState
-from inflight.layer_groups import layer_groups
+from inflight.layer_groups import group_index, layer_groups
 
 
 class LayerSwapApplier(SwapApplier):
@@ -40,7 +40,6 @@ class LayerSwapApplier(SwapApplier):
         super().__init__(model, shapes, load_plan=True)
         self.window = window
         self.groups = layer_groups(shapes)
-        self._group_of = {n: g for g, names in enumerate(self.groups) for n in names}
         owner_keys = [[self._slot_key[(id(m), n)] for n, p in m._parameters.items() if p is not None] for m in self._owners]
         filled = [{r.param_id for n in names for r in self.plan.routes[n]} for names in self.groups]
         self._members: list[list[int]] = [[] for _ in self.groups]
@@ -78,12 +77,7 @@ class LayerSwapApplier(SwapApplier):
     def prepare(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Build group ``g``'s new modules from its staged tensors (exactly that group's)."""
         self._released = None  # what the last kept commit swapped out: freed here, off the engine thread
-        found = {self._group_of.get(n, -1) for n in weights}
-        if len(found) != 1 or -1 in found:
-            raise RuntimeError(f"a layer group's update must hold one group's tensors; got groups {sorted(found)}")
-        g = found.pop()
-        if set(weights) != set(self.groups[g]):
-            raise RuntimeError(f"layer group {g} lacks {sorted(set(self.groups[g]) - set(weights))[:3]}")
+        g = group_index(weights, self.groups)
         shadows = {k: self._shadow(*self._templates[k]) for k in self._keys[g]}
         planned = self._writes_of_group[g]
         if planned:
