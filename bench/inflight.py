@@ -1,7 +1,7 @@
 """In-flight commits vs vLLM's native pause(keep)+update vs batch-boundary sync, like for like.
 
     python -m bench.inflight [--sizes S M L MoE | --model DIR|smollm2] [--every 8 32] [--steps 768] [--rounds 4]
-                             [--routing] [--train-steps 40 [--split-cores] [--engines 2]]
+                             [--commit-unit model layer] [--routing] [--train-steps 40 [--split-cores] [--engines 2]]
 
 Per model, one in-process vLLM engine (in-flight worker + vLLM's weight-transfer API with
 the ``inflight_gloo`` backend) decodes the same workload in every mode: a stream of
@@ -19,6 +19,16 @@ trainer process holds the weights and, on the driver's cue every N engine steps:
    same number of steps with as many updates, evenly spaced, so the two are compared at
    the same cadence;
 4. batch: stop admitting, drain every request, update, admit the next batch.
+
+``--commit-unit model layer`` runs all of that once per commit unit, each on its own engine
+(the unit is fixed when the engine starts) with its own trainer process: the layer engine
+commits one layer group per step boundary (``InflightConfig(commit_unit="layer")``), and its
+in-flight row is ``inflight-layer``; every row names its engine, and each engine's rows are
+measured against its own ``none``. A layer update commits its groups at as many step
+boundaries: ``stall_ms`` holds only its last group's interval, ``push_stall_ms`` every group's
+commit summed (``PushResult.stall_ms``; the whole model's commit on the model engine) and
+``groups`` the groups per update. ``staging_peak_bytes``: measured on the engine worker for
+the rows that push, computed (the flat receive buffer) for native's (``Bench.staging_of``).
 
 The steps of none / inflight / native run interleaved in ``--rounds`` chunks, so a drift
 in machine speed hits all of them alike; a chunk with a push still staging at its end keeps
@@ -42,15 +52,18 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-
 from bench.inflight_report import COLS, compare, plot  # noqa: E402
+from bench.inflight_trainer import trainer  # noqa: E402
 from trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus  # noqa: E402
+
+if TYPE_CHECKING:
+    from inflight.protocol import CommitUnit
 
 SIZES = {  # tiny random-init models; MoE: a Qwen3-MoE (4 experts, top-2) for the record_routing rows
     "S": TinyModelConfig(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=384),
@@ -61,61 +74,11 @@ SIZES = {  # tiny random-init models; MoE: a Qwen3-MoE (4 experts, top-2) for th
 }
 
 
-def _trainer(conn, model_dir: str) -> None:
-    """The trainer process: owns the weights, pushes or broadcasts them when told.
-
-    It hosts both groups' stores (in-flight and native), so it holds their ports
-    (``reserve_port``) and sends the two ``GroupConfig``s to the engine's process first.
-    It stands in for a trainer on other hardware, so it runs at low priority: on this
-    machine it shares the cores with the engine it measures.
-    """
-    from safetensors.torch import load_file
-
-    os.nice(19)
-    torch.set_num_threads(1)
-    from bench.native_gloo import broadcast_state
-    from inflight.transport.group import GroupConfig, WeightGroup
-    from inflight.transport.pusher import PushConfig, WeightPusher
-    from inflight.transport.store import reserve_port
-
-    base = load_file(str(Path(model_dir) / "model.safetensors"))
-    # Two weight sets, alternated: making new weights is the trainer's job (on its own hardware
-    # in a real run), not part of the update path being measured, so it is done once, up front.
-    states = [{k: v + 1e-3 * torch.randn(v.shape, generator=torch.Generator().manual_seed(i)) for k, v in base.items()}
-              for i in range(2)]
-    del base  # memory: a real model's weights are 0.5+ GB here, on a shared machine
-    inflight_group = GroupConfig(port=reserve_port(), world_size=2, timeout_s=120)
-    native_group = GroupConfig(port=reserve_port(), world_size=2, backend="gloo", name="native")
-    conn.send((inflight_group, native_group))
-    pusher = WeightPusher(inflight_group, PushConfig(bucket_mb=64))
-    native = WeightGroup(native_group, 0)
-    conn.send("ready")
-    while True:
-        cmd, version = conn.recv()
-        state = states[version % 2]
-        if cmd == "push":
-            cpu0 = time.process_time()  # every thread of this process: the send's gloo threads and kernel copies too
-            r = pusher.push(version, state)
-            c = r.commits[1]
-            conn.send({"version": version, "commit_step": c.step, "commit_ms": c.commit_ms, "send_s": r.send.send_s,
-                       "nbytes": r.send.nbytes, "push_s": r.stage_wait_s + r.commit_wait_s,
-                       "stage_ms": r.staged[1].receive_ms, "pack_s": r.send.pack_s,
-                       "cpu_s": time.process_time() - cpu0})
-        elif cmd == "native":
-            t0 = time.perf_counter()
-            nbytes = broadcast_state(native, state)
-            conn.send({"version": version, "send_s": time.perf_counter() - t0, "nbytes": nbytes})
-        else:
-            pusher.close()
-            native.close()
-            return
-
-
 class Bench:
-    """One model: the engine, its trainer process, and the modes."""
+    """One model and commit unit: the engine, its trainer process, and the modes."""
 
     def __init__(self, size: str, work: Path, concurrency: int, seed: int, listener_nice: int,
-                 record_routing: bool = False) -> None:
+                 record_routing: bool = False, commit_unit: CommitUnit = "model") -> None:
         from vllm import LLM
 
         from engine_patches.config import InflightConfig, engine_kwargs
@@ -124,7 +87,7 @@ class Bench:
 
         from bench.native_gloo import register, update_info
 
-        self.size, self.concurrency, self.seed = size, concurrency, seed
+        self.size, self.concurrency, self.seed, self.unit = size, concurrency, seed, commit_unit
         if size in SIZES:
             model_dir = build_tiny_model(work / size, default_corpus(), SIZES[size])
         else:  # --model: a directory, hub id or "smollm2"
@@ -140,10 +103,11 @@ class Bench:
         self.llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", max_model_len=640, seed=seed,
                        max_num_seqs=concurrency, weight_transfer_config={"backend": "inflight_gloo"}, **engine_kwargs())
         self.conn, child = mp.get_context("spawn").Pipe()
-        self.proc = mp.get_context("spawn").Process(target=_trainer, args=(child, str(model_dir)), daemon=True)
+        self.proc = mp.get_context("spawn").Process(target=trainer, args=(child, str(model_dir)), daemon=True)
         self.proc.start()
         inflight_group, native_group = self.conn.recv()  # the trainer's stores, on the ports it holds
-        self.config = InflightConfig(group=inflight_group, listener_nice=listener_nice, record_routing=record_routing)
+        self.config = InflightConfig(group=inflight_group, listener_nice=listener_nice, record_routing=record_routing,
+                                     commit_unit=commit_unit)  # layer: staged_groups=2, the default
         start_inflight(self.llm, self.config)
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {
             "host": native_group.host, "port": native_group.port, "world_size": 2, "rank": 1, "name": native_group.name}})
@@ -170,6 +134,12 @@ class Bench:
         self.coordinator.config = dataclasses.replace(self.coordinator.config, record_routing=on)
         self.routing = on
 
+    def staging_peak(self) -> int:
+        """The engine worker's staging high-water mark since it started, bytes."""
+        from engine_patches.client import inflight_status
+
+        return inflight_status(self.llm).staging_peak_bytes
+
     def run(self, mode: str, every: int, steps: int) -> dict:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -185,6 +155,7 @@ class Bench:
         st = {"tokens": 0, "routed": 0, "finished": 0, "skipped": 0, "n_req": 0}
         pushing, draining = False, False
         coordinator_start = self.coordinator.steps
+        peak_before = self.staging_peak()
 
         def refill() -> None:
             while not draining and len(active) < self.concurrency:
@@ -261,7 +232,7 @@ class Bench:
                 "quiet": [g for i, g in enumerate(gaps, 1) if i not in at], "skipped": st["skipped"],
                 "event_gaps": [gaps[i - 1] for i, _, _ in events if 0 < i <= len(gaps)],
                 "infos": [r for _, _, r in events], "steps": len(gaps), "routing": self.routing,
-                "routed": st["routed"], "finished": st["finished"]}
+                "routed": st["routed"], "finished": st["finished"], "peak": (peak_before, self.staging_peak())}
 
     def report(self, chunks: list[dict], label: str | None = None) -> dict:
         """One row from the chunks of one mode (interleaved with the other modes' chunks, so a
@@ -280,8 +251,10 @@ class Bench:
         for x in lags:
             hist[x] = hist.get(x, 0) + 1
         pushed = mode in ("inflight", "batch") and infos
+        label = label or mode
         return {
-            "model": self.model, "size": self.size, "params": self.params, "mode": label or mode, "every": every,
+            "model": self.model, "engine": self.unit, "size": self.size, "params": self.params, "every": every,
+            "mode": "inflight-layer" if label == "inflight" and self.unit == "layer" else label,
             "routing": chunks[0]["routing"], "routed_frac": round(sum(c["routed"] for c in chunks) /
                                                                   max(1, sum(c["finished"] for c in chunks)), 3),
             "steps": steps, "updates": len(infos), "skipped": sum(c["skipped"] for c in chunks),
@@ -289,11 +262,32 @@ class Bench:
             "tokens": tokens, "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1), "step_ms": round(1e3 * base, 2),
             "stall_ms": round(statistics.median(stalls), 2) if stalls else 0.0,
             "commit_ms": round(statistics.median(r["commit_ms"] for r in infos), 3) if pushed else None,
+            "push_stall_ms": round(statistics.median(r["stall_ms"] for r in infos), 3) if pushed else None,
+            "groups": statistics.median(r["groups"] for r in infos) if pushed else None,
             "stage_ms": round(statistics.median(r["stage_ms"] for r in infos), 1) if pushed else None,
             "ms_per_gb": round(1e3 * statistics.median(send) / (nbytes / 2**30), 1) if send else None,
-            "lag_hist": dict(sorted(hist.items())),
+            "lag_hist": dict(sorted(hist.items())), **self.staging_of(mode, chunks, infos),
             "_quiet": [g for c in chunks for g in c["quiet"]], "_events": [g for c in chunks for g in c["event_gaps"]],
         }
+
+    @staticmethod
+    def staging_of(mode: str, chunks: list[dict], infos: list[dict]) -> dict:
+        """A row's peak staging bytes, and how they are known (``peak_how``).
+
+        Rows that push (inflight, batch): the worker's high-water mark since the engine started,
+        read when the row's last chunk ended. Only those chunks touch the staging pool (native
+        loads through vLLM's own path, ``none`` stages nothing) and the warm-up pushes nothing,
+        so each engine's first in-flight row is the first to stage and raises the mark itself:
+        "row", the figure is that row's own. A later row that does not raise it reads "earlier":
+        it staged at most that (the same update, so in practice as much). Native rows: the flat buffer
+        ``receive_weights`` allocates, the size of the broadcast (both sides plan it from the
+        same ``update_info``): "computed", not measured."""
+        if mode == "native" and infos:
+            return {"staging_peak_bytes": infos[0]["nbytes"], "peak_how": "computed"}
+        if mode in ("inflight", "batch") and infos:
+            before, after = chunks[0]["peak"][0], chunks[-1]["peak"][1]
+            return {"staging_peak_bytes": after, "peak_how": "row" if after > before else "earlier"}
+        return {"staging_peak_bytes": None, "peak_how": None}
 
     def close(self) -> None:
         self.conn.send(("stop", 0))
@@ -349,6 +343,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=768, help="engine steps per mode")
     ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds the steps of none/inflight/native are split into")
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--commit-unit", nargs="+", default=["model"], choices=["model", "layer"],
+                    help="one engine per unit, each running every mode (InflightConfig.commit_unit)")
     ap.add_argument("--listener-nice", type=int, default=19,
                     help="InflightConfig.listener_nice of the engine (19, as docs/performance.md's table was measured; "
                          "the engine's own default is 0)")
@@ -369,10 +365,12 @@ def main() -> None:
             bench.close()
             del bench
         for size in args.model + args.sizes:
-            bench = Bench(size, Path(tmp), args.concurrency, seed=0, listener_nice=args.listener_nice)
-            rows += bench_model(bench, args.every, args.steps, args.rounds)
-            bench.close()
-            del bench
+            for unit in args.commit_unit:  # fixed when an engine starts: an engine each
+                bench = Bench(size, Path(tmp), args.concurrency, seed=0, listener_nice=args.listener_nice,
+                              commit_unit=unit)
+                rows += bench_model(bench, args.every, args.steps, args.rounds)
+                bench.close()
+                del bench
         load.append(round(os.getloadavg()[0], 1))
         train_rows = []
         if args.train_steps:
@@ -393,7 +391,8 @@ def main() -> None:
     if rows:
         plot(rows, out / "bench_inflight.png")
     print(json.dumps({"bench": "inflight", "device": "cpu", "concurrency": args.concurrency, "steps": args.steps,
-                      "rounds": args.rounds, "load_1m": load, "rows": rows, "train": train_rows}))
+                      "rounds": args.rounds, "commit_units": args.commit_unit, "load_1m": load, "rows": rows,
+                      "train": train_rows}))
 
 
 if __name__ == "__main__":

@@ -13,10 +13,13 @@ CAP = 4.0  # steps longer than CAP x none's median step count as that (``lost_ms
 
 
 def compare(rows: list[dict]) -> None:
-    """Against ``none`` of the same model and cadence group: throughput ratio, and decode time
-    lost per update = (wall - the wall none needs for the same tokens) / updates."""
+    """Against ``none`` of the same model, engine (commit unit) and cadence group: throughput
+    ratio, and decode time lost per update = (wall - the wall none needs for the same tokens) /
+    updates. Each engine has its own ``none``: engines run one after the other, so only the
+    modes within one engine are interleaved against drift."""
     for r in rows:
-        ceiling = next(x for x in rows if x["model"] == r["model"] and x["group"] == r["group"] and x["mode"] == "none")
+        ceiling = next(x for x in rows if x["model"] == r["model"] and x["engine"] == r["engine"]
+                       and x["group"] == r["group"] and x["mode"] == "none")
         r["vs_none"] = round(r["tok_s"] / ceiling["tok_s"], 3)
         lost = r["wall_s"] - r["tokens"] / ceiling["tok_s"]
         r["lost_ms_per_update"] = round(1e3 * lost / r["updates"], 1) if r["updates"] else None
@@ -46,8 +49,9 @@ def plot(rows: list[dict], png: Path) -> None:
 
     shown = [r for r in rows if r["mode"] != "none" and r["updates"] and not str(r["group"]).startswith("routing")]
     fig, axes = plt.subplots(1, 2, figsize=(14, 0.8 + 0.28 * len(shown)))
-    labels = [f"{r['model']} every {r['every']} {r['mode']} (-> {r['steps_per_update']})" for r in shown]
-    colors = {"inflight": "C1", "native": "C2", "native@inflight": "C4", "batch": "C3"}
+    labels = [f"{r['model']} [{r['engine']} engine] every {r['every']} {r['mode']} (-> {r['steps_per_update']})"
+              for r in shown]
+    colors = {"inflight": "C1", "inflight-layer": "C5", "native": "C2", "native@inflight": "C4", "batch": "C3"}
     ys = range(len(shown))
     axes[0].barh(ys, [max(r["lost_ms_per_update"], 0.1) for r in shown], color=[colors[r["mode"]] for r in shown])
     axes[0].set_xscale("log")
@@ -64,5 +68,6 @@ def plot(rows: list[dict], png: Path) -> None:
     fig.savefig(png, dpi=110)
 
 
-COLS = ["model", "every", "mode", "updates", "steps_per_update", "tok_s", "vs_none", "lost_ms_per_update",
-        "lost_ms_per_update_capped", "capped_steps", "step_ms", "stall_ms", "commit_ms", "stage_ms", "ms_per_gb"]
+COLS = ["model", "engine", "every", "mode", "updates", "steps_per_update", "tok_s", "vs_none", "lost_ms_per_update",
+        "lost_ms_per_update_capped", "capped_steps", "step_ms", "stall_ms", "commit_ms", "push_stall_ms", "groups",
+        "stage_ms", "ms_per_gb", "staging_peak_bytes", "peak_how"]
