@@ -24,7 +24,7 @@ is the new version alone.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -49,17 +49,40 @@ def layer_groups(names: Iterable[str]) -> list[tuple[str, ...]]:
     return [tuple(sorted(by_key[k])) for k in sorted(by_key)]
 
 
-def group_index(names: Iterable[str], groups: Sequence[Sequence[str]]) -> int:
-    """The index of the one group ``names`` are exactly; ``ValueError`` naming what is off."""
-    names = set(names)
-    found = {g for g, members in enumerate(groups) if names & set(members)}
-    if len(found) != 1:
-        raise ValueError(f"a layer group's update must hold one group's tensors; these reach groups {sorted(found)}")
-    g = found.pop()
-    if names != set(groups[g]):
-        raise ValueError(f"layer group {g}: missing {sorted(set(groups[g]) - names)[:3]}, "
-                         f"unknown {sorted(names - set(groups[g]))[:3]}")
-    return g
+@dataclass(frozen=True)
+class LayerGroups:
+    """A checkpoint's layer groups in commit order and each tensor's group, computed once from
+    the names (``layer_groups``): every update asks which group it holds, and a large MoE
+    checkpoint has tens of thousands of names."""
+
+    groups: tuple[tuple[str, ...], ...]
+    index: Mapping[str, int]
+
+    @classmethod
+    def of(cls, names: Iterable[str]) -> LayerGroups:
+        groups = tuple(layer_groups(names))
+        return cls(groups, {n: g for g, members in enumerate(groups) for n in members})
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, g: int) -> tuple[str, ...]:
+        return self.groups[g]
+
+    def __iter__(self) -> Iterator[tuple[str, ...]]:
+        return iter(self.groups)
+
+    def group_of_update(self, names: Iterable[str]) -> int:
+        """The index of the one group ``names`` are exactly; ``ValueError`` naming what is off."""
+        names = set(names)
+        found = {self.index[n] for n in names if n in self.index}
+        if len(found) != 1:
+            raise ValueError(f"a layer group's update must hold one group's tensors; these reach groups {sorted(found)}")
+        g = found.pop()
+        if names != set(self.groups[g]):
+            raise ValueError(f"layer group {g}: missing {sorted(set(self.groups[g]) - names)[:3]}, "
+                             f"unknown {sorted(names - set(self.groups[g]))[:3]}")
+        return g
 
 
 # -- hybrid labels --------------------------------------------------------------------------

@@ -64,17 +64,19 @@ class StagingMemoryError(RuntimeError):
     """The engine cannot hold the staging buffers it would need."""
 
 
-def update_bytes(schema: TensorSchema, plan: ShardPlan | None = None, names: Iterable[str] | None = None) -> int:
-    """Bytes of one update on the wire and in staging (the aligned flat layout): every tensor
-    (of ``names``, if given) whole, or, with this worker's shard ``plan``, the boxes it reads."""
+def tensor_bytes(schema: TensorSchema, plan: ShardPlan | None = None) -> dict[str, int]:
+    """Each tensor's bytes in the aligned flat layout: whole, or, with this worker's shard
+    ``plan``, the box it reads."""
     boxes = {} if plan is None else {s.name: s.length for s in plan.shards}
-    total = 0
-    only = None if names is None else set(names)
-    for name, (shape, dtype) in schema.tensors.items():
-        if only is not None and name not in only:
-            continue
-        total += -(-math.prod(boxes.get(name, shape)) * DTYPE_ITEMSIZE[dtype] // ALIGN) * ALIGN
-    return total
+    return {name: -(-math.prod(boxes.get(name, shape)) * DTYPE_ITEMSIZE[dtype] // ALIGN) * ALIGN
+            for name, (shape, dtype) in schema.tensors.items()}
+
+
+def update_bytes(schema: TensorSchema, plan: ShardPlan | None = None, names: Iterable[str] | None = None) -> int:
+    """Bytes of one update on the wire and in staging (``tensor_bytes`` summed): every tensor,
+    or those of ``names``."""
+    sizes = tensor_bytes(schema, plan)
+    return sum(sizes.values()) if names is None else sum(sizes[n] for n in names)
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,8 @@ def staging_need(schema: TensorSchema, *, plan: ShardPlan | None = None, staging
     point-to-point generation); ``groups`` and ``window``: a layer-granular commit stages
     ``window`` layer groups at most, each as large as the largest of ``groups``."""
     if groups and window:
-        n = max(update_bytes(schema, plan, g) for g in groups)
+        sizes = tensor_bytes(schema, plan)
+        n = max(sum(sizes[name] for name in g) for g in groups)
         parts = [Part(f"staging ({window} layer groups)", window * n, staging)]
         if rollback_copy:
             raise ValueError("a layer-granular commit keeps no rollback copy (it commits with swap)")

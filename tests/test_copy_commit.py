@@ -40,20 +40,14 @@ STATE_SEED = 400  # the k-th in-flight update is perturbed(base, STATE_SEED + k)
 
 
 def _fail_after_applying_on_last_rank(worker) -> int:
-    """Inside each worker: the last vLLM rank's next apply writes the new weights, then fails;
-    it restores from its rollback copy, and every other rank undoes from its own."""
+    """Inside each worker: the last vLLM rank's next apply writes the new weights, then fails
+    (``fail_after_applying``); it restores from its rollback copy, and every other rank undoes
+    from its own."""
+    from tests.helpers import fail_after_applying
+
     if worker.rank != worker.vllm_config.parallel_config.world_size - 1:
         return 0
-    applier = worker._inflight_target.applier
-    real = applier.apply
-
-    def apply() -> None:
-        applier.apply = real
-        real()
-        raise RuntimeError("injected failure after the copy wrote")
-
-    applier.apply = apply
-    return 1
+    return fail_after_applying(worker)
 
 
 def _worker_facts(worker) -> dict[str, Any]:
@@ -287,7 +281,7 @@ def test_a_commit_failing_after_the_copy_wrote_leaves_outputs_bit_identical(copy
         r = run[what]
         assert r["refusal"] is not None, what
         assert r["refusal"]["phase"] == "commit" and r["refusal"]["codes"] == ["commit_failed"], r["refusal"]
-        assert "injected failure after the copy wrote" in r["refusal"]["reason"]
+        assert "injected failure after the weights were written" in r["refusal"]["reason"]
         assert r["after"] == r["before"], what  # token ids, log-probs and labels, bit for bit
         assert all(o["versions"] == [live] * len(o["tokens"]) for o in r["after"])
     from safetensors.torch import load_file

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from inflight.layer_groups import Hybrid, LabelError, group_index, hybrid_fraction, layer_groups, parse_label
+from inflight.layer_groups import Hybrid, LabelError, LayerGroups, hybrid_fraction, layer_groups, parse_label
 from inflight.versions import VersionTagError, labels_from_spans, tags_from_spans
 
 NAMES = ["lm_head.weight", "model.norm.weight", "model.embed_tokens.weight", "model.layers.10.mlp.up_proj.weight",
@@ -57,9 +57,10 @@ def test_tags_of_hybrid_tokens_are_their_oldest_version() -> None:
 
 
 def test_a_group_update_holds_exactly_one_group() -> None:
-    groups = layer_groups(NAMES)
-    assert group_index(["model.layers.10.mlp.up_proj.weight"], groups) == 2
+    groups = LayerGroups.of(NAMES)
+    assert list(groups) == layer_groups(NAMES) and len(groups) == 4
+    assert groups.group_of_update(["model.layers.10.mlp.up_proj.weight"]) == 2
     with pytest.raises(ValueError, match=r"reach groups \[0, 2\]"):
-        group_index(["model.embed_tokens.weight", "model.layers.10.mlp.up_proj.weight"], groups)
+        groups.group_of_update(["model.embed_tokens.weight", "model.layers.10.mlp.up_proj.weight"])
     with pytest.raises(ValueError, match="layer group 1: missing"):
-        group_index(["model.layers.9.input_layernorm.weight"], groups)
+        groups.group_of_update(["model.layers.9.input_layernorm.weight"])

@@ -203,7 +203,10 @@ class Fleet:
             else:  # alive (it refused, or its link broke): it comes as soon as it sees the failure
                 pusher.rejoin(e, self.cfg.transport.reply_timeout_s, require=False)
         if not pusher.live:  # nobody else to go on with: wait for them
-            self._await_any(pusher, self.cfg.transport.rejoin_timeout_s)
+            timeout_s = self.cfg.transport.rejoin_timeout_s
+            self._let_in(pusher, timeout_s, done=lambda: bool(pusher.live))
+            if not pusher.live:
+                raise EngineLost(f"no engine rejoined its weight group within transport.rejoin_timeout_s={timeout_s}s")
         self._count_drops(before, set(pusher.live))
         rejoined = {e: pusher.engine_versions[e] for e in pusher.live if e in lost or e not in before}
         live = {e: pusher.engine_versions[e] for e in pusher.live}
@@ -229,14 +232,17 @@ class Fleet:
             e.start(self.model_dir, self.model_version, wait_for_version=version)
         return [e.index for e in dead]
 
-    def _await_any(self, pusher: FleetPusher, timeout_s: float) -> None:
-        """Let in every engine that knocks within ``timeout_s``, returning once one is live."""
+    def _let_in(self, pusher: FleetPusher, timeout_s: float, done: Callable[[], bool]) -> dict[int, dict[int, int]]:
+        """Let in the engines that knock (at least one look), until ``done()`` or ``timeout_s``
+        passed; what each engine let in serves."""
         deadline = time.monotonic() + timeout_s
-        while not pusher.live:
-            if time.monotonic() > deadline:
-                raise EngineLost(f"no engine rejoined its weight group within transport.rejoin_timeout_s={timeout_s}s")
+        admitted: dict[int, dict[int, int]] = {}
+        while True:
             for e in pusher.knocking():
-                pusher.rejoin(e, self.cfg.transport.reply_timeout_s, require=False)
+                if versions := pusher.rejoin(e, self.cfg.transport.reply_timeout_s, require=False):
+                    admitted[e] = versions
+            if done() or time.monotonic() > deadline:
+                return admitted
             time.sleep(0.05)
 
     def _push(self, pusher: FleetPusher, version: int, weights: Callable[[], Weights], engines: list[int]) -> list[int]:
@@ -255,15 +261,8 @@ class Fleet:
         up to ``transport.rejoin_timeout_s`` for every engine of the fleet. Returns what the
         engines let in serve, by fleet rank."""
         before = set(pusher.live)
-        deadline = time.monotonic() + (self.cfg.transport.rejoin_timeout_s if wait else 0.0)
-        admitted: dict[int, dict[int, int]] = {}
-        while True:
-            for e in pusher.knocking():
-                if versions := pusher.rejoin(e, self.cfg.transport.reply_timeout_s, require=False):
-                    admitted[e] = versions
-            if len(pusher.live) == len(self.engines) or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        admitted = self._let_in(pusher, self.cfg.transport.rejoin_timeout_s if wait else 0.0,
+                                done=lambda: len(pusher.live) == len(self.engines))
         self._count_drops(before, set(pusher.live))
         serving = self.serving(admitted)
         tqdm.write(f"inflight: engines {sorted(admitted)} back in their weight groups (serving {dict(sorted(serving.items()))})")

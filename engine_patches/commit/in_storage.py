@@ -132,15 +132,7 @@ class InStorageApplier:
         """Record the load plan against the live parameters (CPU scratch in their geometry),
         its destination views into them, and the live loader calls of what it could not prove."""
         params = {id(p): p for p in model.parameters()}  # a tied parameter once, as RoutingPlan keys it
-        loaders = {pid: getattr(p, "weight_loader", None) for pid, p in params.items()}
-        try:
-            routing = RoutingPlan.record(model, shapes)
-        finally:
-            # RoutingPlan puts back loaders kept in ``__dict__``; a property-backed one (vLLM's v2
-            # parameters) must not keep the recording loader: the live model loads with these
-            for pid, p in params.items():
-                if loaders[pid] is not None and getattr(p, "weight_loader", None) is not loaders[pid]:
-                    p.weight_loader = loaders[pid]
+        routing = RoutingPlan.record(model, shapes)
         calls = {name: [(r.param_id, _loader_call(r)) for r in rs] for name, rs in routing.routes.items()}
         plan = LoadPlan.record(shapes, calls, _CpuScratch(params))
         self._destinations = plan.destinations(params)

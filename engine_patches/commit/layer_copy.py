@@ -27,7 +27,7 @@ import torch
 
 from engine_patches.commit.in_storage import InStorageApplier, Shapes
 from engine_patches.commit.routing_plan import RoutingError
-from inflight.layer_groups import group_index, layer_groups
+from inflight.layer_groups import LayerGroups
 
 
 class LayerCopyApplier(InStorageApplier):
@@ -40,7 +40,7 @@ class LayerCopyApplier(InStorageApplier):
         if self.load_plan is None:
             raise RoutingError("the copy commit could not record a load plan for this model (see the log)")
         self.window = window
-        self.groups = layer_groups(shapes)
+        self.groups = LayerGroups.of(shapes)
         writes = self.load_plan.writes_by_name()
         self._writes_of_group = [[i for n in names for i in writes.get(n, ())] for names in self.groups]
         self._params_of_group = [sorted({pid for n in names for pid in self._routes.get(n, ())}) for names in self.groups]
@@ -60,7 +60,7 @@ class LayerCopyApplier(InStorageApplier):
     def prepare(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Group ``g``'s copy sources (views of its staged bytes) and its live bytes, aside."""
         assert self.load_plan is not None
-        g = group_index(weights, self.groups)
+        g = self.groups.group_of_update(weights)
         sources = self.load_plan.sources(weights, self._writes_of_group[g], self._boxes)
         aside = {pid: self._params[pid].detach().clone() for pid in self._params_of_group[g]}
         self._prepared.append((g, weights, sources, aside))

@@ -27,7 +27,7 @@ import torch
 
 from engine_patches.commit.routing_plan import RoutingError
 from engine_patches.commit.swap import SwapApplier, _ModuleState
-from inflight.layer_groups import group_index, layer_groups
+from inflight.layer_groups import LayerGroups
 
 
 class LayerSwapApplier(SwapApplier):
@@ -39,7 +39,7 @@ class LayerSwapApplier(SwapApplier):
                  window: int = 2) -> None:
         super().__init__(model, shapes, load_plan=True)
         self.window = window
-        self.groups = layer_groups(shapes)
+        self.groups = LayerGroups.of(shapes)
         owner_keys = [[self._slot_key[(id(m), n)] for n, p in m._parameters.items() if p is not None] for m in self._owners]
         filled = [{r.param_id for n in names for r in self.plan.routes[n]} for names in self.groups]
         self._members: list[list[int]] = [[] for _ in self.groups]
@@ -77,7 +77,7 @@ class LayerSwapApplier(SwapApplier):
     def prepare(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Build group ``g``'s new modules from its staged tensors (exactly that group's)."""
         self._released = None  # what the last kept commit swapped out: freed here, off the engine thread
-        g = group_index(weights, self.groups)
+        g = self.groups.group_of_update(weights)
         shadows = {k: self._shadow(*self._templates[k]) for k in self._keys[g]}
         planned = self._writes_of_group[g]
         if planned:

@@ -54,7 +54,9 @@ class RoutingPlan:
     @classmethod
     def record(cls, model: torch.nn.Module, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> RoutingPlan:
         params = {id(p): p for p in model.parameters()}  # each shared parameter once
-        saved = {pid: p.__dict__.get("weight_loader") for pid, p in params.items()}
+        # a loader is an attribute of the parameter, or (vLLM's v2 parameters) a property over
+        # a private one: both are put back as they were, or the live model loads with ours
+        saved = {pid: ("weight_loader" in p.__dict__, getattr(p, "weight_loader", None)) for pid, p in params.items()}
         calls: list[tuple[int, tuple, dict]] = []
 
         def recorder(pid: int):
@@ -84,10 +86,13 @@ class RoutingPlan:
                 raise RoutingError(f"no checkpoint tensor loads {bare[:3]}")
         finally:
             for pid, p in params.items():
-                if saved[pid] is None:
-                    p.__dict__.pop("weight_loader", None)
+                own, loader = saved[pid]
+                if own:
+                    p.__dict__["weight_loader"] = loader
                 else:
-                    p.weight_loader = saved[pid]
+                    p.__dict__.pop("weight_loader", None)
+                    if loader is not None and getattr(p, "weight_loader", None) is not loader:
+                        p.weight_loader = loader  # through the property
         return cls(routes)
 
     @staticmethod

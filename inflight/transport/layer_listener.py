@@ -31,8 +31,8 @@ from typing import Any
 
 from inflight.protocol import Accepted, Committed, UpdateAnnounce
 from inflight.staging import StagedVersion
-from inflight.transport.errors import TransportError, UpdateRejected
-from inflight.transport.stream_check import CommitFailed, Streamed
+from inflight.transport.errors import UpdateRejected
+from inflight.transport.stream_check import CommitFailed
 
 
 @dataclass
@@ -100,21 +100,9 @@ class LayerUpdates:
             self.settle(keep=0)  # the last group: the update ends with every outcome relayed
 
     def _receive(self, seq: int, a: UpdateAnnounce, flat: Any) -> StagedVersion | None:
-        """Receive and verify the group's buckets and prepare it; None if it was refused."""
+        """Receive, verify and prepare the group (``UpdateListener.receive_update``); None if refused."""
         lis = self.listener
-        first_step: list[int] = []
-        stream = Streamed(lis.target, a, flat, lis.check_finite)
-        try:
-            lis.receiver.receive(a, flat, on_bucket=lambda i: first_step.append(lis.target.steps()) if i == 0 else None,
-                                 on_verified=stream.verified)
-            error = stream.finish()
-        except UpdateRejected as e:
-            error = e
-        except TransportError:
-            lis.pool.give(flat)
-            lis.target.discard()
-            lis.stats.dropped_staging += 1
-            raise
+        error, staged = lis.receive_update(a, flat)
         if error is not None:
             self.settle(keep=0)  # the group before it is in the engine's hands: let it land first
             lis.pool.give(flat)
@@ -126,7 +114,7 @@ class LayerUpdates:
             else:
                 self.failed = error.reason
             return None
-        return StagedVersion(a, flat, first_step[0] if first_step else lis.target.steps(), stream.views)
+        return staged
 
     def settle(self, keep: int) -> None:
         """Read the outcomes of the groups handed over until ``keep`` remain, replying to each."""

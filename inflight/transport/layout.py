@@ -10,6 +10,7 @@ than a bucket simply spans several, so any bucket size works with any model.
 from __future__ import annotations
 
 import bisect
+import functools
 import zlib
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,7 +20,7 @@ import xxhash
 
 import torch
 
-from inflight.layer_groups import layer_groups
+from inflight.layer_groups import LayerGroups
 from inflight.protocol import DTYPE_ITEMSIZE, BucketSpec, ChecksumAlgo, ShardPlan, TensorSpec, UpdateAnnounce
 from inflight.transport.errors import UpdateRejected
 
@@ -158,6 +159,11 @@ class TensorSchema:
 
     tensors: Mapping[str, tuple[tuple[int, ...], str]]
 
+    @functools.cached_property
+    def layer_groups(self) -> LayerGroups:
+        """The tensors' layer groups, computed once: each group of a layer-granular update is checked against them."""
+        return LayerGroups.of(self.tensors)
+
     def check(self, announce: UpdateAnnounce, plan: ShardPlan | None = None) -> UpdateRejected | None:
         """Why ``announce`` is not exactly an update of these tensors (each whole, or, when it
         follows this worker's shard ``plan``, each the plan's box of it), or None."""
@@ -179,7 +185,7 @@ class TensorSchema:
             return UpdateRejected("unknown_tensor", f"v{announce.version} names tensors the engine does not have: {unknown[:5]}")
         expected = set(self.tensors)
         if announce.parts:  # one layer group: exactly its tensors, in this engine's grouping
-            groups = layer_groups(self.tensors)
+            groups = self.layer_groups
             if announce.parts != len(groups):
                 return UpdateRejected("bad_layout", f"v{announce.version} comes in {announce.parts} layer groups; this "
                                                     f"engine's model has {len(groups)}")

@@ -153,34 +153,40 @@ class UpdateListener:
             self.receiver.receive_abort(a.version)
             return
         self.control.reply(seq, Accepted(rank=self.group.rank, version=a.version))
-        first_step: list[int] = []
         t0 = time.perf_counter()
+        error, staged = self.receive_update(a, flat)
+        if error is not None:  # nothing live was touched
+            self.pool.give(flat)
+            self.target.discard()  # the tensors fed so far
+            if error.code != "aborted":  # an aborted update was refused by another worker first
+                self._reject(seq, a.version, error.code, error.reason, phase="staged")
+            return
+        self._staged = staged
+        first = staged.first_bucket_step
+        steps = self.target.steps() - first
+        self.control.reply(seq, Staged(rank=self.group.rank, version=a.version,
+                                       receive_ms=1e3 * (time.perf_counter() - t0), steps_during_transfer=steps), phase="staged")
+
+    def receive_update(self, a: UpdateAnnounce, flat: torch.Tensor) -> tuple[UpdateRejected | None, StagedVersion]:
+        """Receive ``a``'s buckets into ``flat``, checking and preparing its tensors as they
+        verify: (why it is refused, or None; the staged version). A transport failure gives
+        ``flat`` back, drops what was prepared and raises (half received: the bytes are unused)."""
+        first_step: list[int] = []
         stream = Streamed(self.target, a, flat, self.check_finite)
+        error: UpdateRejected | None
         try:
             self.receiver.receive(a, flat, on_bucket=lambda i: first_step.append(self.target.steps()) if i == 0 else None,
                                   on_verified=stream.verified)
             error = stream.finish()
         except UpdateRejected as e:
-            self.pool.give(flat)
-            self.target.discard()  # the tensors fed so far
-            if e.code != "aborted":  # an aborted update was refused by another worker first
-                self._reject(seq, a.version, e.code, e.reason, phase="staged")
-            return
-        except TransportError:  # half received: the bytes go back to the spare buffer, unused
+            error = e
+        except TransportError:
             self.pool.give(flat)
             self.target.discard()
             self.stats.dropped_staging += 1
             raise
-        if error is not None:  # nothing live was touched
-            self.pool.give(flat)
-            self.target.discard()
-            self._reject(seq, a.version, error.code, error.reason, phase="staged")
-            return
         first = first_step[0] if first_step else self.target.steps()  # an update of no bytes has no bucket
-        self._staged = StagedVersion(a, flat, first, stream.views)
-        steps = self.target.steps() - first
-        self.control.reply(seq, Staged(rank=self.group.rank, version=a.version,
-                                       receive_ms=1e3 * (time.perf_counter() - t0), steps_during_transfer=steps), phase="staged")
+        return error, StagedVersion(a, flat, first, stream.views)
 
     def _on_commit(self, seq: int, c: Commit) -> None:
         staged = self._staged
