@@ -66,6 +66,15 @@ async def start_inflight_async(engine: Any, config: InflightConfig) -> StartRepo
     return _report(await engine.collective_rpc("inflight_start", args=(config.to_json(),)))
 
 
+def policy_lora(config: InflightConfig) -> Any:
+    """The ``LoRARequest`` every request to an adapter engine (``InflightConfig.adapter``) names."""
+    if config.adapter is None:
+        raise ValueError("policy_lora: InflightConfig.adapter is None (this engine serves full-model updates)")
+    from engine_patches.adapter import policy_request
+
+    return policy_request(config.adapter)
+
+
 def coordinator_of(llm: Any) -> Any:
     """The commit coordinator of an ``LLM`` whose EngineCore runs in this process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): its ``steps``, ``live_version``, ``history``."""
@@ -86,13 +95,15 @@ async def inflight_status_async(engine: Any) -> WorkerStatus:
     return as_result((await engine.collective_rpc("inflight_status"))[0], WorkerStatus)
 
 
-async def stream_tagged(engine: Any, prompt: Any, sampling_params: Any, request_id: str) -> AsyncIterator[tuple[Any, list[int]]]:
+async def stream_tagged(engine: Any, prompt: Any, sampling_params: Any, request_id: str,
+                        lora_request: Any = None) -> AsyncIterator[tuple[Any, list[int]]]:
     """``AsyncLLM.generate`` that also yields the version of every token seen so far.
 
     Final outputs carry vLLM's spans; for intermediate ones the spans are read from the
     front end's request state (vLLM 0.32 ``OutputProcessor.request_states``), which the
     output handler fills before it hands the output to this generator. Needs ``n=1`` and
-    the default cumulative output kind.
+    the default cumulative output kind. ``lora_request``: ``policy_lora(config)`` on an
+    adapter engine.
     """
     from vllm.sampling_params import RequestOutputKind
 
@@ -100,7 +111,7 @@ async def stream_tagged(engine: Any, prompt: Any, sampling_params: Any, request_
         raise ValueError("stream_tagged needs n=1 and output_kind=CUMULATIVE")
     processor = engine.output_processor
     starts: list[tuple[str, int]] = []
-    async for out in engine.generate(prompt, sampling_params, request_id):
+    async for out in engine.generate(prompt, sampling_params, request_id, lora_request=lora_request):
         completion = out.outputs[0]
         n = len(completion.token_ids)
         if completion.weight_versions is not None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from inflight.adapter import AdapterSpec
 from inflight.protocol import CommitUnit
 from inflight.settings import Backend, CommitChoice, StagingPlace, check_choices
 from inflight.transport.group import GroupConfig
@@ -88,6 +89,11 @@ class InflightConfig:
     require_processed_logprobs: bool = True
     """Refuse to start unless the engine reports processed (temperature-scaled) log-probs,
     the behaviour log-probs the trainer's importance ratios need."""
+    adapter: AdapterSpec | None = None
+    """An adapter-only engine: the base weights never move; updates carry the policy LoRA
+    adapter's tensors, which commit into the engine's one adapter slot (the ``lora``
+    commit). Start the engine with ``engine_kwargs(adapter=...)``; every request must
+    name this adapter (``engine_patches.client.policy_lora``)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.rank < self.group.world_size:
@@ -102,6 +108,11 @@ class InflightConfig:
                 raise ValueError(f"InflightConfig.{name}={getattr(self, name)} must be > 0")
         if self.staged_groups not in (1, 2):
             raise ValueError(f"InflightConfig.staged_groups={self.staged_groups} must be 1 or 2")
+        if self.adapter is not None and (self.commit not in ("auto", "lora") or self.commit_unit != "model"):
+            raise ValueError(f"InflightConfig.commit={self.commit!r}, commit_unit={self.commit_unit!r} with an adapter: "
+                             "adapter updates commit whole, into the adapter slot ('auto' or 'lora', 'model')")
+        if self.adapter is None and self.commit == "lora":
+            raise ValueError("InflightConfig.commit='lora' needs InflightConfig.adapter (the policy adapter's spec)")
         if self.commit_unit == "layer" and self.commit == "reload":
             raise ValueError("InflightConfig.commit='reload' with commit_unit='layer': layer-granular commits need the "
                              "'swap' (eager CPU) or 'copy' (CUDA) commit; 'auto' picks the right one")
@@ -119,6 +130,7 @@ class InflightConfig:
                 raise ValueError(f"InflightConfig JSON must be an object, not {type(raw).__name__}")
             _refuse_unknown(cls, raw, "InflightConfig")
             _refuse_unknown(GroupConfig, raw.get("group"), "InflightConfig.group")
+            _refuse_unknown(AdapterSpec, raw.get("adapter"), "InflightConfig.adapter")
             return msgspec.json.decode(data, type=cls)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ValueError(f"InflightConfig JSON: {e}") from None
@@ -149,6 +161,8 @@ class StagingIntent:
     backend: Backend = "auto"
     """The weight group's data plane (``GroupConfig.backend``): on a GPU, NCCL lands buckets on
     the device and gloo stages through host memory."""
+    adapter: AdapterSpec | None = None
+    """``InflightConfig.adapter``: staging holds the adapter, not the model."""
 
     def __post_init__(self) -> None:
         check_choices(self, "StagingIntent")
@@ -161,7 +175,7 @@ class StagingIntent:
     def of(cls, config: InflightConfig) -> StagingIntent:
         """The intent of the config the engine will be started with."""
         return cls(staging=config.staging, keep_rollback=config.keep_rollback, max_bucket_mb=config.max_bucket_mb,
-                   commit=config.commit, backend=config.group.backend)
+                   commit=config.commit, backend=config.group.backend, adapter=config.adapter)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
@@ -180,7 +194,7 @@ class StagingIntent:
             raise ValueError(f"additional_config[{STAGING_INTENT_KEY!r}]: {e}") from None
 
 
-def engine_kwargs(*, reserve_staging: StagingIntent | InflightConfig | None = None,
+def engine_kwargs(*, reserve_staging: StagingIntent | InflightConfig | None = None, adapter: AdapterSpec | None = None,
                   **overrides: object) -> dict[str, object]:
     """Engine arguments an in-flight engine needs, for ``LLM(...)`` / ``AsyncEngineArgs(...)``.
 
@@ -197,7 +211,9 @@ def engine_kwargs(*, reserve_staging: StagingIntent | InflightConfig | None = No
       ``StagingIntent``): the intent, in ``additional_config``, which reaches every worker, so
       a GPU worker subtracts staging's device bytes from what vLLM may give its KV cache
       (``engine_patches.kv_budget``). Without it the KV cache is sized as vLLM alone would,
-      and ``inflight_start`` checks staging against the memory left free.
+      and ``inflight_start`` checks staging against the memory left free;
+    - with ``adapter`` (``InflightConfig.adapter``): LoRA with one adapter slot, of the
+      adapter's rank, wrapping only the adapter's target modules (``inflight.adapter``).
     """
     kwargs: dict[str, object] = dict(
         worker_extension_cls=WORKER_EXTENSION,
@@ -206,6 +222,11 @@ def engine_kwargs(*, reserve_staging: StagingIntent | InflightConfig | None = No
         logprobs_mode="processed_logprobs",
         generation_config="vllm",
     )
+    if adapter is not None:
+        shape = adapter.shape()
+        # one slot, one cached adapter: the policy's, pinned at start; no other can evict it
+        kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=shape.max_lora_rank,
+                      lora_target_modules=list(shape.target_modules), fully_sharded_loras=False)
     kwargs.update(overrides)
     if reserve_staging is not None:
         intent = reserve_staging if isinstance(reserve_staging, StagingIntent) else StagingIntent.of(reserve_staging)

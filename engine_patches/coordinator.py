@@ -83,6 +83,10 @@ def check_engine(vllm_config: Any, config: InflightConfig) -> int:
         problems.append("speculative decoding is not supported")
     if config.require_processed_logprobs and vllm_config.model_config.logprobs_mode != "processed_logprobs":
         problems.append(f"logprobs_mode is {vllm_config.model_config.logprobs_mode!r}, need 'processed_logprobs'")
+    if config.adapter is not None:
+        from engine_patches.adapter import engine_problems
+
+        problems.extend(engine_problems(vllm_config, config.adapter))
     workers = pc.world_size
     last = config.rank + workers - 1
     if last >= config.group.world_size:

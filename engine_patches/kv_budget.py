@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,7 +61,7 @@ def planned_need(schema: TensorSchema, applier: CommitStrategy, plan: ShardPlan 
     for the reservation at ``inflight_start``, so the two agree."""
     pool_device = data if staging == "device" else torch.device("cpu")
     where: StagingPlace = "device" if pool_device.type == engine.type else "host"  # gloo beside a GPU stages on the host
-    rollback_copy = keep_rollback and applier.strategy != "swap"  # swap rolls back by module
+    rollback_copy = keep_rollback and applier.strategy not in ("swap", "lora")  # they roll back by module, by slot image
     groups, window = getattr(applier, "groups", ()), getattr(applier, "window", 0)  # a layer-granular swap
     if groups:
         rollback_copy = False
@@ -72,9 +73,16 @@ def planned_need(schema: TensorSchema, applier: CommitStrategy, plan: ShardPlan 
 def intended_need(worker: Any, intent: StagingIntent) -> StagingNeed:
     """This rank's staging at the intent's settings, from the loaded model."""
     mc = worker.vllm_config.model_config
-    schema = checkpoint_schema(checkpoint_dir(mc.model, mc.revision), mc.dtype)
-    applier = make_strategy(worker.model_runner, intent.commit, schema, quantized=mc.quantization is not None,
-                            eager=mc.enforce_eager)
+    applier: CommitStrategy
+    if intent.adapter is not None:  # the adapter's tensors and slot images, not the model
+        from engine_patches.commit.lora_slot import LoRASlotApplier
+
+        applier = LoRASlotApplier(worker.model_runner, intent.adapter)
+        schema = checkpoint_schema(Path(intent.adapter.path), worker.model_runner.lora_config.lora_dtype)
+    else:
+        schema = checkpoint_schema(checkpoint_dir(mc.model, mc.revision), mc.dtype)
+        applier = make_strategy(worker.model_runner, intent.commit, schema, quantized=mc.quantization is not None,
+                                eager=mc.enforce_eager)
     try:
         engine = torch.device(worker.model_runner.device)
         # as GroupConfig.resolved_backend: NCCL wherever CUDA is, unless gloo is named

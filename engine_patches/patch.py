@@ -21,7 +21,7 @@ _MARK = "__inflight_engine_core__"
 
 
 def patch_engine_core() -> None:
-    """Wrap four methods of ``vllm.v1.engine.core.EngineCore`` (vLLM 0.32.0).
+    """Wrap five methods of ``vllm.v1.engine.core.EngineCore`` (vLLM 0.32.0).
 
     - ``collective_rpc``: when ``inflight_start`` passes through (from ``LLM``, ``AsyncLLM``
       or the OpenAI server's ``/collective_rpc``), check the engine, attach a
@@ -37,6 +37,9 @@ def patch_engine_core() -> None:
       flight across loop turns): refused loudly when a coordinator is attached;
       ``inflight_start`` already refuses such engines.
     - ``shutdown``: stops the coordinator and every worker's listener first (``inflight_stop``).
+    - ``preprocess_add_request``: on an adapter engine (``InflightConfig.adapter``), refuses a
+      request that does not decode with the policy adapter (``engine_patches.adapter.
+      check_request``): vLLM answers the request alone with an error; the engine serves on.
 
     Idempotent; raises if vLLM's EngineCore no longer has these methods. Must run before an
     EngineCore binds ``self.step_fn`` in ``__init__``, which the ``vllm.general_plugins``
@@ -44,7 +47,7 @@ def patch_engine_core() -> None:
     """
     from vllm.v1.engine.core import EngineCore
 
-    for name in ("step", "step_with_batch_queue", "collective_rpc", "shutdown"):
+    for name in ("step", "step_with_batch_queue", "collective_rpc", "shutdown", "preprocess_add_request"):
         if not callable(getattr(EngineCore, name, None)):
             raise RuntimeError(f"inflight: vllm EngineCore has no {name}(); this vLLM is not 0.32-compatible")
     if getattr(EngineCore.step, _MARK, False):
@@ -57,6 +60,7 @@ def patch_engine_core() -> None:
     original_batch_step = EngineCore.step_with_batch_queue
     original_rpc = EngineCore.collective_rpc
     original_shutdown = EngineCore.shutdown
+    original_preprocess = EngineCore.preprocess_add_request
 
     @functools.wraps(original_step)
     def step(self):
@@ -119,12 +123,53 @@ def patch_engine_core() -> None:
                 pass
         return original_shutdown(self)
 
-    for fn in (step, step_with_batch_queue, collective_rpc, shutdown):
+    @functools.wraps(original_preprocess)
+    def preprocess_add_request(self, request):
+        coordinator = self.__dict__.get(ATTR)
+        if coordinator is not None and coordinator.config.adapter is not None:
+            from engine_patches.adapter import check_request
+
+            check_request(request.request_id, request.lora_request, coordinator.config.adapter)
+        return original_preprocess(self, request)
+
+    for fn in (step, step_with_batch_queue, collective_rpc, shutdown, preprocess_add_request):
         setattr(fn, _MARK, True)
     EngineCore.step = step
     EngineCore.step_with_batch_queue = step_with_batch_queue
     EngineCore.collective_rpc = collective_rpc
     EngineCore.shutdown = shutdown
+    EngineCore.preprocess_add_request = preprocess_add_request
+
+
+def patch_inprocess_refusals() -> None:
+    """Wrap ``vllm.v1.engine.llm_engine.LLMEngine.add_request`` (vLLM 0.32.0) so that a
+    request EngineCore refuses (``engine_patches.adapter.RequestRefused``) leaves nothing
+    behind in the front end.
+
+    ``LLMEngine.add_request`` registers a request with its output processor before it hands
+    it to the engine core. With the core in another process, a refusal comes back as the
+    request's error output, which finishes it; with the core in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the refusal is raised through ``add_request``, and
+    the request would stay registered, unfinished, so ``LLM.generate`` would wait for it
+    forever. The wrapper aborts it in the output processor and raises on. Idempotent."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    original = LLMEngine.add_request
+    if getattr(original, _MARK, False):
+        return
+
+    from engine_patches.adapter import RequestRefused
+
+    @functools.wraps(original)
+    def add_request(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except RequestRefused as e:
+            self.output_processor.abort_requests([e.request_id], internal=True)
+            raise
+
+    setattr(add_request, _MARK, True)
+    LLMEngine.add_request = add_request
 
 
 def is_patched() -> bool:

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 
 def register() -> None:
-    """Apply the step-boundary patch (``engine_patches.patch``) and the KV cache budget patch
-    (``engine_patches.kv_budget``), and, with ``INFLIGHT_CPU_PLAIN_GEMM=1``, the plain CPU
+    """Apply the step-boundary patch and the in-process refusal patch (``engine_patches.patch``),
+    the KV cache budget patch (``engine_patches.kv_budget``), and, with ``INFLIGHT_CPU_PLAIN_GEMM=1``, the plain CPU
     GEMM (``engine_patches.patch.use_plain_cpu_gemm``); all idempotent, as vLLM may load
     plugins twice."""
     from engine_patches.kv_budget import patch_available_memory
-    from engine_patches.patch import patch_engine_core, plain_cpu_gemm_requested, use_plain_cpu_gemm
+    from engine_patches.patch import (patch_engine_core, patch_inprocess_refusals, plain_cpu_gemm_requested,
+                                      use_plain_cpu_gemm)
 
     patch_engine_core()
+    patch_inprocess_refusals()
     patch_available_memory()
     if plain_cpu_gemm_requested():
         use_plain_cpu_gemm()

@@ -77,10 +77,15 @@ class InflightWorkerExtension:
         if config.group.resolved_backend() == "nccl":
             nccl_error_handling_once()  # on the worker's own thread, before the listener's start
         config.group.check_exposure(secret, f"inflight worker rank {rank}")
-        schema = checkpoint_schema(checkpoint_dir(vc.model_config.model, vc.model_config.revision), vc.model_config.dtype)
-        applier = make_strategy(self.model_runner, config.commit, schema, quantized=vc.model_config.quantization is not None,
-                               eager=vc.model_config.enforce_eager, commit_unit=config.commit_unit,
-                               window=config.staged_groups)
+        if config.adapter is not None:  # adapter-only: the base weights never move
+            from engine_patches.adapter import start_adapter
+
+            schema, applier = start_adapter(self.model_runner, config.adapter)
+        else:
+            schema = checkpoint_schema(checkpoint_dir(vc.model_config.model, vc.model_config.revision), vc.model_config.dtype)
+            applier = make_strategy(self.model_runner, config.commit, schema, quantized=vc.model_config.quantization is not None,
+                                    eager=vc.model_config.enforce_eager, commit_unit=config.commit_unit,
+                                    window=config.staged_groups)
         from engine_patches.routing import RoutingRecorder
 
         self._inflight_routing = RoutingRecorder(self.model_runner) if config.record_routing else None

@@ -20,8 +20,9 @@ DataPlane = Literal["gloo", "nccl"]
 """The weight group's data plane: NCCL between GPUs, gloo through host memory."""
 Backend = Literal["auto", DataPlane]
 """A ``DataPlane``, or ``auto``: NCCL where CUDA is available, else gloo."""
-CommitStrategyName = Literal["swap", "reload", "copy"]
-"""How staged weights become live (``engine_patches.commit``)."""
+CommitStrategyName = Literal["swap", "reload", "copy", "lora"]
+"""How staged weights become live (``engine_patches.commit``); ``lora``: an adapter-only engine's
+slot write (``engine_patches.commit.lora_slot``)."""
 CommitChoice = Literal["auto", CommitStrategyName]
 """A ``CommitStrategyName``, or ``auto``: the best one that is right for the engine."""
 StagingPlace = Literal["device", "host"]

@@ -152,7 +152,7 @@ class Reference:
 
 
 def drive(llm: Any, coordinator: Any, prompts: Sequence[str], sp: Any, *, hold_at: Sequence[int], start: int,
-          release: Callable[[], bool] = lambda: False) -> list:
+          release: Callable[[], bool] = lambda: False, lora_request: Any = None) -> list:
     """Run ``prompts`` to completion on an engine whose EngineCore is in this process, step
     by step from this thread, so a test never races wall-clock time against the engine.
 
@@ -162,11 +162,12 @@ def drive(llm: Any, coordinator: Any, prompts: Sequence[str], sp: Any, *, hold_a
     steps once, so the commit lands at that step's boundary while the requests decode.
     ``release()`` True lets a held loop step once more (a trainer that waits for engine steps
     before it sends its commit: it is an event too, never a deadline).
+    ``lora_request``: what every request names (an adapter engine's policy adapter).
     Returns the final ``RequestOutput``s, in the order of ``prompts`` (ids ``r0``, ``r1``, ...).
     """
     engine = llm.llm_engine
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, sp)
+        engine.add_request(f"r{i}", prompt, sp, lora_request=lora_request)
     base = coordinator.commits()
     done: dict[str, Any] = {}
     while engine.has_unfinished_requests():

@@ -2,7 +2,7 @@
 
 Nothing here touches a hub: the tokenizer is a byte-level BPE trained with ``tokenizers``
 on a corpus given by the caller, and the model is a randomly initialised Qwen2 or Llama
-built from a config (Qwen2, Llama, or a Qwen3 mixture-of-experts). ``head_dim`` must be 32
+built from a config (Qwen2, Llama, Qwen3, or a Qwen3 mixture-of-experts). ``head_dim`` must be 32
 or more because vLLM's CPU attention backend refuses 16.
 """
 
@@ -24,8 +24,9 @@ SPECIAL_TOKENS = ("<unk>", "<|endoftext|>", "<|pad|>")
 class TinyModelConfig:
     """Shape of a tiny test/demo model."""
 
-    arch: Literal["qwen2", "llama", "qwen3_moe"] = "qwen2"
-    """Architecture: qwen2 (qkv bias), llama (no bias) or qwen3_moe (every MLP a sparse MoE)."""
+    arch: Literal["qwen2", "llama", "qwen3", "qwen3_moe"] = "qwen2"
+    """Architecture: qwen2 (qkv bias), llama (no bias), qwen3 (q/k norms, no bias) or qwen3_moe
+    (qwen3 with every MLP a sparse MoE)."""
     hidden_size: int = 128
     """Model width."""
     num_layers: int = 2
@@ -93,7 +94,7 @@ def build_tiny_model(
 ) -> Path:
     """Write tokenizer + randomly initialised model to ``out_dir``; return the path."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,6 +110,8 @@ def build_tiny_model(
     torch.manual_seed(config.seed)
     if config.arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif config.arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
     elif config.arch == "qwen3_moe":  # norm_topk_prob: the gate weights of the k experts sum to 1, as in Qwen3-30B-A3B
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
             **common, num_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,

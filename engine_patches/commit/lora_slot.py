@@ -1,0 +1,219 @@
+"""The ``lora`` commit: an adapter version written into the engine's one LoRA slot.
+
+vLLM 0.32 keeps an active adapter in per-layer wrappers (``BaseLinearLayerWithLoRA``):
+``lora_a_stacked`` / ``lora_b_stacked``, one index per slot, read by the LoRA kernels on
+every forward with a scale of 1 (alpha/r is folded into B when an adapter is loaded).
+Beside the slot, the worker's adapter manager keeps the registered ``LoRAModel``, which it
+copies into the slot again whenever it re-activates the adapter.
+
+Phases (``engine_patches.commit.base``):
+- ``prepare`` (listener thread, while the engine decodes): vLLM's own loader code turns
+  the staged PEFT tensors into a ``LoRAModel`` (names mapped, q/k/v and gate/up packed,
+  alpha/r folded into B, in the LoRA dtype, exactly as a load from disk), and each
+  wrapper's own ``set_lora``, run on a shallow copy of the wrapper with scratch buffers,
+  writes the slot's image (zero padding, this rank's tensor-parallel slice). Nothing live
+  is touched.
+- ``apply`` (execution thread, between two steps): one ``_foreach_copy_`` of the images
+  into the live slot, in place (GPU kernels and CUDA graphs hold the slot's addresses),
+  and the registered ``LoRAModel`` now holds the new version, so a re-activation replays
+  it, never an older one.
+- ``restore`` / ``undo``: the previous images and adapter back, the same way. They are the
+  live version's own (kept from its commit, or read from the slot at start): nothing is
+  copied inside the stall to make a rollback possible.
+
+Ordering invariant: the slot, the registered adapter and ``_live`` change only in
+``apply``, ``restore`` and ``undo``; ``prepare`` reads none of them.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from inflight.adapter import AdapterSpec
+from inflight.protocol import ShardPlan
+
+
+class LoRASlotApplier:
+    """One worker's adapter slot: prepared images of the next version, and the live one's."""
+
+    strategy = "lora"
+    needs_rollback_copy = False  # the previous version's images are kept from its own commit
+
+    def __init__(self, model_runner: Any, spec: AdapterSpec) -> None:
+        from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+        from vllm.lora.peft_helper import PEFTHelper
+
+        worker_manager = getattr(model_runner, "lora_manager", None)
+        if worker_manager is None:
+            raise RuntimeError("inflight: InflightConfig.adapter needs an engine with LoRA enabled "
+                               "(engine_kwargs(adapter=...) sets enable_lora, max_loras=1 and the adapter's rank)")
+        self._manager = worker_manager._adapter_manager
+        self._config = model_runner.lora_config
+        self._device = torch.device(model_runner.device)
+        self._spec = spec
+        self._helper = PEFTHelper.from_local_dir(spec.path, worker_manager.max_position_embeddings)
+        self._helper.validate_legal(self._config)
+        self._vocab = worker_manager.vocab_size
+        model = self._manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        self._mapper = mapper.get_rename_mapper() if mapper is not None else None
+        self._skip = getattr(model, "lora_skip_prefixes", None)
+        other = sorted(n for n, m in self._manager.modules.items() if not isinstance(m, BaseLinearLayerWithLoRA))
+        if other:
+            raise RuntimeError(f"inflight: LoRA wrappers of other layouts on {other[:4]} (embeddings, LM head, experts); "
+                               "start the engine with engine_kwargs(adapter=...), which wraps only the adapter's targets")
+        self._modules = sorted(self._manager.modules.items())
+        self._adapter_bytes = _adapter_bytes(spec.path, self._config.lora_dtype)
+        self._views = [t[0] for _, m in self._modules for t in _stacked(m)]  # slot 0: the one slot
+        self._prepared: tuple[dict[str, Any], list[torch.Tensor]] | None = None
+        self._live: tuple[dict[str, Any], list[torch.Tensor]] | None = None
+        self._previous: tuple[dict[str, Any], list[torch.Tensor]] | None = None
+
+    # -- start ---------------------------------------------------------------------------
+
+    def attach(self) -> None:
+        """Execution thread, at start: the first version in the slot, pinned, and its images
+        kept as the live version's (what a failed first commit restores)."""
+        from vllm.lora.request import LoRARequest
+
+        manager, sid = self._manager, self._spec.int_id
+        manager.add_adapter(self._load(LoRARequest(self._spec.name, sid, self._spec.path)))
+        manager.activate_adapter(sid)
+        manager.pin_adapter(sid)
+        if list(manager.lora_index_to_id) != [sid]:
+            raise RuntimeError(f"inflight: adapter slots {list(manager.lora_index_to_id)} after pinning id {sid}; "
+                               "an adapter engine has one slot (max_loras=1)")
+        loras = manager.get_adapter(sid).loras
+        unplaced = sorted(set(loras) - {n for n, _ in self._modules})
+        if unplaced:
+            raise RuntimeError(f"inflight: the adapter in {self._spec.path} covers {unplaced[:4]}, which have no LoRA slot "
+                               "in this engine (start it with engine_kwargs(adapter=...))")
+        self._live = (loras, [v.clone() for v in self._views])
+
+    def _load(self, request: Any) -> Any:
+        """The first version, read from its directory by the same code as every update, so
+        that an update of the same tensors writes the same slot bytes."""
+        return self._from_tensors(_read_dir(request.lora_path))
+
+    def live_adapter(self, adapter_id: int) -> Any:
+        """The live version as a fresh ``LoRAModel`` (sharing its tensors): what the worker's
+        manager gets whenever it would load the policy adapter from disk again."""
+        from vllm.lora.lora_model import LoRAModel
+
+        if self._live is None:
+            raise RuntimeError("inflight: the policy adapter was asked for before the slot was attached")
+        return LoRAModel(adapter_id, self._helper.r, dict(self._live[0]))
+
+    # -- listener thread -----------------------------------------------------------------
+
+    def feed(self, weights: Mapping[str, torch.Tensor]) -> None:
+        pass  # an adapter is small: everything is built once it has all arrived
+
+    @torch.no_grad()
+    def prepare(self, weights: Mapping[str, torch.Tensor]) -> None:
+        # clone: vLLM's loader aliases tensors already in its dtype, and folds alpha/r into B in place
+        loras = self._from_tensors({n: w.clone() for n, w in weights.items()}).loras
+        if self._live is not None and set(loras) != set(self._live[0]):
+            raise ValueError(f"inflight: the update covers modules {sorted(set(loras) ^ set(self._live[0]))[:4]} "
+                             "other than the live adapter's")
+        images: list[torch.Tensor] = []
+        for name, module in self._modules:
+            shadow = copy.copy(module)  # shallow: set_lora writes into the shadow's scratch, never the live slot
+            shadow.lora_a_stacked = _scratch(module.lora_a_stacked)
+            shadow.lora_b_stacked = _scratch(module.lora_b_stacked)
+            weights_of = loras.get(name)
+            if weights_of is not None:
+                shadow.set_lora(0, weights_of.lora_a, weights_of.lora_b)
+            images.extend(t[0] for t in _stacked(shadow))
+        self._prepared = (loras, images)
+
+    def _from_tensors(self, tensors: dict[str, torch.Tensor]) -> Any:
+        from vllm.lora.lora_model import LoRAModel
+
+        model = LoRAModel.from_lora_tensors(self._spec.int_id, tensors, self._helper, device=str(self._device),
+                                            dtype=self._config.lora_dtype, model_vocab_size=self._vocab,
+                                            weights_mapper=self._mapper, skip_prefixes=self._skip)
+        self._manager._create_merged_loras_inplace(model)  # packs q/k/v and gate/up; folds alpha/r into B
+        return model
+
+    def discard(self) -> None:
+        self._prepared = None
+
+    # -- execution thread ----------------------------------------------------------------
+
+    def apply(self) -> None:
+        if self._prepared is None or self._live is None:
+            raise RuntimeError("inflight: lora commit without a prepared adapter")
+        self._previous, self._live = self._live, self._prepared
+        self._prepared = None
+        self._write(self._live)
+
+    def restore(self, previous: Mapping[str, torch.Tensor] | None) -> None:
+        if self._previous is not None:  # None: apply failed before it changed anything
+            self.undo(previous)
+
+    def undo(self, previous: Mapping[str, torch.Tensor] | None) -> None:
+        if self._previous is None:
+            raise RuntimeError("inflight: no previous adapter to take back")
+        self._live, self._previous = self._previous, None
+        self._write(self._live)
+
+    def release_rollback(self) -> None:
+        self._previous = None
+
+    def _write(self, version: tuple[dict[str, Any], list[torch.Tensor]]) -> None:
+        loras, images = version
+        torch._foreach_copy_(self._views, images)
+        registered = self._manager.get_adapter(self._spec.int_id)
+        if registered is not None:  # evicted or reset: the manager reloads it through live_adapter
+            registered.loras = dict(loras)
+
+    # -- bookkeeping ---------------------------------------------------------------------
+
+    def shard_plan(self) -> ShardPlan | None:
+        return None  # each rank stages the whole adapter; its own set_lora takes the rank's slice
+
+    def slot_bytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self._views)
+
+    def held_bytes(self) -> int:
+        # the live and the prepared images, and the prepared adapter (the staged tensors' clone)
+        return 2 * self.slot_bytes() + self._adapter_bytes
+
+    def close(self) -> None:
+        pass
+
+
+def _stacked(module: Any) -> list[torch.Tensor]:
+    out = []
+    for stacked in (module.lora_a_stacked, module.lora_b_stacked):
+        out.extend(stacked if isinstance(stacked, (tuple, list)) else (stacked,))
+    return out
+
+
+def _scratch(stacked: Any) -> Any:
+    if isinstance(stacked, (tuple, list)):
+        return type(stacked)(torch.zeros_like(t[:1]) for t in stacked)
+    return torch.zeros_like(stacked[:1])
+
+
+def _adapter_bytes(path: str, dtype: torch.dtype) -> int:
+    from safetensors import safe_open
+
+    from inflight.adapter import ADAPTER_WEIGHTS
+
+    with safe_open(f"{path}/{ADAPTER_WEIGHTS}", framework="pt") as f:
+        numel = sum(int(torch.Size(f.get_slice(n).get_shape()).numel()) for n in f.keys())
+    return numel * dtype.itemsize
+
+
+def _read_dir(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from inflight.adapter import ADAPTER_WEIGHTS
+
+    return load_file(f"{path}/{ADAPTER_WEIGHTS}")

@@ -1,0 +1,253 @@
+"""Adapter-only in-flight updates on a real vLLM CPU engine with LoRA: a tiny Llama at TP=1
+and a tiny Qwen3 at TP=2 (two worker processes, each taking its own slice in its slot).
+
+- adapter versions pushed while requests decode commit at one step on every rank, the
+  tokens' tags change exactly at the reported commit steps, and the engine then matches
+  transformers + PEFT holding the same adapter (fp32, 1e-5);
+- an adapter of another rank, dtype or target modules, or with modules the engine has no
+  slot for, is refused at its announce, naming the tensor, before any byte lands: the
+  engine serves the last good adapter, its outputs bit-identical;
+- requests that do not name the policy adapter (none, another, a reload from disk) are
+  refused alone; re-activating the adapter (an eviction, a cache reset) keeps the live
+  version, never the directory's;
+- a commit that fails on one rank is taken back on the other.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_patches.client import coordinator_of, policy_lora, start_inflight, tagged
+from engine_patches.config import InflightConfig, engine_kwargs
+from engine_patches.rpc import WorkerStatus, as_result
+from inflight.adapter import AdapterSpec
+from inflight.transport.group import GroupConfig
+from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
+from inflight.versions import boundaries, is_monotone
+from tests.engine_harness import drive, perturbed, push_at_steps
+from tests.helpers import fail_next_commit_on_vllm_rank_1
+from trainer.adapter import LoRAOptions, adapter_weights, load_adapter_weights
+
+PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5="]
+OPTIONS = LoRAOptions(rank=8, alpha=16.0)
+
+
+def write_adapter(base: Path, out: Path, seed: int, options: LoRAOptions = OPTIONS, scale: float = 0.05) -> dict:
+    """A PEFT adapter on ``base`` with random A and B (B nonzero: the adapter changes outputs)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32), options.peft_config())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(scale * torch.randn(p.shape, generator=g))
+    model.save_pretrained(str(out))
+    return {k: v.clone() for k, v in adapter_weights(model).items()}
+
+
+class PeftReference:
+    """transformers + PEFT: the base model holding any adapter version."""
+
+    def __init__(self, base: Path, adapter_dir: Path) -> None:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        self.model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32),
+                                               str(adapter_dir)).eval()
+
+    def load(self, weights: dict) -> PeftReference:
+        load_adapter_weights(self.model, weights)
+        return self
+
+    @torch.no_grad()
+    def logprobs(self, prompt: list[int], completion: list[int]) -> torch.Tensor:
+        logits = self.model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1: -1].double()
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+class LoRAEngine:
+    def __init__(self, base: Path, adapter_dir: Path, v0: dict, port: int, tp: int) -> None:
+        from vllm import LLM
+
+        self.base, self.adapter_dir, self.v0 = base, adapter_dir, v0
+        self.spec = AdapterSpec(path=str(adapter_dir))
+        extra = dict(tensor_parallel_size=2, distributed_executor_backend="mp") if tp == 2 else {}
+        self.llm = LLM(str(base), enforce_eager=True, dtype="float32", max_model_len=512, seed=0, **extra,
+                       **engine_kwargs(adapter=self.spec))
+        self.group = GroupConfig(port=port, world_size=1 + tp, timeout_s=120)
+        self.config = InflightConfig(group=self.group, adapter=self.spec)
+        self.report = start_inflight(self.llm, self.config)
+        self.lora = policy_lora(self.config)
+        self.pusher = WeightPusher(self.group, PushConfig(dtype="float32", bucket_mb=0.25))
+        self.coordinator = coordinator_of(self.llm)
+        self.reference = PeftReference(base, adapter_dir)
+        self.version = 0
+        self.live = v0
+
+    def push(self, weights: dict):
+        result = self.pusher.push(self.version + 1, weights)
+        self.version += 1
+        self.live = weights
+        return result
+
+    def greedy(self, max_tokens: int = 12):
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+        outs = self.llm.generate(PROMPTS, sp, lora_request=self.lora, use_tqdm=False)
+        return [(list(o.prompt_token_ids), tagged(o.outputs[0])) for o in outs]
+
+    def statuses(self) -> list[WorkerStatus]:
+        return [as_result(s, WorkerStatus) for s in self.llm.collective_rpc("inflight_status")]
+
+    def close(self) -> None:
+        self.pusher.close()
+        self.llm.collective_rpc("inflight_stop")
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+
+
+def assert_matches_peft(engine: LoRAEngine, weights: dict, version: int) -> list:
+    ref = engine.reference.load(weights)
+    outs = engine.greedy()
+    for prompt, out in outs:
+        assert out.versions == [version] * len(out.token_ids)
+        torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), ref.logprobs(prompt, out.token_ids),
+                                   atol=1e-5, rtol=0)
+    return outs
+
+
+@pytest.fixture(scope="module", params=["llama_tp1", "qwen3_tp2"])
+def lora(request, hold_port, tmp_path_factory):
+    from trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
+
+    root = tmp_path_factory.mktemp(request.param)
+    if request.param == "llama_tp1":
+        base = request.getfixturevalue("tiny_llama")
+        tp = 1
+    else:
+        cfg = TinyModelConfig(arch="qwen3", hidden_size=128, num_heads=4, num_kv_heads=2, tie_word_embeddings=True, seed=3)
+        base, tp = build_tiny_model(root / "base", default_corpus(), cfg), 2
+    v0 = write_adapter(base, root / "v0", seed=11)
+    with pytest.MonkeyPatch.context() as mp:
+        if tp == 2:  # one core per rank: vLLM CPU refuses TP=2 without the bind
+            import vllm.envs
+
+            mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+            vllm.envs.disable_envs_cache()
+        engine = LoRAEngine(base, root / "v0", v0, hold_port(), tp)
+        yield engine
+        engine.close()
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
+
+
+def test_adapter_updates_land_mid_decode_with_exact_tags_and_match_peft(lora: LoRAEngine) -> None:
+    from vllm import SamplingParams
+
+    assert lora.report.commit == "lora" and lora.report.staging_bytes > 0
+    assert_matches_peft(lora, lora.v0, 0)
+    coordinator, start = lora.coordinator, lora.coordinator.steps
+    versions = [perturbed(lora.v0, seed=100 + k, scale=0.03) for k in range(3)]
+    adapter_bytes = sum(t.numel() * 4 for t in lora.v0.values())
+    pushes = push_at_steps(lambda: coordinator.steps - start, (10, 30, 50), lambda k: lora.push(versions[k]))
+    sp = SamplingParams(temperature=1.0, max_tokens=80, logprobs=0, ignore_eos=True, seed=5)
+    outs = drive(lora.llm, coordinator, [f"{i}+{i}=" for i in range(4)], sp, hold_at=[35, 55, 75], start=start,
+                 lora_request=lora.lora)
+    commits = pushes.join()
+    assert [r.version for r in commits] == [1, 2, 3]
+    assert all(r.send.nbytes == adapter_bytes for r in commits), [r.send.nbytes for r in commits]  # the adapter alone travels
+    ranks = sorted(commits[0].commits)
+    for r in commits:
+        assert len({r.commits[k].step for k in ranks}) == 1  # every rank at one step boundary
+    for o in outs:
+        tc = tagged(o.outputs[0])
+        assert len(tc.token_ids) == 80 and is_monotone(tc.versions)
+        first = boundaries(tc.versions)
+        assert set(first) == {0, 1, 2, 3}, first
+        for r in commits:
+            c = r.commits[ranks[0]]
+            assert first[c.version] == c.tokens_at_commit[o.request_id] == c.step - start
+    assert_matches_peft(lora, versions[2], 3)
+
+
+def test_bad_adapters_are_refused_by_name_and_the_engine_serves_on(lora: LoRAEngine) -> None:
+    before = lora.greedy()
+    v = lora.version
+    name = next(n for n in lora.v0 if "v_proj.lora_B" in n)
+    a_name = next(n for n in lora.v0 if "q_proj.lora_A" in n)
+    other = {k.replace("v_proj", "w_proj"): t for k, t in lora.v0.items()}
+    bad = {
+        "bad_shape": {**lora.live, a_name: torch.zeros(4, lora.live[a_name].shape[1])},  # rank 4, not 8
+        "missing_tensor": {k: t for k, t in lora.live.items() if "v_proj" not in k},  # fewer target modules
+        "unknown_tensor": other,  # a module with no slot in this engine
+    }
+    pusher = lora.pusher
+    for code, weights in bad.items():
+        with pytest.raises(PushRejected) as exc:
+            pusher.push(v + 1, weights)
+        assert code in exc.value.codes, exc.value
+    pusher._dtype = None  # as PushConfig(dtype="keep"): each tensor travels in its own dtype
+    try:
+        with pytest.raises(PushRejected) as exc:
+            pusher.push(v + 1, {**lora.live, name: lora.live[name].to(torch.bfloat16)})
+    finally:
+        pusher._dtype = torch.float32
+    assert exc.value.codes == {"bad_dtype"} and name in str(exc.value)
+    after = lora.greedy()
+    for (_, a), (_, b) in zip(before, after):
+        assert b.versions == [v] * len(b.token_ids)
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs  # bit-identical
+    assert lora.coordinator.live_version == v
+
+
+def test_requests_without_the_policy_adapter_are_refused_alone(lora: LoRAEngine) -> None:
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    sp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0)
+    for request, words in ((None, "names no adapter"), (LoRARequest("other", 2, str(lora.adapter_dir)), "'other'"),
+                           (LoRARequest(lora.spec.name, lora.spec.int_id, str(lora.adapter_dir), load_inplace=True),
+                            "load_inplace")):
+        with pytest.raises(ValueError, match=words):
+            lora.llm.generate(PROMPTS[:1], sp, lora_request=request, use_tqdm=False)
+    assert_matches_peft(lora, lora.live, lora.version)
+
+
+def _reset_adapters(worker) -> int:
+    """Inside the worker: what an eviction or vLLM's ``reset_lora_state`` does to the slot."""
+    worker.model_runner.lora_manager.remove_all_adapters()
+    return 1
+
+
+def test_a_reactivated_adapter_is_the_live_version_not_the_directory(lora: LoRAEngine) -> None:
+    weights = perturbed(lora.v0, seed=400, scale=0.03)
+    lora.push(weights)
+    assert lora.llm.collective_rpc(_reset_adapters) == [1] * len(lora.report.ranks)
+    assert_matches_peft(lora, weights, lora.version)  # re-registered from the live version, not v0's file
+
+
+def test_a_commit_failing_on_one_rank_is_taken_back_on_every_rank(lora: LoRAEngine) -> None:
+    if len(lora.report.ranks) < 2:
+        pytest.skip("needs two ranks")
+    before = lora.greedy()
+    v = lora.version
+    assert lora.llm.collective_rpc(fail_next_commit_on_vllm_rank_1) == [0, 1]
+    with pytest.raises(PushRejected) as exc:
+        lora.pusher.push(v + 1, perturbed(lora.live, seed=500, scale=0.05))
+    assert exc.value.codes == {"commit_failed"} and "rolled back on ranks [1]" in exc.value.rejections[1].reason
+    after = lora.greedy()
+    for (_, a), (_, b) in zip(before, after):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and b.versions == [v] * len(b.token_ids)
+    weights = perturbed(lora.live, seed=501, scale=0.03)
+    lora.version = v
+    lora.push(weights)
+    assert_matches_peft(lora, weights, v + 1)
