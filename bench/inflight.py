@@ -2,6 +2,7 @@
 
     python -m bench.inflight [--sizes S M L MoE | --model DIR|smollm2] [--every 8 32] [--steps 768] [--rounds 4]
                              [--commit-unit model layer] [--routing] [--train-steps 40 [--split-cores] [--engines 2]]
+    python -m bench.inflight --lora [--model smollm2|DIR] [--every 4] ...   # adapter-only rows: bench.inflight_lora
 
 Per model, one in-process vLLM engine (in-flight worker + vLLM's weight-transfer API with
 the ``inflight_gloo`` backend) decodes the same workload in every mode: a stream of
@@ -49,6 +50,7 @@ import multiprocessing as mp
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -58,6 +60,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench.inflight_lora import PROMPT, main as lora_main, sampling  # noqa: E402
 from bench.inflight_report import COLS, compare, plot  # noqa: E402
 from bench.inflight_trainer import trainer  # noqa: E402
 from trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus  # noqa: E402
@@ -141,14 +144,10 @@ class Bench:
         return inflight_status(self.llm).staging_peak_bytes
 
     def run(self, mode: str, every: int, steps: int) -> dict:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         from inflight.versions import tags_from_spans
 
         engine = self.llm.llm_engine
         rng = random.Random(self.seed)
-        prompt = {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12]}
         active: set[str] = set()
         times, events = [time.perf_counter()], []  # events: (interval index, kind, info)
         lags: list[int] = []
@@ -161,9 +160,7 @@ class Bench:
             while not draining and len(active) < self.concurrency:
                 rid = f"{mode}-{st['n_req']}"
                 st["n_req"] += 1
-                sp = SamplingParams(max_tokens=rng.randint(16, 512), ignore_eos=True, temperature=1.0,
-                                    output_kind=RequestOutputKind.DELTA, seed=st["n_req"])
-                engine.add_request(rid, prompt, sp)
+                engine.add_request(rid, PROMPT, sampling(rng, st["n_req"]))
                 active.add(rid)
 
         def step() -> None:
@@ -336,6 +333,8 @@ def bench_routing(bench: Bench, every: int, steps: int, rounds: int) -> list[dic
 
 
 def main() -> None:
+    if "--lora" in sys.argv[1:]:  # adapter-only rows, with their own options and defaults
+        return lora_main(Bench)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="*", default=["S", "M", "L"], choices=list(SIZES), help="none: only --model / training rows")
     ap.add_argument("--model", nargs="*", default=[], help="model directories, hub ids or 'smollm2' (trainer/models.py)")

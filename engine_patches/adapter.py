@@ -61,7 +61,7 @@ def check_request(request_id: str, lora_request: Any, spec: AdapterSpec) -> None
     if lora_request is None:
         raise RequestRefused(request_id, f"inflight: request {request_id} names no adapter; this engine serves the policy adapter "
                          f"{spec.name!r} (id {spec.int_id}) in flight, and every request must name it "
-                         "(engine_patches.client.policy_lora; model={spec.name!r} on vllm serve)")
+                         f"(engine_patches.client.policy_lora; model={spec.name!r} on vllm serve)")
     if lora_request.lora_int_id != spec.int_id or lora_request.lora_name != spec.name:
         raise RequestRefused(request_id, f"inflight: request {request_id} names adapter {lora_request.lora_name!r} (id "
                          f"{lora_request.lora_int_id}); this engine serves only the policy adapter {spec.name!r} "

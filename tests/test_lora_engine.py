@@ -3,7 +3,8 @@ and a tiny Qwen3 at TP=2 (two worker processes, each taking its own slice in its
 
 - adapter versions pushed while requests decode commit at one step on every rank, the
   tokens' tags change exactly at the reported commit steps, and the engine then matches
-  transformers + PEFT holding the same adapter (fp32, 1e-5);
+  transformers + PEFT holding the same adapter (fp32, 1e-5), each rank's slot bit for bit
+  what vLLM writes when it loads the same adapter file itself;
 - an adapter of another rank, dtype or target modules, or with modules the engine has no
   slot for, is refused at its announce, naming the tensor, before any byte lands: the
   engine serves the last good adapter, its outputs bit-identical;
@@ -15,114 +16,15 @@ and a tiny Qwen3 at TP=2 (two worker processes, each taking its own slice in its
 
 from __future__ import annotations
 
-import gc
-from pathlib import Path
-
 import pytest
 import torch
 
-from engine_patches.client import coordinator_of, policy_lora, start_inflight, tagged
-from engine_patches.config import InflightConfig, engine_kwargs
-from engine_patches.rpc import WorkerStatus, as_result
-from inflight.adapter import AdapterSpec
-from inflight.transport.group import GroupConfig
-from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
+from engine_patches.client import tagged
+from inflight.transport.pusher import PushRejected
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import drive, perturbed, push_at_steps
 from tests.helpers import fail_next_commit_on_vllm_rank_1
-from trainer.adapter import LoRAOptions, adapter_weights, load_adapter_weights
-
-PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5="]
-OPTIONS = LoRAOptions(rank=8, alpha=16.0)
-
-
-def write_adapter(base: Path, out: Path, seed: int, options: LoRAOptions = OPTIONS, scale: float = 0.05) -> dict:
-    """A PEFT adapter on ``base`` with random A and B (B nonzero: the adapter changes outputs)."""
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32), options.peft_config())
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(scale * torch.randn(p.shape, generator=g))
-    model.save_pretrained(str(out))
-    return {k: v.clone() for k, v in adapter_weights(model).items()}
-
-
-class PeftReference:
-    """transformers + PEFT: the base model holding any adapter version."""
-
-    def __init__(self, base: Path, adapter_dir: Path) -> None:
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
-
-        self.model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32),
-                                               str(adapter_dir)).eval()
-
-    def load(self, weights: dict) -> PeftReference:
-        load_adapter_weights(self.model, weights)
-        return self
-
-    @torch.no_grad()
-    def logprobs(self, prompt: list[int], completion: list[int]) -> torch.Tensor:
-        logits = self.model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1: -1].double()
-        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
-
-
-class LoRAEngine:
-    def __init__(self, base: Path, adapter_dir: Path, v0: dict, port: int, tp: int) -> None:
-        from vllm import LLM
-
-        self.base, self.adapter_dir, self.v0 = base, adapter_dir, v0
-        self.spec = AdapterSpec(path=str(adapter_dir))
-        extra = dict(tensor_parallel_size=2, distributed_executor_backend="mp") if tp == 2 else {}
-        self.llm = LLM(str(base), enforce_eager=True, dtype="float32", max_model_len=512, seed=0, **extra,
-                       **engine_kwargs(adapter=self.spec))
-        self.group = GroupConfig(port=port, world_size=1 + tp, timeout_s=120)
-        self.config = InflightConfig(group=self.group, adapter=self.spec)
-        self.report = start_inflight(self.llm, self.config)
-        self.lora = policy_lora(self.config)
-        self.pusher = WeightPusher(self.group, PushConfig(dtype="float32", bucket_mb=0.25))
-        self.coordinator = coordinator_of(self.llm)
-        self.reference = PeftReference(base, adapter_dir)
-        self.version = 0
-        self.live = v0
-
-    def push(self, weights: dict):
-        result = self.pusher.push(self.version + 1, weights)
-        self.version += 1
-        self.live = weights
-        return result
-
-    def greedy(self, max_tokens: int = 12):
-        from vllm import SamplingParams
-
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
-        outs = self.llm.generate(PROMPTS, sp, lora_request=self.lora, use_tqdm=False)
-        return [(list(o.prompt_token_ids), tagged(o.outputs[0])) for o in outs]
-
-    def statuses(self) -> list[WorkerStatus]:
-        return [as_result(s, WorkerStatus) for s in self.llm.collective_rpc("inflight_status")]
-
-    def close(self) -> None:
-        self.pusher.close()
-        self.llm.collective_rpc("inflight_stop")
-        self.llm.llm_engine.engine_core.shutdown()
-        del self.llm
-        gc.collect()
-
-
-def assert_matches_peft(engine: LoRAEngine, weights: dict, version: int) -> list:
-    ref = engine.reference.load(weights)
-    outs = engine.greedy()
-    for prompt, out in outs:
-        assert out.versions == [version] * len(out.token_ids)
-        torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), ref.logprobs(prompt, out.token_ids),
-                                   atol=1e-5, rtol=0)
-    return outs
-
+from tests.lora_harness import PROMPTS, LoRAEngine, assert_matches_peft, slot_equals_vllm_load, write_adapter
 
 @pytest.fixture(scope="module", params=["llama_tp1", "qwen3_tp2"])
 def lora(request, hold_port, tmp_path_factory):
@@ -150,7 +52,7 @@ def lora(request, hold_port, tmp_path_factory):
     vllm.envs.disable_envs_cache()
 
 
-def test_adapter_updates_land_mid_decode_with_exact_tags_and_match_peft(lora: LoRAEngine) -> None:
+def test_adapter_updates_land_mid_decode_with_exact_tags_and_match_peft(lora: LoRAEngine, tmp_path) -> None:
     from vllm import SamplingParams
 
     assert lora.report.commit == "lora" and lora.report.staging_bytes > 0
@@ -177,6 +79,9 @@ def test_adapter_updates_land_mid_decode_with_exact_tags_and_match_peft(lora: Lo
             c = r.commits[ranks[0]]
             assert first[c.version] == c.tokens_at_commit[o.request_id] == c.step - start
     assert_matches_peft(lora, versions[2], 3)
+    # every rank's slot: bit for bit what vLLM writes when it loads the same adapter file itself
+    lora.reference.load(versions[2]).model.save_pretrained(str(tmp_path / "v3"))
+    assert lora.llm.collective_rpc(slot_equals_vllm_load, args=(str(tmp_path / "v3"),)) == [True] * len(ranks)
 
 
 def test_bad_adapters_are_refused_by_name_and_the_engine_serves_on(lora: LoRAEngine) -> None:

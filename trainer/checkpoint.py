@@ -1,7 +1,8 @@
 """Trainer checkpoints: everything a resumed run needs to continue as if never stopped.
 
 ``<out_dir>/checkpoint/``:
-- the model (``save_pretrained``: safetensors + config + tokenizer), which is also what a
+- the model (``save_pretrained``: safetensors + config + tokenizer; in a LoRA run, the adapter: PEFT's
+  ``adapter_config.json`` and ``adapter_model.safetensors``), which is also what a
   restarted engine loads, so engine and trainer resume on the same weights;
 - ``optimizer.pt``: the optimizer's state dict (a local file, not the wire);
 - ``state.json``: step, policy version, python/torch/CUDA RNG states, rollout-buffer counters;

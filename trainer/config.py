@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from inflight.adapter import AdapterSpec
 from inflight.protocol import CommitUnit
 from inflight.settings import Backend, ModelDtype, RolloutMode, check_choices
 from inflight.transport.group import GroupConfig
@@ -20,6 +21,7 @@ from inflight.transport.pusher import PushConfig
 from kernels.tis_loss import Objective
 from engine_patches.config import InflightConfig
 from trainer.tasks.config import ArithmeticConfig, JsonlConfig, TaskConfig  # noqa: F401  (sections of TrainConfig)
+from trainer.adapter import LoRAOptions
 from trainer.tiny_model import TinyModelConfig
 
 
@@ -58,6 +60,8 @@ class ModelConfig:
     """Engine dtype, and the dtype weights are cast to before they travel."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the tiny model when ``path`` is empty."""
+    lora: LoRAOptions = field(default_factory=LoRAOptions)
+    """``rank`` > 0: train a LoRA adapter on the fixed base; pushes carry the adapter alone."""
 
     def __post_init__(self) -> None:
         check_choices(self, "model")
@@ -335,6 +339,9 @@ class TrainConfig:
         if self.rollout.mode == "inflight" and self.loss.max_lag < 1:
             raise ValueError(f"loss.max_lag={self.loss.max_lag} with rollout.mode='inflight': in-flight samples lag "
                              "the trainer by 1 at least; use max_lag >= 1, or rollout.mode='batch'")
+        if self.model.lora.enabled and (self.loss.routing_replay or self.engine.commit_unit != "model"):
+            raise ValueError("model.lora.rank > 0: an adapter run commits the whole adapter at once and replays no "
+                             "routing (set loss.routing_replay=false, engine.commit_unit='model')")
 
 
 def group_config(cfg: TrainConfig, *, port: int, backend: Backend | None = None) -> GroupConfig:
@@ -350,11 +357,12 @@ def push_config(cfg: TrainConfig) -> PushConfig:
     return PushConfig(bucket_mb=cfg.transport.bucket_mb, dtype=cfg.model.dtype, reply_timeout_s=cfg.transport.reply_timeout_s)
 
 
-def inflight_config(cfg: TrainConfig, group: GroupConfig, *, rank: int, initial_version: int) -> InflightConfig:
+def inflight_config(cfg: TrainConfig, group: GroupConfig, *, rank: int, initial_version: int,
+                    adapter: AdapterSpec | None = None) -> InflightConfig:
     """What engine ``rank``'s workers need to join ``group`` and commit this run's pushes."""
     return InflightConfig(group=group, rank=rank, initial_version=initial_version, max_bucket_mb=cfg.transport.bucket_mb,
                           stale_timeout_s=cfg.transport.stale_timeout_s, record_routing=cfg.loss.routing_replay,
-                          commit_unit=cfg.engine.commit_unit)
+                          commit_unit=cfg.engine.commit_unit, adapter=adapter)
 
 
 def _build(cls: type, data: dict[str, Any], where: str) -> Any:
@@ -371,10 +379,8 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
             if not isinstance(value, dict):
                 raise ValueError(f"{sub}: expected a table, got {value!r}")
             kwargs[key] = _build(hint, value, sub)
-        elif typing.get_origin(hint) is tuple:
-            kwargs[key] = tuple(value)
         else:
-            kwargs[key] = value
+            kwargs[key] = tuple(value) if typing.get_origin(hint) is tuple else value
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
@@ -391,5 +397,4 @@ def config_from_dict(data: dict[str, Any]) -> TrainConfig:
     return _build(TrainConfig, data, "")
 
 
-def config_to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+config_to_dict = dataclasses.asdict

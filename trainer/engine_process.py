@@ -88,7 +88,7 @@ class RolloutLoop:
     commit is pending (the trainer may wait for that commit before it reads the queue)."""
 
     def __init__(self, cfg: TrainConfig, llm: Any, model_dir: str, group: GroupConfig, engine_index: int, rank: int,
-                 parent_pid: int | None) -> None:
+                 parent_pid: int | None, lora_request: Any = None) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -96,6 +96,7 @@ class RolloutLoop:
         from trainer.tasks import build_task, model_stop_ids
 
         self.cfg, self.llm, self.group, self.parent_pid = cfg, llm, group, parent_pid
+        self.lora_request = lora_request  # an adapter engine: every request names the policy adapter
         self.engine_id = f"e{engine_index}"
         self.llm_engine = llm.llm_engine
         self.coordinator = coordinator_of(llm)
@@ -191,7 +192,7 @@ class RolloutLoop:
         # token ids, not text: the chat template already holds the special tokens (the engine's own
         # tokenization would add a BOS in front of it), and evaluation encodes the same way
         ids = encode_prompt(self.tokenizer, prompt, self.cfg.task.chat)
-        self.llm_engine.add_request(rid, {"prompt_token_ids": ids}, self.params)
+        self.llm_engine.add_request(rid, {"prompt_token_ids": ids}, self.params, lora_request=self.lora_request)
 
     def _group_of(self, out: Any) -> RolloutGroup:
         from engine_patches.client import tagged
@@ -274,11 +275,12 @@ class RolloutLoop:
 
 def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_index: int = 0, initial_version: int = 0,
                wait_for_version: int = 0, parent_pid: int | None = None, *, backend: Backend | None = None,
-               cuda_devices: str | None = None) -> None:
+               cuda_devices: str | None = None, adapter_dir: str | None = None) -> None:
     """Serve rollouts until the trainer says stop (or, when spawned by it, until it is gone).
 
     ``initial_version`` labels the weights in ``model_dir``; with ``wait_for_version`` above
     it (a restart mid-run), sampling starts only once the trainer has pushed that version,
+    (in a LoRA run ``model_dir`` is the base and ``adapter_dir`` the adapter of that version);
     so no group is spent on weights the trainer already moved past. ``backend`` (default
     ``transport.backend``) must be the trainer's; ``cuda_devices`` limits the engine's GPUs.
     """
@@ -286,8 +288,9 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
     import torch
     from vllm import LLM
 
-    from engine_patches.client import start_inflight
+    from engine_patches.client import policy_lora, start_inflight
     from engine_patches.config import engine_kwargs
+    from inflight.adapter import AdapterSpec
 
     if not 0 <= engine_index < cfg.engine.count:
         raise ValueError(f"engine index {engine_index} outside engine.count={cfg.engine.count}")
@@ -299,10 +302,13 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
         extra.update(tensor_parallel_size=cfg.engine.tensor_parallel_size, distributed_executor_backend="mp")
     if torch.cuda.is_available():
         extra["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
+    adapter = AdapterSpec(path=adapter_dir) if adapter_dir else None
     llm = LLM(model_dir, dtype=cfg.model.dtype, max_num_seqs=cfg.engine.max_num_seqs,
-              max_model_len=cfg.engine.max_model_len, seed=cfg.run.seed + rank, **extra, **engine_kwargs())
-    start_inflight(llm, inflight_config(cfg, own, rank=1, initial_version=initial_version))
-    loop = RolloutLoop(cfg, llm, model_dir, group, engine_index, rank, parent_pid)
+              max_model_len=cfg.engine.max_model_len, seed=cfg.run.seed + rank, **extra, **engine_kwargs(adapter=adapter))
+    config = inflight_config(cfg, own, rank=1, initial_version=initial_version, adapter=adapter)
+    start_inflight(llm, config)
+    loop = RolloutLoop(cfg, llm, model_dir, group, engine_index, rank, parent_pid,
+                       lora_request=policy_lora(config) if adapter else None)
     next_version = max(initial_version, wait_for_version)  # batch mode: the version the next batch is sampled with
     if not loop.wait_for_version(wait_for_version):
         return
@@ -335,10 +341,11 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--engine-id", type=int, default=0, help="this engine's index in the fleet (0 .. engine.count - 1)")
     ap.add_argument("--initial-version", type=int, default=0, help="version of the weights in --model-dir")
+    ap.add_argument("--adapter-dir", help="a LoRA run: the PEFT directory of --initial-version's adapter")
     ap.add_argument("--backend", choices=choices(Backend), help="the trainer's (default: transport.backend)")
     args = ap.parse_args()
     run_engine(load_config(args.config), args.model_dir, args.host, args.port, args.engine_id, args.initial_version,
-               backend=args.backend)
+               backend=args.backend, adapter_dir=args.adapter_dir)
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ class EngineProcess:
         self.process: mp.process.BaseProcess | None = None
         self.restarts = 0
 
-    def start(self, model_dir: Path, model_version: int, wait_for_version: int) -> None:
+    def start(self, model_dir: Path, model_version: int, wait_for_version: int, adapter_dir: Path | None = None) -> None:
         if not self.cfg.engine.spawn:
             return
         # daemonic, so it ends with the trainer; but a daemonic process may not start children,
@@ -130,7 +130,7 @@ class EngineProcess:
         self.process = mp.get_context("spawn").Process(
             target=run_engine, name=f"inflight-engine-{self.index}", daemon=self.cfg.engine.tensor_parallel_size == 1,
             args=(self.cfg, str(model_dir), self.host, self.port, self.index, model_version, wait_for_version, os.getpid()),
-            kwargs={"backend": self.placement.backend,
+            kwargs={"backend": self.placement.backend, "adapter_dir": None if adapter_dir is None else str(adapter_dir),
                     "cuda_devices": engine_share(self.placement.engine_devices, self.cfg.engine.count, self.index,
                                                  self.cfg.engine.tensor_parallel_size)},
         )
@@ -148,11 +148,13 @@ class Fleet:
     """The trainer's engines: start, watch, recover, let back in."""
 
     def __init__(self, cfg: TrainConfig, model_dir: Path, model_version: int, port: int, placement: Placement,
-                 out: Path) -> None:
+                 out: Path, adapter_dir: Path | None = None) -> None:
         self.cfg = cfg
         self.model_dir = model_dir
         self.model_version = model_version
         """The version of the weights in ``model_dir``, which a (re)started engine serves first."""
+        self.adapter_dir = adapter_dir
+        """A LoRA run: the adapter of ``model_version`` (``model_dir`` is the base, which never moves)."""
         self.engines = [EngineProcess(cfg, i, placement, cfg.transport.host, port, out / f"engine{i}.pid") for i in range(cfg.engine.count)]
         self.failures = 0
         self.drops = 0
@@ -164,9 +166,18 @@ class Fleet:
     def restarts(self) -> int:
         return sum(e.restarts for e in self.engines)
 
+    def restart_from(self, ckpt_dir: Path, version: int) -> None:
+        """A checkpoint of ``version`` was saved: a restarted engine starts from it (in a LoRA run,
+        the base stays and the checkpoint is the adapter)."""
+        if self.adapter_dir is not None:
+            self.adapter_dir = ckpt_dir
+        else:
+            self.model_dir = ckpt_dir
+        self.model_version = version
+
     def start(self, wait_for_version: int) -> None:
         for e in self.engines:
-            e.start(self.model_dir, self.model_version, wait_for_version)
+            e.start(self.model_dir, self.model_version, wait_for_version, self.adapter_dir)
 
     def exit_problem(self) -> str | None:
         problems = [p for e in self.engines if (p := e.exit_problem()) is not None]
@@ -229,7 +240,7 @@ class Fleet:
                 raise EngineLost(f"{e.exit_problem()}; already restarted {e.restarts} times (engine.max_restarts)")
             e.restarts += 1
             e.process.join(timeout=5)
-            e.start(self.model_dir, self.model_version, wait_for_version=version)
+            e.start(self.model_dir, self.model_version, version, self.adapter_dir)
         return [e.index for e in dead]
 
     def _let_in(self, pusher: FleetPusher, timeout_s: float, done: Callable[[], bool]) -> dict[int, dict[int, int]]:

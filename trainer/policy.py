@@ -20,6 +20,7 @@ import torch
 from inflight.protocol import RolloutGroup
 from inflight.rollout_queue import RolloutBuffer
 from inflight.transport.sources import named_weights
+from trainer.adapter import adapter_weights, load_trainable
 from trainer.checkpoint import TrainerState, restore_rng, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.loss import Batch, collate, compute_loss, policy_logprobs
@@ -42,7 +43,8 @@ class StepResult:
 class Policy:
     """The policy under training (accelerate), its optimizer and tokenizer."""
 
-    def __init__(self, cfg: TrainConfig, model_dir: Path, resumed: TrainerState | None) -> None:
+    def __init__(self, cfg: TrainConfig, model_dir: Path, resumed: TrainerState | None,
+                 adapter_dir: Path | None = None) -> None:
         from accelerate import Accelerator
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -51,11 +53,16 @@ class Policy:
         if self.accelerator.device.type == "cpu":
             torch.set_num_threads(1)  # leave the other core(s) to the engine
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)  # fp32 master weights
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                                      weight_decay=cfg.optim.weight_decay)
+        self.lora = adapter_dir is not None
+        if adapter_dir is not None:  # only the adapter trains; its directory is also the checkpoint's
+            model, state_dir = load_trainable(model_dir, adapter_dir), adapter_dir
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)  # fp32 master weights
+            state_dir = model_dir
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
+                                      betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
         if resumed is not None:
-            optimizer.load_state_dict(torch.load(model_dir / "optimizer.pt", weights_only=True))
+            optimizer.load_state_dict(torch.load(state_dir / "optimizer.pt", weights_only=True))
             restore_rng(resumed)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.replay = RoutingReplay(self.unwrapped, enabled=cfg.loss.routing_replay)
@@ -65,8 +72,9 @@ class Policy:
         return self.accelerator.unwrap_model(self.model)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The tensors a push sends, by checkpoint name (``named_weights``)."""
-        return named_weights(self.unwrapped)
+        """The tensors a push sends, by checkpoint name (``named_weights``); in a LoRA run the
+        adapter's, by the names PEFT saves (``trainer.adapter``)."""
+        return adapter_weights(self.unwrapped) if self.lora else named_weights(self.unwrapped)
 
     def step(self, groups: list[RolloutGroup], version: int, step: int, *,
              before_write: Callable[[], object] = lambda: None) -> StepResult:

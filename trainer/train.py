@@ -36,6 +36,7 @@ from trainer.policy import Policy, StepResult
 from trainer.tasks import build_task
 from trainer.tasks.evaluate import Evaluator
 from trainer.tiny_model import build_tiny_model, default_corpus
+from trainer.adapter import write_first_adapter
 from trainer.weight_sync import WeightSync
 
 log = logging.getLogger("inflight.train")
@@ -46,14 +47,14 @@ def train(cfg: TrainConfig) -> dict:
     ckpt_dir = out / "checkpoint"
 
     # -- 1. the policy on disk, 2. the engine processes (the fleet) --------------------------------
-    resumed, model_dir, version = _policy_on_disk(cfg, out, ckpt_dir)
+    resumed, model_dir, adapter_dir, version = _policy_on_disk(cfg, out, ckpt_dir)
     port = cfg.transport.port or reserve_port(cfg.transport.host)  # held until the trainer's store takes it
     placement = place(cfg.transport.backend, spawn=cfg.engine.spawn, gpus=visible_gpus())
-    fleet = Fleet(cfg, model_dir, version, port, placement, out)
+    fleet = Fleet(cfg, model_dir, version, port, placement, out, adapter_dir)
     fleet.start(wait_for_version=version)
 
     # -- 3. the trainer, a weight group per engine on the store it hosts, the rollout queue there -----
-    policy = Policy(cfg, model_dir, resumed)
+    policy = Policy(cfg, model_dir, resumed, adapter_dir)
     pusher = FleetPusher(group_config(cfg, port=port, backend=placement.backend), cfg.engine.tp_sizes, push_config(cfg),
                          join_timeout_s=cfg.transport.rejoin_timeout_s)
     queue = RolloutQueue(pusher.sub_store("rollout"), cfg.rollout.queue_capacity,
@@ -83,7 +84,7 @@ def train(cfg: TrainConfig) -> dict:
             metrics.write({**_row(step, version, result, groups, t0, t_wait, sync, buffer, queue, fleet), **evaluation})
             if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
                 policy.save(ckpt_dir, step + 1, version, buffer)
-                fleet.model_dir, fleet.model_version = ckpt_dir, version  # a restarted engine starts from here
+                fleet.restart_from(ckpt_dir, version)
     finally:
         queue.store.set("stop", b"1")
         fleet.stop()
@@ -103,15 +104,28 @@ def _run_dir(cfg: TrainConfig) -> Path:
     return out
 
 
-def _policy_on_disk(cfg: TrainConfig, out: Path, ckpt_dir: Path) -> tuple[TrainerState | None, Path, int]:
-    """(the resumed state or None, the model directory the engines load, its version)."""
+def _policy_on_disk(cfg: TrainConfig, out: Path, ckpt_dir: Path) -> tuple[TrainerState | None, Path, Path | None, int]:
+    """(the resumed state or None, the model directory the engines load, the adapter directory
+    of a LoRA run, their version). A LoRA run's base never moves; its checkpoint holds the adapter."""
     # a crash between the renames of a checkpoint swap leaves only ``checkpoint.old``: resume from it
     resumed = load_state(ckpt_dir) if cfg.run.resume and (recover(ckpt_dir) or (ckpt_dir / "state.json").exists()) else None
+    if cfg.model.lora.enabled:
+        base = _base_model(cfg, out)
+        if resumed is not None:
+            return resumed, base, ckpt_dir, resumed.version
+        return None, base, write_first_adapter(base, cfg.model.lora, out / "adapter_init", seed=cfg.run.seed), 0
     if resumed is not None:
-        return resumed, ckpt_dir, resumed.version
+        return resumed, ckpt_dir, None, resumed.version
+    return None, _base_model(cfg, out), None, 0
+
+
+def _base_model(cfg: TrainConfig, out: Path) -> Path:
     if cfg.model.path:
-        return None, resolve_model(cfg.model.path), 0  # a directory, a hub id, or "smollm2" (prepared once)
-    return None, build_tiny_model(out / "init", default_corpus(), cfg.model.tiny), 0
+        return resolve_model(cfg.model.path)  # a directory, a hub id, or "smollm2" (prepared once)
+    init = out / "init"
+    if (init / "config.json").exists():  # a resumed LoRA run's base: the one its adapter was trained on
+        return init
+    return build_tiny_model(init, default_corpus(), cfg.model.tiny)
 
 
 def _row(step: int, version: int, result: StepResult, groups: list, t0: float, t_wait: float, sync: WeightSync,

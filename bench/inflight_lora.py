@@ -1,0 +1,350 @@
+"""Adapter-only in-flight updates vs vLLM's own LoRA reload vs whole-model updates, one model.
+
+    python -m bench.inflight --lora [--model smollm2|DIR] [--every 4] [--steps 192] [--rounds 3] [--rank 16]
+
+``bench.inflight``'s method: one in-process vLLM engine at a time decodes the same request
+stream (``PROMPT``, 16..512 new tokens, ``--concurrency`` in flight) in each of its modes,
+interleaved in ``--rounds`` chunks so a drift in machine speed hits them alike. A trainer
+process (nice 19, one thread) holds the weights and, cued every ``--every`` engine steps,
+sends an update (made once, up front: making weights is training, not the update path); a
+cue due while the last update is on its way is skipped (the *achieved* steps per update can
+exceed the requested), and a chunk steps on until its last update landed. Decode time lost
+per update = (the mode's wall - the wall its engine's ``none`` needs for the same tokens) /
+updates (``bench.inflight_report.compare``). Three engines, one after the other:
+
+1. ``lora-inflight``: an adapter-only in-flight engine (``InflightConfig.adapter``; rank
+   ``--rank``, alpha 2 x rank, PEFT's default targets), every request naming the policy
+   adapter. ``none`` is the ceiling; ``inflight-lora``: the trainer pushes the adapter's
+   tensors while the engine steps; they commit into its one LoRA slot at a step boundary.
+2. ``lora-vllm``: a plain vLLM LoRA engine with the same LoRA settings, on vLLM's own path.
+   The trainer writes the version as a PEFT directory (``save_pretrained``) while the engine
+   decodes, as a trainer would (the write's CPU is in the wall; ``write_ms`` its column); at
+   the next step boundary the driver reloads it, ``add_lora(LoRARequest(..., load_inplace=
+   True))`` under the id every request names: ``native-lora-inplace`` with the scheduler
+   running, ``native-lora-pause`` inside ``pause_scheduler(keep)`` .. ``resume_scheduler``.
+   The reload is first checked to take effect (greedy log-probs change at each reload).
+3. ``full``: ``bench.inflight.Bench`` on the whole model: ``inflight-full`` (in-flight push)
+   and ``native-full`` (pause(keep) + vLLM's weight-transfer API).
+
+Per row: tokens/s, its ratio to the engine's ``none``, updates, achieved steps per update,
+lost decode per update, the stall (the interval holding the update minus the median step),
+bytes per update, write / load / pause / commit times. Checked: (a) inflight-lora tokens/s
+>= 0.97 x none's; (b) its lost decode per update <= 5% of native-full's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing as mp
+import os
+import random
+import statistics
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.inflight_report import compare
+from bench.inflight_trainer import push_report
+
+PROMPT = {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12]}
+"""Every request's prompt, here and in ``bench.inflight``: all rows decode the same stream."""
+STEP_SCALE = 1e-2  # the trainer's versions: v0's tensors + this x N(0, 1) (v0's B is zero: the step is B)
+ENGINES = {"lora-inflight": ("none", "inflight-lora"), "lora-vllm": ("none", "native-lora-inplace", "native-lora-pause")}
+FULL = {"none": "none", "inflight": "inflight-full", "native": "native-full"}  # Bench.run's modes -> row labels
+COLS = ["engine", "mode", "updates", "steps_per_update", "tok_s", "vs_none", "lost_ms_per_update", "lost_ms_per_update_capped",
+        "capped_steps", "step_ms", "stall_ms", "bytes_per_update", "write_ms", "load_ms", "pause_ms", "commit_ms"]
+
+
+def sampling(rng: random.Random, n: int) -> Any:
+    """The workload's ``n``-th request: 16..512 new tokens, temperature 1, streamed as deltas."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(max_tokens=rng.randint(16, 512), ignore_eos=True, temperature=1.0,
+                          output_kind=RequestOutputKind.DELTA, seed=n)
+
+
+def lora_trainer(conn: Connection, base_dir: str, adapter_dir: str, out_dir: str, push: bool) -> None:
+    """The trainer process: serves ``("push" | "save" | "stop", version)`` from ``conn``.
+    ``push``: join a weight group (its ``GroupConfig`` goes to the driver first) and push
+    in flight; otherwise only write PEFT directories, two alternating (``v0``, ``v1`` under
+    ``out_dir``), so a write never truncates the file of the adapter the engine serves."""
+    os.nice(19)
+    torch.set_num_threads(1)
+    from inflight.adapter import ADAPTER_WEIGHTS
+    from inflight.transport.group import GroupConfig
+    from inflight.transport.pusher import PushConfig, WeightPusher
+    from inflight.transport.store import reserve_port
+    from trainer.adapter import adapter_weights, load_adapter_weights, load_trainable
+
+    model = load_trainable(Path(base_dir), Path(adapter_dir))
+    v0 = adapter_weights(model)
+    states = [{k: v + STEP_SCALE * torch.randn(v.shape, generator=torch.Generator().manual_seed(i))
+               for k, v in v0.items()} for i in range(2)]
+    pusher = None
+    if push:
+        group = GroupConfig(port=reserve_port(), world_size=2, timeout_s=120)
+        conn.send(group)
+        pusher = WeightPusher(group, PushConfig(dtype="float32", bucket_mb=64))
+    conn.send("ready")
+    while True:
+        cmd, version = conn.recv()
+        state = states[version % 2]
+        if cmd == "push" and pusher is not None:
+            cpu0 = time.process_time()
+            conn.send(push_report(pusher.push(version, state), version, time.process_time() - cpu0))
+        elif cmd == "save":
+            load_adapter_weights(model, state)  # the optimizer's step, not the write: untimed
+            out = Path(out_dir) / f"v{version % 2}"
+            t0 = time.perf_counter()
+            model.save_pretrained(str(out))
+            conn.send({"version": version, "path": str(out), "write_ms": 1e3 * (time.perf_counter() - t0),
+                       "nbytes": (out / ADAPTER_WEIGHTS).stat().st_size})
+        else:
+            if pusher is not None:
+                pusher.close()
+            return
+
+
+class LoRABench:
+    """One LoRA engine of ``ENGINES`` (``lora-inflight``: adapter-only in-flight; ``lora-vllm``:
+    plain vLLM LoRA), its trainer process and modes; ``run`` gives ``Bench.run``'s chunks."""
+
+    def __init__(self, kind: str, base: Path, v0: Path, work: Path, concurrency: int, listener_nice: int) -> None:
+        from vllm import LLM
+        from vllm.lora.request import LoRARequest
+
+        from engine_patches.client import coordinator_of, policy_lora, start_inflight
+        from engine_patches.config import InflightConfig, engine_kwargs
+        from inflight.adapter import AdapterSpec
+
+        self.concurrency, self.seed, self.version = concurrency, 0, 0
+        spec = AdapterSpec(path=str(v0))
+        if kind == "lora-inflight":
+            kwargs = engine_kwargs(adapter=spec)
+        else:  # the LoRA settings engine_kwargs(adapter=spec) picks, without the in-flight worker
+            shape = spec.shape()
+            kwargs = dict(enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=shape.max_lora_rank,
+                          lora_target_modules=list(shape.target_modules), enable_prefix_caching=False,
+                          async_scheduling=False, generation_config="vllm")
+        self.llm = LLM(str(base), enforce_eager=True, dtype="float32", max_model_len=640, seed=self.seed,
+                       max_num_seqs=concurrency, **kwargs)
+        self.conn, child = mp.get_context("spawn").Pipe()
+        self.proc = mp.get_context("spawn").Process(
+            target=lora_trainer, args=(child, str(base), str(v0), str(work / kind), kind == "lora-inflight"), daemon=True)
+        self.proc.start()
+        self.coordinator = None
+        if kind == "lora-inflight":
+            config = InflightConfig(group=self.conn.recv(), adapter=spec, listener_nice=listener_nice)
+            start_inflight(self.llm, config)
+            self.lora = policy_lora(config)
+            self.coordinator = coordinator_of(self.llm)
+        else:
+            self.lora = LoRARequest(spec.name, spec.int_id, spec.path)
+        assert self.conn.recv() == "ready"
+        self.core = self.llm.llm_engine.engine_core.engine_core
+        self.reload_change = self.check_reload() if kind == "lora-vllm" else None
+        self.run("none", every=10**9, steps=48)  # warm-up: kernels, allocator, oneDNN caches
+
+    def load(self, mode: str, r: dict) -> dict:
+        """vLLM's reload, between engine steps, of the version the trainer wrote to ``r["path"]``."""
+        from vllm.lora.request import LoRARequest
+
+        pause, t0 = mode == "native-lora-pause", time.perf_counter()
+        if pause:
+            self.core.pause_scheduler(mode="keep", clear_cache=False)
+        t1 = time.perf_counter()
+        # vLLM 0.32's LRU worker manager, load_inplace: reads the directory, drops the cached
+        # adapter of this id, registers and activates the new one: the next step decodes with it
+        if not self.llm.llm_engine.add_lora(LoRARequest(self.lora.lora_name, self.lora.lora_int_id, r["path"],
+                                                         load_inplace=True)):
+            raise RuntimeError(f"add_lora(load_inplace=True) did not load {r['path']}")
+        t2 = time.perf_counter()
+        if pause:
+            self.core.resume_scheduler()
+        return {**r, "load_ms": 1e3 * (t2 - t1), "pause_ms": 1e3 * (time.perf_counter() - t0)}
+
+    def check_reload(self) -> float:
+        """That vLLM's in-place reload serves the new version to requests naming the same id: the
+        greedy log-probs of ``PROMPT`` change at each of two reloads (returned: the smaller change)."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
+
+        def logprobs() -> list[float]:
+            out = self.llm.generate([PROMPT], sp, lora_request=self.lora, use_tqdm=False)[0].outputs[0]
+            return [step[t].logprob for t, step in zip(out.token_ids, out.logprobs)]
+
+        seen = [logprobs()]
+        for _ in range(2):
+            self.version += 1
+            self.conn.send(("save", self.version))
+            self.load("native-lora-inplace", self.conn.recv())
+            seen.append(logprobs())
+        change = min(max(abs(a - b) for a, b in zip(x, y)) for x, y in zip(seen, seen[1:]))
+        if change < 1e-4:
+            raise RuntimeError(f"add_lora(load_inplace=True) left the outputs unchanged (max |dlogprob| {change:.2e})")
+        return change
+
+    def run(self, mode: str, every: int, steps: int) -> dict:
+        """``steps`` engine steps of ``mode``: ``none``, ``inflight-lora`` (a push) or
+        ``native-lora-inplace`` / ``native-lora-pause`` (a write, then vLLM's reload)."""
+        engine = self.llm.llm_engine
+        rng = random.Random(self.seed)
+        active: set[str] = set()
+        times, events = [time.perf_counter()], []  # events: (interval index, info)
+        st, pending = {"tokens": 0, "skipped": 0, "n_req": 0}, False
+        start = self.coordinator.steps if self.coordinator is not None else 0
+
+        def refill() -> None:
+            while len(active) < self.concurrency:
+                rid = f"{mode}-{st['n_req']}"
+                st["n_req"] += 1
+                engine.add_request(rid, PROMPT, sampling(rng, st["n_req"]), lora_request=self.lora)
+                active.add(rid)
+
+        def step() -> None:
+            for out in engine.step():
+                st["tokens"] += len(out.outputs[0].token_ids)
+                if out.finished:
+                    active.discard(out.request_id)
+            times.append(time.perf_counter())
+
+        def land(r: dict) -> None:
+            if mode == "inflight-lora":  # committed inside the engine step that held it
+                events.append((r["commit_step"] - start + 1, r))
+            else:  # loaded now, between steps: the next interval holds it
+                events.append((len(times), self.load(mode, r)))
+
+        i = 0
+        while i < steps or pending:  # past the chunk while its last update is on its way: those steps count
+            if mode != "none" and 0 < i < steps and i % every == 0:
+                if pending:
+                    st["skipped"] += 1  # the previous update is still on its way: this one is not sent
+                else:
+                    self.version += 1
+                    self.conn.send(("push" if mode == "inflight-lora" else "save", self.version))
+                    pending = True
+            if pending and self.conn.poll():
+                land(self.conn.recv())
+                pending = False
+            refill()
+            step()
+            i += 1
+        if self.coordinator is not None and self.coordinator.live_version != self.version:
+            raise RuntimeError(f"the engine serves version {self.coordinator.live_version}, pushed {self.version}")
+        for rid in list(active):
+            engine.abort_request([rid])
+        while engine.has_unfinished_requests():
+            engine.step()
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        at = {i for i, _ in events}
+        return {"mode": mode, "every": every, "tokens": st["tokens"], "wall_s": times[-1] - times[0],
+                "steps": len(gaps), "skipped": st["skipped"], "infos": [r for _, r in events],
+                "quiet": [g for i, g in enumerate(gaps, 1) if i not in at],
+                "event_gaps": [gaps[i - 1] for i, _ in events if 0 < i <= len(gaps)]}
+
+    def close(self) -> None:
+        self.conn.send(("stop", 0))
+        self.proc.join(30)
+        if self.coordinator is not None:
+            self.llm.collective_rpc("inflight_stop")
+        self.llm.llm_engine.engine_core.shutdown()  # then drop it and gc.collect(): the next engine starts clean
+
+
+def row(model: str, engine: str, label: str, chunks: list[dict]) -> dict:
+    """One row from one mode's chunks (``LoRABench.run`` or ``bench.inflight.Bench.run``)."""
+    infos = [r for c in chunks for r in c["infos"]]
+    quiet = [g for c in chunks for g in c["quiet"]]
+    base = statistics.median(quiet)
+    events = [g for c in chunks for g in c["event_gaps"]]
+    stalls = [1e3 * (g - base) for g in events]
+    tokens, wall, steps = (sum(c[k] for c in chunks) for k in ("tokens", "wall_s", "steps"))
+    timed = {k: round(statistics.median(r[k] for r in infos), 2) if infos and k in infos[0] else None
+             for k in ("write_ms", "load_ms", "pause_ms", "commit_ms")}
+    return {"model": model, "engine": engine, "mode": label, "every": chunks[0]["every"], "group": chunks[0]["every"],
+            "steps": steps, "updates": len(infos), "skipped": sum(c["skipped"] for c in chunks),
+            "steps_per_update": round(steps / len(infos), 1) if infos else None, "tokens": tokens,
+            "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1), "step_ms": round(1e3 * base, 2),
+            "stall_ms": round(statistics.median(stalls), 2) if stalls else 0.0,
+            "bytes_per_update": infos[0]["nbytes"] if infos else 0, **timed, "_quiet": quiet, "_events": events}
+
+
+def interleaved(bench: Any, modes: dict[str, str], model: str, engine: str, every: int, steps: int,
+                rounds: int) -> list[dict]:
+    """``modes`` (``bench.run``'s mode -> row label) on one engine, interleaved: none, a, b, none, a, ..."""
+    chunks: dict[str, list[dict]] = {m: [] for m in modes}
+    for _ in range(rounds):
+        for mode in modes:
+            chunks[mode].append(bench.run(mode, every, steps // rounds))
+    return [row(model, engine, label, chunks[mode]) for mode, label in modes.items()]
+
+
+def checks(rows: list[dict]) -> dict:
+    """The targets: (a) inflight-lora tokens/s >= 0.97 x its engine's none's; (b) its lost
+    decode per update <= 5% of native-full's."""
+    get = {(r["engine"], r["mode"]): r for r in rows}
+    lora, full = get["lora-inflight", "inflight-lora"], get["full", "native-full"]
+    frac = lora["lost_ms_per_update"] / full["lost_ms_per_update"]
+    return {"a_vs_none": lora["vs_none"], "a_pass": lora["vs_none"] >= 0.97, "b_lost_ms": lora["lost_ms_per_update"],
+            "b_native_full_lost_ms": full["lost_ms_per_update"], "b_frac": round(frac, 4), "b_pass": frac <= 0.05}
+
+
+def main(bench_cls: type) -> None:
+    """``python -m bench.inflight --lora``. ``bench_cls``: ``bench.inflight.Bench``, for the
+    full-model rows, handed in by ``bench.inflight`` (which imports this module)."""
+    from trainer.adapter import LoRAOptions, write_first_adapter
+    from trainer.models import resolve_model
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lora", action="store_true", help="selects this benchmark in bench.inflight")
+    ap.add_argument("--model", default="smollm2", help="a model directory, hub id or 'smollm2' (trainer/models.py)")
+    ap.add_argument("--every", type=int, default=4, help="requested update cadence, engine steps (every mode)")
+    ap.add_argument("--steps", type=int, default=192, help="engine steps per mode")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds the steps of each engine's modes are split into")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--rank", type=int, default=16, help="the adapter's rank (alpha = 2 x rank)")
+    ap.add_argument("--listener-nice", type=int, default=19, help="InflightConfig.listener_nice, as bench.inflight's")
+    args = ap.parse_args()
+    load, t0 = [round(os.getloadavg()[0], 2)], time.perf_counter()
+    base = resolve_model(args.model)
+    model, run = base.name, dict(every=args.every, steps=args.steps, rounds=args.rounds)
+    rows: list[dict] = []
+    reload_change = None
+    with tempfile.TemporaryDirectory() as tmp:
+        v0 = write_first_adapter(base, LoRAOptions(rank=args.rank, alpha=2.0 * args.rank), Path(tmp) / "v0", seed=0)
+        for kind, modes in ENGINES.items():
+            bench = LoRABench(kind, base, v0, Path(tmp), args.concurrency, args.listener_nice)
+            reload_change = bench.reload_change or reload_change
+            rows += interleaved(bench, {m: m for m in modes}, model, kind, **run)
+            bench.close()
+            del bench
+            gc.collect()
+        full = bench_cls(str(base), Path(tmp), args.concurrency, seed=0, listener_nice=args.listener_nice)
+        rows += interleaved(full, FULL, model, "full", **run)
+        full.close()
+        full.llm.llm_engine.engine_core.shutdown()
+        del full
+        gc.collect()
+    load.append(round(os.getloadavg()[0], 2))
+    compare(rows)
+    c = checks(rows)
+    print(f"{model}, adapter rank {args.rank}, every {args.every} steps, {args.steps} steps per mode in {args.rounds} "
+          f"rounds; vLLM's in-place reload moved greedy log-probs by >= {reload_change:.3g} at each reload")
+    print(f"load average (1 min) at start / end: {load[0]} / {load[1]} ({os.cpu_count()} cores, shared)")
+    print(" | ".join(COLS))
+    for r in rows:
+        print(" | ".join(str(r[k]) for k in COLS))
+    print(f"(a) inflight-lora tokens/s vs none's on its engine: {c['a_vs_none']} (target >= 0.97): "
+          f"{['FAIL', 'PASS'][c['a_pass']]}")
+    print(f"(b) inflight-lora decode lost per update {c['b_lost_ms']} ms vs native-full's {c['b_native_full_lost_ms']} ms: "
+          f"{100 * c['b_frac']:.2f}% (target <= 5%): {['FAIL', 'PASS'][c['b_pass']]}")
+    print(json.dumps({"bench": "inflight-lora", "device": "cpu", "model": model, "rank": args.rank, **run,
+                      "concurrency": args.concurrency, "load_1m": load, "wall_s": round(time.perf_counter() - t0, 1),
+                      "reload_change": reload_change, "checks": c, "rows": rows}))
