@@ -156,3 +156,26 @@ def test_a_commit_failing_on_one_rank_is_taken_back_on_every_rank(lora: LoRAEngi
     lora.version = v
     lora.push(weights)
     assert_matches_peft(lora, weights, v + 1)
+
+
+def test_adapter_directories_the_slot_cannot_hold_are_refused_by_name(tmp_path) -> None:
+    import json
+
+    from engine_patches.config import engine_kwargs
+    from inflight.adapter import AdapterSpec
+    from trainer.adapter import LoRAOptions
+
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "use_dora": True, "bias": "lora_only",
+              "modules_to_save": ["score"], "target_modules": ["q_proj", "lm_head", "embed_tokens"]}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as exc:
+        engine_kwargs(adapter=AdapterSpec(path=str(tmp_path)))
+    for words in ("use_dora", "bias='lora_only'", "modules_to_save=['score']", "['embed_tokens', 'lm_head']"):
+        assert words in str(exc.value), (words, str(exc.value))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 12, "lora_alpha": 16, "target_modules": ["q_proj"]}))
+    assert engine_kwargs(adapter=AdapterSpec(path=str(tmp_path)))["max_lora_rank"] == 16  # the smallest vLLM slot >= 12
+    with pytest.raises(ValueError, match=r"model.lora.target_modules=.*lm_head"):
+        LoRAOptions(rank=8, target_modules=("q_proj", "lm_head"))
+    with pytest.raises(ValueError, match="AdapterSpec.int_id=0"):
+        AdapterSpec(path=str(tmp_path), int_id=0)
