@@ -77,27 +77,21 @@ class LoRASlotApplier:
 
     def attach(self) -> None:
         """Execution thread, at start: the first version in the slot, pinned, and its images
-        kept as the live version's (what a failed first commit restores)."""
-        from vllm.lora.request import LoRARequest
-
+        kept as the live version's (what a failed first commit restores). It is read by the
+        same code as every update, so an update of the same tensors writes the same bytes."""
         manager, sid = self._manager, self._spec.int_id
-        manager.add_adapter(self._load(LoRARequest(self._spec.name, sid, self._spec.path)))
+        first = self._from_tensors(_read_dir(self._spec.path))
+        unplaced = sorted(set(first.loras) - {n for n, _ in self._modules})
+        if unplaced:
+            raise RuntimeError(f"inflight: the adapter in {self._spec.path} covers {unplaced[:4]}, which have no LoRA slot "
+                               "in this engine (start it with engine_kwargs(adapter=...))")
+        manager.add_adapter(first)
         manager.activate_adapter(sid)
         manager.pin_adapter(sid)
         if list(manager.lora_index_to_id) != [sid]:
             raise RuntimeError(f"inflight: adapter slots {list(manager.lora_index_to_id)} after pinning id {sid}; "
                                "an adapter engine has one slot (max_loras=1)")
-        loras = manager.get_adapter(sid).loras
-        unplaced = sorted(set(loras) - {n for n, _ in self._modules})
-        if unplaced:
-            raise RuntimeError(f"inflight: the adapter in {self._spec.path} covers {unplaced[:4]}, which have no LoRA slot "
-                               "in this engine (start it with engine_kwargs(adapter=...))")
-        self._live = (loras, [v.clone() for v in self._views])
-
-    def _load(self, request: Any) -> Any:
-        """The first version, read from its directory by the same code as every update, so
-        that an update of the same tensors writes the same slot bytes."""
-        return self._from_tensors(_read_dir(request.lora_path))
+        self._live = (manager.get_adapter(sid).loras, [v.clone() for v in self._views])
 
     def live_adapter(self, adapter_id: int) -> Any:
         """The live version as a fresh ``LoRAModel`` (sharing its tensors): what the worker's
