@@ -83,7 +83,7 @@ def _mean(xs: list[float]) -> float:
 
 
 def run_one(name: str, base: dict, steps: int, seed: int, out_root: Path) -> dict[str, Any]:
-    from trainer.config import config_from_dict
+    from trainer.config_files import config_from_dict
     from trainer.train import train
 
     out = out_root / name.replace(" ", "_")

@@ -140,7 +140,7 @@ def test_layer_commits_stage_two_groups_and_match_transformers(smollm2: Path, po
 def test_smoke_run_of_the_smollm2_config(tmp_path: Path) -> None:
     """configs/smollm2_cpu.toml, cut to 2 steps and 4 eval prompts: the real model through the
     whole loop (chat prompts, EOS, arithmetic rewards, in-flight pushes, evaluation)."""
-    from trainer.config import config_from_dict
+    from trainer.config_files import config_from_dict
     from trainer.train import train
 
     data = tomllib.loads((ROOT / "configs" / "smollm2_cpu.toml").read_text())

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from trainer.config import config_from_dict, load_config
+from trainer.config_files import config_from_dict, load_config
 from trainer.train import train
 
 SMALL = {

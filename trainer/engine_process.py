@@ -35,7 +35,8 @@ from inflight.rollout_queue import RolloutQueue
 from inflight.settings import Backend, choices
 from inflight.transport.errors import TransportError
 from inflight.transport.group import INCARNATION, GroupConfig
-from trainer.config import TrainConfig, group_config, inflight_config, load_config
+from trainer.config import TrainConfig, group_config, inflight_config
+from trainer.config_files import load_config
 
 log = logging.getLogger("inflight.rollout")
 

@@ -28,7 +28,8 @@ from inflight.rollout_queue import RolloutBuffer, RolloutQueue
 from inflight.transport.fleet_pusher import FleetPusher
 from inflight.transport.store import reserve_port
 from trainer.checkpoint import TrainerState, load_state, recover
-from trainer.config import TrainConfig, config_to_dict, group_config, load_config, push_config
+from trainer.config import TrainConfig, group_config, push_config
+from trainer.config_files import config_to_dict, load_config
 from trainer.fleet import Fleet, place, visible_gpus
 from trainer.metrics import MetricsLog, plot_run, summarize
 from trainer.models import resolve_model
