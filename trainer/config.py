@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from inflight.adapter import AdapterSpec
 from inflight.protocol import CommitUnit
-from inflight.settings import Backend, ModelDtype, RolloutMode, check_choices
+from inflight.settings import Backend, ModelDtype, RolloutMode, TrackerName, check_choices
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig
 from kernels.tis_loss import Objective
@@ -37,8 +37,16 @@ class RunConfig:
     """Save a checkpoint every N steps (0: only at the end)."""
     resume: bool = False
     """Continue from ``out_dir/checkpoint`` if it exists."""
+    report_to: tuple[TrackerName, ...] = ("jsonl",)
+    """Where each step's metrics go: ``jsonl`` (metrics.jsonl, always written: added when left out)
+    and any of ``tensorboard``, ``wandb``, ``trackio``, each its extra (docs/training.md, *Experiment trackers*)."""
+    project: str = "inflight"
+    """The W&B / Trackio project the run is logged under (its name there: ``name``)."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "run")
+        # jsonl always: the plot, the summary and a resumed run read metrics.jsonl
+        object.__setattr__(self, "report_to", tuple(self.report_to) if "jsonl" in self.report_to else ("jsonl", *self.report_to))
         if self.steps < 1:
             raise ValueError(f"run.steps={self.steps} must be >= 1")
         if self.checkpoint_every < 0:
@@ -293,9 +301,20 @@ class EngineConfig:
     """What an engine commits at once (``InflightConfig.commit_unit``): the whole model, or one
     layer group per step boundary (staging of two groups, a stall of one group's swap; tokens
     sampled mid-update are tagged with the hybrid that sampled them)."""
+    launcher: Literal["process", "ray"] = "process"
+    """How spawned engines start: ``process``, one process each on this machine; ``ray``, one
+    Ray actor each, in a placement group of its own (``trainer.ray_launcher``), on the Ray
+    cluster at ``ray_address`` (needs the ``ray`` extra)."""
+    ray_address: str = ""
+    """``launcher = "ray"``: the cluster to join (``ray.init(address=...)``); empty starts a local one."""
+    ray_cpus: float = 1.0
+    """``launcher = "ray"``: CPUs in each engine's placement group bundle (plus one GPU per
+    tensor parallel worker where the cluster has GPUs)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "engine")
+        if not self.ray_cpus > 0:
+            raise ValueError(f"engine.ray_cpus={self.ray_cpus} must be > 0")
         if self.max_restarts < 0:
             raise ValueError(f"engine.max_restarts={self.max_restarts} must be >= 0")
         if self.count < 1:
