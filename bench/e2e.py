@@ -89,7 +89,7 @@ def split_cores() -> Iterator[None]:
 def train_loop(steps: int, work: Path, engines: int = 1, *, split: bool = False) -> list[dict]:
     """In-flight vs batch-boundary with one engine (and, with ``engines`` > 1 on shared
     cores, in-flight with a fleet of that many engines)."""
-    from trainer.config import config_from_dict
+    from trainer.config_files import config_from_dict
     from trainer.train import train
 
     rows = []

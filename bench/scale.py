@@ -1,9 +1,9 @@
 """At scale, on paper: in-flight updates vs pause-based and batch-boundary sync for a fleet.
 
-    python -m bench.scale [--configs configs/scale/*.toml] [--cpu-bench bench/scale_cpu_bench.json]
-                          [--png docs/scale.png]
+    inflight bench scale [--configs bench/scenarios/*.toml] [--cpu-bench bench/scale_cpu_bench.json]
+                         [--png docs/scale.png]          (or: python -m bench.scale ...)
 
-For each scenario (one TOML under configs/scale/, every figure published or derived from
+For each scenario (one TOML under bench/scenarios/, every figure published or derived from
 one, with its source beside it), first what an update moves: the bytes the trainer sends
 one engine and the most one rank stages, from the model's shapes (``scale_shapes``), and
 pause's update time at each system's published rate (``transfers.toml``). Then each way of
@@ -30,8 +30,8 @@ import math
 import statistics
 from pathlib import Path
 
-from bench.scale_fleet import (BUILT, CPU_LENGTHS, VARIANTS, Plan, Scenario, bytes_row, cpu_step_time, cpu_update, plan,
-                               published_rows, scenario_paths)
+from bench.scale_fleet import (BUILT, CPU_LENGTHS, SCENARIOS, VARIANTS, Plan, Scenario, bytes_row, cpu_step_time,
+                               cpu_update, plan, published_rows, scenario_paths)
 from bench.scale_layer import layer_rows, layer_table
 from bench.scale_model import Run, simulate
 
@@ -346,13 +346,14 @@ def plot(rows: list[dict], swept: list[dict], checks: list[dict], png: Path) -> 
     if checks:
         ax.legend(fontsize=8)
     fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=100)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", nargs="+", type=Path, default=scenario_paths(Path("configs/scale")))
-    ap.add_argument("--cpu-bench", type=Path, default=Path("bench/scale_cpu_bench.json"))
+    ap.add_argument("--configs", nargs="+", type=Path, default=scenario_paths(SCENARIOS))
+    ap.add_argument("--cpu-bench", type=Path, default=Path(__file__).resolve().parent / "scale_cpu_bench.json")
     ap.add_argument("--png", type=Path, default=Path("docs/scale.png"))
     args = ap.parse_args()
     scenarios = sorted((Scenario.load(p) for p in args.configs), key=lambda s: s.model.params_b)

@@ -43,6 +43,7 @@ VARIANTS = ("none", "batch", "pause", "inflight", "inflight_host", "inflight_sha
 LAYERED = ("inflight_layer", "inflight_host_layer")
 BUILT = tuple(v for v in VARIANTS if v not in LAYERED)  # the shard modes: the engine's shard-targeted transfer
 GB = 1e9
+SCENARIOS = Path(__file__).resolve().parent / "scenarios"  # package data: bench.scale runs from an installed wheel too
 TRANSFERS = "transfers.toml"  # the published update times, beside the scenarios: not a scenario
 
 

@@ -1,8 +1,8 @@
 """Staleness study: what per-token version tags buy, on the CPU demo task.
 
-    python -m bench.staleness [--steps 100] [--seed 0] [--only NAME ...] [--lr 3e-3]
+    inflight bench staleness [--steps 100] [--seed 0] [--only NAME ...] [--lr 3e-3]
 
-Runs real training (``trainer.train.train``, configs/demo_cpu.toml with overrides) for:
+Runs real training (``trainer.train.train``, the packaged ``demo`` config with overrides) for:
 batch-boundary (synchronous) RL; in-flight with max lag 1, 2, 4 and 8 (``loss.max_lag`` and
 ``rollout.admit_lag`` equal) under token TIS; and at max lag 8: no correction, Seq-MIS and
 M2PO, each alone (objective ``none`` plus the mask), so each correction is compared with
@@ -83,7 +83,7 @@ def _mean(xs: list[float]) -> float:
 
 
 def run_one(name: str, base: dict, steps: int, seed: int, out_root: Path) -> dict[str, Any]:
-    from trainer.config import config_from_dict
+    from trainer.config_files import config_from_dict
     from trainer.train import train
 
     out = out_root / name.replace(" ", "_")
@@ -168,14 +168,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--config", default=str(ROOT / "configs" / "demo_cpu.toml"))
+    ap.add_argument("--config", default="demo", help="a packaged config by name, or a TOML file")
     ap.add_argument("--only", nargs="+", choices=list(RUNS), default=list(RUNS))
     ap.add_argument("--out", default=str(ROOT / "runs" / "staleness"))
     ap.add_argument("--png", default=str(ROOT / "docs" / "staleness.png"))
     ap.add_argument("--lr", type=float, default=None, help="override optim.lr for every run (a harsher setting)")
     ap.add_argument("--replot", action="store_true", help="no training: table and PNG from OUT/results.json")
     args = ap.parse_args()
-    with open(args.config, "rb") as f:
+    from trainer.config_files import find_config
+
+    with open(find_config(args.config), "rb") as f:
         base = tomllib.load(f)
     if args.lr is not None:
         base = _merge(base, {"optim": {"lr": args.lr}})

@@ -35,6 +35,8 @@ ModelDtype = Literal["float32", "bfloat16"]
 """The engine's (and the pushed weights') dtype."""
 RolloutMode = Literal["inflight", "batch"]
 """In-flight sampling, or the synchronous batch-boundary baseline."""
+TrackerName = Literal["jsonl", "tensorboard", "wandb", "trackio"]
+"""Where the trainer's metrics go (``trainer.trackers``): metrics.jsonl, or an experiment tracker."""
 
 
 def choices(enum: Any) -> tuple[str, ...]:
@@ -43,20 +45,39 @@ def choices(enum: Any) -> tuple[str, ...]:
 
 
 @functools.cache
-def _literal_fields(cls: type) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+def _literal_fields(cls: type) -> tuple[tuple[str, tuple[Any, ...], bool], ...]:
+    """(name, choices, many) of each field typed ``Literal[...]`` or, ``many``, ``tuple[Literal[...], ...]``."""
     hints = typing.get_type_hints(cls, globalns=vars(sys.modules[cls.__module__]))
     out = []
     for f in dataclasses.fields(cls):
         hint = hints.get(f.name)
         if typing.get_origin(hint) is Literal:
-            out.append((f.name, typing.get_args(hint)))
+            out.append((f.name, typing.get_args(hint), False))
+        elif typing.get_origin(hint) is tuple and (args := typing.get_args(hint))[-1:] == (Ellipsis,) \
+                and typing.get_origin(args[0]) is Literal:
+            out.append((f.name, typing.get_args(args[0]), True))
     return tuple(out)
+
+
+def _allowed(value: Any, allowed: tuple[Any, ...]) -> bool:
+    return value in allowed and type(value) is type(allowed[allowed.index(value)])
 
 
 def check_choices(obj: Any, where: str) -> None:
     """Raise ``ValueError`` naming ``<where>.<field>`` if a ``Literal``-typed field of the
-    dataclass ``obj`` holds a value outside its choices."""
-    for name, allowed in _literal_fields(type(obj)):
+    dataclass ``obj`` holds a value outside its choices; a ``tuple[Literal[...], ...]`` field
+    must hold a list of choices, each at most once."""
+    for name, allowed, many in _literal_fields(type(obj)):
         value = getattr(obj, name)
-        if value not in allowed or type(value) is not type(allowed[allowed.index(value)]):
-            raise ValueError(f"{where}.{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+        listed = ', '.join(map(repr, allowed))
+        if not many:
+            if not _allowed(value, allowed):
+                raise ValueError(f"{where}.{name}={value!r} is not one of {listed}")
+            continue
+        if not isinstance(value, (tuple, list)):
+            raise ValueError(f"{where}.{name}={value!r} must be a list of {listed}")
+        for v in value:
+            if not _allowed(v, allowed):
+                raise ValueError(f"{where}.{name}={tuple(value)!r}: {v!r} is not one of {listed}")
+            if value.count(v) > 1:
+                raise ValueError(f"{where}.{name}={tuple(value)!r} names {v!r} twice")

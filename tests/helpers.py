@@ -19,7 +19,8 @@ from inflight.transport.layout import TensorSchema
 from inflight.transport.listener import UpdateListener
 from inflight.transport.peer import DictTarget
 from inflight.transport.pusher import PushConfig, WeightPusher
-from trainer.config import TrainConfig, config_from_dict
+from trainer.config import TrainConfig
+from trainer.config_files import config_from_dict
 
 RUN_BASE = {  # a tiny policy, short completions, small groups
     "run": {"seed": 5},

@@ -35,7 +35,7 @@ from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import idle_engine, perturbed, push_at_steps
 from tests.helpers import check_ledger, metrics_rows, pending_ids, run_config, train_beside, wait_rows
-from trainer.config import config_from_dict
+from trainer.config_files import config_from_dict
 from trainer.fleet import Fleet, Placement
 from trainer.train import train
 

@@ -144,7 +144,7 @@ def test_building_a_commit_never_fails_bare(caplog) -> None:
 
 
 def test_training_an_moe_policy(tmp_path) -> None:
-    from trainer.config import config_from_dict
+    from trainer.config_files import config_from_dict
     from trainer.train import train
 
     tiny = {k: v for k, v in MOE.items()}

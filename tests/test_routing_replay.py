@@ -366,7 +366,7 @@ def test_refusals_name_what_is_missing(tiny_moe) -> None:
 
 
 def test_training_with_routing_replay(tmp_path) -> None:
-    from trainer.config import config_from_dict
+    from trainer.config_files import config_from_dict
     from trainer.train import train
 
     cfg = config_from_dict({

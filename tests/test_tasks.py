@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from trainer.config import config_from_dict
+from trainer.config_files import config_from_dict
 from trainer.tasks import (SAMPLE, Arithmetic, Completion, JsonlFormatError, JsonlTask, Prompt, RepeatDigit, Task,
                            build_task, encode_prompt, final_number, load_jsonl, stop_token_ids)
 

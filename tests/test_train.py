@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from trainer.config import config_from_dict, load_config
+from trainer.config_files import config_from_dict, load_config
 from trainer.train import train
 
 SMALL = {
@@ -57,13 +57,6 @@ def test_config_errors_name_the_key(tmp_path) -> None:
     bad.write_text("[optim]\nlearning_rate = 1\n")
     with pytest.raises(ValueError, match=r"optim: unknown key\(s\) \['learning_rate'\]"):
         load_config(bad)
-
-
-def test_shipped_configs_load() -> None:
-    from pathlib import Path
-
-    for path in sorted(Path(__file__).parents[1].glob("configs/*.toml")):
-        load_config(path)
 
 
 def test_batch_mode_samples_each_step_from_one_version(tmp_path) -> None:

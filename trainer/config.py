@@ -6,16 +6,12 @@ the dotted path of the offending key.
 
 from __future__ import annotations
 
-import dataclasses
-import tomllib
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from inflight.adapter import AdapterSpec
 from inflight.protocol import CommitUnit
-from inflight.settings import Backend, ModelDtype, RolloutMode, check_choices
+from inflight.settings import Backend, ModelDtype, RolloutMode, TrackerName, check_choices
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig
 from kernels.tis_loss import Objective
@@ -41,8 +37,16 @@ class RunConfig:
     """Save a checkpoint every N steps (0: only at the end)."""
     resume: bool = False
     """Continue from ``out_dir/checkpoint`` if it exists."""
+    report_to: tuple[TrackerName, ...] = ("jsonl",)
+    """Where each step's metrics go: ``jsonl`` (metrics.jsonl, always written: added when left out)
+    and any of ``tensorboard``, ``wandb``, ``trackio``, each its extra (docs/training.md, *Experiment trackers*)."""
+    project: str = "inflight"
+    """The W&B / Trackio project the run is logged under (its name there: ``name``)."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "run")
+        # jsonl always: the plot, the summary and a resumed run read metrics.jsonl
+        object.__setattr__(self, "report_to", tuple(self.report_to) if "jsonl" in self.report_to else ("jsonl", *self.report_to))
         if self.steps < 1:
             raise ValueError(f"run.steps={self.steps} must be >= 1")
         if self.checkpoint_every < 0:
@@ -297,9 +301,20 @@ class EngineConfig:
     """What an engine commits at once (``InflightConfig.commit_unit``): the whole model, or one
     layer group per step boundary (staging of two groups, a stall of one group's swap; tokens
     sampled mid-update are tagged with the hybrid that sampled them)."""
+    launcher: Literal["process", "ray"] = "process"
+    """How spawned engines start: ``process``, one process each on this machine; ``ray``, one
+    Ray actor each, in a placement group of its own (``trainer.ray_launcher``), on the Ray
+    cluster at ``ray_address`` (needs the ``ray`` extra)."""
+    ray_address: str = ""
+    """``launcher = "ray"``: the cluster to join (``ray.init(address=...)``); empty starts a local one."""
+    ray_cpus: float = 1.0
+    """``launcher = "ray"``: CPUs in each engine's placement group bundle (plus one GPU per
+    tensor parallel worker where the cluster has GPUs)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "engine")
+        if not self.ray_cpus > 0:
+            raise ValueError(f"engine.ray_cpus={self.ray_cpus} must be > 0")
         if self.max_restarts < 0:
             raise ValueError(f"engine.max_restarts={self.max_restarts} must be >= 0")
         if self.count < 1:
@@ -363,38 +378,3 @@ def inflight_config(cfg: TrainConfig, group: GroupConfig, *, rank: int, initial_
     return InflightConfig(group=group, rank=rank, initial_version=initial_version, max_bucket_mb=cfg.transport.bucket_mb,
                           stale_timeout_s=cfg.transport.stale_timeout_s, record_routing=cfg.loss.routing_replay,
                           commit_unit=cfg.engine.commit_unit, adapter=adapter)
-
-
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{where or 'config'}: unknown key(s) {unknown}; known: {sorted(names)}")
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        sub = f"{where}.{key}" if where else key
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint):
-            if not isinstance(value, dict):
-                raise ValueError(f"{sub}: expected a table, got {value!r}")
-            kwargs[key] = _build(hint, value, sub)
-        else:
-            kwargs[key] = tuple(value) if typing.get_origin(hint) is tuple else value
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{where or 'config'}: {e}") from None
-
-
-def load_config(path: str | Path) -> TrainConfig:
-    """Read a TOML file into a ``TrainConfig``."""
-    with open(path, "rb") as f:
-        return _build(TrainConfig, tomllib.load(f), "")
-
-
-def config_from_dict(data: dict[str, Any]) -> TrainConfig:
-    return _build(TrainConfig, data, "")
-
-
-config_to_dict = dataclasses.asdict

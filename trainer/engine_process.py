@@ -1,6 +1,7 @@
 """The engine process: keep GRPO groups decoding, tag every token, ship finished groups.
 
-    python -m trainer.engine_process --config CONFIG --model-dir DIR --host TRAINER --port PORT [--engine-id 0]
+    inflight engine --config CONFIG --model-dir DIR --host TRAINER --port PORT [--engine-id 0] [--set KEY=VALUE ...]
+    (or: python -m trainer.engine_process ...)
 
 (the trainer starts ``engine.count`` of them itself unless ``engine.spawn = false``; engine i
 forms a weight group of its own with the trainer (``GroupConfig.for_engine``), its workers
@@ -35,7 +36,9 @@ from inflight.rollout_queue import RolloutQueue
 from inflight.settings import Backend, choices
 from inflight.transport.errors import TransportError
 from inflight.transport.group import INCARNATION, GroupConfig
-from trainer.config import TrainConfig, group_config, inflight_config, load_config
+from trainer.config import TrainConfig, group_config, inflight_config
+from trainer.config_files import add_config_arguments, load_config
+from trainer.console import log_to_file, quiet_libraries
 
 log = logging.getLogger("inflight.rollout")
 
@@ -275,7 +278,7 @@ class RolloutLoop:
 
 def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_index: int = 0, initial_version: int = 0,
                wait_for_version: int = 0, parent_pid: int | None = None, *, backend: Backend | None = None,
-               cuda_devices: str | None = None, adapter_dir: str | None = None) -> None:
+               cuda_devices: str | None = None, adapter_dir: str | None = None, log_file: str | None = None) -> None:
     """Serve rollouts until the trainer says stop (or, when spawned by it, until it is gone).
 
     ``initial_version`` labels the weights in ``model_dir``; with ``wait_for_version`` above
@@ -283,8 +286,13 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
     (in a LoRA run ``model_dir`` is the base and ``adapter_dir`` the adapter of that version);
     so no group is spent on weights the trainer already moved past. ``backend`` (default
     ``transport.backend``) must be the trainer's; ``cuda_devices`` limits the engine's GPUs.
+    ``log_file``: where this process and its workers write (the trainer's spawned engines);
+    None keeps the console (an engine started by hand).
     """
+    if log_file is not None:
+        log_to_file(log_file, f"engine {engine_index} (process {os.getpid()})")
     engine_environment(cfg, cuda_devices)
+    quiet_libraries()  # after the environment: huggingface_hub reads HF_HUB_OFFLINE at import
     import torch
     from vllm import LLM
 
@@ -333,9 +341,10 @@ def may_start_group(*, ahead: int, trainer_version: int | None, live_version: in
     return behind + 1 + ahead // groups_per_step <= max_lag
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description="inflight engine process (vLLM + in-flight worker)")
-    ap.add_argument("--config", required=True)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """``inflight engine`` (``prog``) and ``python -m trainer.engine_process``."""
+    ap = argparse.ArgumentParser(prog=prog, description="inflight engine process (vLLM + in-flight worker)")
+    add_config_arguments(ap)  # the trainer's config and --set overrides: both sides must read the same settings
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
@@ -343,8 +352,12 @@ def main() -> None:
     ap.add_argument("--initial-version", type=int, default=0, help="version of the weights in --model-dir")
     ap.add_argument("--adapter-dir", help="a LoRA run: the PEFT directory of --initial-version's adapter")
     ap.add_argument("--backend", choices=choices(Backend), help="the trainer's (default: transport.backend)")
-    args = ap.parse_args()
-    run_engine(load_config(args.config), args.model_dir, args.host, args.port, args.engine_id, args.initial_version,
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ValueError, OSError) as e:  # a usage error: the message names the bad key, value or file
+        ap.error(str(e))
+    run_engine(cfg, args.model_dir, args.host, args.port, args.engine_id, args.initial_version,
                backend=args.backend, adapter_dir=args.adapter_dir)
 
 

@@ -33,9 +33,11 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import wait as ready
 from pathlib import Path
 
 from tqdm import tqdm
@@ -45,6 +47,7 @@ from inflight.settings import Backend, DataPlane
 from inflight.transport.fleet_pusher import FleetPushError, FleetPusher
 from inflight.transport.sources import Weights
 from trainer.config import TrainConfig
+from trainer.console import engine_log, log_tail
 from trainer.engine_process import run_engine
 
 log = logging.getLogger("inflight.supervisor")
@@ -112,18 +115,22 @@ def engine_share(devices: str | None, count: int, index: int, tensor_parallel_si
 class EngineProcess:
     """One engine of the fleet that the trainer spawned (or, with ``spawn = false``, nothing to spawn)."""
 
-    def __init__(self, cfg: TrainConfig, index: int, placement: Placement, host: str, port: int, pid_file: Path) -> None:
+    def __init__(self, cfg: TrainConfig, index: int, placement: Placement, host: str, port: int, out: Path) -> None:
         self.cfg, self.index, self.placement = cfg, index, placement
         self.ranks = cfg.engine.ranks(index)
         """Its workers' weight-group ranks (one per tensor parallel rank)."""
         self.host, self.port = host, port
-        self.pid_file = pid_file
+        self.pid_file = out / f"engine{index}.pid"
+        self.log_file = engine_log(out, index)
+        """Where the spawned process writes its output (its console is the trainer's no more)."""
         self.process: mp.process.BaseProcess | None = None
         self.restarts = 0
 
     def start(self, model_dir: Path, model_version: int, wait_for_version: int, adapter_dir: Path | None = None) -> None:
         if not self.cfg.engine.spawn:
             return
+        if self.restarts == 0 and not self.cfg.run.resume:  # a new run's log; a restart's or a resume's appends
+            self.log_file.write_text("")
         # daemonic, so it ends with the trainer; but a daemonic process may not start children,
         # and a tensor parallel engine starts one per worker: that one ends by itself once
         # it sees its parent gone (``run_engine``), or at ``Fleet.stop``
@@ -132,7 +139,8 @@ class EngineProcess:
             args=(self.cfg, str(model_dir), self.host, self.port, self.index, model_version, wait_for_version, os.getpid()),
             kwargs={"backend": self.placement.backend, "adapter_dir": None if adapter_dir is None else str(adapter_dir),
                     "cuda_devices": engine_share(self.placement.engine_devices, self.cfg.engine.count, self.index,
-                                                 self.cfg.engine.tensor_parallel_size)},
+                                                 self.cfg.engine.tensor_parallel_size),
+                    "log_file": str(self.log_file)},
         )
         self.process.start()
         self.pid_file.write_text(str(self.process.pid))
@@ -141,7 +149,22 @@ class EngineProcess:
         """Why the spawned engine is not running, or None (always None without ``spawn``)."""
         if self.process is None or self.process.is_alive():
             return None
-        return f"engine {self.index} (process {self.process.pid}) exited with code {self.process.exitcode}"
+        return f"engine {self.index} (process {self.process.pid}) exited with code {self.process.exitcode} (log: {self.log_file})"
+
+    def last_lines(self) -> str:
+        """The end of its log, for a report of its exit."""
+        return f"the last lines of {self.log_file}:\n{log_tail(self.log_file)}"
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the process to end (reaping it)."""
+        if self.process is not None:
+            self.process.join(timeout=timeout_s)
+
+    def stop(self, timeout_s: float) -> None:
+        """Wait for the process to end after the trainer said stop; terminate it if it does not."""
+        self.wait(timeout_s)
+        if self.process is not None and self.process.is_alive():
+            self.process.terminate()
 
 
 class Fleet:
@@ -155,12 +178,16 @@ class Fleet:
         """The version of the weights in ``model_dir``, which a (re)started engine serves first."""
         self.adapter_dir = adapter_dir
         """A LoRA run: the adapter of ``model_version`` (``model_dir`` is the base, which never moves)."""
-        self.engines = [EngineProcess(cfg, i, placement, cfg.transport.host, port, out / f"engine{i}.pid") for i in range(cfg.engine.count)]
+        launcher = EngineProcess
+        if cfg.engine.launcher == "ray" and cfg.engine.spawn:
+            from trainer.ray_launcher import RayEngine as launcher  # noqa: N813  (Ray is an optional extra)
+        self.engines = [launcher(cfg, i, placement, cfg.transport.host, port, out) for i in range(cfg.engine.count)]
         self.failures = 0
         self.drops = 0
         """Times a member was left out of a generation (silent, frozen or restarting)."""
         self.events: list[dict] = []
         """One entry per recovery: when it began (unix time), why, and the version it ended on."""
+        self._stopping = threading.Event()
 
     @property
     def restarts(self) -> int:
@@ -178,6 +205,27 @@ class Fleet:
     def start(self, wait_for_version: int) -> None:
         for e in self.engines:
             e.start(self.model_dir, self.model_version, wait_for_version, self.adapter_dir)
+        if self.cfg.engine.spawn:
+            print(f"engines: logs in {', '.join(str(e.log_file) for e in self.engines)}", flush=True)
+            threading.Thread(target=self._watch, name="inflight-engine-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Report each spawned engine that fails (exits with a code other than 0: 0 is a stop the
+        trainer asked for) at once, with the end of its log. An engine that fails at start-up
+        does so while the trainer waits up to ``transport.rejoin_timeout_s`` for it to join,
+        and nothing else would say why meanwhile; a recovery's report names only the log."""
+        reported: set[int] = set()
+        while not self._stopping.wait(0.5):
+            for e in self.engines:
+                p = e.process  # a restart replaces it; this one is kept while looked at
+                # its sentinel: reaping it here (``is_alive``) would race the main thread's reaping
+                if p is None or p.pid in reported or not ready([p.sentinel], timeout=0):
+                    continue
+                reported.add(p.pid)
+                while (code := p.exitcode) is None and not self._stopping.wait(0.05):
+                    pass  # the main thread is reaping it at the same moment: its return code comes
+                if code and not self._stopping.is_set():
+                    tqdm.write(f"inflight: engine {e.index} (process {p.pid}) exited with code {code}; {e.last_lines()}")
 
     def exit_problem(self) -> str | None:
         problems = [p for e in self.engines if (p := e.exit_problem()) is not None]
@@ -237,9 +285,10 @@ class Fleet:
         dead = [e for e in self.engines if e.exit_problem() is not None]
         for e in dead:
             if e.restarts >= self.cfg.engine.max_restarts:
-                raise EngineLost(f"{e.exit_problem()}; already restarted {e.restarts} times (engine.max_restarts)")
+                raise EngineLost(f"{e.exit_problem()}; already restarted {e.restarts} times (engine.max_restarts); "
+                                 f"{e.last_lines()}")
             e.restarts += 1
-            e.process.join(timeout=5)
+            e.wait(5)
             e.start(self.model_dir, self.model_version, version, self.adapter_dir)
         return [e.index for e in dead]
 
@@ -286,9 +335,6 @@ class Fleet:
             log.warning("engine %d dropped from its weight group", e)
 
     def stop(self, timeout_s: float = 60.0) -> None:
+        self._stopping.set()  # engines that end now were asked to
         for e in self.engines:
-            if e.process is None:
-                continue
-            e.process.join(timeout=timeout_s)
-            if e.process.is_alive():
-                e.process.terminate()
+            e.stop(timeout_s)

@@ -8,12 +8,16 @@ from typing import Any
 
 import torch
 
+from trainer.trackers import Trackers
+
 
 class MetricsLog:
-    """Appends one JSON object per step; ``rows`` keeps them for the plot and the summary."""
+    """Appends one JSON object per step; ``rows`` keeps them for the plot and the summary; each
+    row also goes to the run's experiment trackers (``trainer.trackers``), closed by ``close``."""
 
-    def __init__(self, path: Path, *, append: bool = False) -> None:
+    def __init__(self, path: Path, *, append: bool = False, trackers: Trackers | None = None) -> None:
         self.path = Path(path)
+        self.trackers = trackers if trackers is not None else Trackers([])
         self.rows: list[dict[str, Any]] = []
         if append and self.path.exists():
             self.rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
@@ -24,6 +28,10 @@ class MetricsLog:
         self.rows.append(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        self.trackers.log(row)
+
+    def close(self) -> None:
+        self.trackers.close()
 
 
 def _mean(xs: list[float]) -> float:

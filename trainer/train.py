@@ -1,6 +1,6 @@
 """Asynchronous GRPO with in-flight weight updates.
 
-    python -m trainer.train --config configs/demo_cpu.toml
+    inflight train --config demo [--set run.steps=5 ...]      (or: python -m trainer.train ...)
 
 One story, top to bottom:
 1. the policy on disk: a Hugging Face model, or a freshly built tiny one;
@@ -28,9 +28,12 @@ from inflight.rollout_queue import RolloutBuffer, RolloutQueue
 from inflight.transport.fleet_pusher import FleetPusher
 from inflight.transport.store import reserve_port
 from trainer.checkpoint import TrainerState, load_state, recover
-from trainer.config import TrainConfig, config_to_dict, group_config, load_config, push_config
+from trainer.config import TrainConfig, group_config, push_config
+from trainer.config_files import add_config_arguments, config_to_dict, load_config
+from trainer.console import BarText, quiet_libraries
 from trainer.fleet import Fleet, place, visible_gpus
 from trainer.metrics import MetricsLog, plot_run, summarize
+from trainer.trackers import check_trackers, open_trackers
 from trainer.models import resolve_model
 from trainer.policy import Policy, StepResult
 from trainer.tasks import build_task
@@ -43,6 +46,7 @@ log = logging.getLogger("inflight.train")
 
 
 def train(cfg: TrainConfig) -> dict:
+    quiet_libraries()  # one bar on the console, each warning once; the engines write to files in the run dir
     out = _run_dir(cfg)
     ckpt_dir = out / "checkpoint"
 
@@ -62,7 +66,8 @@ def train(cfg: TrainConfig) -> dict:
     buffer = RolloutBuffer(queue, admit_lag=cfg.rollout.admit_lag, mask_lag=cfg.loss.max_lag,
                            group_size=cfg.rollout.group_size, pending=resumed.pending if resumed else (),
                            stats=resumed.buffer_stats if resumed else None)
-    metrics = MetricsLog(out / "metrics.jsonl", append=resumed is not None)
+    metrics = MetricsLog(out / "metrics.jsonl", append=resumed is not None,
+                         trackers=open_trackers(cfg, out, resumed=resumed is not None))  # run.report_to
     # greedy accuracy on held-out prompts; row "step 0" is the policy before any update
     evaluator = Evaluator(cfg, policy.tokenizer, build_task(cfg, policy.tokenizer), model_dir) if cfg.eval.every else None
     if evaluator is not None and resumed is None:
@@ -72,8 +77,10 @@ def train(cfg: TrainConfig) -> dict:
 
     # -- 4. the loop: batch, loss, step, push, metrics, checkpoint -----------------------------------
     start = resumed.step if resumed else 0
+    bar_text = BarText(cfg.rollout.group_size)  # reward, lag, stall, samples/s after the step counts
     try:
-        for step in tqdm(range(start, cfg.run.steps), desc="train", initial=start, total=cfg.run.steps, dynamic_ncols=True):
+        for step in (bar := tqdm(range(start, cfg.run.steps), desc="train", initial=start, total=cfg.run.steps,
+                                 dynamic_ncols=True)):
             t0 = time.perf_counter()
             groups, version = sync.next_batch(buffer, version)
             t_wait = time.perf_counter() - t0
@@ -81,7 +88,8 @@ def train(cfg: TrainConfig) -> dict:
             version += 1
             score = (lambda: evaluator(policy.unwrapped)) if evaluator is not None and evaluator.due(step + 1) else dict
             version, evaluation = sync.push(version, last=step + 1 == cfg.run.steps, score=score)
-            metrics.write({**_row(step, version, result, groups, t0, t_wait, sync, buffer, queue, fleet), **evaluation})
+            metrics.write(row := {**_row(step, version, result, groups, t0, t_wait, sync, buffer, queue, fleet), **evaluation})
+            bar.set_postfix_str(bar_text(row), refresh=False)
             if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
                 policy.save(ckpt_dir, step + 1, version, buffer)
                 fleet.restart_from(ckpt_dir, version)
@@ -89,6 +97,7 @@ def train(cfg: TrainConfig) -> dict:
         queue.store.set("stop", b"1")
         fleet.stop()
         pusher.close()
+        metrics.close()  # the experiment trackers' files, finished
 
     # -- 5. what we leave behind ---------------------------------------------------------------------
     policy.save(ckpt_dir, cfg.run.steps, version, buffer)
@@ -98,6 +107,7 @@ def train(cfg: TrainConfig) -> dict:
 def _run_dir(cfg: TrainConfig) -> Path:
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    check_trackers(cfg)  # a missing tracker package fails here, before any engine starts
     (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
@@ -172,13 +182,21 @@ def _versions_by_engine(groups: list) -> dict[str, list[int]]:
     return {e: sorted(vs) for e, vs in sorted(seen.items())}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="TOML file (see configs/)")
-    args = ap.parse_args()
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """``inflight train`` (``prog``) and ``python -m trainer.train``: train, then print the summary."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    add_config_arguments(ap)
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ValueError, OSError) as e:  # a usage error: the message names the bad key, value or file
+        ap.error(str(e))
     logging.basicConfig(level=logging.WARNING)
-    cfg = load_config(args.config)
-    summary = train(cfg)
+    report(cfg, train(cfg))
+
+
+def report(cfg: TrainConfig, summary: dict) -> None:
+    """What a person reads after a run, then the summary as one JSON line for scripts."""
     print(f"reward: first 20% {summary['reward_first_20pct']:.3f} -> last 20% {summary['reward_last_20pct']:.3f}; "
           f"samples spanning >1 version: {100 * summary['frac_samples_multi_version']:.1f}% "
           f"(max {summary['max_versions_per_sample']} versions in one sample); "
