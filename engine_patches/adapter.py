@@ -75,10 +75,16 @@ def start_adapter(model_runner: Any, spec: AdapterSpec) -> tuple[TensorSchema, L
     """Worker, execution thread, at ``inflight_start``: the policy adapter pinned in the slot,
     disk loads redirected to the live version, and the schema updates are checked against
     (the PEFT directory's tensors, in the LoRA dtype)."""
-    applier = LoRASlotApplier(model_runner, spec)
+    schema = adapter_schema(model_runner, spec)
+    applier = LoRASlotApplier(model_runner, spec, schema)
     applier.attach()
     guard_disk_loads(model_runner.lora_manager, applier, spec)
-    return checkpoint_schema(Path(spec.path), model_runner.lora_config.lora_dtype), applier
+    return schema, applier
+
+
+def adapter_schema(model_runner: Any, spec: AdapterSpec) -> TensorSchema:
+    """What an adapter update must contain: the PEFT directory's tensors, in the LoRA dtype."""
+    return checkpoint_schema(Path(spec.path), model_runner.lora_config.lora_dtype)
 
 
 def guard_disk_loads(worker_manager: Any, applier: LoRASlotApplier, spec: AdapterSpec) -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,10 +74,11 @@ def intended_need(worker: Any, intent: StagingIntent) -> StagingNeed:
     mc = worker.vllm_config.model_config
     applier: CommitStrategy
     if intent.adapter is not None:  # the adapter's tensors and slot images, not the model
+        from engine_patches.adapter import adapter_schema
         from engine_patches.commit.lora_slot import LoRASlotApplier
 
-        applier = LoRASlotApplier(worker.model_runner, intent.adapter)
-        schema = checkpoint_schema(Path(intent.adapter.path), worker.model_runner.lora_config.lora_dtype)
+        schema = adapter_schema(worker.model_runner, intent.adapter)
+        applier = LoRASlotApplier(worker.model_runner, intent.adapter, schema)
     else:
         schema = checkpoint_schema(checkpoint_dir(mc.model, mc.revision), mc.dtype)
         applier = make_strategy(worker.model_runner, intent.commit, schema, quantized=mc.quantization is not None,

@@ -34,7 +34,9 @@ from typing import Any
 import torch
 
 from inflight.adapter import AdapterSpec
+from inflight.memory import update_bytes
 from inflight.protocol import ShardPlan
+from inflight.transport.layout import TensorSchema
 
 
 class LoRASlotApplier:
@@ -43,7 +45,7 @@ class LoRASlotApplier:
     strategy = "lora"
     needs_rollback_copy = False  # the previous version's images are kept from its own commit
 
-    def __init__(self, model_runner: Any, spec: AdapterSpec) -> None:
+    def __init__(self, model_runner: Any, spec: AdapterSpec, schema: TensorSchema) -> None:
         from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
         from vllm.lora.peft_helper import PEFTHelper
 
@@ -67,7 +69,7 @@ class LoRASlotApplier:
             raise RuntimeError(f"inflight: LoRA wrappers of other layouts on {other[:4]} (embeddings, LM head, experts); "
                                "start the engine with engine_kwargs(adapter=...), which wraps only the adapter's targets")
         self._modules = sorted(self._manager.modules.items())
-        self._adapter_bytes = _adapter_bytes(spec.path, self._config.lora_dtype)
+        self._adapter_bytes = update_bytes(schema)  # the prepared adapter: a clone of the staged tensors
         self._views = [t[0] for _, m in self._modules for t in _stacked(m)]  # slot 0: the one slot
         self._prepared: tuple[dict[str, Any], list[torch.Tensor]] | None = None
         self._live: tuple[dict[str, Any], list[torch.Tensor]] | None = None
@@ -193,16 +195,6 @@ def _scratch(stacked: Any) -> Any:
     if isinstance(stacked, (tuple, list)):
         return type(stacked)(torch.zeros_like(t[:1]) for t in stacked)
     return torch.zeros_like(stacked[:1])
-
-
-def _adapter_bytes(path: str, dtype: torch.dtype) -> int:
-    from safetensors import safe_open
-
-    from inflight.adapter import ADAPTER_WEIGHTS
-
-    with safe_open(f"{path}/{ADAPTER_WEIGHTS}", framework="pt") as f:
-        numel = sum(int(torch.Size(f.get_slice(n).get_shape()).numel()) for n in f.keys())
-    return numel * dtype.itemsize
 
 
 def _read_dir(path: str) -> dict[str, torch.Tensor]:
