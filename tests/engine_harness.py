@@ -215,6 +215,24 @@ class StepPushes:
         return self.results
 
 
+def assert_tags_change_at_commits(outs: Sequence[Any], commits: Sequence[Any], *, rank: int, start: int,
+                                  tokens: int) -> None:
+    """Each of ``outs`` (finished ``RequestOutput``s of ``tokens`` tokens, sampled while the
+    pushes ``commits`` landed) is tagged with version 0 and then each pushed version, and its
+    tag changes exactly at the token count and engine step that ``rank``'s commit reported."""
+    from engine_patches.client import tagged
+    from inflight.versions import boundaries, is_monotone
+
+    for o in outs:
+        tc = tagged(o.outputs[0])
+        assert len(tc.token_ids) == tokens and is_monotone(tc.versions)
+        first = boundaries(tc.versions)
+        assert set(first) == {0, *(r.version for r in commits)}, first
+        for r in commits:
+            c = r.commits[rank]
+            assert first[c.version] == c.tokens_at_commit[o.request_id] == c.step - start
+
+
 def push_at_steps(steps: Callable[[], int], at: Sequence[int], push: Callable[[int], Any]) -> StepPushes:
     """Start a trainer thread that calls ``push(k)`` once ``steps()`` reached ``at[k]``, for
     each k in turn (a push still running at the next mark delays the next one).

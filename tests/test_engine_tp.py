@@ -28,8 +28,7 @@ from engine_patches.client import coordinator_of, start_inflight, tagged
 from engine_patches.rpc import WorkerStatus, as_result
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
-from inflight.versions import boundaries, is_monotone
-from tests.engine_harness import Reference, stop_engine, drive, perturbed, push_at_steps
+from tests.engine_harness import Reference, assert_tags_change_at_commits, stop_engine, drive, perturbed, push_at_steps
 from tests.helpers import fail_next_commit_on_vllm_rank_1
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5="]
@@ -118,14 +117,7 @@ def test_tp2_takes_updates_while_decoding_on_both_ranks_at_one_step(tp: TPEngine
         assert set(r.commits) == {1, 2}
         assert r.commits[1].step == r.commits[2].step
         assert r.commits[1].tokens_at_commit == r.commits[2].tokens_at_commit
-    for o in outs:
-        tc = tagged(o.outputs[0])
-        assert len(tc.token_ids) == 110 and is_monotone(tc.versions)
-        first = boundaries(tc.versions)
-        assert set(first) == {0, 1, 2, 3}, first
-        for r in commits:
-            c = r.commits[1]
-            assert first[c.version] == c.tokens_at_commit[o.request_id] == c.step - start
+    assert_tags_change_at_commits(outs, commits, rank=1, start=start, tokens=110)
     _assert_matches(tp, perturbed(tp.base, seed=202, scale=0.02), 3)
     for status in tp.statuses():
         landed = [c for c in status.commits if c.ok]

@@ -19,10 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_patches.client import tagged
 from inflight.transport.pusher import PushRejected
-from inflight.versions import boundaries, is_monotone
-from tests.engine_harness import drive, perturbed, push_at_steps
+from tests.engine_harness import assert_tags_change_at_commits, drive, perturbed, push_at_steps
 from tests.helpers import fail_next_commit_on_vllm_rank_1
 from tests.lora_harness import PROMPTS, LoRAEngine, assert_matches_peft, slot_equals_vllm_load, write_adapter
 
@@ -70,14 +68,7 @@ def test_adapter_updates_land_mid_decode_with_exact_tags_and_match_peft(lora: Lo
     ranks = sorted(commits[0].commits)
     for r in commits:
         assert len({r.commits[k].step for k in ranks}) == 1  # every rank at one step boundary
-    for o in outs:
-        tc = tagged(o.outputs[0])
-        assert len(tc.token_ids) == 80 and is_monotone(tc.versions)
-        first = boundaries(tc.versions)
-        assert set(first) == {0, 1, 2, 3}, first
-        for r in commits:
-            c = r.commits[ranks[0]]
-            assert first[c.version] == c.tokens_at_commit[o.request_id] == c.step - start
+    assert_tags_change_at_commits(outs, commits, rank=ranks[0], start=start, tokens=80)
     assert_matches_peft(lora, versions[2], 3)
     # every rank's slot: bit for bit what vLLM writes when it loads the same adapter file itself
     lora.reference.load(versions[2]).model.save_pretrained(str(tmp_path / "v3"))
