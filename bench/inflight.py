@@ -63,6 +63,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from bench.inflight_lora import PROMPT, main as lora_main, sampling  # noqa: E402
 from bench.inflight_report import COLS, compare, plot  # noqa: E402
 from bench.inflight_trainer import trainer  # noqa: E402
+from bench.placement import Placement, engine_env, pin_trainer  # noqa: E402
 from trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus  # noqa: E402
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ class Bench:
     """One model and commit unit: the engine, its trainer process, and the modes."""
 
     def __init__(self, size: str, work: Path, concurrency: int, seed: int, listener_nice: int,
-                 record_routing: bool = False, commit_unit: CommitUnit = "model") -> None:
+                 record_routing: bool = False, commit_unit: CommitUnit = "model", placement: Placement = "shared") -> None:
         from vllm import LLM
 
         from engine_patches.config import InflightConfig, engine_kwargs
@@ -99,18 +100,19 @@ class Bench:
             model_dir = resolve_model(size)
         self.model = size if size in SIZES else Path(model_dir).name
         state = load_file(str(model_dir / "model.safetensors"))
-        self.params = sum(t.numel() for t in state.values())
-        self.native_info = update_info(state)
+        self.params, self.native_info = sum(t.numel() for t in state.values()), update_info(state)
         del state
         register()  # the native baseline's transfer engine, in this process (EngineCore runs here)
+        listener_cpus = engine_env(placement)
         self.llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", max_model_len=640, seed=seed,
                        max_num_seqs=concurrency, weight_transfer_config={"backend": "inflight_gloo"}, **engine_kwargs())
         self.conn, child = mp.get_context("spawn").Pipe()
         self.proc = mp.get_context("spawn").Process(target=trainer, args=(child, str(model_dir)), daemon=True)
         self.proc.start()
+        pin_trainer(self.proc.pid, placement)
         inflight_group, native_group = self.conn.recv()  # the trainer's stores, on the ports it holds
-        self.config = InflightConfig(group=inflight_group, listener_nice=listener_nice, record_routing=record_routing,
-                                     commit_unit=commit_unit)  # layer: staged_groups=2, the default
+        self.config = InflightConfig(group=inflight_group, listener_nice=listener_nice, listener_cpus=listener_cpus,
+                                     record_routing=record_routing, commit_unit=commit_unit)  # layer: staged_groups=2, the default
         start_inflight(self.llm, self.config)
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {
             "host": native_group.host, "port": native_group.port, "world_size": 2, "rank": 1, "name": native_group.name}})
@@ -225,7 +227,7 @@ class Bench:
             engine.step()
         gaps = [b - a for a, b in zip(times, times[1:])]
         at = {i for i, _, _ in events}
-        return {"mode": mode, "every": every, "tokens": st["tokens"], "wall_s": times[-1] - times[0], "lags": lags,
+        return {"mode": mode, "every": every, "tokens": st["tokens"], "wall_s": times[-1] - times[0], "lags": lags, "gaps": gaps,
                 "quiet": [g for i, g in enumerate(gaps, 1) if i not in at], "skipped": st["skipped"],
                 "event_gaps": [gaps[i - 1] for i, _, _ in events if 0 < i <= len(gaps)],
                 "infos": [r for _, _, r in events], "steps": len(gaps), "routing": self.routing,

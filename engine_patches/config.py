@@ -46,6 +46,10 @@ class InflightConfig:
     against 225. 19 makes staging yield to decode where both share idle cores (what
     ``bench.inflight --listener-nice 19`` measured); on a GPU engine the listener mostly
     waits on the device and its priority matters little."""
+    listener_cpus: tuple[int, ...] = ()
+    """CPUs the listener thread runs on (Linux affinity); () keeps the worker thread's. On a
+    host whose engine thread is pinned (vLLM's CPU backend binds it to its OpenMP cores),
+    a listener on other cores takes no CPU from decode: the two share only the GIL."""
     staging: StagingPlace = "device"
     """Where a version waits between its buckets' arrival and its commit. ``device``: the
     engine's device; the commit is a device-to-device copy (or, on CPU, a swap), but the
@@ -103,6 +107,8 @@ class InflightConfig:
         check_choices(self, "InflightConfig")
         if not 0 <= self.listener_nice <= 19:
             raise ValueError(f"InflightConfig.listener_nice={self.listener_nice} must be in 0..19")
+        if len(set(self.listener_cpus)) != len(self.listener_cpus) or any(c < 0 for c in self.listener_cpus):
+            raise ValueError(f"InflightConfig.listener_cpus={self.listener_cpus} must be distinct CPU numbers >= 0")
         for name in ("commit_timeout_s", "stale_timeout_s", "max_bucket_mb"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"InflightConfig.{name}={getattr(self, name)} must be > 0")

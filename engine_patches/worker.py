@@ -64,6 +64,9 @@ class InflightWorkerExtension:
             raise RuntimeError("inflight: EngineCore did not attach a commit coordinator: the inflight vLLM plugin is "
                                "not loaded in EngineCore's process (install this package; check VLLM_PLUGINS)")
         config = InflightConfig.from_json(config_json)
+        if not set(config.listener_cpus) <= set(range(os.cpu_count() or 1)):
+            raise ValueError(f"inflight: InflightConfig.listener_cpus={config.listener_cpus}: this host has CPUs "
+                             f"0..{(os.cpu_count() or 1) - 1}")
         if getattr(self, "_inflight_thread", None) is not None:
             raise RuntimeError("inflight: already started on this worker")
         device = torch.device(self.model_runner.device)
@@ -147,6 +150,8 @@ class InflightWorkerExtension:
         serving the live version, and join the next generation the trainer opens."""
         if config.listener_nice and hasattr(os, "setpriority"):  # per thread on Linux
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), config.listener_nice)
+        if config.listener_cpus:  # this thread only: threads it starts (gloo's, a prepare pool) inherit it
+            os.sched_setaffinity(0, config.listener_cpus)
         if torch.cuda.is_available() and self.model_runner.device.type == "cuda":
             # verify and stage on a side stream so checksums never queue behind the forward pass
             torch.cuda.set_device(self.model_runner.device)

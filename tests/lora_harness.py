@@ -58,7 +58,8 @@ class PeftReference:
 class LoRAEngine:
     """An in-process ``LLM`` serving the adapter of ``adapter_dir`` (``v0``: its tensors) on ``base``."""
 
-    def __init__(self, base: Path, adapter_dir: Path, v0: dict, port: int, tp: int = 1, prompts: list | None = None) -> None:
+    def __init__(self, base: Path, adapter_dir: Path, v0: dict, port: int, tp: int = 1, prompts: list | None = None,
+                 listener_cpus: tuple[int, ...] = ()) -> None:
         from vllm import LLM
 
         self.base, self.adapter_dir, self.v0 = base, adapter_dir, v0
@@ -67,7 +68,7 @@ class LoRAEngine:
         self.llm = LLM(str(base), enforce_eager=True, dtype="float32", max_model_len=512, seed=0, **extra,
                        **engine_kwargs(adapter=self.spec))
         self.group = GroupConfig(port=port, world_size=1 + tp, timeout_s=120)
-        self.config = InflightConfig(group=self.group, adapter=self.spec)
+        self.config = InflightConfig(group=self.group, adapter=self.spec, listener_cpus=listener_cpus)
         self.report = start_inflight(self.llm, self.config)
         self.lora = policy_lora(self.config)
         self.pusher = WeightPusher(self.group, PushConfig(dtype="float32", bucket_mb=0.25))
@@ -135,3 +136,17 @@ def slot_equals_vllm_load(worker, path: str) -> bool:
             if not torch.equal(live[0], want[0]):
                 return False
     return True
+
+
+def copy_plan_of(worker) -> tuple[int, int] | None:
+    """Inside a worker: the lora commit's copy plan, (runs, indexed images), or None when
+    prepare takes vLLM's path (``engine_patches.commit.lora_plan``)."""
+    plan = worker._inflight_target.applier._plan
+    return None if plan is None else plan.counts()
+
+
+def listener_affinity(worker) -> list[int]:
+    """Inside a worker: the CPUs its listener thread may run on."""
+    import os
+
+    return sorted(os.sched_getaffinity(worker._inflight_thread.native_id))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import sys
 import threading
@@ -91,6 +92,11 @@ def test_inflight_config_json_with_unknown_fields_is_refused_by_name() -> None:
     data["group"]["hots"] = "10.0.0.1"
     with pytest.raises(ValueError, match=r"InflightConfig.group: unknown fields \['hots'\]"):
         InflightConfig.from_json(json.dumps(data))
+    pinned = InflightConfig(group=GroupConfig(port=29999), listener_cpus=(0, 1))
+    assert InflightConfig.from_json(pinned.to_json()) == pinned
+    for bad in ((0, 0), (-1,)):
+        with pytest.raises(ValueError, match=rf"InflightConfig.listener_cpus={re.escape(str(bad))} must be distinct"):
+            InflightConfig(group=GroupConfig(port=29999), listener_cpus=bad)
 
 
 def test_stray_bytes_in_the_group_store_are_named_and_the_engine_keeps_serving(harness: Harness) -> None:

@@ -11,7 +11,11 @@ and a tiny Qwen3 at TP=2 (two worker processes, each taking its own slice in its
 - requests that do not name the policy adapter (none, another, a reload from disk) are
   refused alone; re-activating the adapter (an eviction, a cache reset) keeps the live
   version, never the directory's;
-- a commit that fails on one rank is taken back on the other.
+- a commit that fails on one rank is taken back on the other;
+- an adapter of a lower rank than its slot (rank 4 in vLLM's smallest slot above it, 8):
+  the copy plan gathers the zero-padded images through an index, bit for bit vLLM's; the
+  listener runs on the CPUs ``InflightConfig.listener_cpus`` names, and a CPU the host lacks
+  is refused by name.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import torch
 from inflight.transport.pusher import PushRejected
 from tests.engine_harness import assert_tags_change_at_commits, drive, perturbed, push_at_steps
 from tests.helpers import fail_next_commit_on_vllm_rank_1
-from tests.lora_harness import PROMPTS, LoRAEngine, assert_matches_peft, slot_equals_vllm_load, write_adapter
+from tests.lora_harness import (PROMPTS, LoRAEngine, assert_matches_peft, copy_plan_of, listener_affinity,
+                                 slot_equals_vllm_load, write_adapter)
 
 @pytest.fixture(scope="module", params=["llama_tp1", "qwen3_tp2"])
 def lora(request, hold_port, tmp_path_factory):
@@ -54,6 +59,8 @@ def test_adapter_updates_land_mid_decode_with_exact_tags_and_match_peft(lora: Lo
     from vllm import SamplingParams
 
     assert lora.report.commit == "lora" and lora.report.staging_bytes > 0
+    # prepare runs the recorded copy plan, which the slot check at the end holds to vLLM's bytes
+    assert all(plan is not None and plan[0] > 0 for plan in lora.llm.collective_rpc(copy_plan_of))
     assert_matches_peft(lora, lora.v0, 0)
     coordinator, start = lora.coordinator, lora.coordinator.steps
     versions = [perturbed(lora.v0, seed=100 + k, scale=0.03) for k in range(3)]
@@ -170,3 +177,32 @@ def test_adapter_directories_the_slot_cannot_hold_are_refused_by_name(tmp_path) 
         LoRAOptions(rank=8, target_modules=("q_proj", "lm_head"))
     with pytest.raises(ValueError, match="AdapterSpec.int_id=0"):
         AdapterSpec(path=str(tmp_path), int_id=0)
+
+
+def _start_on_worker(worker, config_json: str):
+    return worker.inflight_start(config_json, "direct")  # past EngineCore, which refuses a second start itself
+
+
+def test_an_adapter_below_its_slot_rank_is_padded_as_vllm_pads_it(tiny_llama, hold_port, tmp_path) -> None:
+    from trainer.adapter import LoRAOptions
+
+    import dataclasses
+    import os
+
+    v0 = write_adapter(tiny_llama, tmp_path / "v0", seed=12, options=LoRAOptions(rank=4, alpha=12.0))
+    last = max(os.sched_getaffinity(0))
+    engine = LoRAEngine(tiny_llama, tmp_path / "v0", v0, hold_port(), listener_cpus=(last,))
+    try:
+        assert engine.llm.collective_rpc(listener_affinity) == [[last]]  # InflightConfig.listener_cpus
+        bad = dataclasses.replace(engine.config, listener_cpus=(4096,)).to_json()
+        with pytest.raises(Exception, match=r"listener_cpus=\(4096,\): this host has CPUs"):  # checked first, on the worker
+            engine.llm.collective_rpc(_start_on_worker, args=(bad,))
+        [(runs, indexed)] = engine.llm.collective_rpc(copy_plan_of)
+        assert indexed > 0  # every B: runs of 4 in rows of 8
+        weights = perturbed(v0, seed=40, scale=0.03)
+        assert engine.push(weights).commits[1].version == 1
+        engine.reference.load(weights).model.save_pretrained(str(tmp_path / "v1"))
+        assert engine.llm.collective_rpc(slot_equals_vllm_load, args=(str(tmp_path / "v1"),)) == [True]
+        assert_matches_peft(engine, weights, 1)
+    finally:
+        engine.close()

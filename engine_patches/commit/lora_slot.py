@@ -12,7 +12,9 @@ Phases (``engine_patches.commit.base``):
   alpha/r folded into B, in the LoRA dtype, exactly as a load from disk), and each
   wrapper's own ``set_lora``, run on a shallow copy of the wrapper with scratch buffers,
   writes the slot's image (zero padding, this rank's tensor-parallel slice). Nothing live
-  is touched.
+  is touched. The images come from a copy plan recorded from that same path at start
+  (``engine_patches.commit.lora_plan``): a few tensor ops instead of a Python loop over
+  every wrapped layer, so the listener holds the GIL it shares with decode for milliseconds.
 - ``apply`` (execution thread, between two steps): one ``_foreach_copy_`` of the images
   into the live slot, in place (GPU kernels and CUDA graphs hold the slot's addresses),
   and the registered ``LoRAModel`` now holds the new version, so a re-activation replays
@@ -28,15 +30,19 @@ Ordering invariant: the slot, the registered adapter and ``_live`` change only i
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from engine_patches.commit.lora_plan import SlotPlan
 from inflight.adapter import AdapterSpec
 from inflight.memory import update_bytes
 from inflight.protocol import ShardPlan
 from inflight.transport.layout import TensorSchema
+
+log = logging.getLogger("inflight")
 
 
 class LoRASlotApplier:
@@ -74,6 +80,7 @@ class LoRASlotApplier:
         self._prepared: tuple[dict[str, Any], list[torch.Tensor]] | None = None
         self._live: tuple[dict[str, Any], list[torch.Tensor]] | None = None
         self._previous: tuple[dict[str, Any], list[torch.Tensor]] | None = None
+        self._plan: SlotPlan | None = None
 
     # -- start ---------------------------------------------------------------------------
 
@@ -82,7 +89,8 @@ class LoRASlotApplier:
         kept as the live version's (what a failed first commit restores). It is read by the
         same code as every update, so an update of the same tensors writes the same bytes."""
         manager, sid = self._manager, self._spec.int_id
-        first = self._from_tensors(_read_dir(self._spec.path))
+        tensors = _read_dir(self._spec.path)
+        first = self._from_tensors({n: t.clone() for n, t in tensors.items()})  # it scales B in place
         unplaced = sorted(set(first.loras) - {n for n, _ in self._modules})
         if unplaced:
             raise RuntimeError(f"inflight: the adapter in {self._spec.path} covers {unplaced[:4]}, which have no LoRA slot "
@@ -94,6 +102,25 @@ class LoRASlotApplier:
             raise RuntimeError(f"inflight: adapter slots {list(manager.lora_index_to_id)} after pinning id {sid}; "
                                "an adapter engine has one slot (max_loras=1)")
         self._live = (manager.get_adapter(sid).loras, [v.clone() for v in self._views])
+        self._plan = self._record_plan({n: t.to(self._config.lora_dtype) for n, t in tensors.items()})
+
+    def _record_plan(self, tensors: dict[str, torch.Tensor]) -> SlotPlan | None:
+        """The copy plan of vLLM's path (``lora_plan``), if it writes from the first version
+        exactly what vLLM's own load wrote into the live slot; else None: vLLM's path."""
+        def run_vllm(probe: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+            host = torch.device("cpu")
+            return self._slot_images(self._from_tensors(probe, torch.float64, host).loras, torch.float64, host)
+
+        try:
+            plan = SlotPlan.record(tensors, run_vllm, self._views[0].dtype, self._views[0].device)
+        except ValueError as e:
+            log.warning("inflight: LoRA updates take vLLM's loader in prepare: no copy plan (%s)", e)
+            return None
+        images = plan.images({n: t.to(plan.device) for n, t in tensors.items()})
+        if len(images) != len(self._views) or not all(torch.equal(a, b) for a, b in zip(images, self._views)):
+            log.warning("inflight: LoRA updates take vLLM's loader in prepare: the copy plan does not write vLLM's slot")
+            return None
+        return plan
 
     def live_adapter(self, adapter_id: int) -> Any:
         """The live version as a fresh ``LoRAModel`` (sharing its tensors): what the worker's
@@ -116,22 +143,29 @@ class LoRASlotApplier:
         if self._live is not None and set(loras) != set(self._live[0]):
             raise ValueError(f"inflight: the update covers modules {sorted(set(loras) ^ set(self._live[0]))[:4]} "
                              "other than the live adapter's")
+        images = self._plan.images(weights) if self._plan is not None else self._slot_images(loras)
+        self._prepared = (loras, images)
+
+    def _slot_images(self, loras: dict[str, Any], dtype: torch.dtype | None = None,
+                     device: torch.device | None = None) -> list[torch.Tensor]:
+        """vLLM's path: each wrapper's ``set_lora`` on a shadow with scratch slots."""
         images: list[torch.Tensor] = []
         for name, module in self._modules:
             shadow = copy.copy(module)  # shallow: set_lora writes into the shadow's scratch, never the live slot
-            shadow.lora_a_stacked = _scratch(module.lora_a_stacked)
-            shadow.lora_b_stacked = _scratch(module.lora_b_stacked)
+            shadow.lora_a_stacked = _scratch(module.lora_a_stacked, dtype, device)
+            shadow.lora_b_stacked = _scratch(module.lora_b_stacked, dtype, device)
             weights_of = loras.get(name)
             if weights_of is not None:
                 shadow.set_lora(0, weights_of.lora_a, weights_of.lora_b)
             images.extend(t[0] for t in _stacked(shadow))
-        self._prepared = (loras, images)
+        return images
 
-    def _from_tensors(self, tensors: dict[str, torch.Tensor]) -> Any:
+    def _from_tensors(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
+                      device: torch.device | None = None) -> Any:
         from vllm.lora.lora_model import LoRAModel
 
-        model = LoRAModel.from_lora_tensors(self._spec.int_id, tensors, self._helper, device=str(self._device),
-                                            dtype=self._config.lora_dtype, model_vocab_size=self._vocab,
+        model = LoRAModel.from_lora_tensors(self._spec.int_id, tensors, self._helper, device=str(device or self._device),
+                                            dtype=dtype or self._config.lora_dtype, model_vocab_size=self._vocab,
                                             weights_mapper=self._mapper, skip_prefixes=self._skip)
         self._manager._create_merged_loras_inplace(model)  # packs q/k/v and gate/up; folds alpha/r into B
         return model
@@ -177,8 +211,13 @@ class LoRASlotApplier:
         return sum(v.numel() * v.element_size() for v in self._views)
 
     def held_bytes(self) -> int:
-        # the live and the prepared images, and the prepared adapter (the staged tensors' clone)
-        return 2 * self.slot_bytes() + self._adapter_bytes
+        # the live and the prepared images, the prepared adapter (the staged tensors' clone), and
+        # the copy plan's indexes (recorded by attach, which runs before the reservation)
+        return 2 * self.slot_bytes() + self._adapter_bytes + self.index_bytes()
+
+    def index_bytes(self) -> int:
+        """The copy plan's indexes (int32 per slot element of the images it gathers)."""
+        return self._plan.index_bytes() if self._plan is not None else 0
 
     def close(self) -> None:
         pass
@@ -191,10 +230,13 @@ def _stacked(module: Any) -> list[torch.Tensor]:
     return out
 
 
-def _scratch(stacked: Any) -> Any:
+def _scratch(stacked: Any, dtype: torch.dtype | None, device: torch.device | None) -> Any:
+    def zeros(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(t[:1].shape, dtype=dtype or t.dtype, device=device or t.device)
+
     if isinstance(stacked, (tuple, list)):
-        return type(stacked)(torch.zeros_like(t[:1]) for t in stacked)
-    return torch.zeros_like(stacked[:1])
+        return type(stacked)(zeros(t) for t in stacked)
+    return zeros(stacked)
 
 
 def _read_dir(path: str) -> dict[str, torch.Tensor]:
