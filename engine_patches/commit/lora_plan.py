@@ -75,7 +75,8 @@ class SlotPlan:
             gid = torch.round(v[pos] / w[pos]).to(torch.int64)  # 1-based, over every source
             if bool((gid < 1).any()) or bool((gid > starts[-1]).any()) or not torch.equal(gid.double() * w[pos], v[pos]):
                 raise ValueError("a slot element is not an adapter element times its scale")
-            if pos.numel() and pos.numel() < SHORT_RUN * _count_runs(pos, gid, w[pos], starts):
+            breaks = _breaks(pos, gid, w[pos], starts)
+            if pos.numel() and pos.numel() < SHORT_RUN * int(breaks.sum()):
                 if not bool((w[pos] == w[pos[0]]).all()):
                     raise ValueError("an image gathered through an index has more than one scale")
                 index = torch.zeros(v.numel(), dtype=torch.int64)
@@ -83,7 +84,7 @@ class SlotPlan:
                 small = torch.int32 if starts[-1] < 2**31 else torch.int64
                 indexed.append((at, index.to(device=device, dtype=small), float(w[pos[0]])))
             else:
-                _add_runs(runs, pos, gid, w[pos], starts, at)
+                _add_runs(runs, pos, gid, w[pos], starts, at, breaks)
             images.append((at, image.shape))
             at += v.numel()
         return cls(names, shapes, dtype, device, runs, indexed, images)
@@ -125,15 +126,11 @@ def _breaks(pos: torch.Tensor, gid: torch.Tensor, scale: torch.Tensor, starts: t
     return torch.cat([torch.ones(1, dtype=torch.bool), jump])
 
 
-def _count_runs(pos: torch.Tensor, gid: torch.Tensor, scale: torch.Tensor, starts: torch.Tensor) -> int:
-    return int(_breaks(pos, gid, scale, starts).sum())
-
-
 def _add_runs(runs: _Runs, pos: torch.Tensor, gid: torch.Tensor, scale: torch.Tensor, starts: torch.Tensor,
-              at: int) -> None:
+              at: int, breaks: torch.Tensor) -> None:
     if not pos.numel():
         return
-    first = torch.nonzero(_breaks(pos, gid, scale, starts)).reshape(-1)
+    first = torch.nonzero(breaks).reshape(-1)
     ends = torch.cat([first[1:], torch.tensor([pos.numel()])])
     src = torch.searchsorted(starts, gid[first].double() - 1, right=True) - 1
     runs.src.extend(src.tolist())
