@@ -32,6 +32,24 @@ class TaggedCompletion:
     """Each token's version label: ``versions[i]`` as a string, or the hybrid that sampled it
     during a layer-granular commit (``inflight.layer_groups``; ``versions[i]`` is its oldest)."""
 
+    @property
+    def prompt_label(self) -> str:
+        """The label of the weights that computed the prompt's KV, prefix-cache hits included:
+        the first token's. Every commit invalidates the cache and restarts prefills it catches
+        half done (``engine_patches.prefix_cache``), so a prompt is computed under one label,
+        in the step that samples its first token. A replay computes the prompt under it, and
+        the input at token j under token j+1's label (the step that fed it to the model)."""
+        if not self.labels:
+            raise ValueError("a completion of no tokens has no prompt label")
+        return self.labels[0]
+
+    @property
+    def prompt_version(self) -> int:
+        """``prompt_label``'s version (its oldest, for a hybrid)."""
+        if not self.versions:
+            raise ValueError("a completion of no tokens has no prompt version")
+        return self.versions[0]
+
 
 def _sampled_logprobs(completion: Any) -> list[float]:
     if completion.logprobs is None:

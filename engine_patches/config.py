@@ -205,10 +205,12 @@ def engine_kwargs(*, reserve_staging: StagingIntent | InflightConfig | None = No
     """Engine arguments an in-flight engine needs, for ``LLM(...)`` / ``AsyncEngineArgs(...)``.
 
     - the worker extension that receives and commits weights;
-    - no prefix caching: a cached block computed under one version must never serve a
-      request under another, and block hashes are fixed when a request is admitted, not
-      when it is prefilled, so salting by version cannot guarantee it;
-    - no async scheduling: a commit must not race a batch already in flight;
+    - prefix caching on: every commit invalidates it exactly, in the commit's window
+      (``engine_patches.prefix_cache``), so the K samples of a group share their prompt's
+      prefill and no request admitted after a commit reuses KV of earlier weights;
+      ``enable_prefix_caching=False`` turns it off;
+    - no async scheduling: vLLM would schedule batch t+1 before batch t is sampled, so a
+      batch would be in flight across every commit (and vLLM's CPU build turns it off);
     - processed log-probs: behaviour log-probs of the distribution actually sampled from;
     - vLLM's neutral sampling defaults, not the model's ``generation_config.json`` (its top-k,
       top-p, penalties would apply to every request that leaves them unset, and the trainer
@@ -223,7 +225,7 @@ def engine_kwargs(*, reserve_staging: StagingIntent | InflightConfig | None = No
     """
     kwargs: dict[str, object] = dict(
         worker_extension_cls=WORKER_EXTENSION,
-        enable_prefix_caching=False,
+        enable_prefix_caching=True,
         async_scheduling=False,
         logprobs_mode="processed_logprobs",
         generation_config="vllm",

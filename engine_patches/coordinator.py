@@ -26,6 +26,10 @@ Ordering invariants:
   (``EngineCore._weight_version``, attached to every output) moves to v in the same window:
   tokens of the next step are tagged v, none before. So each worker's live version is the
   label whether or not its listener ever reads the outcome;
+- in the window of every commit that goes live, after the label moves and before the next
+  ``schedule``, the prefix cache is invalidated (``engine_patches.prefix_cache``): no
+  request admitted later reuses KV of the replaced weights, requests mid-prefill restart
+  under the new ones, and requests that hold KV decode on without feeding the cache;
 - if a rollback itself fails the engine holds mixed weights: it is marked broken and its
   next step raises (fail-stop: vLLM reports the engine dead, a supervisor restarts it),
   never serving a mix under any label;
@@ -47,6 +51,7 @@ from typing import Any, Literal
 
 from engine_patches.config import InflightConfig
 from engine_patches.rpc import EngineState, WorkerCommitResult, WorkerSettleResult, as_result
+from engine_patches.prefix_cache import PrefixCacheGuard, problems as prefix_cache_problems
 from engine_patches.engine_channel import CommitReady, EngineCommitFailed, EngineCommitted, decode_engine
 from inflight.protocol import ENGINE_CHANNEL, ProtocolError, encode
 from inflight.layer_groups import Hybrid
@@ -63,13 +68,15 @@ Via = Literal["step", "idle-callback", "idle-inproc"]
 _POLL_MAX_S = 0.005
 
 
-def check_engine(vllm_config: Any, config: InflightConfig) -> int:
-    """Refuse engines whose step loop cannot take an atomic between-steps commit; returns the
+def check_engine(vllm_config: Any, config: InflightConfig, scheduler: Any = None) -> int:
+    """Refuse engines whose step loop cannot take an atomic between-steps commit, or whose
+    prefix cache cannot be kept exact across one (``scheduler``: EngineCore's); returns the
     number of workers (weight-group ranks) this engine needs."""
     pc = vllm_config.parallel_config
     problems = []
     if vllm_config.scheduler_config.async_scheduling:
-        problems.append("async_scheduling must be False (a batch would be in flight across the commit)")
+        problems.append("async_scheduling must be False: with it, vLLM schedules batch t+1 before batch t is sampled, "
+                        "so a batch is in flight across every step boundary (docs/design.md, 'Async scheduling')")
     if pc.pipeline_parallel_size != 1:
         problems.append(f"pipeline_parallel_size={pc.pipeline_parallel_size} is not supported: vLLM's batch queue keeps "
                         "up to pp_size batches in flight, so there is no step boundary at which every stage is idle "
@@ -77,8 +84,8 @@ def check_engine(vllm_config: Any, config: InflightConfig) -> int:
     if pc.data_parallel_size != 1:
         problems.append(f"data_parallel_size={pc.data_parallel_size} is not supported: run one in-flight engine per "
                         "data-parallel replica, each with its own ranks in the weight group")
-    if vllm_config.cache_config.enable_prefix_caching:
-        problems.append("enable_prefix_caching must be False (cached KV would cross versions)")
+    if scheduler is not None:
+        problems.extend(prefix_cache_problems(scheduler))
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding is not supported")
     if config.require_processed_logprobs and vllm_config.model_config.logprobs_mode != "processed_logprobs":
@@ -147,6 +154,8 @@ class CommitCoordinator:
         """Engine steps that ran the model since the coordinator started."""
         self.broken = ""
         self.history: list[CommitRecord] = []
+        self.prefix_cache = PrefixCacheGuard(core.scheduler)
+        """Keeps the prefix cache exact: every commit invalidates it in the same window."""
         self._busy_loop = isinstance(core, EngineCoreProc)
         self._pending: _Pending | None = None
         self._slot = threading.Lock()  # guards _pending: taken once, by whichever thread runs it
@@ -181,7 +190,7 @@ class CommitCoordinator:
 
     def status(self) -> EngineState:
         return EngineState(live_version=self.live_version, steps=self.steps, broken=self.broken, commits=self.commits(),
-                           label=str(self.label))
+                           label=str(self.label), prefix_cache=self.prefix_cache.stats)
 
     # -- engine thread ------------------------------------------------------------------------
     @contextmanager
@@ -230,6 +239,10 @@ class CommitCoordinator:
             self.label = self.label.with_groups(version, part + 1, parts) if parts else Hybrid(version)
             self.live_version = self.label.oldest
             self.core._weight_version = str(self.label)
+            try:  # before the next schedule: no admission may find KV of the replaced weights
+                self.prefix_cache.on_commit()
+            except Exception as e:  # the cache may serve the old weights' KV: stop rather than serve it
+                raise EngineBroken(f"v{version} is live but invalidating the prefix cache failed: {e!r}") from e
             ms = 1e3 * (time.perf_counter() - t0)
             self.history.append(CommitRecord(version, via, self.steps, True, results, part, parts))
             return EngineCommitted(version=version, step=self.steps, commit_ms=ms, tokens_at_commit=self._output_tokens(),

@@ -90,7 +90,7 @@ def patch_engine_core() -> None:
             if coordinator is not None:
                 raise RuntimeError("inflight: already started on this engine")
             config = InflightConfig.from_json(args[0])
-            coordinator = CommitCoordinator(self, config, check_engine(self.vllm_config, config))
+            coordinator = CommitCoordinator(self, config, check_engine(self.vllm_config, config, self.scheduler))
             # the second argument tells each worker that its EngineCore will drive the commit
             results = original_rpc(self, method, timeout, (args[0], coordinator.instance_id), kwargs)
             self.__dict__[ATTR] = coordinator

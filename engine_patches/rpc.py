@@ -70,6 +70,29 @@ class WorkerSettleResult(_Result):
     error: str = ""
 
 
+class PrefixCacheStats(_Result):
+    """What an engine's prefix-cache guard did since it started (``engine_patches.prefix_cache``)."""
+
+    enabled: bool = False
+    """Whether the engine runs with prefix caching (then every commit invalidates it exactly)."""
+    invalidations: NonNeg = 0
+    """Commits that dropped the block pool's hash index."""
+    dropped_blocks: NonNeg = 0
+    """Blocks whose cached KV those commits made unreachable."""
+    restarted_prefills: NonNeg = 0
+    """Requests caught mid-prefill at a commit and recomputed under the new weights."""
+    frozen_requests: NonNeg = 0
+    """Requests that held KV at a commit (summed over commits): they decode on their own
+    blocks and insert none into the index."""
+    recomputed: NonNeg = 0
+    """Requests whose KV vLLM recomputed (a preemption for KV space) under weights newer than
+    those their earlier tokens were sampled with."""
+    recomputed_ids: tuple[str, ...] = ()
+    """The last of those (up to 64), by vLLM request id."""
+    last_commit_us: float = 0.0
+    """What the last invalidation took inside the commit window."""
+
+
 class EngineState(_Result):
     """The engine's commit coordinator, as ``inflight_status`` reports it."""
 
@@ -79,6 +102,7 @@ class EngineState(_Result):
     commits: NonNeg
     label: str = ""
     """The version label outputs carry now (a hybrid mid layer-granular update)."""
+    prefix_cache: PrefixCacheStats = PrefixCacheStats()
 
 
 class WorkerStatus(_Result):

@@ -157,6 +157,35 @@ class Reference:
         return ids[len(prompt):]
 
 
+def replay(ref: Reference, weights_of: Callable[[str], dict[str, torch.Tensor]], prompt: list[int], tokens: list[int],
+           labels: list[str], prompt_label: str | None = None) -> torch.Tensor:
+    """The log-prob of each token as the engine computed it, rebuilt from the tags alone.
+
+    Each engine step runs one forward with the weights its label names, and that forward both
+    samples the token tagged with the label and writes the KV cache of its input position; a
+    later token attends to keys and values written under earlier labels. So the reference
+    runs the same positions in the same order with a KV cache, loading for each run of
+    positions the weights of the step that processed them: the prompt under
+    ``prompt_label`` (``TaggedCompletion.prompt_label``: the first token's, whose step
+    prefilled it, prefix-cache hits included), token j as input under token j+1's label."""
+    from transformers import DynamicCache
+
+    inputs = prompt + tokens[:-1]
+    step_label = [labels[0] if prompt_label is None else prompt_label] * len(prompt) + labels[1:]
+    cache, rows, start = DynamicCache(), [], 0
+    with torch.no_grad():
+        while start < len(inputs):
+            end = start
+            while end < len(inputs) and step_label[end] == step_label[start]:
+                end += 1
+            ref.load(weights_of(step_label[start]))
+            out = ref.model(torch.tensor([inputs[start:end]]), past_key_values=cache, use_cache=True)
+            rows.append(out.logits[0].double())
+            start = end
+    logits = torch.cat(rows)[len(prompt) - 1:]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
 def drive(llm: Any, coordinator: Any, prompts: Sequence[str], sp: Any, *, hold_at: Sequence[int], start: int,
           release: Callable[[], bool] = lambda: False, lora_request: Any = None) -> list:
     """Run ``prompts`` to completion on an engine whose EngineCore is in this process, step
@@ -263,7 +292,7 @@ def serve_process(model_dir: Path, log_dir: Path, flags: Sequence[str] = ()) -> 
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(http),
            "--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
-           "--worker-extension-cls", WORKER_EXTENSION, "--no-enable-prefix-caching", "--no-async-scheduling",
+           "--worker-extension-cls", WORKER_EXTENSION, "--enable-prefix-caching", "--no-async-scheduling",
            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", *flags]
     log_path = Path(log_dir) / "serve.log"
     with open(log_path, "w") as log:

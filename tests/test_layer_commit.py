@@ -32,7 +32,7 @@ from inflight.transport.group import GroupConfig
 from inflight.transport.layer_pusher import LayerPushIncomplete
 from inflight.transport.layout import TensorSchema
 from inflight.transport.pusher import PushConfig, WeightPusher
-from tests.engine_harness import Reference, perturbed, push_at_steps, stop_engine
+from tests.engine_harness import Reference, perturbed, push_at_steps, replay, stop_engine
 
 EXACT = 1e-4  # fp32 behaviour log-probs against transformers (measured <= 2e-6 on whole versions)
 
@@ -103,33 +103,6 @@ def _decode_across(e: LayerEngine, pushes: list[int], at: list[int], requests: i
                 done[out.request_id] = (prompts[out.request_id], tagged(out.outputs[0]))
     trainer.join()
     return [done[k] for k in sorted(done)]
-
-
-def replay(ref: Reference, weights_of, prompt: list[int], tokens: list[int], labels: list[str]) -> torch.Tensor:
-    """The log-prob of each token as the engine computed it, rebuilt from the tags alone.
-
-    Each engine step runs one forward with the weights its label names, and that forward both
-    samples the token tagged with the label and writes the KV cache of its input position; a
-    later token attends to keys and values written under earlier labels. So the reference
-    runs the same positions in the same order with a KV cache, loading for each run of
-    positions the weights of the step that processed them: the prompt under the first
-    token's label (the prefill sampled it), token j as input under token j+1's label."""
-    from transformers import DynamicCache
-
-    inputs = prompt + tokens[:-1]
-    step_label = [labels[0]] * len(prompt) + labels[1:]  # the label of the step that processed each input
-    cache, rows, start = DynamicCache(), [], 0
-    with torch.no_grad():
-        while start < len(inputs):
-            end = start
-            while end < len(inputs) and step_label[end] == step_label[start]:
-                end += 1
-            ref.load(weights_of(step_label[start]))
-            out = ref.model(torch.tensor([inputs[start:end]]), past_key_values=cache, use_cache=True)
-            rows.append(out.logits[0].double())
-            start = end
-    logits = torch.cat(rows)[len(prompt) - 1:]
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
 def _errors_by_label(e: LayerEngine, finished: list, rebuild=lambda label: label) -> dict[str, float]:

@@ -1,0 +1,189 @@
+"""Exact prefix caching across in-flight commits: no request admitted after a commit reuses
+KV computed, wholly or in part, under weights that are no longer live.
+
+Where vLLM 0.32 keeps the prefix cache (``vllm.v1.core``): a request's block hashes are
+fixed when it arrives and name its tokens, its LoRA adapter and its salt, never the
+weights; the lookup happens once, when the scheduler admits it (``get_computed_blocks``);
+a full block enters the block pool's hash index when it is *scheduled* (``allocate_slots``
+-> ``coordinator.cache_blocks``), and without async scheduling it is computed before the
+next step boundary. So at a commit, between two steps, every block in the index holds KV
+of the weights being replaced, and a request that holds KV keeps filling blocks whose
+contents depend on it. vLLM's own ``reset_prefix_cache()`` refuses while any request runs.
+
+``PrefixCacheGuard.on_commit`` runs inside the commit window (the coordinator's step lock,
+the engine thread, before the next ``schedule``) and:
+
+1. restarts every request caught mid-prefill (its prompt, or a recomputation after a
+   preemption, partly computed): vLLM's own preemption puts it back in the waiting queue
+   and frees its blocks, so the next step recomputes it under the new weights. A prompt's
+   KV is therefore always computed under one label, the one of the step that sampled its
+   first token: ``TaggedCompletion.prompt_label`` is that token's label;
+2. stops every request that holds KV from inserting more blocks into the index (its
+   later blocks attend to KV of the old weights): it keeps decoding on its own blocks, as
+   in-flight commits promise (stale KV, exact behaviour log-probs);
+3. drops the block pool's hash index (blocks, block tables and reference counts untouched):
+   the next admission finds only blocks computed after the commit. Requests admitted
+   together after it share their prompt's blocks as usual.
+
+A request that vLLM preempts for KV space (recompute mode) drops its KV; when it resumes,
+its prompt and every token it already sampled are recomputed under the label of the step
+that resumes it (the restart rule above keeps that recomputation within one label). Its
+earlier tokens keep the tags of the steps that sampled them; the tokens after the
+resumption attend to the recomputed KV. Where a commit fell between the two (the only case
+in which the recomputed KV differs from what the earlier tokens saw), the request is
+counted in ``PrefixCacheStats.recomputed`` and named in ``recomputed_ids``.
+
+What is guarded is checked at start (``problems``): one KV cache group of plain full
+attention, no KV connector, no fine-grained partial hash hits. Anything else (sliding
+window, hybrid or Mamba models, KV offload or transfer) keeps state this guard does not
+invalidate, and prefix caching is refused on such engines with the reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+
+from engine_patches.rpc import PrefixCacheStats
+
+
+def problems(scheduler: Any) -> list[str]:
+    """Why this engine's prefix cache cannot be kept exact across commits ([] if it can)."""
+    from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    manager = scheduler.kv_cache_manager
+    if not manager.enable_caching:
+        return []
+    found = []
+    coordinator = manager.coordinator
+    kinds = [type(m).__name__ for m in getattr(coordinator, "single_type_managers", ())]
+    if type(coordinator) is not UnitaryKVCacheCoordinator or kinds != [FullAttentionManager.__name__]:
+        found.append(f"KV cache managers {kinds} (only one group of plain full attention is guarded)")
+    if getattr(coordinator, "enable_partial_hash_hits", False):
+        found.append("fine-grained partial hash hits are on")
+    if getattr(scheduler, "connector", None) is not None:
+        found.append("a KV connector (offload or transfer) holds KV this guard does not invalidate")
+    if found:
+        return [f"enable_prefix_caching cannot be kept exact across commits here: {'; '.join(found)}; start the "
+                "engine with enable_prefix_caching=False"]
+    return []
+
+
+class PrefixCacheGuard:
+    """Keeps one engine's prefix cache exact across its commits (see the module docstring).
+
+    Ordering invariants: ``on_commit`` runs only inside a commit window, on the thread that
+    steps the engine (or, for an idle in-process engine, under the step lock with no
+    request running); ``_cache_blocks`` runs inside ``schedule``, on the same thread."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.pool = scheduler.kv_cache_manager.block_pool
+        self.enabled = bool(scheduler.kv_cache_manager.enable_caching)
+        self._frozen: dict[str, int] = {}  # request id -> its preemptions when it was frozen
+        self._sampled_at_preemption: dict[str, int] = {}
+        self._recomputed_ids: deque[str] = deque(maxlen=64)
+        self._counted: set[str] = set()  # counted in ``recomputed`` (once per request)
+        self.stats = PrefixCacheStats(enabled=self.enabled)
+        if self.enabled:
+            guard_cache_blocks(scheduler.kv_cache_manager.coordinator, self)
+
+    def on_commit(self) -> None:
+        """The three steps of the module docstring, in the commit window."""
+        if not self.enabled:
+            return
+        from vllm.v1.request import RequestStatus
+
+        t0 = time.perf_counter()
+        restarted = self._restart_partial_prefills()
+        self._frozen = {r.request_id: r.num_preemptions for r in self.scheduler.running}
+        self._counted &= set(self.scheduler.requests)
+        for request in list(self.scheduler.requests.values()):  # preempted earlier, resumed under the new weights
+            if request.status == RequestStatus.PREEMPTED and request.request_id not in self._frozen:
+                self._count_recomputed(request)
+        dropped = self._drop_index()
+        s = self.stats
+        self.stats = msgspec.structs.replace(
+            s, invalidations=s.invalidations + 1, dropped_blocks=s.dropped_blocks + dropped,
+            restarted_prefills=s.restarted_prefills + restarted, frozen_requests=s.frozen_requests + len(self._frozen),
+            last_commit_us=1e6 * (time.perf_counter() - t0))
+
+    def _restart_partial_prefills(self) -> int:
+        """Preempt (vLLM's own ``_preempt_request``, as its cache reset does) every running
+        request whose prompt or recomputation is only partly computed."""
+        scheduler, now, restarted = self.scheduler, time.monotonic(), 0
+        for request in list(scheduler.running):
+            if not _mid_prefill(request):
+                continue
+            scheduler.running.remove(request)
+            scheduler._preempt_request(request, now)
+            # as in Scheduler.reset_prefix_cache: the model runner must drop its copy of the request
+            scheduler.prev_step_scheduled_req_ids.discard(request.request_id)
+            restarted += 1
+        return restarted
+
+    def _drop_index(self) -> int:
+        """Forget every hash the block pool holds; blocks, tables and ref counts stay."""
+        from vllm.v1.core.block_pool import BlockHashToBlockMap
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+        pool = self.pool
+        blocks: dict[int, Any] = {}
+        for entry in pool.cached_block_hash_to_block._cache.values():
+            for block in (entry,) if isinstance(entry, KVCacheBlock) else entry.values():
+                blocks[block.block_id] = block
+        for block in blocks.values():
+            block.reset_hash()
+        pool.cached_block_hash_to_block = BlockHashToBlockMap()
+        pool.cached_block_hashes_by_block.clear()
+        if pool.metrics_collector is not None:
+            pool.metrics_collector.reset()
+        return len(blocks)
+
+    def may_cache(self, request: Any) -> bool:
+        """Whether ``request``'s newly full blocks may enter the index now."""
+        seen = self._frozen.get(request.request_id)
+        if seen is None:
+            return True
+        if request.num_preemptions > seen:  # preempted since: its KV is being recomputed under the live weights
+            del self._frozen[request.request_id]
+            self._count_recomputed(request)
+            return True
+        return False
+
+    def _count_recomputed(self, request: Any) -> None:
+        if request.num_output_tokens > 0 and request.request_id not in self._counted:
+            self._counted.add(request.request_id)
+            self._recomputed_ids.append(request.request_id)
+            self.stats = msgspec.structs.replace(self.stats, recomputed=self.stats.recomputed + 1,
+                                                 recomputed_ids=tuple(self._recomputed_ids))
+
+
+def _mid_prefill(request: Any) -> bool:
+    """A running request whose prompt (or, after a preemption, its recomputation) is partly
+    computed: its next forward would extend KV of the weights being replaced."""
+    computed = request.num_computed_tokens
+    if computed <= 0:
+        return False
+    if request.num_output_tokens == 0:
+        return computed < request.num_prompt_tokens
+    return computed < request.num_tokens - 1
+
+
+def guard_cache_blocks(coordinator: Any, guard: PrefixCacheGuard) -> None:
+    """Route one engine's ``KVCacheCoordinator.cache_blocks`` (vLLM 0.32.0; both of
+    ``KVCacheManager``'s callers go through it) past ``guard.may_cache``: a request that
+    held KV at a commit inserts no more blocks into the index. Bound on this instance
+    only, from ``inflight_start``; idempotent (a second guard replaces the first)."""
+    original = getattr(coordinator.cache_blocks, "__inflight_original__", coordinator.cache_blocks)
+
+    def cache_blocks(request: Any, num_computed_tokens: int) -> None:
+        if guard.may_cache(request):
+            original(request, num_computed_tokens)
+
+    cache_blocks.__inflight_original__ = original  # type: ignore[attr-defined]
+    coordinator.cache_blocks = cache_blocks

@@ -1,0 +1,230 @@
+"""Prefix caching on an in-flight engine (``engine_patches.prefix_cache``), on a real vLLM CPU
+engine (in-process EngineCore, tiny Llama fp32, 128-token KV blocks, chunked prefill with a
+256-token step budget so a 300-token prompt takes two steps).
+
+- Three commits land while requests decode, each at a step boundary where vLLM's own
+  ``reset_prefix_cache()`` refuses (requests are running). Right after each commit a group
+  with the prompt earlier groups still hold in the cache is admitted: its first request is
+  served no prompt token from the earlier version's blocks, its siblings share its prefill;
+  a request caught mid-prefill by the commit is recomputed under the new weights.
+- A transformers replay from each sample's prompt label and token tags alone reproduces every
+  behaviour log-prob within 1e-4; the prompt's version shifted by one does not.
+- Multi-turn: a request that extends an earlier turn reuses that turn's blocks when they were
+  computed under the live weights, none after a commit, and a request that held KV across a
+  commit puts none of its later blocks in the cache (where a request that recomputed its
+  first block would otherwise chain into them).
+Pushes and commits follow engine steps and events, never wall-clock time.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine_patches.client import coordinator_of, start_inflight, tagged
+from engine_patches.config import InflightConfig, engine_kwargs
+from inflight.transport.group import GroupConfig
+from inflight.transport.pusher import PushConfig, WeightPusher
+from tests.engine_harness import Reference, perturbed, replay, stop_engine
+
+EXACT = 1e-4  # fp32 behaviour log-probs against transformers
+BLOCK = 128  # vLLM CPU's KV block
+WAIT_S = 300.0  # the longest any event here may take on a loaded 2-core machine (a push of a tiny model)
+
+
+def _prompt(seed: int, n: int = 300) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(3, 250, (n,), generator=g)).tolist()
+
+
+@dataclass
+class CacheEngine:
+    """An in-process engine with prefix caching (the default), its trainer, and every version pushed."""
+
+    llm: Any
+    pusher: WeightPusher
+    versions: dict[int, dict[str, torch.Tensor]]
+    prompts: dict[str, list[int]] = field(default_factory=dict)
+    done: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def coordinator(self) -> Any:
+        return coordinator_of(self.llm)
+
+    @property
+    def scheduler(self) -> Any:
+        return self.llm.llm_engine.engine_core.engine_core.scheduler
+
+    def add(self, rid: str, prompt: list[int], tokens: int) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = SamplingParams(temperature=1.0, max_tokens=tokens, logprobs=0, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+        self.prompts[rid] = prompt
+        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            for out in self.llm.llm_engine.step():
+                if out.finished:
+                    self.done[out.request_id] = out
+
+    def finish(self) -> None:
+        while self.llm.llm_engine.has_unfinished_requests():
+            self.step()
+
+    def request(self, rid: str) -> Any:
+        """vLLM's request for the user's id ``rid`` (internal ids are ``rid-<suffix>``)."""
+        return next(r for k, r in self.scheduler.requests.items() if k.rsplit("-", 1)[0] == rid)
+
+    def push_until_pending(self, version: int) -> threading.Thread:
+        """Push ``version`` from a trainer thread and return once every rank staged it and its
+        commit waits for the next step boundary (an event; the deadline only fails a hang)."""
+        self.versions[version] = perturbed(self.versions[0], seed=300 + version)
+        errors: list[BaseException] = []
+
+        def push() -> None:
+            try:
+                self.pusher.push(version, self.versions[version])
+            except BaseException as e:  # noqa: BLE001  re-raised below
+                errors.append(e)
+        thread = threading.Thread(target=push, daemon=True)
+        thread.start()
+        _wait(lambda: self.coordinator.commit_pending() or errors, f"the commit of v{version} to be pending")
+        assert not errors, errors
+        thread.errors = errors  # type: ignore[attr-defined]
+        return thread
+
+
+def _wait(done: Callable[[], Any], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not done():
+        assert time.monotonic() < deadline, f"waited {WAIT_S:.0f} s for {what}"
+        time.sleep(0.002)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama, hold_port):
+    from vllm import LLM
+
+    port = hold_port()
+    llm = LLM(str(tiny_llama), enforce_eager=True, dtype="float32", max_model_len=1024, seed=0,
+              max_num_batched_tokens=256, **engine_kwargs())
+    group = GroupConfig(port=port, world_size=2, timeout_s=120)
+    start_inflight(llm, InflightConfig(group=group))
+    pusher = WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25))
+    e = CacheEngine(llm, pusher, {0: load_file(str(tiny_llama / "model.safetensors"))})
+    yield e
+    pusher.close()
+    stop_engine(llm)
+    del llm, e
+    gc.collect()
+
+
+def _commit_round(e: CacheEngine, version: int, shared: list[int], group: int = 4, tokens: int = 24) -> None:
+    """One commit with a request mid-prefill and a group admitted right after it."""
+    mid = f"mid{version}"
+    e.add(mid, _prompt(1000 + version), tokens)
+    e.step()  # its first chunk: the step budget leaves the rest of the 300 tokens for later
+    req = e.request(mid)
+    assert 0 < req.num_computed_tokens < req.num_prompt_tokens, (req.num_computed_tokens, req.num_prompt_tokens)
+    assert e.llm.reset_prefix_cache() is False  # vLLM's own reset refuses while requests run
+    thread = e.push_until_pending(version)
+    for i in range(group):  # admitted by the first schedule after the commit
+        e.add(f"g{version}-{i}", shared, tokens)
+    restarted = e.coordinator.prefix_cache.stats.restarted_prefills
+    e.step()  # the commit lands at this step's boundary, then the scheduler admits the group
+    assert e.coordinator.live_version == version
+    assert e.coordinator.prefix_cache.stats.restarted_prefills == restarted + 1
+    thread.join()
+    assert not thread.errors  # type: ignore[attr-defined]
+    e.step(8)  # prefill the group and decode on: the next commit catches these requests running
+
+
+def test_commits_keep_the_prefix_cache_exact(engine: CacheEngine, tiny_llama) -> None:
+    e = engine
+    shared = _prompt(7)
+    for i in range(4):
+        e.add(f"g0-{i}", shared, 24)
+    e.step(8)
+    for v in (1, 2, 3):
+        _commit_round(e, v, shared)
+    e.finish()
+    full = (len(shared) - 1) // BLOCK * BLOCK
+    for v in range(4):
+        outs = [e.done[f"g{v}-{i}"] for i in range(4)]
+        cached = [o.num_cached_tokens for o in outs]
+        # the group's first request computed its prompt (stock vLLM would serve it the earlier
+        # group's blocks, still held by running requests); its siblings shared its blocks
+        assert cached[0] == 0 and all(0 < c <= full for c in cached[1:]), (v, cached)
+        assert {tagged(o.outputs[0]).prompt_label for o in outs} == {str(v)}
+    for v in (1, 2, 3):  # caught mid-prefill by commit v: recomputed under v
+        assert tagged(e.done[f"mid{v}"].outputs[0]).prompt_label == str(v)
+
+    ref = Reference(tiny_llama, "float32")
+    worst, shifted = 0.0, []
+    for rid, out in e.done.items():
+        if not rid.startswith(("g", "mid")):
+            continue
+        t = tagged(out.outputs[0])
+        assert len(set(t.versions)) >= 2 or rid.startswith(("g3", "mid3")), (rid, t.versions)
+        got = torch.tensor(t.logprobs, dtype=torch.float64)
+        want = replay(ref, lambda label: e.versions[int(label)], e.prompts[rid], t.token_ids, t.labels, t.prompt_label)
+        worst = max(worst, float((got - want).abs().max()))
+        moved = str(t.prompt_version + (1 if t.prompt_version < 3 else -1))
+        wrong = replay(ref, lambda label: e.versions[int(label)], e.prompts[rid], t.token_ids, t.labels, moved)
+        shifted.append(float((got - wrong).abs().max()))
+    stats = e.coordinator.prefix_cache.stats
+    print(f"{len(e.done)} samples across 3 commits: worst |engine - replay| {worst:.2e}; prompt version shifted by "
+          f"one: smallest worst error {min(shifted):.2e}; {stats}")
+    assert worst < EXACT
+    assert min(shifted) > 10 * EXACT
+    assert stats.invalidations == 3 and stats.restarted_prefills == 3 and stats.recomputed == 0, stats
+    assert stats.dropped_blocks >= 3  # each commit found the shared prompt's blocks in the index
+
+
+def test_multi_turn_reuses_only_blocks_of_the_live_weights(engine: CacheEngine) -> None:
+    e = engine
+    v = e.coordinator.live_version
+    first = _prompt(21, 260)
+    e.add("turn1", first, 40)
+    e.finish()
+    turn1 = tagged(e.done["turn1"].outputs[0])
+    history = first + turn1.token_ids  # 300 tokens: two full blocks computed under the live version
+    e.add("turn2", history + _prompt(22, 20), 8)
+    e.finish()
+    assert e.done["turn2"].num_cached_tokens == 2 * BLOCK
+
+    # a request holding KV across a commit: its blocks filled after the commit stay out of the cache
+    long = _prompt(23, 200)
+    e.add("across", long, 90)
+    e.step(3)
+    thread = e.push_until_pending(v + 1)
+    e.step()
+    thread.join()
+    assert not thread.errors  # type: ignore[attr-defined]
+    e.finish()
+    across = tagged(e.done["across"].outputs[0])
+    assert across.versions[0] == v and across.versions[-1] == v + 1
+    e.add("redo", long, 4)  # its prompt again: across's first block was of v; redo's, of v+1, enters the cache
+    e.finish()
+    assert e.done["redo"].num_cached_tokens == 0
+    # 290 tokens: redo's first block, then the block across filled after the commit, which stayed out
+    e.add("after-across", long + across.token_ids, 4)
+    e.add("turn3", history + _prompt(22, 20), 4)  # turn 2's history again: its blocks are of v
+    e.finish()
+    assert e.done["after-across"].num_cached_tokens == BLOCK
+    assert e.done["turn3"].num_cached_tokens == 0
+    e.add("turn4", history + _prompt(22, 20), 4)  # computed again under v+1 by turn 3: shared now
+    e.finish()
+    assert e.done["turn4"].num_cached_tokens == 2 * BLOCK
+    assert tagged(e.done["turn4"].outputs[0]).prompt_label == str(v + 1)
