@@ -131,12 +131,12 @@ def positions(start: int, end: int, prompt: int, total: int) -> tuple[int, int]:
     return prompt_part, max(0, outputs - (end == total))
 
 
-def achieved_cadence(sends: list[int], every: int, steps: int) -> int:
-    """The cadence an in-flight chunk achieved: the median spacing of its sends (a cue due
-    while a push staged was skipped), at least ``every``; with one send, its chunk's steps."""
-    if len(sends) >= 2:
-        return max(every, round(statistics.median(b - a for a, b in zip(sends, sends[1:]))))
-    return max(every, steps) if sends else every
+def achieved_cadence(pushes: list[tuple[int, int]], every: int) -> int:
+    """The cadence in-flight achieves at ``every``: from each push's (step sent, step it was
+    seen landed), the spacing to the next send (the first cue after it landed: a cue due
+    while a push stages is skipped), their median; ``every`` without pushes."""
+    spacing = [every * (landed // every + 1) - sent for sent, landed in pushes]
+    return max(every, round(statistics.median(spacing))) if spacing else every
 
 
 def rotate(order: list[str], k: int) -> list[str]:
@@ -300,7 +300,7 @@ class GRPOBench:
         params, admit_at = self.sampling(completion), ramp(self.groups, completion)
         active: dict[str, int] = {}  # request id -> group
         left: dict[int, int] = {}  # group -> requests unfinished
-        times, events, sends = [time.perf_counter()], [], []
+        times, events, pushes = [time.perf_counter()], [], []  # pushes: (step sent, step seen landed)
         st = {"tokens": 0, "skipped": 0}
         pushing, start = False, self.coordinator.steps
         self.counter.reset()
@@ -334,23 +334,23 @@ class GRPOBench:
                 self.version += 1
                 self.conn.send(("push", self.version))
                 pushing = True
-                sends.append(i)
+                pushes.append((i, -1))
             elif mode.startswith("native") and due:
                 events.append((len(times), self.native_update(reset=mode == "native-reset")))
             if pushing and self.conn.poll():
                 r = self.conn.recv()
                 events.append((r["commit_step"] - start + 1, r))
-                pushing = False
+                pushes[-1], pushing = (pushes[-1][0], i), False
             while len(left) < sum(a <= i for a in admit_at):
                 admit()
             step()
             i += 1
-        return self.finish(mode, every, times, events, sends, st, active)
+        return self.finish(mode, every, times, events, pushes, st, active)
 
-    def finish(self, mode: str, every: int, times: list[float], events: list, sends: list[int], st: dict,
+    def finish(self, mode: str, every: int, times: list[float], events: list, pushes: list, st: dict,
                active: dict[str, int]) -> dict:
         """End a chunk: drop its requests, and its figures in ``bench.inflight_lora``'s form."""
-        extra = {**self.counter.totals(), "sends": sends,
+        extra = {**self.counter.totals(), "pushes": pushes,
                  "reset_ms": [r["reset_ms"] for _, r in events if "reset_ms" in r]}
         engine = self.llm.llm_engine
         engine.abort_request(list(active))
@@ -372,10 +372,14 @@ class GRPOBench:
 
 
 # -- the driver -----------------------------------------------------------------------------
-def calibrate(bench: GRPOBench, every: int, steps: int) -> int:
-    """The cadence in-flight achieves at ``every`` on this engine and shape (one chunk)."""
-    chunk = bench.run("inflight", every, steps)
-    return achieved_cadence(chunk["sends"], every, chunk["steps"])
+def calibrate(bench: GRPOBench, every: int, steps: int) -> tuple[int, str]:
+    """The cadence in-flight achieves at ``every`` on this engine and shape (one chunk), and
+    what it is made of (steps and pushes)."""
+    chunk = bench.run("inflight", every, max(steps, 4 * every))
+    push_ms = [1e3 * r["push_s"] for r in chunk["infos"]]
+    step_ms = 1e3 * statistics.median(chunk["quiet"])
+    how = f"a push takes {statistics.median(push_ms):.0f} ms (median of {len(push_ms)}), a step {step_ms:.1f} ms"
+    return achieved_cadence(chunk["pushes"], every), how
 
 
 def bench_engine(bench: GRPOBench, engine: str, model: str, shapes: list[tuple[int, int, int]],
@@ -384,12 +388,20 @@ def bench_engine(bench: GRPOBench, engine: str, model: str, shapes: list[tuple[i
     (filled by the first engine, reused by the next) holds each shape's common cadence."""
     rows = []
     modes = ENGINES[engine][1]
-    for prompt, completion, every in shapes:
+    chunk = steps // rounds
+    for k, (prompt, completion, every) in enumerate(shapes):
         bench.shape = (prompt, completion)
-        bench.run("none", 10**9, min(48, steps // rounds))  # warm-up: this shape's kernels and allocations
+        bench.run("none", 10**9, min(48, chunk))  # warm-up: this shape's kernels and allocations
+        if k == 0:  # the engine's first push allocates staging: not measured
+            bench.run("inflight", every, max(chunk, 2 * every))
         key = (prompt, completion, every)
         if key not in cadences:
-            cadences[key] = calibrate(bench, every, steps // rounds)
+            cadences[key], how = calibrate(bench, every, chunk)
+            print(f"{engine} engine, P={prompt} T={completion}: in-flight achieves an update per {cadences[key]} steps "
+                  f"at every {every} ({how}); every update mode runs at that cadence", flush=True)
+        if chunk < 2 * cadences[key]:
+            print(f"warning: chunks of {chunk} steps hold fewer than 2 updates at {cadences[key]} steps each: "
+                  "raise --steps", flush=True)
         bench.log.clear()
         for r in interleaved(bench, modes, model, engine, cadences[key], steps, rounds):
             run_mode = next(m for m, label in modes.items() if label == r["mode"])
@@ -397,7 +409,8 @@ def bench_engine(bench: GRPOBench, engine: str, model: str, shapes: list[tuple[i
             totals = {k: sum(c[k] for c in extra) for k in ("cached", "prompt_computed", "recomputed",
                                                               "admitted_prompt", "readmitted")}
             resets = [x for c in extra for x in c["reset_ms"]]
-            rows.append({**r, **totals, "P": prompt, "T": completion, "every": every, "cadence": cadences[key],
+            rows.append({**r, **totals, "P": prompt, "T": completion, "every": every,
+                         "cadence": cadences[key] if r["mode"] != "none" else None,
                          "group": f"P{prompt}/T{completion}/every{every}",
                          "prefilled": totals["prompt_computed"] + totals["recomputed"],
                          "reset_ms": round(statistics.median(resets), 2) if resets else None})
@@ -452,7 +465,7 @@ def report(rows: list[dict], args: argparse.Namespace, model: str, load: list[fl
               f"{['FAIL', 'PASS'][c['vs_native_pass']]}")
     if not targets:
         print(f"(the README's targets are at P={TARGET['prompt']}, every {TARGET['every']}: not in this run)")
-    print(json.dumps({"bench": "grpo", "device": "cpu", "model": model, "group": GROUP, **vars(args), "load_1m": load,
+    print(json.dumps({"bench": "grpo", "device": "cpu", **vars(args), "model": model, "group": GROUP, "load_1m": load,
                       "wall_s": round(wall_s, 1), "checks": targets, "rows": rows}))
 
 

@@ -157,6 +157,44 @@ class Reference:
         return ids[len(prompt):]
 
 
+CACHE_PROMPT = [3 + (i * 37) % 240 for i in range(300)]
+"""Two full 128-token KV blocks (vLLM CPU's block) and a tail: the prompt of the prefix-cache checks."""
+CACHED = 256
+"""The prompt tokens a request for ``CACHE_PROMPT`` is served from the cache when its blocks are there."""
+
+Sample = tuple[int, list[int], list[float]]
+"""One greedy request for ``CACHE_PROMPT``: (prompt tokens served from the cache, tokens, log-probs)."""
+
+
+def llm_sample(llm: Any, lora_request: Any = None) -> Callable[[], Sample]:
+    """A ``Sample`` from an ``LLM``: 4 greedy tokens for ``CACHE_PROMPT``."""
+    from vllm import SamplingParams
+
+    def sample() -> Sample:
+        sp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0, ignore_eos=True)
+        (o,) = llm.generate([{"prompt_token_ids": CACHE_PROMPT}], sp, lora_request=lora_request, use_tqdm=False)
+        t = tagged(o.outputs[0])
+        return o.num_cached_tokens, t.token_ids, t.logprobs
+    return sample
+
+
+def check_warm(first: Sample, second: Sample) -> None:
+    """Two requests for ``CACHE_PROMPT`` in turn, before a commit: the second was served the
+    first's blocks, which stay in the cache (a request after the commit must not be)."""
+    assert second[0] == CACHED and second[1] == first[1], (first[0], second[0])
+
+
+def check_fresh(first: Sample, second: Sample, logprobs_of: Callable[[list[int], list[int]], torch.Tensor]) -> None:
+    """Two requests for ``CACHE_PROMPT`` in turn, after a commit (and after ``check_warm``):
+    the first was served no KV of the earlier weights and matches the new ones
+    (``logprobs_of``: a reference holding them); the second shares its blocks exactly."""
+    assert first[0] == 0, f"a request admitted after the commit was served {first[0]} prompt tokens of earlier weights"
+    torch.testing.assert_close(torch.tensor(first[2], dtype=torch.float64), logprobs_of(CACHE_PROMPT, first[1]),
+                               atol=1e-5, rtol=0)
+    assert second[0] == CACHED and second[1] == first[1], second[0]
+    torch.testing.assert_close(torch.tensor(second[2]), torch.tensor(first[2]), atol=1e-6, rtol=0)
+
+
 def replay(ref: Reference, weights_of: Callable[[str], dict[str, torch.Tensor]], prompt: list[int], tokens: list[int],
            labels: list[str], prompt_label: str | None = None) -> torch.Tensor:
     """The log-prob of each token as the engine computed it, rebuilt from the tags alone.
@@ -292,7 +330,7 @@ def serve_process(model_dir: Path, log_dir: Path, flags: Sequence[str] = ()) -> 
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(http),
            "--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
-           "--worker-extension-cls", WORKER_EXTENSION, "--enable-prefix-caching", "--no-async-scheduling",
+           "--worker-extension-cls", WORKER_EXTENSION, "--enable-prefix-caching", "--no-async-scheduling", "--enable-prompt-tokens-details",
            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", *flags]
     log_path = Path(log_dir) / "serve.log"
     with open(log_path, "w") as log:

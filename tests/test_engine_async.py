@@ -12,7 +12,18 @@ from engine_patches.client import inflight_status_async, start_inflight_async, s
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
 from inflight.versions import boundaries, is_monotone
-from tests.engine_harness import Reference, perturbed, push_at_steps
+from tests.engine_harness import CACHE_PROMPT, Reference, Sample, check_fresh, check_warm, perturbed, push_at_steps
+
+
+async def _sample(engine, rid: str) -> Sample:
+    """4 greedy tokens for ``CACHE_PROMPT`` (a prefix-cache check), through ``AsyncLLM``."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0, ignore_eos=True)
+    async for out in engine.generate({"prompt_token_ids": CACHE_PROMPT}, sp, rid):
+        pass
+    t = tagged(out.outputs[0])
+    return out.num_cached_tokens, t.token_ids, t.logprobs
 
 
 async def _run(model_dir, port: int) -> None:
@@ -29,6 +40,7 @@ async def _run(model_dir, port: int) -> None:
         await start_inflight_async(engine, InflightConfig(group=group))
         pusher = await asyncio.to_thread(WeightPusher, group, PushConfig(bucket_mb=0.25))
         base = load_file(str(model_dir / "model.safetensors"))
+        check_warm(await _sample(engine, "warm-0"), await _sample(engine, "warm-1"))
         n_req, versions = 6, 3
         progress = [0] * n_req
         # commit whenever every stream has moved on by 60 tokens (the engine's steps, as streamed)
@@ -75,8 +87,11 @@ async def _run(model_dir, port: int) -> None:
         assert done.token_ids == ref.greedy(list(out.prompt_token_ids), 10)
         torch.testing.assert_close(torch.tensor(done.logprobs, dtype=torch.float64),
                                    ref.logprobs(list(out.prompt_token_ids), done.token_ids), atol=1e-5, rtol=0)
+        # EngineCore's own process invalidated its prefix cache at each commit
+        check_fresh(await _sample(engine, "fresh-0"), await _sample(engine, "fresh-1"), ref.logprobs)
         status = await inflight_status_async(engine)
         assert status.live_version == 3 and status.committed == 3 and status.last_error == ""
+        assert status.engine.prefix_cache.invalidations == 3 and status.engine.prefix_cache.dropped_blocks >= 2
         await asyncio.to_thread(pusher.close)
     finally:
         engine.shutdown()

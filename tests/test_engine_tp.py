@@ -28,7 +28,8 @@ from engine_patches.client import coordinator_of, start_inflight, tagged
 from engine_patches.rpc import WorkerStatus, as_result
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
-from tests.engine_harness import Reference, assert_tags_change_at_commits, stop_engine, drive, perturbed, push_at_steps
+from tests.engine_harness import (Reference, assert_tags_change_at_commits, check_fresh, check_warm, drive, llm_sample,
+                                  perturbed, push_at_steps, stop_engine)
 from tests.helpers import fail_next_commit_on_vllm_rank_1
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5="]
@@ -103,6 +104,8 @@ def test_tp2_takes_updates_while_decoding_on_both_ranks_at_one_step(tp: TPEngine
     assert tp.report.node_workers == 2  # both ranks' host staging was checked against this host's memory
     assert {s.rank for s in tp.statuses()} == {1, 2}
     _assert_matches(tp, tp.base, 0)
+    sample = llm_sample(tp.llm)
+    check_warm(sample(), sample())
     coordinator = tp.coordinator
     start, commit_at = coordinator.steps, (15, 45, 75)
     pushes = push_at_steps(lambda: coordinator.steps - start, commit_at,
@@ -118,6 +121,8 @@ def test_tp2_takes_updates_while_decoding_on_both_ranks_at_one_step(tp: TPEngine
         assert r.commits[1].step == r.commits[2].step
         assert r.commits[1].tokens_at_commit == r.commits[2].tokens_at_commit
     assert_tags_change_at_commits(outs, commits, rank=1, start=start, tokens=110)
+    # the prefix cache (one scheduler for both ranks) holds no KV of the earlier versions
+    check_fresh(sample(), sample(), Reference(tp.model_dir, "float32").load(perturbed(tp.base, seed=202, scale=0.02)).logprobs)
     _assert_matches(tp, perturbed(tp.base, seed=202, scale=0.02), 3)
     for status in tp.statuses():
         landed = [c for c in status.commits if c.ok]

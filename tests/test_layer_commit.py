@@ -32,7 +32,7 @@ from inflight.transport.group import GroupConfig
 from inflight.transport.layer_pusher import LayerPushIncomplete
 from inflight.transport.layout import TensorSchema
 from inflight.transport.pusher import PushConfig, WeightPusher
-from tests.engine_harness import Reference, perturbed, push_at_steps, replay, stop_engine
+from tests.engine_harness import Reference, check_fresh, check_warm, llm_sample, perturbed, push_at_steps, replay, stop_engine
 
 EXACT = 1e-4  # fp32 behaviour log-probs against transformers (measured <= 2e-6 on whole versions)
 
@@ -127,8 +127,13 @@ def _shifted(label: str, by: int) -> str:
 
 def test_hybrid_tags_rebuild_the_exact_weights(engine: LayerEngine) -> None:
     e = engine
+    sample = llm_sample(e.llm)
+    check_warm(sample(), sample())
     finished = _decode_across(e, pushes=[1, 2, 3], at=[5, 40, 75])
     assert e.coordinator.label == Hybrid(3) and e.coordinator.live_version == 3
+    # every group's commit invalidated the prefix cache: no block of an earlier hybrid serves v3
+    assert e.coordinator.prefix_cache.stats.invalidations == 3 * len(e.groups)
+    check_fresh(sample(), sample(), Reference(e.model_dir, "float32").load(e.versions[3]).logprobs)
     hybrids = sorted({s for _, t in finished for s in t.labels if ">" in s})
     assert len(hybrids) >= 8, hybrids  # every partial state of 3 updates of 4 groups tagged tokens
     for _, t in finished:  # a hybrid's integer tag is its oldest version: the conservative lag

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from inflight.transport.pusher import PushRejected
-from tests.engine_harness import assert_tags_change_at_commits, drive, perturbed, push_at_steps
+from tests.engine_harness import (assert_tags_change_at_commits, check_fresh, check_warm, drive, llm_sample, perturbed,
+                                  push_at_steps)
 from tests.helpers import fail_next_commit_on_vllm_rank_1
 from tests.lora_harness import (PROMPTS, LoRAEngine, assert_matches_peft, copy_plan_of, listener_affinity,
                                  slot_equals_vllm_load, write_adapter)
@@ -62,6 +63,8 @@ def test_adapter_updates_land_mid_decode_with_exact_tags_and_match_peft(lora: Lo
     # prepare runs the recorded copy plan, which the slot check at the end holds to vLLM's bytes
     assert all(plan is not None and plan[0] > 0 for plan in lora.llm.collective_rpc(copy_plan_of))
     assert_matches_peft(lora, lora.v0, 0)
+    sample = llm_sample(lora.llm, lora.lora)
+    check_warm(sample(), sample())
     coordinator, start = lora.coordinator, lora.coordinator.steps
     versions = [perturbed(lora.v0, seed=100 + k, scale=0.03) for k in range(3)]
     adapter_bytes = sum(t.numel() * 4 for t in lora.v0.values())
@@ -77,6 +80,8 @@ def test_adapter_updates_land_mid_decode_with_exact_tags_and_match_peft(lora: Lo
         assert len({r.commits[k].step for k in ranks}) == 1  # every rank at one step boundary
     assert_tags_change_at_commits(outs, commits, rank=ranks[0], start=start, tokens=80)
     assert_matches_peft(lora, versions[2], 3)
+    # one adapter name across versions: the cache must not serve a block of an earlier adapter
+    check_fresh(sample(), sample(), lora.reference.load(versions[2]).logprobs)
     # every rank's slot: bit for bit what vLLM writes when it loads the same adapter file itself
     lora.reference.load(versions[2]).model.save_pretrained(str(tmp_path / "v3"))
     assert lora.llm.collective_rpc(slot_equals_vllm_load, args=(str(tmp_path / "v3"),)) == [True] * len(ranks)
