@@ -297,6 +297,10 @@ class EngineConfig:
     """Fraction of GPU memory the engine may take (GPU only)."""
     max_restarts: int = 3
     """A spawned engine that dies is restarted this many times before the run fails."""
+    prefix_caching: bool = True
+    """vLLM's automatic prefix caching: the ``group_size`` samples of a group share their
+    prompt's prefill. Every commit invalidates it exactly (``engine_patches.prefix_cache``);
+    False prefills every sample's prompt itself."""
     commit_unit: CommitUnit = "model"
     """What an engine commits at once (``InflightConfig.commit_unit``): the whole model, or one
     layer group per step boundary (staging of two groups, a stall of one group's swap; tokens

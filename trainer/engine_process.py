@@ -312,7 +312,8 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
         extra["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
     adapter = AdapterSpec(path=adapter_dir) if adapter_dir else None
     llm = LLM(model_dir, dtype=cfg.model.dtype, max_num_seqs=cfg.engine.max_num_seqs,
-              max_model_len=cfg.engine.max_model_len, seed=cfg.run.seed + rank, **extra, **engine_kwargs(adapter=adapter))
+              max_model_len=cfg.engine.max_model_len, seed=cfg.run.seed + rank, **extra,
+              **engine_kwargs(adapter=adapter, enable_prefix_caching=cfg.engine.prefix_caching))
     config = inflight_config(cfg, own, rank=1, initial_version=initial_version, adapter=adapter)
     start_inflight(llm, config)
     loop = RolloutLoop(cfg, llm, model_dir, group, engine_index, rank, parent_pid,
