@@ -9,6 +9,10 @@ engine (in-process EngineCore, tiny Llama fp32, 128-token KV blocks, chunked pre
   a request caught mid-prefill by the commit is recomputed under the new weights.
 - A transformers replay from each sample's prompt label and token tags alone reproduces every
   behaviour log-prob within 1e-4; the prompt's version shifted by one does not.
+- A request vLLM preempts for KV space and resumes after a commit is recomputed under the new
+  weights: the guard counts and names it, and a replay that recomputes its history under the
+  resuming label at the resumption (what ``docs/design.md`` says) reproduces it, while the
+  plain replay from its tags does not.
 - Multi-turn: a request that extends an earlier turn reuses that turn's blocks when they were
   computed under the live weights, none after a commit, and a request that held KV across a
   commit puts none of its later blocks in the cache (where a request that recomputed its
@@ -110,6 +114,58 @@ def _wait(done: Callable[[], Any], what: str) -> None:
     while not done():
         assert time.monotonic() < deadline, f"waited {WAIT_S:.0f} s for {what}"
         time.sleep(0.002)
+
+
+def test_a_request_preempted_across_a_commit_is_recomputed_as_reported(tiny_llama, port) -> None:
+    """Runs before the module's engine starts: its own engine, with 5 KV blocks for two requests
+    of 400 tokens, so vLLM preempts one of them (recompute mode) until the other finishes."""
+    from vllm import LLM
+
+    from vllm.v1.request import RequestStatus
+
+    llm = LLM(str(tiny_llama), enforce_eager=True, dtype="float32", max_model_len=512, seed=0,
+              num_gpu_blocks_override=6, **engine_kwargs())
+    group = GroupConfig(port=port, world_size=2, timeout_s=120)
+    start_inflight(llm, InflightConfig(group=group))
+    e = CacheEngine(llm, WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25)),
+                    {0: load_file(str(tiny_llama / "model.safetensors"))})
+    try:
+        for i in range(2):
+            e.add(f"p{i}", _prompt(40 + i, 200), 200)
+        for _ in range(400):  # engine steps, not time: until vLLM preempted one of them for KV space
+            waiting = [r for r in e.scheduler.requests.values() if r.status == RequestStatus.PREEMPTED]
+            if waiting:
+                break
+            e.step()
+        (victim,) = waiting
+        rid, at = victim.request_id.rsplit("-", 1)[0], victim.num_output_tokens
+        thread = e.push_until_pending(1)
+        e.step()  # v1 commits while the victim waits with its KV dropped
+        thread.join()
+        assert not thread.errors  # type: ignore[attr-defined]
+        e.finish()
+        stats = e.coordinator.prefix_cache.stats
+        assert stats.recomputed == 1 and stats.recomputed_ids == (victim.request_id,), stats
+        t = tagged(e.done[rid].outputs[0])
+        assert 0 < at < len(t.versions) and t.versions == [0] * at + [1] * (len(t.versions) - at)
+        ref = Reference(tiny_llama, "float32")
+        weights = lambda label: e.versions[int(label)]  # noqa: E731
+        got = torch.tensor(t.logprobs, dtype=torch.float64)
+        plain = replay(ref, weights, e.prompts[rid], t.token_ids, t.labels, t.prompt_label)
+        # tokens from the resumption on attend to the prompt and the first ``at`` tokens recomputed under v1
+        resumed = replay(ref, weights, e.prompts[rid], t.token_ids, ["1"] * len(t.labels), "1")
+        assert float((got[:at] - plain[:at]).abs().max()) < EXACT
+        assert float((got[at:] - resumed[at:]).abs().max()) < EXACT
+        assert float((got[at:] - plain[at:]).abs().max()) > 10 * EXACT
+        other = tagged(e.done[f"p{1 - int(rid[1])}"].outputs[0])  # decoded across the commit on its own KV
+        want = replay(ref, weights, e.prompts[f"p{1 - int(rid[1])}"], other.token_ids, other.labels, other.prompt_label)
+        assert set(other.versions) == {0, 1}
+        assert float((torch.tensor(other.logprobs, dtype=torch.float64) - want).abs().max()) < EXACT
+    finally:
+        e.pusher.close()
+        stop_engine(llm)
+        del llm, e
+        gc.collect()
 
 
 @pytest.fixture(scope="module")
