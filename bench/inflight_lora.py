@@ -139,8 +139,8 @@ class LoRABench:
         else:  # the LoRA settings engine_kwargs(adapter=spec) picks, without the in-flight worker
             shape = spec.shape()
             kwargs = dict(enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=shape.max_lora_rank,
-                          lora_target_modules=list(shape.target_modules), enable_prefix_caching=False,
-                          async_scheduling=False, generation_config="vllm")
+                          lora_target_modules=list(shape.target_modules), enable_prefix_caching=True,
+                          generation_config="vllm")
         listener_cpus = engine_env(placement)
         self.llm = LLM(str(base), enforce_eager=True, dtype="float32", max_model_len=640, seed=self.seed,
                        max_num_seqs=concurrency, **kwargs)

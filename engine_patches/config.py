@@ -209,8 +209,9 @@ def engine_kwargs(*, reserve_staging: StagingIntent | InflightConfig | None = No
       (``engine_patches.prefix_cache``), so the K samples of a group share their prompt's
       prefill and no request admitted after a commit reuses KV of earlier weights;
       ``enable_prefix_caching=False`` turns it off;
-    - no async scheduling: vLLM would schedule batch t+1 before batch t is sampled, so a
-      batch would be in flight across every commit (and vLLM's CPU build turns it off);
+    - async scheduling as vLLM chooses it (on a GPU, on; vLLM's CPU build turns it off): a
+      commit sits between one batch's sampling and the next one's forward, and each batch's
+      tokens carry the label of the weights that computed them (``engine_patches.batch_labels``);
     - processed log-probs: behaviour log-probs of the distribution actually sampled from;
     - vLLM's neutral sampling defaults, not the model's ``generation_config.json`` (its top-k,
       top-p, penalties would apply to every request that leaves them unset, and the trainer
@@ -226,7 +227,6 @@ def engine_kwargs(*, reserve_staging: StagingIntent | InflightConfig | None = No
     kwargs: dict[str, object] = dict(
         worker_extension_cls=WORKER_EXTENSION,
         enable_prefix_caching=True,
-        async_scheduling=False,
         logprobs_mode="processed_logprobs",
         generation_config="vllm",
     )

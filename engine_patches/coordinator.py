@@ -26,10 +26,8 @@ Ordering invariants:
   (``EngineCore._weight_version``, attached to every output) moves to v in the same window:
   tokens of the next step are tagged v, none before. So each worker's live version is the
   label whether or not its listener ever reads the outcome;
-- in the window of every commit that goes live, after the label moves and before the next
-  ``schedule``, the prefix cache is invalidated (``engine_patches.prefix_cache``): no
-  request admitted later reuses KV of the replaced weights, requests mid-prefill restart
-  under the new ones, and requests that hold KV decode on without feeding the cache;
+- in the window of every commit that goes live, before the next ``schedule``, the prefix
+  cache is invalidated (``engine_patches.prefix_cache``);
 - if a rollback itself fails the engine holds mixed weights: it is marked broken and its
   next step raises (fail-stop: vLLM reports the engine dead, a supervisor restarts it),
   never serving a mix under any label;
@@ -51,6 +49,7 @@ from typing import Any, Literal
 
 from engine_patches.config import InflightConfig
 from engine_patches.rpc import EngineState, WorkerCommitResult, WorkerSettleResult, as_result
+from engine_patches.batch_labels import BatchLabels
 from engine_patches.prefix_cache import PrefixCacheGuard, problems as prefix_cache_problems
 from engine_patches.engine_channel import CommitReady, EngineCommitFailed, EngineCommitted, decode_engine
 from inflight.protocol import ENGINE_CHANNEL, ProtocolError, encode
@@ -74,9 +73,9 @@ def check_engine(vllm_config: Any, config: InflightConfig, scheduler: Any = None
     number of workers (weight-group ranks) this engine needs."""
     pc = vllm_config.parallel_config
     problems = []
-    if vllm_config.scheduler_config.async_scheduling:
-        problems.append("async_scheduling must be False: with it, vLLM schedules batch t+1 before batch t is sampled, "
-                        "so a batch is in flight across every step boundary (docs/design.md, 'Async scheduling')")
+    if vllm_config.scheduler_config.async_scheduling and config.record_routing:
+        problems.append("record_routing needs async_scheduling=False: routing is read after a step's forward, and under "
+                        "async scheduling the next batch's forward has already run by then")
     if pc.pipeline_parallel_size != 1:
         problems.append(f"pipeline_parallel_size={pc.pipeline_parallel_size} is not supported: vLLM's batch queue keeps "
                         "up to pp_size batches in flight, so there is no step boundary at which every stage is idle "
@@ -150,11 +149,11 @@ class CommitCoordinator:
         """The oldest version any layer group holds (the version, outside a layer-granular update)."""
         self.label = Hybrid(config.initial_version)
         """What the outputs are tagged with: the version, or the hybrid of a layer-granular update."""
-        self.steps = 0
-        """Engine steps that ran the model since the coordinator started."""
+        self.steps = 0  # engine steps that ran the model since the coordinator started
         self.broken = ""
         self.history: list[CommitRecord] = []
         self.prefix_cache = PrefixCacheGuard(core.scheduler)
+        self.batch_labels = BatchLabels(core)  # async scheduling: each batch labelled by the weights it ran on
         """Keeps the prefix cache exact: every commit invalidates it in the same window."""
         self._busy_loop = isinstance(core, EngineCoreProc)
         self._pending: _Pending | None = None
@@ -165,6 +164,7 @@ class CommitCoordinator:
     def start(self) -> None:
         """Once every worker started: label the outputs from now on, and watch for commits."""
         self.core._weight_version = str(self.label)
+        self.batch_labels.install()
         self._thread.start()
         # a plain interpreter exit stops the watcher too, before the trainer's store can go away under it
         ref = weakref.ref(self)
@@ -261,13 +261,15 @@ class CommitCoordinator:
         return EngineCommitFailed(version=version, reason=reason, live_version=self.live_version)
 
     def _output_tokens(self) -> dict[str, int]:
-        """Output tokens so far of every unfinished request, by the user's request id.
+        """Output tokens so far of every unfinished request, by the user's request id: where its
+        tags change. Under async scheduling a batch sampled before the commit is processed after
+        it; its tokens (``num_output_placeholders``) carry the earlier label and count here.
 
         ``list()`` copies the dict in one step under the GIL: an in-process engine may add a
         request from the user's thread meanwhile (it has no output tokens yet either way)."""
         requests = list(self.core.scheduler.requests.items())
         # Worker-side ids are "<user id>-<8 random chars>" (vLLM 0.32 input processor).
-        return {rid.rsplit("-", 1)[0]: req.num_output_tokens for rid, req in requests}
+        return {rid.rsplit("-", 1)[0]: req.num_output_tokens + req.num_output_placeholders for rid, req in requests}
 
     # -- watcher thread -----------------------------------------------------------------------
     def _request(self, ready: CommitReady) -> EngineCommitted | EngineCommitFailed | None:

@@ -33,9 +33,11 @@ def patch_engine_core() -> None:
       commit is applied first, on the engine thread; with ``record_routing``, the step's
       outputs get the routing of the forward that sampled them (``engine_patches.routing``).
       Engines without one are untouched.
-    - ``step_with_batch_queue`` (async scheduling, pipeline parallelism: batches stay in
-      flight across loop turns): refused loudly when a coordinator is attached;
-      ``inflight_start`` already refuses such engines.
+    - ``step_with_batch_queue`` (async scheduling: the next batch is dispatched before the
+      last one's output is processed): with a coordinator attached, runs under its lock with
+      a pending commit applied first, as ``step`` does; each batch's outputs carry the label of
+      the weights that computed it (``engine_patches.batch_labels``). Pipeline parallelism,
+      the other user of the batch queue, is refused at ``inflight_start``.
     - ``shutdown``: stops the coordinator and every worker's listener first (``inflight_stop``).
     - ``preprocess_add_request``: on an adapter engine (``InflightConfig.adapter``), refuses a
       request that does not decode with the policy adapter (``engine_patches.adapter.
@@ -78,10 +80,13 @@ def patch_engine_core() -> None:
 
     @functools.wraps(original_batch_step)
     def step_with_batch_queue(self):
-        if self.__dict__.get(ATTR) is not None:
-            raise RuntimeError("inflight: in-flight commits need async_scheduling=False and pipeline_parallel_size=1 "
-                               "(the batch queue keeps a step in flight across the commit boundary)")
-        return original_batch_step(self)
+        coordinator = self.__dict__.get(ATTR)
+        if coordinator is None:
+            return original_batch_step(self)
+        with coordinator.step() as report:
+            outputs, executed = original_batch_step(self)
+            report(executed)
+        return outputs, executed
 
     @functools.wraps(original_rpc)
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None) -> list[Any]:
@@ -176,6 +181,41 @@ def is_patched() -> bool:
     from vllm.v1.engine.core import EngineCore
 
     return bool(getattr(EngineCore.step, _MARK, False))
+
+
+CPU_ASYNC_SCHEDULING_ENV = "INFLIGHT_CPU_ASYNC_SCHEDULING"
+"""``1``: a CPU engine keeps ``async_scheduling=True`` when asked for it (``keep_cpu_async_scheduling``)."""
+
+
+def keep_cpu_async_scheduling() -> None:
+    """Let a CPU engine keep the async scheduling it was asked for (vLLM 0.32.0).
+
+    ``vllm.platforms.cpu.CpuPlatform.check_and_update_config`` sets
+    ``scheduler_config.async_scheduling = False`` unconditionally ("not required on CPU"),
+    though vLLM's async path runs on CPU as it is: both executors support it, the CPU model
+    runner inherits the GPU runner's ``execute_model``/``sample_tokens`` split, and the CPU
+    worker stubs the CUDA streams and events it uses (measured: greedy and seeded sampled
+    outputs bit-identical to the synchronous engine, in-process and multiprocess). Wrapped,
+    the method puts back a ``True`` the user set, where ``INFLIGHT_CPU_ASYNC_SCHEDULING=1``
+    in the process's environment at the call: the way in-flight commits under async
+    scheduling are tested on CPU. Installed by the plugin in every process; idempotent."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def check_and_update_config(cls, vllm_config):
+        import os
+
+        wanted = vllm_config.scheduler_config.async_scheduling
+        original(cls, vllm_config)
+        if wanted is True and os.environ.get(CPU_ASYNC_SCHEDULING_ENV, "") == "1":
+            vllm_config.scheduler_config.async_scheduling = True
+
+    setattr(check_and_update_config, _MARK, True)
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
 PLAIN_CPU_GEMM_ENV = "INFLIGHT_CPU_PLAIN_GEMM"

@@ -330,7 +330,7 @@ def serve_process(model_dir: Path, log_dir: Path, flags: Sequence[str] = ()) -> 
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(http),
            "--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
-           "--worker-extension-cls", WORKER_EXTENSION, "--enable-prefix-caching", "--no-async-scheduling", "--enable-prompt-tokens-details",
+           "--worker-extension-cls", WORKER_EXTENSION, "--enable-prefix-caching", "--enable-prompt-tokens-details",
            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", *flags]
     log_path = Path(log_dir) / "serve.log"
     with open(log_path, "w") as log:

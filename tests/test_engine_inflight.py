@@ -221,4 +221,12 @@ def test_engines_without_a_between_steps_boundary_are_refused(tiny_llama, port) 
     assert check_engine(layout(tensor_parallel_size=2), config) == 2  # ranks 1, 2 of 3
     with pytest.raises(RuntimeError, match=r"4 workers, which take weight-group ranks 1..4, but GroupConfig.world_size=3"):
         check_engine(layout(tensor_parallel_size=4), config)
+    # async scheduling commits between batches (tests/test_prefix_cache.py), but routing is read
+    # after a step's forward, when the next batch's forward has already run
+    async_config = copy.copy(real)
+    async_config.scheduler_config = copy.copy(real.scheduler_config)
+    async_config.scheduler_config.async_scheduling = True
+    assert check_engine(async_config, config) == 1
+    with pytest.raises(RuntimeError, match="record_routing needs async_scheduling=False"):
+        check_engine(async_config, InflightConfig(group=config.group, record_routing=True))
     del llm

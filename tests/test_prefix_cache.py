@@ -1,6 +1,9 @@
 """Prefix caching on an in-flight engine (``engine_patches.prefix_cache``), on a real vLLM CPU
 engine (in-process EngineCore, tiny Llama fp32, 128-token KV blocks, chunked prefill with a
-256-token step budget so a 300-token prompt takes two steps).
+256-token step budget so a 300-token prompt takes two steps), each test once with vLLM's
+synchronous step and once under async scheduling (``INFLIGHT_CPU_ASYNC_SCHEDULING=1``: the
+next batch is dispatched before the last one is processed, and a commit lands between them;
+``engine_patches.batch_labels``).
 
 - Three commits land while requests decode, each at a step boundary where vLLM's own
   ``reset_prefix_cache()`` refuses (requests are running). Right after each commit a group
@@ -8,7 +11,8 @@ engine (in-process EngineCore, tiny Llama fp32, 128-token KV blocks, chunked pre
   served no prompt token from the earlier version's blocks, its siblings share its prefill;
   a request caught mid-prefill by the commit is recomputed under the new weights.
 - A transformers replay from each sample's prompt label and token tags alone reproduces every
-  behaviour log-prob within 1e-4; the prompt's version shifted by one does not.
+  behaviour log-prob within 1e-4; the prompt's version shifted by one does not. Each tag
+  changes exactly at the token count the commit reported.
 - A request vLLM preempts for KV space and resumes after a commit is recomputed under the new
   weights: the guard counts and names it, and a replay that recomputes its history under the
   resuming label at the resumption (what ``docs/design.md`` says) reproduces it, while the
@@ -49,6 +53,24 @@ def _prompt(seed: int, n: int = 300) -> list[int]:
     return (torch.randint(3, 250, (n,), generator=g)).tolist()
 
 
+def _start(model_dir, port: int, scheduling: str, world_size: int = 2, **kwargs: Any) -> Any:
+    """An in-process engine with prefix caching (the default), synchronous or async scheduling."""
+    import os
+
+    from vllm import LLM
+
+    os.environ["INFLIGHT_CPU_ASYNC_SCHEDULING"] = "1" if scheduling == "async" else "0"
+    try:
+        llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", seed=0, async_scheduling=scheduling == "async",
+                  **kwargs, **engine_kwargs())
+    finally:
+        del os.environ["INFLIGHT_CPU_ASYNC_SCHEDULING"]
+    core = llm.llm_engine.engine_core.engine_core
+    assert (core.step_fn == core.step_with_batch_queue) == (scheduling == "async")
+    start_inflight(llm, InflightConfig(group=GroupConfig(port=port, world_size=world_size, timeout_s=120)))
+    return llm
+
+
 @dataclass
 class CacheEngine:
     """An in-process engine with prefix caching (the default), its trainer, and every version pushed."""
@@ -58,6 +80,8 @@ class CacheEngine:
     versions: dict[int, dict[str, torch.Tensor]]
     prompts: dict[str, list[int]] = field(default_factory=dict)
     done: dict[str, Any] = field(default_factory=dict)
+    pushed: dict[int, Any] = field(default_factory=dict)
+    """The ``PushResult`` of every version pushed."""
 
     @property
     def coordinator(self) -> Any:
@@ -98,7 +122,7 @@ class CacheEngine:
 
         def push() -> None:
             try:
-                self.pusher.push(version, self.versions[version])
+                self.pushed[version] = self.pusher.push(version, self.versions[version])
             except BaseException as e:  # noqa: BLE001  re-raised below
                 errors.append(e)
         thread = threading.Thread(target=push, daemon=True)
@@ -116,17 +140,14 @@ def _wait(done: Callable[[], Any], what: str) -> None:
         time.sleep(0.002)
 
 
-def test_a_request_preempted_across_a_commit_is_recomputed_as_reported(tiny_llama, port) -> None:
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_a_request_preempted_across_a_commit_is_recomputed_as_reported(tiny_llama, port, scheduling) -> None:
     """Runs before the module's engine starts: its own engine, with 5 KV blocks for two requests
     of 400 tokens, so vLLM preempts one of them (recompute mode) until the other finishes."""
-    from vllm import LLM
-
     from vllm.v1.request import RequestStatus
 
-    llm = LLM(str(tiny_llama), enforce_eager=True, dtype="float32", max_model_len=512, seed=0,
-              num_gpu_blocks_override=6, **engine_kwargs())
+    llm = _start(tiny_llama, port, scheduling, max_model_len=512, num_gpu_blocks_override=6)
     group = GroupConfig(port=port, world_size=2, timeout_s=120)
-    start_inflight(llm, InflightConfig(group=group))
     e = CacheEngine(llm, WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25)),
                     {0: load_file(str(tiny_llama / "model.safetensors"))})
     try:
@@ -168,15 +189,11 @@ def test_a_request_preempted_across_a_commit_is_recomputed_as_reported(tiny_llam
         gc.collect()
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama, hold_port):
-    from vllm import LLM
-
+@pytest.fixture(scope="module", params=["sync", "async"])
+def engine(tiny_llama, hold_port, request):
     port = hold_port()
-    llm = LLM(str(tiny_llama), enforce_eager=True, dtype="float32", max_model_len=1024, seed=0,
-              max_num_batched_tokens=256, **engine_kwargs())
+    llm = _start(tiny_llama, port, request.param, max_model_len=1024, max_num_batched_tokens=256)
     group = GroupConfig(port=port, world_size=2, timeout_s=120)
-    start_inflight(llm, InflightConfig(group=group))
     pusher = WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25))
     e = CacheEngine(llm, pusher, {0: load_file(str(tiny_llama / "model.safetensors"))})
     yield e
@@ -244,6 +261,11 @@ def test_commits_keep_the_prefix_cache_exact(engine: CacheEngine, tiny_llama) ->
           f"one: smallest worst error {min(shifted):.2e}; {stats}")
     assert worst < EXACT
     assert min(shifted) > 10 * EXACT
+    for v in (1, 2, 3):  # each commit's reported token counts are where the tags change
+        for rid, at in e.pushed[v].commits[1].tokens_at_commit.items():
+            if rid in e.done:
+                versions = tagged(e.done[rid].outputs[0]).versions
+                assert all(t < v for t in versions[:at]) and all(t >= v for t in versions[at:]), (rid, at, versions)
     assert stats.invalidations == 3 and stats.restarted_prefills == 3 and stats.recomputed == 0, stats
     assert stats.dropped_blocks >= 3  # each commit found the shared prompt's blocks in the index
 
@@ -284,3 +306,45 @@ def test_multi_turn_reuses_only_blocks_of_the_live_weights(engine: CacheEngine) 
     e.finish()
     assert e.done["turn4"].num_cached_tokens == 2 * BLOCK
     assert tagged(e.done["turn4"].outputs[0]).prompt_label == str(v + 1)
+
+
+def test_tp2_under_async_scheduling_tags_each_batch_with_its_weights(tiny_llama, port) -> None:
+    """Async scheduling with two worker processes (vLLM's ``mp`` executor): the commit reaches
+    each worker behind the batch in flight, in one ordered queue; every token replays exactly
+    from its tag, and each tag changes at the token count the commit reported."""
+    import vllm.envs
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank: vLLM CPU refuses TP=2 without it
+        vllm.envs.disable_envs_cache()
+        llm = _start(tiny_llama, port, "async", world_size=3, max_model_len=512, tensor_parallel_size=2,
+                     distributed_executor_backend="mp")
+        group = GroupConfig(port=port, world_size=3, timeout_s=120)
+        e = CacheEngine(llm, WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25)),
+                        {0: load_file(str(tiny_llama / "model.safetensors"))})
+        try:
+            for i in range(4):
+                e.add(f"t{i}", _prompt(60 + i, 40), 60)
+            for v in (1, 2):
+                e.step(10)
+                thread = e.push_until_pending(v)
+                e.step()
+                thread.join()
+                assert not thread.errors  # type: ignore[attr-defined]
+            e.finish()
+            ref = Reference(tiny_llama, "float32")
+            for rid in (f"t{i}" for i in range(4)):
+                t = tagged(e.done[rid].outputs[0])
+                assert set(t.versions) == {0, 1, 2}
+                for v in (1, 2):
+                    (at,) = {r.tokens_at_commit[rid] for r in e.pushed[v].commits.values()}  # both ranks agree
+                    assert t.versions.index(v) == at
+                want = replay(ref, lambda label: e.versions[int(label)], e.prompts[rid], t.token_ids, t.labels,
+                              t.prompt_label)
+                assert float((torch.tensor(t.logprobs, dtype=torch.float64) - want).abs().max()) < EXACT
+        finally:
+            e.pusher.close()
+            stop_engine(llm)
+            del llm, e
+            gc.collect()
+    vllm.envs.disable_envs_cache()
