@@ -1,19 +1,22 @@
-"""GRPO-shaped rollouts under weight updates: in-flight commits with prefix caching vs the ways
-vLLM users keep the cache correct (no cache, a per-version salt, a reset), like for like.
+"""GRPO rollouts under weight updates: in-flight commits with prefix caching vs vLLM's own ways.
+
+In-flight commits keep the prefix cache exact across updates; vLLM users keep it correct by
+turning it off, salting requests by version, or resetting it after each update. Like for like:
 
     python -m bench.grpo [--model smollm2|DIR | --size S] [--prompt-tokens 256 1024] [--completion-tokens 64 256]
                          [--every 16] [--groups-in-flight 4] [--steps 768] [--rounds 3] [--placement split]
 
 The workload is GRPO's: groups of ``GROUP`` (8) requests sharing one prompt of ``P`` random
 tokens (``--prompt-tokens``), each sampling exactly ``T`` tokens (``--completion-tokens``,
-``ignore_eos``, temperature 1). ``--groups-in-flight`` groups run at once, refilled as a
-whole group finishes; every group has a fresh prompt, so the prefix cache can help only
-among a group's 8 siblings (a 1024-token prompt is computed once and shared 7 times, in
-whole KV blocks: 128 tokens on CPU). The first groups of a chunk are admitted ``T /
-groups`` steps apart, so groups finish, and prefill, at staggered steps as in a steady
-stream. A trainer process (``bench.inflight_trainer``; nice 19, one thread; on its own
-core with ``--placement split``, ``bench.placement``) holds the weights and sends an update
-when cued every ``cadence`` engine steps. Modes, per (P, T, every):
+``ignore_eos``, temperature 1). ``--groups-in-flight`` groups run at once, a whole group
+admitted as soon as one finishes; every group has a fresh prompt, so the prefix cache can
+help only among a group's 8 siblings (a 1024-token prompt is computed once and shared 7
+times, in whole KV blocks: 128 tokens on CPU). Each chunk opens with an untimed ramp of T
+steps that admits its first groups T / groups steps apart, so groups finish, and the next
+ones prefill, at staggered steps as in a steady stream; the timed steps follow. A trainer
+process (``bench.inflight_trainer``; nice 19, one thread; on its own core with
+``--placement split``, ``bench.placement``) holds the weights and sends an update when
+cued every ``cadence`` engine steps. Modes, per (P, T, every):
 
 1. ``none``: no updates, prefix caching on (the ceiling);
 2. ``inflight``: ``WeightPusher.push`` while the engine keeps stepping, on the in-flight
@@ -35,36 +38,18 @@ when cued every ``cadence`` engine steps. Modes, per (P, T, every):
    ``lost_ms_per_update_cache`` against the first engine's ``none``, not interleaved (the
    engines run one after the other).
 
-Same cadence: for each (P, T, every), a calibration chunk of ``inflight`` at ``every`` finds
-the cadence in-flight achieves (the median spacing of its sends; a cue is skipped while a
-push stages); every update mode then runs at ``cadence`` = max(every, that), so each pays
-for as many updates over as many steps. Each engine's modes run interleaved in ``--rounds``
-chunks of ``--steps / --rounds`` engine steps, the order rotated each round
-(``bench.inflight_lora.interleaved``); a chunk with a push still staging at its end steps on
-until it lands (those steps count).
+Same cadence: per (P, T, every), a calibration chunk of ``inflight`` (after the engine's
+first push, which allocates staging) finds the cadence in-flight achieves (a cue due while a
+push stages is skipped: ``achieved_cadence``). Each engine's modes run interleaved in
+``--rounds`` chunks of ``--steps / --rounds`` timed steps, the order rotated each round,
+every update mode at the round's cadence (the calibrated one, then what in-flight achieved
+the round before), so each pays for about as many updates over as many steps
+(``steps_per_update``). A chunk with a push still staging at its end steps on until it
+lands. The second engine starts from the first one's last cadence.
 
-Columns (per engine, mode and (P, T)):
-- ``tok_s``: generated tokens per second of wall time; ``vs_none``: its ratio to ``none``'s;
-- ``lost_ms_per_update``: decode time lost per update, (the mode's wall - the wall ``none``
-  needs for the same tokens) / updates (``bench.inflight_report.compare``); ``paired_*``:
-  the step-paired estimate (``bench.inflight_lora.per_round``: step i against ``none``'s
-  step i of the same round); it assumes equal batches at equal steps, which a reset's or a
-  commit's restarted prefills break, so the token-based figures are the headline;
-- ``updates``, ``steps_per_update`` (achieved: the chunk's steps / its updates), ``cadence``;
-- ``hit_rate``: prompt positions served from the prefix cache at admission / prompt
-  positions admitted, re-admissions after a preemption included (counted in the
-  scheduler's ``schedule``, ``PrefillCounter``);
-- ``prompt_computed_per_update``: prompt tokens prefilled (not served from the cache) /
-  updates; ``extra_prefill_per_update``: tokens prefilled beyond what the first engine's
-  ``none`` prefills for as many prompts (a reset's recomputed prompts and sampled tokens,
-  the prompts a commit caught mid-prefill, the sharing a cacheless engine forgoes), /
-  updates; ``readmitted_per_update``: requests preempted and re-admitted, / updates;
-- ``stall_ms``: the interval holding the update minus the median step; ``pause_ms``
-  (native: pause to resume), ``reset_ms`` (the reset alone), ``commit_ms`` (in-flight).
-
-Targets (README): with 1024-token prompts and an update every 16 steps, ``inflight``'s
-tokens/s >= 0.95 x ``none``'s and >= both native modes'. Prints a table, the targets' check
-and one JSON line.
+Columns: ``bench.grpo_figures``. Targets (README): with 1024-token prompts and an update every
+16 steps, ``inflight``'s tokens/s >= 0.95 x ``none``'s and >= both native modes'. Prints a
+table, the targets' check and one JSON line.
 """
 
 from __future__ import annotations
@@ -75,7 +60,6 @@ import gc
 import json
 import multiprocessing as mp
 import os
-import random
 import statistics
 import tempfile
 import time
@@ -86,107 +70,18 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # a cacheless engine holds 8 x (P + T) per group
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.inflight_lora import interleaved  # noqa: E402
-from bench.inflight_report import compare  # noqa: E402
+from bench.inflight_lora import per_round, row  # noqa: E402
 from bench.inflight_trainer import trainer  # noqa: E402
+from bench.grpo_figures import (GROUP, achieved_cadence, group_prompt, positions, ramp, report,  # noqa: E402
+                               rotate)
 from bench.placement import PLACEMENTS, Placement, engine_env, pin_trainer  # noqa: E402
 
-GROUP = 8
-"""Samples per prompt (GRPO's group)."""
 ENGINES = {  # engine -> (prefix caching, Bench.run's mode -> row label)
     "cache": (True, {"none": "none", "inflight": "inflight", "native-salt": "native-salt",
                      "native-reset": "native-reset"}),
     "nocache": (False, {"none": "none", "inflight": "inflight-nocache"}),
 }
-TARGET = {"prompt": 1024, "every": 16, "vs_none": 0.95}
-COLS = ["P", "T", "engine", "mode", "cadence", "updates", "steps_per_update", "tok_s", "vs_none", "vs_none_cache",
-        "lost_ms_per_update", "lost_ms_per_update_cache", "paired_vs_none", "paired_lost_ms_per_update", "hit_rate",
-        "prompt_computed_per_update", "extra_prefill_per_update", "readmitted_per_update", "stall_ms", "pause_ms",
-        "reset_ms", "commit_ms"]
 
-
-# -- the workload and its arithmetic (pure; tests/test_bench_grpo.py) --------------------------
-def group_prompt(seed: int, index: int, length: int, vocab: int) -> list[int]:
-    """Group ``index``'s prompt: ``length`` random token ids, fresh for every group (and the
-    same for a given seed and index), clear of the low ids where tokenizers keep specials."""
-    rng = random.Random(f"{seed}/{index}")
-    low = min(256, vocab // 4)
-    return [rng.randrange(low, vocab) for _ in range(length)]
-
-
-def ramp(groups: int, completion: int) -> list[int]:
-    """The step at which each of a chunk's first ``groups`` groups is admitted: spread over one
-    completion's length, so groups finish (and the next ones prefill) at staggered steps."""
-    return [g * completion // groups for g in range(groups)]
-
-
-def positions(start: int, end: int, prompt: int, total: int) -> tuple[int, int]:
-    """What one scheduled chunk of a request computes, positions [start, end) of ``total``
-    tokens (prompt + sampled so far): (prompt tokens prefilled, sampled tokens recomputed).
-    A decode step computes one position, the last sampled token's: no recomputation. After
-    a preemption the request re-prefills its prompt and every sampled token; all but the
-    last are recomputed (the last is the decode step's own input)."""
-    prompt_part = max(0, min(end, prompt) - start)
-    outputs = max(0, end - max(start, prompt))
-    return prompt_part, max(0, outputs - (end == total))
-
-
-def achieved_cadence(pushes: list[tuple[int, int]], every: int) -> int:
-    """The cadence in-flight achieves at ``every``: from each push's (step sent, step it was
-    seen landed), the spacing to the next send (the first cue after it landed: a cue due
-    while a push stages is skipped), their median; ``every`` without pushes."""
-    spacing = [every * (landed // every + 1) - sent for sent, landed in pushes]
-    return max(every, round(statistics.median(spacing))) if spacing else every
-
-
-def rotate(order: list[str], k: int) -> list[str]:
-    return order[k % len(order):] + order[:k % len(order)]
-
-
-def prefill_figures(rows: list[dict]) -> None:
-    """Per row: hit rate and prefill per update; ``extra_prefill_per_update`` against the
-    ``cache`` engine's ``none`` of the same (P, T, every): the tokens it prefills per admitted
-    prompt token, times this row's admitted prompt tokens, is what this row would prefill
-    without updates (a cacheless engine's rows then show the sharing they forgo)."""
-    for r in rows:
-        nones = [x for x in rows if x["mode"] == "none" and x["group"] == r["group"]]
-        ref = next((x for x in nones if x["engine"] == "cache"), next((x for x in nones if x["engine"] == r["engine"]), r))
-        per_prompt = ref["prefilled"] / ref["admitted_prompt"] if ref["admitted_prompt"] else 0.0
-        seen = r["cached"] + r["prompt_computed"]
-        r["hit_rate"] = round(r["cached"] / seen, 3) if seen else None
-        u = r["updates"]
-        r["prompt_computed_per_update"] = round(r["prompt_computed"] / u) if u else None
-        r["extra_prefill_per_update"] = round((r["prefilled"] - per_prompt * r["admitted_prompt"]) / u) if u else None
-        r["readmitted_per_update"] = round(r["readmitted"] / u, 1) if u else None
-
-
-def against_cache(rows: list[dict]) -> None:
-    """Rows of the ``nocache`` engine against the ``cache`` engine's ``none`` (same (P, T,
-    every); not interleaved: the engines run one after the other)."""
-    for r in rows:
-        ref = next((x for x in rows if x["engine"] == "cache" and x["mode"] == "none" and x["group"] == r["group"]), None)
-        if r["engine"] != "nocache" or ref is None:
-            r["vs_none_cache"] = r["lost_ms_per_update_cache"] = None
-            continue
-        r["vs_none_cache"] = round(r["tok_s"] / ref["tok_s"], 3)
-        lost = r["wall_s"] - r["tokens"] / ref["tok_s"]
-        r["lost_ms_per_update_cache"] = round(1e3 * lost / r["updates"], 1) if r["updates"] else None
-
-
-def checks(rows: list[dict]) -> list[dict]:
-    """The README's targets, per (P, T, every) with P = 1024 and every = 16: ``inflight``'s
-    tokens/s >= 0.95 x ``none``'s, and >= ``native-salt``'s and ``native-reset``'s."""
-    out = []
-    for r in rows:
-        if not (r["engine"] == "cache" and r["mode"] == "inflight" and r["P"] == TARGET["prompt"]
-                and r["every"] == TARGET["every"]):
-            continue
-        same = {x["mode"]: x for x in rows if x["engine"] == "cache" and x["group"] == r["group"]}
-        natives = {m: same[m]["tok_s"] for m in ("native-salt", "native-reset") if m in same}
-        out.append({"P": r["P"], "T": r["T"], "every": r["every"], "vs_none": r["vs_none"],
-                    "vs_none_pass": r["vs_none"] >= TARGET["vs_none"], "tok_s": r["tok_s"], "native_tok_s": natives,
-                    "vs_native_pass": all(r["tok_s"] >= v for v in natives.values()) and len(natives) == 2})
-    return out
 
 
 # -- the engine side ------------------------------------------------------------------------
@@ -206,9 +101,14 @@ class PrefillCounter:
 
         scheduler.schedule = schedule
         self.reset()
+        self.forget()
 
     def reset(self) -> None:
+        """Zero the counts (requests admitted before keep their admission)."""
         self.cached = self.prompt = self.recomputed = self.admitted_prompt = self.readmitted = 0
+
+    def forget(self) -> None:
+        """Forget every request (a chunk's end: its requests are gone)."""
         self._seen: dict[str, int] = {}  # request id -> its preemptions when last admitted
 
     def count(self, out: Any) -> None:
@@ -229,6 +129,42 @@ class PrefillCounter:
     def totals(self) -> dict:
         return {"cached": self.cached, "prompt_computed": self.prompt, "recomputed": self.recomputed,
                 "admitted_prompt": self.admitted_prompt, "readmitted": self.readmitted}
+
+
+class Stream:
+    """One chunk's stream of groups on ``bench``'s engine: admits whole groups (a fresh prompt
+    each, salted by version in ``native-salt``), steps, counts generated tokens and times steps."""
+
+    def __init__(self, bench: GRPOBench, mode: str) -> None:
+        self.bench, self.mode, self.params = bench, mode, bench.sampling(bench.shape[1])
+        self.active: dict[str, int] = {}  # request id -> group
+        self.left: dict[int, int] = {}  # group -> its requests unfinished
+        self.restart_clock()
+
+    def restart_clock(self) -> None:  # the ramp's steps are not timed
+        self.times, self.tokens = [time.perf_counter()], 0
+
+    def fill(self, groups: int) -> None:
+        """Admit whole groups until ``groups`` are in flight."""
+        b = self.bench
+        while len(self.left) < groups:
+            g, b.next_group = b.next_group, b.next_group + 1
+            request: dict[str, Any] = {"prompt_token_ids": group_prompt(b.seed, g, b.shape[0], b.vocab)}
+            if self.mode == "native-salt":
+                request["cache_salt"] = f"v{b.version}"
+            for j in range(GROUP):
+                b.llm.llm_engine.add_request(f"{self.mode}-{g}-{j}", request, self.params)
+                self.active[f"{self.mode}-{g}-{j}"] = g
+            self.left[g] = GROUP
+
+    def step(self) -> None:
+        for out in self.bench.llm.llm_engine.step():
+            self.tokens += len(out.outputs[0].token_ids)
+            if out.finished:
+                g = self.active.pop(out.request_id)
+                self.left[g] -= 1
+                self.left = {k: n for k, n in self.left.items() if n}
+        self.times.append(time.perf_counter())
 
 
 class GRPOBench:
@@ -260,12 +196,12 @@ class GRPOBench:
         start_inflight(self.llm, InflightConfig(group=inflight_group, listener_nice=listener_nice,
                                                 listener_cpus=listener_cpus))
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {
-            "host": native_group.host, "port": native_group.port, "world_size": 2, "rank": 1, "name": native_group.name}})
+            "host": native_group.host, "port": native_group.port, "world_size": 2, "rank": 1,
+            "name": native_group.name}})
         assert self.conn.recv() == "ready"
         self.coordinator = coordinator_of(self.llm)
         self.core = self.llm.llm_engine.engine_core.engine_core
         self.counter = PrefillCounter(self.core.scheduler)
-        self.log: dict[tuple, list[dict]] = {}  # (P, T, cadence, mode) -> its chunks' extra figures
         self.shape = (0, 0)
 
     def sampling(self, completion: int) -> Any:
@@ -295,72 +231,50 @@ class GRPOBench:
         return {**r, "pause_ms": 1e3 * (time.perf_counter() - t0), "reset_ms": 1e3 * (t2 - t1)}
 
     def run(self, mode: str, every: int, steps: int) -> dict:
-        """``steps`` engine steps of ``mode`` on a fresh stream of groups (``self.shape``)."""
-        engine, (prompt, completion) = self.llm.llm_engine, self.shape
-        params, admit_at = self.sampling(completion), ramp(self.groups, completion)
-        active: dict[str, int] = {}  # request id -> group
-        left: dict[int, int] = {}  # group -> requests unfinished
-        times, events, pushes = [time.perf_counter()], [], []  # pushes: (step sent, step seen landed)
-        st = {"tokens": 0, "skipped": 0}
-        pushing, start = False, self.coordinator.steps
+        """``steps`` engine steps of ``mode`` on a fresh stream of groups (``self.shape``),
+        after an untimed ramp of one completion's length that admits the first groups."""
+        stream, admit_at = Stream(self, mode), ramp(self.groups, self.shape[1])
+        for i in range(self.shape[1]):
+            stream.fill(sum(a <= i for a in admit_at))
+            stream.step()
+        stream.restart_clock()
         self.counter.reset()
-
-        def admit() -> None:
-            g, self.next_group = self.next_group, self.next_group + 1
-            request: dict[str, Any] = {"prompt_token_ids": group_prompt(self.seed, g, prompt, self.vocab)}
-            if mode == "native-salt":
-                request["cache_salt"] = f"v{self.version}"
-            for j in range(GROUP):
-                engine.add_request(f"{mode}-{g}-{j}", request, params)
-                active[f"{mode}-{g}-{j}"] = g
-            left[g] = GROUP
-
-        def step() -> None:
-            for out in engine.step():
-                st["tokens"] += len(out.outputs[0].token_ids)
-                if out.finished:
-                    g = active.pop(out.request_id)
-                    left[g] -= 1
-                    if not left[g]:
-                        del left[g]
-            times.append(time.perf_counter())
-
-        i = 0
+        events, pushes = [], []  # events: (interval index, info); pushes: (step sent, step seen landed)
+        skipped, pushing, start, i = 0, False, self.coordinator.steps, 0
         while i < steps or pushing:
             due = 0 < i < steps and i % every == 0
             if mode == "inflight" and due and pushing:
-                st["skipped"] += 1  # the previous push is still staging: this one is not sent
+                skipped += 1  # the previous push is still staging: this one is not sent
             elif mode == "inflight" and due:
                 self.version += 1
                 self.conn.send(("push", self.version))
                 pushing = True
                 pushes.append((i, -1))
             elif mode.startswith("native") and due:
-                events.append((len(times), self.native_update(reset=mode == "native-reset")))
+                events.append((len(stream.times), self.native_update(reset=mode == "native-reset")))
             if pushing and self.conn.poll():
                 r = self.conn.recv()
                 events.append((r["commit_step"] - start + 1, r))
                 pushes[-1], pushing = (pushes[-1][0], i), False
-            while len(left) < sum(a <= i for a in admit_at):
-                admit()
-            step()
+            stream.fill(self.groups)
+            stream.step()
             i += 1
-        return self.finish(mode, every, times, events, pushes, st, active)
+        return self.finish(mode, every, stream, events, pushes, skipped)
 
-    def finish(self, mode: str, every: int, times: list[float], events: list, pushes: list, st: dict,
-               active: dict[str, int]) -> dict:
+    def finish(self, mode: str, every: int, stream: Stream, events: list, pushes: list, skipped: int) -> dict:
         """End a chunk: drop its requests, and its figures in ``bench.inflight_lora``'s form."""
         extra = {**self.counter.totals(), "pushes": pushes,
                  "reset_ms": [r["reset_ms"] for _, r in events if "reset_ms" in r]}
         engine = self.llm.llm_engine
-        engine.abort_request(list(active))
+        engine.abort_request(list(stream.active))
         while engine.has_unfinished_requests():
             engine.step()
-        self.log.setdefault((*self.shape, every, mode), []).append(extra)
+        self.counter.forget()
+        times = stream.times
         gaps = [b - a for a, b in zip(times, times[1:])]
         at = {i for i, _ in events}
-        return {"mode": mode, "every": every, "tokens": st["tokens"], "wall_s": times[-1] - times[0], "gaps": gaps,
-                "steps": len(gaps), "skipped": st["skipped"], "infos": [r for _, r in events],
+        return {"mode": mode, "every": every, "tokens": stream.tokens, "wall_s": times[-1] - times[0], "gaps": gaps,
+                "steps": len(gaps), "skipped": skipped, "infos": [r for _, r in events],
                 "quiet": [g for i, g in enumerate(gaps, 1) if i not in at],
                 "event_gaps": [gaps[i - 1] for i, _ in events if 0 < i <= len(gaps)], **extra}
 
@@ -372,45 +286,56 @@ class GRPOBench:
 
 
 # -- the driver -----------------------------------------------------------------------------
-def calibrate(bench: GRPOBench, every: int, steps: int) -> tuple[int, str]:
-    """The cadence in-flight achieves at ``every`` on this engine and shape (one chunk), and
-    what it is made of (steps and pushes)."""
+def calibrate(bench: GRPOBench, every: int, steps: int) -> int:
+    """The cadence in-flight achieves at ``every`` on this engine and shape (one chunk)."""
     chunk = bench.run("inflight", every, max(steps, 4 * every))
-    push_ms = [1e3 * r["push_s"] for r in chunk["infos"]]
-    step_ms = 1e3 * statistics.median(chunk["quiet"])
-    how = f"a push takes {statistics.median(push_ms):.0f} ms (median of {len(push_ms)}), a step {step_ms:.1f} ms"
-    return achieved_cadence(chunk["pushes"], every), how
+    push_ms = statistics.median(1e3 * r["push_s"] for r in chunk["infos"]) if chunk["infos"] else float("nan")
+    cadence = achieved_cadence(chunk["pushes"], every)
+    print(f"P={bench.shape[0]} T={bench.shape[1]}: in-flight achieves an update per {cadence} steps at every {every} "
+          f"(a push {push_ms:.0f} ms, a step {1e3 * statistics.median(chunk['quiet']):.1f} ms)", flush=True)
+    return cadence
+
+
+def rounds_of(bench: GRPOBench, modes: list[str], every: int, cadence: int, steps: int,
+              rounds: int) -> tuple[dict[str, list[dict]], list[int]]:
+    """``modes`` interleaved in ``rounds`` chunks of ``steps // rounds``, the order rotated
+    each round. Every update mode of a round runs at that round's cadence: the calibrated one
+    first, then what in-flight achieved in the round before (it follows the machine)."""
+    chunks: dict[str, list[dict]] = {m: [] for m in modes}
+    cadences = []
+    for k in range(rounds):
+        cadences.append(cadence)
+        for mode in rotate(modes, k):
+            chunks[mode].append(bench.run(mode, cadence, steps // rounds))
+        if "inflight" in chunks:
+            cadence = achieved_cadence(chunks["inflight"][-1]["pushes"], every)
+    if steps // rounds < 2 * max(cadences):
+        print(f"warning: chunks of {steps // rounds} steps hold fewer than 2 updates at {max(cadences)} steps each: "
+              "raise --steps", flush=True)
+    return chunks, cadences
 
 
 def bench_engine(bench: GRPOBench, engine: str, model: str, shapes: list[tuple[int, int, int]],
                  cadences: dict[tuple[int, int, int], int], steps: int, rounds: int) -> list[dict]:
     """Every (P, T, every) of ``shapes`` on one engine, its modes interleaved; ``cadences``
-    (filled by the first engine, reused by the next) holds each shape's common cadence."""
-    rows = []
-    modes = ENGINES[engine][1]
-    chunk = steps // rounds
+    holds each shape's cadence to start from (calibrated on the first engine, where missing)."""
+    rows, modes, chunk = [], ENGINES[engine][1], steps // rounds
     for k, (prompt, completion, every) in enumerate(shapes):
-        bench.shape = (prompt, completion)
+        bench.shape, key = (prompt, completion), (prompt, completion, every)
         bench.run("none", 10**9, min(48, chunk))  # warm-up: this shape's kernels and allocations
         if k == 0:  # the engine's first push allocates staging: not measured
             bench.run("inflight", every, max(chunk, 2 * every))
-        key = (prompt, completion, every)
         if key not in cadences:
-            cadences[key], how = calibrate(bench, every, chunk)
-            print(f"{engine} engine, P={prompt} T={completion}: in-flight achieves an update per {cadences[key]} steps "
-                  f"at every {every} ({how}); every update mode runs at that cadence", flush=True)
-        if chunk < 2 * cadences[key]:
-            print(f"warning: chunks of {chunk} steps hold fewer than 2 updates at {cadences[key]} steps each: "
-                  "raise --steps", flush=True)
-        bench.log.clear()
-        for r in interleaved(bench, modes, model, engine, cadences[key], steps, rounds):
-            run_mode = next(m for m, label in modes.items() if label == r["mode"])
-            extra = bench.log[(prompt, completion, cadences[key], run_mode)]
-            totals = {k: sum(c[k] for c in extra) for k in ("cached", "prompt_computed", "recomputed",
-                                                              "admitted_prompt", "readmitted")}
-            resets = [x for c in extra for x in c["reset_ms"]]
-            rows.append({**r, **totals, "P": prompt, "T": completion, "every": every,
-                         "cadence": cadences[key] if r["mode"] != "none" else None,
+            cadences[key] = calibrate(bench, every, chunk)
+        chunks, used = rounds_of(bench, list(modes), every, cadences[key], steps, rounds)
+        cadences[key] = used[-1]
+        for mode, label in modes.items():
+            cs = chunks[mode]
+            totals = {k: sum(c[k] for c in cs) for k in ("cached", "prompt_computed", "recomputed", "admitted_prompt",
+                                                           "readmitted")}
+            resets = [x for c in cs for x in c["reset_ms"]]
+            rows.append({**row(model, engine, label, cs), **per_round(chunks, mode), **totals, "P": prompt,
+                         "T": completion, "every": every, "cadence": used if mode != "none" else None,
                          "group": f"P{prompt}/T{completion}/every{every}",
                          "prefilled": totals["prompt_computed"] + totals["recomputed"],
                          "reset_ms": round(statistics.median(resets), 2) if resets else None})
@@ -434,39 +359,21 @@ def model_dir_of(args: argparse.Namespace, work: Path, max_len: int) -> tuple[Pa
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a model directory, hub id or 'smollm2' (trainer/models.py)")
-    ap.add_argument("--size", default="S", choices=["S", "M", "L"], help="without --model: a tiny model (bench.inflight)")
+    ap.add_argument("--size", default="S", choices=["S", "M", "L"],
+                    help="without --model: a tiny model (bench.inflight's sizes)")
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[256, 1024], help="P: each group's prompt length")
     ap.add_argument("--completion-tokens", type=int, nargs="+", default=[64, 256], help="T: every sample's length")
     ap.add_argument("--every", type=int, nargs="+", default=[16], help="requested update cadence, engine steps")
     ap.add_argument("--groups-in-flight", type=int, default=4, help="groups of 8 decoding at once")
     ap.add_argument("--steps", type=int, default=768, help="engine steps per mode and (P, T, every)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds the steps of each engine's modes are split into")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds the steps of each engine's modes are split into")
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES),
                     help="cache: none, inflight, native-salt, native-reset; nocache: none, inflight-nocache")
     ap.add_argument("--listener-nice", type=int, default=19, help="InflightConfig.listener_nice, as bench.inflight's")
     ap.add_argument("--placement", choices=PLACEMENTS, default="split", help="bench.placement: where the threads run")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
-
-
-def report(rows: list[dict], args: argparse.Namespace, model: str, load: list[float], wall_s: float) -> None:
-    compare(rows)
-    against_cache(rows)
-    prefill_figures(rows)
-    targets = checks(rows)
-    print(f"{model}, groups of {GROUP}, {args.groups_in_flight} groups in flight, {args.steps} steps per mode in "
-          f"{args.rounds} rounds, placement {args.placement}; load average (1 min) at start / end: {load[0]} / {load[1]}")
-    print(" | ".join(COLS))
-    for r in rows:
-        print(" | ".join(str(r[c]) for c in COLS))
-    for c in targets:
-        print(f"target P={c['P']} T={c['T']} every {c['every']}: inflight vs none {c['vs_none']} (>= {TARGET['vs_none']}: "
-              f"{['FAIL', 'PASS'][c['vs_none_pass']]}); {c['tok_s']} tok/s vs native {c['native_tok_s']}: "
-              f"{['FAIL', 'PASS'][c['vs_native_pass']]}")
-    if not targets:
-        print(f"(the README's targets are at P={TARGET['prompt']}, every {TARGET['every']}: not in this run)")
-    print(json.dumps({"bench": "grpo", "device": "cpu", **vars(args), "model": model, "group": GROUP, "load_1m": load,
-                      "wall_s": round(wall_s, 1), "checks": targets, "rows": rows}))
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.grpo import (achieved_cadence, against_cache, checks, group_prompt, positions, prefill_figures, ramp,
+from bench.grpo_figures import (achieved_cadence, against_cache, checks, group_prompt, positions, prefill_figures, ramp,
                         rotate)
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 BENCHES = {
     "inflight": "in-flight vs native pause+update vs batch-boundary, like for like",
+    "grpo": "GRPO groups on shared prompts: in-flight with prefix caching vs vLLM's salted and reset caches",
     "transport": "bucketed transfer vs a raw broadcast",
     "e2e": "the training loop end to end, shared and split cores",
     "profile_staging": "one update's staging time, phase by phase and thread by thread",
