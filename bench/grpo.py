@@ -72,6 +72,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.inflight_lora import per_round, row  # noqa: E402
 from bench.inflight_trainer import trainer  # noqa: E402
+from bench.native_gloo import native_update  # noqa: E402
 from bench.grpo_figures import (GROUP, achieved_cadence, group_prompt, positions, ramp, report,  # noqa: E402
                                rotate)
 from bench.placement import PLACEMENTS, Placement, engine_env, pin_trainer  # noqa: E402
@@ -216,11 +217,7 @@ class GRPOBench:
         ``reset`` the prefix-cache reset (preempting every running request), resume."""
         self.version += 1
         t0 = time.perf_counter()
-        self.core.pause_scheduler(mode="keep", clear_cache=False)
-        self.llm.collective_rpc("start_weight_update")
-        self.conn.send(("native", self.version))
-        self.llm.collective_rpc("update_weights", kwargs={"update_info": self.native_info})
-        self.llm.collective_rpc("finish_weight_update")
+        native_update(self.core, self.llm, self.conn, self.version, self.native_info)
         t1 = time.perf_counter()
         if reset and not self.llm.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError("reset_prefix_cache(reset_running_requests=True) did not reset the cache")

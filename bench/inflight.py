@@ -63,6 +63,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from bench.inflight_lora import PROMPT, main as lora_main, sampling  # noqa: E402
 from bench.inflight_report import COLS, compare, plot  # noqa: E402
 from bench.inflight_trainer import trainer  # noqa: E402
+from bench.native_gloo import native_update  # noqa: E402
 from bench.placement import Placement, engine_env, pin_trainer  # noqa: E402
 from trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus  # noqa: E402
 
@@ -196,11 +197,7 @@ class Bench:
             elif mode == "native" and due:
                 self.version += 1
                 t0 = time.perf_counter()
-                self.core.pause_scheduler(mode="keep", clear_cache=False)
-                self.llm.collective_rpc("start_weight_update")
-                self.conn.send(("native", self.version))
-                self.llm.collective_rpc("update_weights", kwargs={"update_info": self.native_info})
-                self.llm.collective_rpc("finish_weight_update")
+                native_update(self.core, self.llm, self.conn, self.version, self.native_info)
                 self.coordinator.set_label(self.version)  # tag tokens with the version the native path loaded
                 self.core.resume_scheduler()
                 r = self.conn.recv()

@@ -14,6 +14,7 @@ it with ``weight_transfer_config={"backend": "inflight_gloo"}``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
@@ -89,6 +90,18 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+def native_update(core: Any, llm: Any, conn: Any, version: int, info: dict) -> None:
+    """vLLM's own update of an in-process engine, between two of its steps: pause the scheduler
+    (keep: running requests keep their KV), then the weight-transfer API's start, update (the
+    trainer process broadcasts ``version`` when cued on ``conn``) and finish. The caller
+    resumes the scheduler (after whatever it does in the pause)."""
+    core.pause_scheduler(mode="keep", clear_cache=False)
+    llm.collective_rpc("start_weight_update")
+    conn.send(("native", version))
+    llm.collective_rpc("update_weights", kwargs={"update_info": info})
+    llm.collective_rpc("finish_weight_update")
 
 
 def update_info(named: dict[str, torch.Tensor]) -> dict:

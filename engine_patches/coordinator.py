@@ -152,9 +152,8 @@ class CommitCoordinator:
         self.steps = 0  # engine steps that ran the model since the coordinator started
         self.broken = ""
         self.history: list[CommitRecord] = []
-        self.prefix_cache = PrefixCacheGuard(core.scheduler)
+        self.prefix_cache = PrefixCacheGuard(core.scheduler)  # every commit invalidates it, in its window
         self.batch_labels = BatchLabels(core)  # async scheduling: each batch labelled by the weights it ran on
-        """Keeps the prefix cache exact: every commit invalidates it in the same window."""
         self._busy_loop = isinstance(core, EngineCoreProc)
         self._pending: _Pending | None = None
         self._slot = threading.Lock()  # guards _pending: taken once, by whichever thread runs it

@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -51,24 +52,6 @@ WAIT_S = 300.0  # the longest any event here may take on a loaded 2-core machine
 def _prompt(seed: int, n: int = 300) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return (torch.randint(3, 250, (n,), generator=g)).tolist()
-
-
-def _start(model_dir, port: int, scheduling: str, world_size: int = 2, **kwargs: Any) -> Any:
-    """An in-process engine with prefix caching (the default), synchronous or async scheduling."""
-    import os
-
-    from vllm import LLM
-
-    os.environ["INFLIGHT_CPU_ASYNC_SCHEDULING"] = "1" if scheduling == "async" else "0"
-    try:
-        llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", seed=0, async_scheduling=scheduling == "async",
-                  **kwargs, **engine_kwargs())
-    finally:
-        del os.environ["INFLIGHT_CPU_ASYNC_SCHEDULING"]
-    core = llm.llm_engine.engine_core.engine_core
-    assert (core.step_fn == core.step_with_batch_queue) == (scheduling == "async")
-    start_inflight(llm, InflightConfig(group=GroupConfig(port=port, world_size=world_size, timeout_s=120)))
-    return llm
 
 
 @dataclass
@@ -110,6 +93,12 @@ class CacheEngine:
         while self.llm.llm_engine.has_unfinished_requests():
             self.step()
 
+    def close(self) -> None:
+        self.pusher.close()
+        stop_engine(self.llm)
+        del self.llm
+        gc.collect()
+
     def request(self, rid: str) -> Any:
         """vLLM's request for the user's id ``rid`` (internal ids are ``rid-<suffix>``)."""
         return next(r for k, r in self.scheduler.requests.items() if k.rsplit("-", 1)[0] == rid)
@@ -133,6 +122,27 @@ class CacheEngine:
         return thread
 
 
+def _start(model_dir, port: int, scheduling: str, world_size: int = 2, **kwargs: Any) -> CacheEngine:
+    """An in-process engine with prefix caching (the default), synchronous or async scheduling,
+    and its trainer."""
+    import os
+
+    from vllm import LLM
+
+    os.environ["INFLIGHT_CPU_ASYNC_SCHEDULING"] = "1" if scheduling == "async" else "0"
+    try:
+        llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", seed=0, async_scheduling=scheduling == "async",
+                  **kwargs, **engine_kwargs())
+    finally:
+        del os.environ["INFLIGHT_CPU_ASYNC_SCHEDULING"]
+    core = llm.llm_engine.engine_core.engine_core
+    assert (core.step_fn == core.step_with_batch_queue) == (scheduling == "async")
+    group = GroupConfig(port=port, world_size=world_size, timeout_s=120)
+    start_inflight(llm, InflightConfig(group=group))
+    return CacheEngine(llm, WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25)),
+                       {0: load_file(str(Path(model_dir) / "model.safetensors"))})
+
+
 def _wait(done: Callable[[], Any], what: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while not done():
@@ -146,10 +156,7 @@ def test_a_request_preempted_across_a_commit_is_recomputed_as_reported(tiny_llam
     of 400 tokens, so vLLM preempts one of them (recompute mode) until the other finishes."""
     from vllm.v1.request import RequestStatus
 
-    llm = _start(tiny_llama, port, scheduling, max_model_len=512, num_gpu_blocks_override=6)
-    group = GroupConfig(port=port, world_size=2, timeout_s=120)
-    e = CacheEngine(llm, WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25)),
-                    {0: load_file(str(tiny_llama / "model.safetensors"))})
+    e = _start(tiny_llama, port, scheduling, max_model_len=512, num_gpu_blocks_override=6)
     try:
         for i in range(2):
             e.add(f"p{i}", _prompt(40 + i, 200), 200)
@@ -183,24 +190,14 @@ def test_a_request_preempted_across_a_commit_is_recomputed_as_reported(tiny_llam
         assert set(other.versions) == {0, 1}
         assert float((torch.tensor(other.logprobs, dtype=torch.float64) - want).abs().max()) < EXACT
     finally:
-        e.pusher.close()
-        stop_engine(llm)
-        del llm, e
-        gc.collect()
+        e.close()
 
 
 @pytest.fixture(scope="module", params=["sync", "async"])
 def engine(tiny_llama, hold_port, request):
-    port = hold_port()
-    llm = _start(tiny_llama, port, request.param, max_model_len=1024, max_num_batched_tokens=256)
-    group = GroupConfig(port=port, world_size=2, timeout_s=120)
-    pusher = WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25))
-    e = CacheEngine(llm, pusher, {0: load_file(str(tiny_llama / "model.safetensors"))})
+    e = _start(tiny_llama, hold_port(), request.param, max_model_len=1024, max_num_batched_tokens=256)
     yield e
-    pusher.close()
-    stop_engine(llm)
-    del llm, e
-    gc.collect()
+    e.close()
 
 
 def _commit_round(e: CacheEngine, version: int, shared: list[int], group: int = 4, tokens: int = 24) -> None:
@@ -317,11 +314,8 @@ def test_tp2_under_async_scheduling_tags_each_batch_with_its_weights(tiny_llama,
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank: vLLM CPU refuses TP=2 without it
         vllm.envs.disable_envs_cache()
-        llm = _start(tiny_llama, port, "async", world_size=3, max_model_len=512, tensor_parallel_size=2,
-                     distributed_executor_backend="mp")
-        group = GroupConfig(port=port, world_size=3, timeout_s=120)
-        e = CacheEngine(llm, WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25)),
-                        {0: load_file(str(tiny_llama / "model.safetensors"))})
+        e = _start(tiny_llama, port, "async", world_size=3, max_model_len=512, tensor_parallel_size=2,
+                   distributed_executor_backend="mp")
         try:
             for i in range(4):
                 e.add(f"t{i}", _prompt(60 + i, 40), 60)
@@ -343,8 +337,5 @@ def test_tp2_under_async_scheduling_tags_each_batch_with_its_weights(tiny_llama,
                               t.prompt_label)
                 assert float((torch.tensor(t.logprobs, dtype=torch.float64) - want).abs().max()) < EXACT
         finally:
-            e.pusher.close()
-            stop_engine(llm)
-            del llm, e
-            gc.collect()
+            e.close()
     vllm.envs.disable_envs_cache()

@@ -87,3 +87,65 @@ def test_placement_splits_gpus_and_never_puts_nccl_on_one_device() -> None:
     assert place("auto", spawn=False, gpus=["0"]) == Placement(backend="nccl", engine_devices=None)
     with pytest.raises(ValueError, match="transport.backend='ib' is not one of 'auto', 'gloo', 'nccl'"):
         config_from_dict({"transport": {"backend": "ib"}})  # refused where the setting is read, once
+
+
+FAULTY_TASK = '''
+import math, pathlib, time
+from trainer.tasks import build_task, Task
+
+
+class Faulty(Task):
+    """repeat_digit, except that its scoring raises once, returns NaN once and hangs once (each
+    fault marked by a file in ``marks``: a replaced scoring process does not repeat it)."""
+
+    def __init__(self, tokenizer, marks):
+        from trainer.tasks.digits import RepeatDigit
+        self.inner, self.marks = RepeatDigit(tokenizer, 24, 0.5), pathlib.Path(marks)
+
+    def sample(self, rng):
+        return self.inner.sample(rng)
+
+    def eval_prompts(self, n):
+        return self.inner.eval_prompts(n)
+
+    def _first(self, fault):
+        mark = self.marks / fault
+        if mark.exists():
+            return False
+        mark.write_text("")
+        return True
+
+    def score(self, prompts, completions):
+        if self._first("raise"):
+            raise ValueError("the verifier's sandbox refused this program")
+        if self._first("nan"):
+            return [math.nan] * len(completions)
+        if self._first("hang"):
+            time.sleep(3600)
+        return self.inner.score(prompts, completions)
+
+
+def make(tokenizer, marks):
+    return Faulty(tokenizer, marks)
+'''
+
+
+def test_a_verifier_that_raises_returns_nan_or_hangs_fails_its_group_and_the_run_goes_on(tmp_path, monkeypatch) -> None:
+    """Scoring runs in the engine's scoring processes (``trainer.rollout_scoring``): each fault
+    fails its group alone, named in the engine's log with the task and the group; the engine
+    decodes on and the run reaches its last step."""
+    (tmp_path / "faulty_task_39.py").write_text(FAULTY_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "marks").mkdir()
+    cfg = config_from_dict({**SMALL, "run": {**SMALL["run"], "steps": 4, "out_dir": str(tmp_path / "run")},
+                            "task": {**SMALL["task"], "name": "faulty_task_39:make",
+                                     "options": {"marks": str(tmp_path / "marks")},
+                                     "scoring": {"timeout_s": 5.0}}})
+    train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (tmp_path / "marks").iterdir()) == ["hang", "nan", "raise"]
+    log = (tmp_path / "run" / "engine0.log").read_text()
+    for error in ("Faulty.score raised ValueError: the verifier's sandbox refused this program", "reward [0] is nan",
+                  "timeout_s=5"):
+        assert "task faulty_task_39:make failed to score group" in log and error in log, error

@@ -21,6 +21,7 @@ BENCHES = {
     "grpo": "GRPO groups on shared prompts: in-flight with prefix caching vs vLLM's salted and reset caches",
     "transport": "bucketed transfer vs a raw broadcast",
     "e2e": "the training loop end to end, shared and split cores",
+    "scoring": "decoding while a slow verifier scores: in the scoring processes vs inline",
     "profile_staging": "one update's staging time, phase by phase and thread by thread",
     "staging_memory": "what an engine's staging costs in resident memory vs what it accounts",
     "trainer_push": "what a push costs the trainer: resident memory, optimizer step time",

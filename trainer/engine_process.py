@@ -7,13 +7,14 @@
 forms a weight group of its own with the trainer (``GroupConfig.for_engine``), its workers
 ranks 1 .. ``tensor_parallel_size`` there, and tags its groups ``e<i>``). It drives vLLM's
 ``LLMEngine`` step by step with ``in_flight_groups`` requests of ``n = group_size``
-samples in flight; whenever one finishes, its completions, behaviour log-probs and
-per-token versions become a ``RolloutGroup`` on the rollout queue and a new prompt takes
-its place, unless that group would be older than ``loss.max_lag`` by the time the trainer
-reaches it (the trainer publishes its version on the queue): an engine faster than its
-trainer waits instead of sampling what the loss would mask. Weight updates commit between
-two of these steps, without this loop noticing: the worker extension and EngineCore's
-commit coordinator do it.
+samples in flight; whenever one finishes, its completions go to the task's scoring
+processes (``trainer.rollout_scoring``: decoding never waits for a verifier), and once
+scored, with their behaviour log-probs and per-token versions, become a ``RolloutGroup`` on
+the rollout queue; a new prompt takes its place, unless that group would be older than
+``loss.max_lag`` by the time the trainer reaches it (the trainer publishes its version on
+the queue): an engine faster than its trainer waits instead of sampling what the loss
+would mask. Weight updates commit between two of these steps, without this loop noticing:
+the worker extension and EngineCore's commit coordinator do it.
 
 ``rollout.mode = "batch"`` is the synchronous baseline: sample one optimizer step's groups
 with version v, ship them, sit idle until version v+1 is live, repeat.
@@ -31,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from inflight.protocol import RolloutGroup, RolloutSample, Sampling
+from inflight.protocol import RolloutGroup, Sampling
 from inflight.rollout_queue import RolloutQueue
 from inflight.settings import Backend, choices
 from inflight.transport.errors import TransportError
@@ -39,6 +40,7 @@ from inflight.transport.group import INCARNATION, GroupConfig
 from trainer.config import TrainConfig, group_config, inflight_config
 from trainer.config_files import add_config_arguments, load_config
 from trainer.console import log_to_file, quiet_libraries
+from trainer.rollout_scoring import GroupScorer
 
 log = logging.getLogger("inflight.rollout")
 
@@ -112,6 +114,7 @@ class RolloutLoop:
                                      stop_token_ids=model_stop_ids(model_dir, self.tokenizer),
                                      output_kind=RequestOutputKind.FINAL_ONLY)
         self.queue = RolloutQueue(group.connect("rollout"), cfg.rollout.queue_capacity)
+        self.scorer = GroupScorer(cfg, model_dir, self.engine_id, sampling_of(self.params))
         self.prompts: dict[str, Any] = {}
         self.backlog: deque[RolloutGroup] = deque()
         self.counter = 0
@@ -130,13 +133,17 @@ class RolloutLoop:
         self._loop(self._start_batch)
 
     def _start_inflight(self) -> bool | None:
-        while len(self.prompts) < self.cfg.rollout.in_flight_groups and self._room_to_start():
+        # as many groups decoding as configured, and at most as many more waiting for their rewards
+        cap = self.cfg.rollout.in_flight_groups
+        while len(self.prompts) < cap and len(self.scorer) < cap and self._room_to_start():
             self._add_group()
         if not self.prompts:  # the trainer is loss.max_lag behind: idle (an idle engine commits without steps)
             return None if self._held() else False
         return True
 
     def _start_batch(self) -> bool | None:
+        if not self.prompts and len(self.scorer):  # the batch's last groups are being scored
+            return None if self._held() else False
         if not self.prompts:  # the last batch is shipped: wait, idle, for the next version
             if not self.wait_for_version(self._next_version):
                 return None
@@ -149,6 +156,7 @@ class RolloutLoop:
         """Ship, start groups (``start_groups``: True to step, False to look again, None to
         stop), step; until the trainer asks to stop."""
         while True:
+            self.backlog.extend(self.scorer.collect())
             if not self._ship_backlog():
                 return
             if self.backlog:
@@ -177,8 +185,8 @@ class RolloutLoop:
     def _step(self) -> bool:
         """One engine step; finished groups go to the backlog. False once the trainer asked to stop."""
         for out in self.llm_engine.step():
-            if out.finished:
-                self.backlog.append(self._group_of(out))
+            if out.finished:  # scored in the scorer's processes: collected by ``_loop``
+                self.scorer.submit(out, self.prompts.pop(out.request_id))
         self.steps += 1
         if self.steps % 16 == 0 and self.stop_requested():
             log.info("rollout: the trainer asked to stop after %d engine steps", self.steps)
@@ -196,26 +204,6 @@ class RolloutLoop:
         # tokenization would add a BOS in front of it), and evaluation encodes the same way
         ids = encode_prompt(self.tokenizer, prompt, self.cfg.task.chat)
         self.llm_engine.add_request(rid, {"prompt_token_ids": ids}, self.params, lora_request=self.lora_request)
-
-    def _group_of(self, out: Any) -> RolloutGroup:
-        from engine_patches.client import tagged
-        from engine_patches.routing import routing_fields
-        from trainer.tasks import Completion
-
-        prompt = self.prompts.pop(out.request_id)
-        rewards = self.task.score([prompt] * len(out.outputs),
-                                  [Completion(c.text, c.token_ids, c.finish_reason or "") for c in out.outputs])
-        samples = []
-        for i, completion in enumerate(out.outputs):
-            t = tagged(completion)
-            routing = routing_fields(completion) if self.cfg.loss.routing_replay else {}
-            samples.append(RolloutSample(
-                sample_id=f"{out.request_id}-{i}", group_id=out.request_id, prompt_ids=list(out.prompt_token_ids),
-                token_ids=t.token_ids, logprobs=t.logprobs, versions=t.versions, reward=float(rewards[i]),
-                hybrid_tokens=sum(">" in s for s in t.labels),
-                finish_reason=t.finish_reason or "", prompt_text=prompt.display, completion_text=t.text, **routing))
-        return RolloutGroup(group_id=out.request_id, samples=tuple(samples), engine_id=self.engine_id,
-                            sampling=sampling_of(self.params))
 
     # -- the queue, across trainer restarts ---------------------------------------------------
     def _ship_backlog(self) -> bool:
@@ -249,7 +237,7 @@ class RolloutLoop:
     def _room_to_start(self) -> bool:
         try:  # groups ahead of a new one: queued, or decoding on each engine of the fleet (the
             # others' share estimated as this one's)
-            ahead = self.queue.depth() + len(self.prompts) * self.cfg.engine.count
+            ahead = self.queue.depth() + (len(self.prompts) + len(self.scorer)) * self.cfg.engine.count
             trainer = self.queue.consumer_version()
         except (RuntimeError, TransportError):  # the trainer's store is gone: hold for the next trainer
             return False
@@ -319,12 +307,16 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
     loop = RolloutLoop(cfg, llm, model_dir, group, engine_index, rank, parent_pid,
                        lora_request=policy_lora(config) if adapter else None)
     next_version = max(initial_version, wait_for_version)  # batch mode: the version the next batch is sampled with
-    if not loop.wait_for_version(wait_for_version):
-        return
-    if cfg.rollout.mode == "batch":
-        loop.run_batch(next_version)
-    else:
-        loop.run_inflight()
+    try:
+        loop.scorer.wait_ready()  # a task its scoring processes cannot build fails here, with its own error
+        if not loop.wait_for_version(wait_for_version):
+            return
+        if cfg.rollout.mode == "batch":
+            loop.run_batch(next_version)
+        else:
+            loop.run_inflight()
+    finally:
+        loop.scorer.close()
 
 
 def may_start_group(*, ahead: int, trainer_version: int | None, live_version: int, groups_per_step: int,

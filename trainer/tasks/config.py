@@ -54,6 +54,34 @@ class JsonlConfig:
                 raise ValueError(f"task.jsonl.{name}={getattr(self, name)!r}: no such file")
 
 
+@dataclass(frozen=True, kw_only=True)
+class ScoringConfig:
+    """Where rewards are computed: ``task.score`` in worker processes of the engine
+    (``trainer.scoring``), so a slow verifier never stops decoding."""
+
+    workers: int = 1
+    """Scoring processes per engine; groups are scored in parallel across them."""
+    timeout_s: float = 60.0
+    """The longest one group's scoring may take; its worker (and whatever it started) is
+    then killed and replaced, and the group fails."""
+    memory_mb: int | None = 8192
+    """Each scoring process's address-space cap (MiB, ``RLIMIT_AS``; importing torch takes about
+    1 GiB of it on CPU); None: no cap. A call past it fails its group."""
+    max_failed_in_a_row: int = 16
+    """Groups whose scoring failed one after the other (an error, a timeout, a reward that is
+    not a finite number) before the engine stops with the last one's message."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"task.scoring.workers={self.workers} must be >= 1")
+        if not 0 < self.timeout_s < float("inf"):
+            raise ValueError(f"task.scoring.timeout_s={self.timeout_s} must be a number of seconds > 0")
+        if self.memory_mb is not None and self.memory_mb < 256:
+            raise ValueError(f"task.scoring.memory_mb={self.memory_mb} must be >= 256 (MiB) or None")
+        if self.max_failed_in_a_row < 1:
+            raise ValueError(f"task.scoring.max_failed_in_a_row={self.max_failed_in_a_row} must be >= 1")
+
+
 _BUILTIN_TASKS = ("repeat_digit", "arithmetic", "jsonl")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
@@ -78,6 +106,8 @@ class TaskConfig:
     """jsonl only: the files and how answers match."""
     options: dict[str, Any] = field(default_factory=dict)
     """A ``module:factory`` task only: keyword arguments of the factory."""
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    """Where and how long rewards are computed."""
 
     def __post_init__(self) -> None:
         check_choices(self, "task")

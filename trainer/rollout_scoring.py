@@ -1,0 +1,104 @@
+"""Finished GRPO groups become scored ``RolloutGroup``s, off the engine's critical path.
+
+The engine process's rollout loop hands every finished request (one group of ``n``
+completions) to ``GroupScorer.submit`` and, every turn of its loop, takes back the groups
+whose rewards came in (``collect``). Rewards are computed by ``task.score`` in
+``trainer.scoring.ScoringPool``'s worker processes (``task.scoring``): a slow verifier never
+stops decoding, and one that raises, hangs past ``timeout_s``, exceeds its memory cap or
+returns a reward that is not a finite number fails its group alone. A failed group is
+logged (the first failure of each kind with the task, the group and the error; then a count
+every tenth), counted, and dropped; ``max_failed_in_a_row`` failures one after the other stop
+the engine with the last one's message. Groups reach the queue in the order their scoring
+finishes; their tokens, log-probs and tags are the engine's, untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from inflight.protocol import RolloutGroup, RolloutSample, Sampling
+from trainer.scoring import ScoringPool, engine_task_factory
+
+log = logging.getLogger("inflight.rollout")
+
+
+class ScoringFailed(RuntimeError):
+    """Scoring failed for ``task.scoring.max_failed_in_a_row`` groups one after the other."""
+
+
+class GroupScorer:
+    """One engine's scoring: finished requests in, scored ``RolloutGroup``s out."""
+
+    def __init__(self, cfg: Any, model_dir: str, engine_id: str, sampling: Sampling) -> None:
+        s = cfg.task.scoring
+        self.cfg, self.engine_id, self.sampling = cfg, engine_id, sampling
+        self.pool = ScoringPool(engine_task_factory(cfg, model_dir), workers=s.workers, timeout_s=s.timeout_s,
+                                memory_mb=s.memory_mb)
+        self.waiting: dict[str, tuple[Any, Any]] = {}  # request id -> (its finished output, its prompt)
+        self.scored = self.failed = self.failed_in_a_row = 0
+        self._kinds_logged: set[str] = set()
+
+    def wait_ready(self) -> None:
+        """Fail now, with the task's own error, if no worker can build the task."""
+        self.pool.wait_ready()
+
+    def __len__(self) -> int:
+        """Groups submitted whose rewards have not come back."""
+        return len(self.waiting)
+
+    def submit(self, out: Any, prompt: Any) -> None:
+        from trainer.tasks import Completion
+
+        self.waiting[out.request_id] = (out, prompt)
+        self.pool.submit(out.request_id, [prompt] * len(out.outputs),
+                         [Completion(c.text, c.token_ids, c.finish_reason or "") for c in out.outputs])
+
+    def collect(self) -> list[RolloutGroup]:
+        """The groups scored since the last call (never waits); failed ones are logged and dropped."""
+        groups = []
+        for s in self.pool.poll():
+            out, prompt = self.waiting.pop(s.key)
+            if s.rewards is not None:
+                self.scored += 1
+                self.failed_in_a_row = 0
+                groups.append(self.group_of(out, prompt, s.rewards))
+                continue
+            self.failed += 1
+            self.failed_in_a_row += 1
+            self._report(s.key, prompt, s.error)
+        return groups
+
+    def _report(self, key: str, prompt: Any, error: str) -> None:
+        kind = " ".join(re.sub(r"^key '[^']*': ", "", error).split()[:3])  # "Faulty.score raised ValueError:"
+        task = self.cfg.task.name
+        if kind not in self._kinds_logged or self.failed % 10 == 0:
+            self._kinds_logged.add(kind)
+            log.warning("rollout: task %s failed to score group %s (prompt %r): %s; the group is dropped "
+                        "(%d dropped so far, %d scored)", task, key, prompt.display[:80], error, self.failed, self.scored)
+        limit = self.cfg.task.scoring.max_failed_in_a_row
+        if self.failed_in_a_row >= limit:
+            raise ScoringFailed(f"task {task}: scoring failed for {limit} groups in a row "
+                                f"(task.scoring.max_failed_in_a_row); the last, group {key}: {error}")
+
+    def group_of(self, out: Any, prompt: Any, rewards: Sequence[float]) -> RolloutGroup:
+        """A finished request's completions, tagged, with their rewards."""
+        from engine_patches.client import tagged
+        from engine_patches.routing import routing_fields
+
+        samples = []
+        for i, completion in enumerate(out.outputs):
+            t = tagged(completion)
+            routing = routing_fields(completion) if self.cfg.loss.routing_replay else {}
+            samples.append(RolloutSample(
+                sample_id=f"{out.request_id}-{i}", group_id=out.request_id, prompt_ids=list(out.prompt_token_ids),
+                token_ids=t.token_ids, logprobs=t.logprobs, versions=t.versions, reward=float(rewards[i]),
+                hybrid_tokens=sum(">" in s for s in t.labels),
+                finish_reason=t.finish_reason or "", prompt_text=prompt.display, completion_text=t.text, **routing))
+        return RolloutGroup(group_id=out.request_id, samples=tuple(samples), engine_id=self.engine_id,
+                            sampling=self.sampling)
+
+    def close(self) -> None:
+        self.pool.close()
