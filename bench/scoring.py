@@ -125,6 +125,8 @@ def main() -> None:
     model_dir = str(resolve_model(args.model))
     llm = LLM(model_dir, enforce_eager=True, dtype="float32", max_model_len=256, seed=0,
               max_num_seqs=GROUP * args.groups_in_flight, **engine_kwargs())
+    # no updates here: the outputs carry version 0, as an in-flight engine's do before its first commit
+    llm.llm_engine.engine_core.engine_core._weight_version = "0"
     load = [round(os.getloadavg()[0], 2)]
     params = SamplingParams(n=GROUP, temperature=1.0, max_tokens=args.completion_tokens, ignore_eos=True, logprobs=0,
                             output_kind=RequestOutputKind.FINAL_ONLY)
@@ -142,6 +144,9 @@ def main() -> None:
              for m in ("instant", "pool", "inline")}
     totals = {m: {"tokens": 0, "wall_s": 0.0} for m in loops}
     order = list(loops)
+    for m in order:  # untimed: the engine's first steps and each pool's first calls
+        loops[m].run(8)
+        loops[m].drain()
     for r in range(args.rounds):
         for m in order[r % 3:] + order[:r % 3]:
             got = loops[m].run(args.steps // args.rounds)
