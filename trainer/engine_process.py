@@ -298,6 +298,8 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
         extra.update(tensor_parallel_size=cfg.engine.tensor_parallel_size, distributed_executor_backend="mp")
     if torch.cuda.is_available():
         extra["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
+    if cfg.loss.routing_replay:  # routing is read after a step's forward: one batch in flight at a time
+        extra["async_scheduling"] = False
     adapter = AdapterSpec(path=adapter_dir) if adapter_dir else None
     llm = LLM(model_dir, dtype=cfg.model.dtype, max_num_seqs=cfg.engine.max_num_seqs,
               max_model_len=cfg.engine.max_model_len, seed=cfg.run.seed + rank, **extra,
