@@ -69,8 +69,6 @@ class BatchLabels:
 
     def attach(self, outputs: dict[int, Any]) -> None:
         """``EngineCore._attach_weight_version`` for the batch just taken off the queue."""
-        label = self.queue.popped if self.queue is not None and self.queue.popped is not None else self.core._weight_version
-        if self.queue is not None:
-            self.queue.popped = None
+        label, self.queue.popped = self.queue.popped, None  # installed only where there is a queue
         for eco in outputs.values():
-            eco.weight_version = label
+            eco.weight_version = self.core._weight_version if label is None else label

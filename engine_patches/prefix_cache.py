@@ -5,8 +5,8 @@ Where vLLM 0.32 keeps the prefix cache (``vllm.v1.core``): a request's block has
 fixed when it arrives and name its tokens, its LoRA adapter and its salt, never the
 weights; the lookup happens once, when the scheduler admits it (``get_computed_blocks``);
 a full block enters the block pool's hash index when it is *scheduled* (``allocate_slots``
--> ``coordinator.cache_blocks``), and without async scheduling it is computed before the
-next step boundary. So at a commit, between two steps, every block in the index holds KV
+-> ``coordinator.cache_blocks``), and its forward runs before the next step boundary (under
+async scheduling the batch in flight reaches each worker ahead of the commit). So at a commit, between two steps, every block in the index holds KV
 of the weights being replaced, and a request that holds KV keeps filling blocks whose
 contents depend on it. vLLM's own ``reset_prefix_cache()`` refuses while any request runs.
 
