@@ -283,11 +283,19 @@ class RolloutSample(Wire, tag="sample"):
     routing_k: NonNeg = 0
     hybrid_tokens: NonNeg = 0
     """Tokens sampled by a hybrid of a layer-granular update (tagged with its oldest version)."""
+    observation: list[bool] = []
+    """A multi-turn episode (``trainer.tasks.episode``): True on the environment's tokens
+    (observations, tool output) between the policy's turns. They carry log-prob 0 and the
+    version of the token before them, and are masked from the loss. Empty: every token is
+    the policy's."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
         if self.hybrid_tokens > n:
             raise ValueError(f"sample {self.sample_id!r}: {self.hybrid_tokens} hybrid tokens of {n}")
+        if self.observation and (len(self.observation) != n or self.observation[0]):
+            raise ValueError(f"sample {self.sample_id!r}: {len(self.observation)} observation flags for {n} tokens "
+                             f"(the first token is the policy's)")
         if len(self.logprobs) != n or len(self.versions) != n:
             raise ValueError(
                 f"sample {self.sample_id!r}: {n} tokens but {len(self.logprobs)} log-probs "
@@ -332,6 +340,10 @@ class RolloutGroup(Wire, tag="group"):
     sampling: Sampling | None = None
     """How it was sampled (None: not reported); the trainer refuses groups whose distribution
     it cannot reproduce (``inflight.rollout_queue.check_group``)."""
+    engine_ledger: dict[str, int] = {}
+    """The engine's rollout totals when it shipped this group: groups scored and failed, and
+    for a multi-turn task its episodes started, finished, failed, dropped and shipped
+    (``trainer.episode_rollout.EpisodeRollout.counts``). Empty: not reported."""
 
     def __post_init__(self) -> None:
         for s in self.samples:

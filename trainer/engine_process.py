@@ -78,6 +78,12 @@ def sampling_of(params) -> Sampling:
                     frequency_penalty=params.frequency_penalty)
 
 
+def _fields(params: Any) -> dict[str, Any]:
+    """The settings ``params`` (a ``SamplingParams``) was built with, to build a variant."""
+    names = ("n", "temperature", "max_tokens", "logprobs", "stop_token_ids", "output_kind")
+    return {name: getattr(params, name) for name in names}
+
+
 def _parent_gone(parent_pid: int | None) -> bool:
     return parent_pid is not None and os.getppid() != parent_pid
 
@@ -98,7 +104,9 @@ class RolloutLoop:
         from vllm.sampling_params import RequestOutputKind
 
         from engine_patches.client import coordinator_of
+        from trainer.episode_rollout import EpisodeRollout
         from trainer.tasks import build_task, model_stop_ids
+        from trainer.tasks.episode import is_episodic
 
         self.cfg, self.llm, self.group, self.parent_pid = cfg, llm, group, parent_pid
         self.lora_request = lora_request  # an adapter engine: every request names the policy adapter
@@ -114,7 +122,14 @@ class RolloutLoop:
                                      stop_token_ids=model_stop_ids(model_dir, self.tokenizer),
                                      output_kind=RequestOutputKind.FINAL_ONLY)
         self.queue = RolloutQueue(group.connect("rollout"), cfg.rollout.queue_capacity)
-        self.scorer = GroupScorer(cfg, model_dir, self.engine_id, sampling_of(self.params))
+        self.episodic = is_episodic(self.task)
+        if self.episodic:  # one request per turn of each episode (``trainer.episode_rollout``)
+            self.params = SamplingParams(**{**_fields(self.params), "n": 1})
+            self.scorer: GroupScorer = EpisodeRollout(cfg, model_dir, self.engine_id, sampling_of(self.params),
+                                                      self.tokenizer, self._add_turn, self._abort)
+        else:
+            self.scorer = GroupScorer(cfg, model_dir, self.engine_id, sampling_of(self.params))
+        self._turn_params: dict[int, Any] = {}
         self.prompts: dict[str, Any] = {}
         self.backlog: deque[RolloutGroup] = deque()
         self.counter = 0
@@ -135,7 +150,7 @@ class RolloutLoop:
     def _start_inflight(self) -> bool | None:
         # as many groups decoding as configured, and at most as many more waiting for their rewards
         cap = self.cfg.rollout.in_flight_groups
-        while len(self.prompts) < cap and len(self.scorer) < cap and self._room_to_start():
+        while self._decoding() < cap and len(self.scorer) < cap and self._room_to_start():
             self._add_group()
         if not self.prompts:  # the trainer is loss.max_lag behind: idle (an idle engine commits without steps)
             return None if self._held() else False
@@ -185,7 +200,7 @@ class RolloutLoop:
     def _step(self) -> bool:
         """One engine step; finished groups go to the backlog. False once the trainer asked to stop."""
         for out in self.llm_engine.step():
-            if out.finished:  # scored in the scorer's processes: collected by ``_loop``
+            if out.finished and out.request_id in self.prompts:  # scored in the scorer's processes
                 self.scorer.submit(out, self.prompts.pop(out.request_id))
         self.steps += 1
         if self.steps % 16 == 0 and self.stop_requested():
@@ -199,11 +214,33 @@ class RolloutLoop:
         prompt = self.task.sample(self.rng)
         rid = f"{self.engine_id}.{INCARNATION[:8]}.{self.counter}"  # unique across engine restarts
         self.counter += 1
-        self.prompts[rid] = prompt
         # token ids, not text: the chat template already holds the special tokens (the engine's own
         # tokenization would add a BOS in front of it), and evaluation encodes the same way
         ids = encode_prompt(self.tokenizer, prompt, self.cfg.task.chat)
+        if self.episodic:
+            self.scorer.start_group(rid, prompt, ids)  # type: ignore[attr-defined]  # its turns come back through _add_turn
+            return
+        self.prompts[rid] = prompt
         self.llm_engine.add_request(rid, {"prompt_token_ids": ids}, self.params, lora_request=self.lora_request)
+
+    def _add_turn(self, rid: str, prompt: Any, ids: list[int], max_tokens: int) -> None:
+        """One turn of an episode: a request of n = 1 that continues the episode's token ids."""
+        from vllm import SamplingParams
+
+        if max_tokens not in self._turn_params:
+            self._turn_params[max_tokens] = SamplingParams(**{**_fields(self.params), "max_tokens": max_tokens})
+        self.prompts[rid] = prompt
+        self.llm_engine.add_request(rid, {"prompt_token_ids": ids}, self._turn_params[max_tokens],
+                                    lora_request=self.lora_request)
+
+    def _abort(self, rids: list[str]) -> None:
+        self.llm_engine.abort_request(rids)
+        for rid in rids:
+            self.prompts.pop(rid, None)
+
+    def _decoding(self) -> int:
+        """Groups with a request on the engine."""
+        return self.scorer.decoding(self.prompts) if self.episodic else len(self.prompts)  # type: ignore[attr-defined]
 
     # -- the queue, across trainer restarts ---------------------------------------------------
     def _ship_backlog(self) -> bool:
@@ -237,7 +274,7 @@ class RolloutLoop:
     def _room_to_start(self) -> bool:
         try:  # groups ahead of a new one: queued, or decoding on each engine of the fleet (the
             # others' share estimated as this one's)
-            ahead = self.queue.depth() + (len(self.prompts) + len(self.scorer)) * self.cfg.engine.count
+            ahead = self.queue.depth() + (self._decoding() + len(self.scorer)) * self.cfg.engine.count
             trainer = self.queue.consumer_version()
         except (RuntimeError, TransportError):  # the trainer's store is gone: hold for the next trainer
             return False

@@ -73,7 +73,7 @@ def collate(groups: Sequence[RolloutGroup], pad_id: int, normalize_std: bool) ->
         input_ids[i, p_len - p: p_len] = torch.tensor(s.prompt_ids)
         input_ids[i, p_len: p_len + t] = torch.tensor(s.token_ids)
         attention[i, p_len - p: p_len + t] = 1
-        completion_mask[i, :t] = 1
+        completion_mask[i, :t] = 1 if not s.observation else 1.0 - torch.tensor(s.observation, dtype=torch.float32)
         behaviour[i, :t] = torch.tensor(s.logprobs)
         versions[i, :t] = torch.tensor(s.versions)
         versions[i, t:] = s.versions[-1]

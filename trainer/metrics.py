@@ -34,6 +34,32 @@ class MetricsLog:
         self.trackers.close()
 
 
+class RolloutLedger:
+    """The engines' rollout totals (``RolloutGroup.engine_ledger``, the latest of each engine,
+    summed) beside what the trainer trained on: ``rollout/`` metrics of every step."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, dict[str, int]] = {}
+        self.groups_trained = self.episodes_trained = 0
+
+    def update(self, groups: list) -> dict[str, Any]:
+        for g in groups:
+            if g.engine_ledger:
+                self.latest[g.engine_id] = dict(g.engine_ledger)
+            self.groups_trained += 1
+            if "episodes_started" in g.engine_ledger:
+                self.episodes_trained += len(g.samples)
+        totals: dict[str, int] = {}
+        for ledger in self.latest.values():
+            for k, v in ledger.items():
+                totals[k] = totals.get(k, 0) + v
+        out: dict[str, Any] = {f"rollout_{k}": v for k, v in sorted(totals.items())}
+        out["rollout_groups_trained"] = self.groups_trained
+        if "episodes_started" in totals:
+            out["rollout_episodes_trained"] = self.episodes_trained
+        return out
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 

@@ -98,7 +98,11 @@ class GroupScorer:
                 hybrid_tokens=sum(">" in s for s in t.labels),
                 finish_reason=t.finish_reason or "", prompt_text=prompt.display, completion_text=t.text, **routing))
         return RolloutGroup(group_id=out.request_id, samples=tuple(samples), engine_id=self.engine_id,
-                            sampling=self.sampling)
+                            sampling=self.sampling, engine_ledger=self.ledger())
+
+    def ledger(self) -> dict[str, int]:
+        """Groups scored and failed so far (``RolloutGroup.engine_ledger``)."""
+        return {"groups_scored": self.scored, "groups_failed": self.failed}
 
     def close(self) -> None:
         self.pool.close()

@@ -1,29 +1,25 @@
-"""Scoring off the engine's critical path: ``Task.score`` in worker processes.
-
-The engine process samples; a verifier that runs code or asks a judge takes 0.1-60 s, and
-scored inline it would stop every sequence on the engine meanwhile. ``ScoringPool`` takes
-each finished group's ``(prompts, completions)`` under a key and hands back, later, the
-group's rewards or an error naming what went wrong::
+"""Scoring off the engine's critical path: ``Task.score`` (and ``EpisodeTask.turn``) in
+worker processes. A verifier that runs code or asks a judge takes 0.1-60 s; inline, it
+would stop every sequence on the engine meanwhile::
 
     pool = ScoringPool(functools.partial(engine_task, cfg, model_dir), workers=2)
-    pool.submit(group_id, prompts, completions)     # never waits for scoring
+    pool.submit(group_id, prompts, completions)     # or submit_turn(key, episode); never waits
     for scored in pool.poll():                      # what finished since the last poll; never waits
-        scored.key, scored.rewards, scored.error    # rewards None <=> error set
+        scored.key, scored.rewards, scored.turn, scored.error
 
 Design. Each worker is a fresh interpreter in a process group of its own
-(``trainer.scoring_worker``). One thread in the engine process, the collector, does everything else: it sends a queued
-call to an idle worker, waits on the workers' pipes and pidfds (and a wake-up pipe that
-``submit`` writes to) for at most 50 ms at a time, reads results, and watches deadlines.
+(``trainer.scoring_worker``). One thread, the collector, does everything else: it sends a
+queued call to an idle worker, waits on the workers' pipes and pidfds (and a wake-up pipe
+that ``submit`` writes to) for at most 50 ms at a time, reads results, watches deadlines.
 A call that outlives ``timeout_s`` gets its worker's process group SIGKILLed (the
 verifier's own subprocesses with it) and a fresh worker in its place; a worker that dies
 fails its call with the exit code and is replaced. The worker catches whatever the task
-raises (``MemoryError`` under the cap included), runs a coroutine that ``score`` returns
-with ``asyncio.run``, and checks the rewards (``check_rewards``: one finite float per
-completion) before it answers, so a bad reward is an error naming its index, never a NaN
-in the loss. ``submit`` pickles the group (a snapshot: the caller may reuse its lists)
-and appends it to the queue; ``poll`` pops finished results off a deque; neither holds
-the lock for longer than a set or deque operation, and the collector never holds it
-while it starts, sends to or kills a worker.
+raises (``MemoryError`` under the cap included), runs a returned coroutine with
+``asyncio.run``, and checks the answer (``check_rewards``: one finite float per completion;
+``check_turn``) before it answers, so a bad reward is an error naming its index, never a
+NaN in the loss. ``submit`` pickles the call (a snapshot) and appends it to the queue;
+``poll`` pops results off a deque; neither holds the lock for longer than a set or deque
+operation, and the collector never holds it while it starts, sends to or kills a worker.
 
 Ordering invariants.
 
@@ -49,6 +45,7 @@ Ordering invariants.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import os
@@ -63,6 +60,7 @@ from typing import Any
 from trainer.scoring_worker import (JOIN_S, LIVE, WAKE_S, Scored, WorkerProcess, check_rewards, check_settings,
                                     describe_exit, engine_task, engine_task_factory, first_line)
 from trainer.tasks.base import Completion, Prompt, Task
+from trainer.tasks.episode import EpisodeView, Turn
 
 __all__ = ["ScoringPool", "Scored", "check_rewards", "engine_task", "engine_task_factory"]
 
@@ -112,6 +110,13 @@ class ScoringPool:
         """Queue one group for scoring under ``key`` (unique until ``poll`` returns it)."""
         if len(prompts) != len(completions):
             raise ValueError(f"key {key!r}: {len(prompts)} prompts for {len(completions)} completions")
+        self._submit(key, ("score", list(prompts), list(completions)))
+
+    def submit_turn(self, key: str, episode: EpisodeView) -> None:
+        """Queue one turn of an episode (``EpisodeTask.turn``): ``Scored.turn`` or ``error``."""
+        self._submit(key, ("turn", episode))
+
+    def _submit(self, key: str, call: tuple) -> None:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"ScoringPool.submit({key!r}) after close()")
@@ -120,9 +125,9 @@ class ScoringPool:
             self._outstanding.add(key)
             self.counts["submitted"] += 1
         try:  # a snapshot: the caller may reuse its lists
-            data = pickle.dumps((list(prompts), list(completions)), protocol=pickle.HIGHEST_PROTOCOL)
+            data = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
-            self._finish(key, None, f"key {key!r}: the group cannot be pickled for a scoring worker "
+            self._finish(key, None, f"key {key!r}: the call cannot be pickled for a scoring worker "
                                     f"({type(e).__name__}: {first_line(e)})")
             return
         with self._lock:
@@ -135,14 +140,11 @@ class ScoringPool:
 
     def poll(self) -> list[Scored]:
         """What finished since the last poll, in completion order; never waits."""
-        if not self._results:
-            return []
         out: list[Scored] = []
-        try:
-            while True:
-                out.append(self._results.popleft())
-        except IndexError:
-            pass
+        while self._results:  # the only consumer: the collector appends, never pops
+            out.append(self._results.popleft())
+        if not out:
+            return out
         with self._lock:
             self._outstanding.difference_update(s.key for s in out)
         return out
@@ -357,10 +359,11 @@ class ScoringPool:
         return WorkerProcess.start(slot, self._boot)
 
     # -- shared by the collector and close ---------------------------------------------------
-    def _finish(self, key: str, rewards: list[float] | None, error: str) -> None:
+    def _finish(self, key: str, result: list[float] | Turn | None, error: str) -> None:
         with self._lock:  # never called holding it
-            self.counts["scored" if rewards is not None else "failed"] += 1
-        self._results.append(Scored(key, rewards, error))
+            self.counts["scored" if result is not None else "failed"] += 1
+        turn = result if isinstance(result, Turn) else None
+        self._results.append(Scored(key, None if turn is not None else result, error, turn))
 
     def _fail_all(self, reason: str) -> None:
         """Every call queued or running becomes an error result (invariant 3)."""
@@ -392,8 +395,6 @@ class ScoringPool:
             pass
 
     def _drain_wake(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):
             while os.read(self._wake_r, 4096):
                 pass
-        except BlockingIOError:
-            pass

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 from trainer.tasks.base import Task
+from trainer.tasks.episode import Turn, check_turn
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
@@ -48,15 +49,18 @@ JOIN_S = 2.0
 
 
 class Scored(msgspec.Struct, frozen=True):
-    """One submission's outcome: ``rewards`` (one per completion, finite) or ``error``."""
+    """One submission's outcome: ``rewards`` (one per completion, finite), or for a turn
+    (``ScoringPool.submit_turn``) the environment's ``turn``; else ``error``."""
 
     key: str
     rewards: list[float] | None
     error: str = ""
+    turn: Any = None
+    """A ``trainer.tasks.episode.Turn``."""
 
     @property
     def ok(self) -> bool:
-        return self.rewards is not None
+        return self.rewards is not None or self.turn is not None
 
 
 # -- checks shared by both sides ---------------------------------------------------------------
@@ -126,7 +130,7 @@ _worker_main(conn, boot)
 
 def _worker_main(conn: Connection, boot: bytes) -> None:
     """A scoring worker: the memory cap, the task built once; then it answers
-    ``(key, pickled (prompts, completions))`` calls until None or the pipe closes."""
+    ``(key, pickled call)`` calls (``_score``) until None or the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's: it closes the pool
     memory_mb, parent_pid, factory = pickle.loads(boot)
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="scoring-parent-watch", daemon=True).start()
@@ -151,8 +155,8 @@ def _worker_main(conn: Connection, boot: bytes) -> None:
         if message is None:
             return
         key, data = message
-        rewards, error = _score(task, build_error, key, data, memory_mb)
-        conn.send(("result", key, rewards, error))
+        result, error = _score(task, build_error, key, data, memory_mb)
+        conn.send(("result", key, result, error))
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -181,28 +185,31 @@ async def _awaited(awaitable: Any) -> Any:
 
 
 def _score(task: Task | None, build_error: str, key: str, data: bytes,
-           memory_mb: int | None) -> tuple[list[float] | None, str]:
-    """One call; every failure an error string that names the key."""
+           memory_mb: int | None) -> tuple[list[float] | Turn | None, str]:
+    """One call, ``("score", prompts, completions)`` or ``("turn", episode)``; every failure an
+    error string that names the key."""
     if task is None:
         return None, f"key {key!r}: {build_error}"
-    name = type(task).__name__
     try:
-        prompts, completions = pickle.loads(data)
+        kind, *args = pickle.loads(data)
     except Exception as e:
-        return None, f"key {key!r}: the worker could not unpickle the group ({type(e).__name__}: {first_line(e)})"
+        return None, f"key {key!r}: the worker could not unpickle the call ({type(e).__name__}: {first_line(e)})"
+    method = f"{type(task).__name__}.{kind}"
     try:
-        out = task.score(prompts, completions)
+        if kind == "turn" and not callable(getattr(task, "turn", None)):
+            raise TypeError(f"{type(task).__name__} has no turn(): it is not an EpisodeTask")
+        out = task.turn(*args) if kind == "turn" else task.score(*args)  # type: ignore[attr-defined]
         if inspect.isawaitable(out):
             out = asyncio.run(_awaited(out))
     except MemoryError:
         cap = "no memory_mb cap" if memory_mb is None else f"the worker's cap of memory_mb={memory_mb} MiB"
-        return None, f"key {key!r}: {name}.score ran out of memory (MemoryError) under {cap}"
+        return None, f"key {key!r}: {method} ran out of memory (MemoryError) under {cap}"
     except (Exception, asyncio.CancelledError) as e:
-        return None, f"key {key!r}: {name}.score raised {type(e).__name__}: {first_line(e)}"
+        return None, f"key {key!r}: {method} raised {type(e).__name__}: {first_line(e)}"
     try:
-        return check_rewards(out, len(completions)), ""
+        return (check_turn(out, last=args[0].last) if kind == "turn" else check_rewards(out, len(args[1]))), ""
     except ValueError as e:
-        return None, f"key {key!r}: {name}.score returned {e}"
+        return None, f"key {key!r}: {method} returned {e}"
 
 
 # -- the engine's side -------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from trainer.config import TrainConfig, group_config, push_config
 from trainer.config_files import add_config_arguments, config_to_dict, load_config
 from trainer.console import BarText, quiet_libraries
 from trainer.fleet import Fleet, place, visible_gpus
-from trainer.metrics import MetricsLog, plot_run, summarize
+from trainer.metrics import MetricsLog, RolloutLedger, plot_run, summarize
 from trainer.trackers import check_trackers, open_trackers
 from trainer.models import resolve_model
 from trainer.policy import Policy, StepResult
@@ -78,6 +78,7 @@ def train(cfg: TrainConfig) -> dict:
     # -- 4. the loop: batch, loss, step, push, metrics, checkpoint -----------------------------------
     start = resumed.step if resumed else 0
     bar_text = BarText(cfg.rollout.group_size)  # reward, lag, stall, samples/s after the step counts
+    ledger = RolloutLedger()  # the engines' groups scored and failed, episodes started .. trained
     try:
         for step in (bar := tqdm(range(start, cfg.run.steps), desc="train", initial=start, total=cfg.run.steps,
                                  dynamic_ncols=True)):
@@ -88,7 +89,8 @@ def train(cfg: TrainConfig) -> dict:
             version += 1
             score = (lambda: evaluator(policy.unwrapped)) if evaluator is not None and evaluator.due(step + 1) else dict
             version, evaluation = sync.push(version, last=step + 1 == cfg.run.steps, score=score)
-            metrics.write(row := {**_row(step, version, result, groups, t0, t_wait, sync, buffer, queue, fleet), **evaluation})
+            metrics.write(row := {**_row(step, version, result, groups, t0, t_wait, sync, buffer, queue, fleet),
+                                  **ledger.update(groups), **evaluation})
             bar.set_postfix_str(bar_text(row), refresh=False)
             if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
                 policy.save(ckpt_dir, step + 1, version, buffer)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from inflight.settings import check_choices
 from trainer.tasks.base import ChatMode
@@ -82,6 +83,31 @@ class ScoringConfig:
             raise ValueError(f"task.scoring.max_failed_in_a_row={self.max_failed_in_a_row} must be >= 1")
 
 
+@dataclass(frozen=True, kw_only=True)
+class EpisodeConfig:
+    """Multi-turn tasks (``trainer.tasks.episode.EpisodeTask``): how episodes run and fail."""
+
+    max_turns: int = 4
+    """The policy's turns per episode at most; the environment ends the episode on the last."""
+    max_tokens: int = 1024
+    """An episode's tokens after its prompt (the policy's and the environment's) at most; an
+    episode that would grow past it takes its last turn early."""
+    on_failure: Literal["drop_group", "reward"] = "drop_group"
+    """What a failed episode (its environment raised, hung, or answered garbage) costs its
+    group. drop_group: the group is dropped (counted). reward: the episode keeps its tokens
+    and gets ``failure_reward``, and the group trains."""
+    failure_reward: float = 0.0
+    """on_failure = "reward": the failed episode's reward."""
+    def __post_init__(self) -> None:
+        check_choices(self, "task.episode")
+        if self.max_turns < 1:
+            raise ValueError(f"task.episode.max_turns={self.max_turns} must be >= 1")
+        if self.max_tokens < 1:
+            raise ValueError(f"task.episode.max_tokens={self.max_tokens} must be >= 1")
+        if not math.isfinite(self.failure_reward):
+            raise ValueError(f"task.episode.failure_reward={self.failure_reward} must be a finite number")
+
+
 _BUILTIN_TASKS = ("repeat_digit", "arithmetic", "jsonl")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
@@ -107,7 +133,9 @@ class TaskConfig:
     options: dict[str, Any] = field(default_factory=dict)
     """A ``module:factory`` task only: keyword arguments of the factory."""
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
-    """Where and how long rewards are computed."""
+    """Where and how long rewards (and an episode's environment turns) are computed."""
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    """Multi-turn tasks only: turns, token budget, failures and restarts."""
 
     def __post_init__(self) -> None:
         check_choices(self, "task")

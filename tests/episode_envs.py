@@ -1,0 +1,49 @@
+"""Environments of the multi-turn tests (``task.name = "tests.episode_envs:make"``): importable
+by the scoring processes, which build the task from the engine's ``sys.path``."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from trainer.tasks.base import Prompt
+from trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
+
+WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "it")
+
+
+class Echo(EpisodeTask):
+    """``turns`` turns: each reply is answered ``obs <i>`` (as a tool); the last earns the
+    number of characters the policy wrote. A prompt's ``meta["fault"]`` makes every turn of
+    its episodes raise, hang, answer garbage or run out of memory."""
+
+    def __init__(self, turns: int, prompt_chars: int) -> None:
+        self.turns, self.prompt_chars = turns, prompt_chars
+
+    def sample(self, rng: random.Random) -> Prompt:
+        text = ""
+        while len(text) < self.prompt_chars:
+            text += rng.choice(WORDS) + " "
+        return Prompt(text[: self.prompt_chars])
+
+    def turn(self, episode: EpisodeView) -> Turn:
+        fault = episode.prompt.meta.get("fault", "")
+        if fault == "raise":
+            raise RuntimeError("the tool crashed")
+        if fault == "hang":
+            time.sleep(3600)
+        if fault == "garbage":
+            return {"observation": 42}  # type: ignore[return-value]
+        if fault == "memory":
+            return Turn(observation=str(len(bytearray(64 << 30))))
+        if episode.last or len(episode.replies) >= self.turns:
+            return Turn(done=True, reward=float(sum(len(r) for r in episode.replies)))
+        return Turn(observation=f" obs {len(episode.replies)} ", state={"turn": len(episode.replies)})
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        rng = random.Random(7)
+        return [self.sample(rng) for _ in range(n)]
+
+
+def make(tokenizer, turns: int = 3, prompt_chars: int = 300) -> Echo:  # noqa: ANN001
+    return Echo(turns, prompt_chars)

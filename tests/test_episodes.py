@@ -1,0 +1,289 @@
+"""Multi-turn episodes (``trainer.tasks.episode``, ``trainer.episode_rollout``).
+
+- Observation tokens render as the chat template continues the conversation, and receive
+  no gradient: the loss, its entropy term and every correction see the policy's tokens only.
+- On a real vLLM CPU engine (in-process EngineCore, tiny Llama fp32, prefix caching on),
+  episodes of 3 turns run while two commits land in the middle of them: each turn is a
+  request continuing the episode's token ids, the environment answers in the scoring
+  processes, and a transformers replay of every policy turn from its tags alone matches the
+  behaviour log-probs within 1e-4 (fp32); one episode spans both commits.
+- An environment that raises, hangs past its timeout, answers garbage or runs out of its
+  memory cap fails its episode with an error naming the task and the cause; the group is
+  dropped (or, with ``on_failure = "reward"``, trains with ``failure_reward``); the other
+  groups finish, and the episode ledger balances.
+Commits are driven by engine steps and events, never by wall-clock time.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine_patches.client import coordinator_of, start_inflight
+from engine_patches.config import InflightConfig, engine_kwargs
+from inflight.protocol import RolloutGroup, RolloutSample, Sampling
+from inflight.transport.group import GroupConfig
+from inflight.transport.pusher import PushConfig, WeightPusher
+from tests.engine_harness import Reference, perturbed, replay, stop_engine
+from trainer.config import LossConfig
+from trainer.config_files import config_from_dict
+from trainer.tasks.base import Prompt
+from trainer.tasks.episode import ObservationRenderer, Turn
+
+EXACT = 1e-4
+WAIT_S = 300.0  # the longest an event may take on a loaded 2-core machine
+
+
+def _wait(done, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not done():
+        assert time.monotonic() < deadline, f"waited {WAIT_S:.0f} s for {what}"
+        time.sleep(0.002)
+
+
+# -- no engine -----------------------------------------------------------------------------------
+def test_an_observation_continues_the_chat_template_exactly() -> None:
+    from transformers import AutoTokenizer
+
+    from trainer.models import resolve_model
+    from trainer.tasks.base import encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model("smollm2")))
+    r = ObservationRenderer(tok, "auto")
+    prompt = encode_prompt(tok, Prompt("What is 6 * 7?"), "auto")
+    reply = tok("calc: 6 * 7<|im_end|>", add_special_tokens=False).input_ids
+    assert reply[-1] == tok.convert_tokens_to_ids("<|im_end|>")
+    ids = r.ids(Turn(observation="42", role="tool"), reply, "stop")
+    assert tok.decode(ids) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    conversation = [{"role": "user", "content": "What is 6 * 7?"}, {"role": "assistant", "content": "calc: 6 * 7"},
+                    {"role": "tool", "content": "42"}]
+    want = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(prompt + reply + ids) == want
+    # a reply cut at the token budget never sampled its end of turn: the observation closes it
+    cut = r.ids(Turn(observation="higher", role="user"), reply[:-1], "length")
+    assert tok.decode(cut) == "<|im_end|>\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match="needs a finite reward"):
+        Turn(done=True, reward=float("nan"))
+    with pytest.raises(ValueError, match="role"):
+        Turn(observation="x", role="system")
+
+
+def test_observation_tokens_receive_no_gradient(tiny_llama) -> None:
+    """The loss (with its entropy term) differentiated by each token's log-prob and entropy:
+    exactly zero on every observation token, nonzero on every policy token."""
+    from trainer.loss import collate, compute_loss, policy_logprobs
+
+    ref = Reference(tiny_llama, "float32")
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i, (reward, obs) in enumerate([(1.0, [0, 0, 0, 1, 1, 0, 0]), (0.0, [0, 1, 1, 1, 0, 0, 0, 0, 0])]):
+        tokens = torch.randint(3, 250, (len(obs),), generator=g).tolist()
+        samples.append(RolloutSample(sample_id=f"g-{i}", group_id="g", prompt_ids=[5, 6, 7, 8][: 3 + i],
+                                     token_ids=tokens, logprobs=[-0.5 if not o else 0.0 for o in obs],
+                                     versions=[0] * len(obs), reward=reward, observation=[bool(o) for o in obs]))
+    batch = collate([RolloutGroup(group_id="g", samples=tuple(samples))], pad_id=0, normalize_std=False)
+    logp, entropy = policy_logprobs(ref.model, batch, temperature=1.0, impl="torch")
+    logp.retain_grad()
+    entropy.retain_grad()
+    loss, metrics = compute_loss(logp, entropy, batch, version=0, cfg=LossConfig(entropy_coef=0.01), impl="torch")
+    loss.backward()
+    for i, s in enumerate(samples):
+        obs = torch.tensor(s.observation + [False] * (logp.shape[1] - len(s.observation)))
+        policy = torch.zeros_like(obs)
+        policy[: len(s.observation)] = ~obs[: len(s.observation)]
+        assert torch.all(logp.grad[i][obs] == 0) and torch.all(entropy.grad[i][obs] == 0), i
+        assert torch.all(logp.grad[i][policy] != 0) and torch.all(entropy.grad[i][policy] != 0), i
+    assert metrics["tokens_in_loss"] == sum(not o for s in samples for o in s.observation)
+
+
+# -- a real engine ---------------------------------------------------------------------------------
+class Driver:
+    """An engine of this process stepped from the test thread, episodes driven by an ``EpisodeRollout``."""
+
+    def __init__(self, engine: dict, **task: Any) -> None:
+        from trainer.episode_rollout import EpisodeRollout
+
+        self.llm, self.model_dir = engine["llm"], engine["model_dir"]
+        cfg = config_from_dict({
+            "task": {"name": "tests.episode_envs:make", "completion_tokens": 6, "options": {"turns": 3},
+                     **task},
+            "rollout": {"group_size": 2}, "engine": {"max_model_len": 1024}})
+        self.cfg = cfg
+        self.requests: dict[str, Any] = {}
+        self.texts: dict[str, str] = {}  # each turn's reply, as the environment read it
+        self.steps = 0
+        self.groups: list[RolloutGroup] = []
+        self.rollout = EpisodeRollout(cfg, str(self.model_dir), "e0", Sampling(), self.llm.get_tokenizer(),
+                                      self._add, self._abort)
+        self.rollout.wait_ready()
+
+    def _add(self, rid: str, prompt: Any, ids: list[int], max_tokens: int) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+        self.requests[rid] = prompt
+        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+
+    def _abort(self, rids: list[str]) -> None:
+        self.llm.llm_engine.abort_request(rids)
+        for rid in rids:
+            self.requests.pop(rid, None)
+
+    def start(self, gid: str, prompt: Prompt) -> None:
+        from trainer.tasks.base import encode_prompt
+
+        self.rollout.start_group(gid, prompt, encode_prompt(self.llm.get_tokenizer(), prompt, "auto"))
+
+    def run(self, on_step=lambda: None) -> None:
+        """Until every group started has finished or failed; ``on_step`` after each engine step."""
+        deadline = time.monotonic() + WAIT_S
+        while self.rollout.groups:
+            assert time.monotonic() < deadline, "the episodes did not end"
+            self.groups += self.rollout.collect()
+            if not self.llm.llm_engine.has_unfinished_requests():
+                time.sleep(0.005)  # every live episode waits on its environment
+                continue
+            for out in self.llm.llm_engine.step():
+                if out.finished and out.request_id in self.requests:
+                    self.texts[out.request_id] = out.outputs[0].text
+                    self.rollout.submit(out, self.requests.pop(out.request_id))
+            self.steps += 1
+            on_step()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama, hold_port):
+    from vllm import LLM
+
+    llm = LLM(str(tiny_llama), enforce_eager=True, dtype="float32", seed=0, max_model_len=1024, **engine_kwargs())
+    group = GroupConfig(port=hold_port(), world_size=2, timeout_s=120)
+    start_inflight(llm, InflightConfig(group=group))
+    pusher = WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25))
+    yield {"llm": llm, "model_dir": tiny_llama, "pusher": pusher,
+           "versions": {0: load_file(str(Path(tiny_llama) / "model.safetensors"))}}
+    pusher.close()
+    stop_engine(llm)
+    del llm
+    gc.collect()
+
+
+def _push_until_pending(engine: dict, version: int) -> threading.Thread:
+    """Push ``version`` from a trainer thread; return once its commit waits for the next step."""
+    engine["versions"][version] = perturbed(engine["versions"][0], seed=500 + version)
+    errors: list[BaseException] = []
+
+    def push() -> None:
+        try:
+            engine["pusher"].push(version, engine["versions"][version])
+        except BaseException as e:  # noqa: BLE001  re-raised by the test
+            errors.append(e)
+    thread = threading.Thread(target=push, daemon=True)
+    thread.start()
+    _wait(lambda: coordinator_of(engine["llm"]).commit_pending() or errors, f"v{version} to be pending")
+    assert not errors, errors
+    return thread
+
+
+def _turns(s: RolloutSample) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of policy tokens."""
+    runs, start = [], None
+    for i, obs in enumerate(s.observation + [True]):
+        if not obs and start is None:
+            start = i
+        elif obs and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def test_episodes_span_commits_and_replay_from_their_tags(engine) -> None:
+    d = Driver(engine)
+    pushes: list[threading.Thread] = []
+
+    def on_step() -> None:  # v1 in the episodes' first turn; v2 once a third turn is decoding
+        third = any(rid.endswith(".2") for rid in d.requests)
+        if (d.steps == 3 and not pushes) or (third and len(pushes) == 1):
+            pushes.append(_push_until_pending(engine, len(pushes) + 1))
+    try:
+        rng = __import__("random").Random(1)
+        for gid in ("a", "b"):
+            d.start(gid, Prompt(_text(rng)))
+        d.run(on_step)
+    finally:
+        d.rollout.close()
+    for t in pushes:
+        t.join()
+    assert len(pushes) == 2 and sorted(g.group_id for g in d.groups) == ["a", "b"]
+    ref = Reference(engine["model_dir"], "float32")
+    weights = lambda label: engine["versions"][int(label)]  # noqa: E731
+    spans = []
+    tok = engine["llm"].get_tokenizer()
+    for s in (s for g in d.groups for s in g.samples):
+        runs = _turns(s)
+        assert len(runs) == 3 and all(b - a == 6 for a, b in runs), runs
+        for j, ((_, b), (a, _)) in enumerate(zip(runs, runs[1:])):  # the environment's answers, as rendered
+            assert tok.decode(s.token_ids[b:a]) == f" obs {j + 1} " and s.logprobs[b:a] == [0.0] * (a - b)
+        # the environment read each reply as the engine decoded it (its reward: their length)
+        gid, k = s.sample_id.rsplit("-", 1)
+        assert s.reward == float(sum(len(d.texts[f"{gid}.{k}.{t}"]) for t in range(3)))
+        for a, b in runs:
+            context, labels = s.prompt_ids + s.token_ids[:a], [str(v) for v in s.versions[a:b]]
+            want = replay(ref, weights, context, s.token_ids[a:b], labels, labels[0])
+            err = float((torch.tensor(s.logprobs[a:b], dtype=torch.float64) - want).abs().max())
+            assert err < EXACT, (s.sample_id, a, b, labels, err)
+            if labels != ["0"] * len(labels):  # the tags matter: the first weights do not reproduce it
+                stale = replay(ref, weights, context, s.token_ids[a:b], ["0"] * len(labels), "0")
+                assert float((torch.tensor(s.logprobs[a:b], dtype=torch.float64) - stale).abs().max()) > 10 * EXACT
+        spans.append(len({v for v, o in zip(s.versions, s.observation) if not o}))
+    assert max(spans) == 3, spans  # an episode sampled by v0, v1 and v2: it spans both commits
+    c = d.rollout.counts
+    assert c == {"started": 4, "finished": 4, "failed": 0, "dropped": 0, "shipped": 4, "groups_failed": 0}, c
+
+
+def _text(rng) -> str:
+    from tests.episode_envs import WORDS
+
+    text = ""
+    while len(text) < 300:
+        text += rng.choice(WORDS) + " "
+    return text[:300]
+
+
+def test_a_faulty_environment_fails_its_episode_and_the_ledger_balances(engine, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="inflight.rollout")
+    d = Driver(engine, scoring={"workers": 2, "timeout_s": 3.0, "memory_mb": 3072})
+    rng = __import__("random").Random(2)
+    try:
+        for fault in ("raise", "hang", "garbage", "memory", ""):
+            d.start(f"f-{fault or 'none'}", Prompt(_text(rng), meta={"fault": fault}))
+        d.run()
+    finally:
+        d.rollout.close()
+    assert [g.group_id for g in d.groups] == ["f-none"]
+    c = d.rollout.counts
+    assert c["groups_failed"] == 4 and c["shipped"] == 2 and c["finished"] == 2, c
+    assert c["started"] == 10 == c["finished"] + c["failed"] + c["dropped"], c
+    log = caplog.text
+    for error in ("Echo.turn raised RuntimeError: the tool crashed", "timeout_s=3", "not a Turn",
+                  "Echo.turn ran out of memory (MemoryError) under the worker's cap of memory_mb=3072 MiB"):
+        assert "task tests.episode_envs:make failed to score group f-" in log and error in log, error
+    # with on_failure = "reward", a failed episode trains with failure_reward
+    d = Driver(engine, episode={"on_failure": "reward", "failure_reward": -1.0}, scoring={"timeout_s": 30.0})
+    try:
+        d.start("r-raise", Prompt(_text(rng), meta={"fault": "raise"}))
+        d.run()
+    finally:
+        d.rollout.close()
+    (g,) = d.groups
+    assert [s.reward for s in g.samples] == [-1.0, -1.0] and d.rollout.counts["failed"] == 2
+    assert g.engine_ledger["episodes_shipped"] == 2 and g.engine_ledger["groups_failed"] == 0

@@ -1,0 +1,217 @@
+"""Episodes: multi-turn tasks where an environment answers each of the policy's turns.
+
+An ``EpisodeTask`` opens an episode with a ``Prompt`` (``sample``, as any task) and then
+answers every turn of the policy with a ``Turn``: an observation (a tool's output, a game's
+feedback) that the policy reads before its next turn, or the end of the episode with its
+reward. ``turn`` may be a coroutine. It runs in the engine's scoring processes
+(``trainer.scoring``), each call under ``task.scoring``'s timeout and memory cap, so an
+episode waiting on a tool never holds up decoding nor another episode.
+
+An episode is one token sequence (``Transcript``)::
+
+    prompt_ids | reply 1 (policy) | observation 1 (env) | reply 2 (policy) | ... | reply k
+                 tagged, log-probs   masked from the loss
+
+Each turn of the policy is a request that continues the episode's token ids, so with prefix
+caching the history is not prefilled again. Observation tokens are rendered by the model's
+chat template (``ObservationRenderer``: the end of the policy's turn, the new message, the
+assistant's generation prompt), carry no log-prob, the version of the token before them,
+and ``observation = True``: the loss never sees them (``trainer.loss.collate``).
+
+Environments are functional: everything a turn needs is in the ``EpisodeView`` (the
+opening prompt, every reply and observation so far, and ``state``, which a ``Turn`` may
+replace). So any scoring process can answer any turn, and an episode survives the
+replacement of a worker that hung.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.tasks.base import ChatMode, Completion, Prompt, Task, uses_chat
+
+ROLES = ("user", "tool")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """The environment's answer to one turn of the policy."""
+
+    observation: str = ""
+    """What the policy reads before its next turn (ignored when ``done``)."""
+    role: str = "tool"
+    """The observation's chat role: ``tool`` (a tool's output) or ``user`` (feedback)."""
+    done: bool = False
+    """The episode ends here, with ``reward``."""
+    reward: float | None = None
+    """The episode's reward: a finite number when ``done``, None before."""
+    state: Mapping[str, Any] | None = None
+    """Replaces the episode's state for the next turn (None: keep it). Must pickle."""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"Turn.role={self.role!r} must be one of {list(ROLES)}")
+        if self.done:
+            if self.reward is None or isinstance(self.reward, bool) or not math.isfinite(float(self.reward)):
+                raise ValueError(f"Turn(done=True) needs a finite reward, not {self.reward!r}")
+        elif self.reward is not None:
+            raise ValueError(f"Turn.reward={self.reward!r} before the episode is done: give it with done=True")
+
+
+@dataclass(frozen=True)
+class EpisodeView:
+    """An episode as its environment sees it when the policy ends a turn."""
+
+    prompt: Prompt
+    replies: tuple[str, ...]
+    """The policy's turns so far, decoded; the last is the one to answer."""
+    observations: tuple[str, ...]
+    """What the environment answered to each earlier reply (one fewer than ``replies``)."""
+    state: Mapping[str, Any] = field(default_factory=dict)
+    finish_reason: str = ""
+    """The last reply's: ``stop`` (the model ended its turn) or ``length`` (cut at ``task.completion_tokens``)."""
+    last: bool = False
+    """The episode may take no more turns (``task.episode.max_turns``): answer with ``done``."""
+
+    @property
+    def reply(self) -> str:
+        return self.replies[-1]
+
+
+class EpisodeTask(Task):
+    """Subclass this for a multi-turn task: ``sample`` opens an episode, ``turn`` answers it."""
+
+    @abstractmethod
+    def turn(self, episode: EpisodeView) -> Turn | Awaitable[Turn]:
+        """The environment's answer to ``episode.reply``; ``done`` (with the reward) when
+        ``episode.last``. Runs in a scoring process: raise, hang or run out of memory and the
+        episode fails, never the engine."""
+
+    def score(self, prompts: Sequence[Prompt], completions: Sequence[Completion]) -> list[float]:
+        """Single-turn scoring has no meaning for an episode: its reward comes from ``turn``."""
+        raise TypeError(f"{type(self).__name__} is an EpisodeTask: its rewards come from turn(), not score()")
+
+
+def is_episodic(task: Any) -> bool:
+    return isinstance(task, EpisodeTask)
+
+
+def check_turn(out: Any, *, last: bool) -> Turn:
+    """``out`` as a ``Turn``; ValueError naming what is wrong otherwise (a turn that must end
+    and does not is wrong)."""
+    if not isinstance(out, Turn):
+        text = repr(out)
+        raise ValueError(f"{text[:60]} ({type(out).__name__}), not a Turn")
+    if last and not out.done:
+        raise ValueError("no Turn(done=True, reward=...) on the episode's last turn (task.episode.max_turns)")
+    return out
+
+
+class ObservationRenderer:
+    """Token ids of an observation as the model reads it after a reply.
+
+    With a chat template: what closes the policy's turn (the template's text after an
+    assistant message, less the stop token the policy already sampled), then the message
+    rendered by the template, then the assistant's generation prompt. Without one (or
+    ``task.chat = "off"``): the observation's text as is."""
+
+    _MARK = "\x00reply\x00"
+
+    def __init__(self, tokenizer: Any, chat: ChatMode) -> None:
+        self.tokenizer, self.chat = tokenizer, uses_chat(tokenizer, chat)
+        if self.chat:
+            head = [{"role": "user", "content": "q"}, {"role": "assistant", "content": self._MARK}]
+            closed = self._render(head, generation=False)
+            self.closing = closed.split(self._MARK, 1)[1]  # "<|im_end|>\n"
+            self._head = closed
+
+    def _render(self, messages: list[dict], generation: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+
+    def message_text(self, role: str, content: str) -> str:
+        """The template's text for one message followed by the generation prompt."""
+        head = [{"role": "user", "content": "q"}, {"role": "assistant", "content": self._MARK}]
+        full = self._render(head + [{"role": role, "content": content}], generation=True)
+        if not full.startswith(self._head):
+            raise ValueError("the chat template renders earlier messages differently once another follows; "
+                             "set task.chat = 'off' and render observations yourself")
+        return full[len(self._head):]
+
+    def ids(self, turn: Turn, reply_ids: Sequence[int], finish_reason: str) -> list[int]:
+        """The observation's token ids, to follow ``reply_ids`` (which ended with ``finish_reason``)."""
+        if not self.chat:
+            return list(self.tokenizer(turn.observation, add_special_tokens=False).input_ids)
+        closing = self.closing
+        if finish_reason == "stop" and reply_ids:
+            stop_text = self.tokenizer.decode([reply_ids[-1]])
+            if closing.startswith(stop_text):
+                closing = closing[len(stop_text):]
+        text = closing + self.message_text(turn.role, turn.observation)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+@dataclass
+class Transcript:
+    """One episode's tokens, in order, as it is sampled: what the sample will carry."""
+
+    prompt: Prompt
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    observation: list[bool] = field(default_factory=list)
+    replies: list[str] = field(default_factory=list)
+    observations: list[str] = field(default_factory=list)
+    state: Mapping[str, Any] = field(default_factory=dict)
+    finish_reason: str = ""
+    hybrid_tokens: int = 0
+    reward: float | None = None
+
+    @property
+    def turns(self) -> int:
+        return len(self.replies)
+
+    def context_ids(self) -> list[int]:
+        """The next turn's prompt: the opening prompt and everything since."""
+        return self.prompt_ids + self.token_ids
+
+    def add_reply(self, text: str, token_ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
+                  finish_reason: str, hybrid_tokens: int = 0) -> None:
+        self.replies.append(text)
+        self.token_ids += token_ids
+        self.logprobs += logprobs
+        self.versions += versions
+        self.observation += [False] * len(token_ids)
+        self.finish_reason = finish_reason
+        self.hybrid_tokens += hybrid_tokens
+
+    def view(self, *, last: bool) -> EpisodeView:
+        return EpisodeView(prompt=self.prompt, replies=tuple(self.replies), observations=tuple(self.observations),
+                           state=dict(self.state), finish_reason=self.finish_reason, last=last)
+
+    def add_observation(self, turn: Turn, ids: Sequence[int]) -> None:
+        """The environment's tokens: no log-prob, the version of the token before them, masked."""
+        version = self.versions[-1] if self.versions else 0
+        self.observations.append(turn.observation)
+        self.token_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [version] * len(ids)
+        self.observation += [True] * len(ids)
+        if turn.state is not None:
+            self.state = dict(turn.state)
+
+    def end(self, turn: Turn) -> None:
+        self.reward = float(turn.reward)  # type: ignore[arg-type]  # checked by Turn
+
+    def text(self) -> str:
+        """The episode after its prompt, for logs: replies and observations interleaved."""
+        parts = []
+        for i, reply in enumerate(self.replies):
+            parts.append(reply)
+            if i < len(self.observations):
+                parts.append(f"[{self.observations[i]}]")
+        return " ".join(parts)
