@@ -149,3 +149,28 @@ def test_a_verifier_that_raises_returns_nan_or_hangs_fails_its_group_and_the_run
     for error in ("Faulty.score raised ValueError: the verifier's sandbox refused this program", "reward [0] is nan",
                   "timeout_s=5"):
         assert "task faulty_task_39:make failed to score group" in log and error in log, error
+
+
+def test_a_multi_turn_task_trains_on_whole_episodes(tmp_path) -> None:
+    """``tests.episode_envs:make`` (3 turns, a tool's answer between them) through the training
+    loop: every sample is an episode whose environment tokens are masked from the loss, the
+    engine's episode ledger reaches the metrics and balances with what was trained on, and
+    greedy evaluation plays whole episodes."""
+    cfg = config_from_dict({**SMALL, "run": {**SMALL["run"], "steps": 3, "out_dir": str(tmp_path / "run")},
+                            "task": {"name": "tests.episode_envs:make", "completion_tokens": 6,
+                                     "options": {"turns": 3, "prompt_chars": 40}},
+                            "eval": {"every": 3, "prompts": 4}})
+    train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    last = steps[-1]
+    assert last["rollout_groups_trained"] == 3 * SMALL["rollout"]["groups_per_step"]
+    assert last["rollout_episodes_trained"] == last["rollout_groups_trained"] * SMALL["rollout"]["group_size"]
+    assert last["rollout_episodes_trained"] <= last["rollout_episodes_shipped"] <= last["rollout_episodes_finished"]
+    assert last["rollout_episodes_failed"] == last["rollout_episodes_dropped"] == last["rollout_groups_failed"] == 0
+    # 3 turns of 6 tokens each, and the environment's 7 (" obs 1 ", " obs 2 ") between them: 18 of 32 in the loss
+    assert all(r["tokens_in_loss"] <= 18 * 8 for r in steps)
+    evals = [r for r in rows if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 3] and all(r["eval_prompts"] == 4 for r in evals)
+    assert all(e["completion"].count("[ obs ") == 2 for e in evals[-1]["eval_examples"]), evals[-1]["eval_examples"]
