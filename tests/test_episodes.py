@@ -108,7 +108,7 @@ def test_observation_tokens_receive_no_gradient(tiny_llama) -> None:
 class Driver:
     """An engine of this process stepped from the test thread, episodes driven by an ``EpisodeRollout``."""
 
-    def __init__(self, engine: dict, **task: Any) -> None:
+    def __init__(self, engine: dict, journal: Path | None = None, **task: Any) -> None:
         from trainer.episode_rollout import EpisodeRollout
 
         self.llm, self.model_dir = engine["llm"], engine["model_dir"]
@@ -122,7 +122,7 @@ class Driver:
         self.steps = 0
         self.groups: list[RolloutGroup] = []
         self.rollout = EpisodeRollout(cfg, str(self.model_dir), "e0", Sampling(), self.llm.get_tokenizer(),
-                                      self._add, self._abort)
+                                      self._add, self._abort, journal=journal)
         self.rollout.wait_ready()
 
     def _add(self, rid: str, prompt: Any, ids: list[int], max_tokens: int) -> None:
@@ -144,10 +144,11 @@ class Driver:
 
         self.rollout.start_group(gid, prompt, encode_prompt(self.llm.get_tokenizer(), prompt, "auto"))
 
-    def run(self, on_step=lambda: None) -> None:
-        """Until every group started has finished or failed; ``on_step`` after each engine step."""
+    def run(self, on_step=lambda: None, until=lambda: False) -> None:
+        """Until every group started has finished or failed (or ``until()``); ``on_step``
+        after each engine step."""
         deadline = time.monotonic() + WAIT_S
-        while self.rollout.groups:
+        while self.rollout.groups and not until():
             assert time.monotonic() < deadline, "the episodes did not end"
             self.groups += self.rollout.collect()
             if not self.llm.llm_engine.has_unfinished_requests():
@@ -247,7 +248,8 @@ def test_episodes_span_commits_and_replay_from_their_tags(engine) -> None:
         spans.append(len({v for v, o in zip(s.versions, s.observation) if not o}))
     assert max(spans) == 3, spans  # an episode sampled by v0, v1 and v2: it spans both commits
     c = d.rollout.counts
-    assert c == {"started": 4, "finished": 4, "failed": 0, "dropped": 0, "shipped": 4, "groups_failed": 0}, c
+    assert c == {"started": 4, "finished": 4, "failed": 0, "dropped": 0, "shipped": 4, "groups_failed": 0,
+                 "resumed": 0}, c
 
 
 def _text(rng) -> str:
@@ -287,3 +289,46 @@ def test_a_faulty_environment_fails_its_episode_and_the_ledger_balances(engine, 
     (g,) = d.groups
     assert [s.reward for s in g.samples] == [-1.0, -1.0] and d.rollout.counts["failed"] == 2
     assert g.engine_ledger["episodes_shipped"] == 2 and g.engine_ledger["groups_failed"] == 0
+
+
+@pytest.mark.parametrize("on_restart", ["resume", "drop"])
+def test_episodes_in_flight_when_their_engine_process_stops_are_resumed_or_dropped(engine, tmp_path, on_restart):
+    """An engine process stops (a crash: no goodbye) with episodes between turns and mid-turn;
+    the next process of the same engine finds them in the journal and resumes them, keeping
+    every token, log-prob and tag sampled before, or drops them; the ledger counts them
+    either way and goes on from the last process's totals."""
+    journal = tmp_path / "episodes-e0.journal"
+    d = Driver(engine, journal, episode={"on_restart": on_restart})
+    d.rollout.resume()
+    rng = __import__("random").Random(3)
+    for gid in ("x", "y"):
+        d.start(gid, Prompt(_text(rng)))
+    d.run(until=lambda: any(rid.endswith(".1") for rid in d.requests) and d.steps % 2 == 0)
+    before = {f"{gid}-{k}": list(e.token_ids) for gid, g in d.rollout.groups.items() for k, e in enumerate(g.episodes)}
+    assert any(before.values()) and len(before) == 4
+    d._abort(list(d.requests))  # the process dies: its requests and scoring processes with it, no journal records
+    d.rollout.pool.close()
+    d.rollout.journal.close()
+
+    d2 = Driver(engine, journal, episode={"on_restart": on_restart})
+    try:
+        assert d2.rollout.counts["started"] == 4  # the ledger goes on from the journal
+        d2.rollout.resume()
+        d2.run()
+    finally:
+        d2.rollout.close()
+    c = d2.rollout.counts
+    assert c["started"] == 4 == c["finished"] + c["failed"] + c["dropped"], c
+    if on_restart == "drop":
+        assert c["dropped"] == 4 and c["resumed"] == 0 and not d2.groups, c
+        return
+    assert c["resumed"] == 4 and c["finished"] == 4 and sorted(g.group_id for g in d2.groups) == ["x", "y"], c
+    ref = Reference(engine["model_dir"], "float32")
+    weights = lambda label: engine["versions"][int(label)]  # noqa: E731
+    for s in (s for g in d2.groups for s in g.samples):
+        assert s.token_ids[: len(before[s.sample_id])] == before[s.sample_id]  # nothing sampled before was lost
+        assert len(_turns(s)) == 3
+        for a, b in _turns(s):
+            context, labels = s.prompt_ids + s.token_ids[:a], [str(v) for v in s.versions[a:b]]
+            want = replay(ref, weights, context, s.token_ids[a:b], labels, labels[0])
+            assert float((torch.tensor(s.logprobs[a:b], dtype=torch.float64) - want).abs().max()) < EXACT

@@ -29,6 +29,7 @@ import os
 import random
 import time
 from collections import deque
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -116,17 +117,17 @@ class RolloutLoop:
         self.tokenizer = llm.get_tokenizer()
         self.task = build_task(cfg, self.tokenizer)
         self.rng = random.Random(cfg.run.seed * 1000 + rank)
+        self.episodic = is_episodic(self.task)  # one request per turn of each episode (``trainer.episode_rollout``)
         # a chat model ends its turn with a token only its generation config may name (<|im_end|>)
-        self.params = SamplingParams(n=cfg.rollout.group_size, temperature=cfg.rollout.temperature,
+        self.params = SamplingParams(n=1 if self.episodic else cfg.rollout.group_size, temperature=cfg.rollout.temperature,
                                      max_tokens=cfg.task.completion_tokens, logprobs=0,
                                      stop_token_ids=model_stop_ids(model_dir, self.tokenizer),
                                      output_kind=RequestOutputKind.FINAL_ONLY)
         self.queue = RolloutQueue(group.connect("rollout"), cfg.rollout.queue_capacity)
-        self.episodic = is_episodic(self.task)
-        if self.episodic:  # one request per turn of each episode (``trainer.episode_rollout``)
-            self.params = SamplingParams(**{**_fields(self.params), "n": 1})
-            self.scorer: GroupScorer = EpisodeRollout(cfg, model_dir, self.engine_id, sampling_of(self.params),
-                                                      self.tokenizer, self._add_turn, self._abort)
+        if self.episodic:
+            self.scorer: GroupScorer = EpisodeRollout(
+                cfg, model_dir, self.engine_id, sampling_of(self.params), self.tokenizer, self._add_turn, self._abort,
+                journal=Path(cfg.run.out_dir) / f"episodes-{self.engine_id}.journal")
         else:
             self.scorer = GroupScorer(cfg, model_dir, self.engine_id, sampling_of(self.params))
         self._turn_params: dict[int, Any] = {}
@@ -350,6 +351,8 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
         loop.scorer.wait_ready()  # a task its scoring processes cannot build fails here, with its own error
         if not loop.wait_for_version(wait_for_version):
             return
+        if loop.episodic:  # episodes an earlier process of this engine left running (trainer.episode_journal)
+            loop.scorer.resume()  # type: ignore[attr-defined]
         if cfg.rollout.mode == "batch":
             loop.run_batch(next_version)
         else:

@@ -26,9 +26,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling
+from trainer.episode_journal import EpisodeJournal
 from trainer.rollout_scoring import GroupScorer
 from trainer.tasks.episode import ObservationRenderer, Transcript, Turn
 
@@ -56,7 +58,7 @@ class EpisodeRollout(GroupScorer):
     """One engine's episodes: turns in, environment calls out, finished groups back."""
 
     def __init__(self, cfg: Any, model_dir: str, engine_id: str, sampling: Sampling, tokenizer: Any,
-                 add_request: AddRequest, abort: AbortRequests) -> None:
+                 add_request: AddRequest, abort: AbortRequests, journal: Path | None = None) -> None:
         super().__init__(cfg, model_dir, engine_id, sampling)
         if cfg.loss.routing_replay:
             raise ValueError(f"task.name={cfg.task.name!r} is a multi-turn task: loss.routing_replay does not "
@@ -66,12 +68,45 @@ class EpisodeRollout(GroupScorer):
         self.add_request, self.abort = add_request, abort
         self.max_model_len = cfg.engine.max_model_len
         self.groups: dict[str, EpisodeGroup] = {}
-        self.counts = {"started": 0, "finished": 0, "failed": 0, "dropped": 0, "shipped": 0, "groups_failed": 0}
-        """The episode ledger: started = running + finished + failed + dropped; ``shipped``:
-        the episodes of the groups that went to the queue (finished ones, and failed ones
-        under on_failure = "reward")."""
+        self.counts = {"started": 0, "finished": 0, "failed": 0, "dropped": 0, "shipped": 0, "groups_failed": 0,
+                       "resumed": 0}
+        """The episode ledger, over every process of this engine index: started = running +
+        finished + failed + dropped; ``shipped``: the episodes of the groups that went to the
+        queue (finished ones, and failed ones under on_failure = "reward"); ``resumed``: those
+        an earlier process left running that this one took on."""
+        self.journal = EpisodeJournal(journal) if journal is not None else None
+        self._recovered = self.journal.read() if self.journal is not None else None
+        if self._recovered is not None:
+            self.counts.update(self._recovered.counts)  # the ledger goes on across the engine's processes
 
     # -- what the rollout loop calls ---------------------------------------------------------
+    def resume(self) -> None:
+        """Take on the episodes an earlier process of this engine left in its journal
+        (``task.episode.on_restart``); call once the engine takes requests."""
+        recovered, self._recovered = self._recovered, None
+        if recovered is None or self.journal is None:
+            return
+        for gid, group in recovered.groups.items():
+            running = [k for k, done in enumerate(group.done) if not done]
+            if self.episode_cfg.on_restart == "drop":
+                self.counts["dropped"] += len(running)
+                self.journal.leave(gid, self.counts)
+                log.warning("rollout: group %s dropped on restart with %d episodes running (task.episode.on_restart)",
+                            gid, len(running))
+                continue
+            group.decoding = set()
+            self.groups[gid] = group
+            self.counts["resumed"] += len(running)
+            for k in running:
+                e = group.episodes[k]
+                if e.turns > len(e.observations):  # its environment's answer was lost with the process: ask again
+                    self.pool.submit_turn(f"{gid}.{k}.{e.turns - 1}", e.view(last=self._last(e)))
+                else:
+                    self._next_turn(gid, k)
+        if recovered.groups:
+            log.info("rollout: %d groups from the journal (%s); ledger %s", len(recovered.groups),
+                     self.episode_cfg.on_restart, self.counts)
+
     def start_group(self, gid: str, prompt: Any, ids: list[int]) -> None:
         """K episodes of ``prompt`` (token ids ``ids``), their first turns on the engine."""
         k = self.cfg.rollout.group_size
@@ -80,6 +115,7 @@ class EpisodeRollout(GroupScorer):
         self.counts["started"] += k
         for i in range(k):
             self._next_turn(gid, i)
+        self._record(gid)
 
     def decoding(self, requests: dict) -> int:
         """Groups with a turn on the engine (the rollout loop's cap on decoding groups)."""
@@ -102,8 +138,8 @@ class EpisodeRollout(GroupScorer):
         episode = group.episodes[k]
         episode.add_reply(t.text, t.token_ids, t.logprobs, t.versions, t.finish_reason or "",
                           sum(">" in s for s in t.labels))
-        last = episode.turns >= self.episode_cfg.max_turns or self._room(episode) < 1
-        self.pool.submit_turn(out.request_id, episode.view(last=last))
+        self._record(gid)
+        self.pool.submit_turn(out.request_id, episode.view(last=self._last(episode)))
 
     def collect(self) -> list[RolloutGroup]:
         """Apply the environment's answers that came back (never waits); the groups finished."""
@@ -122,15 +158,29 @@ class EpisodeRollout(GroupScorer):
                 self._observe(gid, k, s.turn)
             if gid in self.groups and all(self.groups[gid].done):
                 finished.append(self._finish(gid))
+            elif gid in self.groups:
+                self._record(gid)
         return finished
 
     def close(self) -> None:
-        """Stop the environment's processes; the episodes still running are dropped (counted)."""
-        for gid in list(self.groups):
-            self._drop(gid, "the engine process is stopping")
+        """Stop the environment's processes. The episodes still running stay in the journal
+        for the next process of this engine; without one they are dropped (counted)."""
+        if self.journal is None:
+            for gid in list(self.groups):
+                self._drop(gid, "the engine process is stopping")
+        else:
+            self.journal.close()
         super().close()
 
     # -- turns -------------------------------------------------------------------------------
+    def _record(self, gid: str) -> None:
+        if self.journal is not None:
+            self.journal.group(gid, self.groups[gid], self.counts)
+            self.journal.compact_past(self.groups, self.counts)
+
+    def _last(self, episode: Transcript) -> bool:
+        return episode.turns >= self.episode_cfg.max_turns or self._room(episode) < 1
+
     def _room(self, episode: Transcript) -> int:
         """Tokens the episode's next turn may sample: its budget and the engine's context."""
         return min(self.episode_cfg.max_tokens - len(episode.token_ids),
@@ -184,6 +234,8 @@ class EpisodeRollout(GroupScorer):
             self.abort(sorted(group.decoding))
         running = [k for k, done in enumerate(group.done) if not done]
         self.counts["dropped"] += len(running)
+        if self.journal is not None:
+            self.journal.leave(gid, self.counts)
         if running and count:
             log.info("rollout: group %s dropped with %d episodes running: %s", gid, len(running), why)
 
@@ -192,6 +244,8 @@ class EpisodeRollout(GroupScorer):
         self.scored += 1
         self.failed_in_a_row = 0
         self.counts["shipped"] += len(group.episodes)
+        if self.journal is not None:
+            self.journal.leave(gid, self.counts)
         samples = tuple(_sample(gid, k, e) for k, e in enumerate(group.episodes))
         return RolloutGroup(group_id=gid, samples=samples, engine_id=self.engine_id, sampling=self.sampling,
                             engine_ledger=self.ledger())

@@ -52,6 +52,9 @@ def train(cfg: TrainConfig) -> dict:
 
     # -- 1. the policy on disk, 2. the engine processes (the fleet) --------------------------------
     resumed, model_dir, adapter_dir, version = _policy_on_disk(cfg, out, ckpt_dir)
+    if resumed is None:  # an earlier run's episodes in flight (trainer.episode_journal) are not this run's
+        for journal in out.glob("episodes-*.journal"):
+            journal.unlink()
     port = cfg.transport.port or reserve_port(cfg.transport.host)  # held until the trainer's store takes it
     placement = place(cfg.transport.backend, spawn=cfg.engine.spawn, gpus=visible_gpus())
     fleet = Fleet(cfg, model_dir, version, port, placement, out, adapter_dir)

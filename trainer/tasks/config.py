@@ -98,6 +98,11 @@ class EpisodeConfig:
     and gets ``failure_reward``, and the group trains."""
     failure_reward: float = 0.0
     """on_failure = "reward": the failed episode's reward."""
+    on_restart: Literal["resume", "drop"] = "resume"
+    """Episodes in flight when their engine process stopped (restarted by the trainer, a
+    crash, the end of a run that ``run.resume`` continues): resume them where they were
+    (their tokens and tags kept; the next turn sampled by whatever version is live), or
+    drop them. Counted either way (``trainer.episode_journal``)."""
     def __post_init__(self) -> None:
         check_choices(self, "task.episode")
         if self.max_turns < 1:
