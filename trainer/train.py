@@ -52,9 +52,6 @@ def train(cfg: TrainConfig) -> dict:
 
     # -- 1. the policy on disk, 2. the engine processes (the fleet) --------------------------------
     resumed, model_dir, adapter_dir, version = _policy_on_disk(cfg, out, ckpt_dir)
-    if resumed is None:  # an earlier run's episodes in flight (trainer.episode_journal) are not this run's
-        for journal in out.glob("episodes-*.journal"):
-            journal.unlink()
     port = cfg.transport.port or reserve_port(cfg.transport.host)  # held until the trainer's store takes it
     placement = place(cfg.transport.backend, spawn=cfg.engine.spawn, gpus=visible_gpus())
     fleet = Fleet(cfg, model_dir, version, port, placement, out, adapter_dir)
@@ -80,8 +77,7 @@ def train(cfg: TrainConfig) -> dict:
 
     # -- 4. the loop: batch, loss, step, push, metrics, checkpoint -----------------------------------
     start = resumed.step if resumed else 0
-    bar_text = BarText(cfg.rollout.group_size)  # reward, lag, stall, samples/s after the step counts
-    ledger = RolloutLedger()  # the engines' groups scored and failed, episodes started .. trained
+    bar_text, ledger = BarText(cfg.rollout.group_size), RolloutLedger()  # the bar's text; the rollout_ totals
     try:
         for step in (bar := tqdm(range(start, cfg.run.steps), desc="train", initial=start, total=cfg.run.steps,
                                  dynamic_ncols=True)):
@@ -121,9 +117,13 @@ def _run_dir(cfg: TrainConfig) -> Path:
 
 def _policy_on_disk(cfg: TrainConfig, out: Path, ckpt_dir: Path) -> tuple[TrainerState | None, Path, Path | None, int]:
     """(the resumed state or None, the model directory the engines load, the adapter directory
-    of a LoRA run, their version). A LoRA run's base never moves; its checkpoint holds the adapter."""
+    of a LoRA run, their version). A LoRA run's base never moves; its checkpoint holds the adapter.
+    A run that does not resume clears the episode journals an earlier run left (``trainer.episode_journal``)."""
     # a crash between the renames of a checkpoint swap leaves only ``checkpoint.old``: resume from it
     resumed = load_state(ckpt_dir) if cfg.run.resume and (recover(ckpt_dir) or (ckpt_dir / "state.json").exists()) else None
+    if resumed is None:  # an earlier run's episodes in flight (trainer.episode_journal) are not this run's
+        for journal in out.glob("episodes-*.journal"):
+            journal.unlink()
     if cfg.model.lora.enabled:
         base = _base_model(cfg, out)
         if resumed is not None:

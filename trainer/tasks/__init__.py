@@ -7,11 +7,14 @@
 | ``repeat_digit`` | ``repeat: D`` | per token: 1 for D, ``digit_credit`` for another digit (the tiny demo) |
 | ``arithmetic`` | ``What is 47 + 8? ...`` (``[task.arithmetic]``: digits, terms, ops) | 1 if the final number is right |
 | ``jsonl`` | a file of ``{"prompt"|"messages", "answer"}`` (``[task.jsonl]``) | final number (GSM8K ``#### N``) or exact match |
+| ``calculator`` | multi-turn: ``What is 47 * 29?`` with a ``calc:`` tool (``[task.calculator]``) | 1 for the right ``answer:``, ``tool_credit`` for a call |
+| ``guess_number`` | multi-turn: a secret in [lo, hi], higher/lower feedback (``[task.guess_number]``) | 1 for a win, closeness credit otherwise |
 | ``pkg.module:factory`` | yours: ``factory(tokenizer=..., **task.options)`` returns a ``Task`` | yours |
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 from pathlib import Path
@@ -20,15 +23,18 @@ from typing import TYPE_CHECKING, Any
 from trainer.tasks.arithmetic import Arithmetic
 from trainer.tasks.base import (Completion, Prompt, Task, encode_prompt, final_number, model_stop_ids, stop_token_ids,
                                 uses_chat)
+from trainer.tasks.calculator import Calculator
 from trainer.tasks.digits import RepeatDigit
+from trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
+from trainer.tasks.guess_number import GuessNumber
 from trainer.tasks.jsonl import SAMPLE, JsonlFormatError, JsonlTask, load_jsonl
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
 
-BUILTIN = ("repeat_digit", "arithmetic", "jsonl")
+BUILTIN = ("repeat_digit", "arithmetic", "jsonl", "calculator", "guess_number")
 
-__all__ = ["BUILTIN", "Arithmetic", "Completion", "JsonlFormatError", "JsonlTask", "Prompt", "RepeatDigit", "SAMPLE",
+__all__ = ["BUILTIN", "Arithmetic", "Calculator", "Completion", "EpisodeTask", "EpisodeView", "GuessNumber", "Turn", "JsonlFormatError", "JsonlTask", "Prompt", "RepeatDigit", "SAMPLE",
            "Task", "build_task", "encode_prompt", "final_number", "load_factory", "load_jsonl", "model_stop_ids",
            "stop_token_ids",
            "uses_chat"]
@@ -66,6 +72,10 @@ def build_task(train_cfg: TrainConfig, tokenizer: Any) -> Task:
     if cfg.name == "jsonl":
         j = cfg.jsonl
         return JsonlTask(j.path or SAMPLE, match=j.match, eval_path=j.eval_path or None, eval_size=eval_size)
+    if cfg.name in ("calculator", "guess_number"):
+        settings = getattr(cfg, cfg.name)
+        cls = Calculator if cfg.name == "calculator" else GuessNumber
+        return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}, eval_size=eval_size)
     task = load_factory(cfg.name)(tokenizer=tokenizer, **cfg.options)
     if not isinstance(task, Task) and not all(callable(getattr(task, m, None)) for m in ("sample", "score", "eval_prompts")):
         raise TypeError(f"task.name={cfg.name!r} returned {type(task).__name__}, not a trainer.tasks.Task "

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
 from inflight.settings import check_choices
 from trainer.tasks.base import ChatMode
+from trainer.tasks.calculator import TEMPLATE as CALCULATOR_TEMPLATE
+from trainer.tasks.calculator import Calculator
+from trainer.tasks.guess_number import TEMPLATE as GUESS_TEMPLATE
+from trainer.tasks.guess_number import GuessNumber
 from trainer.tasks.jsonl import Match
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +57,54 @@ class JsonlConfig:
         for name in ("path", "eval_path"):
             if getattr(self, name) and not Path(getattr(self, name)).is_file():
                 raise ValueError(f"task.jsonl.{name}={getattr(self, name)!r}: no such file")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalculatorConfig:
+    """The ``calculator`` task (``trainer.tasks.calculator``): arithmetic with a calculator tool."""
+
+    digits: int = 2
+    """Digits of each of the two operands (1: 0-9)."""
+    ops: tuple[str, ...] = ("*",)
+    """Operators drawn from (any of + - *)."""
+    tool_credit: float = 0.2
+    """Reward of an episode without the right answer that made a well-formed calculator call (< 1)."""
+    max_result_digits: int = 30
+    """The calculator refuses literals and values of more digits."""
+    max_expression_chars: int = 100
+    """The calculator refuses longer expressions."""
+    template: str = CALCULATOR_TEMPLATE
+    """The opening prompt; ``{expr}`` becomes the problem."""
+
+    def __post_init__(self) -> None:
+        _check_task(Calculator, "task.calculator", self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GuessNumberConfig:
+    """The ``guess_number`` task (``trainer.tasks.guess_number``): a secret number, higher/lower feedback."""
+
+    lo: int = 1
+    """The smallest secret."""
+    hi: int = 100
+    """The largest secret."""
+    turn_penalty: float = 0.0
+    """A win on reply k earns max(1 - turn_penalty * (k - 1), 0.5)."""
+    closeness_credit: float = 0.2
+    """A loss earns closeness_credit * (1 - |last guess - secret| / (hi - lo))."""
+    template: str = GUESS_TEMPLATE
+    """The opening prompt, with ``{lo}`` and ``{hi}``."""
+
+    def __post_init__(self) -> None:
+        _check_task(GuessNumber, "task.guess_number", self)
+
+
+def _check_task(cls: Any, where: str, cfg: Any) -> None:
+    """The task's own checks, at load time, the message naming the config table."""
+    try:
+        cls(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}.{str(e).split(': ', 1)[-1]}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,7 +165,7 @@ class EpisodeConfig:
             raise ValueError(f"task.episode.failure_reward={self.failure_reward} must be a finite number")
 
 
-_BUILTIN_TASKS = ("repeat_digit", "arithmetic", "jsonl")
+_BUILTIN_TASKS = ("repeat_digit", "arithmetic", "jsonl", "calculator", "guess_number")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
@@ -122,7 +174,7 @@ class TaskConfig:
     """What the policy is trained on (``trainer/tasks``)."""
 
     name: str = "repeat_digit"
-    """repeat_digit | arithmetic | jsonl, or your own ``pkg.module:factory`` (called as
+    """repeat_digit | arithmetic | jsonl | calculator | guess_number, or your own ``pkg.module:factory`` (called as
     ``factory(tokenizer=..., **options)``, returning a ``trainer.tasks.Task``)."""
     completion_tokens: int = 16
     """Most tokens sampled per completion (generation also stops at the model's end-of-sequence)."""
@@ -135,6 +187,10 @@ class TaskConfig:
     """arithmetic only: difficulty."""
     jsonl: JsonlConfig = field(default_factory=JsonlConfig)
     """jsonl only: the files and how answers match."""
+    calculator: CalculatorConfig = field(default_factory=CalculatorConfig)
+    """calculator only (multi-turn, a tool): difficulty and reward."""
+    guess_number: GuessNumberConfig = field(default_factory=GuessNumberConfig)
+    """guess_number only (multi-turn, feedback): range and reward."""
     options: dict[str, Any] = field(default_factory=dict)
     """A ``module:factory`` task only: keyword arguments of the factory."""
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
