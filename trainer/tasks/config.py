@@ -75,6 +75,9 @@ class CalculatorConfig:
     """The calculator refuses longer expressions."""
     template: str = CALCULATOR_TEMPLATE
     """The opening prompt; ``{expr}`` becomes the problem."""
+    examples: int = 1
+    """Worked episodes (a call, the tool's value, the answer) as chat turns before the problem;
+    0 with ``task.chat = "off"``."""
 
     def __post_init__(self) -> None:
         _check_task(Calculator, "task.calculator", self)
@@ -94,6 +97,8 @@ class GuessNumberConfig:
     """A loss earns closeness_credit * (1 - |last guess - secret| / (hi - lo))."""
     template: str = GUESS_TEMPLATE
     """The opening prompt, with ``{lo}`` and ``{hi}``."""
+    examples: int = 1
+    """Games won by binary search, as chat turns before this one; 0 with ``task.chat = "off"``."""
 
     def __post_init__(self) -> None:
         _check_task(GuessNumber, "task.guess_number", self)

@@ -1,0 +1,252 @@
+"""``calculator``: arithmetic the policy solves by calling a calculator tool (an ``EpisodeTask``).
+
+The episode opens with a problem and a description of the tool::
+
+    What is 47 * 29? You have a calculator: write `calc: <expression>` on a line and you
+    will get its value. When you know the result, write `answer: <number>`.
+
+Each reply of the policy is answered in this order:
+
+* an ``answer: N`` line (the first one) ends the episode: reward 1 if N (commas dropped,
+  ``42.0`` read as ``42``) is the problem's value;
+* else a ``calc: <expression>`` line (the first one) is evaluated by ``safe_eval`` and its
+  value, or ``error: ...``, is the observation, with the chat role ``tool``;
+* else the observation (role ``user``) reminds the policy of the two forms.
+
+On the episode's last turn (``EpisodeView.last``) a reply without an answer ends it too.
+An episode that does not end with the right answer earns ``tool_credit`` if the policy made
+at least one well-formed call (one that returned a value, counted in the episode's state as
+``calls``), else 0. The credit is paid once however many calls were made, so calling is
+worth learning and spamming calls is not; a right answer earns 1 with or without the tool.
+``correct`` is a right answer (reward >= 1; ``tool_credit`` must be < 1).
+
+The calculator never runs ``eval``: the expression is parsed with ``ast`` and only int and
+float literals, ``+ - * / // %``, unary minus and parentheses are evaluated; ``**``, names,
+calls, attributes and anything else are refused, as are expressions longer than
+``max_expression_chars`` and any literal or intermediate value with more than
+``max_result_digits`` digits. Before parsing, surrounding backticks go, anything from an
+``=`` on is dropped (``47 * 29 = ?``) and ``×``/``÷`` become ``*``/``/``.
+
+Difficulty: ``digits`` (each of the two operands has exactly this many digits; 1 means 0-9)
+and ``ops`` (any of ``+ - *``). Two-digit products are out of reach of a small model's
+mental arithmetic and one copied call away with the tool. Episodes need
+``task.episode.max_turns >= 2`` for the tool to be of use (a call, then the answer).
+
+``examples`` worked episodes (a problem, ``calc: <its expression>``, the tool's value,
+``answer: <the value>``) open every prompt as chat messages before the problem, so the
+prompt needs the model's chat template (``Prompt.text`` is the problem alone, for logs).
+SmolLM2-135M-Instruct, sampled at temperature 1 on 2-digit products, makes a well-formed
+call in none of 48 first replies with the instructions alone and in about two thirds with one
+example; whole episodes (3 turns) solve 0 of 24 without the example and 15 of 24 with it
+(rewards 0, 0.2 and 1 all occur, so GRPO groups have a signal to learn from).
+``examples = 0``: the problem alone, as plain text (any model).
+
+The held-out set is drawn once from its own seed, and ``sample`` never returns one of its
+problems (nor an example's), as in ``arithmetic``.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+import random
+import re
+from collections.abc import Callable, Sequence
+
+from trainer.tasks.base import Prompt, final_number
+from trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
+
+EVAL_SEED = 0xCA1C_E7A1
+DEMO_SEED = 0xCA1C_DE70
+OPS = ("+", "-", "*")
+TEMPLATE = ("What is {expr}? You have a calculator: write `calc: <expression>` on a line and you will get its "
+            "value. When you know the result, write `answer: <number>`.")
+REMINDER = "Write `calc: <expression>` to use the calculator, or `answer: <number>` to give the result."
+
+_CALC = re.compile(r"^[\s`*>]*calc\s*:(.*)$", re.IGNORECASE | re.MULTILINE)
+_ANSWER = re.compile(r"^[\s`*>]*answer\s*:[\s`*]*(-?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE | re.MULTILINE)
+
+_BINARY: dict[type, Callable[[float, float], float]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+}
+_NAMES = {ast.Pow: "**", ast.MatMult: "@", ast.LShift: "<<", ast.RShift: ">>", ast.BitAnd: "&", ast.BitOr: "|",
+          ast.BitXor: "^", ast.UAdd: "unary +", ast.Not: "not", ast.Invert: "~"}
+
+
+class CalcError(ValueError):
+    """An expression the calculator refuses; the message is what the policy reads."""
+
+
+def _check_size(value: float, max_digits: int) -> float:
+    if isinstance(value, float):  # a float is at most ~1.8e308: past 308 digits only inf is too large
+        too_large = not math.isfinite(value) or (max_digits <= 308 and abs(value) >= 10.0 ** max_digits)
+    else:
+        too_large = len(str(abs(value))) > max_digits
+    if too_large:
+        raise CalcError(f"error: number too large (more than {max_digits} digits)")
+    return value
+
+
+def _evaluate(node: ast.AST, max_digits: int) -> float:
+    if isinstance(node, ast.Constant):
+        if type(node.value) not in (int, float):
+            raise CalcError(f"error: {type(node.value).__name__} literals are not allowed, only numbers")
+        return _check_size(node.value, max_digits)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand, max_digits)
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left, max_digits), _evaluate(node.right, max_digits)
+        try:
+            return _check_size(_BINARY[type(node.op)](left, right), max_digits)
+        except ZeroDivisionError:
+            raise CalcError("error: division by zero") from None
+        except OverflowError:  # an int too large for a float, in / or with a float operand
+            raise CalcError(f"error: number too large (more than {max_digits} digits)") from None
+    if isinstance(node, (ast.BinOp, ast.UnaryOp)):
+        what = _NAMES.get(type(node.op), type(node.op).__name__)
+        raise CalcError(f"error: {what} is not allowed (only + - * / // % and parentheses)")
+    what = {ast.Name: "names", ast.Attribute: "attributes", ast.Call: "function calls"}.get(type(node))
+    raise CalcError(f"error: {what or type(node).__name__ + ' expressions'} are not allowed "
+                    "(only numbers, + - * / // % and parentheses)")
+
+
+def safe_eval(expression: str, *, max_digits: int = 30, max_chars: int = 100) -> int | float:
+    """The value of an arithmetic expression, or ``CalcError`` saying why not. Never calls
+    ``eval``: only int/float literals, ``+ - * / // %``, unary minus and parentheses, no
+    value (literal or intermediate) over ``max_digits`` digits, at most ``max_chars`` characters."""
+    expression = expression.strip()
+    if len(expression) > max_chars:
+        raise CalcError(f"error: expression longer than {max_chars} characters")
+    if not expression:
+        raise CalcError("error: empty expression")
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except (SyntaxError, ValueError):
+        shown = expression if len(expression) <= 40 else expression[:37] + "..."
+        raise CalcError(f"error: cannot parse {shown!r}") from None
+    except (RecursionError, MemoryError):
+        raise CalcError("error: expression nested too deeply") from None
+    try:
+        return _evaluate(tree.body, max_digits)
+    except RecursionError:
+        raise CalcError("error: expression nested too deeply") from None
+
+
+def show(value: float) -> str:
+    """A value as the calculator prints it: ints in full, integral floats as ints, else 12 significant digits."""
+    if isinstance(value, float):
+        if value.is_integer() and abs(value) < 1e15:
+            return str(int(value))
+        return format(value, ".12g")
+    return str(value)
+
+
+def clean_expression(text: str) -> str:
+    """A ``calc:`` line's expression as the calculator reads it: backticks stripped, anything
+    from ``=`` on dropped, ``×``/``÷`` as ``*``/``/``."""
+    text = text.split("=", 1)[0].replace("×", "*").replace("÷", "/")
+    return text.strip().strip("`").strip()
+
+
+def _check_settings(digits: int, ops: Sequence[str], max_result_digits: int, max_expression_chars: int,
+                    tool_credit: float, template: str, examples: int) -> None:
+    if type(digits) is not int or not 1 <= digits <= 9:
+        raise ValueError(f"calculator: digits={digits} must be in 1..9")
+    if not ops or set(ops) - set(OPS):
+        raise ValueError(f"calculator: ops={list(ops)} must be a non-empty subset of {list(OPS)}")
+    if not 2 * digits <= max_result_digits <= 1000:
+        raise ValueError(f"calculator: max_result_digits={max_result_digits} must be in {2 * digits}..1000 "
+                         f"(a product of two {digits}-digit operands has up to {2 * digits} digits)")
+    if not 2 * digits + 3 <= max_expression_chars <= 1000:
+        raise ValueError(f"calculator: max_expression_chars={max_expression_chars} must be in "
+                         f"{2 * digits + 3}..1000 (the problem itself has up to {2 * digits + 3} characters)")
+    if isinstance(tool_credit, bool) or not 0 <= tool_credit < 1:
+        raise ValueError(f"calculator: tool_credit={tool_credit} must be in [0, 1) (1 is a right answer)")
+    try:
+        ok = "{expr}" in template and bool(template.format(expr="1 + 1"))
+    except (KeyError, IndexError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"calculator: template={template!r} needs a {{expr}} placeholder and no other "
+                         "braces (write {{ and }} for literal ones)")
+    if type(examples) is not int or not 0 <= examples <= 4:
+        raise ValueError(f"calculator: examples={examples} must be in 0..4")
+
+
+class Calculator(EpisodeTask):
+    def __init__(self, *, digits: int = 2, ops: Sequence[str] = ("*",), max_result_digits: int = 30,
+                 max_expression_chars: int = 100, tool_credit: float = 0.2, template: str = TEMPLATE,
+                 examples: int = 1, eval_size: int = 0) -> None:
+        _check_settings(digits, ops, max_result_digits, max_expression_chars, tool_credit, template, examples)
+        self.lo, self.hi = (0 if digits == 1 else 10 ** (digits - 1)), 10 ** digits - 1
+        self.ops, self.template, self.tool_credit = tuple(ops), template, float(tool_credit)
+        self.max_result_digits, self.max_expression_chars = max_result_digits, max_expression_chars
+        space = (self.hi - self.lo + 1) ** 2 * len(self.ops)
+        if eval_size < 0 or eval_size > (space - examples) // 2:
+            raise ValueError(f"calculator: eval_size={eval_size} must be in 0..{(space - examples) // 2} (at most "
+                             f"half of the {space - examples} distinct problems at digits={digits}, ops={list(ops)}, "
+                             f"less the {examples} examples)")
+        demos = self._draw_distinct(random.Random(DEMO_SEED), examples, set())
+        self._demo = tuple(message for expr, value in demos for message in (
+            {"role": "user", "content": template.format(expr=expr)}, {"role": "assistant", "content": f"calc: {expr}"},
+            {"role": "tool", "content": value}, {"role": "assistant", "content": f"answer: {value}"}))
+        self._eval = [self._prompt(*problem) for problem in
+                      self._draw_distinct(random.Random(EVAL_SEED), eval_size, {expr for expr, _ in demos})]
+        self._excluded = {expr for expr, _ in demos} | {p.meta["expr"] for p in self._eval}
+
+    def _problem(self, rng: random.Random) -> tuple[str, str]:
+        """An expression and its value."""
+        a, op, b = rng.randint(self.lo, self.hi), rng.choice(self.ops), rng.randint(self.lo, self.hi)
+        return f"{a} {op} {b}", str({"+": a + b, "-": a - b, "*": a * b}[op])
+
+    def _draw_distinct(self, rng: random.Random, n: int, exclude: set[str]) -> list[tuple[str, str]]:
+        seen: dict[str, str] = {}
+        while len(seen) < n:
+            expr, value = self._problem(rng)
+            if expr not in exclude:
+                seen.setdefault(expr, value)
+        return list(seen.items())
+
+    def _prompt(self, expr: str, value: str) -> Prompt:
+        text = self.template.format(expr=expr)
+        messages = (*self._demo, {"role": "user", "content": text}) if self._demo else ()
+        return Prompt(text, value, messages=messages, meta={"expr": expr})
+
+    def sample(self, rng: random.Random) -> Prompt:
+        while True:
+            expr, value = self._problem(rng)
+            if expr not in self._excluded:
+                return self._prompt(expr, value)
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        if n > len(self._eval):
+            raise ValueError(f"calculator: {n} eval prompts asked, {len(self._eval)} held out (eval_size)")
+        return self._eval[:n]
+
+    def calculate(self, expression: str) -> str:
+        """What the calculator prints for an expression: its value, or ``error: ...``."""
+        try:
+            return show(safe_eval(clean_expression(expression), max_digits=self.max_result_digits,
+                                  max_chars=self.max_expression_chars))
+        except CalcError as e:
+            return str(e)
+
+    def _end(self, prompt: Prompt, answer: str | None, calls: int) -> Turn:
+        if answer is not None and final_number(answer) == prompt.answer:
+            return Turn(done=True, reward=1.0)
+        return Turn(done=True, reward=self.tool_credit if calls > 0 else 0.0)
+
+    def turn(self, episode: EpisodeView) -> Turn:
+        calls = int(episode.state.get("calls", 0))
+        reply = episode.reply
+        call, answer = _CALC.search(reply), _ANSWER.search(reply)
+        observation = self.calculate(call.group(1)) if call else None
+        if observation is not None and not observation.startswith("error"):
+            calls += 1
+        if answer is not None or episode.last:
+            return self._end(episode.prompt, answer.group(1) if answer else None, calls)
+        if observation is None:
+            return Turn(observation=REMINDER, role="user")
+        return Turn(observation=observation, role="tool", state={**episode.state, "calls": calls})
