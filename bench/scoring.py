@@ -1,34 +1,72 @@
 """Decoding while a slow verifier scores: rewards in the engine's scoring processes vs inline.
 
-    python -m bench.scoring [--model smollm2|DIR | --size S] [--sleep-s 2] [--workers 2]
-                            [--groups-in-flight 4] [--completion-tokens 64] [--steps 300] [--rounds 3]
+    python -m bench.scoring [--model smollm2|DIR | --size S] [--sleep-s 2] [--workers G]
+                            [--groups-in-flight 4] [--completion-tokens 64] [--steps 576] [--rounds 18]
+                            [--placement split] [--out runs/scoring] [--png docs/scoring.png]
 
 One in-process engine samples GRPO groups (``n = 8``, a fresh prompt each, exactly
-``--completion-tokens`` tokens, temperature 1) with ``--groups-in-flight`` groups decoding,
-refilled as they finish, as the training loop's engine process does. Each finished group is
-scored by a verifier that sleeps ``--sleep-s`` seconds per group (``SlowVerifier``: the
-``repeat_digit`` reward after the sleep). Modes, interleaved in ``--rounds`` chunks of equal
-engine steps, the order rotated each round:
+T = ``--completion-tokens`` tokens, temperature 1) with G = ``--groups-in-flight`` groups
+decoding, refilled as they finish, as the training loop's engine process does. Each finished
+group is scored by a verifier that sleeps ``--sleep-s`` seconds per group (``SlowVerifier``:
+the ``repeat_digit`` reward after the sleep). Modes:
 
 1. ``instant``: the same verifier without the sleep, in the scoring processes
    (``trainer.rollout_scoring.GroupScorer``, ``--workers`` of them), the ceiling;
 2. ``pool``: the sleeping verifier in the scoring processes: the loop submits a finished
-   group and steps on; a new group starts while fewer than ``--groups-in-flight`` decode and
-   fewer than that many wait for their rewards (the training loop's admission);
+   group and steps on; a new group starts while fewer than G decode and fewer than G wait
+   for their rewards (the training loop's admission, ``EngineLoop._start_inflight``);
 3. ``inline``: the sleeping verifier called between two engine steps, as the engine process
    scored before ``trainer.rollout_scoring``: every sequence waits for it.
 
-Reports generated tokens per second of wall time per mode and its ratio to ``instant``'s, and
-the groups scored. The verifier's throughput must cover the engine's group rate
-(``--workers`` x 1 / ``--sleep-s`` groups per second), or admission waits for it.
+Each mode runs in ``--rounds`` chunks of ``--steps / --rounds`` timed engine steps on the same
+engine, the order of the modes rotated each round, after one untimed warm-up chunk per mode.
+A chunk starts on an empty engine with G groups, the first wave, whose completions are T / G,
+2 T / G, ..., T tokens long; every later group's are T. With every completion exactly T
+tokens long, groups started together would finish together for ever, all G at the verifier
+at once, a burst that the varied completion lengths of training do not make; staggered,
+one group finishes every T / G steps from the chunk's first step on, as in an engine that
+has run for a while, with no untimed ramp. When the chunk's steps are done it aborts what is
+in flight and drains (untimed). Workers start, and build their task, before anything runs.
+
+Placement (``--placement``, ``bench.placement``). ``split`` (the default) emulates a GPU
+node: the engine computes with one thread on ``ENGINE_CORE``, and the scoring processes (the
+collector thread with them) run on ``TRAINER_CORE``, as a GPU engine's verifiers run on host
+cores the decode does not use. ``shared``: torch's OpenMP team on both cores, the scoring
+processes anywhere; there any other work on a core stalls the whole team at every parallel
+region, and on this machine, shared with other jobs, a chunk's tok/s swung tenfold from one
+round to the next (2026-11-26), which is why ``split`` is the default.
+
+What is counted, exactly: every engine step's sampled tokens, where the engine core hands
+them out. The bench wraps the in-process client's ``get_output`` (``StepTokens``) and adds
+up each ``EngineCoreOutput``'s ``new_token_ids``: the tokens that step sampled for each
+running request (each of a group's 8 samples is one), whether or not its group finishes in
+the chunk. The requests keep ``RequestOutputKind.FINAL_ONLY``, so the loop sees a group
+whole when it finishes and hands it to the scorer as the engine process does. A mode's tok/s
+is its timed chunks' tokens over their wall time, waits included: ``inline``'s sleeps, and
+for ``pool`` the time admission waited for rewards with nothing left to decode (such a
+wait is time, not a step: every mode runs the same number of decode steps).
+
+Reports per mode: tok/s, its ratio to ``instant``'s, each round's tok/s and ratio to the same
+round's ``instant`` (and their median: a round's modes run within a minute or two of each
+other, so its ratio is the one other jobs on the machine disturb least), the groups scored,
+the most groups waiting for rewards at once and the seconds admission waited for them. The
+verifier keeps up when its throughput, ``--workers`` / ``--sleep-s`` groups per second,
+covers the engine's group rate (``instant``'s tok/s / (8 T)); the output says whether it
+did. ``--workers`` defaults to G: G groups can then be scored at once, as many as admission
+lets wait. Writes ``results.json`` under ``--out`` and the figure ``--png`` (tok/s per mode
+with its ratio to ``instant``; tok/s over the last round's timed seconds, per mode).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
+import statistics
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +79,9 @@ from trainer.tasks import Completion, encode_prompt  # noqa: E402
 from trainer.tasks.digits import RepeatDigit  # noqa: E402
 
 GROUP = 8
+MODES = ("instant", "pool", "inline")
+BIN_S = 1.0
+"""The timeline's bin: tokens sampled in each second of a chunk's timed wall time."""
 
 
 class SlowVerifier(RepeatDigit):
@@ -60,74 +101,222 @@ def make(tokenizer: Any, completion_tokens: int, sleep_s: float) -> SlowVerifier
     return SlowVerifier(tokenizer, completion_tokens, sleep_s)
 
 
+class StepTokens:
+    """The tokens the engine's last step sampled, counted where EngineCore hands them out:
+    the in-process client's ``get_output`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), wrapped,
+    sums ``len(o.new_token_ids)`` over the step's ``EngineCoreOutput``s, whatever the
+    requests' output kind lets ``LLMEngine.step`` return."""
+
+    def __init__(self, llm: Any) -> None:
+        client = llm.llm_engine.engine_core
+        self._get_output, self.last = client.get_output, 0
+        client.get_output = self._counted
+
+    def _counted(self) -> Any:
+        out = self._get_output()
+        self.last += sum(len(o.new_token_ids) for o in out.outputs)
+        return out
+
+    def step(self, engine: Any) -> tuple[list[Any], int]:
+        """``engine.step()``'s outputs and the tokens it sampled."""
+        self.last = 0
+        outs = engine.step()
+        return outs, self.last
+
+
 class Loop:
     """One mode's sampling loop on the shared engine (``scorer``: None scores inline with ``task``)."""
 
-    def __init__(self, llm: Any, mode: str, params: Any, groups: int, scorer: Any, task: Any) -> None:
+    def __init__(self, llm: Any, mode: str, params: Any, groups: int, scorer: Any, task: Any,
+                 counter: StepTokens) -> None:
         self.llm, self.mode, self.params, self.groups, self.scorer, self.task = llm, mode, params, groups, scorer, task
-        self.rng, self.prompts, self.counter, self.scored = random.Random(0), {}, 0, 0
+        self.counter, self.completion = counter, params.max_tokens
+        self.rng, self.prompts, self.started, self.scored = random.Random(0), {}, 0, 0
+        self.most_waiting, self.waited_s = 0, 0.0
+        self.wave = []  # the first G groups of a chunk: completions of T / G, 2 T / G, ..., T tokens
+        for g in range(groups):
+            self.wave.append(params.clone())
+            self.wave[-1].max_tokens = max(1, (g + 1) * self.completion // groups)
 
-    def run(self, steps: int) -> dict:
-        engine, tokens, t0 = self.llm.llm_engine, 0, time.perf_counter()
-        for _ in range(steps):
+    def chunk(self, steps: int) -> dict:
+        """``steps`` timed engine steps from an empty engine, the first wave staggered, then the
+        drain (untimed): their tokens, wall time and timeline (tokens per ``BIN_S``, whole bins)."""
+        wave = iter(self.wave)
+        self._collect()  # rewards that came back while the other modes ran
+        tokens, done, bins, t0 = 0, 0, [0], time.perf_counter()
+        while done < steps:
             while len(self.prompts) < self.groups and (self.scorer is None or len(self.scorer) < self.groups):
-                self._start()
-            for out in engine.step():
-                if out.finished:
-                    tokens += sum(len(c.token_ids) for c in out.outputs)
-                    prompt = self.prompts.pop(out.request_id)
-                    if self.scorer is None:
-                        self.task.score([prompt] * GROUP, [Completion(c.text, c.token_ids, c.finish_reason or "")
-                                                           for c in out.outputs])
-                        self.scored += 1
-                    else:
-                        self.scorer.submit(out, prompt)
-            if self.scorer is not None:
-                self.scored += len(self.scorer.collect())
-        return {"tokens": tokens, "wall_s": time.perf_counter() - t0}
+                self._start(next(wave, self.params))
+            if not self.prompts:  # every group waits for its rewards: admission waits, nothing decodes
+                t = time.perf_counter()
+                time.sleep(0.002)
+                self._collect()
+                self.waited_s += time.perf_counter() - t
+                continue
+            n = self._step()
+            tokens, done = tokens + n, done + 1
+            at = int((time.perf_counter() - t0) / BIN_S)
+            bins.extend([0] * (at + 1 - len(bins)))
+            bins[at] += n
+        wall = time.perf_counter() - t0
+        self._drain()
+        return {"tokens": tokens, "wall_s": wall, "steps": done, "bins": bins[:int(wall / BIN_S)]}
 
-    def _start(self) -> None:
+    def _step(self) -> int:
+        outs, n = self.counter.step(self.llm.llm_engine)
+        for out in outs:
+            if out.finished:
+                prompt = self.prompts.pop(out.request_id)
+                if self.scorer is None:
+                    self.task.score([prompt] * GROUP, [Completion(c.text, c.token_ids, c.finish_reason or "")
+                                                       for c in out.outputs])
+                    self.scored += 1
+                else:
+                    self.scorer.submit(out, prompt)
+        self._collect()
+        return n
+
+    def _collect(self) -> None:
+        if self.scorer is not None:
+            self.most_waiting = max(self.most_waiting, len(self.scorer))
+            self.scored += len(self.scorer.collect())
+
+    def _start(self, params: Any) -> None:
         prompt = self.task.sample(self.rng)
-        rid = f"{self.mode}-{self.counter}"
-        self.counter += 1
+        rid = f"{self.mode}-{self.started}"
+        self.started += 1
         self.prompts[rid] = prompt
         ids = encode_prompt(self.llm.get_tokenizer(), prompt, "auto")
-        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, self.params)
+        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, params)
 
-    def drain(self) -> None:
-        """Finish what this mode has in flight (untimed), so the next mode starts on an empty engine."""
+    def _drain(self) -> None:
+        """Abort what this mode has decoding, so the next chunk starts on an empty engine."""
+        engine = self.llm.llm_engine
         for rid in list(self.prompts):
-            self.llm.llm_engine.abort_request([rid])
+            engine.abort_request([rid])
         self.prompts.clear()
-        while self.llm.llm_engine.has_unfinished_requests():
-            self.llm.llm_engine.step()
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+def rows_of(totals: dict[str, list[dict]], loops: dict[str, Loop]) -> list[dict]:
+    """Per mode: its timed chunks' tok/s and its ratio to ``instant``'s; each round's tok/s, its
+    ratio to the same round's ``instant``, their median."""
+    rate = {m: sum(c["tokens"] for c in cs) / sum(c["wall_s"] for c in cs) for m, cs in totals.items()}
+    rows = []
+    for m, cs in totals.items():
+        rounds = [c["tokens"] / c["wall_s"] for c in cs]
+        ratios = [x / (i["tokens"] / i["wall_s"]) for x, i in zip(rounds, totals["instant"], strict=True)]
+        rows.append({"mode": m, "tok_s": round(rate[m], 1), "vs_instant": round(rate[m] / rate["instant"], 3),
+                     "median_round_vs_instant": round(statistics.median(ratios), 3),
+                     "rounds_tok_s": [round(x, 1) for x in rounds], "rounds_vs_instant": [round(x, 3) for x in ratios],
+                     "tokens": sum(c["tokens"] for c in cs), "wall_s": round(sum(c["wall_s"] for c in cs), 1),
+                     "steps": sum(c["steps"] for c in cs), "groups_scored": loops[m].scored,
+                     "most_waiting": loops[m].most_waiting if loops[m].scorer is not None else None,
+                     "waited_s": round(loops[m].waited_s, 2)})
+    return rows
+
+
+def plot(rows: list[dict], totals: dict[str, list[dict]], title: str, png: Path) -> None:
+    """Left: tok/s per mode, its ratio to ``instant`` on the bar; right: tok/s over the last
+    round's timed seconds, per mode (each chunk's own clock)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"instant": "C0", "pool": "C2", "inline": "C3"}
+    fig, (bars, line) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [1, 2]})
+    xs = range(len(rows))
+    bars.bar(xs, [r["tok_s"] for r in rows], color=[colors[r["mode"]] for r in rows])
+    for x, r in zip(xs, rows, strict=True):
+        bars.text(x, r["tok_s"], f"{r['tok_s']:.0f}\n{r['vs_instant']:.3f}x", ha="center", va="bottom", fontsize=9)
+    bars.set_xticks(xs, [r["mode"] for r in rows])
+    bars.set_ylim(0, 1.25 * max(r["tok_s"] for r in rows))
+    bars.set_ylabel("decode tokens/s (wall time), x instant")
+    for m, cs in totals.items():
+        b = cs[-1]["bins"]
+        line.step([BIN_S * (i + 1) for i in range(len(b))], [n / BIN_S for n in b], where="pre", color=colors[m],
+                  label=m, lw=1.2)
+    line.set_xlabel(f"seconds into the last round's timed chunk ({BIN_S:g} s bins)")
+    line.set_ylabel("tokens/s")
+    line.set_ylim(bottom=0)
+    line.legend(loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+
+
+def started_on(cpus: tuple[int, ...], start: Any) -> Any:
+    """``start()`` called on a thread pinned to ``cpus`` (() : unpinned), so the threads and
+    processes it starts (the scoring pools' collectors and workers) run there."""
+    result = []
+
+    def run() -> None:
+        if cpus:
+            os.sched_setaffinity(0, set(cpus))
+        result.append(start())
+    t = threading.Thread(target=run, name="scoring-start")
+    t.start()
+    t.join()
+    if not result:
+        raise RuntimeError("the scoring processes did not start (the error is above)")
+    return result[0]
+
+
+def model_dir_of(args: argparse.Namespace) -> Path:
+    """``--size``: a tiny model (``bench.inflight``'s sizes), for smoke runs; else ``--model``."""
+    if args.size:
+        from bench.inflight import SIZES
+        from trainer.tiny_model import build_tiny_model, default_corpus
+
+        config = dataclasses.replace(SIZES[args.size], max_position_embeddings=1024)
+        return build_tiny_model(Path(tempfile.mkdtemp(prefix="bench-scoring-")) / args.size, default_corpus(), config)
+    from trainer.models import resolve_model
+
+    return resolve_model(args.model)
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", help="a model directory, hub id or 'smollm2' (trainer/models.py)")
+    ap.add_argument("--size", default=None, choices=["S", "M", "L"], help="a tiny model instead of --model (smoke)")
+    ap.add_argument("--sleep-s", type=float, default=2.0, help="the verifier's time per group")
+    ap.add_argument("--workers", type=int, default=None, help="task.scoring.workers (default: --groups-in-flight)")
+    ap.add_argument("--groups-in-flight", type=int, default=4)
+    ap.add_argument("--completion-tokens", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=576, help="timed engine steps per mode, over all rounds")
+    ap.add_argument("--rounds", type=int, default=18)
+    ap.add_argument("--placement", choices=["split", "shared"], default="split",
+                    help="bench.placement: the engine on one core, the scoring processes on the other; or shared")
+    ap.add_argument("--out", default="runs/scoring", help="results.json goes here")
+    ap.add_argument("--png", default="docs/scoring.png", help="the figure ('' for none)")
+    args = ap.parse_args()
+    args.workers = args.workers or args.groups_in_flight
+    return args
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2", help="a model directory, hub id or 'smollm2' (trainer/models.py)")
-    ap.add_argument("--sleep-s", type=float, default=2.0, help="the verifier's time per group")
-    ap.add_argument("--workers", type=int, default=2, help="task.scoring.workers")
-    ap.add_argument("--groups-in-flight", type=int, default=4)
-    ap.add_argument("--completion-tokens", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=300, help="engine steps per mode")
-    ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
+    args = parse()
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     from engine_patches.config import engine_kwargs
     from trainer.config_files import config_from_dict
-    from trainer.models import resolve_model
     from trainer.engine_process import sampling_of
     from trainer.rollout_scoring import GroupScorer
 
-    model_dir = str(resolve_model(args.model))
+    from bench.placement import engine_env
+
+    wall0 = time.perf_counter()
+    model_dir = str(model_dir_of(args))
+    cpus = engine_env(args.placement)  # this thread, the engine's: ENGINE_CORE and one thread in split
     llm = LLM(model_dir, enforce_eager=True, dtype="float32", max_model_len=256, seed=0,
               max_num_seqs=GROUP * args.groups_in_flight, **engine_kwargs())
     # no updates here: the outputs carry version 0, as an in-flight engine's do before its first commit
     llm.llm_engine.engine_core.engine_core._weight_version = "0"
-    load = [round(os.getloadavg()[0], 2)]
+    counter = StepTokens(llm)
     params = SamplingParams(n=GROUP, temperature=1.0, max_tokens=args.completion_tokens, ignore_eos=True, logprobs=0,
                             output_kind=RequestOutputKind.FINAL_ONLY)
 
@@ -139,32 +328,59 @@ def main() -> None:
         s.wait_ready()
         return s
     task = make(llm.get_tokenizer(), args.completion_tokens, args.sleep_s)
-    scorers = {"instant": scorer(0.0), "pool": scorer(args.sleep_s)}
-    loops = {m: Loop(llm, m, params, args.groups_in_flight, scorers.get(m), task)
-             for m in ("instant", "pool", "inline")}
-    totals = {m: {"tokens": 0, "wall_s": 0.0} for m in loops}
-    order = list(loops)
-    for m in order:  # untimed: the engine's first steps and each pool's first calls
-        loops[m].run(8)
-        loops[m].drain()
+    scorers = started_on(cpus, lambda: {"instant": scorer(0.0), "pool": scorer(args.sleep_s)})
+    loops = {m: Loop(llm, m, params, args.groups_in_flight, scorers.get(m), task, counter) for m in MODES}
+    for m in MODES:  # untimed: the engine's first steps and each pool's first calls
+        loops[m].chunk(max(1, args.completion_tokens // args.groups_in_flight))  # each scores a group
+    for loop in loops.values():  # the warm-up's groups scored, then the counts start
+        while loop.scorer is not None and len(loop.scorer):
+            time.sleep(0.05)
+            loop.scorer.collect()
+        loop.scored = loop.most_waiting = 0
+        loop.waited_s = 0.0
+    load = [round(os.getloadavg()[0], 2)]
+    totals: dict[str, list[dict]] = {m: [] for m in MODES}
     for r in range(args.rounds):
-        for m in order[r % 3:] + order[:r % 3]:
-            got = loops[m].run(args.steps // args.rounds)
-            loops[m].drain()
-            totals[m] = {k: totals[m][k] + got[k] for k in got}
+        for m in MODES[r % 3:] + MODES[:r % 3]:
+            totals[m].append(loops[m].chunk(args.steps // args.rounds))
+        load.append(round(os.getloadavg()[0], 2))
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{m} {c[-1]['tokens'] / c[-1]['wall_s']:.1f}" for m, c in totals.items()) + f" tok/s; load {load[-1]}",
+            flush=True)
     for s in scorers.values():
         s.close()
-    load.append(round(os.getloadavg()[0], 2))
-    ceiling = totals["instant"]["tokens"] / totals["instant"]["wall_s"]
-    rows = [{"mode": m, "tok_s": round(t["tokens"] / t["wall_s"], 1),
-             "vs_instant": round(t["tokens"] / t["wall_s"] / ceiling, 3), "groups_scored": loops[m].scored}
-            for m, t in totals.items()]
-    print(f"{Path(model_dir).name}: verifier {args.sleep_s} s per group, {args.workers} scoring workers, "
-          f"{args.groups_in_flight} groups of {GROUP} x {args.completion_tokens} tokens; load {load[0]} -> {load[1]}")
+    rows = rows_of(totals, loops)
+    model = f"tiny-{args.size}" if args.size else Path(model_dir).name
+    group_rate = rows[0]["tok_s"] / (GROUP * args.completion_tokens)
+    verifier_rate = args.workers / args.sleep_s
+    covered = verifier_rate >= group_rate
+    print(f"{model}: verifier {args.sleep_s} s per group, {args.workers} scoring workers, {args.groups_in_flight} "
+          f"groups of {GROUP} x {args.completion_tokens} tokens, {args.steps // args.rounds} timed steps per mode "
+          f"in each of {args.rounds} rounds, placement {args.placement}; load average (1 min) at the start, "
+          f"after each round: {load}")
     for row in rows:
-        print(f"  {row['mode']:8} {row['tok_s']:8} tok/s  {row['vs_instant']:.3f} of instant  "
-              f"{row['groups_scored']} groups scored")
-    print(json.dumps({"bench": "scoring", **vars(args), "load_1m": load, "rows": rows}))
+        waits = (f"; at most {row['most_waiting']} waiting for rewards, admission waited {row['waited_s']} s"
+                 if row["most_waiting"] is not None else "")
+        print(f"  {row['mode']:8} {row['tok_s']:8} tok/s  {row['vs_instant']:.3f} of instant (median of the rounds' "
+              f"ratios {row['median_round_vs_instant']:.3f}), {row['groups_scored']} groups scored{waits}\n"
+              f"           rounds: {row['rounds_tok_s']} tok/s, {row['rounds_vs_instant']} of instant")
+    print(f"verifier throughput {verifier_rate:.2f} groups/s ({args.workers} workers / {args.sleep_s} s) "
+          + (f"covers the engine's {group_rate:.2f} groups/s" if covered else
+             f"does NOT cover the engine's {group_rate:.2f} groups/s: admission waits for the verifier "
+             f"(raise --workers to {int(group_rate * args.sleep_s) + 1} or more)"))
+    result = {"bench": "scoring", **vars(args), "model": model, "group": GROUP, "load_1m": load,
+              "group_rate": round(group_rate, 3), "verifier_rate": round(verifier_rate, 3),
+              "verifier_covers": covered, "wall_s": round(time.perf_counter() - wall0, 1), "rows": rows,
+              "bins": {m: [c["bins"] for c in cs] for m, cs in totals.items()}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result) + "\n")
+    if args.png:
+        plot(rows, totals, f"{model}: verifier {args.sleep_s:g} s per group, {args.workers} workers, "
+             f"{args.groups_in_flight} x {GROUP} x {args.completion_tokens} tokens in flight, {args.placement} "
+             f"cores; load {load[0]}-"
+             f"{max(load)}", Path(args.png))
+    print(json.dumps({k: v for k, v in result.items() if k != "bins"}))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from engine_patches.client import coordinator_of, start_inflight
 from engine_patches.config import InflightConfig, engine_kwargs
-from inflight.protocol import RolloutGroup, RolloutSample, Sampling
+from inflight.protocol import RolloutGroup, RolloutSample, Sampling, decode_group, encode
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
 from tests.engine_harness import Reference, perturbed, replay, stop_engine
@@ -89,7 +89,11 @@ def test_observation_tokens_receive_no_gradient(tiny_llama) -> None:
         samples.append(RolloutSample(sample_id=f"g-{i}", group_id="g", prompt_ids=[5, 6, 7, 8][: 3 + i],
                                      token_ids=tokens, logprobs=[-0.5 if not o else 0.0 for o in obs],
                                      versions=[0] * len(obs), reward=reward, observation=[bool(o) for o in obs]))
-    batch = collate([RolloutGroup(group_id="g", samples=tuple(samples))], pad_id=0, normalize_std=False)
+    group = RolloutGroup(group_id="g", samples=tuple(samples))
+    assert decode_group(encode(group)) == group  # the queue and the checkpoint's pending groups keep the flags
+    with pytest.raises(ValueError, match="observation flags"):
+        RolloutSample(**{**{f: getattr(samples[0], f) for f in samples[0].__struct_fields__}, "observation": [True] * 7})
+    batch = collate([group], pad_id=0, normalize_std=False)
     logp, entropy = policy_logprobs(ref.model, batch, temperature=1.0, impl="torch")
     logp.retain_grad()
     entropy.retain_grad()
