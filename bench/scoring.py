@@ -19,42 +19,42 @@ the ``repeat_digit`` reward after the sleep). Modes:
    scored before ``trainer.rollout_scoring``: every sequence waits for it.
 
 Each mode runs in ``--rounds`` chunks of ``--steps / --rounds`` timed engine steps on the same
-engine, the order of the modes rotated each round, after one untimed warm-up chunk per mode.
-A chunk starts on an empty engine with G groups, the first wave, whose completions are T / G,
-2 T / G, ..., T tokens long; every later group's are T. With every completion exactly T
-tokens long, groups started together would finish together for ever, all G at the verifier
-at once, a burst that the varied completion lengths of training do not make; staggered,
-one group finishes every T / G steps from the chunk's first step on, as in an engine that
-has run for a while, with no untimed ramp. When the chunk's steps are done it aborts what is
-in flight and drains (untimed). Workers start, and build their task, before anything runs.
+engine, the order of the modes rotated each round, after an untimed warm-up chunk per mode;
+the scoring processes start, and build their task, before anything runs. A chunk starts on an
+empty engine with G groups whose completions are T / G, 2 T / G, ..., T tokens long (later
+groups': T). Groups of one length started together would finish together for ever, all G at
+the verifier at once, a burst that training's varied lengths do not make; staggered, one
+group finishes every T / G steps from the start, as in an engine that has run a while. That
+first step prefills all G groups (the steady state prefills one per T / G steps; its median
+time is reported) and is untimed; the timed steps follow. Then the chunk aborts what is in
+flight and drains (untimed).
 
 Placement (``--placement``, ``bench.placement``). ``split`` (the default) emulates a GPU
-node: the engine computes with one thread on ``ENGINE_CORE``, and the scoring processes (the
-collector thread with them) run on ``TRAINER_CORE``, as a GPU engine's verifiers run on host
-cores the decode does not use. ``shared``: torch's OpenMP team on both cores, the scoring
-processes anywhere; there any other work on a core stalls the whole team at every parallel
-region, and on this machine, shared with other jobs, a chunk's tok/s swung tenfold from one
-round to the next (2026-11-26), which is why ``split`` is the default.
+node: the engine computes with one thread on ``ENGINE_CORE``; the scoring processes and
+their collector thread run on ``TRAINER_CORE``, as a GPU engine's verifiers run on host cores
+decode does not use. ``shared``: torch's OpenMP team on both cores, the scoring processes
+anywhere; any other work on a core then stalls the whole team at every parallel region, and
+on this machine, shared with other jobs, a chunk's tok/s swung tenfold between rounds.
 
 What is counted, exactly: every engine step's sampled tokens, where the engine core hands
-them out. The bench wraps the in-process client's ``get_output`` (``StepTokens``) and adds
-up each ``EngineCoreOutput``'s ``new_token_ids``: the tokens that step sampled for each
-running request (each of a group's 8 samples is one), whether or not its group finishes in
-the chunk. The requests keep ``RequestOutputKind.FINAL_ONLY``, so the loop sees a group
-whole when it finishes and hands it to the scorer as the engine process does. A mode's tok/s
-is its timed chunks' tokens over their wall time, waits included: ``inline``'s sleeps, and
-for ``pool`` the time admission waited for rewards with nothing left to decode (such a
-wait is time, not a step: every mode runs the same number of decode steps).
+them out. ``StepTokens`` wraps the in-process client's ``get_output`` and adds up each
+``EngineCoreOutput``'s ``new_token_ids``: the tokens that step sampled for each running
+request (each of a group's 8 samples is one), whether or not its group finishes in the
+chunk. The requests keep ``RequestOutputKind.FINAL_ONLY``: the loop sees a group whole when
+it finishes and hands it to the scorer as the engine process does. A mode's tok/s is its
+timed chunks' tokens over their wall time, waits included: ``inline``'s sleeps, and for
+``pool`` any time admission waited for rewards with nothing left to decode (time, not a step:
+every mode runs the same number of decode steps).
 
-Reports per mode: tok/s, its ratio to ``instant``'s, each round's tok/s and ratio to the same
-round's ``instant`` (and their median: a round's modes run within a minute or two of each
-other, so its ratio is the one other jobs on the machine disturb least), the groups scored,
-the most groups waiting for rewards at once and the seconds admission waited for them. The
-verifier keeps up when its throughput, ``--workers`` / ``--sleep-s`` groups per second,
-covers the engine's group rate (``instant``'s tok/s / (8 T)); the output says whether it
-did. ``--workers`` defaults to G: G groups can then be scored at once, as many as admission
-lets wait. Writes ``results.json`` under ``--out`` and the figure ``--png`` (tok/s per mode
-with its ratio to ``instant``; tok/s over the last round's timed seconds, per mode).
+Reports per mode: tok/s and its ratio to ``instant``'s; each round's, its ratio to the same
+round's ``instant`` and their median (a round's modes run within a minute of each other: the
+ratio other jobs on the machine disturb least); the median step; the groups scored; the most
+groups waiting for rewards at once and how long admission waited for them. The verifier
+keeps up when its throughput, ``--workers`` / ``--sleep-s`` groups per second, covers the
+engine's group rate (``instant``'s tok/s / (8 T)); the output says whether it did.
+``--workers`` defaults to G, as many as admission lets wait. Writes ``results.json`` under
+``--out`` and the figure ``--png`` (tok/s per mode, its ratio to ``instant``; tokens over
+each timed chunk's seconds, per round and mode).
 """
 
 from __future__ import annotations
@@ -80,8 +80,6 @@ from trainer.tasks.digits import RepeatDigit  # noqa: E402
 
 GROUP = 8
 MODES = ("instant", "pool", "inline")
-BIN_S = 1.0
-"""The timeline's bin: tokens sampled in each second of a chunk's timed wall time."""
 
 
 class SlowVerifier(RepeatDigit):
@@ -139,14 +137,19 @@ class Loop:
             self.wave[-1].max_tokens = max(1, (g + 1) * self.completion // groups)
 
     def chunk(self, steps: int) -> dict:
-        """``steps`` timed engine steps from an empty engine, the first wave staggered, then the
-        drain (untimed): their tokens, wall time and timeline (tokens per ``BIN_S``, whole bins)."""
-        wave = iter(self.wave)
+        """From an empty engine: the first wave's step (untimed), ``steps`` timed engine steps,
+        the drain (untimed). Returns the timed steps' tokens, wall time and trace (each step's
+        end, seconds into the chunk, and its tokens)."""
         self._collect()  # rewards that came back while the other modes ran
-        tokens, done, bins, t0 = 0, 0, [0], time.perf_counter()
+        t = time.perf_counter()
+        for params in self.wave:
+            self._start(params)
+        self._step()
+        tokens, done, trace, t0 = 0, 0, [], time.perf_counter()
+        wave_s = t0 - t
         while done < steps:
             while len(self.prompts) < self.groups and (self.scorer is None or len(self.scorer) < self.groups):
-                self._start(next(wave, self.params))
+                self._start(self.params)
             if not self.prompts:  # every group waits for its rewards: admission waits, nothing decodes
                 t = time.perf_counter()
                 time.sleep(0.002)
@@ -155,12 +158,10 @@ class Loop:
                 continue
             n = self._step()
             tokens, done = tokens + n, done + 1
-            at = int((time.perf_counter() - t0) / BIN_S)
-            bins.extend([0] * (at + 1 - len(bins)))
-            bins[at] += n
+            trace.append((round(time.perf_counter() - t0, 3), n))
         wall = time.perf_counter() - t0
         self._drain()
-        return {"tokens": tokens, "wall_s": wall, "steps": done, "bins": bins[:int(wall / BIN_S)]}
+        return {"tokens": tokens, "wall_s": wall, "steps": done, "trace": trace, "wave_s": wave_s}
 
     def _step(self) -> int:
         outs, n = self.counter.step(self.llm.llm_engine)
@@ -199,9 +200,16 @@ class Loop:
             engine.step()
 
 
+def step_s(trace: list[tuple[float, int]]) -> list[float]:
+    """Each timed step's wall time, from a chunk's trace (an inline score is inside its step)."""
+    ends = [t for t, _ in trace]
+    return [b - a for a, b in zip([0.0] + ends, ends, strict=False)]
+
+
 def rows_of(totals: dict[str, list[dict]], loops: dict[str, Loop]) -> list[dict]:
     """Per mode: its timed chunks' tok/s and its ratio to ``instant``'s; each round's tok/s, its
-    ratio to the same round's ``instant``, their median."""
+    ratio to the same round's ``instant``, their median; the median step over all its chunks
+    (what decoding costs a step, apart from the steps a wait or another job stretched)."""
     rate = {m: sum(c["tokens"] for c in cs) / sum(c["wall_s"] for c in cs) for m, cs in totals.items()}
     rows = []
     for m, cs in totals.items():
@@ -213,13 +221,15 @@ def rows_of(totals: dict[str, list[dict]], loops: dict[str, Loop]) -> list[dict]
                      "tokens": sum(c["tokens"] for c in cs), "wall_s": round(sum(c["wall_s"] for c in cs), 1),
                      "steps": sum(c["steps"] for c in cs), "groups_scored": loops[m].scored,
                      "most_waiting": loops[m].most_waiting if loops[m].scorer is not None else None,
-                     "waited_s": round(loops[m].waited_s, 2)})
+                     "waited_s": round(loops[m].waited_s, 2),
+                     "median_step_ms": round(1e3 * statistics.median(d for c in cs for d in step_s(c["trace"])), 1),
+                     "wave_step_s": round(statistics.median(c["wave_s"] for c in cs), 2)})
     return rows
 
 
 def plot(rows: list[dict], totals: dict[str, list[dict]], title: str, png: Path) -> None:
-    """Left: tok/s per mode, its ratio to ``instant`` on the bar; right: tok/s over the last
-    round's timed seconds, per mode (each chunk's own clock)."""
+    """Left: tok/s per mode, its ratio to ``instant`` on the bar; right: tokens sampled over
+    each timed chunk's wall time, one line per round and mode (a slope is a tok/s)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -230,17 +240,19 @@ def plot(rows: list[dict], totals: dict[str, list[dict]], title: str, png: Path)
     xs = range(len(rows))
     bars.bar(xs, [r["tok_s"] for r in rows], color=[colors[r["mode"]] for r in rows])
     for x, r in zip(xs, rows, strict=True):
-        bars.text(x, r["tok_s"], f"{r['tok_s']:.0f}\n{r['vs_instant']:.3f}x", ha="center", va="bottom", fontsize=9)
+        bars.text(x, r["tok_s"], f"{r['tok_s']:.0f} tok/s\n{r['vs_instant']:.3f}x\n(rounds' median\n"
+                  f"{r['median_round_vs_instant']:.3f}x)", ha="center", va="bottom", fontsize=8)
     bars.set_xticks(xs, [r["mode"] for r in rows])
-    bars.set_ylim(0, 1.25 * max(r["tok_s"] for r in rows))
+    bars.set_ylim(0, 1.45 * max(r["tok_s"] for r in rows))
     bars.set_ylabel("decode tokens/s (wall time), x instant")
     for m, cs in totals.items():
-        b = cs[-1]["bins"]
-        line.step([BIN_S * (i + 1) for i in range(len(b))], [n / BIN_S for n in b], where="pre", color=colors[m],
-                  label=m, lw=1.2)
-    line.set_xlabel(f"seconds into the last round's timed chunk ({BIN_S:g} s bins)")
-    line.set_ylabel("tokens/s")
-    line.set_ylim(bottom=0)
+        for i, c in enumerate(cs):
+            ts, ns = [0.0] + [t for t, _ in c["trace"]], [0]
+            for _, n in c["trace"]:
+                ns.append(ns[-1] + n)
+            line.plot(ts, ns, color=colors[m], lw=0.8, alpha=0.45, label=m if i == 0 else None)
+    line.set_xlabel("seconds into a timed chunk (one line per round)")
+    line.set_ylabel("tokens sampled")
     line.legend(loc="lower right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -302,12 +314,11 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    from bench.placement import engine_env
     from engine_patches.config import engine_kwargs
     from trainer.config_files import config_from_dict
     from trainer.engine_process import sampling_of
     from trainer.rollout_scoring import GroupScorer
-
-    from bench.placement import engine_env
 
     wall0 = time.perf_counter()
     model_dir = str(model_dir_of(args))
@@ -362,7 +373,8 @@ def main() -> None:
         waits = (f"; at most {row['most_waiting']} waiting for rewards, admission waited {row['waited_s']} s"
                  if row["most_waiting"] is not None else "")
         print(f"  {row['mode']:8} {row['tok_s']:8} tok/s  {row['vs_instant']:.3f} of instant (median of the rounds' "
-              f"ratios {row['median_round_vs_instant']:.3f}), {row['groups_scored']} groups scored{waits}\n"
+              f"ratios {row['median_round_vs_instant']:.3f}), {row['groups_scored']} groups scored{waits}; the "
+              f"median step {row['median_step_ms']} ms, the wave's untimed step {row['wave_step_s']} s\n"
               f"           rounds: {row['rounds_tok_s']} tok/s, {row['rounds_vs_instant']} of instant")
     print(f"verifier throughput {verifier_rate:.2f} groups/s ({args.workers} workers / {args.sleep_s} s) "
           + (f"covers the engine's {group_rate:.2f} groups/s" if covered else
@@ -371,16 +383,15 @@ def main() -> None:
     result = {"bench": "scoring", **vars(args), "model": model, "group": GROUP, "load_1m": load,
               "group_rate": round(group_rate, 3), "verifier_rate": round(verifier_rate, 3),
               "verifier_covers": covered, "wall_s": round(time.perf_counter() - wall0, 1), "rows": rows,
-              "bins": {m: [c["bins"] for c in cs] for m, cs in totals.items()}}
+              "traces": {m: [c["trace"] for c in cs] for m, cs in totals.items()}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result) + "\n")
     if args.png:
         plot(rows, totals, f"{model}: verifier {args.sleep_s:g} s per group, {args.workers} workers, "
              f"{args.groups_in_flight} x {GROUP} x {args.completion_tokens} tokens in flight, {args.placement} "
-             f"cores; load {load[0]}-"
-             f"{max(load)}", Path(args.png))
-    print(json.dumps({k: v for k, v in result.items() if k != "bins"}))
+             f"cores; load {min(load)}-{max(load)}", Path(args.png))
+    print(json.dumps({k: v for k, v in result.items() if k != "traces"}))
 
 
 if __name__ == "__main__":
