@@ -4,6 +4,7 @@ end of that file."""
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -55,18 +56,21 @@ def _failing_engine(cfg, *args, log_file: str, **kwargs) -> None:
     raise RuntimeError("the engine could not start")
 
 
-def test_an_engine_that_fails_is_reported_with_the_end_of_its_log(tmp_path, monkeypatch, capsys) -> None:
+def test_an_engine_that_fails_is_reported_with_the_end_of_its_log(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr("trainer.fleet.run_engine", _failing_engine)
+    # the console, read without truncating it: capsys.readouterr() empties its buffer between a
+    # read and a truncate, and loses what the watcher thread writes in between (it hung here)
+    console = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", console)
     cfg = config_from_dict({"run": {"out_dir": str(tmp_path)}})
     fleet = Fleet(cfg, tmp_path, 0, 0, Placement(backend="gloo", engine_devices=None), tmp_path)
     fleet.start(wait_for_version=0)
-    seen = ""
     try:
-        while "RuntimeError: the engine could not start" not in seen:  # the watcher's report: no deadline
-            seen += capsys.readouterr().out
+        while "RuntimeError: the engine could not start" not in console.getvalue():  # the watcher's report
             fleet.engines[0].process.join(0.1)
     finally:
         fleet.stop()
+    seen = console.getvalue()
     log = tmp_path / "engine0.log"
     assert f"engines: logs in {log}" in seen
     assert f"engine 0 (process {fleet.engines[0].process.pid}) exited with code 1; the last lines of {log}:" in seen
