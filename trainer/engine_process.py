@@ -119,9 +119,9 @@ class RolloutLoop:
         self.rng = random.Random(cfg.run.seed * 1000 + rank)
         self.episodic = is_episodic(self.task)  # one request per turn of each episode (``trainer.episode_rollout``)
         # a chat model ends its turn with a token only its generation config may name (<|im_end|>)
-        self.params = SamplingParams(n=1 if self.episodic else cfg.rollout.group_size, temperature=cfg.rollout.temperature,
-                                     max_tokens=cfg.task.completion_tokens, logprobs=0,
-                                     stop_token_ids=model_stop_ids(model_dir, self.tokenizer),
+        self.params = SamplingParams(n=1 if self.episodic else cfg.rollout.group_size,
+                                     temperature=cfg.rollout.temperature, max_tokens=cfg.task.completion_tokens,
+                                     logprobs=0, stop_token_ids=model_stop_ids(model_dir, self.tokenizer),
                                      output_kind=RequestOutputKind.FINAL_ONLY)
         self.queue = RolloutQueue(group.connect("rollout"), cfg.rollout.queue_capacity)
         if self.episodic:
@@ -151,7 +151,7 @@ class RolloutLoop:
     def _start_inflight(self) -> bool | None:
         # as many groups decoding as configured, and at most as many more waiting for their rewards
         cap = self.cfg.rollout.in_flight_groups
-        while self._decoding() < cap and len(self.scorer) < cap and self._room_to_start():
+        while self.scorer.decoding(self.prompts) < cap and len(self.scorer) < cap and self._room_to_start():
             self._add_group()
         if not self.prompts:  # the trainer is loss.max_lag behind: idle (an idle engine commits without steps)
             return None if self._held() else False
@@ -219,7 +219,7 @@ class RolloutLoop:
         # tokenization would add a BOS in front of it), and evaluation encodes the same way
         ids = encode_prompt(self.tokenizer, prompt, self.cfg.task.chat)
         if self.episodic:
-            self.scorer.start_group(rid, prompt, ids)  # type: ignore[attr-defined]  # its turns come back through _add_turn
+            self.scorer.start_group(rid, prompt, ids)  # type: ignore[attr-defined]  # turns come back via _add_turn
             return
         self.prompts[rid] = prompt
         self.llm_engine.add_request(rid, {"prompt_token_ids": ids}, self.params, lora_request=self.lora_request)
@@ -238,10 +238,6 @@ class RolloutLoop:
         self.llm_engine.abort_request(rids)
         for rid in rids:
             self.prompts.pop(rid, None)
-
-    def _decoding(self) -> int:
-        """Groups with a request on the engine."""
-        return self.scorer.decoding(self.prompts) if self.episodic else len(self.prompts)  # type: ignore[attr-defined]
 
     # -- the queue, across trainer restarts ---------------------------------------------------
     def _ship_backlog(self) -> bool:
@@ -275,7 +271,8 @@ class RolloutLoop:
     def _room_to_start(self) -> bool:
         try:  # groups ahead of a new one: queued, or decoding on each engine of the fleet (the
             # others' share estimated as this one's)
-            ahead = self.queue.depth() + (self._decoding() + len(self.scorer)) * self.cfg.engine.count
+            in_flight = self.scorer.decoding(self.prompts) + len(self.scorer)
+            ahead = self.queue.depth() + in_flight * self.cfg.engine.count
             trainer = self.queue.consumer_version()
         except (RuntimeError, TransportError):  # the trainer's store is gone: hold for the next trainer
             return False

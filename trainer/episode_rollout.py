@@ -118,7 +118,7 @@ class EpisodeRollout(GroupScorer):
         self._record(gid)
 
     def decoding(self, requests: dict) -> int:
-        """Groups with a turn on the engine (the rollout loop's cap on decoding groups)."""
+        """Groups with a turn on the engine (``requests`` holds one per episode decoding)."""
         return sum(1 for g in self.groups.values() if g.decoding)
 
     def __len__(self) -> int:
@@ -183,8 +183,7 @@ class EpisodeRollout(GroupScorer):
 
     def _room(self, episode: Transcript) -> int:
         """Tokens the episode's next turn may sample: its budget and the engine's context."""
-        return min(self.episode_cfg.max_tokens - len(episode.token_ids),
-                   self.max_model_len - len(episode.context_ids()))
+        return episode.room(self.episode_cfg.max_tokens, self.max_model_len)
 
     def _next_turn(self, gid: str, k: int) -> None:
         episode = self.groups[gid].episodes[k]

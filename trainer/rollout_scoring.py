@@ -49,6 +49,10 @@ class GroupScorer:
         """Groups submitted whose rewards have not come back."""
         return len(self.waiting)
 
+    def decoding(self, requests: dict) -> int:
+        """Groups on the engine, of its ``requests`` (request id -> prompt): one request each."""
+        return len(requests)
+
     def submit(self, out: Any, prompt: Any) -> None:
         from trainer.tasks import Completion
 

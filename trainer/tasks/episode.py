@@ -124,18 +124,16 @@ class ObservationRenderer:
     def __init__(self, tokenizer: Any, chat: ChatMode) -> None:
         self.tokenizer, self.chat = tokenizer, uses_chat(tokenizer, chat)
         if self.chat:
-            head = [{"role": "user", "content": "q"}, {"role": "assistant", "content": self._MARK}]
-            closed = self._render(head, generation=False)
-            self.closing = closed.split(self._MARK, 1)[1]  # "<|im_end|>\n"
-            self._head = closed
+            self._messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": self._MARK}]
+            self._head = self._render(self._messages, generation=False)
+            self.closing = self._head.split(self._MARK, 1)[1]  # "<|im_end|>\n"
 
     def _render(self, messages: list[dict], generation: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
 
     def message_text(self, role: str, content: str) -> str:
         """The template's text for one message followed by the generation prompt."""
-        head = [{"role": "user", "content": "q"}, {"role": "assistant", "content": self._MARK}]
-        full = self._render(head + [{"role": role, "content": content}], generation=True)
+        full = self._render(self._messages + [{"role": role, "content": content}], generation=True)
         if not full.startswith(self._head):
             raise ValueError("the chat template renders earlier messages differently once another follows; "
                              "set task.chat = 'off' and render observations yourself")
@@ -178,6 +176,11 @@ class Transcript:
     def context_ids(self) -> list[int]:
         """The next turn's prompt: the opening prompt and everything since."""
         return self.prompt_ids + self.token_ids
+
+    def room(self, max_tokens: int, max_model_len: int) -> int:
+        """Tokens the next turn may sample: the episode's budget (``task.episode.max_tokens``)
+        and the model's context; below 1, the turn just taken is the last."""
+        return min(max_tokens - len(self.token_ids), max_model_len - len(self.prompt_ids) - len(self.token_ids))
 
     def add_reply(self, text: str, token_ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
                   finish_reason: str, hybrid_tokens: int = 0) -> None:

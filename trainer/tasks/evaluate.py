@@ -64,7 +64,7 @@ def _run_turn(task: Any, view: Any) -> Any:
 
 
 def greedy_episodes(model: Any, tokenizer: Any, task: Any, prompts: Sequence[Prompt], *, chat: ChatMode,
-                    max_new_tokens: int, stop_ids: Sequence[int], max_turns: int, max_tokens: int,
+                    max_new_tokens: int, stop_ids: Sequence[int], max_turns: int, max_tokens: int, max_model_len: int,
                     pad: int) -> tuple[list[float], list[str]]:
     """Greedy multi-turn episodes (``EpisodeTask``), the environment called in this process:
     each episode's reward (0 where the environment failed, logged) and transcript."""
@@ -78,7 +78,7 @@ def greedy_episodes(model: Any, tokenizer: Any, task: Any, prompts: Sequence[Pro
         for i, c in zip(active, replies):
             e = episodes[i]
             e.add_reply(c.text, c.token_ids, [0.0] * len(c.token_ids), [0] * len(c.token_ids), c.finish_reason)
-            last = e.turns >= max_turns or len(e.token_ids) + 1 >= max_tokens
+            last = e.turns >= max_turns or e.room(max_tokens, max_model_len) < 1  # the engine's rule
             try:
                 turn = _run_turn(task, e.view(last=last))
             except Exception as err:  # noqa: BLE001  an evaluation episode that fails scores 0
@@ -98,7 +98,7 @@ def greedy_episodes(model: Any, tokenizer: Any, task: Any, prompts: Sequence[Pro
 @torch.no_grad()
 def greedy_eval(model: Any, tokenizer: Any, task: Task, prompts: Sequence[Prompt], *, chat: ChatMode,
                 max_new_tokens: int, stop_ids: Sequence[int], batch_size: int = 16, max_turns: int = 1,
-                max_tokens: int = 1 << 30) -> dict[str, Any]:
+                max_tokens: int = 1 << 30, max_model_len: int = 1 << 30) -> dict[str, Any]:
     """``eval_accuracy`` (share of prompts the task counts as solved), ``eval_reward`` (mean),
     ``eval_prompts`` (how many) and ``eval_examples`` (the first three, for the log). A
     multi-turn task (``EpisodeTask``) plays whole episodes of at most ``max_turns`` turns."""
@@ -112,7 +112,8 @@ def greedy_eval(model: Any, tokenizer: Any, task: Task, prompts: Sequence[Prompt
             batch = list(prompts[start:start + batch_size])
             if is_episodic(task):
                 got, shown = greedy_episodes(model, tokenizer, task, batch, chat=chat, max_new_tokens=max_new_tokens,
-                                             stop_ids=stop_ids, max_turns=max_turns, max_tokens=max_tokens, pad=pad)
+                                             stop_ids=stop_ids, max_turns=max_turns, max_tokens=max_tokens,
+                                             max_model_len=max_model_len, pad=pad)
             else:
                 completions = _generate(model, tokenizer, [encode_prompt(tokenizer, p, chat) for p in batch], pad=pad,
                                         max_new_tokens=max_new_tokens, stop_ids=stop_ids)
@@ -135,6 +136,7 @@ class Evaluator:
         self.tokenizer, self.task, self.chat = tokenizer, task, cfg.task.chat
         self.max_new_tokens = cfg.task.completion_tokens
         self.max_turns, self.max_tokens = cfg.task.episode.max_turns, cfg.task.episode.max_tokens
+        self.max_model_len = cfg.engine.max_model_len
         self.prompts = task.eval_prompts(cfg.eval.prompts)
         self.stop_ids = model_stop_ids(model_dir, tokenizer)
 
@@ -146,5 +148,5 @@ class Evaluator:
         t0 = time.perf_counter()
         result = greedy_eval(model, self.tokenizer, self.task, self.prompts, chat=self.chat,
                              max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, max_turns=self.max_turns,
-                             max_tokens=self.max_tokens)
+                             max_tokens=self.max_tokens, max_model_len=self.max_model_len)
         return {**result, "eval_ms": 1e3 * (time.perf_counter() - t0)}
