@@ -13,12 +13,13 @@ WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "it")
 
 
 class Echo(EpisodeTask):
-    """``turns`` turns: each reply is answered ``obs <i>`` (as a tool); the last earns the
-    number of characters the policy wrote. A prompt's ``meta["fault"]`` makes every turn of
+    """``turns`` turns: each reply is answered ``obs <i>`` (as a tool; the second as raw token
+    ids, ``observation_ids``, of `` ids 2 ``); the last earns the number of characters the
+    policy wrote. A prompt's ``meta["fault"]`` makes every turn of
     its episodes raise, hang, answer garbage or run out of memory."""
 
-    def __init__(self, turns: int, prompt_chars: int) -> None:
-        self.turns, self.prompt_chars = turns, prompt_chars
+    def __init__(self, tokenizer, turns: int, prompt_chars: int) -> None:  # noqa: ANN001
+        self.tokenizer, self.turns, self.prompt_chars = tokenizer, turns, prompt_chars
 
     def sample(self, rng: random.Random) -> Prompt:
         text = ""
@@ -38,7 +39,10 @@ class Echo(EpisodeTask):
             return Turn(observation=str(len(bytearray(64 << 30))))
         if episode.last or len(episode.replies) >= self.turns:
             return Turn(done=True, reward=float(sum(len(r) for r in episode.replies)))
-        return Turn(observation=f" obs {len(episode.replies)} ", state={"turn": len(episode.replies)})
+        n = len(episode.replies)
+        if n == 2:
+            return Turn(observation_ids=self.tokenizer(f" ids {n} ", add_special_tokens=False).input_ids)
+        return Turn(observation=f" obs {n} ", state={"turn": n})
 
     def eval_prompts(self, n: int) -> list[Prompt]:
         rng = random.Random(7)
@@ -46,4 +50,4 @@ class Echo(EpisodeTask):
 
 
 def make(tokenizer, turns: int = 3, prompt_chars: int = 300) -> Echo:  # noqa: ANN001
-    return Echo(turns, prompt_chars)
+    return Echo(tokenizer, turns, prompt_chars)

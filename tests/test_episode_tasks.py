@@ -136,6 +136,11 @@ def test_calculator_calls_the_tool() -> None:
     (("calc: 347 * 29", "answer: 10,063"), {"calls": 1}, False, 1.0),
     (("answer: 10063.0",), {}, False, 1.0),
     (("**Answer:** 10063",), {}, False, 1.0),
+    (("answer: `10063`.",), {}, False, 1.0),
+    (("calc: 347 * 29", "answer: 10063 * 60"), {"calls": 1}, True, 0.2),  # a junk tail: no answer
+    (("answer: 10063 * 60",), {}, False, None),                # ... a reminder before the last turn
+    (("answer: 10063 is the result",), {}, True, 0.0),
+    (("answer: 10063 * 60\nanswer: 10063",), {}, True, 0.0),   # the first answer line decides
     (("answer: 10064",), {}, False, 0.0),                      # wrong, no call
     (("calc: 347 * 29", "answer: 10064"), {"calls": 1}, False, 0.2),  # wrong after a good call: the credit
     (("calc: 347 * 29", "answer: 10064"), {"calls": 3}, False, 0.2),  # paid once
@@ -263,6 +268,13 @@ def test_guess_number_feedback() -> None:
     ({}, ("nothing",), True, 0.0),
     ({"closeness_credit": 0.0}, ("36",), True, 0.0),
     ({"closeness_credit": 0.4}, ("38",), True, 0.4 * (1 - 1 / 99)),
+    # secret 37: 50 (1..100 open), 20 (1..49 open), 30 (21..49) and 31 (31..49) are consistent; 60 is not
+    # (32..49 open) and "x", no guess, is not either: 4 of 6 replies
+    ({"closeness_credit": 0.0, "consistency_credit": 0.3}, ("50", "20", "30", "x", "31", "60"), True, 0.3 * 4 / 6),
+    ({"closeness_credit": 0.1, "consistency_credit": 0.3}, ("50", "20", "30", "x", "31", "60"), True,
+     0.1 * (1 - 23 / 99) + 0.3 * 4 / 6),
+    ({"closeness_credit": 0.0, "consistency_credit": 0.3}, ("50", "51", "200", "40"), True, 0.3 * 2 / 4),
+    ({"consistency_credit": 0.29}, ("nothing",), True, 0.0),
 ])
 def test_guess_number_rewards(kwargs: dict, replies: tuple[str, ...], last: bool, reward: float) -> None:
     task = GuessNumber(**kwargs)
@@ -304,6 +316,8 @@ def test_guess_number_eval_prompts_are_held_out() -> None:
     ({"turn_penalty": 0.6}, r"turn_penalty=0.6 must be in \[0, 0.5\]"),
     ({"turn_penalty": -0.1}, r"turn_penalty=-0.1 must be in"),
     ({"closeness_credit": 0.5}, r"closeness_credit=0.5 must be in \[0, 0.5\)"),
+    ({"consistency_credit": 0.3}, r"consistency_credit=0.3 must be in \[0, 0.3\) \(with closeness_credit=0.2"),
+    ({"consistency_credit": -0.1}, r"consistency_credit=-0.1 must be in"),
     ({"template": "Guess between {lo} and 10"}, r"template='Guess between \{lo\} and 10' needs \{lo\} and \{hi\}"),
     ({"lo": 1, "hi": 10, "eval_size": 5}, r"eval_size=5 must be in 0\.\.4 \(at most half of the 9 secrets in 1\.\.10 "),
     ({"lo": 1, "hi": 10, "eval_size": 6, "examples": 0}, r"eval_size=6 must be in 0\.\.5 \(at most half of the 10 "),

@@ -70,10 +70,47 @@ def test_an_observation_continues_the_chat_template_exactly() -> None:
     # a reply cut at the token budget never sampled its end of turn: the observation closes it
     cut = r.ids(Turn(observation="higher", role="user"), reply[:-1], "length")
     assert tok.decode(cut) == "<|im_end|>\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+    # raw token ids are taken as they are (the environment renders them itself), shown decoded
+    raw = tok("\n<|im_start|>user\nlower<|im_end|>\n", add_special_tokens=False).input_ids
+    turn = Turn(observation_ids=raw, role="user")
+    assert r.ids(turn, reply, "stop") == raw and r.text(turn) == "\n<|im_start|>user\nlower<|im_end|>\n"
+    assert r.text(Turn(observation="lower", observation_ids=raw)) == "lower"
+    with pytest.raises(ValueError, match=f"observation_ids holds {len(tok)}, past the tokenizer's {len(tok)} ids"):
+        r.ids(Turn(observation_ids=[1, len(tok)]), reply, "stop")
+    for bad in ([1, -2], [True], [1.0]):
+        with pytest.raises(ValueError, match=f"observation_ids holds {bad[-1]!r}: token ids are non-negative"):
+            Turn(observation_ids=bad)
     with pytest.raises(ValueError, match="needs a finite reward"):
         Turn(done=True, reward=float("nan"))
     with pytest.raises(ValueError, match="role"):
         Turn(observation="x", role="system")
+
+
+def test_greedy_evaluation_caps_each_turn_at_the_episodes_budget(tiny_llama) -> None:
+    """``greedy_episodes`` caps a turn as the engine does (``Transcript.room``): the turn that
+    meets ``task.episode.max_tokens`` is cut there, and is the episode's last."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.episode_envs import make
+    from trainer.tasks.evaluate import greedy_episodes
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    task = make(tok, turns=2, prompt_chars=40)
+    prompts = task.eval_prompts(2)
+    obs = len(tok(" obs 1 ", add_special_tokens=False).input_ids)
+
+    def play(max_tokens: int) -> tuple[list[float], list[list[str]]]:
+        rewards, texts = greedy_episodes(model, tok, task, prompts, chat="off", max_new_tokens=6, stop_ids=[10 ** 6],
+                                         max_turns=2, max_tokens=max_tokens, max_model_len=1024, pad=0)
+        return rewards, [t.split(" [ obs 1 ] ") for t in texts]
+    (full_r, full), (exact_r, exact) = play(100), play(6 + obs + 6)
+    assert exact == full and exact_r == full_r and all(r > 0 for r in full_r)  # room for the whole second turn
+    capped_r, capped = play(6 + obs + 4)  # room for 4 of its 6 tokens: cut there, and the episode ends
+    for (a1, a2), (b1, b2) in zip(full, capped):
+        assert a1 == b1 and a2 != b2 and a2.startswith(b2), (a2, b2)
+    assert all(0 < c < f for c, f in zip(capped_r, full_r))  # Echo's reward: the characters the policy wrote
+    assert play(6 + obs)[0] == [0.0, 0.0]  # the observation leaves no room: the episode fails, as on the engine
 
 
 def test_observation_tokens_receive_no_gradient(tiny_llama) -> None:
@@ -237,7 +274,10 @@ def test_episodes_span_commits_and_replay_from_their_tags(engine) -> None:
         runs = _turns(s)
         assert len(runs) == 3 and all(b - a == 6 for a, b in runs), runs
         for j, ((_, b), (a, _)) in enumerate(zip(runs, runs[1:])):  # the environment's answers, as rendered
-            assert tok.decode(s.token_ids[b:a]) == f" obs {j + 1} " and s.logprobs[b:a] == [0.0] * (a - b)
+            want = (f" obs {j + 1} " if j != 1 else  # the second given as token ids, taken as they are
+                    tok(" ids 2 ", add_special_tokens=False).input_ids)
+            assert (tok.decode(s.token_ids[b:a]) if j != 1 else s.token_ids[b:a]) == want
+            assert s.logprobs[b:a] == [0.0] * (a - b)
         # the environment read each reply as the engine decoded it (its reward: their length)
         gid, k = s.sample_id.rsplit("-", 1)
         assert s.reward == float(sum(len(d.texts[f"{gid}.{k}.{t}"]) for t in range(3)))

@@ -1,8 +1,10 @@
 """The training loop survives its engine and its own restart, and loses no queued group.
 
-- the engine process is SIGKILLed mid-run: the trainer notices within the transport
-  timeout, restarts it, rejoins the weight group, and the groups that were queued are
-  all trained on (the queue's ledger balances);
+- the engine process is SIGKILLed mid-run, with multi-turn episodes in flight: the trainer
+  notices within the transport timeout, restarts it, rejoins the weight group, and the
+  groups that were queued are all trained on (the queue's ledger balances); the new process
+  resumes every episode its journal held at the kill, and each of their groups is trained
+  on, dropped as stale, pending, or still in flight at the end: none is silently lost;
 - a run stopped at a checkpoint and resumed continues the version counter and the
   optimizer, and neither repeats nor drops a group;
 - malformed rollouts (NaN log-probs, tokens without tags) are refused at the queue and
@@ -24,19 +26,34 @@ from inflight.rollout_queue import RolloutQueue
 from inflight.protocol import RolloutGroup, RolloutSample
 from inflight.transport.group import GroupConfig
 from tests.helpers import check_ledger, metrics_rows, pending_ids, run_config, train_beside, wait_rows
+from trainer.episode_journal import peek
 from trainer.train import train
+
+
+def _kill_with_episodes_in_flight(out, killed: dict) -> None:
+    """SIGKILL the engine process once its journal holds episodes in flight: the process is
+    stopped (SIGSTOP) while the journal is read, so what it holds is what the kill leaves."""
+    wait_rows(out, 3)
+    pid, journal = int((out / "engine0.pid").read_text()), out / "episodes-e0.journal"
+    while True:
+        os.kill(pid, signal.SIGSTOP)
+        held = peek(journal)
+        if any(not done for g in held.groups.values() for done in g.done):
+            killed["t"], killed["held"] = time.time(), held
+            os.kill(pid, signal.SIGKILL)
+            return
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.05)
 
 
 def test_engine_killed_mid_run_is_restarted_and_no_queued_group_is_lost(tmp_path) -> None:
     out = tmp_path / "run"
-    cfg = run_config(out, steps=8)
+    cfg = run_config(out, steps=8, task={"name": "tests.episode_envs:make", "completion_tokens": 6,
+                                         "options": {"turns": 3, "prompt_chars": 40}})
     killed: dict = {}
 
     def killer() -> None:
-        wait_rows(out, 3)
-        pid = int((out / "engine0.pid").read_text())
-        killed["t"] = time.time()
-        os.kill(pid, signal.SIGKILL)
+        _kill_with_episodes_in_flight(out, killed)
 
     summary, rows = train_beside(cfg, killer)
     assert [r["step"] for r in rows] == list(range(1, 9))
@@ -49,6 +66,14 @@ def test_engine_killed_mid_run_is_restarted_and_no_queued_group_is_lost(tmp_path
     consumed = check_ledger(summary, rows, pending_ids(out))
     incarnations = {g.rsplit(".", 1)[0] for g in consumed}
     assert len(incarnations) == 2, incarnations  # trained on groups of both engine processes
+    held = killed["held"]  # the episodes in flight at the kill: resumed by the next process
+    running = sum(not done for g in held.groups.values() for done in g.done)
+    assert running > 0 and rows[-1]["rollout_episodes_resumed"] == running
+    assert rows[-1]["rollout_episodes_started"] > held.counts["started"]  # the ledger went on from the journal
+    dropped = [g for r in rows for g in r["dropped_ids"]]
+    still = peek(out / "episodes-e0.journal").groups
+    for gid in held.groups:
+        assert gid in set(consumed) | set(dropped) | set(pending_ids(out)) | set(still), gid
 
 
 def _inject_malformed(port: int) -> None:

@@ -90,6 +90,16 @@ def _frame(record: tuple) -> bytes:
     return _LEN.pack(len(data)) + data
 
 
+def peek(path: Path) -> Recovered:
+    """What the journal at ``path`` holds now, read without touching it (for inspection: the
+    engine process that owns it may be writing)."""
+    got = Recovered()
+    if Path(path).exists():
+        for record in _records(Path(path).read_bytes()):
+            _apply(got, record)
+    return got
+
+
 def _records(data: bytes):
     at = 0
     while at + _LEN.size <= len(data):

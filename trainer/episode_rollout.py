@@ -196,10 +196,11 @@ class EpisodeRollout(GroupScorer):
         episode = self.groups[gid].episodes[k]
         try:
             ids = self.renderer.ids(turn, episode.token_ids, episode.finish_reason)
-        except Exception as e:  # a template that cannot render the message
+            text = self.renderer.text(turn)
+        except Exception as e:  # a template that cannot render the message, ids past the vocabulary
             self._fail(gid, k, f"the observation could not be rendered ({type(e).__name__}: {e})")
             return
-        episode.add_observation(turn, ids)
+        episode.add_observation(turn, ids, text)
         if self._room(episode) < 1:
             self._fail(gid, k, f"the observation took the episode to {len(episode.token_ids)} tokens, past "
                                f"task.episode.max_tokens={self.episode_cfg.max_tokens} or engine.max_model_len="

@@ -8,7 +8,7 @@
 | ``arithmetic`` | ``What is 47 + 8? ...`` (``[task.arithmetic]``: digits, terms, ops) | 1 if the final number is right |
 | ``jsonl`` | a file of ``{"prompt"|"messages", "answer"}`` (``[task.jsonl]``) | final number (GSM8K ``#### N``) or exact match |
 | ``calculator`` | multi-turn: ``What is 47 * 29?`` with a ``calc:`` tool (``[task.calculator]``) | 1 for the right ``answer:``, ``tool_credit`` for a call |
-| ``guess_number`` | multi-turn: a secret in [lo, hi], higher/lower feedback (``[task.guess_number]``) | 1 for a win, closeness credit otherwise |
+| ``guess_number`` | multi-turn: a secret in [lo, hi], higher/lower feedback (``[task.guess_number]``) | 1 for a win, closeness and consistency credit otherwise |
 | ``pkg.module:factory`` | yours: ``factory(tokenizer=..., **task.options)`` returns a ``Task`` | yours |
 """
 

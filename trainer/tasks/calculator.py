@@ -7,8 +7,10 @@ The episode opens with a problem and a description of the tool::
 
 Each reply of the policy is answered in this order:
 
-* an ``answer: N`` line (the first one) ends the episode: reward 1 if N (commas dropped,
-  ``42.0`` read as ``42``) is the problem's value;
+* an ``answer: N`` line (the first ``answer:`` line) ends the episode: reward 1 if N (commas
+  dropped, ``42.0`` read as ``42``) is the problem's value. The line must hold the number
+  alone (markdown ``*`` and backticks and a final period aside): ``answer: 1320 * 60`` is no
+  answer, as ``answer: ten thousand`` is not, so a junk tail cannot ride on a right number;
 * else a ``calc: <expression>`` line (the first one) is evaluated by ``safe_eval`` and its
   value, or ``error: ...``, is the observation, with the chat role ``tool``;
 * else the observation (role ``user``) reminds the policy of the two forms.
@@ -65,7 +67,8 @@ TEMPLATE = ("What is {expr}? You have a calculator: write `calc: <expression>` o
 REMINDER = "Write `calc: <expression>` to use the calculator, or `answer: <number>` to give the result."
 
 _CALC = re.compile(r"^[\s`*>]*calc\s*:(.*)$", re.IGNORECASE | re.MULTILINE)
-_ANSWER = re.compile(r"^[\s`*>]*answer\s*:[\s`*]*(-?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE | re.MULTILINE)
+_ANSWER = re.compile(r"^[\s`*>]*answer\s*:(.*)$", re.IGNORECASE | re.MULTILINE)
+_LONE_NUMBER = re.compile(r"[\s`*]*(-?\d[\d,]*(?:\.\d+)?)[\s`*]*\.?[\s`*]*")
 
 _BINARY: dict[type, Callable[[float, float], float]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -241,7 +244,8 @@ class Calculator(EpisodeTask):
     def turn(self, episode: EpisodeView) -> Turn:
         calls = int(episode.state.get("calls", 0))
         reply = episode.reply
-        call, answer = _CALC.search(reply), _ANSWER.search(reply)
+        call, line = _CALC.search(reply), _ANSWER.search(reply)
+        answer = _LONE_NUMBER.fullmatch(line.group(1)) if line else None
         observation = self.calculate(call.group(1)) if call else None
         if observation is not None and not observation.startswith("error"):
             calls += 1

@@ -94,7 +94,9 @@ class GuessNumberConfig:
     turn_penalty: float = 0.0
     """A win on reply k earns max(1 - turn_penalty * (k - 1), 0.5)."""
     closeness_credit: float = 0.2
-    """A loss earns closeness_credit * (1 - |last guess - secret| / (hi - lo))."""
+    """A loss earns closeness_credit * (1 - |last guess - secret| / (hi - lo)), plus the consistency credit."""
+    consistency_credit: float = 0.0
+    """A loss earns consistency_credit * (share of replies inside the interval the feedback leaves open)."""
     template: str = GUESS_TEMPLATE
     """The opening prompt, with ``{lo}`` and ``{hi}``."""
     examples: int = 1

@@ -42,7 +42,11 @@ class Turn:
     """The environment's answer to one turn of the policy."""
 
     observation: str = ""
-    """What the policy reads before its next turn (ignored when ``done``)."""
+    """What the policy reads before its next turn (ignored when ``done``), rendered by the chat template."""
+    observation_ids: Sequence[int] | None = None
+    """The observation as token ids, appended exactly as given instead of rendering ``observation``
+    (so they carry any turn markers themselves); ``observation`` is then only its text for
+    ``EpisodeView.observations`` and logs (empty: the ids decoded)."""
     role: str = "tool"
     """The observation's chat role: ``tool`` (a tool's output) or ``user`` (feedback)."""
     done: bool = False
@@ -55,6 +59,12 @@ class Turn:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"Turn.role={self.role!r} must be one of {list(ROLES)}")
+        if self.observation_ids is not None:
+            ids = tuple(self.observation_ids)
+            if not all(type(i) is int and i >= 0 for i in ids):
+                bad = next(i for i in ids if type(i) is not int or i < 0)
+                raise ValueError(f"Turn.observation_ids holds {bad!r}: token ids are non-negative ints")
+            object.__setattr__(self, "observation_ids", ids)
         if self.done:
             if self.reward is None or isinstance(self.reward, bool) or not math.isfinite(float(self.reward)):
                 raise ValueError(f"Turn(done=True) needs a finite reward, not {self.reward!r}")
@@ -117,7 +127,8 @@ class ObservationRenderer:
     With a chat template: what closes the policy's turn (the template's text after an
     assistant message, less the stop token the policy already sampled), then the message
     rendered by the template, then the assistant's generation prompt. Without one (or
-    ``task.chat = "off"``): the observation's text as is."""
+    ``task.chat = "off"``): the observation's text as is. A turn's ``observation_ids`` are
+    taken as they are, once checked against the vocabulary."""
 
     _MARK = "\x00reply\x00"
 
@@ -141,6 +152,12 @@ class ObservationRenderer:
 
     def ids(self, turn: Turn, reply_ids: Sequence[int], finish_reason: str) -> list[int]:
         """The observation's token ids, to follow ``reply_ids`` (which ended with ``finish_reason``)."""
+        if turn.observation_ids is not None:
+            vocab = len(self.tokenizer)
+            if any(i >= vocab for i in turn.observation_ids):
+                raise ValueError(f"Turn.observation_ids holds {max(turn.observation_ids)}, past the "
+                                 f"tokenizer's {vocab} ids")
+            return list(turn.observation_ids)
         if not self.chat:
             return list(self.tokenizer(turn.observation, add_special_tokens=False).input_ids)
         closing = self.closing
@@ -150,6 +167,12 @@ class ObservationRenderer:
                 closing = closing[len(stop_text):]
         text = closing + self.message_text(turn.role, turn.observation)
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def text(self, turn: Turn) -> str:
+        """The observation as ``EpisodeView.observations`` shows it."""
+        if turn.observation or turn.observation_ids is None:
+            return turn.observation
+        return self.tokenizer.decode(list(turn.observation_ids))
 
 
 @dataclass
@@ -196,10 +219,11 @@ class Transcript:
         return EpisodeView(prompt=self.prompt, replies=tuple(self.replies), observations=tuple(self.observations),
                            state=dict(self.state), finish_reason=self.finish_reason, last=last)
 
-    def add_observation(self, turn: Turn, ids: Sequence[int]) -> None:
-        """The environment's tokens: no log-prob, the version of the token before them, masked."""
+    def add_observation(self, turn: Turn, ids: Sequence[int], text: str) -> None:
+        """The environment's tokens (``ids``, shown as ``text``): no log-prob, the version of
+        the token before them, masked."""
         version = self.versions[-1] if self.versions else 0
-        self.observations.append(turn.observation)
+        self.observations.append(text)
         self.token_ids += ids
         self.logprobs += [0.0] * len(ids)
         self.versions += [version] * len(ids)

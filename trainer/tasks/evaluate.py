@@ -72,11 +72,15 @@ def greedy_episodes(model: Any, tokenizer: Any, task: Any, prompts: Sequence[Pro
     renderer = ObservationRenderer(tokenizer, chat)
     active = list(range(len(episodes)))
     while active:
+        rooms = [min(max_new_tokens, episodes[i].room(max_tokens, max_model_len)) for i in active]
         replies = _generate(model, tokenizer, [episodes[i].context_ids() for i in active], pad=pad,
-                            max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+                            max_new_tokens=max(rooms), stop_ids=stop_ids)
         still = []
-        for i, c in zip(active, replies):
+        for i, c, room in zip(active, replies, rooms):
             e = episodes[i]
+            if len(c.token_ids) > room:  # each turn within its episode's budget, as the engine caps it
+                c = Completion(tokenizer.decode(c.token_ids[:room], skip_special_tokens=True), c.token_ids[:room],
+                               "length")
             e.add_reply(c.text, c.token_ids, [0.0] * len(c.token_ids), [0] * len(c.token_ids), c.finish_reason)
             last = e.turns >= max_turns or e.room(max_tokens, max_model_len) < 1  # the engine's rule
             try:
@@ -89,7 +93,17 @@ def greedy_episodes(model: Any, tokenizer: Any, task: Any, prompts: Sequence[Pro
             if turn.done:
                 e.end(turn)
                 continue
-            e.add_observation(turn, renderer.ids(turn, e.token_ids, e.finish_reason))
+            try:
+                ids, text = renderer.ids(turn, e.token_ids, e.finish_reason), renderer.text(turn)
+            except ValueError as err:
+                log.warning("eval: %s's observation could not be rendered: %s", type(task).__name__, err)
+                e.reward = 0.0
+                continue
+            e.add_observation(turn, ids, text)
+            if e.room(max_tokens, max_model_len) < 1:  # the engine fails such an episode too
+                log.warning("eval: %s's observation left no room for another turn", type(task).__name__)
+                e.reward = 0.0
+                continue
             still.append(i)
         active = still
     return [float(e.reward or 0.0) for e in episodes], [e.text() for e in episodes]

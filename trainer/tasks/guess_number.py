@@ -19,9 +19,13 @@ On the episode's last turn (``EpisodeView.last``) a reply that is not the secret
 
 Rewards: a win on the policy's k-th reply earns ``max(1 - turn_penalty * (k - 1), 0.5)``
 (``turn_penalty`` 0: always 1). An episode that ends without a win earns
-``closeness_credit * (1 - |G - secret| / (hi - lo))`` for its last valid guess G (0 with
-none), which is below ``closeness_credit`` < 0.5; so every win earns at least 0.5 and every
-loss less, and ``correct`` (a win) is ``reward >= 0.5``.
+``closeness_credit * (1 - |G - secret| / (hi - lo)) + consistency_credit * C / R`` for its
+last valid guess G (0 with none), where C of its R replies were consistent: a whole number
+inside the interval that the feedback so far leaves open (``higher than 7`` then ``lower
+than 12``: 8..11). ``closeness_credit + consistency_credit`` < 0.5, so every win earns at
+least 0.5 and every loss less, and ``correct`` (a win) is ``reward >= 0.5``. The
+consistency credit rewards what a policy must learn first, reading the feedback, where a
+win alone is too rare to learn from (SmolLM2-135M counts up past ``lower than G``).
 
 The environment keeps no state of its own: the valid guesses are read again from
 ``EpisodeView.replies`` on every turn. Binary search needs ``ceil(log2(hi - lo + 2))``
@@ -65,8 +69,8 @@ def _format_ok(template: str) -> bool:
         return False
 
 
-def _check_settings(lo: int, hi: int, turn_penalty: float, closeness_credit: float, template: str,
-                    examples: int) -> None:
+def _check_settings(lo: int, hi: int, turn_penalty: float, closeness_credit: float, consistency_credit: float,
+                    template: str, examples: int) -> None:
     if type(lo) is not int or type(hi) is not int:  # bool and float are not whole numbers here
         raise ValueError(f"guess_number: lo={lo!r} and hi={hi!r} must be whole numbers")
     if hi - lo < 3 or abs(lo) > 10 ** 12 or abs(hi) > 10 ** 12:
@@ -76,6 +80,10 @@ def _check_settings(lo: int, hi: int, turn_penalty: float, closeness_credit: flo
     if isinstance(closeness_credit, bool) or not 0 <= closeness_credit < WIN_FLOOR:
         raise ValueError(f"guess_number: closeness_credit={closeness_credit} must be in [0, {WIN_FLOOR}) "
                          f"(a win earns at least {WIN_FLOOR})")
+    if isinstance(consistency_credit, bool) or not 0 <= consistency_credit < WIN_FLOOR - closeness_credit:
+        raise ValueError(f"guess_number: consistency_credit={consistency_credit} must be in [0, "
+                         f"{WIN_FLOOR - closeness_credit:g}) (with closeness_credit={closeness_credit}, a loss earns "
+                         f"less than a win's {WIN_FLOOR})")
     if not _format_ok(template):
         raise ValueError(f"guess_number: template={template!r} needs {{lo}} and {{hi}} placeholders and no "
                          "other braces (write {{ and }} for literal ones)")
@@ -85,14 +93,16 @@ def _check_settings(lo: int, hi: int, turn_penalty: float, closeness_credit: flo
 
 class GuessNumber(EpisodeTask):
     def __init__(self, *, lo: int = 1, hi: int = 100, turn_penalty: float = 0.0, closeness_credit: float = 0.2,
-                 template: str = TEMPLATE, examples: int = 1, eval_size: int = 0) -> None:
-        _check_settings(lo, hi, turn_penalty, closeness_credit, template, examples)
+                 consistency_credit: float = 0.0, template: str = TEMPLATE, examples: int = 1,
+                 eval_size: int = 0) -> None:
+        _check_settings(lo, hi, turn_penalty, closeness_credit, consistency_credit, template, examples)
         space = hi - lo + 1 - examples
         if eval_size < 0 or eval_size > space // 2:
             raise ValueError(f"guess_number: eval_size={eval_size} must be in 0..{space // 2} (at most half of "
                              f"the {space} secrets in {lo}..{hi} less the {examples} examples)")
         self.lo, self.hi, self.template = lo, hi, template
         self.turn_penalty, self.closeness_credit = float(turn_penalty), float(closeness_credit)
+        self.consistency_credit = float(consistency_credit)
         self.rules = template.format(lo=lo, hi=hi)
         demos = self._demo_secrets(examples)
         self._demo: list[dict[str, str]] = []
@@ -170,11 +180,22 @@ class GuessNumber(EpisodeTask):
     def win_reward(self, turns: int) -> float:
         return max(1.0 - self.turn_penalty * (turns - 1), WIN_FLOOR)
 
+    def consistent(self, secret: int, replies: Sequence[str]) -> int:
+        """How many ``replies`` guess a whole number that the feedback before each leaves open."""
+        lo, hi, count = self.lo, self.hi, 0
+        for g in map(self.guess, replies):
+            if g is None:
+                continue
+            count += lo <= g <= hi
+            if self.lo <= g <= self.hi:  # the environment's answer narrows the interval
+                lo, hi = (max(lo, g + 1), hi) if secret > g else (lo, min(hi, g - 1))
+        return count
+
     def loss_reward(self, secret: int, replies: Sequence[str]) -> float:
         guesses = [g for g in map(self._valid, replies) if g is not None]
-        if not guesses or self.closeness_credit == 0:
-            return 0.0
-        return self.closeness_credit * (1 - abs(guesses[-1] - secret) / (self.hi - self.lo))
+        close = 1 - abs(guesses[-1] - secret) / (self.hi - self.lo) if guesses else 0.0
+        share = self.consistent(secret, replies) / len(replies) if replies else 0.0
+        return self.closeness_credit * close + self.consistency_credit * share
 
     def turn(self, episode: EpisodeView) -> Turn:
         secret = int(episode.prompt.meta["secret"])
