@@ -153,3 +153,62 @@ def test_left_padding_does_not_change_the_policy(tiny_qwen) -> None:
             full = torch.log_softmax(model(torch.tensor([s.prompt_ids + s.token_ids])).logits[0], -1)
             alone = full[len(s.prompt_ids) - 1: -1].gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
             torch.testing.assert_close(logp[i, : len(s.token_ids)], alone, atol=2e-6, rtol=0)
+
+
+def _random_groups(g: torch.Generator, n_groups: int, size: int) -> list[RolloutGroup]:
+    """Groups of awkward lengths: prompts of 2-9 tokens, completions of 1-12, some tokens the
+    environment's (observation), tags of versions 0-2, random behaviour log-probs and rewards."""
+    groups = []
+    for gi in range(n_groups):
+        samples = []
+        for si in range(size):
+            p, t = int(torch.randint(2, 10, (1,), generator=g)), int(torch.randint(1, 13, (1,), generator=g))
+            obs = [bool(x) for x in (torch.rand(t, generator=g) < 0.25).tolist()]
+            obs[0] = False
+            samples.append(RolloutSample(
+                sample_id=f"g{gi}-{si}", group_id=f"g{gi}", prompt_ids=torch.randint(3, 250, (p,), generator=g).tolist(),
+                token_ids=torch.randint(3, 250, (t,), generator=g).tolist(),
+                logprobs=[0.0 if o else float(x) for o, x in zip(obs, -torch.rand(t, generator=g) * 4)],
+                versions=sorted(torch.randint(0, 3, (t,), generator=g).tolist()),
+                reward=float(torch.rand(1, generator=g)), observation=obs))
+        groups.append(RolloutGroup(group_id=f"g{gi}", samples=tuple(samples)))
+    return groups
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_micro_batches_accumulate_the_one_batch_gradient(tiny_llama, level: str) -> None:
+    """``optim.micro_batches = 4`` (splitting GRPO groups, each micro-batch trimmed to its own
+    padding) accumulates the gradient of one pass over the whole batch: fp32, within 1e-5;
+    the loss and the step's metrics are the whole batch's."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from trainer.config_files import config_from_dict
+    from trainer.loss import micro_batches
+    from trainer.policy import Policy
+
+    threads = torch.get_num_threads()
+    cfg = config_from_dict({"model": {"path": str(tiny_llama)}, "rollout": {"group_size": 5, "groups_per_step": 3},
+                            "loss": {"entropy_coef": 0.01, "level": level, "max_lag": 1}})
+    try:
+        policy = Policy(cfg, Path(tiny_llama), None)
+        groups = _random_groups(torch.Generator().manual_seed(3), 3, 5)
+        runs = []
+        for n in (1, 4):
+            policy.cfg = replace(cfg, optim=replace(cfg.optim, micro_batches=n))
+            loss, metrics, _ = policy.accumulate(groups, version=2)
+            runs.append((loss, metrics, {k: p.grad.clone() for k, p in policy.unwrapped.named_parameters()}))
+            policy.optimizer.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(threads)
+    (loss1, m1, g1), (loss4, m4, g4) = runs
+    assert loss1 == pytest.approx(loss4, abs=1e-6)
+    for key in ("tokens_in_loss", "ess", "entropy", "lag_hist", "ratio_hist", "frac_masked_lag"):
+        assert m1[key] == pytest.approx(m4[key], abs=1e-6), key
+    worst = max(float((g1[k] - g4[k]).abs().max() / g1[k].abs().max().clamp(min=1e-12)) for k in g1)
+    assert worst < 1e-5, worst
+    assert all(float(g.abs().max()) > 0 for g in g1.values())
+    batch = collate(groups, 0, normalize_std=False)
+    parts = micro_batches(batch, 4)
+    assert [p.input_ids.shape[0] for _, p in parts] == [4, 4, 4, 3]
+    assert any(p.input_ids.shape[1] < batch.input_ids.shape[1] for _, p in parts)  # trimmed to its own padding

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from inflight.adapter import AdapterSpec
 from inflight.protocol import CommitUnit
 from inflight.settings import Backend, ModelDtype, RolloutMode, TrackerName, check_choices
+from trainer.optim import OptimConfig
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig
 from kernels.tis_loss import Objective
@@ -219,24 +220,6 @@ class LossConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class OptimConfig:
-    """AdamW."""
-
-    lr: float = 1e-3
-    """Learning rate."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    betas: tuple[float, float] = (0.9, 0.99)
-    """Adam betas."""
-    grad_clip: float = 1.0
-    """Max global grad norm (0: off)."""
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"optim.lr={self.lr} must be > 0")
-
-
-@dataclass(frozen=True, kw_only=True)
 class TransportConfig:
     """The weight group between the trainer and the engines. Each default is the library's
     own (``GroupConfig``, ``PushConfig``, ``InflightConfig``): one default per setting, and
@@ -361,6 +344,15 @@ class TrainConfig:
         if self.model.lora.enabled and (self.loss.routing_replay or self.engine.commit_unit != "model"):
             raise ValueError("model.lora.rank > 0: an adapter run commits the whole adapter at once and replays no "
                              "routing (set loss.routing_replay=false, engine.commit_unit='model')")
+        if self.optim.warmup_steps >= self.run.steps:
+            raise ValueError(f"optim.warmup_steps={self.optim.warmup_steps} must be below run.steps={self.run.steps}")
+        samples = self.rollout.group_size * self.rollout.groups_per_step
+        if self.optim.micro_batches > samples:
+            raise ValueError(f"optim.micro_batches={self.optim.micro_batches} is more than a step's {samples} samples "
+                             "(rollout.group_size * rollout.groups_per_step)")
+        if self.optim.micro_batches > 1 and self.loss.m2_threshold > 0:
+            raise ValueError(f"loss.m2_threshold={self.loss.m2_threshold} masks tokens by a moment of the whole "
+                             f"batch: it needs optim.micro_batches=1, not {self.optim.micro_batches}")
 
 
 def group_config(cfg: TrainConfig, *, port: int, backend: Backend | None = None) -> GroupConfig:

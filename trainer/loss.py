@@ -82,6 +82,25 @@ def collate(groups: Sequence[RolloutGroup], pad_id: int, normalize_std: bool) ->
                  rewards.reshape(-1), advantages)
 
 
+def micro_batches(batch: Batch, n: int) -> list[tuple[slice, Batch]]:
+    """``batch`` as ``n`` micro-batches of consecutive rows (sizes differ by at most one), each
+    trimmed to its own rows' padding: ``(rows, micro)``, where ``micro``'s completion columns
+    are the first ``micro.completion_ids.shape[1]`` of ``batch``'s. Advantages come from the
+    whole batch, so a micro-batch may split a GRPO group."""
+    p_len = batch.input_ids.shape[1] - batch.completion_ids.shape[1]
+    out = []
+    for idx in torch.arange(batch.input_ids.shape[0]).tensor_split(n):
+        rows = slice(int(idx[0]), int(idx[-1]) + 1)
+        att = batch.attention_mask[rows]
+        p, t = int(att[:, :p_len].sum(-1).max()), max(1, int(att[:, p_len:].sum(-1).max()))
+        cols = slice(p_len - p, p_len + t)
+        out.append((rows, Batch(batch.input_ids[rows, cols], att[:, cols], batch.position_ids[rows, cols],
+                                batch.completion_ids[rows, :t], batch.completion_mask[rows, :t],
+                                batch.behaviour_logp[rows, :t], batch.versions[rows, :t], batch.rewards[rows],
+                                batch.advantages[rows])))
+    return out
+
+
 def policy_logprobs(model: torch.nn.Module, batch: Batch, temperature: float, impl: str = "auto"):
     """(B, T) log-probs and entropies of the completion tokens under the current policy."""
     t_len = batch.completion_ids.shape[1]
@@ -96,12 +115,15 @@ def _histogram(values: torch.Tensor, edges: Sequence[float]) -> list[int]:
 
 
 def compute_loss(logp: torch.Tensor, entropy: torch.Tensor, batch: Batch, *, version: int, cfg: LossConfig,
-                 impl: str = "auto") -> tuple[torch.Tensor, dict]:
+                 impl: str = "auto", n_tokens: float | None = None,
+                 with_metrics: bool = True) -> tuple[torch.Tensor, dict]:
     """The scalar loss and the step's importance-sampling metrics (formulas: module docstrings
-    of ``trainer.correction`` and ``kernels.tis_loss``)."""
+    of ``trainer.correction`` and ``kernels.tis_loss``). ``n_tokens``: N of the loss, when
+    ``batch`` is a micro-batch of a larger one (default: ``batch``'s real tokens)."""
     real = batch.completion_mask > 0
     lag = version - batch.versions  # (B, T)
-    n_tokens = float(real.sum().clamp(min=1))
+    if n_tokens is None:
+        n_tokens = float(real.sum().clamp(min=1))
     log_ratio = logp.detach() - batch.behaviour_logp
     masks = correction_masks(log_ratio, real, lag, cfg)
     mask = masks.final
@@ -117,6 +139,8 @@ def compute_loss(logp: torch.Tensor, entropy: torch.Tensor, batch: Batch, *, ver
                             **cfg.objective.kernel_args())
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * (entropy * real).sum() / n_tokens
+    if not with_metrics:
+        return loss, {}
     with torch.no_grad():
         w = weight.reshape(logp.shape)
         low, high = bounds(cfg.objective, obj_lag)

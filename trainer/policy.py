@@ -23,8 +23,9 @@ from inflight.transport.sources import named_weights
 from trainer.adapter import adapter_weights, load_trainable
 from trainer.checkpoint import TrainerState, restore_rng, save_checkpoint
 from trainer.config import TrainConfig
-from trainer.loss import Batch, collate, compute_loss, policy_logprobs
+from trainer.loss import Batch, collate, compute_loss, micro_batches, policy_logprobs
 from trainer.metrics import ess_warning
+from trainer.optim import learning_rate
 from trainer.routing_replay import RoutingReplay, collate_routing
 
 log = logging.getLogger("inflight.train")
@@ -81,22 +82,53 @@ class Policy:
         """One optimizer step on ``groups``, scored against the trainer's ``version``.
         ``before_write`` runs right before the optimizer writes the parameters: a push in
         flight reads them until then (``WeightPusher.wait_reads``)."""
-        cfg = self.cfg
-        batch = collate(groups, self.tokenizer.pad_token_id, cfg.loss.normalize_std).to(self.accelerator.device)
-        routing = collate_routing(groups, batch.input_ids, batch.completion_ids.shape[1]) if self.replay.enabled else None
-        with self.replay.replaying(routing):  # MoE: each sampled token's position routed to the engine's experts
-            logp, entropy = policy_logprobs(self.model, batch, cfg.rollout.temperature)
-        loss, metrics = compute_loss(logp, entropy, batch, version=version, cfg=cfg.loss)
-        metrics.update(self.replay.stats())
-        if (warning := ess_warning(metrics, cfg.loss.ess_warn)) is not None:
+        loss, metrics, batch = self.accumulate(groups, version)
+        if (warning := ess_warning(metrics, self.cfg.loss.ess_warn)) is not None:
             log.warning("step %d: %s", step + 1, warning)
-        self.accelerator.backward(loss)
-        clip = cfg.optim.grad_clip
+        clip = self.cfg.optim.grad_clip
         grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), clip)) if clip else 0.0
+        lr = learning_rate(self.cfg, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        metrics["lr"] = lr
         before_write()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(float(loss.detach()), grad_norm, batch, metrics)
+        return StepResult(loss, grad_norm, batch, metrics)
+
+    def accumulate(self, groups: list[RolloutGroup], version: int) -> tuple[float, dict[str, Any], Batch]:
+        """The gradient of the step's loss on ``groups``, accumulated into the parameters'
+        ``.grad`` over ``optim.micro_batches`` forward/backward passes (the loss normalized by
+        the whole batch's tokens, so the sum is the one-batch gradient); returns the loss, the
+        whole batch's metrics and the batch."""
+        cfg = self.cfg
+        batch = collate(groups, self.tokenizer.pad_token_id, cfg.loss.normalize_std)
+        routing = collate_routing(groups, batch.input_ids, batch.completion_ids.shape[1]) if self.replay.enabled else None
+        parts = micro_batches(batch, min(cfg.optim.micro_batches, batch.input_ids.shape[0]))
+        device = self.accelerator.device
+        if len(parts) == 1:  # one pass: the loss and its metrics at once
+            batch = batch.to(device)
+            with self.replay.replaying(routing):
+                logp, entropy = policy_logprobs(self.model, batch, cfg.rollout.temperature)
+            loss, metrics = compute_loss(logp, entropy, batch, version=version, cfg=cfg.loss)
+            self.accelerator.backward(loss)
+            return float(loss.detach()), {**metrics, **self.replay.stats()}, batch
+        n_tokens = float((batch.completion_mask > 0).sum().clamp(min=1))
+        logp_all, entropy_all = torch.zeros_like(batch.behaviour_logp), torch.zeros_like(batch.behaviour_logp)
+        for rows, micro in parts:
+            micro, t = micro.to(device), micro.completion_ids.shape[1]
+            p = micro.input_ids.shape[1] - t  # the micro-batch's columns of the whole batch's routing
+            width = batch.input_ids.shape[1] - batch.completion_ids.shape[1]
+            part_routing = None if routing is None else routing[rows, width - p: width + t]
+            with self.replay.replaying(part_routing):
+                logp, entropy = policy_logprobs(self.model, micro, cfg.rollout.temperature)
+            part, _ = compute_loss(logp, entropy, micro, version=version, cfg=cfg.loss, n_tokens=n_tokens,
+                                   with_metrics=False)
+            self.accelerator.backward(part)
+            logp_all[rows, :t], entropy_all[rows, :t] = logp.detach().cpu(), entropy.detach().cpu()
+        with torch.no_grad():  # the whole batch's loss and metrics, from the micro-batches' log-probs
+            loss, metrics = compute_loss(logp_all, entropy_all, batch, version=version, cfg=cfg.loss)
+        return float(loss), {**metrics, **self.replay.stats()}, batch
 
     def save(self, path: Path, step: int, version: int, buffer: RolloutBuffer) -> None:
         """A checkpoint: weights, optimizer, RNG, and the rollout groups admitted but not yet trained on."""
