@@ -173,6 +173,11 @@ def test_a_multi_turn_task_trains_on_whole_episodes(tmp_path) -> None:
     assert all(r["tokens_in_loss"] <= 18 * 8 for r in steps)
     evals = [r for r in rows if "eval_accuracy" in r]
     assert [r["step"] for r in evals] == [0, 3] and all(r["eval_prompts"] == 4 for r in evals)
+    # every sample trained on is in samples.jsonl, its completion the whole episode
+    logged = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert [g["group_id"] for g in logged] == [gid for r in steps for gid in r["group_ids"]]
+    assert all(len(g["samples"]) == SMALL["rollout"]["group_size"] and "[ obs 1 ]" in s["completion"]
+               for g in logged for s in g["samples"])
     # the environment's answers, the second given as token ids, read back as text in the transcript
     assert all(e["completion"].count("[ obs 1 ]") == e["completion"].count("[ ids 2 ]") == 1
                for e in evals[-1]["eval_examples"]), evals[-1]["eval_examples"]

@@ -304,10 +304,13 @@ class EngineConfig:
             raise ValueError(f"engine.ray_cpus={self.ray_cpus} must be > 0")
         if self.max_restarts < 0:
             raise ValueError(f"engine.max_restarts={self.max_restarts} must be >= 0")
-        if self.count < 1:
-            raise ValueError(f"engine.count={self.count} must be >= 1")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"engine.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        for key in ("count", "tensor_parallel_size", "max_num_seqs", "kv_cache_gb"):
+            if type(value := getattr(self, key)) is not int or value < 1:
+                raise ValueError(f"engine.{key}={value!r} must be a whole number >= 1")
+        if type(self.max_model_len) is not int or self.max_model_len < 2:
+            raise ValueError(f"engine.max_model_len={self.max_model_len!r} must be a whole number >= 2")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"engine.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
 
     def ranks(self, index: int) -> tuple[int, ...]:
         """The fleet ranks of engine ``index``'s workers (the trainer is 0): how metrics and seeds
@@ -346,6 +349,9 @@ class TrainConfig:
                              "routing (set loss.routing_replay=false, engine.commit_unit='model')")
         if self.optim.warmup_steps >= self.run.steps:
             raise ValueError(f"optim.warmup_steps={self.optim.warmup_steps} must be below run.steps={self.run.steps}")
+        if self.task.completion_tokens >= self.engine.max_model_len:
+            raise ValueError(f"task.completion_tokens={self.task.completion_tokens} leaves no room for a prompt in "
+                             f"engine.max_model_len={self.engine.max_model_len}")
         samples = self.rollout.group_size * self.rollout.groups_per_step
         if self.optim.micro_batches > samples:
             raise ValueError(f"optim.micro_batches={self.optim.micro_batches} is more than a step's {samples} samples "

@@ -7,6 +7,13 @@
 
 A name has no '/' and no ``.toml`` suffix and is looked up as ``<name>.toml`` in the configs
 that ship inside the package (``trainer/configs/``); anything else is a path to a file.
+
+A config file's own relative paths are read from the file's directory, wherever the run
+starts: a dataset (``task.jsonl.path``, ``eval_path``) and a model directory (``model.path``,
+when that directory exists there) next to the config, and a task module (``task.name =
+"my_task:make"``) next to it is importable (the directory joins ``sys.path``, which spawned
+engines inherit). ``--set`` values are the shell's: relative to the working directory, as
+is ``run.out_dir``.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import sys
 import tomllib
 import typing
 from collections.abc import Iterable
@@ -120,7 +128,25 @@ def load_config(path_or_name: str | Path, overrides: Iterable[str] = ()) -> Trai
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: {e}") from None
+    if path.parent != CONFIG_DIR:
+        data = _next_to(path.parent.resolve(), data)
     return _build(TrainConfig, apply_overrides(data, overrides), "")
+
+
+def _next_to(base: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (a config file's) with its relative data paths made absolute from ``base``, the
+    file's directory, which also becomes importable for a task module there."""
+    data = copy.deepcopy(data)
+    jsonl = data.get("task", {}).get("jsonl", {})
+    for key in ("path", "eval_path"):
+        if isinstance(jsonl.get(key), str) and jsonl[key] and not Path(jsonl[key]).expanduser().is_absolute():
+            jsonl[key] = str(base / jsonl[key])
+    model = data.get("model", {})
+    if isinstance(model.get("path"), str) and model["path"] and (base / model["path"]).is_dir():
+        model["path"] = str(base / model["path"])
+    if str(base) not in sys.path:
+        sys.path.append(str(base))
+    return data
 
 
 def config_from_dict(data: dict[str, Any]) -> TrainConfig:

@@ -115,6 +115,19 @@ def log_tail(path: Path, lines: int = 20) -> str:
     return "\n".join("    " + s for s in kept[-lines:])
 
 
+def last_error(path: Path) -> str:
+    """The last line of the log at ``path`` that reads as an error (a Python exception's
+    ``SomeError: ...`` line, or one that says error), else its last line; "" without one."""
+    lines = [line.strip() for line in log_tail(path, lines=200).split("\n") if line.strip()]
+    for line in reversed(lines):
+        if _ERROR.search(line):
+            return line
+    return lines[-1] if lines else ""
+
+
+_ERROR = re.compile(r"\b\w*(Error|Exception)\b:|\berror\b", re.IGNORECASE)
+
+
 class BarText:
     """The training bar's text after the step counts: mean reward and samples trained per wall
     second over the last ``window`` steps, and the last row's mean lag and engine stall (the

@@ -45,9 +45,11 @@ from tqdm import tqdm
 from inflight.rollout_queue import RolloutQueue
 from inflight.settings import Backend, DataPlane
 from inflight.transport.fleet_pusher import FleetPushError, FleetPusher
+from inflight.transport.group_config import GroupConfig
+from inflight.transport.pusher import PushConfig
 from inflight.transport.sources import Weights
 from trainer.config import TrainConfig
-from trainer.console import engine_log, log_tail
+from trainer.console import engine_log, last_error, log_tail
 from trainer.engine_process import run_engine
 
 log = logging.getLogger("inflight.supervisor")
@@ -188,6 +190,8 @@ class Fleet:
         self.events: list[dict] = []
         """One entry per recovery: when it began (unix time), why, and the version it ended on."""
         self._stopping = threading.Event()
+        self.exited = threading.Event()
+        """Set once a spawned engine exits with an error (after the watcher reported it)."""
 
     @property
     def restarts(self) -> int:
@@ -226,6 +230,22 @@ class Fleet:
                     pass  # the main thread is reaping it at the same moment: its return code comes
                 if code and not self._stopping.is_set():
                     tqdm.write(f"inflight: engine {e.index} (process {p.pid}) exited with code {code}; {e.last_lines()}")
+                    self.exited.set()
+
+    def connect(self, group: GroupConfig, push: PushConfig) -> FleetPusher:
+        """Host a weight group per engine on ``group``'s store and wait up to
+        ``transport.rejoin_timeout_s`` for every engine to join. An engine whose process exits
+        meanwhile (a setting vLLM refuses, a model that does not load) stops the run at once:
+        ``EngineLost`` naming the engine and the last line of its log, the rest of which the
+        watcher printed; the other engines are stopped."""
+        try:
+            return FleetPusher(group, self.cfg.engine.tp_sizes, push, join_timeout_s=self.cfg.transport.rejoin_timeout_s,
+                               stop=self.exited)
+        except InterruptedError:
+            problems = [f"{problem}: {last_error(e.log_file)}" for e in self.engines
+                        if (problem := e.exit_problem()) is not None]
+            self.stop(timeout_s=5.0)
+            raise EngineLost(f"{'; '.join(problems)}, before joining its weight group") from None
 
     def exit_problem(self) -> str | None:
         problems = [p for e in self.engines if (p := e.exit_problem()) is not None]

@@ -23,12 +23,22 @@ class MetricsLog:
             self.rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
         else:
             self.path.write_text("")
+            self.path.with_name("samples.jsonl").write_text("")
 
     def write(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         self.trackers.log(row)
+
+    def samples(self, step: int, groups: list) -> None:
+        """Every sample trained on at ``step`` to ``samples.jsonl`` beside the metrics: one
+        line per group, its prompt and each sample's completion, reward and versions."""
+        with self.path.with_name("samples.jsonl").open("a") as f:
+            for g in groups:
+                f.write(json.dumps({"step": step, "group_id": g.group_id, "prompt": g.samples[0].prompt_text[-500:],
+                                    "samples": [{"reward": s.reward, "versions": sorted(set(s.versions)),
+                                                 "completion": s.completion_text} for s in g.samples]}) + "\n")
 
     def close(self) -> None:
         self.trackers.close()

@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -25,18 +26,18 @@ import torch
 from tqdm import tqdm
 
 from inflight.rollout_queue import RolloutBuffer, RolloutQueue
-from inflight.transport.fleet_pusher import FleetPusher
 from inflight.transport.store import reserve_port
 from trainer.checkpoint import TrainerState, load_state, recover
 from trainer.config import TrainConfig, group_config, push_config
 from trainer.config_files import add_config_arguments, config_to_dict, load_config
 from trainer.console import BarText, quiet_libraries
-from trainer.fleet import Fleet, place, visible_gpus
+from trainer.fleet import EngineLost, Fleet, place, visible_gpus
 from trainer.metrics import MetricsLog, RolloutLedger, plot_run, summarize
 from trainer.trackers import check_trackers, open_trackers
 from trainer.models import resolve_model
 from trainer.policy import Policy, StepResult
 from trainer.tasks import build_task
+from trainer.tasks.base import Task, encode_prompt
 from trainer.tasks.evaluate import Evaluator
 from trainer.tiny_model import build_tiny_model, default_corpus
 from trainer.adapter import write_first_adapter
@@ -52,6 +53,7 @@ def train(cfg: TrainConfig) -> dict:
 
     # -- 1. the policy on disk, 2. the engine processes (the fleet) --------------------------------
     resumed, model_dir, adapter_dir, version = _policy_on_disk(cfg, out, ckpt_dir)
+    task = _task_before_engines(cfg, model_dir)  # a bad task module, dataset line or prompt length stops here
     port = cfg.transport.port or reserve_port(cfg.transport.host)  # held until the trainer's store takes it
     placement = place(cfg.transport.backend, spawn=cfg.engine.spawn, gpus=visible_gpus())
     fleet = Fleet(cfg, model_dir, version, port, placement, out, adapter_dir)
@@ -59,8 +61,7 @@ def train(cfg: TrainConfig) -> dict:
 
     # -- 3. the trainer, a weight group per engine on the store it hosts, the rollout queue there -----
     policy = Policy(cfg, model_dir, resumed, adapter_dir)
-    pusher = FleetPusher(group_config(cfg, port=port, backend=placement.backend), cfg.engine.tp_sizes, push_config(cfg),
-                         join_timeout_s=cfg.transport.rejoin_timeout_s)
+    pusher = fleet.connect(group_config(cfg, port=port, backend=placement.backend), push_config(cfg))
     queue = RolloutQueue(pusher.sub_store("rollout"), cfg.rollout.queue_capacity,
                          incarnation=pusher.incarnation)  # items sealed for another run's store are refused
     buffer = RolloutBuffer(queue, admit_lag=cfg.rollout.admit_lag, mask_lag=cfg.loss.max_lag,
@@ -69,7 +70,7 @@ def train(cfg: TrainConfig) -> dict:
     metrics = MetricsLog(out / "metrics.jsonl", append=resumed is not None,
                          trackers=open_trackers(cfg, out, resumed=resumed is not None))  # run.report_to
     # greedy accuracy on held-out prompts; row "step 0" is the policy before any update
-    evaluator = Evaluator(cfg, policy.tokenizer, build_task(cfg, policy.tokenizer), model_dir) if cfg.eval.every else None
+    evaluator = Evaluator(cfg, policy.tokenizer, task, model_dir) if cfg.eval.every else None
     if evaluator is not None and resumed is None:
         metrics.write({"step": 0, "version": version, **evaluator(policy.unwrapped)})
     sync = WeightSync(cfg, pusher, fleet, queue, policy.weights)
@@ -90,6 +91,7 @@ def train(cfg: TrainConfig) -> dict:
             version, evaluation = sync.push(version, last=step + 1 == cfg.run.steps, score=score)
             metrics.write(row := {**_row(step, version, result, groups, t0, t_wait, sync, buffer, queue, fleet),
                                   **ledger.update(groups), **evaluation})
+            metrics.samples(step + 1, groups)
             bar.set_postfix_str(bar_text(row), refresh=False)
             if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
                 policy.save(ckpt_dir, step + 1, version, buffer)
@@ -103,6 +105,29 @@ def train(cfg: TrainConfig) -> dict:
     # -- 5. what we leave behind ---------------------------------------------------------------------
     policy.save(ckpt_dir, cfg.run.steps, version, buffer)
     return _summary(out, metrics, queue, buffer, fleet)
+
+
+class SetupError(ValueError):
+    """The run cannot start as configured; found before any engine starts."""
+
+
+def _task_before_engines(cfg: TrainConfig, model_dir: Path) -> Task:
+    """The task, built here before any engine starts (its module imported, its dataset read),
+    and its first prompts checked against ``engine.max_model_len``: the engines build their own
+    copy, and a mistake found there would cost an engine start. ``SetupError`` naming it."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        task = build_task(cfg, tokenizer)
+        rng = random.Random(cfg.run.seed)
+        longest = max(len(encode_prompt(tokenizer, task.sample(rng), cfg.task.chat)) for _ in range(16))
+    except (ValueError, OSError, ImportError, TypeError) as e:
+        raise SetupError(f"task {cfg.task.name!r}: {e}") from None
+    if longest + cfg.task.completion_tokens > cfg.engine.max_model_len:
+        raise SetupError(f"task {cfg.task.name!r}: a prompt of {longest} tokens and task.completion_tokens="
+                         f"{cfg.task.completion_tokens} exceed engine.max_model_len={cfg.engine.max_model_len}")
+    return task
 
 
 def _run_dir(cfg: TrainConfig) -> Path:
@@ -197,7 +222,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     except (ValueError, OSError) as e:  # a usage error: the message names the bad key, value or file
         ap.error(str(e))
     logging.basicConfig(level=logging.WARNING)
-    report(cfg, train(cfg))
+    try:
+        summary = train(cfg)
+    except (EngineLost, SetupError) as e:  # an engine's own error is above, in its log's last lines
+        sys.exit(f"{ap.prog}: error: {e}")
+    report(cfg, summary)
 
 
 def report(cfg: TrainConfig, summary: dict) -> None:

@@ -42,7 +42,8 @@ __all__ = ["BUILTIN", "Arithmetic", "Calculator", "Completion", "EpisodeTask", "
 
 def load_factory(dotted: str) -> Any:
     """``"pkg.module:factory"`` -> the callable. The working directory is importable, as it is
-    for ``python -m``, so a task file next to the config works without installing it."""
+    for ``python -m``, and so is a config file's directory (``trainer.config_files``): a task
+    file next to the config, or where the run starts, works without installing it."""
     module_name, _, attr = dotted.partition(":")
     if "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.append(str(Path.cwd()))

@@ -1,0 +1,140 @@
+"""A new user's mistakes fail fast, name their cause, and leave no process behind.
+
+Each test runs the user's command (``inflight train ...``) as a process, as a user would,
+and follows it by its own events (the engine's process ending, the trainer's exit), never
+by racing a clock: the only time asserted is the one the user waits, from the cause to
+the error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+INFLIGHT = [sys.executable, "-m", "trainer.cli"]
+ROOT = Path(__file__).resolve().parents[1]
+ERROR_WITHIN_S = 15.0
+
+
+def _dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+class Run:
+    """``inflight train`` with ``args`` in ``out``: its process, every process it started
+    (seen while it runs), and its console."""
+
+    def __init__(self, out: Path, *args: str) -> None:
+        self.out = out
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the suite's (conftest) would override engine.kv_cache_gb
+        self.proc = subprocess.Popen([*INFLIGHT, "train", *args, "--set", f"run.out_dir={out}"], cwd=out.parent,
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.children: set[int] = set()
+
+    def _look(self) -> None:
+        try:
+            self.children |= {c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+
+    def engine_pid(self) -> int:
+        """Block until the trainer spawned its engine; its pid."""
+        pid_file = self.out / "engine0.pid"
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            time.sleep(0.05)
+        return int(pid_file.read_text())
+
+    def wait_dead(self, pid: int) -> float:
+        """Block until process ``pid`` has ended (watching the trainer's children meanwhile); when."""
+        while not _dead(pid):
+            self._look()
+            time.sleep(0.05)
+        return time.monotonic()
+
+    def finish(self) -> tuple[int, str, float]:
+        """The trainer's exit code, its console, and when it exited; every process it
+        started is gone by then."""
+        while self.proc.poll() is None:
+            self._look()
+            time.sleep(0.05)
+        ended = time.monotonic()
+        console = self.proc.stdout.read()
+        left = [pid for pid in self.children if not _dead(pid)]
+        assert not left, f"processes left behind: {left}\n{console}"
+        return self.proc.returncode, console, ended
+
+
+def test_an_engine_that_fails_at_start_stops_the_run_with_its_error(tmp_path) -> None:
+    """1. A setting vLLM refuses at start (here a KV cache larger than the machine's memory,
+    which no config check can know): the trainer stops within seconds of the engine's exit,
+    its last line naming the engine and vLLM's own error, not a transport timeout."""
+    run = Run(tmp_path / "run", "--config", "demo", "--set", "engine.kv_cache_gb=100000")
+    engine = run.engine_pid()
+    cause = run.wait_dead(engine)
+    code, console, ended = run.finish()
+    assert code == 1, console
+    last = console.strip().splitlines()[-1]
+    assert last.startswith(f"inflight train: error: engine 0 (process {engine}) exited with code 1"), console
+    assert "ValueError: Available memory" in last and "before joining its weight group" in last, last
+    assert "TransportTimeout" not in console and "Traceback (most recent call last)" not in console.split(
+        "exited with code 1; the last lines of")[0], console  # the trainer's own output has no traceback
+    assert ended - cause < ERROR_WITHIN_S, (ended - cause, console)
+
+
+def test_a_malformed_dataset_line_stops_the_run_before_any_engine_starts(tmp_path) -> None:
+    """2. A dataset with a bad line: the trainer reads the task before it starts an engine, and
+    says where the line is, in one line, within seconds."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n{"prompt": "3+3=", \n')
+    run = Run(tmp_path / "run", "--config", "demo", "--set", "task.name=jsonl", "--set", f"task.jsonl.path={data}")
+    started = time.monotonic()
+    code, console, ended = run.finish()
+    assert code == 1, console
+    assert console.strip().splitlines()[-1].startswith(f"inflight train: error: task 'jsonl': {data}:3: not valid JSON"), console
+    assert "Traceback" not in console and not (tmp_path / "run" / "engine0.pid").exists(), console  # no engine started
+    assert ended - started < ERROR_WITHIN_S + 15, ended - started  # the trainer's own start-up (imports) and the cause
+
+
+def test_a_task_module_and_dataset_next_to_the_config_are_found_from_anywhere(tmp_path) -> None:
+    """7. ``task.name = "my_task:make"`` and a relative ``task.jsonl``-style path in a config file
+    resolve next to the file, wherever the run starts (here: from another directory): the
+    trainer and the engine both import the module."""
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    (project / "words.txt").write_text("alpha\nbeta\ngamma\n")
+    (project / "my_task.py").write_text(
+        "import random\n"
+        "from pathlib import Path\n"
+        "from trainer.tasks import Prompt, Task\n\n"
+        "class Words(Task):\n"
+        "    def __init__(self, path):\n"
+        "        self.words = Path(path).read_text().split()\n"
+        "    def sample(self, rng):\n"
+        "        return Prompt('Say ' + rng.choice(self.words))\n"
+        "    def score(self, prompts, completions):\n"
+        "        return [float(len(c.text) % 2) for c in completions]\n"
+        "    def eval_prompts(self, n):\n"
+        "        return [Prompt('Say ' + w) for w in self.words[:n]]\n\n"
+        "def make(tokenizer, words):\n"
+        "    return Words(Path(__file__).with_name(words))\n")
+    (project / "run.toml").write_text(
+        '[run]\nsteps = 2\n[model.tiny]\nhidden_size = 64\nnum_heads = 2\nnum_kv_heads = 1\nintermediate_size = 128\n'
+        '[task]\nname = "my_task:make"\ncompletion_tokens = 8\n[task.options]\nwords = "words.txt"\n'
+        '[rollout]\ngroup_size = 2\ngroups_per_step = 2\nin_flight_groups = 2\n')
+    run = Run(elsewhere / "run", "--config", str(project / "run.toml"))
+    code, console, _ = run.finish()
+    assert code == 0, console
+    rows = [json.loads(line) for line in (elsewhere / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2], rows
