@@ -5,7 +5,7 @@ channel's types. No pickle on the wire. Channels:
 - control (trainer -> workers, on the store): ``UpdateAnnounce`` | ``Commit`` | ``Abort`` | ``Shutdown``
 - frames (trainer -> workers, in-band on the data plane): ``BucketHeader`` + bytes, or one ``Abort``
 - replies (each worker -> trainer, on the store): ``Accepted`` | ``Staged`` | ``Rejected`` | ``Committed``
-- rollouts (engine -> trainer, the rollout queue): ``RolloutGroup`` of ``RolloutSample``
+- rollouts (engine -> trainer, the rollout queue): ``RolloutGroup`` of ``RolloutSample``; ``EngineReport``
 (inside one engine, its workers and its commit coordinator talk on the engine channel:
 ``engine_patches.engine_channel``)
 
@@ -30,19 +30,15 @@ PROTOCOL_VERSION = 2
 
 # Names are torch dtype names without the "torch." prefix.
 WireDtype = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"]
-DTYPE_ITEMSIZE: dict[str, int] = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
-    "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1,
-}
+DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
+                                  "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1}
 ChecksumAlgo = Literal["xxh3", "crc32", "wsum64"]
 CommitUnit = Literal["model", "layer"]
 """What an engine commits at once: the whole model, or one layer group (``inflight.layer_groups``)."""
 RejectCode = Literal[
-    "bad_message", "stale_version", "unknown_tensor", "missing_tensor", "bad_shape",
-    "bad_dtype", "bad_layout", "checksum", "short_bucket", "bucket_order",
-    "incomplete", "prepare_failed", "commit_failed", "timeout", "aborted", "nonfinite", "no_memory",
-    "unauthenticated",
-]
+    "bad_message", "stale_version", "unknown_tensor", "missing_tensor", "bad_shape", "bad_dtype", "bad_layout",
+    "checksum", "short_bucket", "bucket_order", "incomplete", "prepare_failed", "commit_failed", "timeout",
+    "aborted", "nonfinite", "no_memory", "unauthenticated"]
 # Key prefix, under the group's name in its store, of one engine's commit channel.
 ENGINE_CHANNEL = "engine"
 
@@ -351,6 +347,15 @@ class RolloutGroup(Wire, tag="group"):
                 raise ValueError(f"sample {s.sample_id!r} of group {s.group_id!r} filed under {self.group_id!r}")
 
 
+class EngineReport(Wire, tag="report"):
+    """Engine -> trainer, through the rollout queue's store: a problem the trainer must show
+    (``fatal = False``: the first failure of a kind) or stop the run for (``fatal``)."""
+
+    engine_id: str
+    message: Annotated[str, Meta(min_length=1)]
+    fatal: bool = False
+
+
 class Roster(Wire, tag="roster"):
     """Trainer -> workers, once per group generation: the worker ranks that formed it, in
     data-plane order (the i-th member is data-plane rank i + 1). A worker not listed waits
@@ -369,8 +374,7 @@ ReplyMessage = Union[Joined, Accepted, Staged, Rejected, Committed, Left]
 _encoder = msgspec.msgpack.Encoder()
 
 
-def encode(msg: Wire) -> bytes:
-    """Encode any protocol message as msgpack bytes."""
+def encode(msg: Wire) -> bytes:  # any protocol message, as msgpack bytes
     return _encoder.encode(msg)
 
 
@@ -391,3 +395,4 @@ decode_frame: Callable[[bytes | memoryview], FrameMessage] = decoder(FrameMessag
 decode_reply: Callable[[bytes | memoryview], ReplyMessage] = decoder(ReplyMessage, "reply")
 decode_sample: Callable[[bytes | memoryview], RolloutSample] = decoder(RolloutSample, "rollout sample")
 decode_group: Callable[[bytes | memoryview], RolloutGroup] = decoder(RolloutGroup, "rollout group")
+decode_report: Callable[[bytes | memoryview], EngineReport] = decoder(EngineReport, "engine report")

@@ -37,7 +37,7 @@ import msgspec
 from torch.distributed import Store
 
 from inflight.auth import read_secret, seal, unseal
-from inflight.protocol import AuthError, ProtocolError, RolloutGroup, decode_group, encode
+from inflight.protocol import AuthError, EngineReport, ProtocolError, RolloutGroup, decode_group, decode_report, encode
 from inflight.transport.errors import TransportTimeout
 from inflight.transport.poll import poll_until
 from inflight.transport.store import wait_key
@@ -63,6 +63,7 @@ class RolloutQueue:
         if incarnation is not None:
             store.set("incarnation", incarnation.encode())
         self._head = store.add("head", 0)  # consumer's next sequence number
+        self._reports_read = 0  # consumer: reports taken so far
 
     def depth(self) -> int:
         return self.store.add("tail", 0) - self.store.add("head", 0)
@@ -156,6 +157,29 @@ class RolloutQueue:
         key = f"item/{self._head}"
         wait_key(self.store, key, timeout_s=timeout_s, stop=stop, what=f"rollout #{self._head}", who="trainer")
         return self._take(key)
+
+
+    def report(self, report: EngineReport) -> None:
+        """Producer: post ``report`` for the consumer (``reports``), sealed like an item."""
+        n = self.store.add("reports", 1)
+        incarnation = self.store.get("incarnation").decode() if self.store.check(["incarnation"]) else ""
+        self.store.set(f"report/{n}", seal(encode(report), self.secret, f"rollout/{incarnation}/report/{n}"))
+
+    def reports(self) -> list[EngineReport]:
+        """Consumer: the reports posted since the last call, in order (never waits); one that
+        fails authentication or decoding becomes a report saying so."""
+        out = []
+        while self._reports_read < self.store.add("reports", 0):
+            key = f"report/{self._reports_read + 1}"
+            if not self.store.check([key]):
+                break  # counted, not yet written: the next call reads it
+            self._reports_read += 1
+            try:
+                out.append(decode_report(unseal(self.store.get(key), self.secret,
+                                                f"rollout/{self.incarnation or ''}/{key}")))
+            except ProtocolError as e:  # AuthError included: a stray client's bytes
+                out.append(EngineReport(engine_id="?", message=f"an unreadable engine report at {key}: {e}"))
+        return out
 
 
 class _Refused(bytes):

@@ -247,13 +247,27 @@ def test_guess_number_feedback() -> None:
     task = GuessNumber()
     p = _game(task, 37)
     assert task.turn(_view(p, "50")) == Turn(observation="lower than 50", role="user")
-    assert task.turn(_view(p, "50", "My guess is 25.")) == Turn(observation="higher than 25", role="user")
+    assert task.turn(_view(p, "50", " **25.** ")) == Turn(observation="higher than 25", role="user")
+    for wordy in ("My guess is 25.", "19? No, 25", "between 1 and 25"):  # the rules ask for just a number
+        assert task.turn(_view(p, wordy)).observation == "Reply with just a whole number between 1 and 100."
     assert task.turn(_view(p, "I don't know")) == \
         Turn(observation="Reply with just a whole number between 1 and 100.", role="user")
     assert task.turn(_view(p, "36.5")).observation == "Reply with just a whole number between 1 and 100."
     assert task.turn(_view(p, "1,000")) == \
         Turn(observation="1000 is out of range: my number is between 1 and 100.", role="user")
     assert task.turn(_view(p, "-3")).observation == "-3 is out of range: my number is between 1 and 100."
+
+
+def test_guess_number_can_name_the_interval_left() -> None:
+    task = GuessNumber(show_range=True)
+    p = _game(task, 37)
+    assert task.turn(_view(p, "50")).observation == "lower than 50: my number is between 1 and 49."
+    assert task.turn(_view(p, "50", "25")).observation == "higher than 25: my number is between 26 and 49."
+    assert task.turn(_view(p, "50", "25", "60")).observation == "lower than 60: my number is between 26 and 49."
+    assert task.turn(_view(p, "50", "x")).observation == "Reply with just a whole number between 1 and 100."
+    demo = [m["content"] for m in task.sample(random.Random(5)).messages]  # the example game speaks the same way
+    assert demo[1:5] == ["50", "lower than 50: my number is between 1 and 49.", "25",
+                         "higher than 25: my number is between 26 and 49."]
 
 
 @pytest.mark.parametrize("kwargs, replies, last, reward", [

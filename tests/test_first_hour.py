@@ -12,10 +12,12 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 INFLIGHT = [sys.executable, "-m", "trainer.cli"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +42,17 @@ class Run:
         self.proc = subprocess.Popen([*INFLIGHT, "train", *args, "--set", f"run.out_dir={out}"], cwd=out.parent,
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.children: set[int] = set()
+        self.lines: list[tuple[float, str]] = []  # the console, each line with when it came
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def when(self, text: str) -> float:
+        """When the first console line holding ``text`` came."""
+        return next(t for t, line in self.lines if text in line)
 
     def _look(self) -> None:
         try:
@@ -51,7 +64,7 @@ class Run:
         """Block until the trainer spawned its engine; its pid."""
         pid_file = self.out / "engine0.pid"
         while not pid_file.exists() or not pid_file.read_text().strip():
-            assert self.proc.poll() is None, self.proc.stdout.read()
+            assert self.proc.poll() is None, self.lines
             time.sleep(0.05)
         return int(pid_file.read_text())
 
@@ -69,7 +82,8 @@ class Run:
             self._look()
             time.sleep(0.05)
         ended = time.monotonic()
-        console = self.proc.stdout.read()
+        self._reader.join()
+        console = "\n".join(line for _, line in self.lines)
         left = [pid for pid in self.children if not _dead(pid)]
         assert not left, f"processes left behind: {left}\n{console}"
         return self.proc.returncode, console, ended
@@ -138,3 +152,40 @@ def test_a_task_module_and_dataset_next_to_the_config_are_found_from_anywhere(tm
     assert code == 0, console
     rows = [json.loads(line) for line in (elsewhere / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2], rows
+
+
+BAD_REWARDS = """
+import math
+from trainer.tasks import RepeatDigit
+
+class BadReward(RepeatDigit):
+    def __init__(self, tokenizer, kind):
+        super().__init__(tokenizer, 16, 0.1)
+        self.kind = kind
+    def score(self, prompts, completions):
+        if self.kind == "raise":
+            raise KeyError("the verifier cannot parse this")
+        return [math.nan] * len(completions)
+
+def make(tokenizer, kind):
+    return BadReward(tokenizer, kind)
+"""
+
+
+@pytest.mark.parametrize("kind, error", [("nan", "returned reward [0] is nan: NaN and inf are not rewards"), ("raise", "raised KeyError")])
+def test_a_reward_that_raises_or_is_not_finite_is_reported_then_stops_the_run(tmp_path, kind: str, error: str) -> None:
+    """3, 4. A reward function that returns NaN, or raises: its first failure is on the trainer's
+    console at once, naming the task and the group; the engine is never restarted; when every
+    group keeps failing (``task.scoring.max_failed_in_a_row``), the run stops with that message."""
+    (tmp_path / "bad_reward.py").write_text(BAD_REWARDS)
+    run = Run(tmp_path / "run", "--config", "demo", "--set", "task.name=bad_reward:make", "--set",
+              f"task.options.kind={kind}", "--set", "task.scoring.max_failed_in_a_row=8")
+    code, console, ended = run.finish()
+    assert code == 1, console
+    first = run.when("inflight: engine e0: task bad_reward:make failed to score group")
+    assert error in next(line for _, line in run.lines if "failed to score group" in line), console
+    last = console.strip().splitlines()[-1]
+    assert last.startswith("inflight train: error: engine e0: task bad_reward:make: scoring failed for 8 groups in a "
+                           "row (task.scoring.max_failed_in_a_row); the last, group "), last
+    assert error in last and "restart" not in console and "TimeoutError" not in console, console
+    assert ended - first < ERROR_WITHIN_S, (ended - first, console)

@@ -33,7 +33,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from inflight.protocol import RolloutGroup, Sampling
+from inflight.protocol import EngineReport, RolloutGroup, Sampling
 from inflight.rollout_queue import RolloutQueue
 from inflight.settings import Backend, choices
 from inflight.transport.errors import TransportError
@@ -41,35 +41,10 @@ from inflight.transport.group import INCARNATION, GroupConfig
 from trainer.config import TrainConfig, group_config, inflight_config
 from trainer.config_files import add_config_arguments, load_config
 from trainer.console import log_to_file, quiet_libraries
-from trainer.rollout_scoring import GroupScorer
+from trainer.engine_env import engine_environment
+from trainer.rollout_scoring import GroupScorer, ScoringFailed
 
 log = logging.getLogger("inflight.rollout")
-
-
-def engine_environment(cfg: TrainConfig, cuda_devices: str | None = None) -> None:
-    """vLLM reads these at import: an in-process EngineCore, and the CPU KV cache size; and
-    the GPUs the engine may use (set before anything touches CUDA)."""
-    if cuda_devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.engine.kv_cache_gb))
-    if cfg.engine.tensor_parallel_size > 1:  # a CPU engine's workers must each be bound to cores of their own
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(cfg.engine.tensor_parallel_size))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def cpu_binding(workers: int, cores: list[int] | None = None) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for a CPU engine of ``workers`` ranks: the cores this
-    process may use, split into that many runs ("0|1", "0,1,2,3|4,5,6,7"; vLLM hands each to
-    libnuma's cpu-string parser). vLLM's default binds by NUMA node and refuses more workers
-    than nodes ("Not enough allowed NUMA nodes")."""
-    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
-    if len(cores) < workers:
-        raise ValueError(f"engine.tensor_parallel_size={workers} needs a core per worker; this process may use {cores}")
-    per = len(cores) // workers
-    runs = [cores[i * per:(i + 1) * per] for i in range(workers)]
-    return "|".join(",".join(map(str, r)) for r in runs)
 
 
 def sampling_of(params) -> Sampling:
@@ -130,6 +105,7 @@ class RolloutLoop:
                 journal=Path(cfg.run.out_dir) / f"episodes-{self.engine_id}.journal")
         else:
             self.scorer = GroupScorer(cfg, model_dir, self.engine_id, sampling_of(self.params))
+        self.scorer.on_report = self._report  # the trainer shows scoring failures, and stops on a fatal one
         self._turn_params: dict[int, Any] = {}
         self.prompts: dict[str, Any] = {}
         self.backlog: deque[RolloutGroup] = deque()
@@ -285,6 +261,12 @@ class RolloutLoop:
         self.steps += 1  # counts the stop check below, so a stop is seen while held
         return self.steps % 16 == 0 and self.stop_requested()
 
+    def _report(self, report: EngineReport) -> None:
+        try:
+            self.queue.report(report)
+        except (RuntimeError, TransportError) as e:  # the trainer's store is gone: the log has it
+            log.warning("rollout: could not report to the trainer (%s): %s", e, report.message)
+
     def stop_requested(self) -> bool:
         while True:
             if _parent_gone(self.parent_pid):
@@ -354,6 +336,9 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
             loop.run_batch(next_version)
         else:
             loop.run_inflight()
+    except ScoringFailed:  # reported to the trainer, which stops the run: no restart would help
+        while not loop.stop_requested():
+            time.sleep(0.1)
     finally:
         loop.scorer.close()
 

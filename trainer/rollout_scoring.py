@@ -7,8 +7,9 @@ whose rewards came in (``collect``). Rewards are computed by ``task.score`` in
 stops decoding, and one that raises, hangs past ``timeout_s``, exceeds its memory cap or
 returns a reward that is not a finite number fails its group alone. A failed group is
 logged (the first failure of each kind with the task, the group and the error; then a count
-every tenth), counted, and dropped; ``max_failed_in_a_row`` failures one after the other stop
-the engine with the last one's message. Groups reach the queue in the order their scoring
+every tenth), counted, and dropped, and the first of each kind is reported to the trainer,
+which shows it; ``max_failed_in_a_row`` failures one after the other stop the run with the
+last one's message (a fatal report: the trainer stops, the engine is not restarted). Groups reach the queue in the order their scoring
 finishes; their tokens, log-probs and tags are the engine's, untouched.
 """
 
@@ -16,10 +17,10 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from inflight.protocol import RolloutGroup, RolloutSample, Sampling
+from inflight.protocol import EngineReport, RolloutGroup, RolloutSample, Sampling
 from trainer.scoring import ScoringPool, engine_task_factory
 
 log = logging.getLogger("inflight.rollout")
@@ -40,6 +41,9 @@ class GroupScorer:
         self.waiting: dict[str, tuple[Any, Any]] = {}  # request id -> (its finished output, its prompt)
         self.scored = self.failed = self.failed_in_a_row = 0
         self._kinds_logged: set[str] = set()
+        self.on_report: Callable[[EngineReport], object] = lambda report: None
+        """Where a failure's report goes besides the log: the engine's rollout queue, whose
+        trainer shows it (the first of each kind) and stops the run on a fatal one."""
 
     def wait_ready(self) -> None:
         """Fail now, with the task's own error, if no worker can build the task."""
@@ -76,16 +80,22 @@ class GroupScorer:
         return groups
 
     def _report(self, key: str, prompt: Any, error: str) -> None:
-        kind = " ".join(re.sub(r"^key '[^']*': ", "", error).split()[:3])  # "Faulty.score raised ValueError:"
+        error = re.sub(r"^key '[^']*': ", "", error)  # the pool's key is the group's id, named below
+        kind = " ".join(error.split()[:3])  # "Faulty.score raised ValueError:"
         task = self.cfg.task.name
         if kind not in self._kinds_logged or self.failed % 10 == 0:
-            self._kinds_logged.add(kind)
             log.warning("rollout: task %s failed to score group %s (prompt %r): %s; the group is dropped "
                         "(%d dropped so far, %d scored)", task, key, prompt.display[:80], error, self.failed, self.scored)
+        if kind not in self._kinds_logged:
+            self._kinds_logged.add(kind)
+            self.on_report(EngineReport(engine_id=self.engine_id, message=f"task {task} failed to score group {key} "
+                                        f"(prompt {prompt.display[:80]!r}): {error}; the group is dropped"))
         limit = self.cfg.task.scoring.max_failed_in_a_row
         if self.failed_in_a_row >= limit:
-            raise ScoringFailed(f"task {task}: scoring failed for {limit} groups in a row "
-                                f"(task.scoring.max_failed_in_a_row); the last, group {key}: {error}")
+            message = (f"task {task}: scoring failed for {limit} groups in a row (task.scoring.max_failed_in_a_row); "
+                       f"the last, group {key}: {error}")
+            self.on_report(EngineReport(engine_id=self.engine_id, message=message, fatal=True))
+            raise ScoringFailed(message)
 
     def group_of(self, out: Any, prompt: Any, rewards: Sequence[float]) -> RolloutGroup:
         """A finished request's completions, tagged, with their rewards."""

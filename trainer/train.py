@@ -41,7 +41,7 @@ from trainer.tasks.base import Task, encode_prompt
 from trainer.tasks.evaluate import Evaluator
 from trainer.tiny_model import build_tiny_model, default_corpus
 from trainer.adapter import write_first_adapter
-from trainer.weight_sync import WeightSync
+from trainer.weight_sync import TaskFailed, WeightSync
 
 log = logging.getLogger("inflight.train")
 
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
     try:
         summary = train(cfg)
-    except (EngineLost, SetupError) as e:  # an engine's own error is above, in its log's last lines
+    except (EngineLost, SetupError, TaskFailed) as e:  # an engine's own error is above, in its log's last lines
         sys.exit(f"{ap.prog}: error: {e}")
     report(cfg, summary)
 

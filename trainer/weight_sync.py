@@ -31,6 +31,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from inflight.protocol import RolloutGroup
 from inflight.rollout_queue import RolloutBuffer, RolloutQueue
@@ -39,6 +40,10 @@ from inflight.transport.fleet_pusher import FleetPushError, FleetPusher, collect
 from inflight.transport.pusher import PushResult
 from trainer.config import TrainConfig
 from trainer.fleet import EngineLost, Fleet
+
+
+class TaskFailed(RuntimeError):
+    """An engine reported that the task keeps failing (``task.scoring.max_failed_in_a_row``)."""
 
 
 def push_metrics(results: Mapping[int, PushResult], fleet: Fleet) -> dict[str, Any]:
@@ -113,6 +118,7 @@ class WeightSync:
 
     def next_batch(self, buffer: RolloutBuffer, version: int) -> tuple[list[RolloutGroup], int]:
         """The next batch of groups, and the trainer's version (a recovery may move it)."""
+        self._read_reports()
         if self.fleet.exit_problem() is not None:  # a fleet's other engines keep the queue full
             version = self._recover_exit(version)
         while True:
@@ -141,11 +147,20 @@ class WeightSync:
                 return buffer.next_batch(rollout.groups_per_step, version, timeout_s=1.0)
             except TransportTimeout:
                 self.queue.skip_stalled()
+                self._read_reports()  # before a dead engine: a fatal report explains its death
                 if (problem := self.fleet.exit_problem()) is not None:
                     raise EngineLost(problem) from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no rollout group within rollout.queue_timeout_s={rollout.queue_timeout_s}s "
                                        "from a live engine: is it stuck?") from None
+
+    def _read_reports(self) -> None:
+        """Show what the engines reported (``EngineReport``: the first scoring failure of each
+        kind); a fatal report stops the run (``TaskFailed``) with the engine's message."""
+        for r in self.queue.reports():
+            if r.fatal:
+                raise TaskFailed(f"engine {r.engine_id}: {r.message}")
+            tqdm.write(f"inflight: engine {r.engine_id}: {r.message}")
 
     def push(self, version: int, *, last: bool, score: Callable[[], dict[str, Any]]) -> tuple[int, dict[str, Any]]:
         """Land the previous push (recovering the engines it failed on), ``score`` the new

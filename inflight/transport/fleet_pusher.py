@@ -56,9 +56,11 @@ class FleetPusher:
     """Rank 0 of one weight group per engine, all hosted on one store."""
 
     def __init__(self, group: GroupConfig, engine_tp: Sequence[int], config: PushConfig = PushConfig(),
-                 device: torch.device | None = None, *, join_timeout_s: float | None = None) -> None:
+                 device: torch.device | None = None, *, join_timeout_s: float | None = None,
+                 stop: threading.Event | None = None) -> None:
         """Host the store on ``group``'s address and form engine e's group (``group.for_engine(e,
-        engine_tp[e])``) with its workers, waiting up to ``join_timeout_s`` for each engine."""
+        engine_tp[e])``) with its workers, waiting up to ``join_timeout_s`` for each engine
+        (``InterruptedError`` once ``stop`` is set meanwhile: an engine's process died)."""
         if not engine_tp:
             raise ValueError("FleetPusher: engine_tp names no engine")
         self.base = group
@@ -67,7 +69,7 @@ class FleetPusher:
         try:
             for e, tp in enumerate(engine_tp):
                 self.pushers[e] = WeightPusher(group.for_engine(e, tp), config, device, join_timeout_s=join_timeout_s,
-                                               store=self._store)
+                                               store=self._store, stop=stop)
         except BaseException:
             self.close("the fleet did not form")
             raise

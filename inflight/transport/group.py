@@ -124,7 +124,7 @@ class WeightGroup:
             self.incarnation = uuid.uuid4().hex
             self._root.set("incarnation", self.incarnation)
             try:
-                self.reform(join_timeout)
+                self.reform(join_timeout, stop=stop)
             except BaseException:  # free the port at once: the error may be kept (with this object) a while
                 self.close()
                 raise
@@ -142,14 +142,15 @@ class WeightGroup:
         return list(range(1, self.config.world_size))
 
     def reform(self, timeout_s: float | None = None, *, want: set[int] | None = None,
-               require: set[int] | None = None) -> dict[int, Joined]:
+               require: set[int] | None = None, stop: threading.Event | None = None) -> dict[int, Joined]:
         """Rank 0: drop the current data plane (if any) and form the next generation; returns
         its members' ``Joined``.
 
         Waits up to ``timeout_s`` for every rank in ``want`` (default: all workers). Raises
         ``TransportTimeout`` naming them if a rank of ``require`` (default: ``want``) did not
         come, or if no engine came whole; otherwise the members are the whole engines that
-        came (pass ``require=set()`` to go on without the silent ones)."""
+        came (pass ``require=set()`` to go on without the silent ones). ``InterruptedError`` once
+        ``stop`` is set while it waits (the caller knows a worker will not come: its process died)."""
         if self.rank != 0:
             raise ValueError("only rank 0 opens generations; workers join them")
         self._close_data_plane()
@@ -163,7 +164,7 @@ class WeightGroup:
         self._root.set("generation", seal(str(g).encode(), self.secret, self._context("generation")))
         self._root.set(f"gen{g}/open", b"1")
         try:
-            hellos = self._collect_hellos(g, want, time.monotonic() + timeout_s)
+            hellos = self._collect_hellos(g, want, time.monotonic() + timeout_s, stop)
             missing = sorted(require - hellos.keys())
             if missing:
                 raise TransportTimeout(f"rank 0: worker ranks {missing} did not join generation {g} within {timeout_s:.1f}s")
@@ -183,7 +184,8 @@ class WeightGroup:
         self.hellos = {r: hellos[r] for r in members}
         return self.hellos
 
-    def _collect_hellos(self, g: int, want: set[int], deadline: float) -> dict[int, Joined]:
+    def _collect_hellos(self, g: int, want: set[int], deadline: float,
+                        stop: threading.Event | None = None) -> dict[int, Joined]:
         """The ``Joined`` of every rank of ``want`` that posted one before ``deadline``."""
         hellos: dict[int, Joined] = {}
 
@@ -205,7 +207,7 @@ class WeightGroup:
             return True if hellos.keys() >= want else None
         try:
             poll_until(all_in, timeout_s=max(deadline - time.monotonic(), 0.0), what=f"hellos of generation {g}",
-                       who="rank 0")
+                       who="rank 0", stop=stop)
         except TransportTimeout:
             pass  # the caller decides what the ones that came are enough for
         return hellos

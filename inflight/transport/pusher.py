@@ -107,11 +107,13 @@ class WeightPusher:
     """Rank 0 of the weight group. Not thread-safe: one push at a time."""
 
     def __init__(self, group: GroupConfig, config: PushConfig = PushConfig(), device: torch.device | None = None, *,
-                 join_timeout_s: float | None = None, store: TCPStore | None = None) -> None:
+                 join_timeout_s: float | None = None, store: TCPStore | None = None,
+                 stop: threading.Event | None = None) -> None:
         """Hosts the group (on ``store``, shared with other groups, if given) and waits up to
-        ``join_timeout_s`` (default: the group's timeout) for every worker."""
+        ``join_timeout_s`` (default: the group's timeout) for every worker; ``InterruptedError``
+        once ``stop`` is set meanwhile (a worker's process died: it will not come)."""
         self.config = config
-        self.group = WeightGroup(group, rank=0, device=device, join_timeout_s=join_timeout_s, store=store)
+        self.group = WeightGroup(group, rank=0, device=device, join_timeout_s=join_timeout_s, store=store, stop=stop)
         algo = config.checksum if config.checksum != "auto" else ("wsum64" if self.group.backend == "nccl" else "xxh3")
         self.sender = BucketSender(self.group, bucket_bytes=config.bucket_bytes, checksum_algo=algo)
         self.control = TrainerControl(self.group)

@@ -97,6 +97,8 @@ class GuessNumberConfig:
     """A loss earns closeness_credit * (1 - |last guess - secret| / (hi - lo)), plus the consistency credit."""
     consistency_credit: float = 0.0
     """A loss earns consistency_credit * (share of replies inside the interval the feedback leaves open)."""
+    show_range: bool = False
+    """Feedback names the interval left: ``lower than 50: my number is between 1 and 49.``"""
     template: str = GUESS_TEMPLATE
     """The opening prompt, with ``{lo}`` and ``{hi}``."""
     examples: int = 1

@@ -6,7 +6,11 @@ The episode opens with the rules (``template``, with ``{lo}`` and ``{hi}``)::
     and I will tell you whether my number is higher or lower.
 
 The secret is the prompt's ``meta["secret"]`` (and its ``answer``, as a string). A reply's
-guess is its last number (``base.final_number``: commas dropped, ``42.0`` read as ``42``).
+guess is the reply itself read as a number, as the rules ask (``base.final_number`` of a
+reply that holds nothing else: commas dropped, ``42.0`` read as ``42``, markdown ``*``,
+backticks and a final period aside); ``My guess is 12`` or ``19? No, 12`` is no guess, so
+text around a number earns nothing (SmolLM2, trained with a lenient last-number parser,
+drifted to ``You are thinking of a whole number between 1 and 20`` as a guess of 20).
 Each reply is answered, with the chat role ``user``:
 
 * the secret: the episode ends with the win reward;
@@ -49,6 +53,7 @@ games the policy never trained on.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Sequence
 
 from trainer.tasks.base import Prompt, final_number
@@ -56,6 +61,7 @@ from trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
 
 EVAL_SEED = 0x6E55_E7A1
 DEMO_SEED = 0x6E55_DE70
+_LONE_NUMBER = re.compile(r"[\s`*]*-?\d[\d,]*(?:\.\d+)?[\s`*]*\.?[\s`*]*")
 WIN_FLOOR = 0.5
 """Every win earns at least this, every loss less: what ``correct`` tells apart."""
 TEMPLATE = ("I am thinking of a whole number between {lo} and {hi}. Guess it: reply with just a number, "
@@ -93,8 +99,8 @@ def _check_settings(lo: int, hi: int, turn_penalty: float, closeness_credit: flo
 
 class GuessNumber(EpisodeTask):
     def __init__(self, *, lo: int = 1, hi: int = 100, turn_penalty: float = 0.0, closeness_credit: float = 0.2,
-                 consistency_credit: float = 0.0, template: str = TEMPLATE, examples: int = 1,
-                 eval_size: int = 0) -> None:
+                 consistency_credit: float = 0.0, show_range: bool = False, template: str = TEMPLATE,
+                 examples: int = 1, eval_size: int = 0) -> None:
         _check_settings(lo, hi, turn_penalty, closeness_credit, consistency_credit, template, examples)
         space = hi - lo + 1 - examples
         if eval_size < 0 or eval_size > space // 2:
@@ -102,7 +108,7 @@ class GuessNumber(EpisodeTask):
                              f"the {space} secrets in {lo}..{hi} less the {examples} examples)")
         self.lo, self.hi, self.template = lo, hi, template
         self.turn_penalty, self.closeness_credit = float(turn_penalty), float(closeness_credit)
-        self.consistency_credit = float(consistency_credit)
+        self.consistency_credit, self.show_range = float(consistency_credit), bool(show_range)
         self.rules = template.format(lo=lo, hi=hi)
         demos = self._demo_secrets(examples)
         self._demo: list[dict[str, str]] = []
@@ -139,10 +145,11 @@ class GuessNumber(EpisodeTask):
 
     def _demo_game(self, secret: int, after: int | None) -> list[dict[str, str]]:
         """One game played by binary search, from its opening to its winning guess."""
-        messages = [self._opening(after)]
-        for g in self._bisect(secret):
+        messages, guesses = [self._opening(after)], self._bisect(secret)
+        for i, g in enumerate(guesses):
+            open_ = self._walk(secret, [str(x) for x in guesses[: i + 1]])[:2] if self.show_range else None
             messages.append({"role": "assistant", "content": str(g)})
-            messages.append({"role": "user", "content": self.feedback(secret, g)})
+            messages.append({"role": "user", "content": self.feedback(secret, g, open_)})
         return messages[:-1]
 
     def _prompt(self, secret: int) -> Prompt:
@@ -167,7 +174,9 @@ class GuessNumber(EpisodeTask):
 
     @staticmethod
     def guess(reply: str) -> int | None:
-        """The reply's guess: its last number if that is whole, else None."""
+        """The reply's guess: the whole number it consists of, else None."""
+        if _LONE_NUMBER.fullmatch(reply) is None:
+            return None
         number = final_number(reply)
         if number is None or not number.lstrip("-").isdigit():
             return None
@@ -180,16 +189,21 @@ class GuessNumber(EpisodeTask):
     def win_reward(self, turns: int) -> float:
         return max(1.0 - self.turn_penalty * (turns - 1), WIN_FLOOR)
 
-    def consistent(self, secret: int, replies: Sequence[str]) -> int:
-        """How many ``replies`` guess a whole number that the feedback before each leaves open."""
+    def _walk(self, secret: int, replies: Sequence[str]) -> tuple[int, int, int]:
+        """(lo, hi, consistent): the interval the feedback to ``replies`` leaves open, and how
+        many of them guessed a whole number inside the interval open before each."""
         lo, hi, count = self.lo, self.hi, 0
         for g in map(self.guess, replies):
             if g is None:
                 continue
             count += lo <= g <= hi
-            if self.lo <= g <= self.hi:  # the environment's answer narrows the interval
+            if self.lo <= g <= self.hi and g != secret:  # the environment's answer narrows the interval
                 lo, hi = (max(lo, g + 1), hi) if secret > g else (lo, min(hi, g - 1))
-        return count
+        return lo, hi, count
+
+    def consistent(self, secret: int, replies: Sequence[str]) -> int:
+        """How many ``replies`` guess a whole number that the feedback before each leaves open."""
+        return self._walk(secret, replies)[2]
 
     def loss_reward(self, secret: int, replies: Sequence[str]) -> float:
         guesses = [g for g in map(self._valid, replies) if g is not None]
@@ -204,12 +218,15 @@ class GuessNumber(EpisodeTask):
             return Turn(done=True, reward=self.win_reward(len(episode.replies)))
         if episode.last:
             return Turn(done=True, reward=self.loss_reward(secret, episode.replies))
-        return Turn(observation=self.feedback(secret, g), role="user")
+        open_ = self._walk(secret, episode.replies)[:2] if self.show_range else None
+        return Turn(observation=self.feedback(secret, g, open_), role="user")
 
-    def feedback(self, secret: int, g: int | None) -> str:
-        """What the environment says to a guess ``g`` (None: no whole number) that is not ``secret``."""
+    def feedback(self, secret: int, g: int | None, open_: tuple[int, int] | None = None) -> str:
+        """What the environment says to a guess ``g`` (None: no whole number) that is not
+        ``secret``; ``open_``: the interval the feedback so far leaves open, to name (``show_range``)."""
         if g is None:
             return f"Reply with just a whole number between {self.lo} and {self.hi}."
         if not self.lo <= g <= self.hi:
             return f"{g} is out of range: my number is between {self.lo} and {self.hi}."
-        return f"{'higher' if secret > g else 'lower'} than {g}"
+        said = f"{'higher' if secret > g else 'lower'} than {g}"
+        return said if open_ is None else f"{said}: my number is between {open_[0]} and {open_[1]}."
