@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -40,7 +41,8 @@ class Run:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the suite's (conftest) would override engine.kv_cache_gb
         self.proc = subprocess.Popen([*INFLIGHT, "train", *args, "--set", f"run.out_dir={out}"], cwd=out.parent,
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)  # its own process group: a terminal's Ctrl-C reaches all
         self.children: set[int] = set()
         self.lines: list[tuple[float, str]] = []  # the console, each line with when it came
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -189,3 +191,46 @@ def test_a_reward_that_raises_or_is_not_finite_is_reported_then_stops_the_run(tm
                            "row (task.scoring.max_failed_in_a_row); the last, group "), last
     assert error in last and "restart" not in console and "TimeoutError" not in console, console
     assert ended - first < ERROR_WITHIN_S, (ended - first, console)
+
+
+def _rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_ctrl_c_saves_a_checkpoint_the_plot_and_the_summary_and_resume_goes_on(tmp_path) -> None:
+    """6. Ctrl-C (SIGINT to the run's process group, as a terminal sends it) mid-run: the step
+    in progress finishes, then the checkpoint, plot and summary are written, no traceback, no
+    process left; ``run.resume=true`` goes on from there without truncating the metrics; and
+    resuming a finished run, or resuming with nothing to resume over a run's metrics, is refused
+    before any engine starts, the metrics untouched."""
+    out = tmp_path / "run"
+    run = Run(out, "--config", "demo")
+    while len(_rows(out)) < 3:
+        assert run.proc.poll() is None, run.lines
+        time.sleep(0.05)
+    sent = time.monotonic()
+    os.killpg(run.proc.pid, signal.SIGINT)
+    code, console, ended = run.finish()
+    assert code == 130 and "Traceback" not in console, console
+    done = len(_rows(out))
+    assert console.strip().splitlines()[-1] == (f"inflight train: stopped by Ctrl-C after step {done} of 200; go on "
+                                                "with --set run.resume=true"), console
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == done
+    assert (out / "training.png").exists() and json.loads((out / "summary.json").read_text())["steps"] == done
+    assert ended - sent < ERROR_WITHIN_S, [f"{t - sent:.1f} {line[-120:]}" for t, line in run.lines[-12:]]
+    before = (out / "metrics.jsonl").read_text()
+
+    code, console, _ = Run(out, "--config", "demo", "--set", "run.resume=true", "--set", f"run.steps={done + 2}").finish()
+    assert code == 0, console
+    assert (out / "metrics.jsonl").read_text().startswith(before) and [r["step"] for r in _rows(out)] == \
+        list(range(1, done + 3))
+    code, console, _ = Run(out, "--config", "demo", "--set", "run.resume=true", "--set", f"run.steps={done + 2}").finish()
+    assert code == 1 and console.strip().splitlines()[-1].endswith(
+        f"is at step {done + 2}, and run.steps={done + 2}: nothing left to train (raise run.steps to go on)"), console
+
+    (out / "checkpoint").rename(tmp_path / "moved")  # metrics, and no checkpoint to go on from
+    kept = (out / "metrics.jsonl").read_text()
+    code, console, _ = Run(out, "--config", "demo", "--set", "run.resume=true").finish()
+    assert code == 1 and f"no checkpoint in {out / 'checkpoint'} to resume from" in console, console
+    assert (out / "metrics.jsonl").read_text() == kept and "engine0.pid" not in console

@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -126,6 +128,31 @@ def last_error(path: Path) -> str:
 
 
 _ERROR = re.compile(r"\b\w*(Error|Exception)\b:|\berror\b", re.IGNORECASE)
+
+
+class Interrupt:
+    """Ctrl-C in the training loop: the first asks the loop to stop after the step it is in
+    (``asked``; the run then leaves its checkpoint, plot and summary as at its end); a second
+    stops at once. Installed from the main thread only (elsewhere Ctrl-C is the caller's)."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self._previous: Any = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.asked:
+            self.restore()
+            raise KeyboardInterrupt
+        self.asked = True
+        tqdm.write("inflight: Ctrl-C: stopping after this step, with a checkpoint, the plot and the summary "
+                   "(Ctrl-C again: stop at once)")
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
 
 
 class BarText:

@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import os
 import random
+import signal
 import time
 from collections import deque
 from pathlib import Path
@@ -294,6 +295,8 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
     ``log_file``: where this process and its workers write (the trainer's spawned engines);
     None keeps the console (an engine started by hand).
     """
+    if parent_pid is not None:  # the trainer's: its Ctrl-C stops the run, which stops this engine
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (ignored in its scoring and worker processes too)
     if log_file is not None:
         log_to_file(log_file, f"engine {engine_index} (process {os.getpid()})")
     engine_environment(cfg, cuda_devices)

@@ -25,11 +25,14 @@ class MetricsLog:
             self.path.write_text("")
             self.path.with_name("samples.jsonl").write_text("")
 
-    def write(self, row: dict[str, Any]) -> None:
+    def write(self, row: dict[str, Any], groups: list | None = None) -> None:
+        """Append ``row``; and ``groups``, the step's, to ``samples.jsonl`` (``samples``)."""
         self.rows.append(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         self.trackers.log(row)
+        if groups:
+            self.samples(row["step"], groups)
 
     def samples(self, step: int, groups: list) -> None:
         """Every sample trained on at ``step`` to ``samples.jsonl`` beside the metrics: one

@@ -30,7 +30,7 @@ from inflight.transport.store import reserve_port
 from trainer.checkpoint import TrainerState, load_state, recover
 from trainer.config import TrainConfig, group_config, push_config
 from trainer.config_files import add_config_arguments, config_to_dict, load_config
-from trainer.console import BarText, quiet_libraries
+from trainer.console import BarText, Interrupt, quiet_libraries
 from trainer.fleet import EngineLost, Fleet, place, visible_gpus
 from trainer.metrics import MetricsLog, RolloutLedger, plot_run, summarize
 from trainer.trackers import check_trackers, open_trackers
@@ -48,8 +48,7 @@ log = logging.getLogger("inflight.train")
 
 def train(cfg: TrainConfig) -> dict:
     quiet_libraries()  # one bar on the console, each warning once; the engines write to files in the run dir
-    out = _run_dir(cfg)
-    ckpt_dir = out / "checkpoint"
+    out, ckpt_dir = _run_dir(cfg)
 
     # -- 1. the policy on disk, 2. the engine processes (the fleet) --------------------------------
     resumed, model_dir, adapter_dir, version = _policy_on_disk(cfg, out, ckpt_dir)
@@ -77,34 +76,36 @@ def train(cfg: TrainConfig) -> dict:
     version = sync.catch_up(version)
 
     # -- 4. the loop: batch, loss, step, push, metrics, checkpoint -----------------------------------
-    start = resumed.step if resumed else 0
-    bar_text, ledger = BarText(cfg.rollout.group_size), RolloutLedger()  # the bar's text; the rollout_ totals
+    done = resumed.step if resumed else 0  # optimizer steps taken
+    bar_text, ledger, interrupt = BarText(cfg.rollout.group_size), RolloutLedger(), Interrupt()  # Ctrl-C: see below
     try:
-        for step in (bar := tqdm(range(start, cfg.run.steps), desc="train", initial=start, total=cfg.run.steps,
-                                 dynamic_ncols=True)):
+        for done in (bar := tqdm(range(done + 1, cfg.run.steps + 1), desc="train", initial=done, total=cfg.run.steps,
+                                 dynamic_ncols=True)):  # done: the optimizer steps taken once this one is
             t0 = time.perf_counter()
             groups, version = sync.next_batch(buffer, version)
-            t_wait = time.perf_counter() - t0
-            result = policy.step(groups, version, step, before_write=sync.wait_reads)
+            result = policy.step(groups, version, done - 1, before_write=sync.wait_reads)
             version += 1
-            score = (lambda: evaluator(policy.unwrapped)) if evaluator is not None and evaluator.due(step + 1) else dict
-            version, evaluation = sync.push(version, last=step + 1 == cfg.run.steps, score=score)
-            metrics.write(row := {**_row(step, version, result, groups, t0, t_wait, sync, buffer, queue, fleet),
-                                  **ledger.update(groups), **evaluation})
-            metrics.samples(step + 1, groups)
+            score = (lambda: evaluator(policy.unwrapped)) if evaluator is not None and evaluator.due(done) else dict
+            version, evaluation = sync.push(version, last=done == cfg.run.steps, score=score)
+            metrics.write(row := {**_row(done, version, result, groups, t0, sync, buffer, queue, fleet),
+                                  **ledger.update(groups), **evaluation}, groups)  # and the samples, to samples.jsonl
             bar.set_postfix_str(bar_text(row), refresh=False)
-            if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
-                policy.save(ckpt_dir, step + 1, version, buffer)
+            if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0:
+                policy.save(ckpt_dir, done, version, buffer)
                 fleet.restart_from(ckpt_dir, version)
+            if interrupt.asked:  # Ctrl-C: stop after a whole step, its push landed; leave everything below behind
+                version = sync.land(version)
+                break
     finally:
+        interrupt.restore()
         queue.store.set("stop", b"1")
         fleet.stop()
         pusher.close()
         metrics.close()  # the experiment trackers' files, finished
 
     # -- 5. what we leave behind ---------------------------------------------------------------------
-    policy.save(ckpt_dir, cfg.run.steps, version, buffer)
-    return _summary(out, metrics, queue, buffer, fleet)
+    policy.save(ckpt_dir, done, version, buffer)
+    return _summary(out, metrics, queue, buffer, fleet, interrupted=done < cfg.run.steps)
 
 
 class SetupError(ValueError):
@@ -130,14 +131,15 @@ def _task_before_engines(cfg: TrainConfig, model_dir: Path) -> Task:
     return task
 
 
-def _run_dir(cfg: TrainConfig) -> Path:
+def _run_dir(cfg: TrainConfig) -> tuple[Path, Path]:
+    """The run's directory and its checkpoint's."""
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     check_trackers(cfg)  # a missing tracker package fails here, before any engine starts
     (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
-    return out
+    return out, out / "checkpoint"
 
 
 def _policy_on_disk(cfg: TrainConfig, out: Path, ckpt_dir: Path) -> tuple[TrainerState | None, Path, Path | None, int]:
@@ -146,6 +148,7 @@ def _policy_on_disk(cfg: TrainConfig, out: Path, ckpt_dir: Path) -> tuple[Traine
     A run that does not resume clears the episode journals an earlier run left (``trainer.episode_journal``)."""
     # a crash between the renames of a checkpoint swap leaves only ``checkpoint.old``: resume from it
     resumed = load_state(ckpt_dir) if cfg.run.resume and (recover(ckpt_dir) or (ckpt_dir / "state.json").exists()) else None
+    _check_resume(cfg, out, ckpt_dir, resumed)
     if resumed is None:  # an earlier run's episodes in flight (trainer.episode_journal) are not this run's
         for journal in out.glob("episodes-*.journal"):
             journal.unlink()
@@ -159,6 +162,24 @@ def _policy_on_disk(cfg: TrainConfig, out: Path, ckpt_dir: Path) -> tuple[Traine
     return None, _base_model(cfg, out), None, 0
 
 
+def _check_resume(cfg: TrainConfig, out: Path, ckpt_dir: Path, resumed: TrainerState | None) -> None:
+    """``run.resume = true`` with nothing to resume starts over only where that loses nothing:
+    not over an earlier run's metrics, which a new run would truncate; a finished run is not
+    run again (``SetupError``)."""
+    if not cfg.run.resume:
+        return
+    rows = (out / "metrics.jsonl").read_text().count("\n") if (out / "metrics.jsonl").exists() else 0
+    if resumed is None and rows:
+        raise SetupError(f"run.resume=true: no checkpoint in {ckpt_dir} to resume from, and {out / 'metrics.jsonl'} "
+                         f"holds {rows} rows a new run would overwrite; set run.resume=false to start over there, "
+                         "or another run.out_dir")
+    if resumed is None:
+        print(f"inflight: run.resume=true: nothing to resume in {out}: starting at step 0", flush=True)
+    elif resumed.step >= cfg.run.steps:
+        raise SetupError(f"run.resume=true: the checkpoint in {ckpt_dir} is at step {resumed.step}, and run.steps="
+                         f"{cfg.run.steps}: nothing left to train (raise run.steps to go on)")
+
+
 def _base_model(cfg: TrainConfig, out: Path) -> Path:
     if cfg.model.path:
         return resolve_model(cfg.model.path)  # a directory, a hub id, or "smollm2" (prepared once)
@@ -168,17 +189,17 @@ def _base_model(cfg: TrainConfig, out: Path) -> Path:
     return build_tiny_model(init, default_corpus(), cfg.model.tiny)
 
 
-def _row(step: int, version: int, result: StepResult, groups: list, t0: float, t_wait: float, sync: WeightSync,
+def _row(done: int, version: int, result: StepResult, groups: list, t0: float, sync: WeightSync,
          buffer: RolloutBuffer, queue: RolloutQueue, fleet: Fleet) -> dict:
     """The metrics row of one step. ``pushes_landed`` lists every push that completed in the
     step (the last row: two; a recovery's push of the current version too), as [version, ranks];
     ``engines_rejoined`` what members reported serving when a generation formed."""
     batch = result.batch
-    row = {"step": step + 1, "version": version, "loss": result.loss, "grad_norm": result.grad_norm,
+    row = {"step": done, "version": version, "loss": result.loss, "grad_norm": result.grad_norm,
            "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std()),
            "max_versions_per_sample": int(max(len(set(s.versions)) for g in groups for s in g.samples)),
            "hybrid_token_frac": _hybrid_fraction(groups),
-           "wait_ms": 1e3 * t_wait, "push_wait_ms": 1e3 * sync.wait_s, "read_wait_ms": 1e3 * sync.read_wait_s, "step_ms": 1e3 * (time.perf_counter() - t0),
+           "wait_ms": 1e3 * sync.batch_wait_s, "push_wait_ms": 1e3 * sync.wait_s, "read_wait_ms": 1e3 * sync.read_wait_s, "step_ms": 1e3 * (time.perf_counter() - t0),
            "queue_depth": queue.depth(), **buffer.stats(), **result.metrics, **sync.last,
            "engine_failures": fleet.failures, "engine_restarts": fleet.restarts, "engine_drops": fleet.drops,
            "engines_live": len(sync.pusher.live), "group_ids": [g.group_id for g in groups],
@@ -188,12 +209,14 @@ def _row(step: int, version: int, result: StepResult, groups: list, t0: float, t
     return row
 
 
-def _summary(out: Path, metrics: MetricsLog, queue: RolloutQueue, buffer: RolloutBuffer, fleet: Fleet) -> dict:
+def _summary(out: Path, metrics: MetricsLog, queue: RolloutQueue, buffer: RolloutBuffer, fleet: Fleet, *,
+             interrupted: bool) -> dict:
     plot_run(metrics.rows, out / "training.png")
     summary = summarize(metrics.rows)
     # the queue's ledger: every slot claimed ("put") was read, and each read is accounted for
     summary["queue"] = {"put": queue.store.add("tail", 0), "read": queue.store.add("head", 0), **buffer.stats()}
     summary["engine_events"] = fleet.events
+    summary["interrupted"] = interrupted  # stopped by Ctrl-C before run.steps
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -227,6 +250,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     except (EngineLost, SetupError, TaskFailed) as e:  # an engine's own error is above, in its log's last lines
         sys.exit(f"{ap.prog}: error: {e}")
     report(cfg, summary)
+    if summary["interrupted"]:
+        print(f"{ap.prog}: stopped by Ctrl-C after step {summary['steps']} of {cfg.run.steps}; go on with "
+              "--set run.resume=true", file=sys.stderr)
+        sys.exit(130)
 
 
 def report(cfg: TrainConfig, summary: dict) -> None:

@@ -87,6 +87,8 @@ class WeightSync:
         """How long the trainer blocked on the previous push in the last ``push``."""
         self.read_wait_s = 0.0
         """How long the last optimizer step waited for the push in flight to finish reading."""
+        self.batch_wait_s = 0.0
+        """How long the last ``next_batch`` waited for rollouts (recoveries included)."""
 
     def recover(self, reason: str, version: int, lost: Collection[int] = (), *, push_behind: bool = True) -> int:
         """``Fleet.recover``, with the push in flight landed (``_land``) or none."""
@@ -117,7 +119,15 @@ class WeightSync:
         self.read_wait_s = self.pusher.wait_reads()
 
     def next_batch(self, buffer: RolloutBuffer, version: int) -> tuple[list[RolloutGroup], int]:
-        """The next batch of groups, and the trainer's version (a recovery may move it)."""
+        """The next batch of groups, and the trainer's version (a recovery may move it); the
+        wait in ``batch_wait_s``."""
+        t0 = time.perf_counter()
+        try:
+            return self._next_batch(buffer, version)
+        finally:
+            self.batch_wait_s = time.perf_counter() - t0
+
+    def _next_batch(self, buffer: RolloutBuffer, version: int) -> tuple[list[RolloutGroup], int]:
         self._read_reports()
         if self.fleet.exit_problem() is not None:  # a fleet's other engines keep the queue full
             version = self._recover_exit(version)
@@ -178,6 +188,11 @@ class WeightSync:
         if last:
             version = self._land(version, push_behind=True)
         return version, evaluation
+
+    def land(self, version: int) -> int:
+        """Wait for the push in flight, as the last step's is (a run stopped early ends on a
+        committed version too). Returns the trainer's version."""
+        return self._land(version, push_behind=True)
 
     def _land(self, version: int, *, push_behind: bool) -> int:
         """Wait for the push in flight on every engine: report it where it landed, recover the
