@@ -157,3 +157,16 @@ def test_the_console_script_and_its_data_are_declared() -> None:
     assert project["project"]["scripts"]["inflight"] == "trainer.cli:main"
     data = project["tool"]["setuptools"]["package-data"]
     assert "configs/*.toml" in data["trainer"] and "scenarios/*.toml" in data["bench"]
+
+
+def test_the_configuration_reference_is_generated_from_the_code() -> None:
+    """docs/configuration.md is ``python -m trainer.config_docs``'s output: every key of every
+    table, with its default and docstring (regenerate it when a setting changes)."""
+    from trainer.config_docs import render, tables
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    assert doc == render(), "docs/configuration.md is stale: python -m trainer.config_docs > docs/configuration.md"
+    keys = {f"{name}.{key}" for name, _, rows in tables() for key, _, _ in rows}
+    assert {"run.resume", "optim.micro_batches", "optim.warmup_steps", "task.episode.max_turns",
+            "task.guess_number.consistency_credit", "engine.kv_cache_gb"} <= keys
+    assert all(meaning for _, _, rows in tables() for _, _, meaning in rows)  # every key has its docstring

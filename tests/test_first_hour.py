@@ -234,3 +234,25 @@ def test_ctrl_c_saves_a_checkpoint_the_plot_and_the_summary_and_resume_goes_on(t
     code, console, _ = Run(out, "--config", "demo", "--set", "run.resume=true").finish()
     assert code == 1 and f"no checkpoint in {out / 'checkpoint'} to resume from" in console, console
     assert (out / "metrics.jsonl").read_text() == kept and "engine0.pid" not in console
+
+
+def test_a_batch_with_nothing_to_learn_is_named(tmp_path) -> None:
+    """9. Every sample scores the same (here 0: a task whose reward this policy never earns):
+    the first such step says so on the console, naming the rewards and where the samples are,
+    and samples.jsonl holds every sample trained on with its completion."""
+    (tmp_path / "zero_reward.py").write_text(
+        "from trainer.tasks import RepeatDigit\n\n"
+        "class Zero(RepeatDigit):\n"
+        "    def score(self, prompts, completions):\n"
+        "        return [0.0] * len(completions)\n\n"
+        "def make(tokenizer):\n"
+        "    return Zero(tokenizer, 16, 0.0)\n")
+    out = tmp_path / "run"
+    code, console, _ = Run(out, "--config", "demo", "--set", "task.name=zero_reward:make", "--set",
+                           "run.steps=2").finish()
+    assert code == 0, console
+    assert ("step 1: every group's samples scored alike (rewards [0.0]): no learning signal in this batch (what the "
+            "policy samples, and its rewards: samples.jsonl)") in console, console
+    assert all(r["groups_without_signal"] == 8 for r in _rows(out))
+    logged = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(logged) == 16 and all(s["completion"] and s["reward"] == 0.0 for g in logged for s in g["samples"])

@@ -46,7 +46,7 @@ def test_metric_names_are_grouped_and_only_numbers_go() -> None:
     assert scalars(row) == {
         "sync/version": 3.0, "train/loss": 0.5, "train/grad_norm": 1.0, "train/ess": 0.9, "train/ess_low": 1.0,
         "rollout/reward_mean": 0.25, "rollout/lag_mean": 0.5, "rollout/queue_depth": 2.0, "sync/commit_ms": 1.5,
-        "sync/push_mb": 0.1, "sync/wait_ms": 3.0, "eval/eval_accuracy": 0.75}
+        "sync/push_mb": 0.1, "sync/wait_ms": 3.0, "eval/accuracy": 0.75}
 
 
 def wandb_history(run_file: Path) -> tuple[dict[int, dict[str, float]], dict[str, object]]:
@@ -120,7 +120,7 @@ def test_a_short_run_reports_to_tensorboard_wandb_and_trackio(tmp_path: Path, mo
         series = [(e.step, e.value) for e in acc.Scalars(name)]
         want = [(r["step"], pytest.approx(r[key], rel=1e-6, abs=1e-6)) for r in train_rows if r.get(key) is not None]
         assert series == want, name  # float32 in the event file
-    assert [e.step for e in acc.Scalars("eval/eval_accuracy")] == [0, 2, 3]
+    assert [e.step for e in acc.Scalars("eval/accuracy")] == [0, 2, 3]
     assert "config/text_summary" in acc.Tags()["tensors"]
 
     # W&B: an offline run directory, the same names and numbers at the same steps, the run's config

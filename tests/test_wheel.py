@@ -63,4 +63,4 @@ def test_a_wheel_in_a_fresh_venv_trains_the_demo(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["demo"] == "demo"
+    assert summary["run"] == "demo"

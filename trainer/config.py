@@ -26,10 +26,11 @@ from trainer.tiny_model import TinyModelConfig
 class RunConfig:
     """Where and how long."""
 
-    name: str = "demo"
-    """Run name; outputs go to ``out_dir``."""
-    out_dir: str = "runs/demo"
-    """Metrics JSONL, plot PNG and checkpoint land here."""
+    name: str = "run"
+    """Run name (a config file without one: the file's name, ``my_run.toml`` -> ``my_run``)."""
+    out_dir: str = ""
+    """Where metrics.jsonl, samples.jsonl, the plot, the summary and the checkpoint land (empty:
+    ``runs/<name>``, from the working directory)."""
     steps: int = 100
     """Optimizer steps (= weight versions pushed)."""
     seed: int = 0
@@ -46,6 +47,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "run")
+        if not self.out_dir:
+            object.__setattr__(self, "out_dir", f"runs/{self.name}")
         # jsonl always: the plot, the summary and a resumed run read metrics.jsonl
         object.__setattr__(self, "report_to", tuple(self.report_to) if "jsonl" in self.report_to else ("jsonl", *self.report_to))
         if self.steps < 1:
@@ -250,6 +253,8 @@ class TransportConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "transport")
+        if type(self.port) is not int or not 0 <= self.port < 65536:
+            raise ValueError(f"transport.port={self.port!r} is not a TCP port (0: a free one)")
         if not self.bucket_mb > 0:
             raise ValueError(f"transport.bucket_mb={self.bucket_mb} must be > 0")
         for name in ("collective_timeout_s", "reply_timeout_s", "stale_timeout_s", "rejoin_timeout_s"):

@@ -130,6 +130,7 @@ def load_config(path_or_name: str | Path, overrides: Iterable[str] = ()) -> Trai
         raise ValueError(f"{path}: {e}") from None
     if path.parent != CONFIG_DIR:
         data = _next_to(path.parent.resolve(), data)
+        data.setdefault("run", {}).setdefault("name", path.stem)  # its outputs: runs/<the file's name>
     return _build(TrainConfig, apply_overrides(data, overrides), "")
 
 

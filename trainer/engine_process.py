@@ -365,9 +365,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """``inflight engine`` (``prog``) and ``python -m trainer.engine_process``."""
     ap = argparse.ArgumentParser(prog=prog, description="inflight engine process (vLLM + in-flight worker)")
     add_config_arguments(ap)  # the trainer's config and --set overrides: both sides must read the same settings
-    ap.add_argument("--model-dir", required=True)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--model-dir", required=True, help="the model directory to serve (the trainer's model.path)")
+    ap.add_argument("--host", default="127.0.0.1", help="the trainer's host: its group store")
+    ap.add_argument("--port", type=int, required=True, help="the trainer's store port (transport.port)")
     ap.add_argument("--engine-id", type=int, default=0, help="this engine's index in the fleet (0 .. engine.count - 1)")
     ap.add_argument("--initial-version", type=int, default=0, help="version of the weights in --model-dir")
     ap.add_argument("--adapter-dir", help="a LoRA run: the PEFT directory of --initial-version's adapter")

@@ -111,11 +111,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def plot_run(rows: list[dict[str, Any]], png: Path) -> None:
+def plot_run(rows: list[dict[str, Any]], png: Path, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     evals = [r for r in rows if "eval_accuracy" in r]
     rows = _train_rows(rows)
@@ -139,7 +140,10 @@ def plot_run(rows: list[dict[str, Any]], png: Path) -> None:
     axes[2].plot(steps, [r.get("push_ms") or float("nan") for r in rows], label="push, announce..commit", alpha=0.6)
     axes[2].set_ylabel("ms")
     axes[2].set_xlabel("optimizer step")
+    axes[2].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
     axes[2].legend(loc="upper right")
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)

@@ -67,6 +67,7 @@ class Policy:
             restore_rng(resumed)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.replay = RoutingReplay(self.unwrapped, enabled=cfg.loss.routing_replay)
+        self.flat_steps = 0  # steps in a row whose every group's samples scored alike (zero advantages)
 
     @property
     def unwrapped(self) -> torch.nn.Module:
@@ -85,6 +86,13 @@ class Policy:
         loss, metrics, batch = self.accumulate(groups, version)
         if (warning := ess_warning(metrics, self.cfg.loss.ess_warn)) is not None:
             log.warning("step %d: %s", step + 1, warning)
+        metrics["groups_without_signal"] = flat = sum(len({s.reward for s in g.samples}) == 1 for g in groups)
+        self.flat_steps = self.flat_steps + 1 if flat == len(groups) else 0
+        if self.flat_steps in (1, 5):  # the first such step, and once it keeps on
+            rewards = sorted({s.reward for g in groups for s in g.samples})[:4]
+            log.warning("step %d: every group's samples scored alike (rewards %s): %s (what the policy samples, and "
+                        "its rewards: samples.jsonl)", step + 1, rewards, "no learning signal in this batch"
+                        if self.flat_steps == 1 else f"still no learning signal, {self.flat_steps} steps in a row")
         clip = self.cfg.optim.grad_clip
         grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), clip)) if clip else 0.0
         lr = learning_rate(self.cfg, step)

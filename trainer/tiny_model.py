@@ -52,17 +52,22 @@ class TinyModelConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "model.tiny")
+        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                    "max_position_embeddings", "num_experts"):
+            if type(value := getattr(self, key)) is not int or value < 1:
+                raise ValueError(f"model.tiny.{key}={value!r} must be a whole number >= 1")
         if not 1 <= self.experts_per_token <= self.num_experts:
-            raise ValueError(f"TinyModelConfig.experts_per_token={self.experts_per_token} must be in "
+            raise ValueError(f"model.tiny.experts_per_token={self.experts_per_token} must be in "
                              f"1..num_experts={self.num_experts}")
         if self.moe_intermediate_size < 1:
-            raise ValueError(f"TinyModelConfig.moe_intermediate_size={self.moe_intermediate_size} must be >= 1")
+            raise ValueError(f"model.tiny.moe_intermediate_size={self.moe_intermediate_size} must be >= 1")
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} not divisible by num_heads={self.num_heads}")
+            raise ValueError(f"model.tiny.hidden_size={self.hidden_size} not divisible by num_heads={self.num_heads}")
         if self.hidden_size // self.num_heads not in (32, 64, 128):
-            raise ValueError(f"head_dim={self.hidden_size // self.num_heads}: vLLM's CPU attention needs 32, 64 or 128")
+            raise ValueError(f"model.tiny: head_dim={self.hidden_size // self.num_heads} (hidden_size / num_heads): "
+                             "vLLM's CPU attention needs 32, 64 or 128")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} not divisible by num_kv_heads={self.num_kv_heads}")
+            raise ValueError(f"model.tiny.num_heads={self.num_heads} not divisible by num_kv_heads={self.num_kv_heads}")
 
 
 

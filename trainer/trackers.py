@@ -8,7 +8,7 @@ dependency of the trainer (each is an extra: ``pip install 'inflight[wandb]'``).
 Names: ``<group>/<key>``, the key as in metrics.jsonl and the group one of ``train/`` (the
 loss and its importance-sampling statistics), ``rollout/`` (what was sampled: reward, lag,
 versions, the queue), ``sync/`` (weight pushes, commits, waits, the fleet) and ``eval/``
-(``eval_*``); the step is the optimizer step (row "step 0": the evaluation before training).
+(``eval_*``, less the prefix: ``eval/accuracy``); the step is the optimizer step (row "step 0": the evaluation before training).
 Only numbers are logged: the histograms and tables of a row (``lag_hist``, ``by_lag``, ...)
 stay in metrics.jsonl.
 """
@@ -52,7 +52,8 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
     for key, value in row.items():
         if key in SKIP or not isinstance(value, (int, float)):
             continue
-        out[f"{group_of(key)}/{key}"] = float(value)
+        group = group_of(key)
+        out[f"{group}/{key.removeprefix('eval_') if group == 'eval' else key}"] = float(value)
     return out
 
 

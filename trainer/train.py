@@ -182,7 +182,10 @@ def _check_resume(cfg: TrainConfig, out: Path, ckpt_dir: Path, resumed: TrainerS
 
 def _base_model(cfg: TrainConfig, out: Path) -> Path:
     if cfg.model.path:
-        return resolve_model(cfg.model.path)  # a directory, a hub id, or "smollm2" (prepared once)
+        try:
+            return resolve_model(cfg.model.path)  # a directory, a hub id, or "smollm2" (prepared once)
+        except (OSError, ValueError, ImportError) as e:
+            raise SetupError(str(e) if "model.path" in str(e) else f"model.path={cfg.model.path!r}: {e}") from None
     init = out / "init"
     if (init / "config.json").exists():  # a resumed LoRA run's base: the one its adapter was trained on
         return init
@@ -211,7 +214,7 @@ def _row(done: int, version: int, result: StepResult, groups: list, t0: float, s
 
 def _summary(out: Path, metrics: MetricsLog, queue: RolloutQueue, buffer: RolloutBuffer, fleet: Fleet, *,
              interrupted: bool) -> dict:
-    plot_run(metrics.rows, out / "training.png")
+    plot_run(metrics.rows, out / "training.png", title=out.name)
     summary = summarize(metrics.rows)
     # the queue's ledger: every slot claimed ("put") was read, and each read is accounted for
     summary["queue"] = {"put": queue.store.add("tail", 0), "read": queue.store.add("head", 0), **buffer.stats()}
@@ -265,7 +268,8 @@ def report(cfg: TrainConfig, summary: dict) -> None:
     if "eval_accuracy_first" in summary:
         print(f"eval (greedy, {summary['eval_prompts']} held-out prompts): accuracy {summary['eval_accuracy_first']:.3f} "
               f"-> {summary['eval_accuracy_last']:.3f}")
-    print(json.dumps({"demo": cfg.run.name, **summary}))
+    print(f"outputs: {cfg.run.out_dir} (metrics.jsonl, samples.jsonl, training.png, summary.json, checkpoint/)")
+    print(json.dumps({"run": cfg.run.name, **summary}))
 
 
 if __name__ == "__main__":
