@@ -201,6 +201,11 @@ class LossConfig:
     """GRPO: divide group-centred rewards by the group's std (False: Dr. GRPO)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight (the entropy is always logged)."""
+    kl_coef: float = 0.0
+    """Weight of a KL penalty to the reference policy (the run's first weights; a LoRA run's
+    base, the adapter off): kl_coef * mean over policy tokens of the k3 estimator
+    exp(ref - logp) - (ref - logp) - 1, as GRPO and TRL add it (``kl_ref`` in every row). 0: off,
+    and no reference model is loaded."""
     routing_replay: bool = False
     """Mixture-of-experts policies (R3): the engine records each sampled token's top-k experts
     per MoE layer, and the trainer's forward routes that token's position to them, with gate
@@ -220,6 +225,8 @@ class LossConfig:
             raise ValueError(f"loss.m2_threshold={self.m2_threshold} must be >= 0 (0: off)")
         if not 0 <= self.ess_warn <= 1:
             raise ValueError(f"loss.ess_warn={self.ess_warn} must be in [0, 1]")
+        if not self.kl_coef >= 0:
+            raise ValueError(f"loss.kl_coef={self.kl_coef} must be >= 0 (0: off)")
 
 
 @dataclass(frozen=True, kw_only=True)

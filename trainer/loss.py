@@ -115,11 +115,12 @@ def _histogram(values: torch.Tensor, edges: Sequence[float]) -> list[int]:
 
 
 def compute_loss(logp: torch.Tensor, entropy: torch.Tensor, batch: Batch, *, version: int, cfg: LossConfig,
-                 impl: str = "auto", n_tokens: float | None = None,
+                 impl: str = "auto", n_tokens: float | None = None, ref_logp: torch.Tensor | None = None,
                  with_metrics: bool = True) -> tuple[torch.Tensor, dict]:
     """The scalar loss and the step's importance-sampling metrics (formulas: module docstrings
     of ``trainer.correction`` and ``kernels.tis_loss``). ``n_tokens``: N of the loss, when
-    ``batch`` is a micro-batch of a larger one (default: ``batch``'s real tokens)."""
+    ``batch`` is a micro-batch of a larger one (default: ``batch``'s real tokens);
+    ``ref_logp``: the reference policy's log-probs, for ``loss.kl_coef``'s penalty."""
     real = batch.completion_mask > 0
     lag = version - batch.versions  # (B, T)
     if n_tokens is None:
@@ -139,6 +140,11 @@ def compute_loss(logp: torch.Tensor, entropy: torch.Tensor, batch: Batch, *, ver
                             **cfg.objective.kernel_args())
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * (entropy * real).sum() / n_tokens
+    kl = None
+    if ref_logp is not None:  # k3: exp(d) - d - 1 >= 0, d = log ref - log pi, per policy token
+        d = ref_logp - logp
+        kl = ((torch.exp(d) - d - 1) * real).sum() / n_tokens
+        loss = loss + cfg.kl_coef * kl
     if not with_metrics:
         return loss, {}
     with torch.no_grad():
@@ -164,6 +170,7 @@ def compute_loss(logp: torch.Tensor, entropy: torch.Tensor, batch: Batch, *, ver
             if float(masks.lag.sum()) else 1.0,
             "by_lag": by_lag(log_ratio, w, rho, low, high, mask, masks.real, lag, cfg.veto_threshold),
             "entropy": float((entropy.detach() * real).sum() / n_tokens),
+            **({} if kl is None else {"kl_ref": float(kl.detach())}),
             "lag_hist": {int(k): int(v) for k, v in zip(*torch.unique(lags, return_counts=True))},
             "lag_mean": float(lags.float().mean()) if lags.numel() else 0.0,
             "frac_multi_version": float(

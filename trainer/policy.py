@@ -45,7 +45,9 @@ class Policy:
     """The policy under training (accelerate), its optimizer and tokenizer."""
 
     def __init__(self, cfg: TrainConfig, model_dir: Path, resumed: TrainerState | None,
-                 adapter_dir: Path | None = None) -> None:
+                 adapter_dir: Path | None = None, reference_dir: Path | None = None) -> None:
+        """``reference_dir``: the run's first weights, ``loss.kl_coef``'s reference (default
+        ``model_dir``; a LoRA run's reference is its base with the adapter off)."""
         from accelerate import Accelerator
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -68,6 +70,20 @@ class Policy:
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.replay = RoutingReplay(self.unwrapped, enabled=cfg.loss.routing_replay)
         self.flat_steps = 0  # steps in a row whose every group's samples scored alike (zero advantages)
+        self.reference = None  # loss.kl_coef's frozen reference model (a LoRA run's: the base, adapter off)
+        if cfg.loss.kl_coef and not self.lora:
+            self.reference = AutoModelForCausalLM.from_pretrained(str(reference_dir or model_dir), dtype=torch.float32)
+            self.reference.to(self.accelerator.device).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: Batch) -> torch.Tensor | None:
+        """The reference policy's log-probs of ``batch``'s tokens (None without ``loss.kl_coef``)."""
+        if not self.cfg.loss.kl_coef:
+            return None
+        if self.reference is None:  # LoRA: the base is the model with its adapter off
+            with self.unwrapped.disable_adapter():
+                return policy_logprobs(self.model, batch, self.cfg.rollout.temperature)[0]
+        return policy_logprobs(self.reference, batch, self.cfg.rollout.temperature)[0]
 
     @property
     def unwrapped(self) -> torch.nn.Module:
@@ -118,11 +134,13 @@ class Policy:
             batch = batch.to(device)
             with self.replay.replaying(routing):
                 logp, entropy = policy_logprobs(self.model, batch, cfg.rollout.temperature)
-            loss, metrics = compute_loss(logp, entropy, batch, version=version, cfg=cfg.loss)
+            loss, metrics = compute_loss(logp, entropy, batch, version=version, cfg=cfg.loss,
+                                         ref_logp=self.reference_logprobs(batch))
             self.accelerator.backward(loss)
             return float(loss.detach()), {**metrics, **self.replay.stats()}, batch
         n_tokens = float((batch.completion_mask > 0).sum().clamp(min=1))
         logp_all, entropy_all = torch.zeros_like(batch.behaviour_logp), torch.zeros_like(batch.behaviour_logp)
+        ref_all = torch.zeros_like(batch.behaviour_logp) if cfg.loss.kl_coef else None
         for rows, micro in parts:
             micro, t = micro.to(device), micro.completion_ids.shape[1]
             p = micro.input_ids.shape[1] - t  # the micro-batch's columns of the whole batch's routing
@@ -130,12 +148,15 @@ class Policy:
             part_routing = None if routing is None else routing[rows, width - p: width + t]
             with self.replay.replaying(part_routing):
                 logp, entropy = policy_logprobs(self.model, micro, cfg.rollout.temperature)
+            ref = self.reference_logprobs(micro)
             part, _ = compute_loss(logp, entropy, micro, version=version, cfg=cfg.loss, n_tokens=n_tokens,
-                                   with_metrics=False)
+                                   ref_logp=ref, with_metrics=False)
             self.accelerator.backward(part)
             logp_all[rows, :t], entropy_all[rows, :t] = logp.detach().cpu(), entropy.detach().cpu()
+            if ref_all is not None:
+                ref_all[rows, :t] = ref.cpu()
         with torch.no_grad():  # the whole batch's loss and metrics, from the micro-batches' log-probs
-            loss, metrics = compute_loss(logp_all, entropy_all, batch, version=version, cfg=cfg.loss)
+            loss, metrics = compute_loss(logp_all, entropy_all, batch, version=version, cfg=cfg.loss, ref_logp=ref_all)
         return float(loss), {**metrics, **self.replay.stats()}, batch
 
     def save(self, path: Path, step: int, version: int, buffer: RolloutBuffer) -> None:

@@ -59,7 +59,8 @@ def train(cfg: TrainConfig) -> dict:
     fleet.start(wait_for_version=version)
 
     # -- 3. the trainer, a weight group per engine on the store it hosts, the rollout queue there -----
-    policy = Policy(cfg, model_dir, resumed, adapter_dir)
+    policy = Policy(cfg, model_dir, resumed, adapter_dir,  # loss.kl_coef's reference: the run's first weights
+                    reference_dir=_base_model(cfg, out) if resumed and cfg.loss.kl_coef else None)
     pusher = fleet.connect(group_config(cfg, port=port, backend=placement.backend), push_config(cfg))
     queue = RolloutQueue(pusher.sub_store("rollout"), cfg.rollout.queue_capacity,
                          incarnation=pusher.incarnation)  # items sealed for another run's store are refused
@@ -68,9 +69,8 @@ def train(cfg: TrainConfig) -> dict:
                            stats=resumed.buffer_stats if resumed else None)
     metrics = MetricsLog(out / "metrics.jsonl", append=resumed is not None,
                          trackers=open_trackers(cfg, out, resumed=resumed is not None))  # run.report_to
-    # greedy accuracy on held-out prompts; row "step 0" is the policy before any update
-    evaluator = Evaluator(cfg, policy.tokenizer, task, model_dir) if cfg.eval.every else None
-    if evaluator is not None and resumed is None:
+    evaluator = Evaluator(cfg, policy.tokenizer, task, model_dir) if cfg.eval.every else None  # greedy, held out
+    if evaluator is not None and resumed is None:  # row "step 0": the policy before any update
         metrics.write({"step": 0, "version": version, **evaluator(policy.unwrapped)})
     sync = WeightSync(cfg, pusher, fleet, queue, policy.weights)
     version = sync.catch_up(version)
