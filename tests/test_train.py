@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from trainer.config_files import config_from_dict, load_config
 from trainer.train import train
@@ -41,6 +42,11 @@ def test_training_run_end_to_end(tmp_path) -> None:
         assert (out / "checkpoint" / name).exists(), name
     assert (out / "training.png").stat().st_size > 10_000
     assert json.loads((out / "summary.json").read_text()) == summary
+    # the final model: a Hugging Face directory with its tokenizer, loaded as any other
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final, tok = AutoModelForCausalLM.from_pretrained(out / "checkpoint"), AutoTokenizer.from_pretrained(out / "checkpoint")
+    assert torch.isfinite(final(**tok("1 2 3", return_tensors="pt")).logits).all()
 
 
 def test_config_errors_name_the_key(tmp_path) -> None:
