@@ -8,6 +8,8 @@ import json
 import re
 import random
 
+import sys
+
 import pytest
 
 from trainer.config_files import config_from_dict
@@ -104,6 +106,31 @@ def test_jsonl_exact_match_and_messages(tmp_path) -> None:
     assert paris.meta == {"id": 7} and four.messages[1] == {"role": "user", "content": "2+2?"} and four.answer == "4"
     assert task.score([paris] * 3, [_done(" Paris\n"), _done("paris"), _done("Paris.")]) == [1, 0, 0]
     assert task.score([four] * 2, [_done("4"), _done("The answer is 4")]) == [1, 0]
+
+
+def test_jsonl_with_a_reward_function_of_your_own(tmp_path, monkeypatch) -> None:
+    """``task.jsonl.reward = "module:function"`` scores each completion with your function (the
+    record's answer any string, its other keys in ``meta``); a module next to the config is
+    found; a bad name is refused at load, naming the key."""
+    (tmp_path / "my_reward.py").write_text(
+        "def length_match(prompt, completion):\n"
+        "    return float(len(completion.split()) == int(prompt.meta['words'])) + (prompt.answer in completion)\n")
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "Say three words about cats.", "answer": "cat", "words": 3}\n'
+                    '{"prompt": "Name a colour.", "answer": "no number here", "words": 1}\n')
+    (tmp_path / "run.toml").write_text('[task]\nname = "jsonl"\n[task.jsonl]\npath = "data.jsonl"\n'
+                                       'reward = "my_reward:length_match"\n')
+    monkeypatch.chdir(tmp_path.parent)  # the run starts elsewhere: the config's directory is searched
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    from trainer.config_files import load_config
+    from trainer.tasks import build_task
+
+    task = build_task(load_config(tmp_path / "run.toml"), tokenizer=None)
+    cats, colour = task.train
+    assert task.score([cats] * 3, [_done("cat cat cat"), _done("three cat words here"), _done("dogs")]) == [2.0, 1.0, 0.0]
+    assert task.score([colour], [_done("blue")]) == [1.0]
+    with pytest.raises(ValueError, match=r"jsonl: reward='my_reward:nope': 'my_reward' has no attribute 'nope'"):
+        JsonlTask(data, reward="my_reward:nope")
 
 
 @pytest.mark.parametrize("line, message", [

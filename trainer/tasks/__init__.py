@@ -15,13 +15,10 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.tasks.arithmetic import Arithmetic
-from trainer.tasks.base import (Completion, Prompt, Task, encode_prompt, final_number, model_stop_ids, stop_token_ids,
+from trainer.tasks.base import (Completion, Prompt, Task, encode_prompt, final_number, load_factory, model_stop_ids, stop_token_ids,
                                 uses_chat)
 from trainer.tasks.calculator import Calculator
 from trainer.tasks.digits import RepeatDigit
@@ -40,27 +37,6 @@ __all__ = ["BUILTIN", "Arithmetic", "Calculator", "Completion", "EpisodeTask", "
            "uses_chat"]
 
 
-def load_factory(dotted: str) -> Any:
-    """``"pkg.module:factory"`` -> the callable. The working directory is importable, as it is
-    for ``python -m``, and so is a config file's directory (``trainer.config_files``): a task
-    file next to the config, or where the run starts, works without installing it."""
-    module_name, _, attr = dotted.partition(":")
-    if "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.append(str(Path.cwd()))
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"task.name={dotted!r}: cannot import {module_name!r} ({e})") from None
-    factory = module
-    for part in attr.split("."):
-        factory = getattr(factory, part, None)
-        if factory is None:
-            raise ValueError(f"task.name={dotted!r}: {module_name!r} has no attribute {attr!r}")
-    if not callable(factory):
-        raise ValueError(f"task.name={dotted!r}: {attr!r} is not callable")
-    return factory
-
-
 def build_task(train_cfg: TrainConfig, tokenizer: Any) -> Task:
     """The task ``train_cfg.task`` names (``train_cfg``: a ``TrainConfig``). With evaluation on,
     ``eval.prompts`` of its prompts are held out of training for it."""
@@ -72,7 +48,8 @@ def build_task(train_cfg: TrainConfig, tokenizer: Any) -> Task:
         return Arithmetic(digits=a.digits, terms=a.terms, ops=a.ops, template=a.template, eval_size=eval_size)
     if cfg.name == "jsonl":
         j = cfg.jsonl
-        return JsonlTask(j.path or SAMPLE, match=j.match, eval_path=j.eval_path or None, eval_size=eval_size)
+        return JsonlTask(j.path or SAMPLE, match=j.match, reward=j.reward, eval_path=j.eval_path or None,
+                         eval_size=eval_size)
     if cfg.name in ("calculator", "guess_number"):
         settings = getattr(cfg, cfg.name)
         cls = Calculator if cfg.name == "calculator" else GuessNumber

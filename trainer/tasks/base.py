@@ -10,11 +10,14 @@ so what is evaluated is exactly what is trained.
 
 from __future__ import annotations
 
+import importlib
 import random
 import re
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 
@@ -135,3 +138,24 @@ def model_stop_ids(model_dir: Any, tokenizer: Any) -> list[int]:
     except OSError:  # no generation_config.json: the tokenizer's EOS is all there is
         generation_eos = None
     return stop_token_ids(tokenizer, generation_eos)
+
+
+def load_factory(dotted: str) -> Any:
+    """``"pkg.module:factory"`` -> the callable. The working directory is importable, as it is
+    for ``python -m``, and so is a config file's directory (``trainer.config_files``): a task
+    file next to the config, or where the run starts, works without installing it."""
+    module_name, _, attr = dotted.partition(":")
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.append(str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"task.name={dotted!r}: cannot import {module_name!r} ({e})") from None
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise ValueError(f"task.name={dotted!r}: {module_name!r} has no attribute {attr!r}")
+    if not callable(factory):
+        raise ValueError(f"task.name={dotted!r}: {attr!r} is not callable")
+    return factory

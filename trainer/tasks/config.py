@@ -51,6 +51,10 @@ class JsonlConfig:
     match: Match = "number"
     """number: the completion's final number (GSM8K ``#### N`` style) equals the answer's.
     exact: the stripped completion equals the stripped answer."""
+    reward: str = ""
+    """A reward function ``"module:function"`` in place of ``match``: ``function(prompt,
+    completion) -> float``, the record as a ``Prompt`` (``answer``, other keys in ``meta``), the
+    completion's text (a module next to the config is found)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "task.jsonl")

@@ -10,6 +10,11 @@ line number. ``match``:
   ``"#### 42"`` agree;
 - ``exact``: the completion equals the answer after stripping surrounding whitespace.
 
+- ``reward = "module:function"``: your function instead, ``function(prompt, completion) ->
+  float`` with the record as a ``Prompt`` (``answer``, and its other keys in ``meta``) and the
+  completion's text; the answer may then be any string. It runs in the scoring processes like
+  any reward (a timeout, a memory cap; one that raises or returns NaN fails its group).
+
 The held-out set is ``eval_path`` when given, else the last ``eval.prompts`` records of
 ``path`` (the rest are the training prompts).
 """
@@ -18,11 +23,11 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
-from trainer.tasks.base import Completion, Prompt, Task, final_number
+from trainer.tasks.base import Completion, Prompt, Task, final_number, load_factory
 
 Match = Literal["number", "exact"]
 """number: the final number equals the answer's; exact: the stripped texts are equal."""
@@ -81,14 +86,21 @@ def load_jsonl(path: str | Path, match: str = "number") -> list[Prompt]:
 
 
 class JsonlTask(Task):
-    def __init__(self, path: str | Path = SAMPLE, *, match: Match = "number",
+    def __init__(self, path: str | Path = SAMPLE, *, match: Match = "number", reward: str = "",
                  eval_path: str | Path | None = None, eval_size: int = 0) -> None:
         if match not in ("number", "exact"):
             raise ValueError(f"jsonl: match={match!r} is not number or exact")
         self.match = match
-        records = load_jsonl(path, match)
+        self.reward_fn: Callable[[Prompt, str], float] | None = None
+        if reward:
+            try:
+                self.reward_fn = load_factory(reward)
+            except ValueError as e:
+                raise ValueError(f"jsonl: reward={reward!r}: {str(e).split(': ', 1)[-1]}") from None
+        check = "exact" if self.reward_fn is not None else match  # any answer string goes to a function
+        records = load_jsonl(path, check)
         if eval_path:
-            self.train, self.held_out = records, load_jsonl(eval_path, match)
+            self.train, self.held_out = records, load_jsonl(eval_path, check)
         else:
             if eval_size >= len(records):
                 raise ValueError(f"jsonl: {path} has {len(records)} records; holding out eval.prompts={eval_size} "
@@ -103,6 +115,8 @@ class JsonlTask(Task):
         return self.held_out[:n]
 
     def reward(self, prompt: Prompt, text: str) -> float:
+        if self.reward_fn is not None:
+            return self.reward_fn(prompt, text)
         if self.match == "exact":
             return float(text.strip() == prompt.answer.strip())
         got = final_number(text)
