@@ -5,9 +5,8 @@ evaluation rows."""
 from __future__ import annotations
 
 import json
-import re
 import random
-
+import re
 import sys
 
 import pytest
