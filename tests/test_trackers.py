@@ -121,6 +121,13 @@ def test_a_short_run_reports_to_tensorboard_wandb_and_trackio(tmp_path: Path, mo
         want = [(r["step"], pytest.approx(r[key], rel=1e-6, abs=1e-6)) for r in train_rows if r.get(key) is not None]
         assert series == want, name  # float32 in the event file
     assert [e.step for e in acc.Scalars("eval/accuracy")] == [0, 2, 3]
+    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"histograms": 0})
+    acc.Reload()
+    for tag, key in (("rollout/lag_hist", "lag_hist"), ("train/ratio_hist", "ratio_hist")):
+        got = {e.step: [int(c) for c in e.histogram_value.bucket] for e in acc.Histograms(tag)}
+        want = {r["step"]: ([v for _, v in sorted((int(k), v) for k, v in r[key].items())] if key == "lag_hist"
+                            else r[key]) for r in train_rows}
+        assert got == want, tag
     assert "config/text_summary" in acc.Tags()["tensors"]
 
     # W&B: an offline run directory, the same names and numbers at the same steps, the run's config

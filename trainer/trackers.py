@@ -9,8 +9,9 @@ Names: ``<group>/<key>``, the key as in metrics.jsonl and the group one of ``tra
 loss and its importance-sampling statistics), ``rollout/`` (what was sampled: reward, lag,
 versions, the queue), ``sync/`` (weight pushes, commits, waits, the fleet) and ``eval/``
 (``eval_*``, less the prefix: ``eval/accuracy``); the step is the optimizer step (row "step 0": the evaluation before training).
-Only numbers are logged: the histograms and tables of a row (``lag_hist``, ``by_lag``, ...)
-stay in metrics.jsonl.
+Only numbers are logged, and to TensorBoard the token lag and importance ratio histograms
+(``rollout/lag_hist``, ``train/ratio_hist``); the tables of a row (``by_lag``, ...) stay in
+metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -89,8 +90,42 @@ class TensorBoardTracker:
             self.writer.add_scalar(name, value, global_step=step)
         self.writer.flush()  # a step takes seconds: a live TensorBoard shows each as it lands
 
+    def histograms(self, row: dict[str, Any], step: int) -> None:
+        """The row's token lag and importance ratio histograms, as TensorBoard histograms (the
+        ratio's buckets are ``trainer.loss.RATIO_BINS``; its mean is taken at their midpoints)."""
+        for name, values in (("rollout/lag_hist", _lag_buckets(row.get("lag_hist"))),
+                             ("train/ratio_hist", _ratio_buckets(row.get("ratio_hist")))):
+            if values is None:
+                continue
+            limits, points, counts = values
+            self.writer.add_histogram_raw(
+                name, min=points[0], max=points[-1], num=sum(counts), sum=sum(p * c for p, c in zip(points, counts)),
+                sum_squares=sum(p * p * c for p, c in zip(points, counts)), bucket_limits=limits,
+                bucket_counts=counts, global_step=step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
+
+
+RATIO_EDGES = (0.0, 0.5, 0.8, 0.95, 1.05, 1.25, 2.0, 4.0)
+"""``trainer.loss.RATIO_BINS`` with its last edge, infinity, drawn at 4."""
+
+
+def _lag_buckets(hist: Any) -> tuple[list[float], list[float], list[int]] | None:
+    """(right bucket edges, values, counts) of a ``lag_hist`` ({lag: tokens}), one bucket per lag."""
+    if not hist:
+        return None
+    tokens = {int(k): int(v) for k, v in hist.items()}  # int keys in a row, str keys read back from JSON
+    lags = sorted(tokens)
+    return [lag + 0.5 for lag in lags], [float(lag) for lag in lags], [tokens[lag] for lag in lags]
+
+
+def _ratio_buckets(counts: Any) -> tuple[list[float], list[float], list[int]] | None:
+    if not counts or not sum(counts):
+        return None
+    mids = [(a + b) / 2 for a, b in zip(RATIO_EDGES, RATIO_EDGES[1:])]
+    return list(RATIO_EDGES[1:]), mids, [int(c) for c in counts]
 
 
 class WandbTracker:
@@ -161,6 +196,8 @@ class Trackers:
         values = scalars(row)
         for t in self.trackers:
             t.log(values, int(row["step"]))
+            if isinstance(t, TensorBoardTracker):  # histograms: TensorBoard's own kind of series
+                t.histograms(row, int(row["step"]))
 
     def close(self) -> None:
         trackers, self.trackers = self.trackers, []
