@@ -26,6 +26,7 @@ Ordering invariants:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
