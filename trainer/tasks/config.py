@@ -135,7 +135,8 @@ class ScoringConfig:
     1 GiB of it on CPU); None: no cap. A call past it fails its group."""
     max_failed_in_a_row: int = 16
     """Groups whose scoring failed one after the other (an error, a timeout, a reward that is
-    not a finite number) before the engine stops with the last one's message."""
+    not a finite number) before the run stops with the last one's message (the engine reports
+    it to the trainer; nothing is restarted)."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
