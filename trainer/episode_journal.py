@@ -45,10 +45,7 @@ class EpisodeJournal:
     def read(self) -> Recovered:
         """The groups the journal holds that had not left, and the last ledger; the file is
         compacted to just those and opened for appending."""
-        got = Recovered()
-        if self.path.exists():
-            for record in _records(self.path.read_bytes()):
-                _apply(got, record)
+        got = peek(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "ab")  # noqa: SIM115  closed by close()
         self.compact_past(got.groups, got.counts, limit_bytes=0)

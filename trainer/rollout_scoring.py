@@ -9,8 +9,9 @@ returns a reward that is not a finite number fails its group alone. A failed gro
 logged (the first failure of each kind with the task, the group and the error; then a count
 every tenth), counted, and dropped, and the first of each kind is reported to the trainer,
 which shows it; ``max_failed_in_a_row`` failures one after the other stop the run with the
-last one's message (a fatal report: the trainer stops, the engine is not restarted). Groups reach the queue in the order their scoring
-finishes; their tokens, log-probs and tags are the engine's, untouched.
+last one's message (a fatal report: the trainer stops, the engine is not restarted). Groups
+reach the queue in the order their scoring finishes; their tokens, log-probs and tags are
+the engine's, untouched.
 """
 
 from __future__ import annotations

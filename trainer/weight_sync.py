@@ -186,7 +186,7 @@ class WeightSync:
             self._rejoined(self.fleet.admit(self.pusher))
         self.in_flight, self.in_flight_version = self.pusher.push_async(version, self.weights()), version
         if last:
-            version = self._land(version, push_behind=True)
+            version = self.land(version)
         return version, evaluation
 
     def land(self, version: int) -> int:

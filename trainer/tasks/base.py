@@ -129,6 +129,17 @@ def final_number(text: str) -> str | None:
     return "0" if number in ("-0", "") else number
 
 
+_LONE_NUMBER = re.compile(r"[\s`*]*(-?\d[\d,]*(?:\.\d+)?)[\s`*]*\.?[\s`*]*")
+
+
+def lone_number(text: str) -> str | None:
+    """``final_number`` of a text that holds a number and nothing else (markdown ``*``,
+    backticks, whitespace and a final period aside), else None: ``" **42.** "`` -> ``"42"``,
+    ``"My guess is 42"`` -> None."""
+    found = _LONE_NUMBER.fullmatch(text)
+    return None if found is None else final_number(found.group(1))
+
+
 def model_stop_ids(model_dir: Any, tokenizer: Any) -> list[int]:
     """``stop_token_ids`` with the end-of-sequence ids of the model directory's generation config."""
     from transformers import GenerationConfig

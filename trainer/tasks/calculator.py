@@ -56,7 +56,7 @@ import random
 import re
 from collections.abc import Callable, Sequence
 
-from trainer.tasks.base import Prompt, final_number
+from trainer.tasks.base import Prompt, lone_number
 from trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
 
 EVAL_SEED = 0xCA1C_E7A1
@@ -68,7 +68,6 @@ REMINDER = "Write `calc: <expression>` to use the calculator, or `answer: <numbe
 
 _CALC = re.compile(r"^[\s`*>]*calc\s*:(.*)$", re.IGNORECASE | re.MULTILINE)
 _ANSWER = re.compile(r"^[\s`*>]*answer\s*:(.*)$", re.IGNORECASE | re.MULTILINE)
-_LONE_NUMBER = re.compile(r"[\s`*]*(-?\d[\d,]*(?:\.\d+)?)[\s`*]*\.?[\s`*]*")
 
 _BINARY: dict[type, Callable[[float, float], float]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -237,7 +236,7 @@ class Calculator(EpisodeTask):
             return str(e)
 
     def _end(self, prompt: Prompt, answer: str | None, calls: int) -> Turn:
-        if answer is not None and final_number(answer) == prompt.answer:
+        if answer is not None and answer == prompt.answer:
             return Turn(done=True, reward=1.0)
         return Turn(done=True, reward=self.tool_credit if calls > 0 else 0.0)
 
@@ -245,12 +244,12 @@ class Calculator(EpisodeTask):
         calls = int(episode.state.get("calls", 0))
         reply = episode.reply
         call, line = _CALC.search(reply), _ANSWER.search(reply)
-        answer = _LONE_NUMBER.fullmatch(line.group(1)) if line else None
+        answer = lone_number(line.group(1)) if line else None
         observation = self.calculate(call.group(1)) if call else None
         if observation is not None and not observation.startswith("error"):
             calls += 1
         if answer is not None or episode.last:
-            return self._end(episode.prompt, answer.group(1) if answer else None, calls)
+            return self._end(episode.prompt, answer, calls)
         if observation is None:
             return Turn(observation=REMINDER, role="user")
         return Turn(observation=observation, role="tool", state={**episode.state, "calls": calls})

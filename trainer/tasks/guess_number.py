@@ -6,8 +6,8 @@ The episode opens with the rules (``template``, with ``{lo}`` and ``{hi}``)::
     and I will tell you whether my number is higher or lower.
 
 The secret is the prompt's ``meta["secret"]`` (and its ``answer``, as a string). A reply's
-guess is the reply itself read as a number, as the rules ask (``base.final_number`` of a
-reply that holds nothing else: commas dropped, ``42.0`` read as ``42``, markdown ``*``,
+guess is the reply itself read as a number, as the rules ask (``base.lone_number``: a
+reply that holds nothing else, commas dropped, ``42.0`` read as ``42``, markdown ``*``,
 backticks and a final period aside); ``My guess is 12`` or ``19? No, 12`` is no guess, so
 text around a number earns nothing (SmolLM2, trained with a lenient last-number parser,
 drifted to ``You are thinking of a whole number between 1 and 20`` as a guess of 20).
@@ -53,15 +53,13 @@ games the policy never trained on.
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Sequence
 
-from trainer.tasks.base import Prompt, final_number
+from trainer.tasks.base import Prompt, lone_number
 from trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
 
 EVAL_SEED = 0x6E55_E7A1
 DEMO_SEED = 0x6E55_DE70
-_LONE_NUMBER = re.compile(r"[\s`*]*-?\d[\d,]*(?:\.\d+)?[\s`*]*\.?[\s`*]*")
 WIN_FLOOR = 0.5
 """Every win earns at least this, every loss less: what ``correct`` tells apart."""
 TEMPLATE = ("I am thinking of a whole number between {lo} and {hi}. Guess it: reply with just a number, "
@@ -175,9 +173,7 @@ class GuessNumber(EpisodeTask):
     @staticmethod
     def guess(reply: str) -> int | None:
         """The reply's guess: the whole number it consists of, else None."""
-        if _LONE_NUMBER.fullmatch(reply) is None:
-            return None
-        number = final_number(reply)
+        number = lone_number(reply)
         if number is None or not number.lstrip("-").isdigit():
             return None
         return int(number)
