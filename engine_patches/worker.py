@@ -265,8 +265,9 @@ def _refuse_sampling_defaults(model_config: Any) -> None:
     ``generation_config.json`` (``LLM.generate`` without ``SamplingParams``, every OpenAI
     request of ``vllm serve``) unless the engine runs with ``generation_config="vllm"``.
     Behaviour log-probs are the processed distribution, after those transforms; the trainer
-    scores its policy with the temperature alone, so e.g. Qwen2.5-Instruct's top_k=20,
-    top_p=0.8, repetition_penalty=1.05 would bias every importance ratio."""
+    scores its policy under the filters the run sets (``rollout.top_k``, ``rollout.top_p``),
+    not under defaults it never sees, so e.g. Qwen2.5-Instruct's top_k=20, top_p=0.8,
+    repetition_penalty=1.05 would bias every importance ratio."""
     defaults = model_config.get_diff_sampling_param()
     known = {k: v for k, v in defaults.items() if k in Sampling.__struct_fields__}
     transforms = Sampling(**known).transforms()
@@ -274,5 +275,5 @@ def _refuse_sampling_defaults(model_config: Any) -> None:
         raise RuntimeError(
             f"inflight: this engine applies sampling defaults from {model_config.generation_config!r} "
             f"({', '.join(transforms)}) to every request that does not set them, and the trainer's log-probs apply only "
-            "the temperature: start the engine with generation_config='vllm' (engine_kwargs() does; "
+            "what the run sets: start the engine with generation_config='vllm' (engine_kwargs() does; "
             "`--generation-config vllm` for vllm serve)")

@@ -307,8 +307,8 @@ class RolloutSample(Wire, tag="sample"):
 class Sampling(Struct, frozen=True, forbid_unknown_fields=True):
     """The sampling parameters a group was drawn with, as the engine applied them. The behaviour
     log-probs are the engine's *processed* distribution (vLLM's ``processed_logprobs``: after
-    penalties, temperature, top-k, top-p and min-p), while the trainer scores its policy with
-    the temperature alone; any other transform biases every importance ratio."""
+    penalties, temperature, top-k, top-p and min-p); the trainer scores its policy under its
+    own temperature, top-k and top-p, and any difference biases every importance ratio."""
 
     temperature: float = 1.0
     top_k: int = 0

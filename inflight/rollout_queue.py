@@ -37,7 +37,7 @@ import msgspec
 from torch.distributed import Store
 
 from inflight.auth import read_secret, seal, unseal
-from inflight.protocol import AuthError, EngineReport, ProtocolError, RolloutGroup, decode_group, decode_report, encode
+from inflight.protocol import AuthError, EngineReport, ProtocolError, RolloutGroup, Sampling, decode_group, decode_report, encode
 from inflight.transport.errors import TransportTimeout
 from inflight.transport.poll import poll_until
 from inflight.transport.store import wait_key
@@ -200,13 +200,15 @@ def _undecodable(data: bytes) -> str:
     return "bad_message"
 
 
-def check_group(group: RolloutGroup, *, group_size: int | None, current_version: int) -> str | None:
-    """Why a decoded group is unusable, or None. (Length mismatches fail at decode.)"""
+def check_group(group: RolloutGroup, *, group_size: int | None, current_version: int,
+                sampling: Sampling | None = None) -> str | None:
+    """Why a decoded group is unusable, or None. (Length mismatches fail at decode.)
+    ``sampling``: the distribution the trainer scores (None: the temperature alone, any)."""
     if group_size is not None and len(group.samples) != group_size:
         return "group_size"
-    if group.sampling is not None and group.sampling.transforms():
-        # behaviour log-probs of a distribution the trainer's log-probs (temperature only) do not reproduce
-        return "sampling_transform"
+    if group.sampling is not None and (group.sampling.transforms() if sampling is None else group.sampling != sampling):
+        # behaviour log-probs of a distribution the trainer's log-probs do not reproduce
+        return "sampling_mismatch"
     for s in group.samples:
         if not s.token_ids:
             return "empty"
@@ -225,9 +227,10 @@ class RolloutBuffer:
     """The trainer's end: validate, admit by lag, batch."""
 
     def __init__(self, queue: RolloutQueue, *, admit_lag: int, mask_lag: int | None = None,
-                 group_size: int | None = None, pending: Iterable[RolloutGroup] = (),
-                 stats: Mapping[str, object] | None = None) -> None:
-        """``pending`` and ``stats`` (a checkpoint's ``stats()``) continue a resumed run's buffer."""
+                 group_size: int | None = None, sampling: Sampling | None = None,
+                 pending: Iterable[RolloutGroup] = (), stats: Mapping[str, object] | None = None) -> None:
+        """``sampling``: the distribution the trainer scores (``check_group``); ``pending`` and
+        ``stats`` (a checkpoint's ``stats()``) continue a resumed run's buffer."""
         if admit_lag < 0:
             raise ValueError(f"admit_lag={admit_lag} must be >= 0")
         if mask_lag is not None and mask_lag < 0:
@@ -236,6 +239,7 @@ class RolloutBuffer:
         self.admit_lag = admit_lag
         self.mask_lag = admit_lag if mask_lag is None else mask_lag
         self.group_size = group_size
+        self.sampling = sampling
         self.pending: list[RolloutGroup] = list(pending)
         self.rejected: Counter[str] = Counter()
         self.dropped_stale = 0
@@ -262,7 +266,7 @@ class RolloutBuffer:
         except ProtocolError:
             self.rejected[_undecodable(data)] += 1
             return
-        reason = check_group(group, group_size=self.group_size, current_version=current_version)
+        reason = check_group(group, group_size=self.group_size, current_version=current_version, sampling=self.sampling)
         if reason is not None:
             self.rejected[reason] += 1
             return

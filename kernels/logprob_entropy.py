@@ -8,6 +8,10 @@ Given logits z (N, V) and targets y (N,):
 Backward, with upstream gradients a_n (for logp) and b_n (for H):
     dz_nv = a_n (1[v = y_n] - p_nv) - b_n p_nv (z_nv - lse_n + H_n)
 
+Logits of -inf are tokens a sampling filter removed (``trainer.sampling_filter``): they have
+p = 0 and add nothing to H or to any gradient (p z is taken as 0 there, never 0 * -inf); a
+target among them has logp = -inf.
+
 Four implementations, in the order of the Triton tutorials:
 - ``logprob_entropy_reference``: plain torch autograd through ``log_softmax`` (the spec);
 - ``_fwd_kernel`` / ``_bwd_kernel``: Triton, one row per program, the vocabulary walked in
@@ -32,7 +36,7 @@ def logprob_entropy_reference(logits: torch.Tensor, targets: torch.Tensor) -> tu
     (..., V) -> (...), (...)."""
     logp_all = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    entropy = -(logp_all.exp() * logp_all.masked_fill(logp_all == float("-inf"), 0.0)).sum(-1)
     return logp, entropy
 
 
@@ -48,10 +52,11 @@ def _fwd_kernel(z_ptr, y_ptr, logp_ptr, ent_ptr, lse_ptr, V, stride_n, BLOCK_V: 
         valid = offs < V
         z = tl.load(z_row + offs, mask=valid, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(z, axis=0))
-        scale = tl.exp(m - m_new)
-        e = tl.where(valid, tl.exp(z - m_new), 0.0)
+        live = m_new > float("-inf")  # False while every logit so far is filtered out
+        scale = tl.exp(tl.where(live, m, 0.0) - tl.where(live, m_new, 0.0))  # never -inf - -inf
+        e = tl.where(valid & (z > float("-inf")), tl.exp(z - tl.where(live, m_new, 0.0)), 0.0)
         s = s * scale + tl.sum(e, axis=0)
-        t = t * scale + tl.sum(e * tl.where(valid, z, 0.0), axis=0)  # never 0 * -inf
+        t = t * scale + tl.sum(e * tl.where(e > 0.0, z, 0.0), axis=0)  # never 0 * -inf
         m = m_new
     lse = m + tl.log(s)
     y = tl.load(y_ptr + row)
@@ -75,7 +80,7 @@ def _bwd_kernel(z_ptr, y_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr, dz_ptr, V, 
     y = tl.load(y_ptr + row)
     logp = z - lse
     p = tl.exp(logp)
-    dz = a * (tl.where(offs == y, 1.0, 0.0) - p) - b * p * (logp + h)
+    dz = a * (tl.where(offs == y, 1.0, 0.0) - p) - b * p * tl.where(p > 0.0, logp + h, 0.0)
     tl.store(dz_ptr + row.to(tl.int64) * stride_n + offs, dz.to(dz_ptr.dtype.element_ty), mask=valid)
 
 
@@ -114,7 +119,8 @@ def _torch_forward(z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torc
         p = torch.exp(zc - l[:, None])
         lse[i:i + step] = l
         logp[i:i + step] = zc.gather(-1, y[i:i + step, None])[:, 0] - l
-        ent[i:i + step] = l - p.mul_(zc).sum(-1)  # pairwise summation; a bmm here loses 1e-3 at V=50k
+        # p z is 0 where z = -inf (0 * -inf is nan); pairwise summation: a bmm here loses 1e-3 at V=50k
+        ent[i:i + step] = l - p.mul_(zc.clamp(min=torch.finfo(torch.float32).min)).sum(-1)
     return logp, ent, lse
 
 
@@ -126,7 +132,7 @@ def _torch_backward(z, y, lse, ent, g_logp, g_ent) -> torch.Tensor:
         sl = slice(i, i + step)
         d = z[sl].float() - lse[sl, None]  # log p; turned into the gradient in place
         p = d.exp()
-        d.add_(ent[sl, None]).mul_(p).mul_(-g_ent[sl, None])  # -b p (log p + H)
+        d.add_(ent[sl, None]).mul_(p).mul_(-g_ent[sl, None]).masked_fill_(p == 0, 0.0)  # -b p (log p + H)
         d.sub_(p.mul_(g_logp[sl, None]))  # -a p
         d.scatter_add_(-1, y[sl, None], g_logp[sl, None])  # +a 1[v = y]
         dz[sl] = d

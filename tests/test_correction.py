@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from trainer.config import LossConfig, ObjectiveConfig
+from trainer.loss_config import LossConfig, ObjectiveConfig
 from trainer.correction import m2po_keep
 from trainer.loss import Batch, compute_loss
 from trainer.metrics import ess_warning

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine_patches.client import tagged
+from inflight.protocol import RolloutGroup, RolloutSample, Sampling
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import Harness, Reference, drive, perturbed, push_at_steps
 
@@ -171,6 +172,55 @@ def test_behaviour_logprobs_honour_temperature(harness: Harness) -> None:
         out = tagged(o.outputs[0])
         want = ref.logprobs(list(o.prompt_token_ids), out.token_ids, temperature=0.7)
         torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), want, atol=1e-5, rtol=0)
+
+
+@ONCE
+@pytest.mark.parametrize("top_k,top_p", [(8, 1.0), (0, 0.8), (12, 0.9)])
+def test_behaviour_logprobs_under_top_k_and_top_p_equal_the_trainers(harness: Harness, top_k: int, top_p: float) -> None:
+    """The engine's processed log-probs of what it sampled under top-k/top-p, against the
+    trainer's ``policy_logprobs`` of the same weights (collated as for training). A position
+    whose filter cut lies within 2e-5 of a kept logit or cumulative probability may fall on
+    either side in two implementations 1.7e-6 apart: those are counted, not compared."""
+    from vllm import SamplingParams
+
+    from trainer.loss import collate, policy_logprobs
+
+    h = harness
+    h.push(h.base)
+    ref = Reference(h.model_dir, h.dtype).load(h.base)
+    sampling = Sampling(temperature=0.7, top_k=top_k, top_p=top_p)
+    sp = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, max_tokens=16, logprobs=0, ignore_eos=True, seed=13)
+    samples = []
+    for i, o in enumerate(h.llm.generate(PROMPTS * 2, sp, use_tqdm=False)):
+        out = tagged(o.outputs[0])
+        samples.append(RolloutSample(sample_id=f"s{i}", group_id="g", prompt_ids=list(o.prompt_token_ids),
+                                     token_ids=out.token_ids, logprobs=out.logprobs, versions=out.versions, reward=i))
+    batch = collate([RolloutGroup(group_id="g", samples=tuple(samples))], pad_id=0, normalize_std=False)
+    with torch.no_grad():
+        logp, _ = policy_logprobs(ref.model, batch, sampling, impl="torch")
+        near = _near_the_cut(ref.model, batch, sampling)
+    real = batch.completion_mask > 0
+    assert int((real & near).sum()) <= 0.1 * int(real.sum()), "the filter cut sits too close to too many tokens"
+    compared = real & ~near
+    assert torch.isfinite(logp[compared]).all(), "the trainer's filter dropped a token the engine sampled"
+    torch.testing.assert_close(logp[compared], batch.behaviour_logp[compared], atol=1e-5, rtol=0)
+
+
+def _near_the_cut(model, batch, sampling: Sampling, margin: float = 2e-5) -> torch.Tensor:
+    """(B, T) positions whose top-k cut (the k-th and k+1-th logits) or top-p cut (the
+    cumulative probability against 1 - top_p) is within ``margin``."""
+    t = batch.completion_ids.shape[1]
+    z = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+              logits_to_keep=t + 1).logits[:, :t].double() / sampling.temperature
+    zs = z.sort(-1, descending=True).values
+    near = torch.zeros(z.shape[:-1], dtype=torch.bool)
+    if sampling.top_k:
+        near |= (zs[..., sampling.top_k - 1] - zs[..., sampling.top_k]).abs() < margin
+        zs = zs.masked_fill(zs < zs[..., sampling.top_k - 1: sampling.top_k], float("-inf"))
+    if sampling.top_p < 1:
+        above = zs.softmax(-1).cumsum(-1) - zs.softmax(-1)  # probability ranked above each token
+        near |= ((above - sampling.top_p).abs() < margin).any(-1)
+    return near
 
 
 def test_misconfigured_engine_is_refused(tiny_llama, port) -> None:

@@ -33,7 +33,7 @@ from inflight.protocol import RolloutGroup, RolloutSample, Sampling, decode_grou
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
 from tests.engine_harness import Reference, perturbed, replay, stop_engine
-from trainer.config import LossConfig
+from trainer.loss_config import LossConfig
 from trainer.config_files import config_from_dict
 from trainer.tasks.base import Prompt
 from trainer.tasks.episode import ObservationRenderer, Turn
@@ -131,7 +131,7 @@ def test_observation_tokens_receive_no_gradient(tiny_llama) -> None:
     with pytest.raises(ValueError, match="observation flags"):
         RolloutSample(**{**{f: getattr(samples[0], f) for f in samples[0].__struct_fields__}, "observation": [True] * 7})
     batch = collate([group], pad_id=0, normalize_std=False)
-    logp, entropy = policy_logprobs(ref.model, batch, temperature=1.0, impl="torch")
+    logp, entropy = policy_logprobs(ref.model, batch, Sampling(temperature=1.0), impl="torch")
     logp.retain_grad()
     entropy.retain_grad()
     loss, metrics = compute_loss(logp, entropy, batch, version=0, cfg=LossConfig(entropy_coef=0.01), impl="torch")

@@ -207,7 +207,7 @@ def _group(gid: str, sampling: Sampling | None, **sample) -> RolloutGroup:
     return RolloutGroup(group_id=gid, samples=(RolloutSample(**fields),), sampling=sampling)
 
 
-def test_queue_refuses_groups_sampled_with_transforms_the_trainer_does_not_apply() -> None:
+def test_queue_refuses_groups_sampled_from_a_distribution_the_trainer_does_not_score() -> None:
     from vllm import SamplingParams
 
     from trainer.engine_process import sampling_of
@@ -222,7 +222,16 @@ def test_queue_refuses_groups_sampled_with_transforms_the_trainer_does_not_apply
     queue.put(_group("unknown", None))  # a producer that does not report: admitted
     assert buffer.drain(current_version=0) == 4
     assert [g.group_id for g in buffer.pending] == ["plain", "unknown"]
-    assert buffer.stats()["rejected"] == {"sampling_transform": 2}
+    assert buffer.stats()["rejected"] == {"sampling_mismatch": 2}
+    # a trainer that mirrors top-p 0.8 at temperature 0.7 admits exactly that distribution
+    mirrored = RolloutBuffer(queue, admit_lag=4, group_size=1, sampling=Sampling(temperature=0.7, top_p=0.8))
+    queue.put(_group("plain", sampling_of(SamplingParams(temperature=0.7))))
+    queue.put(_group("topp", sampling_of(SamplingParams(temperature=0.7, top_p=0.8))))
+    queue.put(_group("hotter", sampling_of(SamplingParams(temperature=1.0, top_p=0.8))))
+    queue.put(_group("topk", sampling_of(SamplingParams(temperature=0.7, top_p=0.8, top_k=5))))
+    assert mirrored.drain(current_version=0) == 4
+    assert [g.group_id for g in mirrored.pending] == ["topp"]
+    assert mirrored.stats()["rejected"] == {"sampling_mismatch": 3}
 
 
 # -- checkpoints and counters -------------------------------------------------------------

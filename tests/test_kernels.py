@@ -65,6 +65,40 @@ def test_logprob_entropy_parity_cuda(shape, dtype) -> None:
     _check_logprob_entropy("triton", shape, dtype, "cuda")
 
 
+@pytest.mark.parametrize("impl,device", [("triton", "cpu"), ("torch", "cpu"), ("reference", "cpu"),
+                                         pytest.param("triton", "cuda", marks=pytest.mark.gpu)])
+def test_logprob_entropy_of_filtered_logits(impl: str, device: str) -> None:
+    """-inf logits (tokens a top-k/top-p filter dropped, ``trainer.sampling_filter``): p = 0, no
+    term in H or in any gradient, whole 1024-wide blocks of them first in a row (the online
+    max starts at -inf); a target among them has logp = -inf, and its upstream gradient is
+    0 (``compute_loss`` takes it out of the loss)."""
+    g = torch.Generator().manual_seed(5)
+    n, v = 6, 3000
+    z = 3 * torch.randn(n, v, generator=g)
+    drop = torch.rand(n, v, generator=g) < 0.7
+    drop[:, :2048] = True
+    drop[torch.arange(n), 2048 + torch.randint(0, v - 2048, (n,), generator=g)] = False  # one kept token at least
+    z = z.masked_fill(drop, float("-inf"))
+    y = torch.where(torch.arange(n) % 3 == 0, drop.float().argmax(-1), (~drop).float().argmax(-1))  # rows 0, 3: dropped
+    a, b = torch.randn(n, generator=g).masked_fill(drop[torch.arange(n), y], 0.0), torch.randn(n, generator=g)
+    kept = [z[i][~drop[i]].double() for i in range(n)]  # the truth: the distribution over the kept tokens alone
+    lse = torch.stack([k.logsumexp(0) for k in kept])
+    want_ent = torch.stack([lse[i] - (k.softmax(0) * k).sum() for i, k in enumerate(kept)])
+    zz = z.clone().to(device).requires_grad_()
+    lp, ent = logprob_entropy(zz, y.to(device), impl=impl)
+    (a.to(device) * lp.masked_fill(torch.isinf(lp), 0.0) + b.to(device) * ent).sum().backward()
+    lp, ent, zz = lp.cpu(), ent.cpu(), zz.grad.cpu()
+    assert torch.equal(torch.isinf(lp), drop[torch.arange(n), y])
+    live = ~torch.isinf(lp)
+    torch.testing.assert_close(lp[live].double(), (z[live, y[live]].double() - lse[live]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent.double(), want_ent, atol=1e-5, rtol=0)
+    assert torch.isfinite(zz).all() and torch.all(zz[drop] == 0)
+    z64 = z.double().requires_grad_()
+    lp64, ent64 = logprob_entropy_reference(z64, y)
+    (a.double() * lp64.masked_fill(torch.isinf(lp64), 0.0) + b.double() * ent64).sum().backward()
+    torch.testing.assert_close(zz.double(), z64.grad, atol=1e-5, rtol=0)
+
+
 def test_only_gradients_that_flow_are_used() -> None:
     z, y, _, _ = _logits((2, 3, 37), torch.float32, "cpu", 0)
     for impl in ("triton", "torch"):
@@ -118,7 +152,7 @@ def _check_compute_loss(objective: str, level: str, lag_decay: float, device: st
     """The whole trainer loss through the kernel (masks, sequence reduction, GSPO-token
     gradient) against ``correction_loss_reference``'s honest autograd, on a ragged batch of
     mixed versions; every mask is on."""
-    from trainer.config import LossConfig, ObjectiveConfig
+    from trainer.loss_config import LossConfig, ObjectiveConfig
     from trainer.correction import correction_loss_reference, correction_masks
     from trainer.loss import Batch, compute_loss
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from inflight.protocol import RolloutGroup, RolloutSample
+from inflight.protocol import RolloutGroup, RolloutSample, Sampling
 from kernels.tis_loss import tis_loss
-from trainer.config import LossConfig, ObjectiveConfig
+from trainer.loss_config import LossConfig, ObjectiveConfig
 from trainer.loss import Batch, collate, compute_loss, grpo_advantages, policy_logprobs
 
 
@@ -127,7 +127,7 @@ def test_gradients_match_the_reference_pipeline(tiny_qwen) -> None:
     grads = {}
     for impl in ("reference", "torch", "triton"):
         model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen))
-        logp, ent = policy_logprobs(model, batch, temperature=0.7, impl=impl)
+        logp, ent = policy_logprobs(model, batch, Sampling(temperature=0.7), impl=impl)
         loss, _ = compute_loss(logp, ent, batch, version=2, cfg=LossConfig(max_lag=1, entropy_coef=0.01),
                                impl="triton" if impl == "triton" else "reference")
         loss.backward()
@@ -148,7 +148,7 @@ def test_left_padding_does_not_change_the_policy(tiny_qwen) -> None:
                              logprobs=[-1.0] * 4, versions=[0] * 4, reward=1.0))
     batch = collate([RolloutGroup(group_id="g", samples=samples)], pad_id=2, normalize_std=False)
     with torch.no_grad():
-        logp, _ = policy_logprobs(model, batch, temperature=1.0)
+        logp, _ = policy_logprobs(model, batch, Sampling(temperature=1.0))
         for i, s in enumerate(samples):
             full = torch.log_softmax(model(torch.tensor([s.prompt_ids + s.token_ids])).logits[0], -1)
             alone = full[len(s.prompt_ids) - 1: -1].gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
@@ -241,10 +241,10 @@ def test_the_kl_penalty_against_a_direct_computation(tiny_llama, micro: int) -> 
         got = {k: p.grad.clone() for k, p in policy.unwrapped.named_parameters()}
         policy.optimizer.zero_grad(set_to_none=True)
         batch = collate(groups, 0, normalize_std=True)
-        logp, entropy = policy_logprobs(policy.model, batch, 1.0)
+        logp, entropy = policy_logprobs(policy.model, batch, Sampling())
         reference = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
         with torch.no_grad():
-            ref = policy_logprobs(reference, batch, 1.0)[0]
+            ref = policy_logprobs(reference, batch, Sampling())[0]
         real = batch.completion_mask > 0
         d = ref - logp
         kl = ((torch.exp(d) - d - 1) * real).sum() / real.sum()

@@ -26,7 +26,7 @@ import torch
 
 from engine_patches.client import tagged
 from engine_patches.routing import routing_fields, routing_of, streamed_routing
-from inflight.protocol import RolloutGroup, RolloutSample
+from inflight.protocol import RolloutGroup, RolloutSample, Sampling
 from tests.engine_harness import push_at_steps
 from tests.helpers import MOE, moe_trainer_model
 from trainer.loss import collate, compute_loss, policy_logprobs
@@ -227,9 +227,9 @@ def test_replay_brings_the_trainer_to_the_engine(tiny_moe, port) -> None:
     replay = RoutingReplay(model)
     routing = collate_routing(groups, batch.input_ids, batch.completion_ids.shape[1])
     with torch.no_grad():
-        plain, _ = policy_logprobs(model, batch, 1.0)
+        plain, _ = policy_logprobs(model, batch, Sampling())
         with replay.replaying(routing):
-            replayed, _ = policy_logprobs(model, batch, 1.0)
+            replayed, _ = policy_logprobs(model, batch, Sampling())
     real = batch.completion_mask > 0
     gap = {name: (lp - batch.behaviour_logp).abs()[real] for name, lp in (("plain", plain), ("replay", replayed))}
     stats = replay.stats()
@@ -288,7 +288,7 @@ def _reference_moe(block: torch.nn.Module, x: torch.Tensor, index: torch.Tensor)
 
 
 def test_replay_loss_and_gradient_match_a_reference(tiny_moe) -> None:
-    from trainer.config import LossConfig
+    from trainer.loss_config import LossConfig
 
     model = moe_trainer_model(tiny_moe)
     _, batch, routing = _tiny_batch()
@@ -307,7 +307,7 @@ def test_replay_loss_and_gradient_match_a_reference(tiny_moe) -> None:
                 hooks.append(block.register_forward_hook(hook))
         try:
             with replay.replaying(None if use_reference else routing):
-                logp, ent = policy_logprobs(model, batch, 1.0, impl="torch")
+                logp, ent = policy_logprobs(model, batch, Sampling(), impl="torch")
             loss, _ = compute_loss(logp, ent, batch, version=0, cfg=LossConfig(), impl="torch")
             loss.backward()
         finally:
@@ -332,13 +332,13 @@ def test_replaying_the_routers_own_choice_changes_nothing(tiny_moe) -> None:
     own: list[torch.Tensor] = []
     hooks = [r.register_forward_hook(lambda m, a, o: own.append(o[2])) for r in replay.routers]
     with torch.no_grad():
-        plain, _ = policy_logprobs(model, batch, 1.0)
+        plain, _ = policy_logprobs(model, batch, Sampling())
     for h in hooks:
         h.remove()
     b, s = batch.input_ids.shape
     routing = torch.stack(own, 1).reshape(b, s, len(own), 2)
     with torch.no_grad(), replay.replaying(routing):
-        replayed, _ = policy_logprobs(model, batch, 1.0)
+        replayed, _ = policy_logprobs(model, batch, Sampling())
     assert torch.equal(plain, replayed) and replay.stats()["routing_mismatch"] == 0.0
     w = gate_weights(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), torch.tensor([[3, 0]]), True)
     torch.testing.assert_close(w, torch.tensor([[np.e ** 3 / (np.e ** 3 + 1), 1 / (np.e ** 3 + 1)]], dtype=torch.float32))

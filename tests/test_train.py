@@ -66,14 +66,20 @@ def test_config_errors_name_the_key(tmp_path) -> None:
 
 
 def test_batch_mode_samples_each_step_from_one_version(tmp_path) -> None:
-    """The synchronous baseline: every sample of step k was drawn entirely by version k-1."""
+    """The synchronous baseline: every sample of step k was drawn entirely by version k-1.
+    Sampled with top-k and top-p, which the trainer mirrors: the policy it trains is the one
+    that sampled, so (nearly) every importance ratio is 1."""
     cfg = config_from_dict({**SMALL, "run": {**SMALL["run"], "steps": 4, "out_dir": str(tmp_path / "run")},
-                            "rollout": {**SMALL["rollout"], "mode": "batch"}})
+                            "rollout": {**SMALL["rollout"], "mode": "batch", "top_k": 20, "top_p": 0.9}})
     train(cfg)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4
     for r in rows:  # trained at version v = step - 1 on samples of exactly that version
         assert r["lag_hist"] == {"0": r["tokens"]} and r["frac_multi_version"] == 0.0
+        assert r["rejected"] == {}  # no sampling_mismatch: the groups report the filters the trainer applies
+    # ratios in [0.95, 1.05): a token whose top-p cut the two implementations place apart may leave it
+    centre = sum(r["ratio_hist"][3] for r in rows) / sum(sum(r["ratio_hist"]) for r in rows)
+    assert centre >= 0.98, [r["ratio_hist"] for r in rows]
 
 
 def test_placement_splits_gpus_and_never_puts_nccl_on_one_device() -> None:

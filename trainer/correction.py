@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.tis_loss import lag_factor, objective_terms
-from trainer.config import ObjectiveConfig
+from trainer.loss_config import ObjectiveConfig
 
 
 @dataclass

@@ -57,7 +57,7 @@ def sampling_of(params) -> Sampling:
 
 def _fields(params: Any) -> dict[str, Any]:
     """The settings ``params`` (a ``SamplingParams``) was built with, to build a variant."""
-    names = ("n", "temperature", "max_tokens", "logprobs", "stop_token_ids", "output_kind")
+    names = ("n", "temperature", "top_k", "top_p", "max_tokens", "logprobs", "stop_token_ids", "output_kind")
     return {name: getattr(params, name) for name in names}
 
 
@@ -96,7 +96,8 @@ class RolloutLoop:
         self.episodic = is_episodic(self.task)  # one request per turn of each episode (``trainer.episode_rollout``)
         # a chat model ends its turn with a token only its generation config may name (<|im_end|>)
         self.params = SamplingParams(n=1 if self.episodic else cfg.rollout.group_size,
-                                     temperature=cfg.rollout.temperature, max_tokens=cfg.task.completion_tokens,
+                                     temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
+                                     top_p=cfg.rollout.top_p, max_tokens=cfg.task.completion_tokens,
                                      logprobs=0, stop_token_ids=model_stop_ids(model_dir, self.tokenizer),
                                      output_kind=RequestOutputKind.FINAL_ONLY)
         self.queue = RolloutQueue(group.connect("rollout"), cfg.rollout.queue_capacity)

@@ -8,7 +8,9 @@ log-prob mu_t, at trainer version V:
     loss = -(1/N) sum_t m_t w_t A_i log pi_theta(y_t),   N = number of real tokens
 N counts masked tokens too, so masking removes their signal instead of re-weighting the
 rest. At loss.level = "sequence" the objective sees s_i, its sample's geometric-mean ratio,
-instead of r_t. pi_theta is scored at the sampling temperature, like mu.
+instead of r_t. pi_theta is scored under the engine's sampling filters (temperature,
+top-k, top-p: trainer.sampling_filter), like mu; a token they now drop has r_t = 0 and
+leaves the loss.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from inflight.protocol import RolloutGroup
+from inflight.protocol import RolloutGroup, Sampling
 from kernels.logprob_entropy import logprob_entropy
 from kernels.tis_loss import tis_loss
-from trainer.config import LossConfig
+from trainer.loss_config import LossConfig
 from trainer.correction import bounds, correction_masks, seq_log_ratio, sequence_inputs
 from trainer.metrics import by_lag, correction_stats
+from trainer.sampling_filter import filter_logits
 
 RATIO_BINS = (0.0, 0.5, 0.8, 0.95, 1.05, 1.25, 2.0, float("inf"))
 
@@ -101,12 +104,14 @@ def micro_batches(batch: Batch, n: int) -> list[tuple[slice, Batch]]:
     return out
 
 
-def policy_logprobs(model: torch.nn.Module, batch: Batch, temperature: float, impl: str = "auto"):
-    """(B, T) log-probs and entropies of the completion tokens under the current policy."""
+def policy_logprobs(model: torch.nn.Module, batch: Batch, sampling: Sampling, impl: str = "auto"):
+    """(B, T) log-probs and entropies of the completion tokens under the current policy, as the
+    engine samples it (temperature, top-k, top-p: ``trainer.sampling_filter``); -inf where the
+    policy's filter drops the token."""
     t_len = batch.completion_ids.shape[1]
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                 logits_to_keep=t_len + 1)
-    logits = out.logits[:, :t_len] / temperature  # (B, T, V): positions P-1 .. P+T-2 predict the completion
+    logits = filter_logits(out.logits[:, :t_len], sampling)  # (B, T, V): positions P-1 .. P+T-2 predict the completion
     return logprob_entropy(logits, batch.completion_ids, impl=impl)  # type: ignore[arg-type]
 
 
@@ -125,8 +130,12 @@ def compute_loss(logp: torch.Tensor, entropy: torch.Tensor, batch: Batch, *, ver
     lag = version - batch.versions  # (B, T)
     if n_tokens is None:
         n_tokens = float(real.sum().clamp(min=1))
+    # a token the policy's top-k/top-p drops has ratio 0: out of the loss (a finite stand-in keeps 0 * inf out)
+    filtered = real & torch.isneginf(logp.detach())
+    scored = real & ~filtered
+    logp = torch.where(filtered, batch.behaviour_logp, logp)
     log_ratio = logp.detach() - batch.behaviour_logp
-    masks = correction_masks(log_ratio, real, lag, cfg)
+    masks = correction_masks(log_ratio, scored, lag, cfg)
     mask = masks.final
     adv = batch.advantages[:, None].expand_as(logp)
     if cfg.level == "sequence":
@@ -143,7 +152,7 @@ def compute_loss(logp: torch.Tensor, entropy: torch.Tensor, batch: Batch, *, ver
     kl = None
     if ref_logp is not None:  # k3: exp(d) - d - 1 >= 0, d = log ref - log pi, per policy token
         d = ref_logp - logp
-        kl = ((torch.exp(d) - d - 1) * real).sum() / n_tokens
+        kl = ((torch.exp(d) - d - 1) * scored).sum() / n_tokens
         loss = loss + cfg.kl_coef * kl
     if not with_metrics:
         return loss, {}
@@ -159,7 +168,8 @@ def compute_loss(logp: torch.Tensor, entropy: torch.Tensor, batch: Batch, *, ver
         metrics = {
             **stats,
             "tokens_in_loss": int(mask.sum()),
-            "frac_masked_lag": 1.0 - float(masks.lag.sum()) / n_tokens,
+            "frac_masked_filter": float(filtered.sum()) / n_tokens,
+            "frac_masked_lag": float(scored.sum() - masks.lag.sum()) / n_tokens,
             "frac_masked_veto": float((masks.lag - masks.veto).sum()) / n_tokens,
             "frac_masked_seq": float((masks.veto - masks.seq).sum()) / n_tokens,
             "frac_masked_m2po": float((masks.seq - masks.m2po).sum()) / n_tokens,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from inflight.protocol import RolloutGroup
+from inflight.protocol import RolloutGroup, Sampling
 from inflight.rollout_queue import RolloutBuffer
 from inflight.transport.sources import named_weights
 from trainer.adapter import adapter_weights, load_trainable
@@ -77,13 +77,15 @@ class Policy:
 
     @torch.no_grad()
     def reference_logprobs(self, batch: Batch) -> torch.Tensor | None:
-        """The reference policy's log-probs of ``batch``'s tokens (None without ``loss.kl_coef``)."""
+        """The reference policy's log-probs of ``batch``'s tokens (None without ``loss.kl_coef``),
+        at the sampling temperature and without top-k/top-p, so every token has one."""
         if not self.cfg.loss.kl_coef:
             return None
+        unfiltered = Sampling(temperature=self.cfg.rollout.temperature)
         if self.reference is None:  # LoRA: the base is the model with its adapter off
             with self.unwrapped.disable_adapter():
-                return policy_logprobs(self.model, batch, self.cfg.rollout.temperature)[0]
-        return policy_logprobs(self.reference, batch, self.cfg.rollout.temperature)[0]
+                return policy_logprobs(self.model, batch, unfiltered)[0]
+        return policy_logprobs(self.reference, batch, unfiltered)[0]
 
     @property
     def unwrapped(self) -> torch.nn.Module:
@@ -133,7 +135,7 @@ class Policy:
         if len(parts) == 1:  # one pass: the loss and its metrics at once
             batch = batch.to(device)
             with self.replay.replaying(routing):
-                logp, entropy = policy_logprobs(self.model, batch, cfg.rollout.temperature)
+                logp, entropy = policy_logprobs(self.model, batch, cfg.rollout.sampling())
             loss, metrics = compute_loss(logp, entropy, batch, version=version, cfg=cfg.loss,
                                          ref_logp=self.reference_logprobs(batch))
             self.accelerator.backward(loss)
@@ -147,7 +149,7 @@ class Policy:
             width = batch.input_ids.shape[1] - batch.completion_ids.shape[1]
             part_routing = None if routing is None else routing[rows, width - p: width + t]
             with self.replay.replaying(part_routing):
-                logp, entropy = policy_logprobs(self.model, micro, cfg.rollout.temperature)
+                logp, entropy = policy_logprobs(self.model, micro, cfg.rollout.sampling())
             ref = self.reference_logprobs(micro)
             part, _ = compute_loss(logp, entropy, micro, version=version, cfg=cfg.loss, n_tokens=n_tokens,
                                    ref_logp=ref, with_metrics=False)

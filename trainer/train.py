@@ -65,8 +65,8 @@ def train(cfg: TrainConfig) -> dict:
     queue = RolloutQueue(pusher.sub_store("rollout"), cfg.rollout.queue_capacity,
                          incarnation=pusher.incarnation)  # items sealed for another run's store are refused
     buffer = RolloutBuffer(queue, admit_lag=cfg.rollout.admit_lag, mask_lag=cfg.loss.max_lag,
-                           group_size=cfg.rollout.group_size, pending=resumed.pending if resumed else (),
-                           stats=resumed.buffer_stats if resumed else None)
+                           group_size=cfg.rollout.group_size, sampling=cfg.rollout.sampling(),
+                           pending=resumed.pending if resumed else (), stats=resumed.buffer_stats if resumed else None)
     metrics = MetricsLog(out / "metrics.jsonl", append=resumed is not None,
                          trackers=open_trackers(cfg, out, resumed=resumed is not None))  # run.report_to
     evaluator = Evaluator(cfg, policy.tokenizer, task, model_dir) if cfg.eval.every else None  # greedy, held out
