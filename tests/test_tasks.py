@@ -132,6 +132,81 @@ def test_jsonl_with_a_reward_function_of_your_own(tmp_path, monkeypatch) -> None
         JsonlTask(data, reward="my_reward:nope")
 
 
+def _gsm_dataset(path) -> None:
+    """A GSM8K-shaped ``DatasetDict`` saved to disk: ``question``, ``answer`` (``... #### N``) and an id."""
+    import datasets
+
+    def rows(n: int, start: int) -> dict:
+        return {"question": [f"What is {i} + {i}?" for i in range(start, start + n)],
+                "answer": [f"{i} + {i} = {2 * i}\n#### {2 * i}" for i in range(start, start + n)],
+                "id": list(range(start, start + n))}
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows(6, 1)),
+                          "test": datasets.Dataset.from_dict(rows(2, 100))}).save_to_disk(str(path))
+
+
+def test_a_hugging_face_dataset_is_a_task(tmp_path, monkeypatch) -> None:
+    """``task.name = "dataset"``: a ``save_to_disk`` directory next to the config (GSM8K's
+    columns, the test split held out), and a parquet file of chat messages (the last
+    ``eval.prompts`` rows held out, ``max_rows``); rewards as the ``jsonl`` task's."""
+    import datasets
+
+    from trainer.config_files import load_config
+
+    _gsm_dataset(tmp_path / "gsm")
+    (tmp_path / "run.toml").write_text('[task]\nname = "dataset"\n[task.dataset]\npath = "gsm"\n'
+                                       'prompt_field = "question"\neval_split = "test"\n')
+    monkeypatch.chdir(tmp_path.parent)  # the path is read next to the config
+    task = build_task(load_config(tmp_path / "run.toml"), tokenizer=None)
+    assert [p.text for p in task.train] == [f"What is {i} + {i}?" for i in range(1, 7)]
+    assert [p.meta for p in task.eval_prompts(5)] == [{"id": 100}, {"id": 101}]
+    three = task.train[2]
+    assert task.score([three] * 3, [_done("3 + 3 = 6\n#### 6"), _done("It is 6."), _done("#### 7")]) == [1, 1, 0]
+
+    chats = datasets.Dataset.from_dict({"chat": [[{"role": "user", "content": f"Say {w}."}] for w in "abcde"],
+                                        "target": list("abcde")})
+    chats.to_parquet(str(tmp_path / "chats.parquet"))
+    cfg = config_from_dict({"eval": {"every": 5, "prompts": 1}, "task": {"name": "dataset", "dataset": {
+        "path": str(tmp_path / "chats.parquet"), "messages_field": "chat", "answer_field": "target", "match": "exact",
+        "max_rows": 4}}})
+    task = build_task(cfg, tokenizer=None)
+    assert [p.answer for p in task.train] == ["a", "b", "c"] and [p.answer for p in task.eval_prompts(1)] == ["d"]
+    assert task.train[1].messages == ({"role": "user", "content": "Say b."},)
+    assert task.score([task.train[1]] * 2, [_done(" b\n"), _done("B")]) == [1, 0]
+
+
+def test_a_bad_dataset_is_refused_before_any_engine_starts(tmp_path, tiny_qwen) -> None:
+    """Each mistake is one line naming the key or the row, from the trainer's own build of the
+    task (``_task_before_engines``), before an engine starts."""
+    import datasets
+
+    from trainer.train import SetupError, _task_before_engines
+
+    _gsm_dataset(tmp_path / "gsm")
+    datasets.Dataset.from_dict({"prompt": ["1+1?", "2+2?", "3+3?"], "answer": ["2", None, "6"]}).to_json(
+        str(tmp_path / "holes.jsonl"))
+
+    def refusal(**dataset) -> str:
+        cfg = config_from_dict({"task": {"name": "dataset", "dataset": dataset}})
+        with pytest.raises(SetupError) as e:
+            _task_before_engines(cfg, tiny_qwen)
+        return str(e.value)
+
+    gsm = str(tmp_path / "gsm")
+    assert refusal(path=gsm) == (f"task 'dataset': {gsm}[train]: no column 'prompt' (columns: ['question', 'answer', "
+                                 "'id']); set task.dataset.prompt_field")
+    assert refusal(path=gsm, prompt_field="question", split="validation").endswith(
+        "no split 'validation' (it has ['test', 'train'])")
+    holes = str(tmp_path / "holes.jsonl")
+    assert refusal(path=holes).endswith(f"{holes}[train] row 1: 'answer' must be a string or a number, got None")
+    nowhere = str(tmp_path / "nowhere.parquet")
+    assert refusal(path=nowhere) == f"task 'dataset': task.dataset.path={nowhere!r}: no such file or directory"
+    with pytest.raises(ValueError, match=r"task.name = 'dataset' needs task.dataset.path"):
+        config_from_dict({"task": {"name": "dataset"}})
+    with pytest.raises(ValueError, match=r"task.dataset.max_rows=-1 must be >= 0"):
+        config_from_dict({"task": {"name": "dataset", "dataset": {"path": gsm, "max_rows": -1}}})
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"prompt": "a", "answer": "1"', r"not valid JSON \(Expecting ',' delimiter at column 30\)"),
     ('{"prompt": "a"}', r"no 'answer'"),

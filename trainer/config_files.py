@@ -145,6 +145,9 @@ def _next_to(base: Path, data: dict[str, Any]) -> dict[str, Any]:
     model = data.get("model", {})
     if isinstance(model.get("path"), str) and model["path"] and (base / model["path"]).is_dir():
         model["path"] = str(base / model["path"])
+    dataset = data.get("task", {}).get("dataset", {})  # a local directory or file; else a hub id
+    if isinstance(dataset.get("path"), str) and dataset["path"] and (base / dataset["path"]).exists():
+        dataset["path"] = str(base / dataset["path"])
     if str(base) not in sys.path:
         sys.path.append(str(base))
     return data

@@ -7,6 +7,7 @@
 | ``repeat_digit`` | ``repeat: D`` | per token: 1 for D, ``digit_credit`` for another digit (the tiny demo) |
 | ``arithmetic`` | ``What is 47 + 8? ...`` (``[task.arithmetic]``: digits, terms, ops) | 1 if the final number is right |
 | ``jsonl`` | a file of ``{"prompt"|"messages", "answer"}`` (``[task.jsonl]``) | final number (GSM8K ``#### N``) or exact match |
+| ``dataset`` | a Hugging Face dataset's prompt and answer columns (``[task.dataset]``) | as ``jsonl``, or your function |
 | ``calculator`` | multi-turn: ``What is 47 * 29?`` with a ``calc:`` tool (``[task.calculator]``) | 1 for the right ``answer:``, ``tool_credit`` for a call |
 | ``guess_number`` | multi-turn: a secret in [lo, hi], higher/lower feedback (``[task.guess_number]``) | 1 for a win, closeness and consistency credit otherwise |
 | ``pkg.module:factory`` | yours: ``factory(tokenizer=..., **task.options)`` returns a ``Task`` | yours |
@@ -24,14 +25,15 @@ from trainer.tasks.calculator import Calculator
 from trainer.tasks.digits import RepeatDigit
 from trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
 from trainer.tasks.guess_number import GuessNumber
+from trainer.tasks.hf_dataset import DatasetTask
 from trainer.tasks.jsonl import SAMPLE, JsonlFormatError, JsonlTask, load_jsonl
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
 
-BUILTIN = ("repeat_digit", "arithmetic", "jsonl", "calculator", "guess_number")
+BUILTIN = ("repeat_digit", "arithmetic", "jsonl", "dataset", "calculator", "guess_number")
 
-__all__ = ["BUILTIN", "Arithmetic", "Calculator", "Completion", "EpisodeTask", "EpisodeView", "GuessNumber", "Turn", "JsonlFormatError", "JsonlTask", "Prompt", "RepeatDigit", "SAMPLE",
+__all__ = ["BUILTIN", "Arithmetic", "Calculator", "Completion", "DatasetTask", "EpisodeTask", "EpisodeView", "GuessNumber", "Turn", "JsonlFormatError", "JsonlTask", "Prompt", "RepeatDigit", "SAMPLE",
            "Task", "build_task", "encode_prompt", "final_number", "load_factory", "load_jsonl", "model_stop_ids",
            "stop_token_ids",
            "uses_chat"]
@@ -50,6 +52,8 @@ def build_task(train_cfg: TrainConfig, tokenizer: Any) -> Task:
         j = cfg.jsonl
         return JsonlTask(j.path or SAMPLE, match=j.match, reward=j.reward, eval_path=j.eval_path or None,
                          eval_size=eval_size)
+    if cfg.name == "dataset":
+        return DatasetTask(cfg.dataset, eval_size=eval_size)
     if cfg.name in ("calculator", "guess_number"):
         settings = getattr(cfg, cfg.name)
         cls = Calculator if cfg.name == "calculator" else GuessNumber

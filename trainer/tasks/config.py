@@ -64,6 +64,41 @@ class JsonlConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DatasetConfig:
+    """The ``dataset`` task's data: a Hugging Face ``datasets`` dataset (``trainer.tasks.hf_dataset``)."""
+
+    path: str = ""
+    """A hub id (``openai/gsm8k``), a directory written by ``save_to_disk``, or a data file
+    (.json, .jsonl, .csv, .parquet); a relative local path is read next to the config file."""
+    subset: str = ""
+    """The hub dataset's configuration (``main`` for GSM8K; empty: its default)."""
+    split: str = "train"
+    """The training split."""
+    eval_split: str = ""
+    """The held-out split for evaluation (empty: the last ``eval.prompts`` rows of ``split``)."""
+    prompt_field: str = "prompt"
+    """The column holding each prompt's text (GSM8K: ``question``)."""
+    messages_field: str = ""
+    """A column of chat messages (``[{"role", "content"}, ...]``) to use instead of ``prompt_field``."""
+    answer_field: str = "answer"
+    """The column holding the reference answer."""
+    max_rows: int = 0
+    """Read at most this many rows of each split (0: all)."""
+    match: Match = "number"
+    """As ``task.jsonl.match``: the final number (GSM8K ``#### N``) or the exact text."""
+    reward: str = ""
+    """As ``task.jsonl.reward``: a ``"module:function"`` reward in place of ``match``."""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "task.dataset")
+        for name in ("split", "prompt_field", "answer_field"):
+            if not getattr(self, name):
+                raise ValueError(f"task.dataset.{name} is empty")
+        if self.max_rows < 0:
+            raise ValueError(f"task.dataset.max_rows={self.max_rows} must be >= 0 (0: all)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class CalculatorConfig:
     """The ``calculator`` task (``trainer.tasks.calculator``): arithmetic with a calculator tool."""
 
@@ -179,7 +214,7 @@ class EpisodeConfig:
             raise ValueError(f"task.episode.failure_reward={self.failure_reward} must be a finite number")
 
 
-_BUILTIN_TASKS = ("repeat_digit", "arithmetic", "jsonl", "calculator", "guess_number")
+_BUILTIN_TASKS = ("repeat_digit", "arithmetic", "jsonl", "dataset", "calculator", "guess_number")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
@@ -188,8 +223,9 @@ class TaskConfig:
     """What the policy is trained on (``trainer/tasks``)."""
 
     name: str = "repeat_digit"
-    """repeat_digit | arithmetic | jsonl | calculator | guess_number, or your own ``pkg.module:factory`` (called as
-    ``factory(tokenizer=..., **options)``, returning a ``trainer.tasks.Task``)."""
+    """repeat_digit | arithmetic | jsonl | dataset | calculator | guess_number, or your own
+    ``pkg.module:factory`` (called as ``factory(tokenizer=..., **options)``, returning a
+    ``trainer.tasks.Task``)."""
     completion_tokens: int = 16
     """Most tokens sampled per completion (generation also stops at the model's end-of-sequence)."""
     chat: ChatMode = "auto"
@@ -201,6 +237,8 @@ class TaskConfig:
     """arithmetic only: difficulty."""
     jsonl: JsonlConfig = field(default_factory=JsonlConfig)
     """jsonl only: the files and how answers match."""
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    """dataset only: the Hugging Face dataset, its columns and how answers match."""
     calculator: CalculatorConfig = field(default_factory=CalculatorConfig)
     """calculator only (multi-turn, a tool): difficulty and reward."""
     guess_number: GuessNumberConfig = field(default_factory=GuessNumberConfig)
@@ -221,5 +259,8 @@ class TaskConfig:
                              f"({self.name} is configured by its own table)")
         if self.completion_tokens < 1:
             raise ValueError(f"task.completion_tokens={self.completion_tokens} must be >= 1")
+        if self.name == "dataset" and not self.dataset.path:
+            raise ValueError("task.name = 'dataset' needs task.dataset.path: a hub id (openai/gsm8k), a directory "
+                             "written by save_to_disk, or a data file")
         if not 0 <= self.digit_credit <= 1:
             raise ValueError(f"task.digit_credit={self.digit_credit} must be in [0, 1]")

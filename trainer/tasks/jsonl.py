@@ -40,7 +40,9 @@ class JsonlFormatError(ValueError):
     """A line of a task file that is not ``{"prompt"|"messages": ..., "answer": ...}``."""
 
 
-def _record(obj: object, where: str, match: str) -> Prompt:
+def to_prompt(obj: object, where: str, match: str) -> Prompt:
+    """One record (a JSON object, a dataset row) as a prompt; ``JsonlFormatError`` naming
+    ``where`` and what is wrong."""
     if not isinstance(obj, dict):
         raise JsonlFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     if ("prompt" in obj) == ("messages" in obj):
@@ -79,34 +81,37 @@ def load_jsonl(path: str | Path, match: str = "number") -> list[Prompt]:
                 obj = json.loads(line.rstrip("\r\n"))  # columns then count within the line
             except json.JSONDecodeError as e:
                 raise JsonlFormatError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            prompts.append(_record(obj, where, match))
+            prompts.append(to_prompt(obj, where, match))
     if not prompts:
         raise JsonlFormatError(f"{path}: no records")
     return prompts
 
 
-class JsonlTask(Task):
-    def __init__(self, path: str | Path = SAMPLE, *, match: Match = "number", reward: str = "",
-                 eval_path: str | Path | None = None, eval_size: int = 0) -> None:
+class RecordsTask(Task):
+    """Prompts with reference answers, held in memory (a ``jsonl`` file's or a dataset's), and
+    their reward: ``match`` or a ``reward`` function (``"module:function"``)."""
+
+    def __init__(self, *, match: Match = "number", reward: str = "", where: str = "jsonl") -> None:
         if match not in ("number", "exact"):
-            raise ValueError(f"jsonl: match={match!r} is not number or exact")
+            raise ValueError(f"{where}: match={match!r} is not number or exact")
         self.match = match
         self.reward_fn: Callable[[Prompt, str], float] | None = None
         if reward:
             try:
                 self.reward_fn = load_factory(reward)
             except ValueError as e:
-                raise ValueError(f"jsonl: reward={reward!r}: {str(e).split(': ', 1)[-1]}") from None
-        check = "exact" if self.reward_fn is not None else match  # any answer string goes to a function
-        records = load_jsonl(path, check)
-        if eval_path:
-            self.train, self.held_out = records, load_jsonl(eval_path, check)
-        else:
-            if eval_size >= len(records):
-                raise ValueError(f"jsonl: {path} has {len(records)} records; holding out eval.prompts={eval_size} "
-                                 "would leave none to train on (set task.jsonl.eval_path or fewer eval.prompts)")
-            cut = len(records) - eval_size
-            self.train, self.held_out = records[:cut], records[cut:]
+                raise ValueError(f"{where}: reward={reward!r}: {str(e).split(': ', 1)[-1]}") from None
+        self.check = "exact" if self.reward_fn is not None else match  # any answer string goes to a function
+        self.train: list[Prompt] = []
+        self.held_out: list[Prompt] = []
+
+    def hold_out(self, records: list[Prompt], eval_size: int, source: str, key: str) -> None:
+        """Train on ``records`` less their last ``eval_size``, which are held out."""
+        if eval_size >= len(records):
+            raise ValueError(f"{source} has {len(records)} records; holding out eval.prompts={eval_size} "
+                             f"would leave none to train on (set {key} or fewer eval.prompts)")
+        cut = len(records) - eval_size
+        self.train, self.held_out = records[:cut], records[cut:]
 
     def sample(self, rng: random.Random) -> Prompt:
         return self.train[rng.randrange(len(self.train))]
@@ -124,3 +129,14 @@ class JsonlTask(Task):
 
     def score(self, prompts: Sequence[Prompt], completions: Sequence[Completion]) -> list[float]:
         return [self.reward(p, c.text) for p, c in zip(prompts, completions, strict=True)]
+
+
+class JsonlTask(RecordsTask):
+    def __init__(self, path: str | Path = SAMPLE, *, match: Match = "number", reward: str = "",
+                 eval_path: str | Path | None = None, eval_size: int = 0) -> None:
+        super().__init__(match=match, reward=reward)
+        records = load_jsonl(path, self.check)
+        if eval_path:
+            self.train, self.held_out = records, load_jsonl(eval_path, self.check)
+        else:
+            self.hold_out(records, eval_size, f"jsonl: {path}", "task.jsonl.eval_path")
