@@ -32,6 +32,22 @@ def _dead(pid: int) -> bool:
         return True
 
 
+def _left_behind(pids: set[int], grace_s: float = 10.0) -> list[str]:
+    """The processes of ``pids`` still running ``grace_s`` after the trainer exited (a
+    multiprocessing resource tracker notices its last client's exit a moment later), each
+    with its command line."""
+    deadline = time.monotonic() + grace_s
+    while (left := [pid for pid in pids if not _dead(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    described = []
+    for pid in left:
+        try:
+            described.append(f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:200]}")
+        except psutil.NoSuchProcess:
+            pass
+    return described
+
+
 class Run:
     """``inflight train`` with ``args`` in ``out``: its process, every process it started
     (seen while it runs), and its console."""
@@ -86,7 +102,7 @@ class Run:
         ended = time.monotonic()
         self._reader.join()
         console = "\n".join(line for _, line in self.lines)
-        left = [pid for pid in self.children if not _dead(pid)]
+        left = _left_behind(self.children)
         assert not left, f"processes left behind: {left}\n{console}"
         return self.proc.returncode, console, ended
 

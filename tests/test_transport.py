@@ -285,6 +285,32 @@ def test_data_sockets_bind_the_group_address_not_the_default_interface(port, mon
     trainer.close()
 
 
+def test_a_member_lost_after_its_hello_ends_the_formation_at_once(port, monkeypatch) -> None:
+    """A worker that dies between its hello and the data plane's rendezvous (an engine's process
+    exiting) leaves gloo waiting for its address for the group's whole timeout; rank 0's
+    ``stop`` (set by whoever sees the process die: ``Fleet``'s watcher) ends that wait at once."""
+    import threading
+
+    from inflight.transport.group import WeightGroup
+
+    died = threading.Event()
+    form = WeightGroup._form_data_plane
+
+    def dies_instead_of_forming(self, g, stop=None):
+        if self.rank == 0:
+            return form(self, g, stop)
+        died.set()  # this member's process is gone: it never reaches the rendezvous
+        raise ConnectionAbortedError("the member's process exited")
+
+    monkeypatch.setattr(WeightGroup, "_form_data_plane", dies_instead_of_forming)
+    config = GroupConfig(port=port, world_size=2, timeout_s=600)
+    worker = threading.Thread(target=_quietly, args=(WeightGroup, config, 1), daemon=True)
+    worker.start()
+    with pytest.raises(InterruptedError, match="rank 0: stopped while forming generation 1's data plane"):
+        WeightGroup(config, 0, stop=died)  # without stop's check: a gloo timeout, 600 s from now
+    worker.join()
+
+
 def test_a_data_plane_with_work_posted_is_aborted_never_shut_down(port) -> None:
     """A graceful shutdown waits for the collectives posted on it; NCCL's finalize never returns
     when their root is dead (a killed trainer), hanging the listener. So ``close`` aborts a

@@ -163,10 +163,15 @@ class EngineProcess:
             self.process.join(timeout=timeout_s)
 
     def stop(self, timeout_s: float) -> None:
-        """Wait for the process to end after the trainer said stop; terminate it if it does not."""
+        """Wait for the process to end after the trainer said stop; terminate it if it does not
+        (its scoring processes watch it and follow within a second), and kill it if that fails too."""
         self.wait(timeout_s)
         if self.process is not None and self.process.is_alive():
             self.process.terminate()
+            self.process.join(10)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
 
 
 class Fleet:

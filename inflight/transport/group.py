@@ -27,7 +27,7 @@ from inflight.protocol import AuthError, CommitUnit, Joined, ProtocolError, Rost
 from inflight.transport.data_plane import DataPlane, nccl_error_handling_once
 from inflight.transport.errors import GaveUp, TransportError, TransportTimeout
 from inflight.transport.liveness import Heartbeat, silent_ranks
-from inflight.transport.poll import poll_until
+from inflight.transport.poll import call_unless_stopped, poll_until
 from inflight.transport.group_config import GroupConfig, data_plane_address  # GroupConfig's home is group_config
 from inflight.transport.store import SealedStore, connect_retrying, host_store, wait_key
 
@@ -176,7 +176,7 @@ class WeightGroup:
             self._root.set(f"gen{g}/roster", seal(encode(Roster(generation=g, members=members, point_to_point=p2p)),
                                                   self.secret, self._context(f"gen{g}/roster")))
             self.roster, self.point_to_point = members, p2p
-            self._form_data_plane(g)
+            self._form_data_plane(g, stop)  # a member that dies now would hold gloo's rendezvous for timeout_s
         finally:
             self._root.delete_key(f"gen{g}/open")
         for r in members:
@@ -299,15 +299,22 @@ class WeightGroup:
             raise TransportError(f"rank {self.rank}: unreadable roster of generation {g}: {e}") from e
         return msg if isinstance(msg, Roster) and msg.generation == g else None
 
-    def _form_data_plane(self, g: int) -> None:
+    def _form_data_plane(self, g: int, stop: threading.Event | None = None) -> None:
+        """Build generation ``g``'s process group with the roster's members; ``InterruptedError``
+        once ``stop`` is set first (the caller knows a member died)."""
         prefix = f"{self.config.name}/gen{g}"
         rendezvous: Store = PrefixStore(prefix + "/pg", self._tcp)
         if self.secret is not None:  # gloo's addresses, NCCL's unique id: sealed, so no one poses as a member
             rendezvous = SealedStore(rendezvous, self.secret, self._context(f"gen{g}/pg"))
-        self.data = DataPlane(rendezvous, rank=self.rank,
-                              pg_rank=0 if self.rank == 0 else 1 + self.roster.index(self.rank), size=1 + len(self.roster),
-                              backend=self.backend, timeout=self.timeout, device=self.device, peers=self.peers,
-                              superseded=self.superseded, bind=data_plane_address(self.config.host, self.rank))
+
+        def build() -> DataPlane:
+            return DataPlane(rendezvous, rank=self.rank, pg_rank=0 if self.rank == 0 else 1 + self.roster.index(self.rank),
+                             size=1 + len(self.roster), backend=self.backend, timeout=self.timeout, device=self.device,
+                             peers=self.peers, superseded=self.superseded,
+                             bind=data_plane_address(self.config.host, self.rank))
+
+        self.data = build() if stop is None else call_unless_stopped(
+            build, stop=stop, what=f"forming generation {g}'s data plane", who=f"rank {self.rank}")
         self.generation = g
         self.incarnation = self._root.get("incarnation").decode()
         self.store = PrefixStore(prefix + "/ctl", self._tcp)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from inflight.transport.errors import GaveUp, TransportTimeout
 
@@ -49,3 +49,26 @@ def poll_until(ready: Callable[[], T | None], *, timeout_s: float | None, what: 
             raise TransportTimeout(f"{who}: no {what} within {timeout_s:.1f}s")
         time.sleep(pause)
         pause = min(pause * 2, max_pause_s)
+
+
+def call_unless_stopped(fn: Callable[[], T], *, stop: threading.Event, what: str, who: str) -> T:
+    """``fn()``, run on a helper thread so that ``stop`` can end the wait: ``InterruptedError``
+    once ``stop`` is set first. A blocking native call (gloo's rendezvous) cannot be cancelled;
+    it is left to end at its own timeout on that daemon thread, its result discarded."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    helper = threading.Thread(target=run, name=f"inflight-{what.replace(' ', '-')}", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        if stop.is_set():
+            raise InterruptedError(f"{who}: stopped while {what}")
+        helper.join(0.05)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
