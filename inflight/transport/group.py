@@ -303,7 +303,9 @@ class WeightGroup:
         """Build generation ``g``'s process group with the roster's members; ``InterruptedError``
         once ``stop`` is set first (the caller knows a member died)."""
         prefix = f"{self.config.name}/gen{g}"
-        rendezvous: Store = PrefixStore(prefix + "/pg", self._tcp)
+        # stop-aware: the rendezvous on a connection of its own, since a store client serves one
+        # request at a time and an abandoned rendezvous would hold every other call on it
+        rendezvous: Store = PrefixStore(prefix + "/pg", self._tcp if stop is None else self._tcp.clone())
         if self.secret is not None:  # gloo's addresses, NCCL's unique id: sealed, so no one poses as a member
             rendezvous = SealedStore(rendezvous, self.secret, self._context(f"gen{g}/pg"))
 
