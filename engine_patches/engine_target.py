@@ -83,14 +83,16 @@ class EngineTarget:
         self._ready: _Ready | None = None
         self._applied: _Ready | None = None  # applied in the open window, neither kept nor taken back yet
         self._event: Any = None
-        self.forwards = 0
-        self.forward_thread: int | None = None
+        self.model_steps = 0
+        self.execution_thread: int | None = None
+        """The thread that runs this worker's model steps (``inflight_start`` runs on it too)."""
         self.commits: list[WorkerCommitResult] = []
 
-    def on_forward(self, module: torch.nn.Module, args: Any) -> None:
-        """Forward pre-hook: counts this worker's model steps and remembers which thread runs them."""
-        self.forwards += 1
-        self.forward_thread = threading.get_ident()
+    def on_step(self) -> None:
+        """Before each model step of this worker (``engine_patches.patch.count_worker_steps``):
+        count it, and remember which thread runs it."""
+        self.model_steps += 1
+        self.execution_thread = threading.get_ident()
 
     # -- listener thread (CommitTarget) -----------------------------------------------------
     @property
@@ -98,7 +100,7 @@ class EngineTarget:
         return self._live
 
     def steps(self) -> int:
-        return self.forwards
+        return self.model_steps
 
     def prepare_part(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         self.applier.feed(weights)  # the swap commit re-packs layer by layer; the others wait for all
@@ -199,8 +201,7 @@ class EngineTarget:
         me = threading.current_thread()
         result = functools.partial(
             WorkerCommitResult, rank=self.rank, version=version, thread=me.name, main_thread=me is threading.main_thread(),
-            # None before this worker ran any forward pass since the listener started
-            forward_thread=None if self.forward_thread is None else self.forward_thread == threading.get_ident())
+            execution_thread=None if self.execution_thread is None else self.execution_thread == threading.get_ident())
         with self._lock:
             ready, self._ready = self._ready, None
             if ready is not None and (ready.version, ready.part, ready.parts) != (version, part, parts):

@@ -1,5 +1,7 @@
 """The step-boundary patch `inflight` applies to vLLM, and the function that applies it (the
 other, the KV cache's budget on a GPU, is ``engine_patches.kv_budget``; the plugin applies both).
+Also ``count_worker_steps``, which ``inflight_start`` applies to its own worker: the worker's
+count of the model steps it ran.
 Also the opt-in plain CPU GEMM (``use_plain_cpu_gemm``), applied only where
 ``INFLIGHT_CPU_PLAIN_GEMM=1``: a CPU engine the ``copy`` commit is right for.
 
@@ -251,3 +253,32 @@ def use_plain_cpu_gemm() -> None:
         raise RuntimeError("inflight: vllm._custom_ops has no _supports_onednn; this vLLM is not 0.32-compatible")
     ops._supports_onednn = False
 
+
+
+_STEP_MARK = "__inflight_counts_steps__"
+
+
+def count_worker_steps(worker: Any) -> None:
+    """Wrap this vLLM worker's ``execute_model`` (an instance attribute over the class's, vLLM
+    0.32.0: ``Worker.execute_model(scheduler_output)``, which ``WorkerWrapperBase`` and every
+    executor call by name) so that each call that schedules tokens first calls
+    ``worker._inflight_target.on_step()``, on the execution thread.
+
+    Why not a forward pre-hook on the model: a step that replays a full CUDA graph never calls
+    the model's ``forward``, so the hook's count would stop on a GPU engine; ``execute_model``
+    runs once per engine step, graph or not. Idempotent: the target is looked up on each call,
+    so an engine started again counts for its new target.
+    """
+    if getattr(worker.execute_model, _STEP_MARK, False):
+        return
+    original = worker.execute_model
+
+    @functools.wraps(original)
+    def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        target = getattr(worker, "_inflight_target", None)
+        if target is not None and getattr(scheduler_output, "total_num_scheduled_tokens", 0) > 0:
+            target.on_step()
+        return original(scheduler_output, *args, **kwargs)
+
+    setattr(execute_model, _STEP_MARK, True)
+    worker.execute_model = execute_model

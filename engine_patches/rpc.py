@@ -56,8 +56,8 @@ class WorkerCommitResult(_Result):
     ms: float = 0.0
     thread: str = ""
     main_thread: bool = False
-    forward_thread: bool | None = None
-    """Whether it ran on the thread of the worker's forward passes (None: no forward yet)."""
+    execution_thread: bool | None = None
+    """Whether it ran on the thread of the worker's model steps (None: not known)."""
 
 
 class WorkerSettleResult(_Result):
@@ -114,7 +114,8 @@ class WorkerStatus(_Result):
     listening: bool = False
     generation: tuple[str, NonNeg] | None = None
     live_version: NonNeg = 0
-    forward_steps: NonNeg = 0
+    model_steps: NonNeg = 0
+    """Engine steps this worker ran the model in (its ``execute_model`` calls with tokens scheduled)."""
     committed: NonNeg = 0
     rejections: dict[str, NonNeg] = {}
     rejoins: NonNeg = 0

@@ -42,6 +42,7 @@ from engine_patches.commit.checkpoint import checkpoint_dir, checkpoint_schema, 
 from engine_patches.config import InflightConfig
 from engine_patches.engine_target import EngineTarget
 from engine_patches.kv_budget import SET_ASIDE_ATTR, planned_need
+from engine_patches.patch import count_worker_steps
 from engine_patches.rpc import StartReport, WorkerCommitResult, WorkerSettleResult, WorkerStatus
 from inflight.auth import read_secret
 from inflight.protocol import ENGINE_CHANNEL, Sampling, ShardPlan
@@ -95,8 +96,9 @@ class InflightWorkerExtension:
         plan = applier.shard_plan()  # what this rank's loaders read, sent to the trainer in each hello
         pool, need = self._inflight_reserve(config, schema, applier, device, budget, node_workers, secret is not None, plan)
         target = EngineTarget(applier, config, rank, device)
-        self._inflight_hook = self.model_runner.get_model().register_forward_pre_hook(target.on_forward)
+        target.execution_thread = threading.get_ident()  # collective RPCs run on the execution thread
         self._inflight_target = target
+        count_worker_steps(self)  # per engine step, CUDA graph or not
         self._inflight_pool = pool
         self._inflight_engine_id = engine_id
         self._inflight_stop = threading.Event()
@@ -224,7 +226,7 @@ class InflightWorkerExtension:
         return WorkerStatus(
             started=True, rank=target.rank, joined=listener is not None, listening=self._inflight_thread.is_alive(),
             generation=listener.group.identity if listener else None, live_version=target.live_version,
-            forward_steps=target.forwards, committed=stats.committed, rejections=dict(stats.rejections),
+            model_steps=target.model_steps, committed=stats.committed, rejections=dict(stats.rejections),
             rejoins=stats.rejoins, dropped_staging=stats.dropped_staging, last_error=stats.last_error,
             commits=tuple(target.commits), staging_peak_bytes=self._inflight_pool.peak_bytes)
 
@@ -234,7 +236,6 @@ class InflightWorkerExtension:
         atexit.unregister(self._inflight_atexit)
         self._inflight_stop.set()
         self._inflight_thread.join(timeout=10)
-        self._inflight_hook.remove()
         if self._inflight_routing is not None:
             self._inflight_routing.close()
         self._inflight_target.applier.close()  # the swap commit's re-pack thread

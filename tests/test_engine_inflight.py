@@ -103,7 +103,22 @@ def test_requests_span_many_versions_with_exact_boundaries(harness: Harness) -> 
     landed = {c.version for c in commits}
     records = [r for r in coordinator.history if r.version in landed]
     assert {r.via for r in records} == {"step"}, [(r.version, r.via) for r in records]
-    assert all(w.forward_thread is True for r in records for w in r.workers)
+    assert all(w.execution_thread is True for r in records for w in r.workers)
+
+
+@ONCE
+def test_the_worker_counts_model_steps_without_a_forward_hook(harness: Harness) -> None:
+    """A step that replays a full CUDA graph never calls the model's forward, so the worker
+    counts its steps in ``execute_model`` (``count_worker_steps``): no forward hook of ours is
+    on the model, and the worker's count moves with the engine's, step for step."""
+    from engine_patches.client import inflight_status
+
+    h = harness
+    assert h.llm.collective_rpc(lambda self: len(self.model_runner.get_model()._forward_pre_hooks)) == [0]
+    before = inflight_status(h.llm)
+    h.greedy(PROMPTS[:2], max_tokens=7)
+    after = inflight_status(h.llm)
+    assert after.model_steps - before.model_steps == after.engine.steps - before.engine.steps >= 7
 
 
 @ONCE

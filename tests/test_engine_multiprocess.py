@@ -65,7 +65,7 @@ def test_idle_push_commits_on_the_engine_thread_and_matches_transformers(engine)
         torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), ref.logprobs(prompt, out.token_ids),
                                    atol=1e-5, rtol=0)
     (commit,) = [c for c in inflight_status(llm).commits if c.version == 1]
-    assert commit.ok and commit.forward_thread is True
+    assert commit.ok and commit.execution_thread is True
 
 
 def test_pushes_while_decoding_land_between_steps_with_exact_tags(engine) -> None:
@@ -110,4 +110,4 @@ def test_pushes_while_decoding_land_between_steps_with_exact_tags(engine) -> Non
     assert spanning > 0
     status = inflight_status(llm)
     assert status.live_version == 4 and status.engine.live_version == 4 and status.engine.commits == 4
-    assert all(c.forward_thread is True for c in status.commits if c.ok)
+    assert all(c.execution_thread is True for c in status.commits if c.ok)

@@ -128,7 +128,7 @@ def test_tp2_takes_updates_while_decoding_on_both_ranks_at_one_step(tp: TPEngine
         landed = [c for c in status.commits if c.ok]
         assert [c.version for c in landed][-3:] == [1, 2, 3]
         # the worker process's main thread runs its forward passes and every commit
-        assert all(c.main_thread and c.forward_thread for c in landed[-3:]), landed
+        assert all(c.main_thread and c.execution_thread for c in landed[-3:]), landed
         assert status.live_version == 3 and status.engine.live_version == 3
 
 

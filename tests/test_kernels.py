@@ -99,6 +99,18 @@ def test_logprob_entropy_of_filtered_logits(impl: str, device: str) -> None:
     torch.testing.assert_close(zz.double(), z64.grad, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("bad", [-100, 37])
+def test_targets_outside_the_vocabulary_are_refused(impl: str, bad: int) -> None:
+    """The reference's gather raises on such a target; the kernels would read out of bounds."""
+    z, y, _, _ = _logits((2, 3, 37), torch.float32, "cpu", 1)
+    y[1, 2] = bad
+    with pytest.raises(RuntimeError):
+        logprob_entropy_reference(z, y)
+    with pytest.raises(ValueError, match=r"outside the vocabulary 0..36"):
+        logprob_entropy(z, y, impl=impl)
+
+
 def test_only_gradients_that_flow_are_used() -> None:
     z, y, _, _ = _logits((2, 3, 37), torch.float32, "cpu", 0)
     for impl in ("triton", "torch"):
