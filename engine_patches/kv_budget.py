@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from engine_patches.commit.base import CommitStrategy, make_strategy
-from engine_patches.commit.checkpoint import checkpoint_dir, checkpoint_schema
+from engine_patches.commit.checkpoint import engine_schema
 from engine_patches.config import StagingIntent
 from inflight.memory import GiB, SetAside, StagingNeed, kv_cache_after_staging, set_aside_bytes, staging_need
 from inflight.protocol import ShardPlan
@@ -80,7 +80,7 @@ def intended_need(worker: Any, intent: StagingIntent) -> StagingNeed:
         schema = adapter_schema(worker.model_runner, intent.adapter)
         applier = LoRASlotApplier(worker.model_runner, intent.adapter, schema)
     else:
-        schema = checkpoint_schema(checkpoint_dir(mc.model, mc.revision), mc.dtype)
+        schema = engine_schema(worker.model_runner)
         applier = make_strategy(worker.model_runner, intent.commit, schema, quantized=mc.quantization is not None,
                                 eager=mc.enforce_eager)
     try:

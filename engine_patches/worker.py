@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from engine_patches.commit.base import CommitStrategy, make_strategy
-from engine_patches.commit.checkpoint import checkpoint_dir, checkpoint_schema, read_checkpoint_into
+from engine_patches.commit.checkpoint import checkpoint_dir, engine_schema, read_checkpoint_into
 from engine_patches.config import InflightConfig
 from engine_patches.engine_target import EngineTarget
 from engine_patches.kv_budget import SET_ASIDE_ATTR, planned_need
@@ -51,7 +51,7 @@ from inflight.staging import StagedVersion, StagingPool
 from inflight.transport.data_plane import nccl_error_handling_once
 from inflight.transport.errors import TransportError
 from inflight.transport.group import WeightGroup
-from inflight.transport.layout import TensorSchema
+from inflight.transport.layout import TensorSchema, dtype_name, torch_dtype
 from inflight.transport.listener import ListenerStats, UpdateListener
 
 log = logging.getLogger("inflight.worker")
@@ -86,7 +86,7 @@ class InflightWorkerExtension:
 
             schema, applier = start_adapter(self.model_runner, config.adapter)
         else:
-            schema = checkpoint_schema(checkpoint_dir(vc.model_config.model, vc.model_config.revision), vc.model_config.dtype)
+            schema = engine_schema(self.model_runner)
             applier = make_strategy(self.model_runner, config.commit, schema, quantized=vc.model_config.quantization is not None,
                                     eager=vc.model_config.enforce_eager, commit_unit=config.commit_unit,
                                     window=config.staged_groups)
@@ -159,6 +159,9 @@ class InflightWorkerExtension:
             torch.cuda.set_device(self.model_runner.device)
             torch.cuda.set_stream(torch.cuda.Stream())
         stats, stop, target = self._inflight_stats, self._inflight_stop, self._inflight_target
+        own = dtype_name(self.vllm_config.model_config.dtype)  # tensors kept in a dtype of their own travel in it
+        kept = {n: d for n, (_, d) in schema.tensors.items()
+                if config.adapter is None and d != own and torch_dtype(d).is_floating_point}
         secret = self._inflight_secret
         joined_before = False
         while not stop.is_set():
@@ -167,7 +170,7 @@ class InflightWorkerExtension:
                 group = WeightGroup(config.group, rank, device=self._inflight_data_device(config),
                                     live_version=target.live_version, stop=stop, join_timeout_s=None,
                                     engine_ranks=engine_ranks, secret=secret, plan=plan, commit_unit=config.commit_unit,
-                                    label="" if not target.label.steps else str(target.label))
+                                    label="" if not target.label.steps else str(target.label), wire_dtypes=kept)
             except InterruptedError:
                 return
             except TransportError as e:  # the store went away while joining: try again

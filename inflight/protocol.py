@@ -207,6 +207,8 @@ class Joined(Wire, tag="joined"):
     """A hybrid the engine serves (``inflight.layer_groups``; ``live_version`` is its oldest)."""
     commit_unit: CommitUnit = "model"
     """``layer``: the trainer sends this worker one announce per layer group."""
+    wire_dtypes: dict[str, str] = {}
+    """Tensors an update carries in a dtype of their own (not the push's), by name: fp32 ones of a bf16 engine."""
 
 
 class Accepted(Wire, tag="accepted"):

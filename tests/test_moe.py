@@ -97,6 +97,77 @@ def test_moe_engine_takes_updates_with_parity(tiny_moe, port, commit: str) -> No
         h.close()
 
 
+@pytest.fixture(scope="module")
+def tiny_glm(tmp_path_factory):
+    """A 2-layer GLM-4.5-style MoE (``Glm4MoeForCausalLM``: a dense first layer, then 4 routed
+    experts, top-2, one shared expert): vLLM 0.32 keeps its router (``GateLinear``) and the
+    router's ``e_score_correction_bias`` in float32 in a bfloat16 engine. fp32 on disk."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    from trainer.tiny_model import default_corpus, train_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_glm")
+    vocab = train_tokenizer(default_corpus(), out, vocab_size=256)
+    config = Glm4MoeConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                           n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                           n_group=1, topk_group=1, max_position_embeddings=2048, tie_word_embeddings=False,
+                           partial_rotary_factor=0.5)
+    torch.manual_seed(0)
+    model = Glm4MoeForCausalLM(config).float()
+    model.save_pretrained(out)
+    return out
+
+
+def test_a_bf16_engine_keeps_its_fp32_router_fp32_through_an_update(tiny_glm, port, tmp_path) -> None:
+    """An in-flight update of a bfloat16 engine carries the parameters it keeps in float32 in
+    float32 (the worker's hello names them: ``Joined.wire_dtypes``), and the routers' own
+    references to the router bias follow the swap commit's new parameters
+    (``swap.parameter_aliases``): the updated engine equals a fresh engine started on the
+    same checkpoint, tokens and log-probs bit for bit."""
+    import gc
+
+    from safetensors.torch import save_file
+    from vllm import LLM, SamplingParams
+
+    from engine_patches.config import engine_kwargs
+    from tests.engine_harness import perturbed
+
+    bias, gate = "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.gate.weight"
+    new = perturbed({k: v.float() for k, v in _on_disk(tiny_glm).items()}, seed=3)
+    assert not torch.equal(new[bias].to(torch.bfloat16).float(), new[bias])  # bfloat16 would round it
+    sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
+
+    def outputs(llm) -> list[tuple[list[int], list[float]]]:
+        return [(list(o.outputs[0].token_ids), [next(iter(d.values())).logprob for d in o.outputs[0].logprobs])
+                for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+
+    def live_bias(self) -> torch.Tensor:
+        return dict(self.model_runner.get_model().named_parameters())[bias].detach().clone()
+
+    h = Harness(tiny_glm, "bfloat16", port)
+    try:
+        assert h.start_report.commit == "swap"
+        assert h.pusher.group.hellos[1].wire_dtypes == {bias: "float32", gate: "float32"}
+        h.push(new)
+        assert torch.equal(h.llm.collective_rpc(live_bias)[0], new[bias])
+        updated = outputs(h.llm)
+    finally:
+        h.close()
+    fresh_dir = tmp_path / "fresh"
+    fresh_dir.mkdir()
+    for f in tiny_glm.iterdir():
+        if f.suffix != ".safetensors":
+            (fresh_dir / f.name).write_bytes(f.read_bytes())
+    save_file({k: v.contiguous() for k, v in new.items()}, str(fresh_dir / "model.safetensors"), metadata={"format": "pt"})
+    fresh = LLM(str(fresh_dir), enforce_eager=True, dtype="bfloat16", max_model_len=1024, seed=0, **engine_kwargs())
+    try:
+        assert outputs(fresh) == updated
+    finally:
+        del fresh
+        gc.collect()
+
+
 class _Runner:
     """The two things ``make_strategy`` reads from vLLM's model runner."""
 

@@ -12,7 +12,9 @@ stall.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,8 +34,24 @@ def checkpoint_dir(model: str, revision: str | None = None) -> Path:
     return Path(snapshot_download(model, revision=revision, local_files_only=True, allow_patterns=["*.safetensors", "*.json"]))
 
 
-def checkpoint_schema(model_dir: Path, engine_dtype: torch.dtype) -> TensorSchema:
-    """Every tensor of the safetensors checkpoint, float ones in the engine's dtype."""
+def kept_dtypes(model: torch.nn.Module, engine_dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The float parameters the engine keeps in a dtype of their own, by name: vLLM holds e.g.
+    an MoE router's ``e_score_correction_bias`` (and GLM-4.5's router weight) in float32 in a
+    bfloat16 engine. An update carries each in that dtype, never rounded to the engine's."""
+    return {n: p.dtype for n, p in model.named_parameters() if p.dtype.is_floating_point and p.dtype != engine_dtype}
+
+
+def engine_schema(model_runner: Any) -> TensorSchema:
+    """What an update of this loaded engine must hold: its checkpoint's tensors, float ones in
+    the engine's dtype or the one its parameter of that name keeps (``kept_dtypes``)."""
+    mc = model_runner.model_config
+    return checkpoint_schema(checkpoint_dir(mc.model, mc.revision), mc.dtype, kept_dtypes(model_runner.get_model(), mc.dtype))
+
+
+def checkpoint_schema(model_dir: Path, engine_dtype: torch.dtype,
+                      kept: Mapping[str, torch.dtype] | None = None) -> TensorSchema:
+    """Every tensor of the safetensors checkpoint, float ones in the engine's dtype, or in
+    ``kept``'s dtype for the names it holds."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -49,7 +67,7 @@ def checkpoint_schema(model_dir: Path, engine_dtype: torch.dtype) -> TensorSchem
                     raise ValueError(f"inflight: checkpoint tensor {name} has dtype {raw}, which updates cannot carry")
                 wire = _SAFETENSORS_DTYPES[raw]
                 if wire in ("float32", "float16", "bfloat16", "float64"):
-                    wire = dtype_name(engine_dtype)
+                    wire = dtype_name((kept or {}).get(name, engine_dtype))
                 tensors[name] = (tuple(sl.get_shape()), wire)
     return TensorSchema(tensors)
 

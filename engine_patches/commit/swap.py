@@ -33,6 +33,7 @@ there the copy-into-storage commits are the right ones.
 
 from __future__ import annotations
 
+import types
 import copy
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from collections.abc import Mapping
@@ -62,6 +63,39 @@ class _ModuleState:
 
 _MISSING = object()
 
+
+
+_NOT_HOLDERS = (torch.nn.Module, type, types.FunctionType, types.MethodType, types.ModuleType)
+"""What ``parameter_aliases`` does not look inside: modules (walked on their own), classes,
+functions and Python modules."""
+
+
+def parameter_aliases(model: torch.nn.Module, owners: list[torch.nn.Module]) -> dict[tuple[int, str], list[tuple[Any, str]]]:
+    """Where else ``model`` holds a parameter object than in its module's ``_parameters``: an
+    attribute of a module, or of a plain object a module holds (vLLM 0.32's MoE routers and
+    routed experts keep the gate's ``e_score_correction_bias``), by the parameter's slot
+    (``(id(module), name)``). A swap replaces the parameter objects, and must replace these
+    references too: a router that kept the old object would route with the old bias."""
+    slot_of = {id(p): (id(m), n) for m in owners for n, p in m._parameters.items() if p is not None}
+    found: dict[tuple[int, str], list[tuple[Any, str]]] = {}
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int) -> None:
+        if id(obj) in seen or depth > 2:
+            return
+        seen.add(id(obj))
+        for attr, value in list(vars(obj).items()):
+            if attr in _STRUCTURAL:
+                continue
+            if isinstance(value, torch.Tensor):
+                if id(value) in slot_of:
+                    found.setdefault(slot_of[id(value)], []).append((obj, attr))
+            elif hasattr(value, "__dict__") and not isinstance(value, _NOT_HOLDERS):
+                visit(value, depth + 1)
+
+    for module in model.modules():
+        visit(module, 0)
+    return found
 
 @dataclass
 class _Update:
@@ -98,6 +132,7 @@ class SwapApplier:
                     continue
                 self._slot_key[(id(m), name)] = id(live)
                 self._templates.setdefault(id(live), (meta_params.get(name, live), m))
+        self._aliases = parameter_aliases(model, self._owners)
         self._prepared: list[_ModuleState] | None = None
         self._previous: list[_ModuleState] | None = None
         self._released: list[_ModuleState] | None = None  # swapped out by a kept commit, not yet freed
@@ -308,25 +343,26 @@ class SwapApplier:
         if states is not None:
             self._released = (self._released or []) + states
 
-    @classmethod
-    def _swap(cls, states: list[_ModuleState]) -> list[_ModuleState]:
+    def _swap(self, states: list[_ModuleState]) -> list[_ModuleState]:
         old = [_ModuleState(s.module, {n: s.module._parameters[n] for n in s.params},
                             {k: s.module.__dict__.get(k, _MISSING) for k in s.attrs}) for s in states]
         done = 0
         try:
             for s in states:
-                cls._assign(s)
+                self._assign(s)
                 done += 1
         except BaseException:
             for s in old[:done]:  # all or nothing
-                cls._assign(s)
+                self._assign(s)
             raise
         return old
 
-    @staticmethod
-    def _assign(s: _ModuleState) -> None:
+    def _assign(self, s: _ModuleState) -> None:
         m = s.module
         m._parameters.update(s.params)
+        for name, p in s.params.items():  # the same object wherever else the model holds it
+            for holder, attr in self._aliases.get((id(m), name), ()):
+                vars(holder)[attr] = p
         for k, v in s.attrs.items():
             if v is _MISSING:
                 m.__dict__.pop(k, None)

@@ -141,10 +141,12 @@ class WeightPusher:
         for rank, plan in plans.items():  # a corrupted plan is the trainer's to refuse; a mismatched update, the worker's
             check_digest(plan, f"worker rank {rank}")
 
+        kept = {n: d for h in self.group.hellos.values() for n, d in h.wire_dtypes.items()}  # fp32 of a bf16 engine
+
         def lay_out(subset: Mapping[str, torch.Tensor]) -> dict[int | None, UpdateAnnounce]:
             if not self.group.point_to_point:
-                return {None: self.sender.pack(version, subset, self._dtype)}
-            return dict(self.sender.pack_each(version, subset, plans, self._dtype))
+                return {None: self.sender.pack(version, subset, self._dtype, kept)}
+            return dict(self.sender.pack_each(version, subset, plans, self._dtype, kept))
         if self.layered:
             if sharded is not None:
                 raise ValueError("a ShardedSource gathers in one push's order: push it to whole-model engines "

@@ -59,6 +59,12 @@ def _buckets(total: int, bucket_bytes: int) -> tuple[BucketSpec, ...]:
     return tuple(BucketSpec(index=i, offset=o, nbytes=n) for i, (o, n) in enumerate(bucket_windows(total, bucket_bytes)))
 
 
+
+def _wire_dtypes(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
+                 dtypes: Mapping[str, str] | None) -> dict[str, str]:
+    """Each tensor's wire dtype: ``dtypes``' for the names it holds, else ``dtype`` (None: the tensor's own)."""
+    return {name: (dtypes or {}).get(name) or dtype_name(dtype or t.dtype) for name, t in named.items()}
+
 class BucketSender:
     """Rank 0: two bucket buffers per destination, reused across versions."""
 
@@ -73,19 +79,21 @@ class BucketSender:
         self.checksum_algo = checksum_algo
         self._buffers: dict[int | None, list[torch.Tensor]] = {}
 
-    def pack(self, version: int, named: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> UpdateAnnounce:
-        """Lay ``named`` out (cast to ``dtype`` if given) and describe it from names, shapes and
-        dtypes alone; nothing is read until ``send``."""
-        wire = {name: dtype_name(dtype or t.dtype) for name, t in named.items()}
+    def pack(self, version: int, named: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
+             dtypes: Mapping[str, str] | None = None) -> UpdateAnnounce:
+        """Lay ``named`` out (cast to ``dtype`` if given; ``dtypes``: the wire dtype of the
+        tensors the engine keeps in a dtype of their own, ``Joined.wire_dtypes``) and describe
+        it from names, shapes and dtypes alone; nothing is read until ``send``."""
+        wire = _wire_dtypes(named, dtype, dtypes)
         tensors, total = plan_tensors((name, tuple(t.shape), wire[name]) for name, t in named.items())
         return UpdateAnnounce(version=version, total_bytes=total, bucket_bytes=self.bucket_bytes,
                               checksum_algo=self.checksum_algo, tensors=tensors, buckets=_buckets(total, self.bucket_bytes))
 
     def pack_each(self, version: int, named: Mapping[str, torch.Tensor], plans: Mapping[int, ShardPlan],
-                  dtype: torch.dtype | None = None) -> dict[int, UpdateAnnounce]:
+                  dtype: torch.dtype | None = None, dtypes: Mapping[str, str] | None = None) -> dict[int, UpdateAnnounce]:
         """For each worker, lay out the boxes of ``named`` its shard plan asks for (in the
         update's tensor order): one announce per worker, nothing read until ``send_each``."""
-        wire = {name: dtype_name(dtype or t.dtype) for name, t in named.items()}
+        wire = _wire_dtypes(named, dtype, dtypes)
         out = {}
         for rank, plan in plans.items():
             boxes = {s.name: (s.start, s.length) for s in plan.shards}
