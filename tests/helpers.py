@@ -184,12 +184,13 @@ class ListenerPair:
         self.thread.join(10)
 
 
-def form_pair(port: int, timeout_s: float = 10.0) -> tuple[WeightGroup, WeightGroup]:
-    """A formed two-member group in this process: (trainer rank 0, worker rank 1)."""
+def form_pair(port: int, timeout_s: float = 10.0,
+              stop: threading.Event | None = None) -> tuple[WeightGroup, WeightGroup]:
+    """A formed two-member group in this process: (trainer rank 0, worker rank 1; ``stop``: the worker's)."""
     config = GroupConfig(port=port, world_size=2, timeout_s=timeout_s)
     trainers: list[WeightGroup] = []
     t = threading.Thread(target=lambda: trainers.append(WeightGroup(config, 0, join_timeout_s=60.0)), daemon=True)
     t.start()
-    worker = WeightGroup(config, 1, join_timeout_s=60.0)
+    worker = WeightGroup(config, 1, join_timeout_s=60.0, stop=stop)
     t.join(60)
     return trainers[0], worker

@@ -313,6 +313,24 @@ def test_a_member_lost_after_its_hello_ends_the_formation_at_once(port, monkeypa
     worker.join()
 
 
+def test_a_workers_stop_ends_a_wait_on_an_nccl_op_and_aborts_it(port) -> None:
+    """NCCL's ``Work.wait`` does not block the host, so a worker polls for completion
+    (``DataPlane._poll_nccl``); its listener's stop ends that poll at once and aborts the
+    communicator, so a shutdown mid-transfer never leaves an op posted. The poll runs here on
+    a gloo data plane, over a receive the trainer never sends (on a GPU, the ``gpu`` marker's
+    two-process NCCL transfer runs it for real)."""
+    stop = threading.Event()
+    trainer, worker = form_pair(port, timeout_s=120, stop=stop)
+    posted = worker.start_recv(torch.zeros(4), what="bucket 0 of v1")
+    threading.Timer(0.2, stop.set).start()  # the worker shuts down while the op is posted
+    began = time.monotonic()
+    with pytest.raises(InterruptedError, match="rank 1: stopped while waiting for bucket 0 of v1"):
+        worker.data._poll_nccl(posted[0], 120.0, posted[1])
+    assert time.monotonic() - began < 60 and worker.data.pg is None  # ended by stop, not the timeout; aborted
+    worker.close()
+    trainer.close()
+
+
 def test_a_data_plane_with_work_posted_is_aborted_never_shut_down(port) -> None:
     """A graceful shutdown waits for the collectives posted on it; NCCL's finalize never returns
     when their root is dead (a killed trainer), hanging the listener. So ``close`` aborts a

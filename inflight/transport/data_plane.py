@@ -76,12 +76,13 @@ class DataPlane:
 
     def __init__(self, store: PrefixStore, *, rank: int, pg_rank: int, size: int, backend: Backend,
                  timeout: timedelta, device: torch.device, peers: list[int],
-                 superseded: Callable[[], bool], bind: str | None = None) -> None:
+                 superseded: Callable[[], bool], bind: str | None = None, stop: threading.Event | None = None) -> None:
         self.rank = rank
         self.backend = backend
         self.timeout = timeout
         self.peers = peers
         self._superseded = superseded
+        self._stop = stop  # a worker's shutdown: ends an NCCL wait at once (``_poll_nccl``)
         self._unfinished = 0  # broadcasts posted and not yet waited for successfully
         self._failed = False
         try:
@@ -150,9 +151,9 @@ class DataPlane:
     def _poll_nccl(self, work: Work, timeout_s: float, what: str) -> None:
         who = f"rank {self.rank}"
         give_up = self._superseded if self.rank != 0 else None
-        try:
+        try:  # a few ms between polls at most: each is a GIL grab beside vLLM's scheduler
             poll_until(lambda: True if work.is_completed() else None, timeout_s=timeout_s, what=what, who=who,
-                       give_up=give_up, first_pause_s=0.00005, max_pause_s=0.001)
+                       give_up=give_up, stop=self._stop, first_pause_s=0.0001, max_pause_s=0.004)
         except BaseException as e:  # every way out aborts: a communicator with work posted is never shut down
             self.abort()
             if isinstance(e, GaveUp):

@@ -113,6 +113,7 @@ class WeightGroup:
         self.hellos: dict[int, Joined] = {}
         """Rank 0: each member's ``Joined`` for the current generation."""
         self._heartbeat: Heartbeat | None = None
+        self._stop = stop if rank else None  # a worker's shutdown also ends its NCCL waits (``DataPlane``)
         self._generations = 0  # rank 0: generations opened so far
         join_timeout = config.timeout_s if join_timeout_s is None else join_timeout_s
         if rank == 0:
@@ -316,7 +317,7 @@ class WeightGroup:
             return DataPlane(rendezvous, rank=self.rank, pg_rank=0 if self.rank == 0 else 1 + self.roster.index(self.rank),
                              size=1 + len(self.roster), backend=self.backend, timeout=self.timeout, device=self.device,
                              peers=self.peers, superseded=self.superseded,
-                             bind=data_plane_address(self.config.host, self.rank))
+                             bind=data_plane_address(self.config.host, self.rank), stop=self._stop)
 
         self.data = build() if stop is None else call_unless_stopped(
             build, stop=stop, what=f"forming generation {g}'s data plane", who=f"rank {self.rank}")
