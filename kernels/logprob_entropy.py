@@ -179,8 +179,9 @@ def logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, *, impl: Impl =
     lead = logits.shape[:-1]
     z = logits.reshape(-1, logits.shape[-1]).contiguous()
     y = targets.reshape(-1).to(torch.int64).contiguous()
-    if y.numel() and not 0 <= int(y.min()) <= int(y.max()) < z.shape[1]:  # the kernels read z[y] unchecked
-        raise ValueError(f"targets hold {int(y.min())}..{int(y.max())}, outside the vocabulary 0..{z.shape[1] - 1} "
+    lo, hi = torch.stack(torch.aminmax(y)).tolist() if y.numel() else (0, 0)  # one host sync: the kernels read z[y] unchecked
+    if not 0 <= lo <= hi < z.shape[1]:
+        raise ValueError(f"targets hold {lo}..{hi}, outside the vocabulary 0..{z.shape[1] - 1} "
                          "(mask padding with a valid id, e.g. the pad token, not -100)")
     logp, ent = _LogprobEntropy.apply(z, y, use_triton)
     return logp.view(lead), ent.view(lead)

@@ -320,7 +320,7 @@ class WeightGroup:
                              bind=data_plane_address(self.config.host, self.rank), stop=self._stop)
 
         self.data = build() if stop is None else call_unless_stopped(
-            build, stop=stop, what=f"forming generation {g}'s data plane", who=f"rank {self.rank}")
+            build, stop=stop, what=f"generation {g}'s data plane to form", who=f"rank {self.rank}")
         self.generation = g
         self.incarnation = self._root.get("incarnation").decode()
         self.store = PrefixStore(prefix + "/ctl", self._tcp)

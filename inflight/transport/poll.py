@@ -51,10 +51,11 @@ def poll_until(ready: Callable[[], T | None], *, timeout_s: float | None, what: 
         pause = min(pause * 2, max_pause_s)
 
 
+
 def call_unless_stopped(fn: Callable[[], T], *, stop: threading.Event, what: str, who: str) -> T:
-    """``fn()``, run on a helper thread so that ``stop`` can end the wait: ``InterruptedError``
-    once ``stop`` is set first. A blocking native call (gloo's rendezvous) cannot be cancelled;
-    it is left to end at its own timeout on that daemon thread, its result discarded."""
+    """``fn()``, run on a helper thread so that ``stop`` can end the wait (``poll_until``'s
+    ``InterruptedError``, naming ``what``). A blocking native call (gloo's rendezvous) cannot be
+    cancelled; it is left to end at its own timeout on that daemon thread, its result discarded."""
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -63,12 +64,9 @@ def call_unless_stopped(fn: Callable[[], T], *, stop: threading.Event, what: str
         except BaseException as e:  # handed to the caller
             box["error"] = e
 
-    helper = threading.Thread(target=run, name=f"inflight-{what.replace(' ', '-')}", daemon=True)
+    helper = threading.Thread(target=run, name=f"inflight-{who.replace(' ', '-')}-helper", daemon=True)
     helper.start()
-    while helper.is_alive():
-        if stop.is_set():
-            raise InterruptedError(f"{who}: stopped while {what}")
-        helper.join(0.05)
+    poll_until(lambda: None if helper.is_alive() else True, timeout_s=None, what=what, who=who, stop=stop)
     if "error" in box:
         raise box["error"]
     return box["value"]

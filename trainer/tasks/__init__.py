@@ -22,6 +22,7 @@ from trainer.tasks.arithmetic import Arithmetic
 from trainer.tasks.base import (Completion, Prompt, Task, encode_prompt, final_number, load_factory, model_stop_ids, stop_token_ids,
                                 uses_chat)
 from trainer.tasks.calculator import Calculator
+from trainer.tasks.config import BUILTIN  # the task names: one home, beside the config that checks them
 from trainer.tasks.digits import RepeatDigit
 from trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
 from trainer.tasks.guess_number import GuessNumber
@@ -31,13 +32,10 @@ from trainer.tasks.jsonl import SAMPLE, JsonlFormatError, JsonlTask, load_jsonl
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
 
-BUILTIN = ("repeat_digit", "arithmetic", "jsonl", "dataset", "calculator", "guess_number")
-
 __all__ = ["BUILTIN", "Arithmetic", "Calculator", "Completion", "DatasetTask", "EpisodeTask", "EpisodeView", "GuessNumber", "Turn", "JsonlFormatError", "JsonlTask", "Prompt", "RepeatDigit", "SAMPLE",
            "Task", "build_task", "encode_prompt", "final_number", "load_factory", "load_jsonl", "model_stop_ids",
            "stop_token_ids",
            "uses_chat"]
-
 
 def build_task(train_cfg: TrainConfig, tokenizer: Any) -> Task:
     """The task ``train_cfg.task`` names (``train_cfg``: a ``TrainConfig``). With evaluation on,

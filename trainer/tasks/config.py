@@ -214,7 +214,7 @@ class EpisodeConfig:
             raise ValueError(f"task.episode.failure_reward={self.failure_reward} must be a finite number")
 
 
-_BUILTIN_TASKS = ("repeat_digit", "arithmetic", "jsonl", "dataset", "calculator", "guess_number")
+BUILTIN = ("repeat_digit", "arithmetic", "jsonl", "dataset", "calculator", "guess_number")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
@@ -252,9 +252,9 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "task")
-        if self.name not in _BUILTIN_TASKS and not _FACTORY.match(self.name):
-            raise ValueError(f"task.name={self.name!r} is not one of {list(_BUILTIN_TASKS)} or a 'pkg.module:factory'")
-        if self.options and self.name in _BUILTIN_TASKS:
+        if self.name not in BUILTIN and not _FACTORY.match(self.name):
+            raise ValueError(f"task.name={self.name!r} is not one of {list(BUILTIN)} or a 'pkg.module:factory'")
+        if self.options and self.name in BUILTIN:
             raise ValueError(f"task.options={self.options!r}: only a 'module:factory' task takes options "
                              f"({self.name} is configured by its own table)")
         if self.completion_tokens < 1:
