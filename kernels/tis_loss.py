@@ -65,8 +65,8 @@ def tis_loss_reference(logp, mu, adv, mask, n_tokens: float, *, objective: Objec
     arguments are ``tis_loss``'s."""
     if log_ratio is None:
         r = torch.exp(logp - mu)
-    else:  # value exp(l_t), gradient d r / d logp = r (GSPO-token)
-        r = torch.exp(log_ratio.detach() + logp - logp.detach())
+    else:  # value exactly exp(l_t) (a factor exp(0) = 1), gradient d r / d logp = r (GSPO-token)
+        r = torch.exp(log_ratio.detach()) * torch.exp(logp - logp.detach())
     c = _Consts(objective, truncation, clip_low, clip_high, icepop_low, icepop_high, lag_decay)
     per_token, weight = objective_terms(r, adv, logp, lag, **c._asdict())
     return (per_token * mask).sum() / n_tokens, weight

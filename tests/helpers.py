@@ -57,14 +57,35 @@ def wait_rows(out: Path, n: int, *, where: Callable[[list[dict]], bool] = lambda
         time.sleep(0.05)
 
 
-def train_beside(cfg: TrainConfig, beside: Callable[[], None]) -> tuple[dict, list[dict]]:
+def train_beside(cfg: TrainConfig, beside: Callable[[], None], *, kill_before_last_step: bool = False
+                 ) -> tuple[dict, list[dict]]:
     """``train(cfg)`` while ``beside`` runs in a thread (a fault or an input it injects when
-    the run's rows say so: see ``wait_rows``). Returns the run's summary and its rows."""
+    the run's rows say so: see ``wait_rows``). With ``kill_before_last_step`` (``beside``
+    kills an engine) the last step waits until ``beside`` returned and the fleet sees the
+    engine's death, so the kill is recovered inside the run however late the rows it waits
+    for come (a slow engine's first group, on a busy machine). Returns the run's summary
+    and its rows."""
     from trainer.train import train
+    from trainer.weight_sync import WeightSync
 
     t = threading.Thread(target=beside, daemon=True)
+    next_batch, calls = WeightSync.next_batch, []
+
+    def after_the_kill(self: WeightSync, buffer, version: int):  # noqa: ANN001, ANN202
+        calls.append(version)
+        if len(calls) == cfg.run.steps:
+            t.join()
+            while self.fleet.restarts == 0 and self.fleet.exit_problem() is None:
+                time.sleep(0.05)
+        return next_batch(self, buffer, version)
+
     t.start()
-    summary = train(cfg)
+    if kill_before_last_step:
+        WeightSync.next_batch = after_the_kill  # type: ignore[method-assign]
+    try:
+        summary = train(cfg)
+    finally:
+        WeightSync.next_batch = next_batch  # type: ignore[method-assign]
     t.join(5)
     return summary, metrics_rows(Path(cfg.run.out_dir))
 

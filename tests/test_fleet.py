@@ -189,7 +189,7 @@ def test_a_killed_engine_is_restarted_while_the_other_takes_every_update(tmp_pat
         wait_rows(out, 3, where=lambda rows: any("e1" in r["versions_by_engine"] for r in rows))
         os.kill(int((out / "engine1.pid").read_text()), signal.SIGKILL)
 
-    summary, rows = train_beside(cfg, killer)
+    summary, rows = train_beside(cfg, killer, kill_before_last_step=True)
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert rows[-1]["engine_restarts"] == 1
     # the survivor (rank 1) committed every version the trainer pushed

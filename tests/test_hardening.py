@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 import shutil
 import sys
@@ -247,7 +248,7 @@ def _save(path: Path, marker: str, step: int) -> None:
     from trainer.checkpoint import TrainerState, save_checkpoint
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    state = TrainerState(step=step, version=step, python_rng=(3, tuple(range(625)) + (624,), None),
+    state = TrainerState(step=step, version=step, python_rng=random.getstate(),
                          torch_rng=torch.get_rng_state(), buffer_stats={"admitted": step}, pending=[])
     save_checkpoint(path, _Model(marker), _Model(marker), opt, state)
 
@@ -294,7 +295,7 @@ def test_buffer_counters_survive_a_checkpoint(tmp_path) -> None:
     saved = buffer.stats()
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     save_checkpoint(tmp_path / "ck", _Model("m"), _Model("m"), opt, TrainerState(
-        step=1, version=1, python_rng=(3, tuple(range(625)) + (624,), None), torch_rng=torch.get_rng_state(),
+        step=1, version=1, python_rng=random.getstate(), torch_rng=torch.get_rng_state(),
         buffer_stats=saved, pending=list(buffer.pending)))
     state = load_state(tmp_path / "ck")
     resumed = RolloutBuffer(RolloutQueue(HashStore(), capacity=10), admit_lag=0, group_size=1,
@@ -309,7 +310,7 @@ def test_cuda_rng_state_is_saved_and_restored(tmp_path) -> None:
     torch.cuda.manual_seed_all(123)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     save_checkpoint(tmp_path / "ck", _Model("m"), _Model("m"), opt, TrainerState(
-        step=1, version=1, python_rng=(3, tuple(range(625)) + (624,), None), torch_rng=torch.get_rng_state(),
+        step=1, version=1, python_rng=random.getstate(), torch_rng=torch.get_rng_state(),
         buffer_stats={}, pending=[]))
     expected = torch.rand(4, device="cuda")
     torch.cuda.manual_seed_all(999)

@@ -6,6 +6,8 @@ tests run compiled on CUDA under the ``gpu`` marker.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -125,15 +127,34 @@ def test_only_gradients_that_flow_are_used() -> None:
 OBJECTIVES = ["reinforce", "ppo", "icepop", "none"]
 
 
+def _off_the_cuts(log_r: torch.Tensor, lag: torch.Tensor, lag_decay: float) -> torch.Tensor:
+    """How far to move each log-ratio so it lies at least 1e-5 from every cut of every
+    objective at the default constants (truncation 2, ppo's 1 - 0.2 and 1 + 0.28 f, icepop's
+    0.5 and 2 f, f = d ** lag): a ratio within an ulp of a cut may fall on either side in
+    two correct float32 implementations (the kernel's exp is not torch's)."""
+    log_f = lag.double() * math.log(lag_decay)
+    cuts = [torch.full_like(log_f, math.log(0.8)), math.log(2.0) + log_f, math.log(0.5), torch.log1p(0.28 * log_f.exp())]
+    shift = torch.zeros_like(log_f)
+    for cut in cuts:
+        near = (log_r.double() + shift - cut).abs() < 1e-5
+        shift = torch.where(near, shift + 3e-5, shift)
+    return shift.float()
+
+
 def _check_tis(objective: str, device: str, n: int = 1001, lag_decay: float = 1.0, given_ratio: bool = False) -> None:
     g = torch.Generator().manual_seed(n)
-    logp0 = (0.5 * torch.randn(n, generator=g) - 2).to(device)
-    mu = logp0 + 0.8 * torch.randn(n, generator=g).to(device)  # ratios spread across every branch
+    logp0 = 0.5 * torch.randn(n, generator=g) - 2
+    mu = logp0 + 0.8 * torch.randn(n, generator=g)  # ratios spread across every branch
     adv = torch.randn(n, generator=g).to(device)
     mask = (torch.rand(n, generator=g) > 0.2).float().to(device)
-    lag = torch.randint(0, 9, (n,), generator=g).float().to(device)
-    # a given log-ratio (the sequence level's log s_i), shared by runs of 1-6 tokens
-    log_ratio = (0.6 * torch.randn(n, generator=g)).repeat_interleave(6)[:n].to(device) if given_ratio else None
+    lag = torch.randint(0, 9, (n,), generator=g).float()
+    log_ratio = None
+    if given_ratio:  # a given log-ratio (the sequence level's log s_i), shared by runs of 1-6 tokens
+        log_ratio = (0.6 * torch.randn(n, generator=g)).repeat_interleave(6)[:n]
+        log_ratio = (log_ratio + _off_the_cuts(log_ratio, lag, lag_decay)).to(device)
+    else:
+        mu = mu - _off_the_cuts(logp0 - mu, lag, lag_decay)
+    logp0, mu, lag = logp0.to(device), mu.to(device), lag.to(device)
     out = {}
     for impl in ("reference", "triton"):
         lp = logp0.clone().requires_grad_()

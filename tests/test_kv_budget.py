@@ -214,6 +214,8 @@ memory is measured at the driver's granularity); far below the margin alone."""
 
 @pytest.mark.gpu
 def test_a_gpu_engine_built_with_the_intent_has_a_kv_cache_smaller_by_the_staging_bytes(tiny_llama, port) -> None:
+    pytest.importorskip("vllm", reason="a CUDA machine without vLLM (a trainer's)")
+
     def boot(intent: bool) -> tuple[tuple[int, int, int, tuple[int, int] | None], int]:
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
             return pool.submit(_boot_gpu_engine, str(Path(tiny_llama)), port, intent).result()

@@ -44,7 +44,7 @@ def test_ray_actors_train_and_a_killed_actor_is_restarted_while_the_other_takes_
         killed.append(int((out / "engine1.pid").read_text()))
         os.kill(killed[0], signal.SIGKILL)  # the actor's process: what a lost node does to it
 
-    summary, rows = train_beside(cfg, killer)
+    summary, rows = train_beside(cfg, killer, kill_before_last_step=True)
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert rows[-1]["engine_restarts"] == 1
     assert all(1 in r["committed_ranks"] for r in rows if "committed_ranks" in r)  # the survivor took every push

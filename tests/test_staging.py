@@ -217,4 +217,5 @@ def test_commit_copies_are_ordered_after_staging_and_before_the_next_forward() -
     forward = torch.cuda.Stream(dev)
     with torch.cuda.stream(forward):  # the next "forward", on another stream, launched right away
         total = live.sum()
+    forward.synchronize()  # .item() below copies on the default stream, which does not wait for this one
     assert total.item() == live.numel()
