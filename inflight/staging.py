@@ -49,6 +49,15 @@ def ordered_commit(device: torch.device, ready: torch.cuda.Event | None, apply: 
     done.synchronize()  # every copy finished: no later forward, on any stream, can read old bytes
 
 
+def copy_into(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """The commit's copies, one ``torch._foreach_copy_`` (the GIL released once): call it
+    inside ``ordered_commit``. Non-blocking, because torch runs a foreach copy across devices
+    (pinned host staging into GPU weights) as one ``copy_`` per tensor, each waited for
+    unless non-blocking; ``ordered_commit``'s single synchronize ends them all, before the
+    staging they read is reused. On CPU it is the same copy."""
+    torch._foreach_copy_(destinations, sources, non_blocking=True)
+
+
 class StagingPool:
     """The worker's staging buffers, kept across group generations so a rejoin neither
     reallocates nor doubles them. ``reserve`` allocates them up front (at engine start,

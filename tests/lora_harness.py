@@ -145,6 +145,17 @@ def copy_plan_of(worker) -> tuple[int, int] | None:
     return None if plan is None else plan.counts()
 
 
+def index_bytes_counted(worker) -> tuple[int, int]:
+    """Inside a worker: the lora commit's index bytes as the KV cache's budget counts them, before
+    ``attach`` records the copy plan (a fresh applier's bound), and as ``attach`` recorded them."""
+    from engine_patches.adapter import adapter_schema
+    from engine_patches.commit.lora_slot import LoRASlotApplier
+
+    live = worker._inflight_target.applier
+    fresh = LoRASlotApplier(worker.model_runner, live._spec, adapter_schema(worker.model_runner, live._spec))
+    return fresh.index_bytes(), live.index_bytes()
+
+
 def listener_affinity(worker) -> list[int]:
     """Inside a worker: the CPUs its listener thread may run on."""
     import os

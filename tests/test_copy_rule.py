@@ -29,14 +29,14 @@ class DerivesABuffer(torch.nn.Module):
         self.w_uk_t = self.kv_b.detach().t().contiguous()
 
 
-def _refusals_of(model_dir) -> list[str]:
+def _refusals_of(model_dir, names: tuple[str, ...] = ()) -> list[str]:
     from vllm import LLM
 
     from engine_patches.config import engine_kwargs
 
     llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", max_model_len=256, seed=0, **engine_kwargs())
     try:
-        return llm.collective_rpc(lambda worker: copy_refusals(worker.model_runner.get_model()))[0]
+        return llm.collective_rpc(lambda worker: copy_refusals(worker.model_runner.get_model(), names))[0]
     finally:
         del llm
         gc.collect()
@@ -44,6 +44,9 @@ def _refusals_of(model_dir) -> list[str]:
 
 def test_layers_whose_processing_derives_from_weights_are_never_silently_copied(tiny_llama, tiny_moe) -> None:
     assert _refusals_of(tiny_llama) == []  # linear, embedding, norms, plain attention: a copy is exact
+    # KV-cache scales in the checkpoint: attention derives its float scales from them
+    scales = ("model.layers.0.self_attn.k_scale", "model.layers.0.self_attn.v_scale")
+    assert _refusals_of(tiny_llama, scales) == ["Attention (KV-cache scales in the checkpoint)"]
     moe = _refusals_of(tiny_moe)
     assert moe and all("FusedMoE" in r for r in moe), moe  # the experts' layout is the backend's own
     toy = torch.nn.Sequential(torch.nn.LayerNorm(4), DerivesABuffer())

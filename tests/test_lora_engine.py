@@ -27,8 +27,8 @@ from inflight.transport.pusher import PushRejected
 from tests.engine_harness import (assert_tags_change_at_commits, check_fresh, check_warm, drive, llm_sample, perturbed,
                                   push_at_steps)
 from tests.helpers import fail_next_commit_on_vllm_rank_1
-from tests.lora_harness import (PROMPTS, LoRAEngine, assert_matches_peft, copy_plan_of, listener_affinity,
-                                 slot_equals_vllm_load, write_adapter)
+from tests.lora_harness import (PROMPTS, LoRAEngine, assert_matches_peft, copy_plan_of, index_bytes_counted,
+                                listener_affinity, slot_equals_vllm_load, write_adapter)
 
 @pytest.fixture(scope="module", params=["llama_tp1", "qwen3_tp2"])
 def lora(request, hold_port, tmp_path_factory):
@@ -204,6 +204,9 @@ def test_an_adapter_below_its_slot_rank_is_padded_as_vllm_pads_it(tiny_llama, ho
             engine.llm.collective_rpc(_start_on_worker, args=(bad,))
         [(runs, indexed)] = engine.llm.collective_rpc(copy_plan_of)
         assert indexed > 0  # every B: runs of 4 in rows of 8
+        # the KV cache's budget is set before attach records the plan: its bound covers the indexes
+        [(bound, recorded)] = engine.llm.collective_rpc(index_bytes_counted)
+        assert bound >= recorded > 0
         weights = perturbed(v0, seed=40, scale=0.03)
         assert engine.push(weights).commits[1].version == 1
         engine.reference.load(weights).model.save_pretrained(str(tmp_path / "v1"))

@@ -119,12 +119,14 @@ def tiny_glm(tmp_path_factory):
     return out
 
 
-def test_a_bf16_engine_keeps_its_fp32_router_fp32_through_an_update(tiny_glm, port, tmp_path) -> None:
+@pytest.mark.parametrize("commit", ["auto", "reload"])
+def test_a_bf16_engine_keeps_its_fp32_router_fp32_through_an_update(tiny_glm, port, tmp_path, commit: str) -> None:
     """An in-flight update of a bfloat16 engine carries the parameters it keeps in float32 in
     float32 (the worker's hello names them: ``Joined.wire_dtypes``), and the routers' own
     references to the router bias follow the swap commit's new parameters
     (``swap.parameter_aliases``): the updated engine equals a fresh engine started on the
-    same checkpoint, tokens and log-probs bit for bit."""
+    same checkpoint, tokens and log-probs bit for bit. So does ``reload``, whose CPU experts
+    are re-packed once though the router shares a parameter with them."""
     import gc
 
     from safetensors.torch import save_file
@@ -145,9 +147,9 @@ def test_a_bf16_engine_keeps_its_fp32_router_fp32_through_an_update(tiny_glm, po
     def live_bias(self) -> torch.Tensor:
         return dict(self.model_runner.get_model().named_parameters())[bias].detach().clone()
 
-    h = Harness(tiny_glm, "bfloat16", port)
+    h = Harness(tiny_glm, "bfloat16", port, commit=commit)
     try:
-        assert h.start_report.commit == "swap"
+        assert h.start_report.commit == ("swap" if commit == "auto" else "reload")
         assert h.pusher.group.hellos[1].wire_dtypes == {bias: "float32", gate: "float32"}
         h.push(new)
         assert torch.equal(h.llm.collective_rpc(live_bias)[0], new[bias])

@@ -21,7 +21,7 @@ from inflight.memory import (
     staging_need,
     update_bytes,
 )
-from inflight.staging import StagingPool, ordered_commit, ready_event
+from inflight.staging import StagingPool, copy_into, ordered_commit, ready_event
 from inflight.transport.layout import WSUM_TEMP_BYTES, plan_tensors
 
 GiB = 1 << 30
@@ -219,3 +219,18 @@ def test_commit_copies_are_ordered_after_staging_and_before_the_next_forward() -
         total = live.sum()
     forward.synchronize()  # .item() below copies on the default stream, which does not wait for this one
     assert total.item() == live.numel()
+
+
+@pytest.mark.gpu
+def test_a_host_staged_commit_copies_every_tensor_and_is_done_when_the_commit_returns() -> None:
+    """Pinned host staging into GPU weights: ``copy_into`` queues every copy non-blocking and
+    ``ordered_commit``'s one synchronize ends them, so the staging is free to reuse at once."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator().manual_seed(3)
+    sources = [torch.randn(n, generator=g).pin_memory() for n in (1, 7, 1 << 20, 3 << 20, 5)]
+    expected = [s.clone() for s in sources]
+    destinations = [torch.zeros(s.numel(), device=dev) for s in sources]
+    ordered_commit(dev, None, lambda: copy_into(destinations, sources))
+    for s in sources:  # reused by the next update's staging the moment the commit returns
+        s.fill_(-1.0)
+    assert all(torch.equal(d.cpu(), e) for d, e in zip(destinations, expected))

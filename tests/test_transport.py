@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from inflight.protocol import BucketHeader
 from inflight.transport.receiver import BucketReceiver
 from inflight.transport.sender import BucketSender
-from inflight.transport.errors import TransportTimeout
-from inflight.transport.group import GroupConfig
+from inflight.transport.errors import TransportError, TransportTimeout
+from inflight.transport.group import GroupConfig, WeightGroup
 from inflight.transport.layout import ALIGN, bucket_windows, checksum, pack_into, plan_tensors, tensor_views
 from inflight.transport.layout import TensorSchema
 from inflight.transport.listener import UpdateListener
@@ -104,6 +104,18 @@ def test_named_weights_match_the_checkpoint(tiny_qwen, tiny_llama) -> None:
         sent = named_weights(model)
         assert sent.keys() == on_disk.keys()
         assert all(torch.equal(sent[k], on_disk[k]) for k in sent)
+
+
+def test_a_sharded_source_gathers_over_gloo_never_beside_fsdp_on_nccl() -> None:
+    """Two NCCL communicators with collectives in flight on one GPU can deadlock: the push's
+    gathers go over gloo on the host (a mixed cpu:gloo,cuda:nccl group's gloo half will do)."""
+    from inflight.transport.sources import check_gather_backend
+
+    for ok in ("gloo", "cpu:gloo,cuda:nccl"):
+        check_gather_backend(ok)
+    with pytest.raises(ValueError, match=r"backend 'nccl': it gathers on the host, beside training's NCCL "
+                                         r"collectives, so it needs gloo \(dist.new_group\(backend='gloo'\)"):
+        check_gather_backend("nccl")
 
 
 # -- two processes, the real thing -----------------------------------------------------
@@ -255,6 +267,18 @@ def test_receiver_timeout_names_peer_and_bucket(port) -> None:
     assert "header of bucket 0 of v1" in msg and "trainer (rank 0)" in msg
 
 
+def test_a_point_to_point_member_without_a_shard_plan_gets_the_whole_model(port) -> None:
+    """On NCCL every generation is point to point (a broadcast beside vLLM's TP all-reduces can
+    deadlock): a member that sent no shard plan is sent the whole update, laid out as a
+    broadcast would lay it out."""
+    trainer, worker = form_pair(port)
+    sender = BucketSender(trainer, bucket_bytes=128, checksum_algo="crc32")
+    named = {"w": torch.ones(64), "b": torch.zeros(3, 5)}
+    assert sender.pack_each(1, named, {1: None}) == {1: sender.pack(1, named)}
+    worker.close()
+    trainer.close()
+
+
 def test_data_sockets_bind_the_group_address_not_the_default_interface(port, monkeypatch) -> None:
     """gloo's default device binds the hostname's (or ``GLOO_SOCKET_IFNAME``'s) address: a group
     configured on loopback must not listen for bucket bytes on another interface."""
@@ -313,22 +337,63 @@ def test_a_member_lost_after_its_hello_ends_the_formation_at_once(port, monkeypa
     worker.join()
 
 
-def test_a_workers_stop_ends_a_wait_on_an_nccl_op_and_aborts_it(port) -> None:
-    """NCCL's ``Work.wait`` does not block the host, so a worker polls for completion
-    (``DataPlane._poll_nccl``); its listener's stop ends that poll at once and aborts the
-    communicator, so a shutdown mid-transfer never leaves an op posted. The poll runs here on
-    a gloo data plane, over a receive the trainer never sends (on a GPU, the ``gpu`` marker's
-    two-process NCCL transfer runs it for real)."""
+def test_a_workers_stop_ends_a_wait_on_a_posted_op_and_aborts_it(port) -> None:
+    """A worker polls for a posted op's completion (``DataPlane._poll``: NCCL's ``Work.wait``
+    does not block the host, gloo's may miss a dead peer); its listener's stop ends that
+    poll at once and aborts the communicator, so a shutdown mid-transfer never leaves an op
+    posted. Here on gloo, over a receive the trainer never sends."""
     stop = threading.Event()
     trainer, worker = form_pair(port, timeout_s=120, stop=stop)
     posted = worker.start_recv(torch.zeros(4), what="bucket 0 of v1")
     threading.Timer(0.2, stop.set).start()  # the worker shuts down while the op is posted
     began = time.monotonic()
     with pytest.raises(InterruptedError, match="rank 1: stopped while waiting for bucket 0 of v1"):
-        worker.data._poll_nccl(posted[0], 120.0, posted[1])
+        worker.wait(posted, 120.0)
     assert time.monotonic() - began < 60 and worker.data.pg is None  # ended by stop, not the timeout; aborted
     worker.close()
     trainer.close()
+
+
+def _host_a_store(conn) -> None:
+    """A group store in a process of its own (what the trainer's process is to its store)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    conn.send(store.port)
+    time.sleep(600)
+
+
+def test_a_worker_notices_its_trainers_death_by_its_store_while_the_data_plane_is_intact() -> None:
+    """The trainer hosts the store, so its death is the store's: a worker's wait on a posted op
+    gives up within about a beat once its heartbeat finds the store refusing connections
+    (``WeightGroup.superseded``), whatever the data plane says (gloo noticed a SIGKILLed
+    trainer's closed connections at some buckets of a push only at its timeout). The store
+    lives in a process of its own here, killed while both ends of the data plane stay up."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    host = ctx.Process(target=_host_a_store, args=(child,), daemon=True)
+    host.start()
+    try:
+        port = parent.recv()
+        config = GroupConfig(port=port, world_size=2, timeout_s=60)
+        client = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        trainers: list = []
+        t = threading.Thread(target=lambda: trainers.append(WeightGroup(config, 0, store=client, join_timeout_s=60.0)))
+        t.start()
+        worker = WeightGroup(config, 1, join_timeout_s=60.0)
+        t.join(60)
+        posted = worker.start_recv(torch.zeros(4), what="bucket 0 of v1")
+        host.kill()
+        host.join(10)
+        died = time.monotonic()
+        with pytest.raises(TransportError, match=r"rank 1: the trainer is gone \(its store .* refuses connections\), "
+                                                 r"during bucket 0 of v1 from/to trainer \(rank 0\); gloo communicator aborted"):
+            worker.wait(posted)
+        assert time.monotonic() - died < 2.0 and worker.data.pg is None  # a beat or two, not gloo's 60 s; aborted
+        worker.close()
+        trainers[0].close()
+    finally:
+        host.kill()
 
 
 def test_a_data_plane_with_work_posted_is_aborted_never_shut_down(port) -> None:
@@ -365,5 +430,34 @@ def test_nccl_error_handling_is_set_once_per_process(monkeypatch) -> None:
     monkeypatch.setattr(data_plane, "_nccl_env_set", False)
     for _ in range(3):  # start-up, then two generations' data planes
         data_plane.nccl_error_handling_once()
-    assert writes == [("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")]
-    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    assert writes == [("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")]
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+
+
+@pytest.mark.gpu
+def test_an_nccl_data_plane_forms_at_once_and_no_watchdog_outruns_its_waits() -> None:
+    """What a GPU run builds first, on one GPU: a one-member NCCL data plane forms its
+    communicator at construction (not inside the first op); its watchdog's
+    timeout outlasts our own waits; the process's NCCL settings leave a timed-out or failed
+    op to us (no teardown, no dump); an op waited for by polling completes; close leaves no
+    communicator behind."""
+    import os
+
+    from torch.distributed import HashStore, PrefixStore
+
+    from inflight.transport.data_plane import NCCL_ENV, NCCL_MAX_CTAS, DataPlane, watchdog_timeout
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    deadline = timedelta(seconds=30)
+    plane = DataPlane(PrefixStore("one", HashStore()), rank=0, pg_rank=0, size=1, backend="nccl", timeout=deadline,
+                      device=dev, peers=[], superseded=lambda: False)
+    nccl = plane.pg._get_backend(dev)
+    assert nccl._is_initialized()
+    assert {k: os.environ.get(k) for k in NCCL_ENV} == NCCL_ENV
+    assert nccl.options._timeout == watchdog_timeout(deadline) > 4 * deadline
+    assert nccl.options.config.max_ctas == NCCL_MAX_CTAS
+    t = torch.arange(1000, device=dev, dtype=torch.float32)
+    plane.broadcast(t, what="a bucket")
+    assert torch.equal(t.cpu(), torch.arange(1000, dtype=torch.float32))
+    plane.close()
+    assert plane.pg is None

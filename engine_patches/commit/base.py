@@ -133,7 +133,7 @@ def make_strategy(model_runner: Any, strategy: CommitChoice, schema: TensorSchem
     # a copy is checked for stale post-load state wherever it may be chosen: on GPU by ``auto``,
     # on CPU only when named (``auto`` never picks it there)
     check_copy = strategy == "copy" or (strategy == "auto" and device.type != "cpu")
-    refused = copy_refusals(model) if check_copy else []
+    refused = copy_refusals(model, schema.tensors) if check_copy else []
     prepack = None
     if device.type == "cpu" and strategy == "copy":
         prepack = cpu_gemm_prepacking(p.dtype for p in model.parameters() if p.is_floating_point())

@@ -22,7 +22,9 @@ from inflight.protocol import ShardPlan
 from inflight.transport.layout import TensorSchema, dtype_name, plan_tensors, tensor_views, torch_dtype
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
                        "I64": "int64", "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_WIDE_FLOATS = ("float32", "float16", "bfloat16", "float64")  # travel in the engine's dtype unless kept
 
 
 def checkpoint_dir(model: str, revision: str | None = None) -> Path:
@@ -51,13 +53,15 @@ def engine_schema(model_runner: Any) -> TensorSchema:
 def checkpoint_schema(model_dir: Path, engine_dtype: torch.dtype,
                       kept: Mapping[str, torch.dtype] | None = None) -> TensorSchema:
     """Every tensor of the safetensors checkpoint, float ones in the engine's dtype, or in
-    ``kept``'s dtype for the names it holds."""
+    ``kept``'s dtype for the names it holds. An FP8 checkpoint's FP8 tensors travel as they
+    are stored, and its float32 tensors (their scales) stay float32: the trainer sends them
+    quantized, as the checkpoint holds them (``WeightPusher`` refuses to cast to FP8)."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"inflight: no *.safetensors in {model_dir}; the update schema comes from the checkpoint")
-    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+    stored: dict[str, tuple[tuple[int, ...], str]] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
@@ -65,10 +69,15 @@ def checkpoint_schema(model_dir: Path, engine_dtype: torch.dtype,
                 raw = sl.get_dtype()
                 if raw not in _SAFETENSORS_DTYPES:
                     raise ValueError(f"inflight: checkpoint tensor {name} has dtype {raw}, which updates cannot carry")
-                wire = _SAFETENSORS_DTYPES[raw]
-                if wire in ("float32", "float16", "bfloat16", "float64"):
-                    wire = dtype_name((kept or {}).get(name, engine_dtype))
-                tensors[name] = (tuple(sl.get_shape()), wire)
+                stored[name] = (tuple(sl.get_shape()), _SAFETENSORS_DTYPES[raw])
+    fp8 = any(d.startswith("float8") for _, d in stored.values())
+    tensors = {}
+    for name, (shape, wire) in stored.items():
+        if name in (kept or {}):
+            wire = dtype_name(kept[name])  # type: ignore[index]
+        elif wire in _WIDE_FLOATS and not (fp8 and wire == "float32"):
+            wire = dtype_name(engine_dtype)
+        tensors[name] = (shape, wire)
     return TensorSchema(tensors)
 
 

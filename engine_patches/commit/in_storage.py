@@ -35,6 +35,7 @@ from engine_patches.commit.postload import cpu_unquantized_moe, modules_sharing_
 from engine_patches.commit.routing_plan import Route, RoutingPlan
 from inflight.protocol import ShardPlan
 from inflight.shard_plan import Box
+from inflight.staging import copy_into
 
 log = logging.getLogger("inflight.commit")
 
@@ -89,6 +90,17 @@ def _loader_call(route: Route) -> Loader:
     return call
 
 
+def reload_peak_bytes(model: torch.nn.Module) -> int:
+    """What vLLM's layerwise reload holds beyond the live model on a GPU (vLLM 0.32,
+    ``model_executor/model_loader/reload/layerwise.py``): each module with weights of its own
+    is materialized anew while its weights load, processed, and copied back into the original
+    storage; a checkpoint whose order interleaves two modules holds two at once (vLLM warns
+    then). So the two largest modules' own parameters and buffers, not the model again."""
+    sizes = sorted((sum(t.numel() * t.element_size() for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+                    for m in model.modules()), reverse=True)
+    return sum(sizes[:2])
+
+
 class InStorageApplier:
     """``reload`` and ``copy``: the staged tensors are written into the live storage at commit.
 
@@ -104,9 +116,11 @@ class InStorageApplier:
         self.runner = model_runner
         self.strategy = strategy
         model = model_runner.get_model()
-        self._tied = modules_sharing_parameters(model)
-        # CPU MoE experts whose re-pack vLLM's reload skips (``process_after_loading``)
+        # CPU MoE experts whose re-pack vLLM's reload skips (``process_after_loading``), packed once each
         self._experts = [m for m in model.modules() if cpu_unquantized_moe(getattr(m, "quant_method", None))]
+        # modules sharing a parameter, other than those experts: a GLM-4.5 router shares its bias with
+        # the routed experts, and reprocessing those as tied too packed their bytes twice
+        self._tied = [m for m in modules_sharing_parameters(model) if not any(m is e for e in self._experts)]
         quiet = {type(m).__name__ for m in self._tied} | {
             type(m).__name__ for m in model.modules() if not m._parameters and "Rotary" in type(m).__name__
         }
@@ -159,14 +173,17 @@ class InStorageApplier:
         return self._shard_plan
 
     def held_bytes(self) -> int:
-        """``reload``: vLLM's layerwise reload materializes each layer's parameters anew and
-        re-runs its processing; measured on a CPU engine (``bench.staging_memory``), the
-        commit's peak grows the engine's memory by the model's parameter bytes. ``copy``
-        writes straight into the live storage: nothing (its recording scratch exists only
-        at start, one parameter at a time)."""
+        """``reload`` on CPU: measured on a CPU engine (``bench.staging_memory``), the commit's
+        peak grows the engine's memory by the model's parameter bytes (the re-pack makes new
+        packed weights). ``reload`` on a GPU: ``reload_peak_bytes``. ``copy`` writes straight
+        into the live storage: nothing (its recording scratch exists only at start, one
+        parameter at a time)."""
         if self.strategy == "copy":
             return 0
-        unique = {p.untyped_storage().data_ptr(): p.numel() * p.element_size() for p in self.runner.get_model().parameters()}
+        model = self.runner.get_model()
+        if torch.device(self.runner.device).type != "cpu":
+            return reload_peak_bytes(model)
+        unique = {p.untyped_storage().data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
         return sum(unique.values())
 
     def close(self) -> None:
@@ -202,7 +219,7 @@ class InStorageApplier:
         live loaders for the tensors it left to them (staged whole: the shard plan's fallbacks)."""
         assert self.load_plan is not None
         if self._destinations:
-            torch._foreach_copy_(self._destinations, sources)  # one call: the GIL is released once for every copy
+            copy_into(self._destinations, sources)
         self.load_plan.fill(self._params)
         for name, calls in self._fallbacks.items():
             for param, call in calls:

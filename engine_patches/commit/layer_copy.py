@@ -28,6 +28,7 @@ import torch
 from engine_patches.commit.in_storage import InStorageApplier, Shapes
 from engine_patches.commit.routing_plan import RoutingError
 from inflight.layer_groups import LayerGroups
+from inflight.staging import copy_into
 
 
 class LayerCopyApplier(InStorageApplier):
@@ -80,7 +81,7 @@ class LayerCopyApplier(InStorageApplier):
         self._applied = aside
         destinations = [self._destinations[i] for i in self._writes_of_group[g]]
         if destinations:
-            torch._foreach_copy_(destinations, sources)
+            copy_into(destinations, sources)
         names = set(self.groups[g])
         self.load_plan.fill(self._params, names)
         for name, calls in self._fallbacks.items():

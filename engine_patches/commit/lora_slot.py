@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,6 +77,7 @@ class LoRASlotApplier:
                                "start the engine with engine_kwargs(adapter=...), which wraps only the adapter's targets")
         self._modules = sorted(self._manager.modules.items())
         self._adapter_bytes = update_bytes(schema)  # the prepared adapter: a clone of the staged tensors
+        self._adapter_elements = sum(math.prod(shape) for shape, _ in schema.tensors.values())
         self._views = [t[0] for _, m in self._modules for t in _stacked(m)]  # slot 0: the one slot
         self._prepared: tuple[dict[str, Any], list[torch.Tensor]] | None = None
         self._live: tuple[dict[str, Any], list[torch.Tensor]] | None = None
@@ -216,8 +218,13 @@ class LoRASlotApplier:
         return 2 * self.slot_bytes() + self._adapter_bytes + self.index_bytes()
 
     def index_bytes(self) -> int:
-        """The copy plan's indexes (int32 per slot element of the images it gathers)."""
-        return self._plan.index_bytes() if self._plan is not None else 0
+        """The copy plan's indexes (one int32 per element of the images it gathers, int64 past
+        2**31 source elements). Before ``attach`` records the plan (the KV cache's budget is
+        set then), their bound: every slot element gathered through an index."""
+        if self._plan is not None:
+            return self._plan.index_bytes()
+        elements = sum(v.numel() for v in self._views)
+        return elements * (4 if self._adapter_elements < 2**31 else 8)
 
     def close(self) -> None:
         pass

@@ -7,6 +7,7 @@ redo what that step derived from the weights, on whichever module holds the new 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -59,27 +60,37 @@ def modules_sharing_parameters(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for ms in owners.values() if len(ms) > 1 for m in ms]
 
 
-def copy_refusals(model: torch.nn.Module) -> list[str]:
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".q_scale", ".kv_scale", ".prob_scale")
+"""Checkpoint tensors an FP8 KV cache reads: attention's processing derives its float scales from them."""
+
+
+def copy_refusals(model: torch.nn.Module, names: Collection[str] = ()) -> list[str]:
     """The layer kinds of ``model`` that a plain copy commit (``load_weights`` into the live
-    storage, no post-load processing) would leave wrong on a GPU, by name.
+    storage, no post-load processing) would leave wrong on a GPU, by name; ``names``: the
+    checkpoint's tensors (what an update carries).
 
     vLLM's post-load processing derives state from weights: MLA attention keeps ``W_UK_T`` and
     ``W_UV`` computed from ``kv_b_proj``; FlashInfer MoE backends re-lay the experts (CUTLASS
     swaps the w1/w3 halves, TRTLLM re-blocks); quantized methods repack. A copy leaves that
     state at the old version, silently. Proven to need none on CUDA: unquantized linear and
     embedding layers (their processing only prepacks on CPU), layers with no processing of
-    their own (norms), and plain ``Attention`` (its processing reads kv-cache scales, which an
-    update does not carry). Anything else is named here, and the copy commit is not used."""
+    their own (norms), and plain ``Attention`` while the checkpoint holds no KV-cache scales
+    (its processing derives float scales from them: with scales in an update, a copy would
+    leave those at the old version). Anything else is named here, and the copy commit is not
+    used."""
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     copy_safe_methods = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+    scales = any(n.endswith(KV_SCALE_SUFFIXES) for n in names)
     found: set[str] = set()
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if module._parameters and method is not None and type(method) not in copy_safe_methods:
             found.add(f"{type(module).__name__} ({type(method).__name__})")
+        elif type(module) is Attention and scales:
+            found.add("Attention (KV-cache scales in the checkpoint)")
         elif type(module) is not Attention and any("process_weights_after_loading" in vars(c)
                                                    for c in type(module).__mro__ if c is not torch.nn.Module):
             found.add(type(module).__name__)

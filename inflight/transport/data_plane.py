@@ -24,22 +24,46 @@ _NCCL_ENV_LOCK = threading.Lock()
 _nccl_env_set = False
 
 
-def nccl_error_handling_once() -> None:
-    """Set ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` ("clean up only") once per process.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+"""What ``nccl_error_handling_once`` writes: clean up only, and no debug dump on a timeout or
+error (torch 2.x reads both when a ProcessGroupNCCL is built)."""
 
-    NCCL's watchdog acts on a collective that outlives its timeout according to this
-    variable, read when a ProcessGroupNCCL is built. Its default (3) tears the whole process
-    down: a stalled trainer would kill a serving engine. 2 aborts the communicator and leaves
-    the process alone; our own wait (``DataPlane.wait``) notices the timeout first, aborts and
-    raises, and the next generation builds a new communicator. It is written once, at start-up
-    (``inflight_start``, the trainer's first group), never per generation: ``setenv`` is not
-    thread-safe in glibc beside another thread's ``getenv``. NCCL groups the process builds
-    later get the same handling; vLLM builds its own before ``inflight_start``."""
+
+def nccl_error_handling_once() -> None:
+    """Set ``NCCL_ENV`` once per process, so no watchdog of a weight group takes a process down.
+
+    NCCL's watchdog acts on a collective that outlives its timeout, or fails, according to
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING``: its default (3) tears the whole process down, so a
+    stalled trainer would kill a serving engine; 2 aborts the communicator and leaves the
+    process alone. With ``TORCH_NCCL_DUMP_ON_TIMEOUT`` at its default (1), the same event
+    also sets a process-wide flag on which the heartbeat monitor of the process's first NCCL
+    group (vLLM's own world group, in a worker) dumps and then terminates the process, minutes
+    later; 0 leaves that flag alone. Our own wait (``DataPlane.wait``) notices a timeout
+    first anyway (the group's watchdog timeout is longer: ``watchdog_timeout``), aborts and
+    raises, and the next generation builds a new communicator. Both are written once, at
+    start-up (``inflight_start``, the trainer's first group), never per generation: ``setenv``
+    is not thread-safe in glibc beside another thread's ``getenv``. NCCL groups the process
+    builds later get the same settings; vLLM builds its own before ``inflight_start``."""
     global _nccl_env_set
     with _NCCL_ENV_LOCK:
         if not _nccl_env_set:
-            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+            for key, value in NCCL_ENV.items():
+                os.environ[key] = value
             _nccl_env_set = True
+
+
+NCCL_MAX_CTAS = 8
+"""The most thread blocks (CTAs) a weight-group op of NCCL's takes: a receive posted for a
+bucket stays resident while the engine decodes, and every SM it holds is one the forward
+passes lose (an H100 has 132). A bucket still moves at several times a network link's rate."""
+
+
+def watchdog_timeout(timeout: timedelta) -> timedelta:
+    """The NCCL watchdog's timeout for a data plane whose waits give up after ``timeout``.
+    Its clock starts when an op is posted, ours when it is waited for, and a receiver posts
+    the next header while a bucket arrives: so four of our deadlines and ten minutes, by
+    which time our wait has long aborted the communicator (the watchdog never fires first)."""
+    return 4 * timeout + timedelta(minutes=10)
 
 
 def _make_process_group(store: PrefixStore, rank: int, size: int, backend: Backend, timeout: timedelta,
@@ -60,7 +84,8 @@ def _make_process_group(store: PrefixStore, rank: int, size: int, backend: Backe
         from torch.distributed import ProcessGroupNCCL
 
         opts = ProcessGroupNCCL.Options()
-        opts._timeout = timeout
+        opts._timeout = watchdog_timeout(timeout)
+        opts.config.max_ctas = NCCL_MAX_CTAS
         nccl_error_handling_once()  # a no-op after start-up, which already set it
         impl = ProcessGroupNCCL(store, rank, size, opts)
         kind = ProcessGroup.BackendType.NCCL
@@ -82,13 +107,34 @@ class DataPlane:
         self.timeout = timeout
         self.peers = peers
         self._superseded = superseded
-        self._stop = stop  # a worker's shutdown: ends an NCCL wait at once (``_poll_nccl``)
+        self._stop = stop  # a worker's shutdown: ends a wait at once (``_poll``)
         self._unfinished = 0  # broadcasts posted and not yet waited for successfully
         self._failed = False
         try:
             self.pg: ProcessGroup | None = _make_process_group(store, pg_rank, size, backend, timeout, device, bind)
         except Exception as e:
             raise TransportError(f"rank {rank}: forming a {backend} group of {size} failed: {e}") from e
+        if backend == "nccl":
+            self._connect_nccl(device)
+
+    def _connect_nccl(self, device: torch.device) -> None:
+        """Form the NCCL communicator now rather than inside the first op, where a peer lost
+        before it would leave this member in ``ncclCommInitRank`` for good: it forms on a
+        helper thread (the unique id crosses the store) polled like an op (``_beside``: the
+        deadline, ``stop``, a newer generation or a dead trainer end the wait). A formation
+        that never ends is left to its daemon thread; this generation is over either way.
+        (A non-blocking communicator would not do: torch marks it ready only at its first op.)"""
+        assert self.pg is not None
+        nccl = self.pg._get_backend(device)
+        self.pg.bound_device_id = device
+        try:
+            self._beside(lambda: nccl.eager_connect_single_device(device), self.timeout.total_seconds(),
+                         "the NCCL communicator to form")
+        except TransportError:
+            raise
+        except Exception as e:
+            self.abort()
+            raise TransportError(f"rank {self.rank}: connecting NCCL on {device} failed: {e}") from e
 
     def start_broadcast(self, tensor: torch.Tensor, *, what: str) -> tuple[Work, str]:
         """Post a broadcast from rank 0 into every member's ``tensor``; finish it with ``wait``.
@@ -122,23 +168,35 @@ class DataPlane:
     def wait(self, pending: tuple[Work, str], timeout_s: float | None = None) -> None:
         """Finish a posted broadcast; raise ``TransportTimeout`` naming the peer and what it carried.
 
-        gloo: ``Work.wait`` blocks the host up to the timeout and raises on it or on a peer's
-        closed connection (a trainer that gives up on a generation shuts its side down, so
-        the workers' waits fail at once). NCCL: ``Work.wait`` does not block the host at all,
-        so a stalled peer would hang the first host sync forever; poll for completion with
-        our own deadline instead, and on timeout, or once the trainer opened a newer
-        generation (asked every quarter second), abort the communicator before raising:
-        this generation is over, and the next one builds a new communicator.
+        A worker (and rank 0 on NCCL) polls with our own deadline rather than only blocking
+        in ``Work.wait``: NCCL's does not block the host at all, and gloo's does not always
+        return when its peer dies (a SIGKILLed trainer's closed connections went unnoticed
+        until the timeout for a kill at some buckets of a push). NCCL's op is polled for
+        completion; gloo's ``Work.wait`` blocks on a helper thread (a gloo receive is
+        complete only once waited for) while the caller polls that thread. Every quarter
+        second the poll asks whether a newer generation opened or the trainer died (the
+        worker's heartbeat keeps both, ``WeightGroup.superseded``): either way this
+        generation is over. On a timeout,
+        a newer generation, a dead trainer or ``stop`` the communicator is aborted before
+        raising; the next generation builds a new one (a gloo wait left blocked ends at its
+        own timeout, on its daemon thread, with nothing to write: its sender is gone). Rank 0
+        on gloo blocks: its peers' deaths are the heartbeats' to tell
+        (``inflight.transport.liveness``).
         """
         work, what = pending
         timeout = self.timeout if timeout_s is None else timedelta(seconds=timeout_s)
         peer = "trainer (rank 0)" if self.rank else f"workers {self.peers}"
+        label = f"{what} from/to {peer}"
         try:
             if self.backend == "nccl":
-                self._poll_nccl(work, timeout.total_seconds(), f"{what} from/to {peer}")
-            work.wait(timeout)  # raises the collective's own error, if it failed
+                self._poll(lambda: True if work.is_completed() else None, timeout.total_seconds(), label)
+                work.wait(timeout)  # raises the collective's own error, if it failed
+            elif self.rank != 0:  # a second past gloo's own deadline: its timeout error, which names the op, comes first
+                self._beside(lambda: work.wait(timeout), timeout.total_seconds() + 1.0, label)
+            else:
+                work.wait(timeout)
             self._unfinished -= 1
-        except TransportError:
+        except (TransportError, InterruptedError):  # InterruptedError: ``stop`` (the worker shuts down)
             self._failed = True
             raise
         except Exception as e:
@@ -148,20 +206,38 @@ class DataPlane:
                 raise TransportTimeout(msg) from e
             raise TransportError(msg) from e
 
-    def _poll_nccl(self, work: Work, timeout_s: float, what: str) -> None:
+    def _beside(self, fn: Callable[[], object], timeout_s: float, what: str) -> None:
+        """``fn()`` (a blocking native call) on a helper thread, polled (``_poll``); its error, if any, raised here."""
+        box: dict[str, BaseException] = {}
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:  # handed to the caller
+                box["error"] = e
+
+        helper = threading.Thread(target=run, name=f"inflight-wait-{self.rank}", daemon=True)
+        helper.start()
+        self._poll(lambda: None if helper.is_alive() else True, timeout_s, what)
+        if "error" in box:
+            raise box["error"]
+
+    def _poll(self, done: Callable[[], bool | None], timeout_s: float, what: str) -> None:
         who = f"rank {self.rank}"
         give_up = self._superseded if self.rank != 0 else None
         try:  # a few ms between polls at most: each is a GIL grab beside vLLM's scheduler
-            poll_until(lambda: True if work.is_completed() else None, timeout_s=timeout_s, what=what, who=who,
+            poll_until(done, timeout_s=timeout_s, what=what, who=who,
                        give_up=give_up, stop=self._stop, first_pause_s=0.0001, max_pause_s=0.004)
         except BaseException as e:  # every way out aborts: a communicator with work posted is never shut down
             self.abort()
             if isinstance(e, GaveUp):
                 raise TransportError(f"{who}: {what}: the trainer moved to a newer generation; "
-                                     "NCCL communicator aborted") from None
+                                     f"{self.backend} communicator aborted") from None
             if isinstance(e, TransportTimeout):
                 raise TransportTimeout(f"{who}: {what} did not complete within {timeout_s:.1f}s; "
-                                       "NCCL communicator aborted") from None
+                                       f"{self.backend} communicator aborted") from None
+            if isinstance(e, TransportError):  # ``superseded``: the trainer is gone
+                raise TransportError(f"{e}, during {what}; {self.backend} communicator aborted") from None
             raise
 
     def broadcast(self, tensor: torch.Tensor, *, what: str, timeout_s: float | None = None) -> None:

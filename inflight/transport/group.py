@@ -108,12 +108,10 @@ class WeightGroup:
         self.data: DataPlane | None = None
         self.roster: tuple[int, ...] = ()
         """The worker ranks of the current generation, in data-plane order."""
-        self.point_to_point = False
-        """Frames go to each member alone (every member of the generation sent a shard plan)."""
-        self.hellos: dict[int, Joined] = {}
-        """Rank 0: each member's ``Joined`` for the current generation."""
-        self._heartbeat: Heartbeat | None = None
-        self._stop = stop if rank else None  # a worker's shutdown also ends its NCCL waits (``DataPlane``)
+        self.point_to_point = False  # frames go to each member alone (on NCCL, or all sent a shard plan)
+        self.hellos: dict[int, Joined] = {}  # rank 0: each member's ``Joined`` for the current generation
+        self._heartbeat: Heartbeat | None = None  # a worker's beat, and its look at the trainer (``superseded``)
+        self._stop = stop if rank else None  # a worker's shutdown also ends its data-plane waits (``DataPlane``)
         self._generations = 0  # rank 0: generations opened so far
         join_timeout = config.timeout_s if join_timeout_s is None else join_timeout_s
         if rank == 0:
@@ -175,7 +173,8 @@ class WeightGroup:
             if not members:
                 raise TransportTimeout(f"rank 0: no engine joined generation {g} whole within {timeout_s:.1f}s "
                                        f"(heard from ranks {sorted(hellos)}, wanted {sorted(want)})")
-            p2p = all(hellos[r].plan is not None for r in members)  # each its own bytes, point to point
+            # each its own bytes, point to point; on NCCL always (a broadcast beside vLLM's TP collectives can deadlock)
+            p2p = self.backend == "nccl" or all(hellos[r].plan is not None for r in members)
             self._root.set(f"gen{g}/roster", seal(encode(Roster(generation=g, members=members, point_to_point=p2p)),
                                                   self.secret, self._context(f"gen{g}/roster")))
             self.roster, self.point_to_point = members, p2p
@@ -240,11 +239,13 @@ class WeightGroup:
 
     def superseded(self) -> bool:
         """Worker: rank 0 opened a generation after this one (this member was dropped, or
-        everyone is being re-formed): whatever this generation waits for will not come."""
-        try:
-            return read_generation(self._root, self.secret, self.config.name) > self.generation
-        except RuntimeError as e:
-            raise TransportError(f"rank {self.rank}: the group store failed: {e}") from e
+        everyone is being re-formed): whatever this generation waits for will not come. Raises
+        ``TransportError`` once the trainer is dead. Reads the heartbeat's last look, never the
+        store (a frozen trainer's store would block the caller)."""
+        beat = self._heartbeat
+        if beat is not None and beat.gone is not None:
+            raise TransportError(f"rank {self.rank}: the trainer is gone ({beat.gone})")
+        return beat is not None and beat.generation is not None and beat.generation > self.generation
 
     def _join(self, live_version: int, stop: threading.Event | None, timeout_s: float | None,
               engine_ranks: tuple[int, ...], plan: ShardPlan | None, commit_unit: CommitUnit = "model",
@@ -255,7 +256,8 @@ class WeightGroup:
                                      who=f"rank {self.rank}", deadline=deadline, stop=stop)
         self._root = PrefixStore(self.config.name, self._tcp)
         # beat before the hello, so rank 0 never finds a member of a generation silent
-        self._heartbeat = Heartbeat(self.config.host, self.config.port, self.config.name, self.rank, self.config.timeout_s)
+        self._heartbeat = Heartbeat(self.config.host, self.config.port, self.config.name, self.rank, self.config.timeout_s,
+                                    read=lambda store: read_generation(store, self.secret, self.config.name))
         tried: set[int] = set()
         hello = encode(Joined(rank=self.rank, live_version=live_version, incarnation=INCARNATION,
                               engine_ranks=tuple(engine_ranks), plan=plan, commit_unit=commit_unit, label=label,

@@ -77,7 +77,7 @@ def push_layers(pusher: Any, packed: Packed, tamper: Tamper | None = None) -> Pu
         else:
             stop = parts
     finally:
-        pusher._reads.set()
+        pusher._reads.done()
     t1 = time.perf_counter()
     landed, commits, first_bad = 0, {}, None
     per_group: list[dict] = []

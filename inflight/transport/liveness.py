@@ -19,14 +19,14 @@ let back in. It only costs that member the updates it misses meanwhile.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
-from inflight.transport.store import store_reachable
 
 _BEATS_PER_WINDOW = 4
 """A member is silent when it missed this many beats in a row: one late beat on a loaded
@@ -49,12 +49,20 @@ def _key(rank: int) -> str:
 
 class Heartbeat:
     """A worker rank's beat: ``add(beat/<rank>, 1)`` every ``beat_interval`` on its own store
-    client (the group's client is busy with the worker's blocking waits)."""
+    client (the group's client is busy with the worker's blocking waits). It also keeps the
+    worker's look at its trainer, so a wait can ask without touching a store (a frozen
+    trainer's store blocks every read): ``generation``, the generation the trainer opened
+    last (read with ``read``, if given), and ``gone``, why the trainer is dead (its store
+    refuses connections, or failed a beat), else None."""
 
-    def __init__(self, host: str, port: int, prefix: str, rank: int, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, prefix: str, rank: int, timeout_s: float,
+                 read: Callable[[Store], int] | None = None) -> None:
         self._stop = threading.Event()
         self._interval = beat_interval(timeout_s)
         self._args = (host, port, prefix, rank, timeout_s)
+        self._read = read
+        self.generation: int | None = None
+        self.gone: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"inflight-beat-{rank}", daemon=True)
         self._thread.start()
 
@@ -63,14 +71,25 @@ class Heartbeat:
         try:
             store = PrefixStore(prefix, TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
                                                  wait_for_workers=False))
-            # probe before each beat: an op on a store whose host went away (a trainer that
-            # finished or died) prints a C++ stack trace, and a beat is not worth one
-            while store_reachable(host, port, self._interval):
-                store.add(_key(rank), 1)
+            while True:
+                # probe before each beat: an op on a store whose host went away (a trainer that
+                # finished or died) prints a C++ stack trace, and a beat is not worth one
+                try:
+                    socket.create_connection((host, port), timeout=self._interval).close()
+                except ConnectionRefusedError:  # nothing listens there any more: the trainer is dead
+                    self.gone = f"its store at {host}:{port} refuses connections"
+                    return
+                except OSError:  # no answer in time (a frozen trainer, a slow link): its waits time out
+                    pass
+                else:
+                    store.add(_key(rank), 1)
+                    if self._read is not None:
+                        self.generation = self._read(store)
                 if self._stop.wait(self._interval):
                     return
-        except Exception:  # noqa: BLE001  the store went away (the trainer is gone): the
-            return  # worker's own waits report that, with context; a beat has nothing to add
+        except Exception as e:  # noqa: BLE001  the store went away mid-beat (the trainer is gone)
+            if not self._stop.is_set():
+                self.gone = f"its store failed: {e}".splitlines()[0]
 
     def stop(self) -> None:
         self._stop.set()

@@ -41,7 +41,9 @@ from inflight.transport.sender import BucketSender, SendStats, SourceError, Tamp
 from inflight.transport.control import TrainerControl
 from inflight.transport.errors import TransportError
 from inflight.transport.group import GroupConfig, WeightGroup
+from inflight.transport.layout import dtype_name
 from inflight.transport.packing import aligned_bucket_bytes, first_use_order
+from inflight.transport.read_fence import ReadFence
 from inflight.transport.sources import ShardedSource, Weights, weights_of
 from inflight.transport.store import wait_key
 
@@ -70,6 +72,16 @@ class PushConfig:
     def bucket_bytes(self) -> int:
         """``bucket_mb`` in bytes, rounded down to a multiple of 64 so no element straddles two buckets."""
         return aligned_bucket_bytes(int(self.bucket_mb * (1 << 20)))
+
+
+def _refuse_fp8_casts(named: Mapping[str, torch.Tensor], wire: Mapping[str, str]) -> None:
+    """An engine serving an FP8 checkpoint takes its FP8 tensors as stored: a cast of a wider
+    tensor to FP8 would drop the block scales that go with it."""
+    for name, d in wire.items():
+        if d.startswith("float8") and name in named and dtype_name(named[name].dtype) != d:
+            raise ValueError(f"{name}: the engine serves it as {d} (an FP8 checkpoint), this push holds "
+                             f"{named[name].dtype}: quantize on the trainer and send the tensors the checkpoint "
+                             "stores (the weight in FP8 and its scales); a cast would drop the scales")
 
 
 def check_update(version: int, named: Mapping[str, torch.Tensor], device: torch.device, *, sharded: bool = False) -> None:
@@ -120,8 +132,7 @@ class WeightPusher:
         self._dtype = None if config.dtype == "keep" else getattr(torch, config.dtype)
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-push")
         self._in_flight: Future[PushResult] | None = None
-        self._reads = threading.Event()  # clear while a push may still read the caller's tensors
-        self._reads.set()
+        self._reads = ReadFence()  # between a push's reads of the caller's tensors and the caller's writes
         self._closed = False
         self._landed = -1  # the version the last push that landed in this generation committed
         # a script that ends without close() still says goodbye, so no engine reads a dead store
@@ -137,11 +148,13 @@ class WeightPusher:
         named = sharded.meta if sharded is not None else weights_of(weights)
         check_update(version, named, self.group.device, sharded=sharded is not None)
         source = sharded if sharded is not None else named
-        plans = {r: h.plan for r, h in self.group.hellos.items() if h.plan is not None}
+        plans = {r: h.plan for r, h in self.group.hellos.items()}  # point to point: None sends the whole model
         for rank, plan in plans.items():  # a corrupted plan is the trainer's to refuse; a mismatched update, the worker's
-            check_digest(plan, f"worker rank {rank}")
+            if plan is not None:
+                check_digest(plan, f"worker rank {rank}")
 
         kept = {n: d for h in self.group.hellos.values() for n, d in h.wire_dtypes.items()}  # fp32 of a bf16 engine
+        _refuse_fp8_casts(named, kept)
 
         def lay_out(subset: Mapping[str, torch.Tensor]) -> dict[int | None, UpdateAnnounce]:
             if not self.group.point_to_point:
@@ -160,8 +173,9 @@ class WeightPusher:
         packed = self._pack(version, weights)
         if packed.groups:
             raise ValueError("layer-granular engines (commit_unit='layer') commit each group as it lands: use push()")
-        self._reads.clear()
-        return self._send_packed(packed, tamper)
+        self._reads.begin()
+        with self._reads.reading():
+            return self._send_packed(packed, tamper)
 
     def _send_packed(self, packed: Packed, tamper: Tamper | None = None) -> tuple[SendStats, dict[int, Staged]]:
         version = packed.version
@@ -175,7 +189,7 @@ class WeightPusher:
         finally:
             if packed.sharded is not None:
                 packed.sharded.finish(version)
-            self._reads.set()
+            self._reads.done()
         staged, bad = _split(self.control.replies(seq, self.config.reply_timeout_s, f"buckets of v{version}", phase="staged"), Staged)
         if bad:
             self.abort(version, "a worker failed to stage")
@@ -193,7 +207,7 @@ class WeightPusher:
             self.sender.send_abort(version, str(e))
             raise
         try:
-            return self.sender.send_each(announces, packed.source, tamper=tamper, on_read_done=self._reads.set)
+            return self.sender.send_each(announces, packed.source, tamper=tamper, on_read_done=self._reads.done)
         except SourceError as e:  # the stream ended in step: the workers that finished drop what they staged
             self.abort(version, str(e)[:200])
             raise
@@ -214,7 +228,7 @@ class WeightPusher:
         """Send then commit; returns when every engine serves ``version``. ``weights``: a module,
         a mapping or iterator of ``(name, tensor)``, or a ``ShardedSource`` (rank 0 of a sharded
         trainer; the other ranks call its ``follow``)."""
-        self._reads.clear()
+        self._reads.begin()
         return self._push_packed(self._pack(version, weights), tamper)
 
     @property
@@ -223,6 +237,10 @@ class WeightPusher:
         return bool(self.group.hellos) and all(h.commit_unit == "layer" for h in self.group.hellos.values())
 
     def _push_packed(self, packed: Packed, tamper: Tamper | None = None) -> PushResult:
+        with self._reads.reading():  # on CUDA, on the push's own stream (``ReadFence``)
+            return self._push_reading(packed, tamper)
+
+    def _push_reading(self, packed: Packed, tamper: Tamper | None) -> PushResult:
         if packed.groups:
             return push_layers(self, packed, tamper)
         t0 = time.perf_counter()
@@ -251,17 +269,15 @@ class WeightPusher:
 
     def push_laid_out(self, packed: Packed, *, tamper: Tamper | None = None) -> Future[PushResult]:
         """The second half of ``push_async``: send and commit what the last ``lay_out`` laid out."""
-        self._reads.clear()
+        self._reads.begin()
         self._in_flight = self._background.submit(self._push_packed, packed, tamper)
         return self._in_flight
 
     def wait_reads(self, timeout_s: float | None = None) -> float:
         """Block until the push in flight has read every tensor it sends (its last bucket is
-        packed, or it ended); returns the seconds waited. Call it before writing parameters."""
-        t0 = time.perf_counter()
-        if not self._reads.wait(timeout_s):
-            raise TimeoutError(f"the push in flight still reads the trainer's tensors after {timeout_s} s")
-        return time.perf_counter() - t0
+        packed, or it ended), and on CUDA order the caller's stream after those reads
+        (``ReadFence``); returns the seconds waited. Call it before writing parameters."""
+        return self._reads.wait(timeout_s)
 
     @property
     def engine_versions(self) -> dict[int, int]:

@@ -89,13 +89,17 @@ class BucketSender:
         return UpdateAnnounce(version=version, total_bytes=total, bucket_bytes=self.bucket_bytes,
                               checksum_algo=self.checksum_algo, tensors=tensors, buckets=_buckets(total, self.bucket_bytes))
 
-    def pack_each(self, version: int, named: Mapping[str, torch.Tensor], plans: Mapping[int, ShardPlan],
+    def pack_each(self, version: int, named: Mapping[str, torch.Tensor], plans: Mapping[int, ShardPlan | None],
                   dtype: torch.dtype | None = None, dtypes: Mapping[str, str] | None = None) -> dict[int, UpdateAnnounce]:
         """For each worker, lay out the boxes of ``named`` its shard plan asks for (in the
-        update's tensor order): one announce per worker, nothing read until ``send_each``."""
+        update's tensor order), or the whole of ``named`` for a worker without a plan (``pack``):
+        one announce per worker, nothing read until ``send_each``."""
         wire = _wire_dtypes(named, dtype, dtypes)
         out = {}
         for rank, plan in plans.items():
+            if plan is None:
+                out[rank] = self.pack(version, named, dtype, dtypes)
+                continue
             boxes = {s.name: (s.start, s.length) for s in plan.shards}
             # a tensor the plan has no box for that fits goes whole (start ()): the worker refuses
             # the update naming it, as it would a broadcast one

@@ -3,9 +3,10 @@ sharded over the trainer's ranks (FSDP2 ``fully_shard``, or DTensor tensor paral
 
 ``weights_of`` turns the first three into the tensors by checkpoint name, read in place.
 
-``ShardedSource`` is built on every trainer rank over a process group of its own (not the
-one training's collectives use, so a gather in the push's thread never interleaves with
-FSDP's all-gathers in the training thread). Rank 0's pusher reads it; every other rank calls
+``ShardedSource`` is built on every trainer rank over a gloo process group of its own (not
+the one training's collectives use, so a gather in the push's thread never interleaves with
+FSDP's all-gathers in the training thread, and never on a GPU beside them: it gathers on
+the host). Rank 0's pusher reads it; every other rank calls
 ``follow``. Ordering invariants, which keep the ranks in lockstep so none can hang another:
 - for each push, rank 0 broadcasts exactly one order message ``(version, names)`` (empty if
   the push ends before any bucket), then runs exactly ``len(names)`` gathers in that order;
@@ -97,6 +98,7 @@ class ShardedSource:
         named = named_weights(weights) if isinstance(weights, torch.nn.Module) else dict(weights)
         if not named:
             raise ValueError("ShardedSource of no tensors")
+        check_gather_backend(str(dist.get_backend(group)))
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -185,6 +187,15 @@ class ShardedSource:
                               f"rank died or left?): {e}") from e
 
 
+def check_gather_backend(backend: str) -> None:
+    """The source's group gathers over gloo, on the host: its gathers run in the push's thread
+    while training's own collectives run in the training thread, and two NCCL communicators
+    with collectives in flight on one GPU can deadlock each other (NCCL's documentation)."""
+    if "gloo" not in backend.lower():
+        raise ValueError(f"ShardedSource's group has backend {backend!r}: it gathers on the host, beside training's "
+                         "NCCL collectives, so it needs gloo (dist.new_group(backend='gloo'), or 'cpu:gloo,cuda:nccl')")
+
+
 def _check_layout(name: str, t: Any, ranks: list[int]) -> None:
     from torch.distributed.tensor import Replicate, Shard
 
@@ -199,13 +210,15 @@ def _check_layout(name: str, t: Any, ranks: list[int]) -> None:
 
 def _gather_dtensor(t: Any, group: dist.ProcessGroup, world: int) -> torch.Tensor:
     """The global tensor of a DTensor sharded on dim d (``torch.chunk`` layout, as DTensor and
-    FSDP2 shard) or replicated, gathered over ``group`` (not the mesh's own group)."""
+    FSDP2 shard) or replicated, gathered over ``group`` (not the mesh's own group) on the host
+    (``check_gather_backend``): a GPU shard is copied out first, on the push's stream."""
     from torch.distributed.tensor import Replicate
 
     local = t.to_local()
     placement = t.placements[0]
     if isinstance(placement, Replicate):
         return local
+    local = local.cpu()
     d, full = placement.dim, t.shape[placement.dim]
     chunk = -(-full // world)
     sizes = [max(0, min(chunk, full - r * chunk)) for r in range(world)]

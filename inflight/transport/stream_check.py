@@ -125,8 +125,16 @@ class Streamed:
         return None
 
 
+_FP8_NAN_BITS = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
+"""The bits that are all set in an FP8 NaN (e4m3fn has no inf) or non-finite (e5m2) value,
+sign aside: torch has no ``isfinite`` or norm for FP8 tensors."""
+
+
 def nonfinite(named: Mapping[str, torch.Tensor]) -> str | None:
-    floats = [(name, t) for name, t in named.items() if t.is_floating_point()]
+    for name, t in named.items():
+        if (bits := _FP8_NAN_BITS.get(t.dtype)) is not None and bool(((t.view(torch.uint8) & bits) == bits).any()):
+            return name
+    floats = [(name, t) for name, t in named.items() if t.is_floating_point() and t.dtype not in _FP8_NAN_BITS]
     if not floats:
         return None
     # One fused pass per bucket's tensors. The 2-norm is NaN or Inf whenever some element is, and runs
