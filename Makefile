@@ -34,8 +34,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m bench.transport
-	$(PY) -m bench.inflight
+	$(PY) -m inflight.bench.transport
+	$(PY) -m inflight.bench.inflight
 
 clean:
 	rm -rf $(VENV) runs

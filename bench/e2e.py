@@ -1,10 +1,10 @@
 """The training loop end to end: in-flight vs batch-boundary samples/s and reward vs wall clock.
 
-    python -m bench.e2e [--steps 40] [--split-cores] [--out runs/bench]
+    python -m inflight.bench.e2e [--steps 40] [--split-cores] [--out runs/bench]
 
 Two placements, each running both modes alike:
 
-- **shared cores** (what ``trainer.train`` does on this machine): trainer and engine
+- **shared cores** (what ``inflight.trainer.train`` does on this machine): trainer and engine
   processes on the same cores, taking turns, so the overlap async RL exists for cannot show;
 - **split cores** (a real deployment, emulated): the trainer process on core 0, the engine
   process on core 1, one compute thread each (the trainer's torch threads, the engine's
@@ -89,8 +89,8 @@ def split_cores() -> Iterator[None]:
 def train_loop(steps: int, work: Path, engines: int = 1, *, split: bool = False) -> list[dict]:
     """In-flight vs batch-boundary with one engine (and, with ``engines`` > 1 on shared
     cores, in-flight with a fleet of that many engines)."""
-    from trainer.config_files import config_from_dict
-    from trainer.train import train
+    from inflight.trainer.config_files import config_from_dict
+    from inflight.trainer.train import train
 
     rows = []
     runs = [("inflight", 1), ("batch", 1)] + ([("inflight", engines)] if engines > 1 and not split else [])

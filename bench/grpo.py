@@ -3,7 +3,7 @@
 In-flight commits keep the prefix cache exact across updates; vLLM users keep it correct by
 turning it off, salting requests by version, or resetting it after each update. Like for like:
 
-    python -m bench.grpo [--model smollm2|DIR | --size S] [--prompt-tokens 256 1024] [--completion-tokens 64 256]
+    python -m inflight.bench.grpo [--model smollm2|DIR | --size S] [--prompt-tokens 256 1024] [--completion-tokens 64 256]
                          [--every 16] [--groups-in-flight 4] [--steps 768] [--rounds 3] [--placement split]
 
 The workload is GRPO's: groups of ``GROUP`` (8) requests sharing one prompt of ``P`` random
@@ -14,16 +14,16 @@ help only among a group's 8 siblings (a 1024-token prompt is computed once and s
 times, in whole KV blocks: 128 tokens on CPU). Each chunk opens with an untimed ramp of T
 steps that admits its first groups T / groups steps apart, so groups finish, and the next
 ones prefill, at staggered steps as in a steady stream; the timed steps follow. A trainer
-process (``bench.inflight_trainer``; nice 19, one thread; on its own core with
-``--placement split``, ``bench.placement``) holds the weights and sends an update when
+process (``inflight.bench.inflight_trainer``; nice 19, one thread; on its own core with
+``--placement split``, ``inflight.bench.placement``) holds the weights and sends an update when
 cued every ``cadence`` engine steps. Modes, per (P, T, every):
 
 1. ``none``: no updates, prefix caching on (the ceiling);
 2. ``inflight``: ``WeightPusher.push`` while the engine keeps stepping, on the in-flight
    engine with prefix caching on: every commit invalidates the cache exactly
-   (``engine_patches.prefix_cache``). A cue due while the previous push stages is skipped;
+   (``inflight.engine.prefix_cache``). A cue due while the previous push stages is skipped;
 3. ``native-salt``: vLLM's ``pause_scheduler(keep)`` + ``start_weight_update`` /
-   ``update_weights`` (the trainer's gloo broadcast, ``bench.native_gloo``) /
+   ``update_weights`` (the trainer's gloo broadcast, ``inflight.bench.native_gloo``) /
    ``finish_weight_update`` + ``resume_scheduler``, every request carrying ``cache_salt=
    "v<version at admission>"`` (prime-rl's and SkyRL's way): blocks of older versions are
    never looked up again, running requests keep their stale KV;
@@ -47,7 +47,7 @@ the round before), so each pays for about as many updates over as many steps
 (``steps_per_update``). A chunk with a push still staging at its end steps on until it
 lands. The second engine starts from the first one's last cadence.
 
-Columns: ``bench.grpo_figures``. Targets (README): with 1024-token prompts and an update every
+Columns: ``inflight.bench.grpo_figures``. Targets (README): with 1024-token prompts and an update every
 16 steps, ``inflight``'s tokens/s >= 0.95 x ``none``'s and >= both native modes'. Prints a
 table, the targets' check and one JSON line.
 """
@@ -70,12 +70,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # a cacheless engine holds 8 x (P + T) per group
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.inflight_lora import per_round, row  # noqa: E402
-from bench.inflight_trainer import trainer  # noqa: E402
-from bench.native_gloo import native_update  # noqa: E402
-from bench.grpo_figures import (GROUP, achieved_cadence, group_prompt, positions, ramp, report,  # noqa: E402
+from inflight.bench.inflight_lora import per_round, row  # noqa: E402
+from inflight.bench.inflight_trainer import trainer  # noqa: E402
+from inflight.bench.native_gloo import native_update  # noqa: E402
+from inflight.bench.grpo_figures import (GROUP, achieved_cadence, group_prompt, positions, ramp, report,  # noqa: E402
                                rotate)
-from bench.placement import PLACEMENTS, Placement, engine_env, pin_trainer  # noqa: E402
+from inflight.bench.placement import PLACEMENTS, Placement, engine_env, pin_trainer  # noqa: E402
 
 ENGINES = {  # engine -> (prefix caching, Bench.run's mode -> row label)
     "cache": (True, {"none": "none", "inflight": "inflight", "native-salt": "native-salt",
@@ -170,16 +170,16 @@ class Stream:
 
 class GRPOBench:
     """One engine (prefix caching on or off), its trainer process and the modes; ``run``
-    gives ``bench.inflight_lora``'s chunks. Set ``shape`` = (P, T) before running."""
+    gives ``inflight.bench.inflight_lora``'s chunks. Set ``shape`` = (P, T) before running."""
 
     def __init__(self, model_dir: Path, caching: bool, groups: int, max_len: int, seed: int, listener_nice: int,
                  placement: Placement) -> None:
         from safetensors.torch import load_file
         from vllm import LLM
 
-        from bench.native_gloo import register, update_info
-        from engine_patches.client import coordinator_of, start_inflight
-        from engine_patches.config import InflightConfig, engine_kwargs
+        from inflight.bench.native_gloo import register, update_info
+        from inflight.engine.client import coordinator_of, start_inflight
+        from inflight.engine.config import InflightConfig, engine_kwargs
 
         self.groups, self.seed, self.version, self.next_group = groups, seed, 0, 0
         self.vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -259,7 +259,7 @@ class GRPOBench:
         return self.finish(mode, every, stream, events, pushes, skipped)
 
     def finish(self, mode: str, every: int, stream: Stream, events: list, pushes: list, skipped: int) -> dict:
-        """End a chunk: drop its requests, and its figures in ``bench.inflight_lora``'s form."""
+        """End a chunk: drop its requests, and its figures in ``inflight.bench.inflight_lora``'s form."""
         extra = {**self.counter.totals(), "pushes": pushes,
                  "reset_ms": [r["reset_ms"] for _, r in events if "reset_ms" in r]}
         engine = self.llm.llm_engine
@@ -342,12 +342,12 @@ def bench_engine(bench: GRPOBench, engine: str, model: str, shapes: list[tuple[i
 def model_dir_of(args: argparse.Namespace, work: Path, max_len: int) -> tuple[Path, str]:
     """The model: ``--model`` (a directory, hub id or 'smollm2') or a tiny ``--size``."""
     if args.model:
-        from trainer.models import resolve_model
+        from inflight.trainer.models import resolve_model
 
         path = resolve_model(args.model)
         return path, path.name
-    from bench.inflight import SIZES
-    from trainer.tiny_model import build_tiny_model, default_corpus
+    from inflight.bench.inflight import SIZES
+    from inflight.trainer.tiny_model import build_tiny_model, default_corpus
 
     config = dataclasses.replace(SIZES[args.size], max_position_embeddings=max(max_len, 1024))
     return build_tiny_model(work / args.size, default_corpus(), config), f"tiny-{args.size}"
@@ -357,7 +357,7 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a model directory, hub id or 'smollm2' (trainer/models.py)")
     ap.add_argument("--size", default="S", choices=["S", "M", "L"],
-                    help="without --model: a tiny model (bench.inflight's sizes)")
+                    help="without --model: a tiny model (inflight.bench.inflight's sizes)")
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[256, 1024], help="P: each group's prompt length")
     ap.add_argument("--completion-tokens", type=int, nargs="+", default=[64, 256], help="T: every sample's length")
     ap.add_argument("--every", type=int, nargs="+", default=[16], help="requested update cadence, engine steps")
@@ -367,8 +367,8 @@ def parse() -> argparse.Namespace:
                     help="interleaved rounds the steps of each engine's modes are split into")
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES),
                     help="cache: none, inflight, native-salt, native-reset; nocache: none, inflight-nocache")
-    ap.add_argument("--listener-nice", type=int, default=19, help="InflightConfig.listener_nice, as bench.inflight's")
-    ap.add_argument("--placement", choices=PLACEMENTS, default="split", help="bench.placement: where the threads run")
+    ap.add_argument("--listener-nice", type=int, default=19, help="InflightConfig.listener_nice, as inflight.bench.inflight's")
+    ap.add_argument("--placement", choices=PLACEMENTS, default="split", help="inflight.bench.placement: where the threads run")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
 

@@ -1,4 +1,4 @@
-"""The GRPO bench's arithmetic (``bench.grpo``), pure and tested apart
+"""The GRPO bench's arithmetic (``inflight.bench.grpo``), pure and tested apart
 (``tests/test_bench_grpo.py``): where its groups start and what they hold, the cadence
 in-flight achieves, the figures of every row against the ``none`` it is compared with, the
 README's targets, and the report.
@@ -6,8 +6,8 @@ README's targets, and the report.
 Columns (per engine, mode and (P, T)):
 - ``tok_s``: generated tokens per second of wall time; ``vs_none``: its ratio to ``none``'s;
 - ``lost_ms_per_update``: decode time lost per update, (the mode's wall - the wall ``none``
-  needs for the same tokens) / updates (``bench.inflight_report.compare``); ``paired_*``:
-  the step-paired estimate (``bench.inflight_lora.per_round``: step i against ``none``'s
+  needs for the same tokens) / updates (``inflight.bench.inflight_report.compare``); ``paired_*``:
+  the step-paired estimate (``inflight.bench.inflight_lora.per_round``: step i against ``none``'s
   step i of the same round); it assumes equal batches at equal steps, which a reset's or a
   commit's restarted prefills break, so the token-based figures are the headline;
 - ``updates``, ``steps_per_update`` (achieved: the chunks' steps / their updates),
@@ -31,7 +31,7 @@ import json
 import random
 import statistics
 
-from bench.inflight_report import compare
+from inflight.bench.inflight_report import compare
 
 GROUP = 8
 """Samples per prompt (GRPO's group)."""

@@ -1,8 +1,8 @@
 """In-flight commits vs vLLM's native pause(keep)+update vs batch-boundary sync, like for like.
 
-    python -m bench.inflight [--sizes S M L MoE | --model DIR|smollm2] [--every 8 32] [--steps 768] [--rounds 4]
+    python -m inflight.bench.inflight [--sizes S M L MoE | --model DIR|smollm2] [--every 8 32] [--steps 768] [--rounds 4]
                              [--commit-unit model layer] [--routing] [--train-steps 40 [--split-cores] [--engines 2]]
-    python -m bench.inflight --lora [--model smollm2|DIR] [--every 4] ...   # adapter-only rows: bench.inflight_lora
+    python -m inflight.bench.inflight --lora [--model smollm2|DIR] [--every 4] ...   # adapter-only rows: inflight.bench.inflight_lora
 
 Per model, one in-process vLLM engine (in-flight worker + vLLM's weight-transfer API with
 the ``inflight_gloo`` backend) decodes the same workload in every mode: a stream of
@@ -39,7 +39,7 @@ needs for the same tokens) / updates: it counts the stall and every slower step 
 update stages. The commit interval (the engine-loop interval holding the commit minus the
 median interval) is its own column. ``--routing`` adds rows for ``record_routing`` on a
 tiny MoE (``none`` with the recorder off and on, interleaved). ``--train-steps`` runs the
-training loop end to end (``bench.e2e``). Prints a table, one JSON line; writes a figure.
+training loop end to end (``inflight.bench.e2e``). Prints a table, one JSON line; writes a figure.
 """
 
 from __future__ import annotations
@@ -60,12 +60,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.inflight_lora import PROMPT, main as lora_main, sampling  # noqa: E402
-from bench.inflight_report import COLS, compare, plot  # noqa: E402
-from bench.inflight_trainer import trainer  # noqa: E402
-from bench.native_gloo import native_update  # noqa: E402
-from bench.placement import Placement, engine_env, pin_trainer  # noqa: E402
-from trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus  # noqa: E402
+from inflight.bench.inflight_lora import PROMPT, main as lora_main, sampling  # noqa: E402
+from inflight.bench.inflight_report import COLS, compare, plot  # noqa: E402
+from inflight.bench.inflight_trainer import trainer  # noqa: E402
+from inflight.bench.native_gloo import native_update  # noqa: E402
+from inflight.bench.placement import Placement, engine_env, pin_trainer  # noqa: E402
+from inflight.trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus  # noqa: E402
 
 if TYPE_CHECKING:
     from inflight.protocol import CommitUnit
@@ -86,17 +86,17 @@ class Bench:
                  record_routing: bool = False, commit_unit: CommitUnit = "model", placement: Placement = "shared") -> None:
         from vllm import LLM
 
-        from engine_patches.config import InflightConfig, engine_kwargs
-        from engine_patches.client import coordinator_of, start_inflight
+        from inflight.engine.config import InflightConfig, engine_kwargs
+        from inflight.engine.client import coordinator_of, start_inflight
         from safetensors.torch import load_file
 
-        from bench.native_gloo import register, update_info
+        from inflight.bench.native_gloo import register, update_info
 
         self.size, self.concurrency, self.seed, self.unit = size, concurrency, seed, commit_unit
         if size in SIZES:
             model_dir = build_tiny_model(work / size, default_corpus(), SIZES[size])
         else:  # --model: a directory, hub id or "smollm2"
-            from trainer.models import resolve_model
+            from inflight.trainer.models import resolve_model
 
             model_dir = resolve_model(size)
         self.model = size if size in SIZES else Path(model_dir).name
@@ -129,7 +129,7 @@ class Bench:
         and the coordinator's flag), so its cost is measured in interleaved chunks of one engine."""
         import dataclasses
 
-        from engine_patches.routing import RoutingRecorder
+        from inflight.engine.routing import RoutingRecorder
 
         worker = self.core.model_executor.driver_worker.worker
         if on and worker._inflight_routing is None:
@@ -142,7 +142,7 @@ class Bench:
 
     def staging_peak(self) -> int:
         """The engine worker's staging high-water mark since it started, bytes."""
-        from engine_patches.client import inflight_status
+        from inflight.engine.client import inflight_status
 
         return inflight_status(self.llm).staging_peak_bytes
 
@@ -347,7 +347,7 @@ def main() -> None:
                     help="InflightConfig.listener_nice of the engine (19, as docs/performance.md's table was measured; "
                          "the engine's own default is 0)")
     ap.add_argument("--routing", action="store_true", help="add record_routing rows on the tiny MoE")
-    ap.add_argument("--train-steps", type=int, default=0, help="also time the training loop (0: skip); see bench.e2e")
+    ap.add_argument("--train-steps", type=int, default=0, help="also time the training loop (0: skip); see inflight.bench.e2e")
     ap.add_argument("--split-cores", action="store_true", help="with --train-steps: also trainer and engine on a core each")
     ap.add_argument("--engines", type=int, default=1, help="with --train-steps: add a row for a fleet of this many engines")
     ap.add_argument("--out", default="runs/bench")
@@ -372,7 +372,7 @@ def main() -> None:
         load.append(round(os.getloadavg()[0], 1))
         train_rows = []
         if args.train_steps:
-            from bench.e2e import plot_e2e, train_loop
+            from inflight.bench.e2e import plot_e2e, train_loop
 
             train_rows = train_loop(args.train_steps, Path(tmp), args.engines, split=False)
             if args.split_cores:

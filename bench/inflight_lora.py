@@ -1,8 +1,8 @@
 """Adapter-only in-flight updates vs vLLM's own LoRA reload vs whole-model updates, one model.
 
-    python -m bench.inflight --lora [--model smollm2|DIR] [--every 4] [--steps 192] [--rounds 3] [--rank 16]
+    python -m inflight.bench.inflight --lora [--model smollm2|DIR] [--every 4] [--steps 192] [--rounds 3] [--rank 16]
 
-``bench.inflight``'s method: one in-process vLLM engine at a time decodes the same request
+``inflight.bench.inflight``'s method: one in-process vLLM engine at a time decodes the same request
 stream (``PROMPT``, 16..512 new tokens, ``--concurrency`` in flight) in each of its modes,
 interleaved in ``--rounds`` chunks so a drift in machine speed hits them alike. A trainer
 process (nice 19, one thread) holds the weights and, cued every ``--every`` engine steps,
@@ -11,8 +11,8 @@ cue due while the last update is on its way is skipped (the *achieved* steps per
 exceed the requested), and a chunk steps on until its last update landed. Decode time lost
 per update is paired step by step with the ``none`` chunk of the same round (``per_round``:
 every mode decodes the same batches at the same step), and also given as
-``bench.inflight_report.compare``'s (the mode's wall - the wall ``none`` needs for the same
-tokens) / updates. ``--placement`` (``bench.placement``): ``split`` runs the engine's compute
+``inflight.bench.inflight_report.compare``'s (the mode's wall - the wall ``none`` needs for the same
+tokens) / updates. ``--placement`` (``inflight.bench.placement``): ``split`` runs the engine's compute
 thread on one core and the trainer process and the engine's listener thread on the other, as
 a GPU fleet's trainer runs on its own hardware; ``shared`` lets them share both. Three
 engines, one after the other:
@@ -28,7 +28,7 @@ engines, one after the other:
    True))`` under the id every request names: ``native-lora-inplace`` with the scheduler
    running, ``native-lora-pause`` inside ``pause_scheduler(keep)`` .. ``resume_scheduler``.
    The reload is first checked to take effect (greedy log-probs change at each reload).
-3. ``full``: ``bench.inflight.Bench`` on the whole model: ``inflight-full`` (in-flight push)
+3. ``full``: ``inflight.bench.inflight.Bench`` on the whole model: ``inflight-full`` (in-flight push)
    and ``native-full`` (pause(keep) + vLLM's weight-transfer API).
 
 Per row: tokens/s, its ratio to the engine's ``none``, updates, achieved steps per update,
@@ -55,12 +55,12 @@ from typing import Any
 
 import torch
 
-from bench.inflight_report import compare
-from bench.inflight_trainer import push_report
-from bench.placement import PLACEMENTS, Placement, engine_env, pin_trainer
+from inflight.bench.inflight_report import compare
+from inflight.bench.inflight_trainer import push_report
+from inflight.bench.placement import PLACEMENTS, Placement, engine_env, pin_trainer
 
 PROMPT = {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12]}
-"""Every request's prompt, here and in ``bench.inflight``: all rows decode the same stream."""
+"""Every request's prompt, here and in ``inflight.bench.inflight``: all rows decode the same stream."""
 STEP_SCALE = 1e-2  # the trainer's versions: v0's tensors + this x N(0, 1) (v0's B is zero: the step is B)
 ENGINES = {"lora-inflight": ("none", "inflight-lora"), "lora-vllm": ("none", "native-lora-inplace", "native-lora-pause")}
 FULL = {"none": "none", "inflight": "inflight-full", "native": "native-full"}  # Bench.run's modes -> row labels
@@ -88,7 +88,7 @@ def lora_trainer(conn: Connection, base_dir: str, adapter_dir: str, out_dir: str
     from inflight.transport.group import GroupConfig
     from inflight.transport.pusher import PushConfig, WeightPusher
     from inflight.transport.store import reserve_port
-    from trainer.adapter import adapter_weights, load_adapter_weights, load_trainable
+    from inflight.trainer.adapter import adapter_weights, load_adapter_weights, load_trainable
 
     model = load_trainable(Path(base_dir), Path(adapter_dir))
     v0 = adapter_weights(model)
@@ -128,8 +128,8 @@ class LoRABench:
         from vllm import LLM
         from vllm.lora.request import LoRARequest
 
-        from engine_patches.client import coordinator_of, policy_lora, start_inflight
-        from engine_patches.config import InflightConfig, engine_kwargs
+        from inflight.engine.client import coordinator_of, policy_lora, start_inflight
+        from inflight.engine.config import InflightConfig, engine_kwargs
         from inflight.adapter import AdapterSpec
 
         self.concurrency, self.seed, self.version = concurrency, 0, 0
@@ -270,7 +270,7 @@ class LoRABench:
 
 
 def row(model: str, engine: str, label: str, chunks: list[dict]) -> dict:
-    """One row from one mode's chunks (``LoRABench.run`` or ``bench.inflight.Bench.run``)."""
+    """One row from one mode's chunks (``LoRABench.run`` or ``inflight.bench.inflight.Bench.run``)."""
     infos = [r for c in chunks for r in c["infos"]]
     quiet = [g for c in chunks for g in c["quiet"]]
     base = statistics.median(quiet)
@@ -289,7 +289,7 @@ def row(model: str, engine: str, label: str, chunks: list[dict]) -> dict:
 
 def interleaved(bench: Any, modes: dict[str, str], model: str, engine: str, every: int, steps: int,
                 rounds: int) -> list[dict]:
-    """``modes`` (``bench.run``'s mode -> row label) on one engine, interleaved: none, a, b, a, b, none, ..."""
+    """``modes`` (``inflight.bench.run``'s mode -> row label) on one engine, interleaved: none, a, b, a, b, none, ..."""
     chunks: dict[str, list[dict]] = {m: [] for m in modes}
     order = list(modes)
     for k in range(rounds):  # each round starts with the next mode: no mode always runs first
@@ -336,21 +336,21 @@ def checks(rows: list[dict]) -> dict:
 
 
 def main(bench_cls: type) -> None:
-    """``python -m bench.inflight --lora``. ``bench_cls``: ``bench.inflight.Bench``, for the
-    full-model rows, handed in by ``bench.inflight`` (which imports this module)."""
-    from trainer.adapter import LoRAOptions, write_first_adapter
-    from trainer.models import resolve_model
+    """``python -m inflight.bench.inflight --lora``. ``bench_cls``: ``inflight.bench.inflight.Bench``, for the
+    full-model rows, handed in by ``inflight.bench.inflight`` (which imports this module)."""
+    from inflight.trainer.adapter import LoRAOptions, write_first_adapter
+    from inflight.trainer.models import resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lora", action="store_true", help="selects this benchmark in bench.inflight")
+    ap.add_argument("--lora", action="store_true", help="selects this benchmark in inflight.bench.inflight")
     ap.add_argument("--model", default="smollm2", help="a model directory, hub id or 'smollm2' (trainer/models.py)")
     ap.add_argument("--every", type=int, default=4, help="requested update cadence, engine steps (every mode)")
     ap.add_argument("--steps", type=int, default=192, help="engine steps per mode")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds the steps of each engine's modes are split into")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16, help="the adapter's rank (alpha = 2 x rank)")
-    ap.add_argument("--listener-nice", type=int, default=19, help="InflightConfig.listener_nice, as bench.inflight's")
-    ap.add_argument("--placement", choices=PLACEMENTS, default="split", help="bench.placement: where the threads run")
+    ap.add_argument("--listener-nice", type=int, default=19, help="InflightConfig.listener_nice, as inflight.bench.inflight's")
+    ap.add_argument("--placement", choices=PLACEMENTS, default="split", help="inflight.bench.placement: where the threads run")
     args = ap.parse_args()
     load, t0 = [round(os.getloadavg()[0], 2)], time.perf_counter()
     base = resolve_model(args.model)

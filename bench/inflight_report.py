@@ -1,4 +1,4 @@
-"""``bench.inflight``'s arithmetic and figure: what each mode's rows mean against ``none``.
+"""``inflight.bench.inflight``'s arithmetic and figure: what each mode's rows mean against ``none``.
 
 The headline, decode time lost per update, is (the mode's wall time - the wall time
 ``none`` needs for the same tokens) / updates; ``compare`` adds it to every row, with its

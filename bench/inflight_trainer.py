@@ -1,4 +1,4 @@
-"""``bench.inflight``'s trainer process: owns the weights, pushes or broadcasts them when told.
+"""``inflight.bench.inflight``'s trainer process: owns the weights, pushes or broadcasts them when told.
 
 It hosts both groups' stores (in-flight and native), so it holds their ports
 (``reserve_port``) and sends the two ``GroupConfig``s to the engine's process first. It
@@ -38,7 +38,7 @@ def trainer(conn: Connection, model_dir: str) -> None:
 
     os.nice(19)
     torch.set_num_threads(1)
-    from bench.native_gloo import broadcast_state
+    from inflight.bench.native_gloo import broadcast_state
     from inflight.transport.group import GroupConfig, WeightGroup
     from inflight.transport.pusher import PushConfig, WeightPusher
     from inflight.transport.store import reserve_port

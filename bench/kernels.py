@@ -1,7 +1,7 @@
 """Per-token log-prob + entropy (forward + backward): Triton / chunked torch vs the reference;
-and the fused per-token loss (``kernels.tis_loss``, lag-aware truncation on).
+and the fused per-token loss (``inflight.kernels.tis_loss``, lag-aware truncation on).
 
-    python -m bench.kernels [--tokens 1024 4096] [--vocab 32000 151936] [--loss-tokens 1048576]
+    python -m inflight.bench.kernels [--tokens 1024 4096] [--vocab 32000 151936] [--loss-tokens 1048576]
 
 On CUDA it times the Triton kernels and reports peak memory; on CPU it compares the
 chunked torch fallback with the reference (Triton needs a GPU outside the interpreter), and
@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from kernels.logprob_entropy import logprob_entropy
-from kernels.tis_loss import tis_loss
+from inflight.kernels.logprob_entropy import logprob_entropy
+from inflight.kernels.tis_loss import tis_loss
 
 
 def _time(fn, device: torch.device, reps: int) -> float:

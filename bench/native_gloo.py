@@ -72,7 +72,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        from engine_patches.commit.postload import modules_sharing_parameters, reprocess
+        from inflight.engine.commit.postload import modules_sharing_parameters, reprocess
 
         finalize_layerwise_reload(self.model, self.model_config)
         # as in inflight's reload commit: a tied LM head's CPU prepack must follow its embedding

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from bench.e2e import ENGINE_CORE, TRAINER_CORE
+from inflight.bench.e2e import ENGINE_CORE, TRAINER_CORE
 
 Placement = Literal["shared", "split"]
 PLACEMENTS: tuple[Placement, ...] = ("split", "shared")

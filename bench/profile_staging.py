@@ -1,8 +1,8 @@
 """Where one in-flight update's staging time goes, phase by phase.
 
-    python -m bench.profile_staging [--model smollm2] [--updates 4] [--steps 96] [--concurrency 32] [--no-load-plan]
+    python -m inflight.bench.profile_staging [--model smollm2] [--updates 4] [--steps 96] [--concurrency 32] [--no-load-plan]
 
-One in-process engine on the model and a trainer process (``bench.inflight.Bench``). The
+One in-process engine on the model and a trainer process (``inflight.bench.inflight.Bench``). The
 listener's phases are wrapped with timers that read, for the calling thread, the wall
 time, the CPU time and the time spent runnable but waiting for a core
 (``/proc/thread-self/schedstat``); what is left of the wall time is time blocked: on the
@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from bench.inflight import Bench
+from inflight.bench.inflight import Bench
 
 PHASES = [  # (owner, attribute, phase name); missing attributes are skipped (older or newer code)
     ("inflight.transport.listener:UpdateListener", "_on_announce", "staging total (announce to Staged)"),
@@ -38,14 +38,14 @@ PHASES = [  # (owner, attribute, phase name); missing attributes are skipped (ol
     ("inflight.transport.receiver:BucketReceiver", "_verify", "  checksums"),
     ("inflight.transport.stream_check", "nonfinite", "  finite check"),
     ("inflight.transport.stream_check:Streamed", "verified", "  prepare during receive (per bucket)"),
-    ("engine_patches.commit.swap:SwapApplier", "prepare", "prepare after the last bucket"),
-    ("engine_patches.commit.swap:SwapApplier", "_shadows", "  shadow parameters (fresh)"),
-    ("engine_patches.commit.shadow_sets:ShadowSets", "take", "  shadow parameters (reused)"),
-    ("engine_patches.commit.swap:SwapApplier", "_load", "  weight loaders"),
-    ("engine_patches.commit.swap:SwapApplier", "_copy", "  load plan copies (all)"),
-    ("engine_patches.commit.swap:SwapApplier", "_repack_one", "  re-pack, oneDNN handles (all)"),
+    ("inflight.engine.commit.swap:SwapApplier", "prepare", "prepare after the last bucket"),
+    ("inflight.engine.commit.swap:SwapApplier", "_shadows", "  shadow parameters (fresh)"),
+    ("inflight.engine.commit.shadow_sets:ShadowSets", "take", "  shadow parameters (reused)"),
+    ("inflight.engine.commit.swap:SwapApplier", "_load", "  weight loaders"),
+    ("inflight.engine.commit.swap:SwapApplier", "_copy", "  load plan copies (all)"),
+    ("inflight.engine.commit.swap:SwapApplier", "_repack_one", "  re-pack, oneDNN handles (all)"),
     ("inflight.transport.listener:UpdateListener", "_on_commit", "commit round trip (listener)"),
-    ("engine_patches.commit.swap:SwapApplier", "apply", "commit swap (engine thread)"),
+    ("inflight.engine.commit.swap:SwapApplier", "apply", "commit swap (engine thread)"),
 ]
 
 
@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--no-load-plan", action="store_true", help="without the load plan: vLLM's loaders into fresh shadows")
     args = ap.parse_args()
     if args.no_load_plan:
-        from engine_patches.commit.swap import SwapApplier
+        from inflight.engine.commit.swap import SwapApplier
 
         SwapApplier.__init__.__kwdefaults__["load_plan"] = False
     rec = Recorder()

@@ -1,7 +1,7 @@
 """At scale, on paper: in-flight updates vs pause-based and batch-boundary sync for a fleet.
 
     inflight bench scale [--configs bench/scenarios/*.toml] [--cpu-bench bench/scale_cpu_bench.json]
-                         [--png docs/scale.png]          (or: python -m bench.scale ...)
+                         [--png docs/scale.png]          (or: python -m inflight.bench.scale ...)
 
 For each scenario (one TOML under bench/scenarios/, every figure published or derived from
 one, with its source beside it), first what an update moves: the bytes the trainer sends
@@ -16,7 +16,7 @@ it can update and still decode what pause does. Then two sweeps find where in-fl
 paying: request length (the KV cache that staging takes matters once memory, not
 ``max_num_seqs``, bounds concurrency) and update period (pausing costs less the rarer the
 updates). Last, the same
-model, fed the costs a ``bench.inflight`` run measured on this machine, predicts that run's
+model, fed the costs a ``inflight.bench.inflight`` run measured on this machine, predicts that run's
 tokens/s ratios.
 
 Prints markdown tables and one JSON line; writes the figure.
@@ -30,10 +30,10 @@ import math
 import statistics
 from pathlib import Path
 
-from bench.scale_fleet import (BUILT, CPU_LENGTHS, SCENARIOS, VARIANTS, Plan, Scenario, bytes_row, cpu_step_time,
+from inflight.bench.scale_fleet import (BUILT, CPU_LENGTHS, SCENARIOS, VARIANTS, Plan, Scenario, bytes_row, cpu_step_time,
                                cpu_update, plan, published_rows, scenario_paths)
-from bench.scale_layer import layer_rows, layer_table
-from bench.scale_model import Run, simulate
+from inflight.bench.scale_layer import layer_rows, layer_table
+from inflight.bench.scale_model import Run, simulate
 
 LENGTH_FACTORS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0, 2.0)
 PERIODS_S = (5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
@@ -166,7 +166,7 @@ def reference_ok(run: dict, size: str, every: int) -> bool:
 
 
 def merge_repeats(runs: list[dict]) -> list[dict]:
-    """The rows of repeated ``bench.inflight`` runs (same settings), each measured field the
+    """The rows of repeated ``inflight.bench.inflight`` runs (same settings), each measured field the
     mean over the repeats whose reference ran undisturbed (all of them, flagged
     ``disturbed``, where none did): one run's ratios move by 10-20% with the machine's load."""
     merged = []
@@ -180,7 +180,7 @@ def merge_repeats(runs: list[dict]) -> list[dict]:
 
 
 def validate_cpu(bench: dict) -> list[dict]:
-    """Predict the tokens/s ratios of ``bench.inflight`` runs from what they measured.
+    """Predict the tokens/s ratios of ``inflight.bench.inflight`` runs from what they measured.
 
     ``bench["runs"]``: each {"concurrency", "steps", "rounds", "rows"}; the runs with the
     first run's settings are repeats (averaged), the others add decode step times at other
@@ -217,7 +217,7 @@ def validate_cpu(bench: dict) -> list[dict]:
         total = {}
         for m in ("none", mode):
             if m == "batch":
-                # bench.inflight runs batch as one long run after the interleaved modes, not beside
+                # inflight.bench.inflight runs batch as one long run after the interleaved modes, not beside
                 # none: the machine's speed then is read off that run's own median step.
                 quick = simulate(main["concurrency"], step, cpu_update(row(size, every, m), slowdown), CPU_LENGTHS,
                                  steps=main["steps"], seed=0, record=True)
@@ -340,7 +340,7 @@ def plot(rows: list[dict], swept: list[dict], checks: list[dict], png: Path) -> 
                            label=mode + (" (reference disturbed)" if disturbed else ""))
     ax.set_xlim(0.4, 1.1)
     ax.set_ylim(0.4, 1.1)
-    ax.set_xlabel("measured tokens/s vs none (bench.inflight, this CPU)")
+    ax.set_xlabel("measured tokens/s vs none (inflight.bench.inflight, this CPU)")
     ax.set_ylabel("predicted by the model")
     ax.set_title("CPU validation (band: +-15%)")
     if checks:

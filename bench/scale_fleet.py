@@ -1,5 +1,5 @@
 """From a scenario (published hardware and model figures, one TOML per fleet) or from a
-``bench.inflight`` run (measured CPU costs) to what ``scale_model.simulate`` needs: slots,
+``inflight.bench.inflight`` run (measured CPU costs) to what ``scale_model.simulate`` needs: slots,
 a decode step time and, per way of updating, what an update costs the engine.
 
 Variants of the in-flight mode differ only in where the staged version waits and how much
@@ -35,15 +35,15 @@ import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from bench.scale_model import Lengths, StepTime, Update
-from bench.scale_shapes import Arch, group_bytes, link_bytes, rank_bytes, staging_bytes
+from inflight.bench.scale_model import Lengths, StepTime, Update
+from inflight.bench.scale_shapes import Arch, group_bytes, link_bytes, rank_bytes, staging_bytes
 
 VARIANTS = ("none", "batch", "pause", "inflight", "inflight_host", "inflight_shard", "inflight_host_shard",
             "inflight_layer", "inflight_host_layer")
 LAYERED = ("inflight_layer", "inflight_host_layer")
 BUILT = tuple(v for v in VARIANTS if v not in LAYERED)  # the shard modes: the engine's shard-targeted transfer
 GB = 1e9
-SCENARIOS = Path(__file__).resolve().parent / "scenarios"  # package data: bench.scale runs from an installed wheel too
+SCENARIOS = Path(__file__).resolve().parent / "scenarios"  # package data: inflight.bench.scale runs from an installed wheel too
 TRANSFERS = "transfers.toml"  # the published update times, beside the scenarios: not a scenario
 
 
@@ -326,7 +326,7 @@ def published_rows(s: Scenario) -> list[dict]:
 
 # --- the CPU benchmark, read back as a model -------------------------------------------------
 
-CPU_LENGTHS = Lengths(dist="uniform", low=16, high=512)  # bench.inflight: max_tokens = randint(16, 512)
+CPU_LENGTHS = Lengths(dist="uniform", low=16, high=512)  # inflight.bench.inflight: max_tokens = randint(16, 512)
 
 
 def cpu_step_time(points: list[tuple[int, float]]) -> StepTime:

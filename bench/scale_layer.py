@@ -1,4 +1,4 @@
-"""The layer-granular commit at scale: ``python -m bench.scale``'s table of ``inflight_layer``
+"""The layer-granular commit at scale: ``python -m inflight.bench.scale``'s table of ``inflight_layer``
 and ``inflight_host_layer`` beside the modes they would replace.
 
 The engine's ``commit_unit="layer"`` commits an update one layer group at a time
@@ -12,8 +12,8 @@ each shard mode's (the whole-model commit of the same boxes), from ``scale.scena
 
 from __future__ import annotations
 
-from bench.scale_fleet import GB, LAYERED, Scenario, layer_groups_by_rank, plan
-from bench.scale_shapes import group_names
+from inflight.bench.scale_fleet import GB, LAYERED, Scenario, layer_groups_by_rank, plan
+from inflight.bench.scale_shapes import group_names
 
 COMPARED = ("pause", "inflight_shard", "inflight_host_shard")  # tokens/s ratios against these
 

@@ -1,4 +1,4 @@
-"""The engine model behind ``python -m bench.scale``: one engine, stepped token by token.
+"""The engine model behind ``python -m inflight.bench.scale``: one engine, stepped token by token.
 
 An engine is a number of request slots and a decode step time that depends on how many
 slots are busy. Requests of random length fill the slots and are replaced as they finish
@@ -17,7 +17,7 @@ slots are busy. Requests of random length fill the slots and are replaced as the
   boundary, with a stall of its own (``group_stall_s``).
 
 The simulation is deterministic for a seed: requests draw their lengths from a
-``random.Random(seed)`` in the order they are admitted, exactly as ``bench.inflight``
+``random.Random(seed)`` in the order they are admitted, exactly as ``inflight.bench.inflight``
 draws them, so the CPU benchmark can be replayed request for request.
 """
 
@@ -34,7 +34,7 @@ UPDATE_MODES = ("none", "pause", "batch", "inflight", "layer")
 
 @dataclass(frozen=True, kw_only=True)
 class Lengths:
-    """Generated tokens per request: ``uniform`` on [low, high] (``bench.inflight``'s draw), or
+    """Generated tokens per request: ``uniform`` on [low, high] (``inflight.bench.inflight``'s draw), or
     ``lognormal`` with the given median and sigma, capped at ``high`` (RL rollouts: a long tail
     up to the generation limit)."""
 
@@ -112,7 +112,7 @@ class StepTime:
 class Update:
     """How one mode updates the weights, and how often.
 
-    ``every_steps`` (a cadence in engine steps, as ``bench.inflight`` has it) or ``every_s``
+    ``every_steps`` (a cadence in engine steps, as ``inflight.bench.inflight`` has it) or ``every_s``
     (a new version every so many seconds, a trainer's step time). ``stall_s``: seconds the
     engine does not decode per update. In-flight only: ``stage_s``, how long staging runs
     beside decoding (the next version cannot start staging before the last committed), and
@@ -166,7 +166,7 @@ class Update:
 @dataclass
 class Run:
     """What one simulated engine did: tokens, seconds, updates, and the lag (versions
-    committed between a token's step and the end of its request, as ``bench.inflight``
+    committed between a token's step and the end of its request, as ``inflight.bench.inflight``
     counts it) of every token of every finished request. In-flight modes: ``commits``, the
     step boundaries that held a commit (a layer update holds one per group), and ``span_s``,
     the seconds from each update's start to the end of its last commit, summed."""

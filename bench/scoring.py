@@ -1,6 +1,6 @@
 """Decoding while a slow verifier scores: rewards in the engine's scoring processes vs inline.
 
-    python -m bench.scoring [--model smollm2|DIR | --size S] [--sleep-s 2] [--workers G]
+    python -m inflight.bench.scoring [--model smollm2|DIR | --size S] [--sleep-s 2] [--workers G]
                             [--groups-in-flight 4] [--completion-tokens 64] [--steps 576] [--rounds 18]
                             [--placement split] [--out runs/scoring] [--png docs/scoring.png]
 
@@ -11,12 +11,12 @@ group is scored by a verifier that sleeps ``--sleep-s`` seconds per group (``Slo
 the ``repeat_digit`` reward after the sleep). Modes:
 
 1. ``instant``: the same verifier without the sleep, in the scoring processes
-   (``trainer.rollout_scoring.GroupScorer``, ``--workers`` of them), the ceiling;
+   (``inflight.trainer.rollout_scoring.GroupScorer``, ``--workers`` of them), the ceiling;
 2. ``pool``: the sleeping verifier in the scoring processes: the loop submits a finished
    group and steps on; a new group starts while fewer than G decode and fewer than G wait
    for their rewards (the training loop's admission, ``EngineLoop._start_inflight``);
 3. ``inline``: the sleeping verifier called between two engine steps, as the engine process
-   scored before ``trainer.rollout_scoring``: every sequence waits for it.
+   scored before ``inflight.trainer.rollout_scoring``: every sequence waits for it.
 
 Each mode runs in ``--rounds`` chunks of ``--steps / --rounds`` timed engine steps on the same
 engine, the order of the modes rotated each round, after an untimed warm-up chunk per mode;
@@ -29,7 +29,7 @@ first step prefills all G groups (the steady state prefills one per T / G steps;
 time is reported) and is untimed; the timed steps follow. Then the chunk aborts what is in
 flight and drains (untimed).
 
-Placement (``--placement``, ``bench.placement``). ``split`` (the default) emulates a GPU
+Placement (``--placement``, ``inflight.bench.placement``). ``split`` (the default) emulates a GPU
 node: the engine computes with one thread on ``ENGINE_CORE``; the scoring processes and
 their collector thread run on ``TRAINER_CORE``, as a GPU engine's verifiers run on host cores
 decode does not use. ``shared``: torch's OpenMP team on both cores, the scoring processes
@@ -75,8 +75,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from trainer.tasks import Completion, encode_prompt  # noqa: E402
-from trainer.tasks.digits import RepeatDigit  # noqa: E402
+from inflight.trainer.tasks import Completion, encode_prompt  # noqa: E402
+from inflight.trainer.tasks.digits import RepeatDigit  # noqa: E402
 
 GROUP = 8
 MODES = ("instant", "pool", "inline")
@@ -95,7 +95,7 @@ class SlowVerifier(RepeatDigit):
 
 
 def make(tokenizer: Any, completion_tokens: int, sleep_s: float) -> SlowVerifier:
-    """``task.name = "bench.scoring:make"``."""
+    """``task.name = "inflight.bench.scoring:make"``."""
     return SlowVerifier(tokenizer, completion_tokens, sleep_s)
 
 
@@ -278,14 +278,14 @@ def started_on(cpus: tuple[int, ...], start: Any) -> Any:
 
 
 def model_dir_of(args: argparse.Namespace) -> Path:
-    """``--size``: a tiny model (``bench.inflight``'s sizes), for smoke runs; else ``--model``."""
+    """``--size``: a tiny model (``inflight.bench.inflight``'s sizes), for smoke runs; else ``--model``."""
     if args.size:
-        from bench.inflight import SIZES
-        from trainer.tiny_model import build_tiny_model, default_corpus
+        from inflight.bench.inflight import SIZES
+        from inflight.trainer.tiny_model import build_tiny_model, default_corpus
 
         config = dataclasses.replace(SIZES[args.size], max_position_embeddings=1024)
         return build_tiny_model(Path(tempfile.mkdtemp(prefix="bench-scoring-")) / args.size, default_corpus(), config)
-    from trainer.models import resolve_model
+    from inflight.trainer.models import resolve_model
 
     return resolve_model(args.model)
 
@@ -301,7 +301,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=576, help="timed engine steps per mode, over all rounds")
     ap.add_argument("--rounds", type=int, default=18)
     ap.add_argument("--placement", choices=["split", "shared"], default="split",
-                    help="bench.placement: the engine on one core, the scoring processes on the other; or shared")
+                    help="inflight.bench.placement: the engine on one core, the scoring processes on the other; or shared")
     ap.add_argument("--out", default="runs/scoring", help="results.json goes here")
     ap.add_argument("--png", default="docs/scoring.png", help="the figure ('' for none)")
     args = ap.parse_args()
@@ -314,11 +314,11 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from bench.placement import engine_env
-    from engine_patches.config import engine_kwargs
-    from trainer.config_files import config_from_dict
-    from trainer.engine_process import sampling_of
-    from trainer.rollout_scoring import GroupScorer
+    from inflight.bench.placement import engine_env
+    from inflight.engine.config import engine_kwargs
+    from inflight.trainer.config_files import config_from_dict
+    from inflight.trainer.engine_process import sampling_of
+    from inflight.trainer.rollout_scoring import GroupScorer
 
     wall0 = time.perf_counter()
     model_dir = str(model_dir_of(args))
@@ -332,7 +332,7 @@ def main() -> None:
                             output_kind=RequestOutputKind.FINAL_ONLY)
 
     def scorer(sleep_s: float) -> GroupScorer:
-        cfg = config_from_dict({"task": {"name": "bench.scoring:make", "completion_tokens": args.completion_tokens,
+        cfg = config_from_dict({"task": {"name": "inflight.bench.scoring:make", "completion_tokens": args.completion_tokens,
                                          "options": {"completion_tokens": args.completion_tokens, "sleep_s": sleep_s},
                                          "scoring": {"workers": args.workers, "timeout_s": 10 * args.sleep_s + 30}}})
         s = GroupScorer(cfg, model_dir, "e0", sampling_of(params))

@@ -1,6 +1,6 @@
 """What in-flight updates cost in engine memory, measured against what the worker accounts.
 
-    python -m bench.staging_memory [--model smollm2|DIR] [--commit auto|swap|reload] [--updates 4]
+    python -m inflight.bench.staging_memory [--model smollm2|DIR] [--commit auto|swap|reload] [--updates 4]
 
 One vLLM engine on CPU, its EngineCore (and, with the ``uni`` executor, its worker) in a
 child process; the trainer in this process pushes ``--updates`` perturbed versions. The
@@ -43,8 +43,8 @@ def measure(model_dir: Path, commit: str, updates: int, port: int) -> dict:
     from safetensors.torch import load_file
     from vllm import LLM
 
-    from engine_patches.client import start_inflight
-    from engine_patches.config import InflightConfig, engine_kwargs
+    from inflight.engine.client import start_inflight
+    from inflight.engine.config import InflightConfig, engine_kwargs
     from inflight.transport.group import GroupConfig
     from inflight.transport.pusher import PushConfig, WeightPusher
 
@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=29611)
     args = ap.parse_args()
     if args.model == "smollm2":
-        from trainer.models import prepare_smollm2
+        from inflight.trainer.models import prepare_smollm2
 
         model_dir = prepare_smollm2()
     else:

@@ -2,7 +2,7 @@
 
     inflight bench staleness [--steps 100] [--seed 0] [--only NAME ...] [--lr 3e-3]
 
-Runs real training (``trainer.train.train``, the packaged ``demo`` config with overrides) for:
+Runs real training (``inflight.trainer.train.train``, the packaged ``demo`` config with overrides) for:
 batch-boundary (synchronous) RL; in-flight with max lag 1, 2, 4 and 8 (``loss.max_lag`` and
 ``rollout.admit_lag`` equal) under token TIS; and at max lag 8: no correction, Seq-MIS and
 M2PO, each alone (objective ``none`` plus the mask), so each correction is compared with
@@ -59,7 +59,7 @@ def evaluate(model_dir: Path, completion_tokens: int, digit_credit: float, sampl
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.tasks.digits import RepeatDigit
+    from inflight.trainer.tasks.digits import RepeatDigit
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -83,8 +83,8 @@ def _mean(xs: list[float]) -> float:
 
 
 def run_one(name: str, base: dict, steps: int, seed: int, out_root: Path) -> dict[str, Any]:
-    from trainer.config_files import config_from_dict
-    from trainer.train import train
+    from inflight.trainer.config_files import config_from_dict
+    from inflight.trainer.train import train
 
     out = out_root / name.replace(" ", "_")
     cfg = config_from_dict(_merge(base, {**RUNS[name], "run": {"steps": steps, "seed": seed, "out_dir": str(out),
@@ -175,7 +175,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None, help="override optim.lr for every run (a harsher setting)")
     ap.add_argument("--replot", action="store_true", help="no training: table and PNG from OUT/results.json")
     args = ap.parse_args()
-    from trainer.config_files import find_config
+    from inflight.trainer.config_files import find_config
 
     with open(find_config(args.config), "rb") as f:
         base = tomllib.load(f)

@@ -1,7 +1,7 @@
 """What one push costs the trainer: its memory (the buckets in flight, not a copy of the model)
 and its optimizer step's time (the step waits only until the push has read the parameters).
 
-    python -m bench.trainer_push [--model smollm2|DIR] [--bucket-mb 16] [--pushes 3] [--steps 3]
+    python -m inflight.bench.trainer_push [--model smollm2|DIR] [--bucket-mb 16] [--pushes 3] [--steps 3]
 
 The trainer (a transformers model, fp32, in a child process so its memory is its own) pushes
 to one receiving worker (``inflight.transport.peer``, another process).
@@ -174,7 +174,7 @@ def main() -> None:
     ap.add_argument("--pushes", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per timing mode (0: memory only)")
     args = ap.parse_args()
-    from trainer.models import resolve_model
+    from inflight.trainer.models import resolve_model
 
     load = os.getloadavg()[0]
     report = measure(resolve_model(args.model), args.bucket_mb, args.pushes, args.steps)

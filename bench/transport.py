@@ -1,6 +1,6 @@
 """Bucketed weight transfer vs a raw single-tensor broadcast of the same bytes, same run.
 
-    python -m bench.transport [--sizes-mb 16 64 256] [--bucket-mb 4 64 256] [--reps 5]
+    python -m inflight.bench.transport [--sizes-mb 16 64 256] [--bucket-mb 4 64 256] [--reps 5]
 
 A peer process joins the group as worker rank 1. For each model size, the trainer first
 broadcasts one flat tensor of the same byte count (the link's ceiling), then pushes a

@@ -1,7 +1,7 @@
 """An adapter-only in-flight engine: the checks and the start of its one policy LoRA slot.
 
 Every rollout request of such an engine names the policy adapter (``policy_request``), and
-the worker keeps that adapter in slot 0 from start to end (``engine_patches.commit.
+the worker keeps that adapter in slot 0 from start to end (``inflight.engine.commit.
 lora_slot``). What vLLM 0.32 would otherwise do with it, and what is done instead:
 
 - another adapter in a request would evict the policy from the one slot, and a request
@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine_patches.commit.checkpoint import checkpoint_schema
-from engine_patches.commit.lora_slot import LoRASlotApplier
+from inflight.engine.commit.checkpoint import checkpoint_schema
+from inflight.engine.commit.lora_slot import LoRASlotApplier
 from inflight.adapter import AdapterSpec
 from inflight.transport.layout import TensorSchema
 
@@ -61,7 +61,7 @@ def check_request(request_id: str, lora_request: Any, spec: AdapterSpec) -> None
     if lora_request is None:
         raise RequestRefused(request_id, f"inflight: request {request_id} names no adapter; this engine serves the policy adapter "
                          f"{spec.name!r} (id {spec.int_id}) in flight, and every request must name it "
-                         f"(engine_patches.client.policy_lora; model={spec.name!r} on vllm serve)")
+                         f"(inflight.engine.client.policy_lora; model={spec.name!r} on vllm serve)")
     if lora_request.lora_int_id != spec.int_id or lora_request.lora_name != spec.name:
         raise RequestRefused(request_id, f"inflight: request {request_id} names adapter {lora_request.lora_name!r} (id "
                          f"{lora_request.lora_int_id}); this engine serves only the policy adapter {spec.name!r} "

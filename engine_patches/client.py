@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from engine_patches.config import InflightConfig
-from engine_patches.rpc import StartReport, WorkerStatus, as_result
+from inflight.engine.config import InflightConfig
+from inflight.engine.rpc import StartReport, WorkerStatus, as_result
 from inflight.versions import labels_from_spans, tags_from_spans
 
 
@@ -36,7 +36,7 @@ class TaggedCompletion:
     def prompt_label(self) -> str:
         """The label of the weights that computed the prompt's KV, prefix-cache hits included:
         the first token's. Every commit invalidates the cache and restarts prefills it catches
-        half done (``engine_patches.prefix_cache``), so a prompt is computed under one label,
+        half done (``inflight.engine.prefix_cache``), so a prompt is computed under one label,
         in the step that samples its first token. A replay computes the prompt under it, and
         the input at token j under token j+1's label (the step that fed it to the model)."""
         if not self.labels:
@@ -88,7 +88,7 @@ def policy_lora(config: InflightConfig) -> Any:
     """The ``LoRARequest`` every request to an adapter engine (``InflightConfig.adapter``) names."""
     if config.adapter is None:
         raise ValueError("policy_lora: InflightConfig.adapter is None (this engine serves full-model updates)")
-    from engine_patches.adapter import policy_request
+    from inflight.engine.adapter import policy_request
 
     return policy_request(config.adapter)
 
@@ -96,7 +96,7 @@ def policy_lora(config: InflightConfig) -> Any:
 def coordinator_of(llm: Any) -> Any:
     """The commit coordinator of an ``LLM`` whose EngineCore runs in this process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): its ``steps``, ``live_version``, ``history``."""
-    from engine_patches.coordinator import ATTR
+    from inflight.engine.coordinator import ATTR
 
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
     if core is None:

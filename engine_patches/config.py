@@ -12,7 +12,7 @@ from inflight.protocol import CommitUnit
 from inflight.settings import Backend, CommitChoice, StagingPlace, check_choices
 from inflight.transport.group import GroupConfig
 
-WORKER_EXTENSION = "engine_patches.worker.InflightWorkerExtension"
+WORKER_EXTENSION = "inflight.engine.worker.InflightWorkerExtension"
 STAGING_INTENT_KEY = "inflight_staging"
 """The key of the staging intent in vLLM's ``additional_config`` (``engine_kwargs(reserve_staging=...)``)."""
 
@@ -40,11 +40,11 @@ class InflightConfig:
     listener_nice: int = 0
     """Scheduling priority (Linux nice, 0..19) of the listener thread. 0, an equal share, by
     default: an update that cannot stage cannot land. Measured with the training loop on
-    split cores (the engine alone on one core that decode keeps busy, ``bench.e2e``), nice
+    split cores (the engine alone on one core that decode keeps busy, ``inflight.bench.e2e``), nice
     19 starved staging: a 1.3 MB push took 220 ms, the trainer waited for it every step and
     the engine sampled at the lag limit; at 0 the push took 63 ms and the step 158 ms
     against 225. 19 makes staging yield to decode where both share idle cores (what
-    ``bench.inflight --listener-nice 19`` measured); on a GPU engine the listener mostly
+    ``inflight.bench.inflight --listener-nice 19`` measured); on a GPU engine the listener mostly
     waits on the device and its priority matters little."""
     listener_cpus: tuple[int, ...] = ()
     """CPUs the listener thread runs on (Linux affinity); () keeps the worker thread's. On a
@@ -75,7 +75,7 @@ class InflightConfig:
     record_routing: bool = False
     """Mixture-of-experts engines: record, for every sampled token, the top-k expert ids of
     every MoE layer (``CompletionOutput.routed_experts``, ``[tokens, moe_layers, k]`` int16,
-    ``engine_patches.routing``), for routing replay in the trainer. Costs one small RPC per
+    ``inflight.engine.routing``), for routing replay in the trainer. Costs one small RPC per
     engine step and 2 x layers x k bytes per token; refused on a model without MoE layers."""
     commit_unit: CommitUnit = "model"
     """What commits at once. ``model``: the whole version, at one step boundary (a version is
@@ -97,7 +97,7 @@ class InflightConfig:
     """An adapter-only engine: the base weights never move; updates carry the policy LoRA
     adapter's tensors, which commit into the engine's one adapter slot (the ``lora``
     commit). Start the engine with ``engine_kwargs(adapter=...)``; every request must
-    name this adapter (``engine_patches.client.policy_lora``)."""
+    name this adapter (``inflight.engine.client.policy_lora``)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.rank < self.group.world_size:
@@ -157,7 +157,7 @@ _DEFAULTS = {f.name: f.default for f in fields(InflightConfig)}
 class StagingIntent:
     """The staging an engine will be started with (``inflight_start``), known when it is built,
     so that a GPU worker sets its device bytes aside before vLLM sizes the KV cache
-    (``engine_patches.kv_budget``). ``inflight_start`` then refuses a config that needs more
+    (``inflight.engine.kv_budget``). ``inflight_start`` then refuses a config that needs more
     device memory than was set aside. Defaults are ``InflightConfig``'s."""
 
     staging: StagingPlace = _DEFAULTS["staging"]
@@ -206,12 +206,12 @@ def engine_kwargs(*, reserve_staging: StagingIntent | InflightConfig | None = No
 
     - the worker extension that receives and commits weights;
     - prefix caching on: every commit invalidates it exactly, in the commit's window
-      (``engine_patches.prefix_cache``), so the K samples of a group share their prompt's
+      (``inflight.engine.prefix_cache``), so the K samples of a group share their prompt's
       prefill and no request admitted after a commit reuses KV of earlier weights;
       ``enable_prefix_caching=False`` turns it off;
     - async scheduling as vLLM chooses it (on a GPU, on; vLLM's CPU build turns it off): a
       commit sits between one batch's sampling and the next one's forward, and each batch's
-      tokens carry the label of the weights that computed them (``engine_patches.batch_labels``);
+      tokens carry the label of the weights that computed them (``inflight.engine.batch_labels``);
     - processed log-probs: behaviour log-probs of the distribution actually sampled from;
     - vLLM's neutral sampling defaults, not the model's ``generation_config.json`` (its top-k,
       top-p, penalties would apply to every request that leaves them unset, and the trainer
@@ -219,7 +219,7 @@ def engine_kwargs(*, reserve_staging: StagingIntent | InflightConfig | None = No
     - with ``reserve_staging`` (the ``InflightConfig`` the engine will be started with, or its
       ``StagingIntent``): the intent, in ``additional_config``, which reaches every worker, so
       a GPU worker subtracts staging's device bytes from what vLLM may give its KV cache
-      (``engine_patches.kv_budget``). Without it the KV cache is sized as vLLM alone would,
+      (``inflight.engine.kv_budget``). Without it the KV cache is sized as vLLM alone would,
       and ``inflight_start`` checks staging against the memory left free;
     - with ``adapter`` (``InflightConfig.adapter``): LoRA with one adapter slot, of the
       adapter's rank, wrapping only the adapter's target modules (``inflight.adapter``).

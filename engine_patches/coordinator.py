@@ -27,7 +27,7 @@ Ordering invariants:
   tokens of the next step are tagged v, none before. So each worker's live version is the
   label whether or not its listener ever reads the outcome;
 - in the window of every commit that goes live, before the next ``schedule``, the prefix
-  cache is invalidated (``engine_patches.prefix_cache``);
+  cache is invalidated (``inflight.engine.prefix_cache``);
 - if a rollback itself fails the engine holds mixed weights: it is marked broken and its
   next step raises (fail-stop: vLLM reports the engine dead, a supervisor restarts it),
   never serving a mix under any label;
@@ -47,11 +47,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine_patches.config import InflightConfig
-from engine_patches.rpc import EngineState, WorkerCommitResult, WorkerSettleResult, as_result
-from engine_patches.batch_labels import BatchLabels
-from engine_patches.prefix_cache import PrefixCacheGuard, problems as prefix_cache_problems
-from engine_patches.engine_channel import CommitReady, EngineCommitFailed, EngineCommitted, decode_engine
+from inflight.engine.config import InflightConfig
+from inflight.engine.rpc import EngineState, WorkerCommitResult, WorkerSettleResult, as_result
+from inflight.engine.batch_labels import BatchLabels
+from inflight.engine.prefix_cache import PrefixCacheGuard, problems as prefix_cache_problems
+from inflight.engine.engine_channel import CommitReady, EngineCommitFailed, EngineCommitted, decode_engine
 from inflight.protocol import ENGINE_CHANNEL, ProtocolError, encode
 from inflight.layer_groups import Hybrid
 from inflight.transport.errors import TransportError
@@ -90,7 +90,7 @@ def check_engine(vllm_config: Any, config: InflightConfig, scheduler: Any = None
     if config.require_processed_logprobs and vllm_config.model_config.logprobs_mode != "processed_logprobs":
         problems.append(f"logprobs_mode is {vllm_config.model_config.logprobs_mode!r}, need 'processed_logprobs'")
     if config.adapter is not None:
-        from engine_patches.adapter import engine_problems
+        from inflight.engine.adapter import engine_problems
 
         problems.extend(engine_problems(vllm_config, config.adapter))
     workers = pc.world_size
@@ -101,7 +101,7 @@ def check_engine(vllm_config: Any, config: InflightConfig, scheduler: Any = None
                         f"{config.group.world_size - 1}")
     if problems:
         raise RuntimeError("inflight cannot run on this engine: " + "; ".join(problems) +
-                           ". engine_patches.config.engine_kwargs() sets the engine options.")
+                           ". inflight.engine.config.engine_kwargs() sets the engine options.")
     return workers
 
 

@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from engine_patches.commit.base import CommitStrategy
-from engine_patches.config import InflightConfig
-from engine_patches.rpc import WorkerCommitResult, WorkerSettleResult
-from engine_patches.coordinator import outcome_key
+from inflight.engine.commit.base import CommitStrategy
+from inflight.engine.config import InflightConfig
+from inflight.engine.rpc import WorkerCommitResult, WorkerSettleResult
+from inflight.engine.coordinator import outcome_key
 from inflight.layer_groups import Hybrid
-from engine_patches.engine_channel import CommitReady, EngineCommitted, decode_engine
+from inflight.engine.engine_channel import CommitReady, EngineCommitted, decode_engine
 from inflight.protocol import ProtocolError, encode
 from inflight.staging import StagedVersion, StagingPool, ordered_commit, ready_event
 from inflight.transport.errors import TransportError, TransportTimeout
@@ -89,7 +89,7 @@ class EngineTarget:
         self.commits: list[WorkerCommitResult] = []
 
     def on_step(self) -> None:
-        """Before each model step of this worker (``engine_patches.patch.count_worker_steps``):
+        """Before each model step of this worker (``inflight.engine.patch.count_worker_steps``):
         count it, and remember which thread runs it."""
         self.model_steps += 1
         self.execution_thread = threading.get_ident()

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from engine_patches.commit.base import CommitStrategy, make_strategy
-from engine_patches.commit.checkpoint import engine_schema
-from engine_patches.config import StagingIntent
+from inflight.engine.commit.base import CommitStrategy, make_strategy
+from inflight.engine.commit.checkpoint import engine_schema
+from inflight.engine.config import StagingIntent
 from inflight.memory import GiB, SetAside, StagingNeed, kv_cache_after_staging, set_aside_bytes, staging_need
 from inflight.protocol import ShardPlan
 from inflight.settings import StagingPlace
@@ -74,8 +74,8 @@ def intended_need(worker: Any, intent: StagingIntent) -> StagingNeed:
     mc = worker.vllm_config.model_config
     applier: CommitStrategy
     if intent.adapter is not None:  # the adapter's tensors and slot images, not the model
-        from engine_patches.adapter import adapter_schema
-        from engine_patches.commit.lora_slot import LoRASlotApplier
+        from inflight.engine.adapter import adapter_schema
+        from inflight.engine.commit.lora_slot import LoRASlotApplier
 
         schema = adapter_schema(worker.model_runner, intent.adapter)
         applier = LoRASlotApplier(worker.model_runner, intent.adapter, schema)

@@ -1,5 +1,5 @@
 """The step-boundary patch `inflight` applies to vLLM, and the function that applies it (the
-other, the KV cache's budget on a GPU, is ``engine_patches.kv_budget``; the plugin applies both).
+other, the KV cache's budget on a GPU, is ``inflight.engine.kv_budget``; the plugin applies both).
 Also ``count_worker_steps``, which ``inflight_start`` applies to its own worker: the worker's
 count of the model steps it ran.
 Also the opt-in plain CPU GEMM (``use_plain_cpu_gemm``), applied only where
@@ -11,7 +11,7 @@ step boundary on every worker of an engine *and* move the version label in the s
 window (two separate utility calls mislabel a token per request) needs the step itself to
 look for it, and EngineCore must know it serves an in-flight engine. Everything else (the
 receiver, the staging, the per-worker commit) lives in the worker extension; the
-engine-level commit lives in ``engine_patches.coordinator``.
+engine-level commit lives in ``inflight.engine.coordinator``.
 """
 
 from __future__ import annotations
@@ -33,16 +33,16 @@ def patch_engine_core() -> None:
       gains the engine's live version and step count.
     - ``step``: with a coordinator attached, the step runs under its lock and a pending
       commit is applied first, on the engine thread; with ``record_routing``, the step's
-      outputs get the routing of the forward that sampled them (``engine_patches.routing``).
+      outputs get the routing of the forward that sampled them (``inflight.engine.routing``).
       Engines without one are untouched.
     - ``step_with_batch_queue`` (async scheduling: the next batch is dispatched before the
       last one's output is processed): with a coordinator attached, runs under its lock with
       a pending commit applied first, as ``step`` does; each batch's outputs carry the label of
-      the weights that computed it (``engine_patches.batch_labels``). Pipeline parallelism,
+      the weights that computed it (``inflight.engine.batch_labels``). Pipeline parallelism,
       the other user of the batch queue, is refused at ``inflight_start``.
     - ``shutdown``: stops the coordinator and every worker's listener first (``inflight_stop``).
     - ``preprocess_add_request``: on an adapter engine (``InflightConfig.adapter``), refuses a
-      request that does not decode with the policy adapter (``engine_patches.adapter.
+      request that does not decode with the policy adapter (``inflight.engine.adapter.
       check_request``): vLLM answers the request alone with an error; the engine serves on.
 
     Idempotent; raises if vLLM's EngineCore no longer has these methods. Must run before an
@@ -57,8 +57,8 @@ def patch_engine_core() -> None:
     if getattr(EngineCore.step, _MARK, False):
         return
 
-    from engine_patches.coordinator import ATTR, CommitCoordinator, check_engine
-    from engine_patches.config import InflightConfig
+    from inflight.engine.coordinator import ATTR, CommitCoordinator, check_engine
+    from inflight.engine.config import InflightConfig
 
     original_step = EngineCore.step
     original_batch_step = EngineCore.step_with_batch_queue
@@ -75,7 +75,7 @@ def patch_engine_core() -> None:
             outputs, executed = original_step(self)
             report(executed)
             if executed and coordinator.config.record_routing:  # the rows of this forward, before the next one
-                from engine_patches.routing import attach_routing
+                from inflight.engine.routing import attach_routing
 
                 attach_routing(self, outputs)
         return outputs, executed
@@ -114,7 +114,7 @@ def patch_engine_core() -> None:
         if method == "inflight_status":
             import msgspec
 
-            from engine_patches.rpc import WorkerStatus, as_result
+            from inflight.engine.rpc import WorkerStatus, as_result
 
             results = [msgspec.structs.replace(as_result(r, WorkerStatus), engine=coordinator.status()) for r in results]
         return results
@@ -134,7 +134,7 @@ def patch_engine_core() -> None:
     def preprocess_add_request(self, request):
         coordinator = self.__dict__.get(ATTR)
         if coordinator is not None and coordinator.config.adapter is not None:
-            from engine_patches.adapter import check_request
+            from inflight.engine.adapter import check_request
 
             check_request(request.request_id, request.lora_request, coordinator.config.adapter)
         return original_preprocess(self, request)
@@ -150,7 +150,7 @@ def patch_engine_core() -> None:
 
 def patch_inprocess_refusals() -> None:
     """Wrap ``vllm.v1.engine.llm_engine.LLMEngine.add_request`` (vLLM 0.32.0) so that a
-    request EngineCore refuses (``engine_patches.adapter.RequestRefused``) leaves nothing
+    request EngineCore refuses (``inflight.engine.adapter.RequestRefused``) leaves nothing
     behind in the front end.
 
     ``LLMEngine.add_request`` registers a request with its output processor before it hands
@@ -165,7 +165,7 @@ def patch_inprocess_refusals() -> None:
     if getattr(original, _MARK, False):
         return
 
-    from engine_patches.adapter import RequestRefused
+    from inflight.engine.adapter import RequestRefused
 
     @functools.wraps(original)
     def add_request(self, *args, **kwargs):

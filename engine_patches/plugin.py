@@ -8,14 +8,14 @@ from __future__ import annotations
 
 
 def register() -> None:
-    """Apply the step-boundary patch and the in-process refusal patch (``engine_patches.patch``),
-    the KV cache budget patch (``engine_patches.kv_budget``), on CPU the async-scheduling
+    """Apply the step-boundary patch and the in-process refusal patch (``inflight.engine.patch``),
+    the KV cache budget patch (``inflight.engine.kv_budget``), on CPU the async-scheduling
     switch (``keep_cpu_async_scheduling``, inert unless ``INFLIGHT_CPU_ASYNC_SCHEDULING=1``),
     and, with ``INFLIGHT_CPU_PLAIN_GEMM=1``, the plain CPU GEMM
-    (``engine_patches.patch.use_plain_cpu_gemm``); all idempotent, as vLLM may load
+    (``inflight.engine.patch.use_plain_cpu_gemm``); all idempotent, as vLLM may load
     plugins twice."""
-    from engine_patches.kv_budget import patch_available_memory
-    from engine_patches.patch import (keep_cpu_async_scheduling, patch_engine_core, patch_inprocess_refusals,
+    from inflight.engine.kv_budget import patch_available_memory
+    from inflight.engine.patch import (keep_cpu_async_scheduling, patch_engine_core, patch_inprocess_refusals,
                                       plain_cpu_gemm_requested, use_plain_cpu_gemm)
     from vllm.platforms import current_platform
 

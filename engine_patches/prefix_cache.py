@@ -47,7 +47,7 @@ from typing import Any
 
 import msgspec
 
-from engine_patches.rpc import PrefixCacheStats
+from inflight.engine.rpc import PrefixCacheStats
 
 
 def problems(scheduler: Any) -> list[str]:

@@ -24,7 +24,7 @@ records with this module instead, along the path the version tags take:
    version tag does.
 
 Row t of a completion is the routing of the forward position whose logits sampled token t,
-the position the trainer's forward scores token t at (``trainer.routing_replay``). Prompt
+the position the trainer's forward scores token t at (``inflight.trainer.routing_replay``). Prompt
 positions before the last are not recorded. Layers are the MoE layers in model order.
 """
 

@@ -3,7 +3,7 @@
 Plain (untagged) msgspec Structs. An in-process client (``LLM`` with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) gets them as they are; across vLLM's EngineCore
 process boundary they are msgpack maps, which arrive as dicts (and as JSON objects from
-``vllm serve``'s ``/collective_rpc``): ``engine_patches.client`` converts them back with
+``vllm serve``'s ``/collective_rpc``): ``inflight.engine.client`` converts them back with
 ``as_result``, so every caller reads the same types.
 """
 
@@ -71,7 +71,7 @@ class WorkerSettleResult(_Result):
 
 
 class PrefixCacheStats(_Result):
-    """What an engine's prefix-cache guard did since it started (``engine_patches.prefix_cache``)."""
+    """What an engine's prefix-cache guard did since it started (``inflight.engine.prefix_cache``)."""
 
     enabled: bool = False
     """Whether the engine runs with prefix caching (then every commit invalidates it exactly)."""

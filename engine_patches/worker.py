@@ -1,16 +1,16 @@
-"""The drop-in vLLM worker extension: ``--worker-extension-cls engine_patches.worker.InflightWorkerExtension``.
+"""The drop-in vLLM worker extension: ``--worker-extension-cls inflight.engine.worker.InflightWorkerExtension``.
 
 It only adds methods (vLLM forbids overriding worker methods from an extension), all
 called through ``collective_rpc``:
 
 - ``inflight_start(config_json)``: reserve staging memory (or refuse, naming the bytes; on
   an engine built with a staging intent, against what was set aside before vLLM sized its
-  KV cache: ``engine_patches.kv_budget``),
+  KV cache: ``inflight.engine.kv_budget``),
   build the commit strategy, and start the listener thread, which joins the weight group
   as rank ``config.rank + <vLLM worker rank>`` and stages every update while the engine
   keeps decoding (and rejoins whenever the group fails). It passes through the patched
   ``EngineCore.collective_rpc``, which checks the engine and attaches the commit
-  coordinator first (``engine_patches.coordinator``);
+  coordinator first (``inflight.engine.coordinator``);
 - ``inflight_commit(v)``, then ``inflight_confirm(v)`` or ``inflight_rollback(v)``: called
   by the coordinator, between two engine steps, on this worker's execution thread: apply
   the prepared version, then keep it (every rank applied it) or take it back (another rank
@@ -37,13 +37,13 @@ from typing import Any
 
 import torch
 
-from engine_patches.commit.base import CommitStrategy, make_strategy
-from engine_patches.commit.checkpoint import checkpoint_dir, engine_schema, read_checkpoint_into
-from engine_patches.config import InflightConfig
-from engine_patches.engine_target import EngineTarget
-from engine_patches.kv_budget import SET_ASIDE_ATTR, planned_need
-from engine_patches.patch import count_worker_steps
-from engine_patches.rpc import StartReport, WorkerCommitResult, WorkerSettleResult, WorkerStatus
+from inflight.engine.commit.base import CommitStrategy, make_strategy
+from inflight.engine.commit.checkpoint import checkpoint_dir, engine_schema, read_checkpoint_into
+from inflight.engine.config import InflightConfig
+from inflight.engine.engine_target import EngineTarget
+from inflight.engine.kv_budget import SET_ASIDE_ATTR, planned_need
+from inflight.engine.patch import count_worker_steps
+from inflight.engine.rpc import StartReport, WorkerCommitResult, WorkerSettleResult, WorkerStatus
 from inflight.auth import read_secret
 from inflight.protocol import ENGINE_CHANNEL, Sampling, ShardPlan
 from inflight.memory import BucketWindows, MemoryBudget, StagingNeed, check_fits, memory_budget
@@ -82,7 +82,7 @@ class InflightWorkerExtension:
             nccl_error_handling_once()  # on the worker's own thread, before the listener's start
         config.group.check_exposure(secret, f"inflight worker rank {rank}")
         if config.adapter is not None:  # adapter-only: the base weights never move
-            from engine_patches.adapter import start_adapter
+            from inflight.engine.adapter import start_adapter
 
             schema, applier = start_adapter(self.model_runner, config.adapter)
         else:
@@ -90,7 +90,7 @@ class InflightWorkerExtension:
             applier = make_strategy(self.model_runner, config.commit, schema, quantized=vc.model_config.quantization is not None,
                                     eager=vc.model_config.enforce_eager, commit_unit=config.commit_unit,
                                     window=config.staged_groups)
-        from engine_patches.routing import RoutingRecorder
+        from inflight.engine.routing import RoutingRecorder
 
         self._inflight_routing = RoutingRecorder(self.model_runner) if config.record_routing else None
         plan = applier.shard_plan()  # what this rank's loaders read, sent to the trainer in each hello
@@ -217,7 +217,7 @@ class InflightWorkerExtension:
         return self._inflight_target.execute_rollback(version)
 
     def inflight_take_routing(self) -> tuple[list[str], Any]:
-        """The last forward's routing rows (``engine_patches.routing``); called by EngineCore after each step."""
+        """The last forward's routing rows (``inflight.engine.routing``); called by EngineCore after each step."""
         return self._inflight_routing.take()
 
     def inflight_status(self) -> WorkerStatus:

@@ -12,7 +12,7 @@ On a GPU the memory free after vLLM sized its KV cache includes the activation p
 budgeted for and released, which a later long prefill takes back: staging must not count
 it as its own. An engine built with a staging intent (``engine_kwargs(reserve_staging=...)``)
 therefore has its device bytes taken out of the KV cache's budget before vLLM sizes it
-(``kv_cache_after_staging``, applied by ``engine_patches.kv_budget``), and ``inflight_start``
+(``kv_cache_after_staging``, applied by ``inflight.engine.kv_budget``), and ``inflight_start``
 checks its config against that ``SetAside`` instead of the free memory.
 
 What a worker holds, and why each exists:

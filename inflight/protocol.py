@@ -7,7 +7,7 @@ channel's types. No pickle on the wire. Channels:
 - replies (each worker -> trainer, on the store): ``Accepted`` | ``Staged`` | ``Rejected`` | ``Committed``
 - rollouts (engine -> trainer, the rollout queue): ``RolloutGroup`` of ``RolloutSample``; ``EngineReport``
 (inside one engine, its workers and its commit coordinator talk on the engine channel:
-``engine_patches.engine_channel``)
+``inflight.engine.engine_channel``)
 
 One update (two-phase): ``UpdateAnnounce(v)`` -> ``Accepted``/``Rejected`` from every worker
 -> each bucket's frame if all accepted, else one ``Abort`` frame -> ``Staged``/``Rejected`` ->
@@ -282,7 +282,7 @@ class RolloutSample(Wire, tag="sample"):
     hybrid_tokens: NonNeg = 0
     """Tokens sampled by a hybrid of a layer-granular update (tagged with its oldest version)."""
     observation: list[bool] = []
-    """A multi-turn episode (``trainer.tasks.episode``): True on the environment's tokens
+    """A multi-turn episode (``inflight.trainer.tasks.episode``): True on the environment's tokens
     (observations, tool output) between the policy's turns. They carry log-prob 0 and the
     version of the token before them, and are masked from the loss. Empty: every token is
     the policy's."""
@@ -334,14 +334,14 @@ class RolloutGroup(Wire, tag="group"):
     group_id: Annotated[str, Meta(min_length=1)]
     samples: tuple[RolloutSample, ...]
     engine_id: str = ""
-    """Which engine of the fleet sampled it (``trainer.engine_process``: ``e<index>``)."""
+    """Which engine of the fleet sampled it (``inflight.trainer.engine_process``: ``e<index>``)."""
     sampling: Sampling | None = None
     """How it was sampled (None: not reported); the trainer refuses groups whose distribution
     it cannot reproduce (``inflight.rollout_queue.check_group``)."""
     engine_ledger: dict[str, int] = {}
     """The engine's rollout totals when it shipped this group: groups scored and failed, and
     for a multi-turn task its episodes started, finished, failed, dropped and shipped
-    (``trainer.episode_rollout.EpisodeRollout.counts``). Empty: not reported."""
+    (``inflight.trainer.episode_rollout.EpisodeRollout.counts``). Empty: not reported."""
 
     def __post_init__(self) -> None:
         for s in self.samples:

@@ -21,8 +21,8 @@ DataPlane = Literal["gloo", "nccl"]
 Backend = Literal["auto", DataPlane]
 """A ``DataPlane``, or ``auto``: NCCL where CUDA is available, else gloo."""
 CommitStrategyName = Literal["swap", "reload", "copy", "lora"]
-"""How staged weights become live (``engine_patches.commit``); ``lora``: an adapter-only engine's
-slot write (``engine_patches.commit.lora_slot``)."""
+"""How staged weights become live (``inflight.engine.commit``); ``lora``: an adapter-only engine's
+slot write (``inflight.engine.commit.lora_slot``)."""
 CommitChoice = Literal["auto", CommitStrategyName]
 """A ``CommitStrategyName``, or ``auto``: the best one that is right for the engine."""
 StagingPlace = Literal["device", "host"]
@@ -36,7 +36,7 @@ ModelDtype = Literal["float32", "bfloat16"]
 RolloutMode = Literal["inflight", "batch"]
 """In-flight sampling, or the synchronous batch-boundary baseline."""
 TrackerName = Literal["jsonl", "tensorboard", "wandb", "trackio"]
-"""Where the trainer's metrics go (``trainer.trackers``): metrics.jsonl, or an experiment tracker."""
+"""Where the trainer's metrics go (``inflight.trainer.trackers``): metrics.jsonl, or an experiment tracker."""
 
 
 def choices(enum: Any) -> tuple[str, ...]:

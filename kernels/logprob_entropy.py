@@ -8,7 +8,7 @@ Given logits z (N, V) and targets y (N,):
 Backward, with upstream gradients a_n (for logp) and b_n (for H):
     dz_nv = a_n (1[v = y_n] - p_nv) - b_n p_nv (z_nv - lse_n + H_n)
 
-Logits of -inf are tokens a sampling filter removed (``trainer.sampling_filter``): they have
+Logits of -inf are tokens a sampling filter removed (``inflight.trainer.sampling_filter``): they have
 p = 0 and add nothing to H or to any gradient (p z is taken as 0 there, never 0 * -inf); a
 target among them has logp = -inf.
 

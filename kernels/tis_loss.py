@@ -2,7 +2,7 @@
 or masking, advantage weighting, the loss and its gradient in one pass over the tokens.
 
 Per token t (all float32; ``m_t`` already folds the completion mask, the lag mask and the
-correction masks of ``trainer.correction``):
+correction masks of ``inflight.trainer.correction``):
     rho_t = exp(logp_t - mu_t)       token level (mu = behaviour log-prob), or
     rho_t = exp(l_t)                 when a log-ratio l_t is given (the sequence level passes
                                      l_t = log s_i, the sequence ratio of t's sample, detached)
@@ -161,7 +161,7 @@ def tis_loss(logp, mu, adv, mask, n_tokens: float, *, objective: Objective = "re
 
     ``objective`` and its constants are the module docstring's: ``truncation`` C (reinforce),
     ``clip_low``/``clip_high`` eps_lo/eps_hi (ppo), ``icepop_low``/``icepop_high`` lo/hi
-    (icepop), ``lag_decay`` d; the caller validates their ranges (``trainer.config.ObjectiveConfig``),
+    (icepop), ``lag_decay`` d; the caller validates their ranges (``inflight.trainer.config.ObjectiveConfig``),
     an unknown objective is refused here. ``lag`` (N,) is each token's lag for ``lag_decay``
     (None: 0); ``log_ratio`` (N,), if given, replaces logp - mu as the ratio's log (the sequence level)."""
     c = _Consts(objective, truncation, clip_low, clip_high, icepop_low, icepop_high, lag_decay)

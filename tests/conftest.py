@@ -66,7 +66,7 @@ def hold_port():
 @pytest.fixture(scope="session")
 def tiny_qwen(tmp_path_factory: pytest.TempPathFactory):
     """A 2-layer Qwen2 (qkv bias, tied embeddings), fp32 on disk."""
-    from trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
+    from inflight.trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen"), default_corpus(), TinyModelConfig(arch="qwen2"))
 
@@ -74,7 +74,7 @@ def tiny_qwen(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory):
     """A 2-layer Llama (no bias, untied LM head, head_dim 64), fp32 on disk."""
-    from trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
+    from inflight.trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
 
     cfg = TinyModelConfig(arch="llama", hidden_size=128, num_heads=2, num_kv_heads=1, tie_word_embeddings=False, seed=1)
     return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), default_corpus(), cfg)
@@ -83,6 +83,6 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory):
     """A 2-layer Qwen3-MoE (4 experts, top-2, head_dim 64, tied embeddings), fp32 on disk."""
-    from trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
+    from inflight.trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_moe"), default_corpus(), TinyModelConfig(**MOE, seed=2))

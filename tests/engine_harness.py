@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from engine_patches.config import WORKER_EXTENSION, InflightConfig, engine_kwargs
-from engine_patches.client import inflight_status, start_inflight, tagged
-from engine_patches.rpc import WorkerStatus
+from inflight.engine.config import WORKER_EXTENSION, InflightConfig, engine_kwargs
+from inflight.engine.client import inflight_status, start_inflight, tagged
+from inflight.engine.rpc import WorkerStatus
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushResult, WeightPusher
 
@@ -86,7 +86,7 @@ class Harness:
 
     def coordinator(self):
         """The engine's commit coordinator (EngineCore runs in this process)."""
-        from engine_patches.client import coordinator_of
+        from inflight.engine.client import coordinator_of
 
         return coordinator_of(self.llm)
 
@@ -287,7 +287,7 @@ def assert_tags_change_at_commits(outs: Sequence[Any], commits: Sequence[Any], *
     """Each of ``outs`` (finished ``RequestOutput``s of ``tokens`` tokens, sampled while the
     pushes ``commits`` landed) is tagged with version 0 and then each pushed version, and its
     tag changes exactly at the token count and engine step that ``rank``'s commit reported."""
-    from engine_patches.client import tagged
+    from inflight.engine.client import tagged
     from inflight.versions import boundaries, is_monotone
 
     for o in outs:

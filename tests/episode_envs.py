@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 import time
 
-from trainer.tasks.base import Prompt
-from trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
+from inflight.trainer.tasks.base import Prompt
+from inflight.trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
 
 WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "it")
 

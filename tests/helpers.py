@@ -19,8 +19,8 @@ from inflight.transport.layout import TensorSchema
 from inflight.transport.listener import UpdateListener
 from inflight.transport.peer import DictTarget
 from inflight.transport.pusher import PushConfig, WeightPusher
-from trainer.config import TrainConfig
-from trainer.config_files import config_from_dict
+from inflight.trainer.config import TrainConfig
+from inflight.trainer.config_files import config_from_dict
 
 RUN_BASE = {  # a tiny policy, short completions, small groups
     "run": {"seed": 5},
@@ -65,8 +65,8 @@ def train_beside(cfg: TrainConfig, beside: Callable[[], None], *, kill_before_la
     engine's death, so the kill is recovered inside the run however late the rows it waits
     for come (a slow engine's first group, on a busy machine). Returns the run's summary
     and its rows."""
-    from trainer.train import train
-    from trainer.weight_sync import WeightSync
+    from inflight.trainer.train import train
+    from inflight.trainer.weight_sync import WeightSync
 
     t = threading.Thread(target=beside, daemon=True)
     next_batch, calls = WeightSync.next_batch, []

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from engine_patches.client import coordinator_of, policy_lora, start_inflight, tagged
-from engine_patches.config import InflightConfig, engine_kwargs
-from engine_patches.rpc import WorkerStatus, as_result
+from inflight.engine.client import coordinator_of, policy_lora, start_inflight, tagged
+from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.rpc import WorkerStatus, as_result
 from inflight.adapter import AdapterSpec
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
-from trainer.adapter import LoRAOptions, adapter_weights, load_adapter_weights
+from inflight.trainer.adapter import LoRAOptions, adapter_weights, load_adapter_weights
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5="]
 OPTIONS = LoRAOptions(rank=8, alpha=16.0)
@@ -140,7 +140,7 @@ def slot_equals_vllm_load(worker, path: str) -> bool:
 
 def copy_plan_of(worker) -> tuple[int, int] | None:
     """Inside a worker: the lora commit's copy plan, (runs, indexed images), or None when
-    prepare takes vLLM's path (``engine_patches.commit.lora_plan``)."""
+    prepare takes vLLM's path (``inflight.engine.commit.lora_plan``)."""
     plan = worker._inflight_target.applier._plan
     return None if plan is None else plan.counts()
 
@@ -148,8 +148,8 @@ def copy_plan_of(worker) -> tuple[int, int] | None:
 def index_bytes_counted(worker) -> tuple[int, int]:
     """Inside a worker: the lora commit's index bytes as the KV cache's budget counts them, before
     ``attach`` records the copy plan (a fresh applier's bound), and as ``attach`` recorded them."""
-    from engine_patches.adapter import adapter_schema
-    from engine_patches.commit.lora_slot import LoRASlotApplier
+    from inflight.engine.adapter import adapter_schema
+    from inflight.engine.commit.lora_slot import LoRASlotApplier
 
     live = worker._inflight_target.applier
     fresh = LoRASlotApplier(worker.model_runner, live._spec, adapter_schema(worker.model_runner, live._spec))

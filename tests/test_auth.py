@@ -94,8 +94,8 @@ def test_a_group_off_loopback_without_a_secret_is_refused_unless_insecure(hold_p
 def test_an_engine_off_loopback_without_a_secret_refuses_to_start_and_keeps_serving(tiny_llama, monkeypatch) -> None:
     from vllm import LLM, SamplingParams
 
-    from engine_patches.client import inflight_status, start_inflight
-    from engine_patches.config import InflightConfig, engine_kwargs
+    from inflight.engine.client import inflight_status, start_inflight
+    from inflight.engine.config import InflightConfig, engine_kwargs
 
     monkeypatch.delenv(SECRET_ENV, raising=False)
     llm = LLM(str(tiny_llama), enforce_eager=True, dtype="float32", max_model_len=256, seed=0, **engine_kwargs())

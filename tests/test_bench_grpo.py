@@ -1,11 +1,11 @@
-"""``bench.grpo``'s arithmetic, without an engine: the workload (prompts, the ramp), what a
+"""``inflight.bench.grpo``'s arithmetic, without an engine: the workload (prompts, the ramp), what a
 scheduled chunk computes, the cadence in-flight achieves, and the figures of each row."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.grpo_figures import (achieved_cadence, against_cache, checks, group_prompt, positions, prefill_figures, ramp,
+from inflight.bench.grpo_figures import (achieved_cadence, against_cache, checks, group_prompt, positions, prefill_figures, ramp,
                         rotate)
 
 

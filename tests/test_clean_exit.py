@@ -28,8 +28,8 @@ import pytest
 ENGINE = r"""
 import gc, sys
 from vllm import LLM, SamplingParams
-from engine_patches.config import InflightConfig, engine_kwargs
-from engine_patches.client import start_inflight, tagged
+from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.client import start_inflight, tagged
 from inflight.transport.group import GroupConfig
 model, port = sys.argv[1], int(sys.argv[2])
 llm = LLM(model, enforce_eager=True, dtype="float32", max_model_len=256, **engine_kwargs())

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer import cli
-from trainer.config_files import CONFIG_DIR, config_names, find_config, load_config, parse_override
+from inflight.trainer import cli
+from inflight.trainer.config_files import CONFIG_DIR, config_names, find_config, load_config, parse_override
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGED = ["demo", "fleet_cpu", "gpu_hf_model", "smollm2_calculator_cpu", "smollm2_cpu", "smollm2_guess_cpu",
@@ -100,12 +100,12 @@ def test_an_override_fails_exactly_as_the_same_key_in_the_file(tmp_path: Path) -
 
 def test_inflight_help_names_every_command_without_importing_torch() -> None:
     """Through the interpreter, as the console script runs it: torch takes seconds to import."""
-    out = subprocess.run([sys.executable, "-m", "trainer.cli", "--help"], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "inflight.trainer.cli", "--help"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     for name in cli.COMMANDS:
         assert name in out.stdout
-    probe = ("import sys\nimport trainer.cli\ntry:\n    trainer.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+    probe = ("import sys\nimport inflight.trainer.cli\ntry:\n    inflight.trainer.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
              "print('torch imported:', 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().endswith("torch imported: False"), out.stdout + out.stderr
@@ -134,7 +134,7 @@ def test_prepare_model_prints_the_directory(tmp_path: Path, capsys: pytest.Captu
 
 
 def test_bench_runs_the_module_with_its_arguments() -> None:
-    out = subprocess.run([sys.executable, "-m", "trainer.cli", "bench", "transport", "--help"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "inflight.trainer.cli", "bench", "transport", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: transport.py") and "--bucket-mb" in out.stdout
@@ -154,18 +154,18 @@ def test_bench_lists_every_benchmark_program() -> None:
 
 def test_the_console_script_and_its_data_are_declared() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert project["project"]["scripts"]["inflight"] == "trainer.cli:main"
+    assert project["project"]["scripts"]["inflight"] == "inflight.trainer.cli:main"
     data = project["tool"]["setuptools"]["package-data"]
-    assert "configs/*.toml" in data["trainer"] and "scenarios/*.toml" in data["bench"]
+    assert "configs/*.toml" in data["inflight.trainer"] and "scenarios/*.toml" in data["inflight.bench"]
 
 
 def test_the_configuration_reference_is_generated_from_the_code() -> None:
-    """docs/configuration.md is ``python -m trainer.config_docs``'s output: every key of every
+    """docs/configuration.md is ``python -m inflight.trainer.config_docs``'s output: every key of every
     table, with its default and docstring (regenerate it when a setting changes)."""
-    from trainer.config_docs import render, tables
+    from inflight.trainer.config_docs import render, tables
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
-    assert doc == render(), "docs/configuration.md is stale: python -m trainer.config_docs > docs/configuration.md"
+    assert doc == render(), "docs/configuration.md is stale: python -m inflight.trainer.config_docs > docs/configuration.md"
     keys = {f"{name}.{key}" for name, _, rows in tables() for key, _, _ in rows}
     assert {"run.resume", "optim.micro_batches", "optim.warmup_steps", "task.episode.max_turns",
             "task.guess_number.consistency_credit", "engine.kv_cache_gb"} <= keys

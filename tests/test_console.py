@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 from tests.helpers import metrics_rows
-from trainer.config_files import config_from_dict
-from trainer.console import OncePerMessage, log_tail, log_to_file
-from trainer.fleet import Fleet, Placement
+from inflight.trainer.config_files import config_from_dict
+from inflight.trainer.console import OncePerMessage, log_tail, log_to_file
+from inflight.trainer.fleet import Fleet, Placement
 
 ROOT = Path(__file__).resolve().parents[1]
 BAR = re.compile(r"^train:\s+\d+%\|")
@@ -26,7 +26,7 @@ def test_the_demo_console_fits_on_one_screen(tmp_path) -> None:
     out = tmp_path / "run"
     # as `make demo` runs it: conftest quiets vLLM's log (VLLM_LOGGING_LEVEL), the demo does not
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "TRITON_INTERPRET")}
-    run = subprocess.run([sys.executable, "-m", "trainer.train", "--config", "demo", "--set", "run.steps=3",
+    run = subprocess.run([sys.executable, "-m", "inflight.trainer.train", "--config", "demo", "--set", "run.steps=3",
                           "--set", f"run.out_dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, timeout=1800)
     console = run.stdout
@@ -57,7 +57,7 @@ def _failing_engine(cfg, *args, log_file: str, **kwargs) -> None:
 
 
 def test_an_engine_that_fails_is_reported_with_the_end_of_its_log(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr("trainer.fleet.run_engine", _failing_engine)
+    monkeypatch.setattr("inflight.trainer.fleet.run_engine", _failing_engine)
     # the console, read without truncating it: capsys.readouterr() empties its buffer between a
     # read and a truncate, and loses what the watcher thread writes in between (it hung here)
     console = io.StringIO()

@@ -3,7 +3,7 @@ tensor-parallel rank is sent, stages and keeps as its rollback copy only the box
 checkpoint its loaders read (as ``swap`` does).
 
 On CPU the copy is right only where vLLM's linears keep their weights in their parameters
-(``INFLIGHT_CPU_PLAIN_GEMM=1``: ``engine_patches.patch.use_plain_cpu_gemm``). The plugin
+(``INFLIGHT_CPU_PLAIN_GEMM=1``: ``inflight.engine.patch.use_plain_cpu_gemm``). The plugin
 applies that patch in every process that builds an engine, this pytest process included
 when EngineCore runs in it; so every engine built with it here runs in a spawned process of
 its own (its TP workers inherit the variable), and no other test module's engine sees it.
@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine_patches.patch import PLAIN_CPU_GEMM_ENV
+from inflight.engine.patch import PLAIN_CPU_GEMM_ENV
 from tests.engine_harness import Reference, perturbed
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5="]
@@ -55,8 +55,8 @@ def _worker_facts(worker) -> dict[str, Any]:
     rollback copy (at start: the checkpoint read at ``inflight_start``) is exactly its boxes."""
     from safetensors.torch import load_file
 
-    from engine_patches.commit.base import cpu_gemm_prepacking
-    from engine_patches.commit.checkpoint import checkpoint_dir, checkpoint_schema
+    from inflight.engine.commit.base import cpu_gemm_prepacking
+    from inflight.engine.commit.checkpoint import checkpoint_dir, checkpoint_schema
     from inflight.memory import update_bytes
 
     mc = worker.vllm_config.model_config
@@ -88,7 +88,7 @@ def _worker_facts(worker) -> dict[str, Any]:
 
 def _float32_prepack(worker) -> str | None:
     """Inside the worker: what its CPU GEMM packs float32 linear weights for (None: nothing)."""
-    from engine_patches.commit.base import cpu_gemm_prepacking
+    from inflight.engine.commit.base import cpu_gemm_prepacking
 
     return cpu_gemm_prepacking([torch.float32])
 
@@ -96,7 +96,7 @@ def _float32_prepack(worker) -> str | None:
 def _greedy(llm) -> list[dict[str, Any]]:
     from vllm import SamplingParams
 
-    from engine_patches.client import tagged
+    from inflight.engine.client import tagged
 
     sp = SamplingParams(temperature=0.0, max_tokens=10, logprobs=0, ignore_eos=True)
     outs = []
@@ -132,8 +132,8 @@ def run_copy_engine(model_dir: str, tp: int) -> dict[str, Any]:
     from safetensors.torch import load_file
     from vllm import LLM, SamplingParams
 
-    from engine_patches.client import coordinator_of, start_inflight, tagged
-    from engine_patches.config import InflightConfig, engine_kwargs
+    from inflight.engine.client import coordinator_of, start_inflight, tagged
+    from inflight.engine.config import InflightConfig, engine_kwargs
     from inflight.transport.group import GroupConfig
     from inflight.transport.pusher import PushConfig, WeightPusher
     from inflight.transport.store import release_port, reserve_port
@@ -300,9 +300,9 @@ def test_this_process_never_saw_the_plain_gemm() -> None:
 def test_copy_is_refused_on_a_cpu_engine_whose_gemm_prepacks(tiny_llama, port) -> None:
     from vllm import LLM
 
-    from engine_patches.client import start_inflight
-    from engine_patches.commit.base import resolve_strategy
-    from engine_patches.config import InflightConfig, engine_kwargs
+    from inflight.engine.client import start_inflight
+    from inflight.engine.commit.base import resolve_strategy
+    from inflight.engine.config import InflightConfig, engine_kwargs
     from inflight.transport.group import GroupConfig
 
     cpu = torch.device("cpu")
@@ -325,7 +325,7 @@ def test_rollback_copy_sizes_must_match_the_plan(tmp_path) -> None:
     """``read_checkpoint_into`` refuses a buffer the plan's layout does not fill exactly."""
     from safetensors.torch import save_file
 
-    from engine_patches.commit.checkpoint import read_checkpoint_into
+    from inflight.engine.commit.checkpoint import read_checkpoint_into
     from inflight.memory import update_bytes
     from inflight.shard_plan import make_plan, whole
     from inflight.transport.layout import TensorSchema
@@ -381,7 +381,7 @@ def _runner(model: torch.nn.Module) -> SimpleNamespace:
 
 
 def test_the_copy_plan_is_recorded_on_cpu_scratch_and_replays_the_loaders_from_boxes(caplog) -> None:
-    from engine_patches.commit.in_storage import InStorageApplier, _CpuScratch
+    from inflight.engine.commit.in_storage import InStorageApplier, _CpuScratch
 
     shapes = {"w": ((4, 3), torch.float32), "b": ((3,), torch.float32)}
     model = _RankOne()

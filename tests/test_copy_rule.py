@@ -14,8 +14,8 @@ import gc
 import pytest
 import torch
 
-from engine_patches.commit.base import resolve_strategy
-from engine_patches.commit.postload import copy_refusals
+from inflight.engine.commit.base import resolve_strategy
+from inflight.engine.commit.postload import copy_refusals
 
 
 class DerivesABuffer(torch.nn.Module):
@@ -32,7 +32,7 @@ class DerivesABuffer(torch.nn.Module):
 def _refusals_of(model_dir, names: tuple[str, ...] = ()) -> list[str]:
     from vllm import LLM
 
-    from engine_patches.config import engine_kwargs
+    from inflight.engine.config import engine_kwargs
 
     llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", max_model_len=256, seed=0, **engine_kwargs())
     try:

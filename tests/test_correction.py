@@ -20,10 +20,10 @@ import math
 import pytest
 import torch
 
-from trainer.loss_config import LossConfig, ObjectiveConfig
-from trainer.correction import m2po_keep
-from trainer.loss import Batch, compute_loss
-from trainer.metrics import ess_warning
+from inflight.trainer.loss_config import LossConfig, ObjectiveConfig
+from inflight.trainer.correction import m2po_keep
+from inflight.trainer.loss import Batch, compute_loss
+from inflight.trainer.metrics import ess_warning
 
 LOG_HALF = math.log(0.5)
 S = [math.exp(0.2), math.exp(-0.2), math.exp(-0.4)]

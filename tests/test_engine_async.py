@@ -7,8 +7,8 @@ import contextlib
 
 import torch
 
-from engine_patches.config import InflightConfig, engine_kwargs
-from engine_patches.client import inflight_status_async, start_inflight_async, stream_tagged, tagged
+from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.client import inflight_status_async, start_inflight_async, stream_tagged, tagged
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
 from inflight.versions import boundaries, is_monotone

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from engine_patches.client import tagged
+from inflight.engine.client import tagged
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import Harness, Reference, drive, perturbed, push_at_steps
@@ -111,7 +111,7 @@ def test_the_worker_counts_model_steps_without_a_forward_hook(harness: Harness) 
     """A step that replays a full CUDA graph never calls the model's forward, so the worker
     counts its steps in ``execute_model`` (``count_worker_steps``): no forward hook of ours is
     on the model, and the worker's count moves with the engine's, step for step."""
-    from engine_patches.client import inflight_status
+    from inflight.engine.client import inflight_status
 
     h = harness
     assert h.llm.collective_rpc(lambda self: len(self.model_runner.get_model()._forward_pre_hooks)) == [0]
@@ -198,7 +198,7 @@ def test_behaviour_logprobs_under_top_k_and_top_p_equal_the_trainers(harness: Ha
     either side in two implementations 1.7e-6 apart: those are counted, not compared."""
     from vllm import SamplingParams
 
-    from trainer.loss import collate, policy_logprobs
+    from inflight.trainer.loss import collate, policy_logprobs
 
     h = harness
     h.push(h.base)
@@ -241,8 +241,8 @@ def _near_the_cut(model, batch, sampling: Sampling, margin: float = 2e-5) -> tor
 def test_misconfigured_engine_is_refused(tiny_llama, port) -> None:
     from vllm import LLM
 
-    from engine_patches.config import WORKER_EXTENSION, InflightConfig
-    from engine_patches.client import start_inflight
+    from inflight.engine.config import WORKER_EXTENSION, InflightConfig
+    from inflight.engine.client import start_inflight
     from inflight.transport.group import GroupConfig
 
     llm = LLM(str(tiny_llama), enforce_eager=True, max_model_len=256, worker_extension_cls=WORKER_EXTENSION,
@@ -262,8 +262,8 @@ def test_engines_without_a_between_steps_boundary_are_refused(tiny_llama, port) 
 
     from vllm import LLM
 
-    from engine_patches.config import InflightConfig, engine_kwargs
-    from engine_patches.coordinator import check_engine
+    from inflight.engine.config import InflightConfig, engine_kwargs
+    from inflight.engine.coordinator import check_engine
     from inflight.transport.group import GroupConfig
 
     llm = LLM(str(tiny_llama), enforce_eager=True, max_model_len=256, **engine_kwargs())

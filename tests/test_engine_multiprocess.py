@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_patches.config import InflightConfig, engine_kwargs
-from engine_patches.client import inflight_status, start_inflight, tagged
+from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.client import inflight_status, start_inflight, tagged
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
 from inflight.versions import boundaries, is_monotone, tags_from_spans

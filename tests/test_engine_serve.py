@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_patches.config import InflightConfig
-from engine_patches.rpc import StartReport, WorkerStatus, as_result
+from inflight.engine.config import InflightConfig
+from inflight.engine.rpc import StartReport, WorkerStatus, as_result
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
 from tests.engine_harness import CACHE_PROMPT, Reference, Sample, check_fresh, check_warm, perturbed, post_json, serve_process

@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from trainer.tasks.base import Completion, Prompt
-from trainer.tasks.calculator import TEMPLATE, CalcError, Calculator, safe_eval
-from trainer.tasks.episode import EpisodeView, Turn
-from trainer.tasks.guess_number import GuessNumber
+from inflight.trainer.tasks.base import Completion, Prompt
+from inflight.trainer.tasks.calculator import TEMPLATE, CalcError, Calculator, safe_eval
+from inflight.trainer.tasks.episode import EpisodeView, Turn
+from inflight.trainer.tasks.guess_number import GuessNumber
 
 
 def _view(prompt: Prompt, *replies: str, state: dict | None = None, last: bool = False) -> EpisodeView:

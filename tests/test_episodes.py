@@ -1,4 +1,4 @@
-"""Multi-turn episodes (``trainer.tasks.episode``, ``trainer.episode_rollout``).
+"""Multi-turn episodes (``inflight.trainer.tasks.episode``, ``inflight.trainer.episode_rollout``).
 
 - Observation tokens render as the chat template continues the conversation, and receive
   no gradient: the loss, its entropy term and every correction see the policy's tokens only.
@@ -27,16 +27,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_patches.client import coordinator_of, start_inflight
-from engine_patches.config import InflightConfig, engine_kwargs
+from inflight.engine.client import coordinator_of, start_inflight
+from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling, decode_group, encode
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
 from tests.engine_harness import Reference, perturbed, replay, stop_engine
-from trainer.loss_config import LossConfig
-from trainer.config_files import config_from_dict
-from trainer.tasks.base import Prompt
-from trainer.tasks.episode import ObservationRenderer, Turn
+from inflight.trainer.loss_config import LossConfig
+from inflight.trainer.config_files import config_from_dict
+from inflight.trainer.tasks.base import Prompt
+from inflight.trainer.tasks.episode import ObservationRenderer, Turn
 
 EXACT = 1e-4
 WAIT_S = 300.0  # the longest an event may take on a loaded 2-core machine
@@ -53,8 +53,8 @@ def _wait(done, what: str) -> None:
 def test_an_observation_continues_the_chat_template_exactly() -> None:
     from transformers import AutoTokenizer
 
-    from trainer.models import resolve_model
-    from trainer.tasks.base import encode_prompt
+    from inflight.trainer.models import resolve_model
+    from inflight.trainer.tasks.base import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model("smollm2")))
     r = ObservationRenderer(tok, "auto")
@@ -92,7 +92,7 @@ def test_greedy_evaluation_caps_each_turn_at_the_episodes_budget(tiny_llama) -> 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.episode_envs import make
-    from trainer.tasks.evaluate import greedy_episodes
+    from inflight.trainer.tasks.evaluate import greedy_episodes
 
     tok = AutoTokenizer.from_pretrained(str(tiny_llama))
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
@@ -116,7 +116,7 @@ def test_greedy_evaluation_caps_each_turn_at_the_episodes_budget(tiny_llama) -> 
 def test_observation_tokens_receive_no_gradient(tiny_llama) -> None:
     """The loss (with its entropy term) differentiated by each token's log-prob and entropy:
     exactly zero on every observation token, nonzero on every policy token."""
-    from trainer.loss import collate, compute_loss, policy_logprobs
+    from inflight.trainer.loss import collate, compute_loss, policy_logprobs
 
     ref = Reference(tiny_llama, "float32")
     g = torch.Generator().manual_seed(0)
@@ -150,7 +150,7 @@ class Driver:
     """An engine of this process stepped from the test thread, episodes driven by an ``EpisodeRollout``."""
 
     def __init__(self, engine: dict, journal: Path | None = None, **task: Any) -> None:
-        from trainer.episode_rollout import EpisodeRollout
+        from inflight.trainer.episode_rollout import EpisodeRollout
 
         self.llm, self.model_dir = engine["llm"], engine["model_dir"]
         cfg = config_from_dict({
@@ -181,7 +181,7 @@ class Driver:
             self.requests.pop(rid, None)
 
     def start(self, gid: str, prompt: Prompt) -> None:
-        from trainer.tasks.base import encode_prompt
+        from inflight.trainer.tasks.base import encode_prompt
 
         self.rollout.start_group(gid, prompt, encode_prompt(self.llm.get_tokenizer(), prompt, "auto"))
 

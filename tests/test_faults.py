@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import torch
 
-from engine_patches.client import tagged
+from inflight.engine.client import tagged
 from inflight.protocol import BucketHeader
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher

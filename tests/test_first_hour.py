@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-INFLIGHT = [sys.executable, "-m", "trainer.cli"]
+INFLIGHT = [sys.executable, "-m", "inflight.trainer.cli"]
 ROOT = Path(__file__).resolve().parents[1]
 ERROR_WITHIN_S = 15.0
 
@@ -149,7 +149,7 @@ def test_a_task_module_and_dataset_next_to_the_config_are_found_from_anywhere(tm
     (project / "my_task.py").write_text(
         "import random\n"
         "from pathlib import Path\n"
-        "from trainer.tasks import Prompt, Task\n\n"
+        "from inflight.trainer.tasks import Prompt, Task\n\n"
         "class Words(Task):\n"
         "    def __init__(self, path):\n"
         "        self.words = Path(path).read_text().split()\n"
@@ -174,7 +174,7 @@ def test_a_task_module_and_dataset_next_to_the_config_are_found_from_anywhere(tm
 
 BAD_REWARDS = """
 import math
-from trainer.tasks import RepeatDigit
+from inflight.trainer.tasks import RepeatDigit
 
 class BadReward(RepeatDigit):
     def __init__(self, tokenizer, kind):
@@ -257,7 +257,7 @@ def test_a_batch_with_nothing_to_learn_is_named(tmp_path) -> None:
     the first such step says so on the console, naming the rewards and where the samples are,
     and samples.jsonl holds every sample trained on with its completion."""
     (tmp_path / "zero_reward.py").write_text(
-        "from trainer.tasks import RepeatDigit\n\n"
+        "from inflight.trainer.tasks import RepeatDigit\n\n"
         "class Zero(RepeatDigit):\n"
         "    def score(self, prompts, completions):\n"
         "        return [0.0] * len(completions)\n\n"

@@ -26,8 +26,8 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from engine_patches.config import InflightConfig, engine_kwargs
-from engine_patches.client import coordinator_of, start_inflight, tagged
+from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.client import coordinator_of, start_inflight, tagged
 from inflight.rollout_queue import RolloutQueue
 from inflight.transport.fleet_pusher import FleetPushError, FleetPusher, collect
 from inflight.transport.group import GroupConfig
@@ -35,9 +35,9 @@ from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import idle_engine, perturbed, push_at_steps
 from tests.helpers import check_ledger, metrics_rows, pending_ids, run_config, train_beside, wait_rows
-from trainer.config_files import config_from_dict
-from trainer.fleet import Fleet, Placement
-from trainer.train import train
+from inflight.trainer.config_files import config_from_dict
+from inflight.trainer.fleet import Fleet, Placement
+from inflight.trainer.train import train
 
 
 def test_two_engines_take_every_update_with_exact_tags_on_each(tiny_qwen, port) -> None:
@@ -241,7 +241,7 @@ def test_a_frozen_engine_is_dropped_and_rejoins_without_stale_tags(tmp_path) -> 
 
 
 def test_spawned_engines_split_the_engine_gpus_evenly() -> None:
-    from trainer.fleet import engine_share
+    from inflight.trainer.fleet import engine_share
 
     assert [engine_share("1,2,3,4", 2, i) for i in range(2)] == ["1,2", "3,4"]
     assert [engine_share("5,7", 2, i) for i in range(2)] == ["5", "7"]

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine_patches.commit.checkpoint import checkpoint_schema
-from engine_patches.commit.in_storage import reload_peak_bytes
+from inflight.engine.commit.checkpoint import checkpoint_schema
+from inflight.engine.commit.in_storage import reload_peak_bytes
 from inflight.transport.group import GroupConfig, WeightGroup
 from inflight.transport.layout import TensorSchema
 from inflight.transport.listener import UpdateListener

@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch.distributed import HashStore, PrefixStore, TCPStore
 
-from engine_patches.config import InflightConfig, engine_kwargs
+from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.rollout_queue import RolloutBuffer, RolloutQueue
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling
 from inflight.transport.errors import TransportError
@@ -186,7 +186,7 @@ def test_commit_reports_token_counts_while_requests_come_and_go(harness: Harness
 def test_engine_with_model_sampling_defaults_refuses_to_start(tiny_llama, tmp_path, port) -> None:
     from vllm import LLM
 
-    from engine_patches.client import start_inflight
+    from inflight.engine.client import start_inflight
 
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
@@ -211,7 +211,7 @@ def _group(gid: str, sampling: Sampling | None, **sample) -> RolloutGroup:
 def test_queue_refuses_groups_sampled_from_a_distribution_the_trainer_does_not_score() -> None:
     from vllm import SamplingParams
 
-    from trainer.engine_process import sampling_of
+    from inflight.trainer.engine_process import sampling_of
 
     assert sampling_of(SamplingParams(temperature=0.7)).transforms() == []
     assert sampling_of(SamplingParams(top_k=20, top_p=0.8)).transforms() == ["top_k=20", "top_p=0.8"]
@@ -245,7 +245,7 @@ class _Model:
 
 
 def _save(path: Path, marker: str, step: int) -> None:
-    from trainer.checkpoint import TrainerState, save_checkpoint
+    from inflight.trainer.checkpoint import TrainerState, save_checkpoint
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     state = TrainerState(step=step, version=step, python_rng=random.getstate(),
@@ -254,7 +254,7 @@ def _save(path: Path, marker: str, step: int) -> None:
 
 
 def test_a_crash_during_a_checkpoint_swap_leaves_a_complete_checkpoint(tmp_path, monkeypatch) -> None:
-    from trainer.checkpoint import load_state
+    from inflight.trainer.checkpoint import load_state
 
     path = tmp_path / "checkpoint"
     _save(path, "first", 1)
@@ -283,7 +283,7 @@ def test_a_crash_during_a_checkpoint_swap_leaves_a_complete_checkpoint(tmp_path,
 
 
 def test_buffer_counters_survive_a_checkpoint(tmp_path) -> None:
-    from trainer.checkpoint import TrainerState, load_state, save_checkpoint
+    from inflight.trainer.checkpoint import TrainerState, load_state, save_checkpoint
 
     queue = RolloutQueue(HashStore(), capacity=10)
     buffer = RolloutBuffer(queue, admit_lag=0, group_size=1)
@@ -305,7 +305,7 @@ def test_buffer_counters_survive_a_checkpoint(tmp_path) -> None:
 
 @pytest.mark.gpu
 def test_cuda_rng_state_is_saved_and_restored(tmp_path) -> None:
-    from trainer.checkpoint import TrainerState, load_state, restore_rng, save_checkpoint
+    from inflight.trainer.checkpoint import TrainerState, load_state, restore_rng, save_checkpoint
 
     torch.cuda.manual_seed_all(123)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from kernels.logprob_entropy import logprob_entropy, logprob_entropy_reference
-from kernels.tis_loss import tis_loss
+from inflight.kernels.logprob_entropy import logprob_entropy, logprob_entropy_reference
+from inflight.kernels.tis_loss import tis_loss
 
 # (B, T, V): vocabularies that are not powers of two (37, 769) or are GPT-2's (50257), odd T
 SHAPES = [(2, 7, 37), (3, 5, 769), (2, 3, 50257)]
@@ -70,7 +70,7 @@ def test_logprob_entropy_parity_cuda(shape, dtype) -> None:
 @pytest.mark.parametrize("impl,device", [("triton", "cpu"), ("torch", "cpu"), ("reference", "cpu"),
                                          pytest.param("triton", "cuda", marks=pytest.mark.gpu)])
 def test_logprob_entropy_of_filtered_logits(impl: str, device: str) -> None:
-    """-inf logits (tokens a top-k/top-p filter dropped, ``trainer.sampling_filter``): p = 0, no
+    """-inf logits (tokens a top-k/top-p filter dropped, ``inflight.trainer.sampling_filter``): p = 0, no
     term in H or in any gradient, whole 1024-wide blocks of them first in a row (the online
     max starts at -inf); a target among them has logp = -inf, and its upstream gradient is
     0 (``compute_loss`` takes it out of the loss)."""
@@ -185,9 +185,9 @@ def _check_compute_loss(objective: str, level: str, lag_decay: float, device: st
     """The whole trainer loss through the kernel (masks, sequence reduction, GSPO-token
     gradient) against ``correction_loss_reference``'s honest autograd, on a ragged batch of
     mixed versions; every mask is on."""
-    from trainer.loss_config import LossConfig, ObjectiveConfig
-    from trainer.correction import correction_loss_reference, correction_masks
-    from trainer.loss import Batch, compute_loss
+    from inflight.trainer.loss_config import LossConfig, ObjectiveConfig
+    from inflight.trainer.correction import correction_loss_reference, correction_masks
+    from inflight.trainer.loss import Batch, compute_loss
 
     g = torch.Generator().manual_seed(b * t)
     lengths = torch.tensor([t, 1, 7, t - 1, 4] * (b // 5 + 1))[:b]

@@ -1,5 +1,5 @@
 """Staging's device bytes come out of the KV cache's budget before vLLM sizes it, on an engine
-built with a staging intent (``engine_patches.kv_budget``): the arithmetic and its refusal,
+built with a staging intent (``inflight.engine.kv_budget``): the arithmetic and its refusal,
 the intent's way to the worker, ``inflight_start`` holding its config to what was set
 aside, and, on a GPU, the KV cache that vLLM allocates."""
 
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine_patches.config import STAGING_INTENT_KEY, InflightConfig, StagingIntent, engine_kwargs
+from inflight.engine.config import STAGING_INTENT_KEY, InflightConfig, StagingIntent, engine_kwargs
 from inflight.memory import (
     CUDA_MARGIN_BYTES,
     MemoryBudget,
@@ -96,7 +96,7 @@ def test_the_wrapper_sets_aside_only_on_an_engine_built_with_the_intent(monkeypa
     cache (``kv_cache_memory_bytes``); with it, less the staging, remembered on the worker."""
     from vllm.v1.worker.gpu_worker import Worker
 
-    import engine_patches.kv_budget as kv_budget
+    import inflight.engine.kv_budget as kv_budget
 
     monkeypatch.setattr(Worker, "determine_available_memory", lambda self: 10 * GiB)  # vLLM's figure
     kv_budget.patch_available_memory()
@@ -125,7 +125,7 @@ def _intent_on_worker(worker: Any) -> Any:
 
 
 def _set_aside_on_worker(worker: Any) -> SetAside | None:
-    from engine_patches.kv_budget import SET_ASIDE_ATTR
+    from inflight.engine.kv_budget import SET_ASIDE_ATTR
 
     return getattr(worker, SET_ASIDE_ATTR, None)
 
@@ -133,7 +133,7 @@ def _set_aside_on_worker(worker: Any) -> SetAside | None:
 def _reserve_on_worker(wrapper: Any, available: int) -> int:
     """The step a GPU worker's ``determine_available_memory`` takes, on this CPU worker (a
     callable RPC gets vLLM's wrapper, which reads through to the worker but keeps what is set)."""
-    from engine_patches.kv_budget import reserve_before_kv_cache
+    from inflight.engine.kv_budget import reserve_before_kv_cache
 
     return reserve_before_kv_cache(wrapper.worker, available, total=16 * GiB, utilization=0.9)
 
@@ -148,8 +148,8 @@ def test_the_intent_reaches_the_worker_and_start_refuses_a_config_needing_more_t
     set-aside step of a GPU worker is run here on the CPU worker, with its loaded model."""
     from vllm import LLM, SamplingParams
 
-    from engine_patches.client import start_inflight
-    from engine_patches.commit.checkpoint import checkpoint_schema
+    from inflight.engine.client import start_inflight
+    from inflight.engine.commit.checkpoint import checkpoint_schema
 
     group = GroupConfig(port=port, world_size=2)
     fits = InflightConfig(group=group, commit="reload", keep_rollback=False)
@@ -194,7 +194,7 @@ def _boot_gpu_engine(model_dir: str, port: int, intent: bool) -> tuple[tuple[int
     the staging ``inflight_start`` reserved (0 without the intent)."""
     from vllm import LLM
 
-    from engine_patches.client import start_inflight
+    from inflight.engine.client import start_inflight
 
     config = InflightConfig(group=GroupConfig(port=port, world_size=2))
     llm = LLM(model_dir, enforce_eager=True, dtype="float32", max_model_len=256, seed=0, gpu_memory_utilization=0.1,

@@ -23,9 +23,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_patches.client import coordinator_of, inflight_status, start_inflight, tagged
-from engine_patches.rpc import WorkerStatus, as_result
-from engine_patches.config import InflightConfig, engine_kwargs
+from inflight.engine.client import coordinator_of, inflight_status, start_inflight, tagged
+from inflight.engine.rpc import WorkerStatus, as_result
+from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.layer_groups import Hybrid, layer_groups, parse_label
 from inflight.memory import update_bytes
 from inflight.transport.group import GroupConfig
@@ -248,7 +248,7 @@ def test_the_training_loop_with_layer_commits(tmp_path) -> None:
     """``engine.commit_unit = "layer"``: the run trains on tokens some of which hybrids sampled,
     reports their fraction, ends on its last version whole, and its queue ledger balances."""
     from tests.helpers import check_ledger, metrics_rows, pending_ids, run_config
-    from trainer.train import train
+    from inflight.trainer.train import train
 
     out = tmp_path / "run"
     summary = train(run_config(out, steps=6, engine={"commit_unit": "layer"}))

@@ -11,15 +11,17 @@ import inspect
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("inflight", "engine_patches", "kernels", "trainer", "bench")
+PACKAGES = {"inflight": "inflight", "engine_patches": "inflight.engine", "kernels": "inflight.kernels",
+            "trainer": "inflight.trainer", "bench": "inflight.bench"}
+"""Each top-level folder and the package name it imports as (one namespace: ``inflight/__init__.py``)."""
 MAX_LINES = 400
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for pkg in PACKAGES:
-        for path in (ROOT / pkg).rglob("*.py"):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for folder, package in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [package, *path.relative_to(ROOT / folder).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             out[".".join(parts)] = path
@@ -83,7 +85,7 @@ def test_no_source_file_is_over_the_limit() -> None:
 
 
 def test_the_training_story_is_short() -> None:
-    from trainer.train import train
+    from inflight.trainer.train import train
 
     lines = inspect.getsource(train).splitlines()
     assert len(lines) <= 60, len(lines)
@@ -105,3 +107,17 @@ def test_each_settings_choice_list_is_declared_once() -> None:
                     twice.append((values, seen[values], where))
                 seen.setdefault(values, where)
     assert not twice, twice
+
+
+def test_the_code_imports_one_namespace() -> None:
+    """The folders import as ``inflight.*`` only: a module imported under its folder's own name
+    too (``trainer.config`` beside ``inflight.trainer.config``) would be loaded twice, with two
+    copies of its state, and the wheel has no such top-level name."""
+    folders = set(PACKAGES) - {"inflight"}
+    stray = []
+    for path in [*_modules().values(), *(ROOT / "tests").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            stray += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n.split(".")[0] in folders]
+    assert not stray, stray

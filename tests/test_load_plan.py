@@ -1,5 +1,5 @@
-"""The swap commit's load plan and reused shadow buffers (``engine_patches.commit.load_plan``,
-``engine_patches.commit.shadow_sets``) on a real vLLM CPU engine.
+"""The swap commit's load plan and reused shadow buffers (``inflight.engine.commit.load_plan``,
+``inflight.engine.commit.shadow_sets``) on a real vLLM CPU engine.
 
 - the plan's copies write exactly the bytes vLLM's own weight loaders write (bitwise, every
   parameter of a Qwen2 with fused qkv / gate_up, qkv bias and tied embeddings);
@@ -29,7 +29,7 @@ def _worker(h: Harness):
 
 
 def test_plan_writes_exactly_what_the_loaders_write(tiny_qwen, port) -> None:
-    from engine_patches.commit.swap import SwapApplier
+    from inflight.engine.commit.swap import SwapApplier
 
     h = Harness(tiny_qwen, "float32", port)
     try:
@@ -107,7 +107,7 @@ def test_staging_into_reused_buffers_never_touches_the_live_version(tiny_qwen, p
 
 def test_a_repack_failing_on_the_repack_thread_refuses_the_update_and_the_live_version_stays(
         tiny_qwen, monkeypatch, port) -> None:
-    import engine_patches.commit.swap as swap
+    import inflight.engine.commit.swap as swap
     from inflight.transport.pusher import PushRejected
 
     h = Harness(tiny_qwen, "float32", port)

@@ -32,7 +32,7 @@ from tests.lora_harness import (PROMPTS, LoRAEngine, assert_matches_peft, copy_p
 
 @pytest.fixture(scope="module", params=["llama_tp1", "qwen3_tp2"])
 def lora(request, hold_port, tmp_path_factory):
-    from trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
+    from inflight.trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
 
     root = tmp_path_factory.mktemp(request.param)
     if request.param == "llama_tp1":
@@ -164,9 +164,9 @@ def test_a_commit_failing_on_one_rank_is_taken_back_on_every_rank(lora: LoRAEngi
 def test_adapter_directories_the_slot_cannot_hold_are_refused_by_name(tmp_path) -> None:
     import json
 
-    from engine_patches.config import engine_kwargs
+    from inflight.engine.config import engine_kwargs
     from inflight.adapter import AdapterSpec
-    from trainer.adapter import LoRAOptions
+    from inflight.trainer.adapter import LoRAOptions
 
     (tmp_path / "adapter_model.safetensors").write_bytes(b"")
     config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "use_dora": True, "bias": "lora_only",
@@ -189,7 +189,7 @@ def _start_on_worker(worker, config_json: str):
 
 
 def test_an_adapter_below_its_slot_rank_is_padded_as_vllm_pads_it(tiny_llama, hold_port, tmp_path) -> None:
-    from trainer.adapter import LoRAOptions
+    from inflight.trainer.adapter import LoRAOptions
 
     import dataclasses
     import os

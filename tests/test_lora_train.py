@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import metrics_rows, run_config
-from trainer.train import train
+from inflight.trainer.train import train
 
 LORA = {"rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj", "up_proj", "down_proj"]}
 

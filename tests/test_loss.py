@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling
-from kernels.tis_loss import tis_loss
-from trainer.loss_config import LossConfig, ObjectiveConfig
-from trainer.loss import Batch, collate, compute_loss, grpo_advantages, policy_logprobs
+from inflight.kernels.tis_loss import tis_loss
+from inflight.trainer.loss_config import LossConfig, ObjectiveConfig
+from inflight.trainer.loss import Batch, collate, compute_loss, grpo_advantages, policy_logprobs
 
 
 def test_grpo_advantages_by_hand() -> None:
@@ -183,9 +183,9 @@ def test_micro_batches_accumulate_the_one_batch_gradient(tiny_llama, level: str)
     from dataclasses import replace
     from pathlib import Path
 
-    from trainer.config_files import config_from_dict
-    from trainer.loss import micro_batches
-    from trainer.policy import Policy
+    from inflight.trainer.config_files import config_from_dict
+    from inflight.trainer.loss import micro_batches
+    from inflight.trainer.policy import Policy
 
     threads = torch.get_num_threads()
     cfg = config_from_dict({"model": {"path": str(tiny_llama)}, "rollout": {"group_size": 5, "groups_per_step": 3},
@@ -225,8 +225,8 @@ def test_the_kl_penalty_against_a_direct_computation(tiny_llama, micro: int) -> 
 
     from transformers import AutoModelForCausalLM
 
-    from trainer.config_files import config_from_dict
-    from trainer.policy import Policy
+    from inflight.trainer.config_files import config_from_dict
+    from inflight.trainer.policy import Policy
 
     threads = torch.get_num_threads()
     cfg = config_from_dict({"model": {"path": str(tiny_llama)}, "rollout": {"group_size": 5, "groups_per_step": 3},

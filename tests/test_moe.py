@@ -8,7 +8,7 @@ top-2, head_dim 64, on a real vLLM CPU engine).
 - after an update the engine's greedy tokens and log-probs equal the transformers model
   the trainer holds (fp32, 1e-5), for both CPU commit strategies (``swap``, what ``auto``
   picks on an eager engine, and ``reload``): vLLM's CPU MoE update path skips the experts'
-  re-pack (``engine_patches.commit.postload.process_after_loading``), which these tests catch;
+  re-pack (``inflight.engine.commit.postload.process_after_loading``), which these tests catch;
 - building a commit strategy never fails with a bare error: an unforeseen one is a refusal
   naming the model class, a loader that transforms tensors makes ``auto`` fall back;
 - the trainer entry point trains an MoE policy.
@@ -104,7 +104,7 @@ def tiny_glm(tmp_path_factory):
     router's ``e_score_correction_bias`` in float32 in a bfloat16 engine. fp32 on disk."""
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-    from trainer.tiny_model import default_corpus, train_tokenizer
+    from inflight.trainer.tiny_model import default_corpus, train_tokenizer
 
     out = tmp_path_factory.mktemp("tiny_glm")
     vocab = train_tokenizer(default_corpus(), out, vocab_size=256)
@@ -132,7 +132,7 @@ def test_a_bf16_engine_keeps_its_fp32_router_fp32_through_an_update(tiny_glm, po
     from safetensors.torch import save_file
     from vllm import LLM, SamplingParams
 
-    from engine_patches.config import engine_kwargs
+    from inflight.engine.config import engine_kwargs
     from tests.engine_harness import perturbed
 
     bias, gate = "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.gate.weight"
@@ -202,7 +202,7 @@ class Transposing(Unforeseen):
 
 
 def test_building_a_commit_never_fails_bare(caplog) -> None:
-    from engine_patches.commit.base import make_strategy
+    from inflight.engine.commit.base import make_strategy
     from inflight.transport.layout import TensorSchema
 
     schema = TensorSchema({"w": ((2, 2), "float32")})
@@ -217,8 +217,8 @@ def test_building_a_commit_never_fails_bare(caplog) -> None:
 
 
 def test_training_an_moe_policy(tmp_path) -> None:
-    from trainer.config_files import config_from_dict
-    from trainer.train import train
+    from inflight.trainer.config_files import config_from_dict
+    from inflight.trainer.train import train
 
     tiny = {k: v for k, v in MOE.items()}
     cfg = config_from_dict({

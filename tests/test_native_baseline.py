@@ -8,7 +8,7 @@ import threading
 import torch
 from safetensors.torch import load_file
 
-from bench.native_gloo import broadcast_state, register, update_info
+from inflight.bench.native_gloo import broadcast_state, register, update_info
 from inflight.transport.group import GroupConfig, WeightGroup
 from tests.engine_harness import Reference, perturbed
 
@@ -16,7 +16,7 @@ from tests.engine_harness import Reference, perturbed
 def test_native_pause_update_resume(tiny_llama, port) -> None:
     from vllm import LLM, SamplingParams
 
-    from engine_patches.config import engine_kwargs
+    from inflight.engine.config import engine_kwargs
 
     register()  # the benchmarks' engine, not the plugin's: registered in the process that builds the LLM
     llm = LLM(str(tiny_llama), enforce_eager=True, dtype="float32", max_model_len=256, seed=0,

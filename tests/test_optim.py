@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from trainer.config_files import config_from_dict
-from trainer.optim import learning_rate
+from inflight.trainer.config_files import config_from_dict
+from inflight.trainer.optim import learning_rate
 
 
 def _cfg(**optim):

@@ -1,9 +1,9 @@
-"""Prefix caching on an in-flight engine (``engine_patches.prefix_cache``), on a real vLLM CPU
+"""Prefix caching on an in-flight engine (``inflight.engine.prefix_cache``), on a real vLLM CPU
 engine (in-process EngineCore, tiny Llama fp32, 128-token KV blocks, chunked prefill with a
 256-token step budget so a 300-token prompt takes two steps), each test once with vLLM's
 synchronous step and once under async scheduling (``INFLIGHT_CPU_ASYNC_SCHEDULING=1``: the
 next batch is dispatched before the last one is processed, and a commit lands between them;
-``engine_patches.batch_labels``).
+``inflight.engine.batch_labels``).
 
 - Three commits land while requests decode, each at a step boundary where vLLM's own
   ``reset_prefix_cache()`` refuses (requests are running). Right after each commit a group
@@ -38,8 +38,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_patches.client import coordinator_of, start_inflight, tagged
-from engine_patches.config import InflightConfig, engine_kwargs
+from inflight.engine.client import coordinator_of, start_inflight, tagged
+from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
 from tests.engine_harness import Reference, perturbed, replay, stop_engine

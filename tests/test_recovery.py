@@ -26,8 +26,8 @@ from inflight.rollout_queue import RolloutQueue
 from inflight.protocol import RolloutGroup, RolloutSample
 from inflight.transport.group import GroupConfig
 from tests.helpers import check_ledger, metrics_rows, pending_ids, run_config, train_beside, wait_rows
-from trainer.episode_journal import peek
-from trainer.train import train
+from inflight.trainer.episode_journal import peek
+from inflight.trainer.train import train
 
 
 def _kill_with_episodes_in_flight(out, killed: dict) -> None:
@@ -88,10 +88,10 @@ def _inject_malformed(port: int) -> None:
 
 
 def test_resume_continues_without_repeating_or_dropping_groups(tmp_path, monkeypatch, port) -> None:
-    import trainer.policy as policy_module
+    import inflight.trainer.policy as policy_module
 
     out = tmp_path / "run"
-    # a loose max lag lets the engine run ahead of the trainer (trainer.engine_process.may_start_group)
+    # a loose max lag lets the engine run ahead of the trainer (inflight.trainer.engine_process.may_start_group)
     first = run_config(out, steps=3, transport={"port": port}, loss={"max_lag": 8})
     forward, calls = policy_module.policy_logprobs, []
 

@@ -24,13 +24,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine_patches.client import tagged
-from engine_patches.routing import routing_fields, routing_of, streamed_routing
+from inflight.engine.client import tagged
+from inflight.engine.routing import routing_fields, routing_of, streamed_routing
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling
 from tests.engine_harness import push_at_steps
 from tests.helpers import MOE, moe_trainer_model
-from trainer.loss import collate, compute_loss, policy_logprobs
-from trainer.routing_replay import NO_ROUTE, RoutingReplay, collate_routing, gate_weights
+from inflight.trainer.loss import collate, compute_loss, policy_logprobs
+from inflight.trainer.routing_replay import NO_ROUTE, RoutingReplay, collate_routing, gate_weights
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5=", "lazy dog"]
 
@@ -41,8 +41,8 @@ class RecordingEngine:
     def __init__(self, model_dir, dtype: str, port: int) -> None:
         from vllm import LLM
 
-        from engine_patches.config import InflightConfig, engine_kwargs
-        from engine_patches.client import start_inflight
+        from inflight.engine.config import InflightConfig, engine_kwargs
+        from inflight.engine.client import start_inflight
         from inflight.transport.group import GroupConfig
         from inflight.transport.pusher import PushConfig, WeightPusher
 
@@ -128,7 +128,7 @@ def test_streamed_routing_covers_exactly_the_tokens_shown(fp32_engine, tiny_moe)
     streaming client reads, with a commit landing mid-generation."""
     from vllm import SamplingParams
 
-    from engine_patches.client import coordinator_of
+    from inflight.engine.client import coordinator_of
 
     coordinator = coordinator_of(fp32_engine.llm)
     engine = fp32_engine.llm.llm_engine
@@ -166,8 +166,8 @@ def test_preempted_requests_keep_exact_routing(tiny_moe, port) -> None:
     recomputes them on resume; their routing still covers each token once, as the router chose."""
     from vllm import LLM, SamplingParams
 
-    from engine_patches.config import InflightConfig, engine_kwargs
-    from engine_patches.client import coordinator_of, start_inflight
+    from inflight.engine.config import InflightConfig, engine_kwargs
+    from inflight.engine.client import coordinator_of, start_inflight
     from inflight.transport.group import GroupConfig
     from inflight.transport.pusher import WeightPusher
 
@@ -288,7 +288,7 @@ def _reference_moe(block: torch.nn.Module, x: torch.Tensor, index: torch.Tensor)
 
 
 def test_replay_loss_and_gradient_match_a_reference(tiny_moe) -> None:
-    from trainer.loss_config import LossConfig
+    from inflight.trainer.loss_config import LossConfig
 
     model = moe_trainer_model(tiny_moe)
     _, batch, routing = _tiny_batch()
@@ -366,8 +366,8 @@ def test_refusals_name_what_is_missing(tiny_moe) -> None:
 
 
 def test_training_with_routing_replay(tmp_path) -> None:
-    from trainer.config_files import config_from_dict
-    from trainer.train import train
+    from inflight.trainer.config_files import config_from_dict
+    from inflight.trainer.train import train
 
     cfg = config_from_dict({
         "run": {"steps": 3, "seed": 4, "out_dir": str(tmp_path / "run")},
@@ -396,7 +396,7 @@ def test_capture_is_refused_where_its_hooks_cannot_run() -> None:
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
 
-    from engine_patches.routing import capture_problem
+    from inflight.engine.routing import capture_problem
 
     v2 = capture_problem(V2Runner, device_type="cuda", enforce_eager=True, cudagraph_mode=CUDAGraphMode.NONE)
     assert v2 is not None and "Model Runner V2" in v2 and "enable_return_routed_experts" in v2

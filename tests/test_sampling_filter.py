@@ -1,4 +1,4 @@
-"""Top-k and top-p mirrored in the trainer's log-probs (``trainer.sampling_filter``).
+"""Top-k and top-p mirrored in the trainer's log-probs (``inflight.trainer.sampling_filter``).
 
 - the filters equal vLLM 0.32's own functions (``apply_top_k_top_p_pytorch``, and
   ``apply_top_k_only``, the CPU engine's top-k-only path) exactly, on awkward shapes, with
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from inflight.protocol import Sampling
-from trainer.sampling_filter import filter_logits
+from inflight.trainer.sampling_filter import filter_logits
 
 # (top_k, top_p): top-k alone, top-p alone, both, the extremes (k=1; p small; k >= V)
 FILTERS = [(5, 1.0), (1, 1.0), (0, 0.9), (20, 0.8), (1, 0.5), (0, 0.05), (40, 0.95), (100_000, 0.9)]
@@ -77,8 +77,8 @@ def test_filtered_logits_keep_the_gradient_of_the_kept_tokens() -> None:
 
 def test_a_token_the_filter_drops_leaves_the_loss_like_a_masked_one() -> None:
     """Reference: the same tokens masked by lag instead (same N, same everything else)."""
-    from trainer.loss import Batch, compute_loss
-    from trainer.loss_config import LossConfig
+    from inflight.trainer.loss import Batch, compute_loss
+    from inflight.trainer.loss_config import LossConfig
 
     g = torch.Generator().manual_seed(3)
     b, t = 3, 6

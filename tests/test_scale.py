@@ -1,6 +1,6 @@
-"""The fleet model of ``python -m bench.scale``: its invariants, hand-computed memory and lag,
-the shipped scenarios, and its prediction of a committed ``bench.inflight`` run; the bytes
-per rank it takes from a model's shapes (``bench.scale_shapes``), by hand and against the
+"""The fleet model of ``python -m inflight.bench.scale``: its invariants, hand-computed memory and lag,
+the shipped scenarios, and its prediction of a committed ``inflight.bench.inflight`` run; the bytes
+per rank it takes from a model's shapes (``inflight.bench.scale_shapes``), by hand and against the
 shard plans a real TP=2 engine's weight loaders give (one engine per tiny model, started once).
 
 Nothing else starts an engine or reads a clock: the model is deterministic for a seed, and
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.scale import TOLERANCE, merge_repeats, reference_ok, scenario_rows, validate_cpu
-from bench.scale_fleet import GB, SCENARIOS, Link, Scenario, engine_rate, plan, scenario_paths
-from bench.scale_layer import layer_rows
-from bench.scale_model import Lengths, Run, StepTime, Update, _add_lags, simulate
-from bench.scale_shapes import (Arch, box, group_bytes, group_names, link_bytes, param_count, rank_bytes, staging_bytes,
+from inflight.bench.scale import TOLERANCE, merge_repeats, reference_ok, scenario_rows, validate_cpu
+from inflight.bench.scale_fleet import GB, SCENARIOS, Link, Scenario, engine_rate, plan, scenario_paths
+from inflight.bench.scale_layer import layer_rows
+from inflight.bench.scale_model import Lengths, Run, StepTime, Update, _add_lags, simulate
+from inflight.bench.scale_shapes import (Arch, box, group_bytes, group_names, link_bytes, param_count, rank_bytes, staging_bytes,
                                 tensors)
 from inflight.shard_plan import PlanBytes
 
@@ -383,8 +383,8 @@ def test_run_accumulates_chunks() -> None:
 def _rank_plan(worker) -> tuple[list, list]:
     """Inside an engine worker: the shard plan its commit strategy records from vLLM's loaders,
     as the in-flight worker builds it at start."""
-    from engine_patches.commit.base import make_strategy
-    from engine_patches.commit.checkpoint import checkpoint_dir, checkpoint_schema
+    from inflight.engine.commit.base import make_strategy
+    from inflight.engine.commit.checkpoint import checkpoint_dir, checkpoint_schema
 
     mc = worker.vllm_config.model_config
     schema = checkpoint_schema(checkpoint_dir(mc.model, mc.revision), mc.dtype)
@@ -399,7 +399,7 @@ def tp2_plans(request):
     import vllm.envs
     from vllm import LLM
 
-    from engine_patches.config import engine_kwargs
+    from inflight.engine.config import engine_kwargs
 
     model_dir = request.getfixturevalue(request.param)
     with pytest.MonkeyPatch.context() as mp:

@@ -1,4 +1,4 @@
-"""The scoring pool (``trainer.scoring``): rewards off the engine's critical path.
+"""The scoring pool (``inflight.trainer.scoring``): rewards off the engine's critical path.
 
 Every test waits on results (``collect``) with a deadline that only fails a hang. The tasks
 the spawned workers build live in this module (``tests`` is a package, and a spawned
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.scoring import ScoringPool, Scored, check_rewards, engine_task_factory
-from trainer.tasks import Arithmetic, Completion, Prompt, Task
+from inflight.trainer.scoring import ScoringPool, Scored, check_rewards, engine_task_factory
+from inflight.trainer.tasks import Arithmetic, Completion, Prompt, Task
 
 HANG_S = 60.0
 """What a call waits before the test calls it a hang: generous, never a timing check."""
@@ -386,9 +386,9 @@ def test_pool_runs_inside_a_daemonic_process_as_the_engine_is() -> None:
 def test_engine_task_factory_scores_as_the_engine_does_under_the_default_cap(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from trainer.config_files import config_from_dict
-    from trainer.tasks import RepeatDigit
-    from trainer.tiny_model import default_corpus, train_tokenizer
+    from inflight.trainer.config_files import config_from_dict
+    from inflight.trainer.tasks import RepeatDigit
+    from inflight.trainer.tiny_model import default_corpus, train_tokenizer
 
     train_tokenizer(default_corpus(), tmp_path)
     cfg = config_from_dict({"task": {"name": "repeat_digit", "completion_tokens": 4}})

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import torch
 
-from engine_patches.commit.load_plan import LoadPlan
+from inflight.engine.commit.load_plan import LoadPlan
 from inflight.protocol import BucketSpec, Joined, decode_reply, encode
 from inflight.shard_plan import box_of_view, check_plan, make_plan, plan_bytes, whole
 

@@ -21,8 +21,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from engine_patches.client import coordinator_of, start_inflight, tagged
-from engine_patches.config import InflightConfig, engine_kwargs
+from inflight.engine.client import coordinator_of, start_inflight, tagged
+from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.transport.group import GroupConfig
 from tests.engine_harness import Reference, stop_engine, drive, push_at_steps
 

@@ -25,7 +25,7 @@ LOGPROB_ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
-    from trainer.models import prepare_smollm2, resolve_model
+    from inflight.trainer.models import prepare_smollm2, resolve_model
 
     path = prepare_smollm2()  # converts once into ~/.cache/inflight (about a minute), then cached
     assert resolve_model("smollm2") == path
@@ -55,7 +55,7 @@ def test_engine_serves_it_and_an_inflight_push_matches_transformers(smollm2: Pat
     from transformers import AutoTokenizer
 
     from tests.engine_harness import Harness, Reference, perturbed
-    from trainer.tasks import Prompt, encode_prompt, final_number
+    from inflight.trainer.tasks import Prompt, encode_prompt, final_number
 
     tok = AutoTokenizer.from_pretrained(str(smollm2))
     prompts = [encode_prompt(tok, Prompt(q), "auto") for q in ("What is 2+3?", "Name a colour.")]
@@ -63,7 +63,7 @@ def test_engine_serves_it_and_an_inflight_push_matches_transformers(smollm2: Pat
     try:
         from vllm import SamplingParams
 
-        from engine_patches.client import tagged
+        from inflight.engine.client import tagged
 
         answer = h.llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=12),
                                 use_tqdm=False)[0].outputs[0]
@@ -92,7 +92,7 @@ def test_layer_commits_stage_two_groups_and_match_transformers(smollm2: Path, po
     commit is tested on a tiny Qwen3-MoE in ``tests/test_layer_commit.py``.)"""
     from vllm import SamplingParams
 
-    from engine_patches.client import tagged
+    from inflight.engine.client import tagged
     from inflight.layer_groups import Hybrid
     from inflight.memory import update_bytes
     from inflight.transport.layout import TensorSchema
@@ -138,8 +138,8 @@ def test_layer_commits_stage_two_groups_and_match_transformers(smollm2: Path, po
 def test_smoke_run_of_the_smollm2_config(tmp_path: Path) -> None:
     """The packaged smollm2_cpu config, cut to 2 steps and 4 eval prompts: the real model through the
     whole loop (chat prompts, EOS, arithmetic rewards, in-flight pushes, evaluation)."""
-    from trainer.config_files import load_config
-    from trainer.train import train
+    from inflight.trainer.config_files import load_config
+    from inflight.trainer.train import train
 
     cfg = load_config("smollm2_cpu", ["run.steps=2", f"run.out_dir={tmp_path / 'run'}", "eval.every=2", "eval.prompts=4"])
     summary = train(cfg)

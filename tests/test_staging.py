@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_patches.commit.checkpoint import checkpoint_schema
+from inflight.engine.commit.checkpoint import checkpoint_schema
 from inflight.memory import (
     MemoryBudget,
     StagingMemoryError,
@@ -144,11 +144,11 @@ def test_the_pool_hands_out_what_it_reserved_and_the_reservation_is_resident() -
 
 
 def test_engine_reserves_at_start_and_refuses_a_budget_it_would_not_fit(tiny_qwen, monkeypatch, port) -> None:
-    import engine_patches.worker as worker
+    import inflight.engine.worker as worker
     from vllm import LLM, SamplingParams
 
-    from engine_patches.config import InflightConfig, engine_kwargs
-    from engine_patches.client import start_inflight
+    from inflight.engine.config import InflightConfig, engine_kwargs
+    from inflight.engine.client import start_inflight
     from inflight.transport.group import GroupConfig
 
     llm = LLM(str(tiny_qwen), enforce_eager=True, dtype="float32", max_model_len=256, seed=0, **engine_kwargs())

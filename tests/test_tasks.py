@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from trainer.config_files import config_from_dict
-from trainer.tasks import (SAMPLE, Arithmetic, Completion, JsonlFormatError, JsonlTask, Prompt, RepeatDigit, Task,
+from inflight.trainer.config_files import config_from_dict
+from inflight.trainer.tasks import (SAMPLE, Arithmetic, Completion, JsonlFormatError, JsonlTask, Prompt, RepeatDigit, Task,
                            build_task, encode_prompt, final_number, load_jsonl, stop_token_ids)
 
 
@@ -121,8 +121,8 @@ def test_jsonl_with_a_reward_function_of_your_own(tmp_path, monkeypatch) -> None
                                        'reward = "my_reward:length_match"\n')
     monkeypatch.chdir(tmp_path.parent)  # the run starts elsewhere: the config's directory is searched
     monkeypatch.setattr(sys, "path", list(sys.path))
-    from trainer.config_files import load_config
-    from trainer.tasks import build_task
+    from inflight.trainer.config_files import load_config
+    from inflight.trainer.tasks import build_task
 
     task = build_task(load_config(tmp_path / "run.toml"), tokenizer=None)
     cats, colour = task.train
@@ -151,7 +151,7 @@ def test_a_hugging_face_dataset_is_a_task(tmp_path, monkeypatch) -> None:
     ``eval.prompts`` rows held out, ``max_rows``); rewards as the ``jsonl`` task's."""
     import datasets
 
-    from trainer.config_files import load_config
+    from inflight.trainer.config_files import load_config
 
     _gsm_dataset(tmp_path / "gsm")
     (tmp_path / "run.toml").write_text('[task]\nname = "dataset"\n[task.dataset]\npath = "gsm"\n'
@@ -180,7 +180,7 @@ def test_a_bad_dataset_is_refused_before_any_engine_starts(tmp_path, tiny_qwen) 
     task (``_task_before_engines``), before an engine starts."""
     import datasets
 
-    from trainer.train import SetupError, _task_before_engines
+    from inflight.trainer.train import SetupError, _task_before_engines
 
     _gsm_dataset(tmp_path / "gsm")
     datasets.Dataset.from_dict({"prompt": ["1+1?", "2+2?", "3+3?"], "answer": ["2", None, "6"]}).to_json(
@@ -224,7 +224,7 @@ def test_jsonl_malformed_line_names_file_and_line(tmp_path, line: str, message: 
 
 
 USER_TASK = '''
-from trainer.tasks import Prompt, Task
+from inflight.trainer.tasks import Prompt, Task
 
 class Echo(Task):
     def __init__(self, word):
@@ -254,7 +254,7 @@ def test_user_task_by_dotted_path(tmp_path, monkeypatch) -> None:
         build_task(config_from_dict({"task": {"name": "my_tasks_14:missing"}}), None)
     with pytest.raises(ValueError, match=r"task.name='no_such_module_14:make': cannot import 'no_such_module_14'"):
         build_task(config_from_dict({"task": {"name": "no_such_module_14:make"}}), None)
-    with pytest.raises(TypeError, match=r"returned int, not a trainer.tasks.Task"):
+    with pytest.raises(TypeError, match=r"returned int, not a inflight.trainer.tasks.Task"):
         build_task(config_from_dict({"task": {"name": "my_tasks_14:not_a_task"}}), None)
 
 
@@ -286,7 +286,7 @@ def test_greedy_eval_matches_unbatched_generation(tiny_qwen, tiny_tok) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.tasks.evaluate import greedy_eval
+    from inflight.trainer.tasks.evaluate import greedy_eval
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen), dtype=torch.float32).train()
     task = RepeatDigit(tiny_tok, completion_tokens=6)
@@ -307,7 +307,7 @@ def test_greedy_eval_matches_unbatched_generation(tiny_qwen, tiny_tok) -> None:
 def test_training_run_logs_evaluation(tmp_path) -> None:
     """The arithmetic task on the tiny model: row "step 0" is the evaluation before training,
     then every 2 steps and after the last; the summary and plot carry them."""
-    from trainer.train import train
+    from inflight.trainer.train import train
 
     cfg = config_from_dict({
         "run": {"steps": 3, "seed": 1, "out_dir": str(tmp_path / "run")},

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import metrics_rows, run_config
-from trainer.config import RunConfig
-from trainer.config_files import config_from_dict
-from trainer.trackers import check_trackers, scalars
+from inflight.trainer.config import RunConfig
+from inflight.trainer.config_files import config_from_dict
+from inflight.trainer.trackers import check_trackers, scalars
 
 
 def test_report_to_is_checked_where_it_is_set() -> None:
@@ -103,7 +103,7 @@ def test_a_short_run_reports_to_tensorboard_wandb_and_trackio(tmp_path: Path, mo
         monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
     assert "trackio" not in sys.modules  # it reads TRACKIO_DIR once, at import, which the run does
     monkeypatch.setenv("TRACKIO_DIR", str(out / "trackio"))
-    from trainer.train import train
+    from inflight.trainer.train import train
 
     cfg = run_config(out, steps=3, eval={"every": 2, "prompts": 4},
                      run={"name": "trackers", "report_to": ["tensorboard", "wandb", "trackio"]})
@@ -156,7 +156,7 @@ def test_a_resumed_run_continues_its_series(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.delenv("WANDB_MODE", raising=False)
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
-    from trainer.train import train
+    from inflight.trainer.train import train
 
     out = tmp_path / "run"
     report = {"report_to": ["tensorboard", "wandb"]}

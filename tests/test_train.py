@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from trainer.config_files import config_from_dict, load_config
-from trainer.train import train
+from inflight.trainer.config_files import config_from_dict, load_config
+from inflight.trainer.train import train
 
 SMALL = {
     "run": {"steps": 6, "seed": 3},
@@ -83,7 +83,7 @@ def test_batch_mode_samples_each_step_from_one_version(tmp_path) -> None:
 
 
 def test_placement_splits_gpus_and_never_puts_nccl_on_one_device() -> None:
-    from trainer.fleet import Placement, place
+    from inflight.trainer.fleet import Placement, place
 
     assert place("auto", spawn=True, gpus=[]) == Placement(backend="gloo", engine_devices=None)
     # one GPU, shared: NCCL cannot connect two ranks on it
@@ -103,7 +103,7 @@ def test_placement_splits_gpus_and_never_puts_nccl_on_one_device() -> None:
 
 FAULTY_TASK = '''
 import math, pathlib, time
-from trainer.tasks import build_task, Task
+from inflight.trainer.tasks import build_task, Task
 
 
 class Faulty(Task):
@@ -111,7 +111,7 @@ class Faulty(Task):
     fault marked by a file in ``marks``: a replaced scoring process does not repeat it)."""
 
     def __init__(self, tokenizer, marks):
-        from trainer.tasks.digits import RepeatDigit
+        from inflight.trainer.tasks.digits import RepeatDigit
         self.inner, self.marks = RepeatDigit(tokenizer, 24, 0.5), pathlib.Path(marks)
 
     def sample(self, rng):
@@ -143,7 +143,7 @@ def make(tokenizer, marks):
 
 
 def test_a_verifier_that_raises_returns_nan_or_hangs_fails_its_group_and_the_run_goes_on(tmp_path, monkeypatch) -> None:
-    """Scoring runs in the engine's scoring processes (``trainer.rollout_scoring``): each fault
+    """Scoring runs in the engine's scoring processes (``inflight.trainer.rollout_scoring``): each fault
     fails its group alone, named in the engine's log with the task and the group; the engine
     decodes on and the run reaches its last step."""
     (tmp_path / "faulty_task_39.py").write_text(FAULTY_TASK)

@@ -1,5 +1,5 @@
 """What one push of SmolLM2-135M (513 MiB in fp32) costs the trainer in memory, measured
-(``bench.trainer_push``): the resident growth during a push is at most two 16 MiB buckets
+(``inflight.bench.trainer_push``): the resident growth during a push is at most two 16 MiB buckets
 (one destination) plus a little metadata, not a copy of the model, and later pushes reuse
 the two buffers. A pusher that snapshots the update first grows by the model's size.
 
@@ -19,8 +19,8 @@ METADATA_MIB = 8.0  # frames, the announce, gloo's and xxhash's per-call state: 
 
 
 def test_a_push_holds_two_buckets_not_a_copy_of_the_model() -> None:
-    from bench.trainer_push import measure
-    from trainer.models import prepare_smollm2
+    from inflight.bench.trainer_push import measure
+    from inflight.trainer.models import prepare_smollm2
 
     report = measure(prepare_smollm2(), bucket_mb=16.0, pushes=2)
     assert report["peer_exit"] == 0

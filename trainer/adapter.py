@@ -5,7 +5,7 @@ Only the adapter trains; the base weights the engines loaded never move. A push 
 exactly what PEFT saves (``get_peft_model_state_dict``: ``...q_proj.lora_A.weight``
 ``[r, in]``, ``...lora_B.weight`` ``[out, r]``, unscaled), so an engine folds alpha/r into
 B with vLLM's own loader code, bit for bit as if it read the file
-(``engine_patches.commit.lora_slot``).
+(``inflight.engine.commit.lora_slot``).
 """
 
 from __future__ import annotations

@@ -33,13 +33,13 @@ BENCHES = {
 
 
 def _train(argv: list[str]) -> None:
-    from trainer.train import main
+    from inflight.trainer.train import main
 
     main(argv, prog="inflight train")
 
 
 def _engine(argv: list[str]) -> None:
-    from trainer.engine_process import main
+    from inflight.trainer.engine_process import main
 
     main(argv, prog="inflight engine")
 
@@ -52,9 +52,9 @@ def _bench(argv: list[str]) -> None:
     ap.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="its own arguments (inflight bench NAME --help)")
     args = ap.parse_args(argv)
     sys.stdout.flush()
-    # its own interpreter, exactly as `python -m bench.NAME`: its argv, its __main__ (which the
+    # its own interpreter, exactly as `python -m inflight.bench.NAME`: its argv, its __main__ (which the
     # spawned processes of some benchmarks re-import), its exit status
-    os.execv(sys.executable, [sys.executable, "-m", f"bench.{args.name}", *args.args])
+    os.execv(sys.executable, [sys.executable, "-m", f"inflight.bench.{args.name}", *args.args])
 
 
 def _prepare_model(argv: list[str]) -> None:
@@ -64,7 +64,7 @@ def _prepare_model(argv: list[str]) -> None:
                     help="smollm2 (SmolLM2-135M-Instruct from the smollm2 extra, converted once into $INFLIGHT_CACHE, "
                          "default ~/.cache/inflight), a model directory, or a Hugging Face hub id (downloaded)")
     args = ap.parse_args(argv)
-    from trainer.models import resolve_model
+    from inflight.trainer.models import resolve_model
 
     try:
         path = resolve_model(args.model)

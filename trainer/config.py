@@ -12,14 +12,14 @@ from typing import Literal
 from inflight.adapter import AdapterSpec
 from inflight.protocol import CommitUnit, Sampling
 from inflight.settings import Backend, ModelDtype, RolloutMode, TrackerName, check_choices
-from trainer.loss_config import LossConfig
-from trainer.optim import OptimConfig
+from inflight.trainer.loss_config import LossConfig
+from inflight.trainer.optim import OptimConfig
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig
-from engine_patches.config import InflightConfig
-from trainer.tasks.config import ArithmeticConfig, JsonlConfig, TaskConfig  # noqa: F401  (sections of TrainConfig)
-from trainer.adapter import LoRAOptions
-from trainer.tiny_model import TinyModelConfig
+from inflight.engine.config import InflightConfig
+from inflight.trainer.tasks.config import ArithmeticConfig, JsonlConfig, TaskConfig  # noqa: F401  (sections of TrainConfig)
+from inflight.trainer.adapter import LoRAOptions
+from inflight.trainer.tiny_model import TinyModelConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +105,7 @@ class RolloutConfig:
     """Sampling temperature; the trainer scores with the same temperature."""
     top_k: int = 0
     """Sample from the k most likely tokens only (0: off). The trainer scores its policy under
-    the same filter (``trainer.sampling_filter``), so behaviour and policy log-probs stay
+    the same filter (``inflight.trainer.sampling_filter``), so behaviour and policy log-probs stay
     comparable; a token the current policy's filter excludes gets ratio 0."""
     top_p: float = 1.0
     """Sample from the smallest set of most likely tokens whose probability reaches top_p
@@ -187,7 +187,7 @@ class EngineConfig:
     """The vLLM engine process."""
 
     spawn: bool = True
-    """Start the engines from the trainer. False: start each yourself with ``python -m trainer.engine_process``."""
+    """Start the engines from the trainer. False: start each yourself with ``python -m inflight.trainer.engine_process``."""
     count: int = 1
     """Engines in the fleet. Each samples its own groups into the one rollout queue."""
     tensor_parallel_size: int = 1
@@ -207,7 +207,7 @@ class EngineConfig:
     """A spawned engine that dies is restarted this many times before the run fails."""
     prefix_caching: bool = True
     """vLLM's automatic prefix caching: the ``group_size`` samples of a group share their
-    prompt's prefill. Every commit invalidates it exactly (``engine_patches.prefix_cache``);
+    prompt's prefill. Every commit invalidates it exactly (``inflight.engine.prefix_cache``);
     False prefills every sample's prompt itself."""
     commit_unit: CommitUnit = "model"
     """What an engine commits at once (``InflightConfig.commit_unit``): the whole model, or one
@@ -215,7 +215,7 @@ class EngineConfig:
     sampled mid-update are tagged with the hybrid that sampled them)."""
     launcher: Literal["process", "ray"] = "process"
     """How spawned engines start: ``process``, one process each on this machine; ``ray``, one
-    Ray actor each, in a placement group of its own (``trainer.ray_launcher``), on the Ray
+    Ray actor each, in a placement group of its own (``inflight.trainer.ray_launcher``), on the Ray
     cluster at ``ray_address`` (needs the ``ray`` extra)."""
     ray_address: str = ""
     """``launcher = "ray"``: the cluster to join (``ray.init(address=...)``); empty starts a local one."""
@@ -264,7 +264,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         # an in-flight engine samples with a version the trainer has already moved past, and
-        # starts only groups that will be within loss.max_lag (trainer.engine_process.may_start_group):
+        # starts only groups that will be within loss.max_lag (inflight.trainer.engine_process.may_start_group):
         # with 0 it would never start one
         if self.rollout.mode == "inflight" and self.loss.max_lag < 1:
             raise ValueError(f"loss.max_lag={self.loss.max_lag} with rollout.mode='inflight': in-flight samples lag "

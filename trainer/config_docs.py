@@ -1,7 +1,7 @@
 """docs/configuration.md, generated from the training config's dataclasses: every table and
 key, its default and its docstring, so the reference cannot drift from the code.
 
-    python -m trainer.config_docs > docs/configuration.md
+    python -m inflight.trainer.config_docs > docs/configuration.md
 
 (``tests/test_cli.py`` fails when the file and this output differ.)
 """
@@ -17,13 +17,13 @@ import textwrap
 import typing
 from typing import Any
 
-from trainer.config import TrainConfig
+from inflight.trainer.config import TrainConfig
 
 HEADER = """# Configuration reference
 
 Every key of a training config (`inflight train --config FILE`, `--set KEY.PATH=VALUE`), by
 TOML table, with its default and what it does. Generated from the config dataclasses
-(`python -m trainer.config_docs > docs/configuration.md`); a test fails when it drifts from
+(`python -m inflight.trainer.config_docs > docs/configuration.md`); a test fails when it drifts from
 the code. Each value is checked when the config loads, and an error names the key.
 """
 

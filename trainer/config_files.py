@@ -1,6 +1,6 @@
 """Reading a ``TrainConfig``: a packaged config by name, a TOML file, or a dict, with
 ``--set key.path=value`` overrides; every key checked against the dataclasses
-(``trainer.config``), errors naming the dotted path of the offending key.
+(``inflight.trainer.config``), errors naming the dotted path of the offending key.
 
     load_config("demo")                                  # trainer/configs/demo.toml
     load_config("my_run.toml", ["run.steps=5", "optim.lr=3e-4"])
@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from trainer.config import TrainConfig
+from inflight.trainer.config import TrainConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 """The packaged configs (package data: they travel in the wheel)."""

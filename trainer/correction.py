@@ -19,11 +19,11 @@ Sequence level (``loss.level = "sequence"``), over the final mask m_t:
     s_i = exp(sum_t m_t l_t / max(1, sum_t m_t))        (GSPO's geometric mean; padding excluded)
 and the objective sees rho_t = s_i on every token of sample i, with the sample's lag
 lag_i = max_t m_t lag_t for its lag-aware constants (so every token of a sample shares them,
-which keeps GSPO's gradient exact through the per-token kernel, see ``kernels.tis_loss``).
+which keeps GSPO's gradient exact through the per-token kernel, see ``inflight.kernels.tis_loss``).
 
 The masks and the sequence reduction are per-sample or whole-batch reductions over a (B, T)
 tensor of float32, tiny next to the logits; they stay torch. The per-token part (ratio,
-lag-aware truncation, masking, loss and gradient) runs in ``kernels.tis_loss``.
+lag-aware truncation, masking, loss and gradient) runs in ``inflight.kernels.tis_loss``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.tis_loss import lag_factor, objective_terms
-from trainer.loss_config import ObjectiveConfig
+from inflight.kernels.tis_loss import lag_factor, objective_terms
+from inflight.trainer.loss_config import ObjectiveConfig
 
 
 @dataclass
@@ -76,7 +76,7 @@ def m2po_keep(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> 
 
 
 def correction_masks(log_ratio: torch.Tensor, real: torch.Tensor, lag: torch.Tensor, cfg) -> Masks:
-    """The masks of the module docstring; ``cfg`` is a ``trainer.config.LossConfig``."""
+    """The masks of the module docstring; ``cfg`` is a ``inflight.trainer.config.LossConfig``."""
     l = log_ratio.detach()
     real = real.float()
     keep_lag = real * (lag <= cfg.max_lag).float()

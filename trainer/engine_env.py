@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from trainer.config import TrainConfig
+from inflight.trainer.config import TrainConfig
 
 
 def engine_environment(cfg: TrainConfig, cuda_devices: str | None = None) -> None:

@@ -1,7 +1,7 @@
 """Multi-turn episodes on the in-flight engine: one request per turn, the environment off the engine thread.
 
 The engine process's rollout loop drives an ``EpisodeTask`` through ``EpisodeRollout``
-(in place of ``trainer.rollout_scoring.GroupScorer``, whose interface it keeps)::
+(in place of ``inflight.trainer.rollout_scoring.GroupScorer``, whose interface it keeps)::
 
     start_group(gid, prompt, ids) --> K episodes, each a request "gid.k.0" (n = 1, the same
                                       prompt: the prefix cache prefills it once)
@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling
-from trainer.episode_journal import EpisodeJournal
-from trainer.rollout_scoring import GroupScorer
-from trainer.tasks.episode import ObservationRenderer, Transcript, Turn
+from inflight.trainer.episode_journal import EpisodeJournal
+from inflight.trainer.rollout_scoring import GroupScorer
+from inflight.trainer.tasks.episode import ObservationRenderer, Transcript, Turn
 
 log = logging.getLogger("inflight.rollout")
 
@@ -127,7 +127,7 @@ class EpisodeRollout(GroupScorer):
 
     def submit(self, out: Any, prompt: Any) -> None:
         """A finished turn: its reply joins the transcript; the environment is asked for the next step."""
-        from engine_patches.client import tagged
+        from inflight.engine.client import tagged
 
         gid, k, turn = _split(out.request_id)
         group = self.groups[gid]

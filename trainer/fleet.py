@@ -48,9 +48,9 @@ from inflight.transport.fleet_pusher import FleetPushError, FleetPusher
 from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig
 from inflight.transport.sources import Weights
-from trainer.config import TrainConfig
-from trainer.console import engine_log, last_error, log_tail
-from trainer.engine_process import run_engine
+from inflight.trainer.config import TrainConfig
+from inflight.trainer.console import engine_log, last_error, log_tail
+from inflight.trainer.engine_process import run_engine
 
 log = logging.getLogger("inflight.supervisor")
 
@@ -187,7 +187,7 @@ class Fleet:
         """A LoRA run: the adapter of ``model_version`` (``model_dir`` is the base, which never moves)."""
         launcher = EngineProcess
         if cfg.engine.launcher == "ray" and cfg.engine.spawn:
-            from trainer.ray_launcher import RayEngine as launcher  # noqa: N813  (Ray is an optional extra)
+            from inflight.trainer.ray_launcher import RayEngine as launcher  # noqa: N813  (Ray is an optional extra)
         self.engines = [launcher(cfg, i, placement, cfg.transport.host, port, out) for i in range(cfg.engine.count)]
         self.failures = 0
         self.drops = 0

@@ -3,13 +3,13 @@
 For completion token t of sample i, sampled by policy version v_t with behaviour
 log-prob mu_t, at trainer version V:
     lag_t = V - v_t,  m_t = 1[real] * 1[lag_t <= max_lag] * (veto, Seq-MIS, M2PO masks:
-                                                           see trainer.correction)
-    r_t = pi_theta(y_t) / mu(y_t),  w_t = min(r_t, C)     (reinforce; see kernels.tis_loss)
+                                                           see inflight.trainer.correction)
+    r_t = pi_theta(y_t) / mu(y_t),  w_t = min(r_t, C)     (reinforce; see inflight.kernels.tis_loss)
     loss = -(1/N) sum_t m_t w_t A_i log pi_theta(y_t),   N = number of real tokens
 N counts masked tokens too, so masking removes their signal instead of re-weighting the
 rest. At loss.level = "sequence" the objective sees s_i, its sample's geometric-mean ratio,
 instead of r_t. pi_theta is scored under the engine's sampling filters (temperature,
-top-k, top-p: trainer.sampling_filter), like mu; a token they now drop has r_t = 0 and
+top-k, top-p: inflight.trainer.sampling_filter), like mu; a token they now drop has r_t = 0 and
 leaves the loss.
 """
 
@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from inflight.protocol import RolloutGroup, Sampling
-from kernels.logprob_entropy import logprob_entropy
-from kernels.tis_loss import tis_loss
-from trainer.loss_config import LossConfig
-from trainer.correction import bounds, correction_masks, seq_log_ratio, sequence_inputs
-from trainer.metrics import by_lag, correction_stats
-from trainer.sampling_filter import filter_logits
+from inflight.kernels.logprob_entropy import logprob_entropy
+from inflight.kernels.tis_loss import tis_loss
+from inflight.trainer.loss_config import LossConfig
+from inflight.trainer.correction import bounds, correction_masks, seq_log_ratio, sequence_inputs
+from inflight.trainer.metrics import by_lag, correction_stats
+from inflight.trainer.sampling_filter import filter_logits
 
 RATIO_BINS = (0.0, 0.5, 0.8, 0.95, 1.05, 1.25, 2.0, float("inf"))
 
@@ -106,7 +106,7 @@ def micro_batches(batch: Batch, n: int) -> list[tuple[slice, Batch]]:
 
 def policy_logprobs(model: torch.nn.Module, batch: Batch, sampling: Sampling, impl: str = "auto"):
     """(B, T) log-probs and entropies of the completion tokens under the current policy, as the
-    engine samples it (temperature, top-k, top-p: ``trainer.sampling_filter``); -inf where the
+    engine samples it (temperature, top-k, top-p: ``inflight.trainer.sampling_filter``); -inf where the
     policy's filter drops the token."""
     t_len = batch.completion_ids.shape[1]
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
@@ -123,7 +123,7 @@ def compute_loss(logp: torch.Tensor, entropy: torch.Tensor, batch: Batch, *, ver
                  impl: str = "auto", n_tokens: float | None = None, ref_logp: torch.Tensor | None = None,
                  with_metrics: bool = True) -> tuple[torch.Tensor, dict]:
     """The scalar loss and the step's importance-sampling metrics (formulas: module docstrings
-    of ``trainer.correction`` and ``kernels.tis_loss``). ``n_tokens``: N of the loss, when
+    of ``inflight.trainer.correction`` and ``inflight.kernels.tis_loss``). ``n_tokens``: N of the loss, when
     ``batch`` is a micro-batch of a larger one (default: ``batch``'s real tokens);
     ``ref_logp``: the reference policy's log-probs, for ``loss.kl_coef``'s penalty."""
     real = batch.completion_mask > 0

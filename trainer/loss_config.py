@@ -1,5 +1,5 @@
 """The ``[loss]`` table: the objective and its off-policy correction (formulas: the
-docstrings of ``trainer.correction`` and ``kernels.tis_loss``; docs/training.md)."""
+docstrings of ``inflight.trainer.correction`` and ``inflight.kernels.tis_loss``; docs/training.md)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from inflight.settings import check_choices
-from kernels.tis_loss import Objective
+from inflight.kernels.tis_loss import Objective
 
 
 @dataclass(frozen=True, kw_only=True)
 class ObjectiveConfig:
     """The ``[loss.objective]`` table: the per-token objective and its constants
-    (``kernels.tis_loss`` takes them as plain values: ``kernel_args``)."""
+    (``inflight.kernels.tis_loss`` takes them as plain values: ``kernel_args``)."""
 
     name: Objective = "reinforce"
     """reinforce (truncated IS, default), ppo (clipped ratio; GSPO at loss.level = "sequence"),
@@ -44,7 +44,7 @@ class ObjectiveConfig:
             raise ValueError(f"loss.objective.lag_decay={self.lag_decay} must be in (0, 1]")
 
     def kernel_args(self) -> dict[str, Any]:
-        """The constants as ``kernels.tis_loss`` takes them (keyword arguments, plain values)."""
+        """The constants as ``inflight.kernels.tis_loss`` takes them (keyword arguments, plain values)."""
         return {"objective": self.name, "truncation": self.truncation, "clip_low": self.clip_low,
                 "clip_high": self.clip_high, "icepop_low": self.icepop_low, "icepop_high": self.icepop_high,
                 "lag_decay": self.lag_decay}
@@ -93,7 +93,7 @@ class LossConfig:
     routing_replay: bool = False
     """Mixture-of-experts policies (R3): the engine records each sampled token's top-k experts
     per MoE layer, and the trainer's forward routes that token's position to them, with gate
-    weights from its own router logits (``trainer.routing_replay``)."""
+    weights from its own router logits (``inflight.trainer.routing_replay``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.routing_replay, bool):

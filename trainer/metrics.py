@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from trainer.trackers import Trackers
+from inflight.trainer.trackers import Trackers
 
 
 class MetricsLog:
     """Appends one JSON object per step; ``rows`` keeps them for the plot and the summary; each
-    row also goes to the run's experiment trackers (``trainer.trackers``), closed by ``close``."""
+    row also goes to the run's experiment trackers (``inflight.trainer.trackers``), closed by ``close``."""
 
     def __init__(self, path: Path, *, append: bool = False, trackers: Trackers | None = None) -> None:
         self.path = Path(path)

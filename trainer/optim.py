@@ -1,6 +1,6 @@
 """The optimizer's settings (``[optim]``) and the learning rate of each step.
 
-AdamW on the trainer's fp32 master weights (``trainer.policy.Policy``); each step's learning
+AdamW on the trainer's fp32 master weights (``inflight.trainer.policy.Policy``); each step's learning
 rate is ``learning_rate(cfg, step)``, set on the optimizer right before it steps, so a
 resumed run continues the schedule from its step with no scheduler state to save.
 """
@@ -22,7 +22,7 @@ class OptimConfig:
     """Peak learning rate (after ``warmup_steps``)."""
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     """After warmup: ``constant`` at ``lr``, or a ``linear`` or ``cosine`` decay toward 0 at
-    ``run.steps`` (``trainer.policy.learning_rate``)."""
+    ``run.steps`` (``inflight.trainer.policy.learning_rate``)."""
     warmup_steps: int = 0
     """Steps of linear warmup: step k (from 1) uses lr * k / (warmup_steps + 1)."""
     weight_decay: float = 0.0

@@ -2,8 +2,8 @@
 
 ``Policy.step`` is the learning half of a training step: collate the groups, score the
 sampled tokens under the current weights (MoE: routed as the engine routed them), the
-off-policy-corrected loss (``trainer.loss``), backward, clip, optimizer step. It does not
-move the version: the caller does, and pushes the new weights (``trainer.weight_sync``).
+off-policy-corrected loss (``inflight.trainer.loss``), backward, clip, optimizer step. It does not
+move the version: the caller does, and pushes the new weights (``inflight.trainer.weight_sync``).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import torch
 from inflight.protocol import RolloutGroup, Sampling
 from inflight.rollout_queue import RolloutBuffer
 from inflight.transport.sources import named_weights
-from trainer.adapter import adapter_weights, load_trainable
-from trainer.checkpoint import TrainerState, restore_rng, save_checkpoint
-from trainer.config import TrainConfig
-from trainer.loss import Batch, collate, compute_loss, micro_batches, policy_logprobs
-from trainer.metrics import ess_warning
-from trainer.optim import learning_rate
-from trainer.routing_replay import RoutingReplay, collate_routing
+from inflight.trainer.adapter import adapter_weights, load_trainable
+from inflight.trainer.checkpoint import TrainerState, restore_rng, save_checkpoint
+from inflight.trainer.config import TrainConfig
+from inflight.trainer.loss import Batch, collate, compute_loss, micro_batches, policy_logprobs
+from inflight.trainer.metrics import ess_warning
+from inflight.trainer.optim import learning_rate
+from inflight.trainer.routing_replay import RoutingReplay, collate_routing
 
 log = logging.getLogger("inflight.train")
 
@@ -93,7 +93,7 @@ class Policy:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The tensors a push sends, by checkpoint name (``named_weights``); in a LoRA run the
-        adapter's, by the names PEFT saves (``trainer.adapter``)."""
+        adapter's, by the names PEFT saves (``inflight.trainer.adapter``)."""
         return adapter_weights(self.unwrapped) if self.lora else named_weights(self.unwrapped)
 
     def step(self, groups: list[RolloutGroup], version: int, step: int, *,

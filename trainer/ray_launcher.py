@@ -1,7 +1,7 @@
 """The fleet's engines as Ray actors (``engine.launcher = "ray"``), for clusters where Ray
 places the jobs.
 
-Each engine is one actor running ``trainer.engine_process.run_engine``, the same function a
+Each engine is one actor running ``inflight.trainer.engine_process.run_engine``, the same function a
 spawned process runs, in a placement group of its own: one bundle of ``engine.ray_cpus`` CPUs
 and, where the cluster has GPUs, one GPU per tensor parallel worker (Ray sets the actor's
 ``CUDA_VISIBLE_DEVICES``; a TP engine starts its workers with vLLM's ``mp`` executor inside
@@ -11,7 +11,7 @@ groups and the rollout queue live on the trainer's store, which every actor reac
 ``transport.host``.
 
 ``RayEngine`` has ``EngineProcess``'s interface (``start``, ``exit_problem``, ``alive``,
-``wait``, ``kill``), so ``trainer.fleet.Fleet`` watches, restarts and stops either alike. An
+``wait``, ``kill``), so ``inflight.trainer.fleet.Fleet`` watches, restarts and stops either alike. An
 actor that dies (killed, its node lost) is an engine found dead: ``exit_problem`` says so and
 the fleet restarts it, as it restarts a process.
 """
@@ -23,9 +23,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from trainer.config import TrainConfig
-from trainer.console import engine_log, log_tail
-from trainer.engine_process import run_engine
+from inflight.trainer.config import TrainConfig
+from inflight.trainer.console import engine_log, log_tail
+from inflight.trainer.engine_process import run_engine
 
 log = logging.getLogger("inflight.supervisor")
 

@@ -3,7 +3,7 @@
 The engine process's rollout loop hands every finished request (one group of ``n``
 completions) to ``GroupScorer.submit`` and, every turn of its loop, takes back the groups
 whose rewards came in (``collect``). Rewards are computed by ``task.score`` in
-``trainer.scoring.ScoringPool``'s worker processes (``task.scoring``): a slow verifier never
+``inflight.trainer.scoring.ScoringPool``'s worker processes (``task.scoring``): a slow verifier never
 stops decoding, and one that raises, hangs past ``timeout_s``, exceeds its memory cap or
 returns a reward that is not a finite number fails its group alone. A failed group is
 logged (the first failure of each kind with the task, the group and the error; then a count
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from inflight.protocol import EngineReport, RolloutGroup, RolloutSample, Sampling
-from trainer.scoring import ScoringPool, engine_task_factory
+from inflight.trainer.scoring import ScoringPool, engine_task_factory
 
 log = logging.getLogger("inflight.rollout")
 
@@ -59,7 +59,7 @@ class GroupScorer:
         return len(requests)
 
     def submit(self, out: Any, prompt: Any) -> None:
-        from trainer.tasks import Completion
+        from inflight.trainer.tasks import Completion
 
         self.waiting[out.request_id] = (out, prompt)
         self.pool.submit(out.request_id, [prompt] * len(out.outputs),
@@ -100,8 +100,8 @@ class GroupScorer:
 
     def group_of(self, out: Any, prompt: Any, rewards: Sequence[float]) -> RolloutGroup:
         """A finished request's completions, tagged, with their rewards."""
-        from engine_patches.client import tagged
-        from engine_patches.routing import routing_fields
+        from inflight.engine.client import tagged
+        from inflight.engine.routing import routing_fields
 
         samples = []
         for i, completion in enumerate(out.outputs):

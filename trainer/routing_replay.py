@@ -12,7 +12,7 @@ from the current router logits, so the router keeps learning:
     w_j = p[e_j]  for the recorded e_1..e_k,  then / sum_j w_j  when the router renormalises
 
 The engine records, for completion token t, the routing of the position whose logits sampled
-it (``engine_patches.routing``); in the trainer's batch that is column ``P - 1 + t`` (prompts
+it (``inflight.engine.routing``); in the trainer's batch that is column ``P - 1 + t`` (prompts
 left-padded to P). Other positions (the prompt, padding) keep the router's own choice.
 
 Which routers: transformers' sparse-MoE blocks whose ``gate`` returns
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from engine_patches.routing import unpack
+from inflight.engine.routing import unpack
 from inflight.protocol import RolloutGroup
 
 NO_ROUTE = -1
@@ -54,13 +54,13 @@ def gate_weights(logits: torch.Tensor, index: torch.Tensor, renormalize: bool) -
 
 
 def collate_routing(groups: Sequence[RolloutGroup], input_ids: torch.Tensor, completion_len: int) -> torch.Tensor:
-    """(B, S, layers, k) int64 expert ids for a batch collated by ``trainer.loss.collate``:
+    """(B, S, layers, k) int64 expert ids for a batch collated by ``inflight.trainer.loss.collate``:
     sample i's completion token t at column ``S - completion_len - 1 + t``, ``NO_ROUTE`` elsewhere."""
     samples = [s for g in groups for s in g.samples]
     missing = [s.sample_id for s in samples if not s.routing]
     if missing:
         raise ValueError(f"loss.routing_replay=true but samples {missing[:3]} carry no routing: the engine must "
-                         "record it (InflightConfig(record_routing=True); trainer.engine_process does when replay is on)")
+                         "record it (InflightConfig(record_routing=True); inflight.trainer.engine_process does when replay is on)")
     shapes = {(s.routing_layers, s.routing_k) for s in samples}
     if len(shapes) != 1:
         raise ValueError(f"samples of one batch carry routing of different shapes {sorted(shapes)}")

@@ -21,7 +21,7 @@ probability. On CUDA, vLLM filters with a Triton kernel (``topk_topp_triton.py``
 definition is the same but whose cut is found by other arithmetic (not measured here).
 
 A token the current policy's filter drops has log pi = -inf: the policy can no longer
-sample it, its ratio is 0, and ``trainer.loss.compute_loss`` takes it out of the loss and
+sample it, its ratio is 0, and ``inflight.trainer.loss.compute_loss`` takes it out of the loss and
 counts it (``frac_masked_filter``). Top-k and top-p thresholds are found without
 gradients; the kept logits are differentiable as before.
 """

@@ -1,4 +1,4 @@
-"""The worker side of ``trainer.scoring``: what runs in a scoring process, and the engine's
+"""The worker side of ``inflight.trainer.scoring``: what runs in a scoring process, and the engine's
 handle on one.
 
 Design. ``workers`` processes, each a fresh interpreter (``sys.executable -c``, the
@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from trainer.tasks.base import Task
-from trainer.tasks.episode import Turn, check_turn
+from inflight.trainer.tasks.base import Task
+from inflight.trainer.tasks.episode import Turn, check_turn
 
 if TYPE_CHECKING:
-    from trainer.config import TrainConfig
+    from inflight.trainer.config import TrainConfig
 
 log = logging.getLogger("inflight.scoring")
 
@@ -56,7 +56,7 @@ class Scored(msgspec.Struct, frozen=True):
     rewards: list[float] | None
     error: str = ""
     turn: Any = None
-    """A ``trainer.tasks.episode.Turn``."""
+    """A ``inflight.trainer.tasks.episode.Turn``."""
 
     @property
     def ok(self) -> bool:
@@ -122,7 +122,7 @@ import sys
 from multiprocessing.connection import Connection
 conn = Connection({fd})
 sys.path[:], boot = conn.recv()
-from trainer.scoring_worker import _worker_main
+from inflight.trainer.scoring_worker import _worker_main
 _worker_main(conn, boot)
 """
 """What a worker's fresh interpreter runs: the engine's ``sys.path`` first, then the loop."""
@@ -327,7 +327,7 @@ def engine_task(cfg: TrainConfig, model_dir: str) -> Task:
     """The task ``cfg`` names, as the engine builds it (``build_task``), the tokenizer read from
     ``model_dir``; the built-in tasks that need none (arithmetic, jsonl) get None and the
     worker never imports transformers."""
-    from trainer.tasks import build_task
+    from inflight.trainer.tasks import build_task
 
     tokenizer = None
     if cfg.task.name not in ("arithmetic", "jsonl"):

@@ -1,6 +1,6 @@
 """Experiment trackers: each step's metrics row, as grouped scalars, to TensorBoard, W&B or Trackio.
 
-``run.report_to`` names them; metrics.jsonl (``trainer.metrics.MetricsLog``) is always written
+``run.report_to`` names them; metrics.jsonl (``inflight.trainer.metrics.MetricsLog``) is always written
 and is the record the plot, the summary and a resumed run read; the trackers get a copy of
 each row. A tracker's package is imported only when the run names it, so none of them is a
 dependency of the trainer (each is an extra: ``pip install 'inflight[wandb]'``).
@@ -26,7 +26,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainer.config import TrainConfig
+from inflight.trainer.config import TrainConfig
 
 log = logging.getLogger("inflight.trackers")
 
@@ -92,7 +92,7 @@ class TensorBoardTracker:
 
     def histograms(self, row: dict[str, Any], step: int) -> None:
         """The row's token lag and importance ratio histograms, as TensorBoard histograms (the
-        ratio's buckets are ``trainer.loss.RATIO_BINS``; its mean is taken at their midpoints)."""
+        ratio's buckets are ``inflight.trainer.loss.RATIO_BINS``; its mean is taken at their midpoints)."""
         for name, values in (("rollout/lag_hist", _lag_buckets(row.get("lag_hist"))),
                              ("train/ratio_hist", _ratio_buckets(row.get("ratio_hist")))):
             if values is None:
@@ -109,7 +109,7 @@ class TensorBoardTracker:
 
 
 RATIO_EDGES = (0.0, 0.5, 0.8, 0.95, 1.05, 1.25, 2.0, 4.0)
-"""``trainer.loss.RATIO_BINS`` with its last edge, infinity, drawn at 4."""
+"""``inflight.trainer.loss.RATIO_BINS`` with its last edge, infinity, drawn at 4."""
 
 
 def _lag_buckets(hist: Any) -> tuple[list[float], list[float], list[int]] | None:

@@ -1,6 +1,6 @@
 """Asynchronous GRPO with in-flight weight updates.
 
-    inflight train --config demo [--set run.steps=5 ...]      (or: python -m trainer.train ...)
+    inflight train --config demo [--set run.steps=5 ...]      (or: python -m inflight.trainer.train ...)
 
 One story, top to bottom:
 1. the policy on disk: a Hugging Face model, or a freshly built tiny one;
@@ -27,21 +27,21 @@ from tqdm import tqdm
 
 from inflight.rollout_queue import RolloutBuffer, RolloutQueue
 from inflight.transport.store import reserve_port
-from trainer.checkpoint import TrainerState, load_state, recover
-from trainer.config import TrainConfig, group_config, push_config
-from trainer.config_files import add_config_arguments, config_to_dict, load_config
-from trainer.console import BarText, Interrupt, quiet_libraries
-from trainer.fleet import EngineLost, Fleet, place, visible_gpus
-from trainer.metrics import MetricsLog, RolloutLedger, plot_run, summarize
-from trainer.trackers import check_trackers, open_trackers
-from trainer.models import resolve_model
-from trainer.policy import Policy, StepResult
-from trainer.tasks import build_task
-from trainer.tasks.base import Task, encode_prompt
-from trainer.tasks.evaluate import Evaluator
-from trainer.tiny_model import build_tiny_model, default_corpus
-from trainer.adapter import write_first_adapter
-from trainer.weight_sync import TaskFailed, WeightSync
+from inflight.trainer.checkpoint import TrainerState, load_state, recover
+from inflight.trainer.config import TrainConfig, group_config, push_config
+from inflight.trainer.config_files import add_config_arguments, config_to_dict, load_config
+from inflight.trainer.console import BarText, Interrupt, quiet_libraries
+from inflight.trainer.fleet import EngineLost, Fleet, place, visible_gpus
+from inflight.trainer.metrics import MetricsLog, RolloutLedger, plot_run, summarize
+from inflight.trainer.trackers import check_trackers, open_trackers
+from inflight.trainer.models import resolve_model
+from inflight.trainer.policy import Policy, StepResult
+from inflight.trainer.tasks import build_task
+from inflight.trainer.tasks.base import Task, encode_prompt
+from inflight.trainer.tasks.evaluate import Evaluator
+from inflight.trainer.tiny_model import build_tiny_model, default_corpus
+from inflight.trainer.adapter import write_first_adapter
+from inflight.trainer.weight_sync import TaskFailed, WeightSync
 
 log = logging.getLogger("inflight.train")
 
@@ -145,11 +145,11 @@ def _run_dir(cfg: TrainConfig) -> tuple[Path, Path]:
 def _policy_on_disk(cfg: TrainConfig, out: Path, ckpt_dir: Path) -> tuple[TrainerState | None, Path, Path | None, int]:
     """(the resumed state or None, the model directory the engines load, the adapter directory
     of a LoRA run, their version). A LoRA run's base never moves; its checkpoint holds the adapter.
-    A run that does not resume clears the episode journals an earlier run left (``trainer.episode_journal``)."""
+    A run that does not resume clears the episode journals an earlier run left (``inflight.trainer.episode_journal``)."""
     # a crash between the renames of a checkpoint swap leaves only ``checkpoint.old``: resume from it
     resumed = load_state(ckpt_dir) if cfg.run.resume and (recover(ckpt_dir) or (ckpt_dir / "state.json").exists()) else None
     _check_resume(cfg, out, ckpt_dir, resumed)
-    if resumed is None:  # an earlier run's episodes in flight (trainer.episode_journal) are not this run's
+    if resumed is None:  # an earlier run's episodes in flight (inflight.trainer.episode_journal) are not this run's
         for journal in out.glob("episodes-*.journal"):
             journal.unlink()
     if cfg.model.lora.enabled:
@@ -239,7 +239,7 @@ def _versions_by_engine(groups: list) -> dict[str, list[int]]:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    """``inflight train`` (``prog``) and ``python -m trainer.train``: train, then print the summary."""
+    """``inflight train`` (``prog``) and ``python -m inflight.trainer.train``: train, then print the summary."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     add_config_arguments(ap)
     args = ap.parse_args(argv)

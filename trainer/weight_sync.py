@@ -1,6 +1,6 @@
 """The trainer's side of weight sync: one push in flight, fleet admission, recovery.
 
-``WeightSync`` is what ``trainer.train`` calls around each optimizer step: ``next_batch``
+``WeightSync`` is what ``inflight.trainer.train`` calls around each optimizer step: ``next_batch``
 before it (a lost engine found while waiting for rollouts is recovered there) and
 ``push`` after it.
 
@@ -38,8 +38,8 @@ from inflight.rollout_queue import RolloutBuffer, RolloutQueue
 from inflight.transport.errors import TransportTimeout
 from inflight.transport.fleet_pusher import FleetPushError, FleetPusher, collect
 from inflight.transport.pusher import PushResult
-from trainer.config import TrainConfig
-from trainer.fleet import EngineLost, Fleet
+from inflight.trainer.config import TrainConfig
+from inflight.trainer.fleet import EngineLost, Fleet
 
 
 class TaskFailed(RuntimeError):

@@ -13,11 +13,11 @@ and ``undo``, on the engine's execution thread, between two steps):
   after a successful ``apply`` that another rank of the engine failed, ``undo``.
 
 Strategies: ``swap`` (eager CPU: load and re-pack into shadow modules before the commit,
-swap attributes at it; ``engine_patches.commit.swap``), ``reload`` and ``copy`` (write into
-the live storage at the commit; ``engine_patches.commit.in_storage``). ``swap`` and ``copy``
+swap attributes at it; ``inflight.engine.commit.swap``), ``reload`` and ``copy`` (write into
+the live storage at the commit; ``inflight.engine.commit.in_storage``). ``swap`` and ``copy``
 replay a load plan recorded at start and so expose a shard plan (each tensor-parallel rank
 stages only what its loaders read); ``reload`` takes whole tensors. ``copy`` on CPU needs
-linears that keep their weights (``INFLIGHT_CPU_PLAIN_GEMM=1``: ``engine_patches.patch``).
+linears that keep their weights (``INFLIGHT_CPU_PLAIN_GEMM=1``: ``inflight.engine.patch``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 import torch
 
-from engine_patches.commit.postload import copy_refusals
-from engine_patches.patch import PLAIN_CPU_GEMM_ENV
+from inflight.engine.commit.postload import copy_refusals
+from inflight.engine.patch import PLAIN_CPU_GEMM_ENV
 from inflight.protocol import ShardPlan
 from inflight.protocol import CommitUnit
 from inflight.settings import CommitChoice, CommitStrategyName as Resolved
@@ -79,7 +79,7 @@ def cpu_gemm_prepacking(dtypes: Iterable[torch.dtype]) -> str | None:
     """The kernel vLLM 0.32's CPU GEMM dispatch (``vllm.model_executor.layers.utils.
     dispatch_cpu_unquantized_gemm``) packs linear weights of these dtypes for, moving them out
     of their parameters, or None where every linear keeps its weight (the plain
-    ``torch.nn.functional.linear`` fallback: ``engine_patches.patch.use_plain_cpu_gemm``).
+    ``torch.nn.functional.linear`` fallback: ``inflight.engine.patch.use_plain_cpu_gemm``).
     Mirrors the dispatch's order; the sgl kernel is counted for any bf16/fp16 weight on AMX
     (the dispatch takes it for small, aligned ones), so the answer errs towards refusing."""
     import vllm._custom_ops as ops
@@ -125,8 +125,8 @@ def make_strategy(model_runner: Any, strategy: CommitChoice, schema: TensorSchem
     """The commit strategy for this engine; ``auto`` falls back from swap to reload when the
     model's loaders do more than route tensors. ``commit_unit="layer"``: the swap commit one
     layer group at a time (``window`` groups prepared at most), or an error saying why not."""
-    from engine_patches.commit.in_storage import InStorageApplier
-    from engine_patches.commit.swap import RoutingError, SwapApplier
+    from inflight.engine.commit.in_storage import InStorageApplier
+    from inflight.engine.commit.swap import RoutingError, SwapApplier
 
     device = torch.device(model_runner.device)
     model = model_runner.get_model()
@@ -144,8 +144,8 @@ def make_strategy(model_runner: Any, strategy: CommitChoice, schema: TensorSchem
         if chosen == "reload":
             raise ValueError("inflight: commit_unit='layer' needs the swap commit (an eager, unquantized CPU engine) or "
                              "the copy commit (CUDA, unquantized); this engine commits with 'reload'")
-        from engine_patches.commit.layer_copy import LayerCopyApplier
-        from engine_patches.commit.layer_swap import LayerSwapApplier
+        from inflight.engine.commit.layer_copy import LayerCopyApplier
+        from inflight.engine.commit.layer_swap import LayerSwapApplier
 
         try:
             if chosen == "swap":

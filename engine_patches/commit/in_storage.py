@@ -8,7 +8,7 @@ at the commit, inside the stall.
   A plain ``load_weights`` after start-up is wrong on a prepacking CPU engine: it writes
   into empty prepacked placeholders.
 - ``copy`` (CUDA, unquantized; CPU with ``INFLIGHT_CPU_PLAIN_GEMM=1``): the model's own
-  loaders' writes, replayed from a load plan (``engine_patches.commit.load_plan``) recorded
+  loaders' writes, replayed from a load plan (``inflight.engine.commit.load_plan``) recorded
   at start against the live parameters: one ``torch._foreach_copy_`` from the staged tensors
   into views of the live storage (which CUDA graphs captured), the loaders' constant fills,
   and the real loaders for the tensors the plan could not prove. The plan's shard plan is
@@ -30,9 +30,9 @@ from typing import Any, Literal
 
 import torch
 
-from engine_patches.commit.load_plan import LoadPlan
-from engine_patches.commit.postload import cpu_unquantized_moe, modules_sharing_parameters, reprocess
-from engine_patches.commit.routing_plan import Route, RoutingPlan
+from inflight.engine.commit.load_plan import LoadPlan
+from inflight.engine.commit.postload import cpu_unquantized_moe, modules_sharing_parameters, reprocess
+from inflight.engine.commit.routing_plan import Route, RoutingPlan
 from inflight.protocol import ShardPlan
 from inflight.shard_plan import Box
 from inflight.staging import copy_into
@@ -173,7 +173,7 @@ class InStorageApplier:
         return self._shard_plan
 
     def held_bytes(self) -> int:
-        """``reload`` on CPU: measured on a CPU engine (``bench.staging_memory``), the commit's
+        """``reload`` on CPU: measured on a CPU engine (``inflight.bench.staging_memory``), the commit's
         peak grows the engine's memory by the model's parameter bytes (the re-pack makes new
         packed weights). ``reload`` on a GPU: ``reload_peak_bytes``. ``copy`` writes straight
         into the live storage: nothing (its recording scratch exists only at start, one

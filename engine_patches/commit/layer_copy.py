@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from engine_patches.commit.in_storage import InStorageApplier, Shapes
-from engine_patches.commit.routing_plan import RoutingError
+from inflight.engine.commit.in_storage import InStorageApplier, Shapes
+from inflight.engine.commit.routing_plan import RoutingError
 from inflight.layer_groups import LayerGroups
 from inflight.staging import copy_into
 

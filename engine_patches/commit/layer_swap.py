@@ -25,8 +25,8 @@ from collections.abc import Mapping
 
 import torch
 
-from engine_patches.commit.routing_plan import RoutingError
-from engine_patches.commit.swap import SwapApplier, _ModuleState
+from inflight.engine.commit.routing_plan import RoutingError
+from inflight.engine.commit.swap import SwapApplier, _ModuleState
 from inflight.layer_groups import LayerGroups
 
 

@@ -6,14 +6,14 @@ every forward with a scale of 1 (alpha/r is folded into B when an adapter is loa
 Beside the slot, the worker's adapter manager keeps the registered ``LoRAModel``, which it
 copies into the slot again whenever it re-activates the adapter.
 
-Phases (``engine_patches.commit.base``):
+Phases (``inflight.engine.commit.base``):
 - ``prepare`` (listener thread, while the engine decodes): vLLM's own loader code turns
   the staged PEFT tensors into a ``LoRAModel`` (names mapped, q/k/v and gate/up packed,
   alpha/r folded into B, in the LoRA dtype, exactly as a load from disk), and each
   wrapper's own ``set_lora``, run on a shallow copy of the wrapper with scratch buffers,
   writes the slot's image (zero padding, this rank's tensor-parallel slice). Nothing live
   is touched. The images come from a copy plan recorded from that same path at start
-  (``engine_patches.commit.lora_plan``): a few tensor ops instead of a Python loop over
+  (``inflight.engine.commit.lora_plan``): a few tensor ops instead of a Python loop over
   every wrapped layer, so the listener holds the GIL it shares with decode for milliseconds.
 - ``apply`` (execution thread, between two steps): one ``_foreach_copy_`` of the images
   into the live slot, in place (GPU kernels and CUDA graphs hold the slot's addresses),
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from engine_patches.commit.lora_plan import SlotPlan
+from inflight.engine.commit.lora_plan import SlotPlan
 from inflight.adapter import AdapterSpec
 from inflight.memory import update_bytes
 from inflight.protocol import ShardPlan

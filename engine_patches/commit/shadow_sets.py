@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from engine_patches.commit.load_plan import LoadPlan
+from inflight.engine.commit.load_plan import LoadPlan
 
 _SETS = 3  # live, previous (inside a commit's window only), being prepared
 

@@ -8,7 +8,7 @@ per-parameter ``weight_loader`` that writes into whatever parameter it is handed
 CPU GEMM dispatch keeps its result in plain module attributes (``cpu_linear``, an empty
 ``weight``). So, in the listener thread:
 
-1. ``RoutingPlan.record`` (``engine_patches.commit.routing_plan``, once, at start): run the
+1. ``RoutingPlan.record`` (``inflight.engine.commit.routing_plan``, once, at start): run the
    model's own ``load_weights`` with recording loaders to learn which parameter's loader
    takes each checkpoint name; a model whose ``load_weights`` transforms tensors on the way
    is refused, and the caller falls back to ``reload``.
@@ -16,10 +16,10 @@ CPU GEMM dispatch keeps its result in plain module attributes (``cpu_linear``, a
    last bucket): fill shadow parameters (shaped from the pre-processing metadata vLLM
    recorded at model construction) with the staged tensors, and run each layer's
    ``process_weights_after_loading`` on a shallow copy of the layer (the re-pack) as soon
-   as its tensors are all in (``engine_patches.commit.readiness``). The filling replays a load
-   plan recorded once at start from the real loaders (``engine_patches.commit.load_plan``: one
+   as its tensors are all in (``inflight.engine.commit.readiness``). The filling replays a load
+   plan recorded once at start from the real loaders (``inflight.engine.commit.load_plan``: one
    ``_foreach_copy_`` per bucket, no Python loaders) into reused buffers
-   (``engine_patches.commit.shadow_sets``); ``load_plan=False`` runs the loaders into fresh shadows.
+   (``inflight.engine.commit.shadow_sets``); ``load_plan=False`` runs the loaders into fresh shadows.
    Live modules are not touched; a failure here refuses the update.
 3. ``SwapApplier.apply`` (under the commit coordinator's lock): assign the prepared parameters and
    attributes to the live modules, keeping the previous ones for an instant rollback in the
@@ -42,11 +42,11 @@ from typing import Any
 
 import torch
 
-from engine_patches.commit.postload import process_after_loading
-from engine_patches.commit.load_plan import LoadPlan
-from engine_patches.commit.readiness import Countdown, Dependencies
-from engine_patches.commit.routing_plan import RoutingError, RoutingPlan, Route
-from engine_patches.commit.shadow_sets import ShadowSets
+from inflight.engine.commit.postload import process_after_loading
+from inflight.engine.commit.load_plan import LoadPlan
+from inflight.engine.commit.readiness import Countdown, Dependencies
+from inflight.engine.commit.routing_plan import RoutingError, RoutingPlan, Route
+from inflight.engine.commit.shadow_sets import ShadowSets
 from inflight.protocol import ShardPlan
 
 __all__ = ["RoutingError", "SwapApplier"]
@@ -189,7 +189,7 @@ class SwapApplier:
     @torch.no_grad()
     def feed(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Load these tensors of the version being staged (verified, each once) into the shadow
-        parameters, and re-pack every layer they complete (``engine_patches.commit.readiness``); live
+        parameters, and re-pack every layer they complete (``inflight.engine.commit.readiness``); live
         modules are untouched. The listener calls it bucket by bucket, during the receive."""
         u = self._current()
         if not weights:

@@ -18,19 +18,19 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from trainer.tasks.arithmetic import Arithmetic
-from trainer.tasks.base import (Completion, Prompt, Task, encode_prompt, final_number, load_factory, model_stop_ids, stop_token_ids,
+from inflight.trainer.tasks.arithmetic import Arithmetic
+from inflight.trainer.tasks.base import (Completion, Prompt, Task, encode_prompt, final_number, load_factory, model_stop_ids, stop_token_ids,
                                 uses_chat)
-from trainer.tasks.calculator import Calculator
-from trainer.tasks.config import BUILTIN  # the task names: one home, beside the config that checks them
-from trainer.tasks.digits import RepeatDigit
-from trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
-from trainer.tasks.guess_number import GuessNumber
-from trainer.tasks.hf_dataset import DatasetTask
-from trainer.tasks.jsonl import SAMPLE, JsonlFormatError, JsonlTask, load_jsonl
+from inflight.trainer.tasks.calculator import Calculator
+from inflight.trainer.tasks.config import BUILTIN  # the task names: one home, beside the config that checks them
+from inflight.trainer.tasks.digits import RepeatDigit
+from inflight.trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
+from inflight.trainer.tasks.guess_number import GuessNumber
+from inflight.trainer.tasks.hf_dataset import DatasetTask
+from inflight.trainer.tasks.jsonl import SAMPLE, JsonlFormatError, JsonlTask, load_jsonl
 
 if TYPE_CHECKING:
-    from trainer.config import TrainConfig
+    from inflight.trainer.config import TrainConfig
 
 __all__ = ["BUILTIN", "Arithmetic", "Calculator", "Completion", "DatasetTask", "EpisodeTask", "EpisodeView", "GuessNumber", "Turn", "JsonlFormatError", "JsonlTask", "Prompt", "RepeatDigit", "SAMPLE",
            "Task", "build_task", "encode_prompt", "final_number", "load_factory", "load_jsonl", "model_stop_ids",
@@ -58,6 +58,6 @@ def build_task(train_cfg: TrainConfig, tokenizer: Any) -> Task:
         return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}, eval_size=eval_size)
     task = load_factory(cfg.name)(tokenizer=tokenizer, **cfg.options)
     if not isinstance(task, Task) and not all(callable(getattr(task, m, None)) for m in ("sample", "score", "eval_prompts")):
-        raise TypeError(f"task.name={cfg.name!r} returned {type(task).__name__}, not a trainer.tasks.Task "
+        raise TypeError(f"task.name={cfg.name!r} returned {type(task).__name__}, not a inflight.trainer.tasks.Task "
                         "(sample, score, eval_prompts)")
     return task

@@ -153,7 +153,7 @@ def model_stop_ids(model_dir: Any, tokenizer: Any) -> list[int]:
 
 def load_factory(dotted: str) -> Any:
     """``"pkg.module:factory"`` -> the callable. The working directory is importable, as it is
-    for ``python -m``, and so is a config file's directory (``trainer.config_files``): a task
+    for ``python -m``, and so is a config file's directory (``inflight.trainer.config_files``): a task
     file next to the config, or where the run starts, works without installing it."""
     module_name, _, attr = dotted.partition(":")
     if "" not in sys.path and str(Path.cwd()) not in sys.path:

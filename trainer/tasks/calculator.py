@@ -56,8 +56,8 @@ import random
 import re
 from collections.abc import Callable, Sequence
 
-from trainer.tasks.base import Prompt, lone_number
-from trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
+from inflight.trainer.tasks.base import Prompt, lone_number
+from inflight.trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
 
 EVAL_SEED = 0xCA1C_E7A1
 DEMO_SEED = 0xCA1C_DE70

@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from inflight.settings import check_choices
-from trainer.tasks.base import ChatMode
-from trainer.tasks.calculator import TEMPLATE as CALCULATOR_TEMPLATE
-from trainer.tasks.calculator import Calculator
-from trainer.tasks.guess_number import TEMPLATE as GUESS_TEMPLATE
-from trainer.tasks.guess_number import GuessNumber
-from trainer.tasks.jsonl import Match
+from inflight.trainer.tasks.base import ChatMode
+from inflight.trainer.tasks.calculator import TEMPLATE as CALCULATOR_TEMPLATE
+from inflight.trainer.tasks.calculator import Calculator
+from inflight.trainer.tasks.guess_number import TEMPLATE as GUESS_TEMPLATE
+from inflight.trainer.tasks.guess_number import GuessNumber
+from inflight.trainer.tasks.jsonl import Match
 
 @dataclass(frozen=True, kw_only=True)
 class ArithmeticConfig:
@@ -65,7 +65,7 @@ class JsonlConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DatasetConfig:
-    """The ``dataset`` task's data: a Hugging Face ``datasets`` dataset (``trainer.tasks.hf_dataset``)."""
+    """The ``dataset`` task's data: a Hugging Face ``datasets`` dataset (``inflight.trainer.tasks.hf_dataset``)."""
 
     path: str = ""
     """A hub id (``openai/gsm8k``), a directory written by ``save_to_disk``, or a data file
@@ -100,7 +100,7 @@ class DatasetConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CalculatorConfig:
-    """The ``calculator`` task (``trainer.tasks.calculator``): arithmetic with a calculator tool."""
+    """The ``calculator`` task (``inflight.trainer.tasks.calculator``): arithmetic with a calculator tool."""
 
     digits: int = 2
     """Digits of each of the two operands (1: 0-9)."""
@@ -124,7 +124,7 @@ class CalculatorConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class GuessNumberConfig:
-    """The ``guess_number`` task (``trainer.tasks.guess_number``): a secret number, higher/lower feedback."""
+    """The ``guess_number`` task (``inflight.trainer.tasks.guess_number``): a secret number, higher/lower feedback."""
 
     lo: int = 1
     """The smallest secret."""
@@ -158,7 +158,7 @@ def _check_task(cls: Any, where: str, cfg: Any) -> None:
 @dataclass(frozen=True, kw_only=True)
 class ScoringConfig:
     """Where rewards are computed: ``task.score`` in worker processes of the engine
-    (``trainer.scoring``), so a slow verifier never stops decoding."""
+    (``inflight.trainer.scoring``), so a slow verifier never stops decoding."""
 
     workers: int = 1
     """Scoring processes per engine; groups are scored in parallel across them."""
@@ -186,7 +186,7 @@ class ScoringConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class EpisodeConfig:
-    """Multi-turn tasks (``trainer.tasks.episode.EpisodeTask``): how episodes run and fail."""
+    """Multi-turn tasks (``inflight.trainer.tasks.episode.EpisodeTask``): how episodes run and fail."""
 
     max_turns: int = 4
     """The policy's turns per episode at most; the environment ends the episode on the last."""
@@ -203,7 +203,7 @@ class EpisodeConfig:
     """Episodes in flight when their engine process stopped (restarted by the trainer, a
     crash, the end of a run that ``run.resume`` continues): resume them where they were
     (their tokens and tags kept; the next turn sampled by whatever version is live), or
-    drop them. Counted either way (``trainer.episode_journal``)."""
+    drop them. Counted either way (``inflight.trainer.episode_journal``)."""
     def __post_init__(self) -> None:
         check_choices(self, "task.episode")
         if self.max_turns < 1:
@@ -225,7 +225,7 @@ class TaskConfig:
     name: str = "repeat_digit"
     """repeat_digit | arithmetic | jsonl | dataset | calculator | guess_number, or your own
     ``pkg.module:factory`` (called as ``factory(tokenizer=..., **options)``, returning a
-    ``trainer.tasks.Task``)."""
+    ``inflight.trainer.tasks.Task``)."""
     completion_tokens: int = 16
     """Most tokens sampled per completion (generation also stops at the model's end-of-sequence)."""
     chat: ChatMode = "auto"

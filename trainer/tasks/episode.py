@@ -4,7 +4,7 @@ An ``EpisodeTask`` opens an episode with a ``Prompt`` (``sample``, as any task) 
 answers every turn of the policy with a ``Turn``: an observation (a tool's output, a game's
 feedback) that the policy reads before its next turn, or the end of the episode with its
 reward. ``turn`` may be a coroutine. It runs in the engine's scoring processes
-(``trainer.scoring``), each call under ``task.scoring``'s timeout and memory cap, so an
+(``inflight.trainer.scoring``), each call under ``task.scoring``'s timeout and memory cap, so an
 episode waiting on a tool never holds up decoding nor another episode.
 
 An episode is one token sequence (``Transcript``)::
@@ -16,7 +16,7 @@ Each turn of the policy is a request that continues the episode's token ids, so 
 caching the history is not prefilled again. Observation tokens are rendered by the model's
 chat template (``ObservationRenderer``: the end of the policy's turn, the new message, the
 assistant's generation prompt), carry no log-prob, the version of the token before them,
-and ``observation = True``: the loss never sees them (``trainer.loss.collate``).
+and ``observation = True``: the loss never sees them (``inflight.trainer.loss.collate``).
 
 Environments are functional: everything a turn needs is in the ``EpisodeView`` (the
 opening prompt, every reply and observation so far, and ``state``, which a ``Turn`` may
@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.tasks.base import ChatMode, Completion, Prompt, Task, uses_chat
+from inflight.trainer.tasks.base import ChatMode, Completion, Prompt, Task, uses_chat
 
 ROLES = ("user", "tool")
 

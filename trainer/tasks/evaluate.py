@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.tasks.base import ChatMode, Completion, Prompt, Task, encode_prompt, model_stop_ids
-from trainer.tasks.episode import ObservationRenderer, Transcript, check_turn, is_episodic
+from inflight.trainer.tasks.base import ChatMode, Completion, Prompt, Task, encode_prompt, model_stop_ids
+from inflight.trainer.tasks.episode import ObservationRenderer, Transcript, check_turn, is_episodic
 
 if TYPE_CHECKING:
-    from trainer.config import TrainConfig
+    from inflight.trainer.config import TrainConfig
 
 log = logging.getLogger("inflight.eval")
 
