@@ -179,12 +179,6 @@ def patch_inprocess_refusals() -> None:
     LLMEngine.add_request = add_request
 
 
-def is_patched() -> bool:
-    from vllm.v1.engine.core import EngineCore
-
-    return bool(getattr(EngineCore.step, _MARK, False))
-
-
 CPU_ASYNC_SCHEDULING_ENV = "INFLIGHT_CPU_ASYNC_SCHEDULING"
 """``1``: a CPU engine keeps ``async_scheduling=True`` when asked for it (``keep_cpu_async_scheduling``)."""
 

@@ -162,13 +162,6 @@ class _LogprobEntropy(torch.autograd.Function):
         return bwd(z, y, lse, ent, g_logp, g_ent), None, None
 
 
-def triton_usable(device: torch.device) -> bool:
-    """Triton runs on CUDA, or anywhere under ``TRITON_INTERPRET=1`` (slowly: tests only)."""
-    import os
-
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, *, impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(..., V) logits, (...) int targets -> float32 (...) log-probs and entropies, differentiable.
 
