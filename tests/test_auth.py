@@ -306,7 +306,8 @@ def test_worker_with_a_secret_refuses_an_unsealed_roster(port) -> None:
 
     t = threading.Thread(target=trainer, daemon=True)
     t.start()
-    with pytest.raises(TransportError):
-        WeightGroup(config, 1, join_timeout_s=3.0, secret=SECRET.encode())
+    with pytest.raises(TransportError) as refused:  # the trainer refuses, and closes its store: not a timeout
+        WeightGroup(config, 1, join_timeout_s=60.0, secret=SECRET.encode())
+    assert type(refused.value) is TransportError and "rank 1: the group store failed" in str(refused.value), refused.value
     t.join(60)
     assert hosted and isinstance(hosted[0], AuthError) and f"{SECRET_ENV} is not set here" in str(hosted[0])

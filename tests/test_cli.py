@@ -133,13 +133,14 @@ def test_prepare_model_prints_the_directory(tmp_path: Path, capsys: pytest.Captu
     assert "no such directory" in capsys.readouterr().err
 
 
-def test_bench_runs_the_module_with_its_arguments() -> None:
+def test_bench_runs_the_module_with_its_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     out = subprocess.run([sys.executable, "-m", "inflight.trainer.cli", "bench", "transport", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: transport.py") and "--bucket-mb" in out.stdout
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_:
         cli.main(["bench", "nope"])
+    assert exit_.value.code == 2 and "argument NAME: invalid choice: 'nope'" in capsys.readouterr().err
 
 
 def test_bench_lists_every_benchmark_program() -> None:
