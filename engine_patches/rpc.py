@@ -33,7 +33,10 @@ class StartReport(_Result):
     schema_tensors: NonNeg
     staging: str
     """Where staging lives: device or host."""
-    staging_bytes: NonNeg
+    reserved_bytes: NonNeg
+    """Every byte this worker holds for updates (``inflight.memory.StagingNeed``): the staging,
+    the rollback copy, the commit's own memory, landing windows; what it set aside before the
+    KV cache on an engine built with the intent. Not the staging alone."""
     node_workers: NonNeg = 1
     """Workers of this engine on this worker's host: host staging was checked for all of them."""
     plan_digest: str = ""

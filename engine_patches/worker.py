@@ -116,7 +116,7 @@ class InflightWorkerExtension:
         atexit.register(self._inflight_atexit)
         routing = self._inflight_routing
         return StartReport(rank=rank, instance_id=engine_id, commit=applier.strategy, schema_tensors=len(schema.tensors),
-                           staging=need.where, staging_bytes=need.nbytes, node_workers=node_workers,
+                           staging=need.where, reserved_bytes=need.nbytes, node_workers=node_workers,
                            plan_digest="" if plan is None else plan.digest,
                            routing=None if routing is None else (routing.layers, routing.top_k))
 

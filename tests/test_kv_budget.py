@@ -171,7 +171,7 @@ def test_the_intent_reaches_the_worker_and_start_refuses_a_config_needing_more_t
         assert len(llm.generate(["1+1="], sp, use_tqdm=False)[0].outputs[0].token_ids) == 4  # still serving
 
         report = start_inflight(llm, fits)
-        assert report.staging_bytes == expected  # what was set aside is what start reserved
+        assert report.reserved_bytes == expected  # what was set aside is what start reserved
         assert len(llm.generate(["1+1="], sp, use_tqdm=False)[0].outputs[0].token_ids) == 4
     finally:
         llm.collective_rpc("inflight_stop")
@@ -200,7 +200,7 @@ def _boot_gpu_engine(model_dir: str, port: int, intent: bool) -> tuple[tuple[int
     llm = LLM(model_dir, enforce_eager=True, dtype="float32", max_model_len=256, seed=0, gpu_memory_utilization=0.1,
               **engine_kwargs(reserve_staging=config if intent else None))
     kv = llm.collective_rpc(_kv_cache_of)[0]
-    staged = start_inflight(llm, config).staging_bytes if intent else 0
+    staged = start_inflight(llm, config).reserved_bytes if intent else 0
     llm.collective_rpc("inflight_stop")
     del llm
     gc.collect()  # vLLM's teardown before the process exits

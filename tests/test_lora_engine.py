@@ -59,7 +59,7 @@ def lora(request, hold_port, tmp_path_factory):
 def test_adapter_updates_land_mid_decode_with_exact_tags_and_match_peft(lora: LoRAEngine, tmp_path) -> None:
     from vllm import SamplingParams
 
-    assert lora.report.commit == "lora" and lora.report.staging_bytes > 0
+    assert lora.report.commit == "lora" and lora.report.reserved_bytes > 0
     # prepare runs the recorded copy plan, which the slot check at the end holds to vLLM's bytes
     assert all(plan is not None and plan[0] > 0 for plan in lora.llm.collective_rpc(copy_plan_of))
     assert_matches_peft(lora, lora.v0, 0)

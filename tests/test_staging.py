@@ -171,7 +171,7 @@ def test_engine_reserves_at_start_and_refuses_a_budget_it_would_not_fit(tiny_qwe
         vocab, hidden = schema.tensors["model.embed_tokens.weight"][0]
         engine_params = params + (-(-vocab // 64) * 64 - vocab) * hidden * 4
         assert report.commit == "swap"
-        assert report.staging_bytes == update_bytes(schema) + 2 * engine_params
+        assert report.reserved_bytes == update_bytes(schema) + 2 * engine_params
         assert llm.collective_rpc(_pool_residency) == [[1.0]]  # the staging buffer is resident from the start
     finally:
         llm.collective_rpc("inflight_stop")
