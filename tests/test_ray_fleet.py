@@ -17,7 +17,10 @@ from tests.helpers import check_ledger, pending_ids, run_config, train_beside, w
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")]
 
-RAY_FLEET = {"engine": {"count": 2, "launcher": "ray"}, "rollout": {"in_flight_groups": 2, "queue_capacity": 6}}
+# two vLLM engines start in Ray actors at once: on a 2-core machine under other load (8) that
+# took over 180 s, so the start's deadline is 600 s (what it bounds is a start, not a recovery)
+RAY_FLEET = {"engine": {"count": 2, "launcher": "ray"}, "rollout": {"in_flight_groups": 2, "queue_capacity": 6},
+             "transport": {"rejoin_timeout_s": 600.0}}
 
 
 @pytest.fixture(scope="module", autouse=True)
