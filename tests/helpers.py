@@ -74,7 +74,9 @@ def train_beside(cfg: TrainConfig, beside: Callable[[], None], *, kill_before_la
     def after_the_kill(self: WeightSync, buffer, version: int):  # noqa: ANN001, ANN202
         calls.append(version)
         if len(calls) == cfg.run.steps:
-            t.join()
+            t.join(cfg.transport.rejoin_timeout_s)  # what it waits for (a row, a kill) comes in the run's time
+            if t.is_alive():
+                raise AssertionError(f"the fault beside the run did not come by its last step: {beside.__doc__ or beside}")
             while self.fleet.restarts == 0 and self.fleet.exit_problem() is None:
                 time.sleep(0.05)
         return next_batch(self, buffer, version)
