@@ -6,6 +6,7 @@ bad settings name themselves."""
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 
@@ -83,6 +84,14 @@ def test_safe_eval_bounds_are_settings() -> None:
     assert safe_eval("400 * 250", max_digits=6) == 100000
     with pytest.raises(CalcError, match="nested too deeply"):
         safe_eval("-" * 999 + "1", max_chars=1000)
+    with pytest.raises(CalcError, match="nested too deeply"):  # by count, whatever the recursion limit
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(100_000)
+        try:
+            safe_eval("-" * 150 + "1", max_chars=1000)
+        finally:
+            sys.setrecursionlimit(limit)
+    assert safe_eval("-" * 99 + "1") == -1
     with pytest.raises(CalcError, match="number too large"):  # an int too large for a float
         safe_eval("1" + "0" * 400 + " / 3", max_digits=500, max_chars=1000)
 

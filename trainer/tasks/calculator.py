@@ -91,15 +91,22 @@ def _check_size(value: float, max_digits: int) -> float:
     return value
 
 
-def _evaluate(node: ast.AST, max_digits: int) -> float:
+MAX_NESTING = 100
+"""How deep an expression may nest (unary minus and operators, each a level): checked by
+count, so the answer never depends on the interpreter's recursion limit, which imports may raise."""
+
+
+def _evaluate(node: ast.AST, max_digits: int, depth: int = 0) -> float:
+    if depth > MAX_NESTING:
+        raise CalcError("error: expression nested too deeply")
     if isinstance(node, ast.Constant):
         if type(node.value) not in (int, float):
             raise CalcError(f"error: {type(node.value).__name__} literals are not allowed, only numbers")
         return _check_size(node.value, max_digits)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return -_evaluate(node.operand, max_digits)
+        return -_evaluate(node.operand, max_digits, depth + 1)
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        left, right = _evaluate(node.left, max_digits), _evaluate(node.right, max_digits)
+        left, right = _evaluate(node.left, max_digits, depth + 1), _evaluate(node.right, max_digits, depth + 1)
         try:
             return _check_size(_BINARY[type(node.op)](left, right), max_digits)
         except ZeroDivisionError:
