@@ -6,6 +6,7 @@ tests run compiled on CUDA under the ``gpu`` marker.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -129,11 +130,13 @@ OBJECTIVES = ["reinforce", "ppo", "icepop", "none"]
 
 def _off_the_cuts(log_r: torch.Tensor, lag: torch.Tensor, lag_decay: float) -> torch.Tensor:
     """How far to move each log-ratio so it lies at least 1e-5 from every cut of every
-    objective at the default constants (truncation 2, ppo's 1 - 0.2 and 1 + 0.28 f, icepop's
-    0.5 and 2 f, f = d ** lag): a ratio within an ulp of a cut may fall on either side in
-    two correct float32 implementations (the kernel's exp is not torch's)."""
+    objective at ``tis_loss``'s default constants (reinforce's truncation C, ppo's 1 - eps_lo
+    and 1 + eps_hi f, icepop's lo and hi f; f = d ** lag): a ratio within an ulp of a cut may
+    fall on either side in two correct float32 implementations (the kernel's exp is not torch's)."""
+    c = {k: v.default for k, v in inspect.signature(tis_loss).parameters.items()}
     log_f = lag.double() * math.log(lag_decay)
-    cuts = [torch.full_like(log_f, math.log(0.8)), math.log(2.0) + log_f, math.log(0.5), torch.log1p(0.28 * log_f.exp())]
+    cuts = [torch.full_like(log_f, math.log(1 - c["clip_low"])), math.log(c["truncation"]) + log_f,
+            math.log(c["icepop_low"]), math.log(c["icepop_high"]) + log_f, torch.log1p(c["clip_high"] * log_f.exp())]
     shift = torch.zeros_like(log_f)
     for cut in cuts:
         near = (log_r.double() + shift - cut).abs() < 1e-5

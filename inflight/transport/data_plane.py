@@ -18,7 +18,7 @@ from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroup, Work
 
 from inflight.settings import DataPlane as Backend
 from inflight.transport.errors import GaveUp, TransportError, TransportTimeout
-from inflight.transport.poll import poll_until
+from inflight.transport.poll import call_beside, poll_until
 
 _NCCL_ENV_LOCK = threading.Lock()
 _nccl_env_set = False
@@ -130,7 +130,7 @@ class DataPlane:
         try:
             self._beside(lambda: nccl.eager_connect_single_device(device), self.timeout.total_seconds(),
                          "the NCCL communicator to form")
-        except TransportError:
+        except (TransportError, InterruptedError):  # ``_poll`` aborted already; InterruptedError: ``stop``
             raise
         except Exception as e:
             self.abort()
@@ -176,12 +176,11 @@ class DataPlane:
         complete only once waited for) while the caller polls that thread. Every quarter
         second the poll asks whether a newer generation opened or the trainer died (the
         worker's heartbeat keeps both, ``WeightGroup.superseded``): either way this
-        generation is over. On a timeout,
-        a newer generation, a dead trainer or ``stop`` the communicator is aborted before
-        raising; the next generation builds a new one (a gloo wait left blocked ends at its
-        own timeout, on its daemon thread, with nothing to write: its sender is gone). Rank 0
-        on gloo blocks: its peers' deaths are the heartbeats' to tell
-        (``inflight.transport.liveness``).
+        generation is over. On a timeout, a newer generation, a dead trainer or ``stop`` the
+        communicator is aborted before raising; the next generation builds a new one (a gloo
+        wait left blocked ends at its own timeout, on its daemon thread, with nothing to write:
+        its sender is gone). Rank 0 on gloo blocks: its peers' deaths are the heartbeats' to
+        tell (``inflight.transport.liveness``).
         """
         work, what = pending
         timeout = self.timeout if timeout_s is None else timedelta(seconds=timeout_s)
@@ -207,20 +206,8 @@ class DataPlane:
             raise TransportError(msg) from e
 
     def _beside(self, fn: Callable[[], object], timeout_s: float, what: str) -> None:
-        """``fn()`` (a blocking native call) on a helper thread, polled (``_poll``); its error, if any, raised here."""
-        box: dict[str, BaseException] = {}
-
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as e:  # handed to the caller
-                box["error"] = e
-
-        helper = threading.Thread(target=run, name=f"inflight-wait-{self.rank}", daemon=True)
-        helper.start()
-        self._poll(lambda: None if helper.is_alive() else True, timeout_s, what)
-        if "error" in box:
-            raise box["error"]
+        """``fn()`` (a blocking native call) beside our poll of it (``call_beside``, ``_poll``)."""
+        call_beside(fn, lambda done: self._poll(done, timeout_s, what))
 
     def _poll(self, done: Callable[[], bool | None], timeout_s: float, what: str) -> None:
         who = f"rank {self.rank}"

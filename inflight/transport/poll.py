@@ -52,10 +52,11 @@ def poll_until(ready: Callable[[], T | None], *, timeout_s: float | None, what: 
 
 
 
-def call_unless_stopped(fn: Callable[[], T], *, stop: threading.Event, what: str, who: str) -> T:
-    """``fn()``, run on a helper thread so that ``stop`` can end the wait (``poll_until``'s
-    ``InterruptedError``, naming ``what``). A blocking native call (gloo's rendezvous) cannot be
-    cancelled; it is left to end at its own timeout on that daemon thread, its result discarded."""
+def call_beside(fn: Callable[[], T], wait: Callable[[Callable[[], bool | None]], object]) -> T:
+    """``fn()`` (a blocking native call) on a helper thread, while ``wait`` polls whether it
+    has returned (``wait(done)``, a ``poll_until`` with the caller's deadline, ``stop`` and
+    ``give_up``); ``fn``'s result, or its error raised here. A call ``wait`` gives up on
+    cannot be cancelled: it is left to end on its daemon thread, its result discarded."""
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -64,9 +65,15 @@ def call_unless_stopped(fn: Callable[[], T], *, stop: threading.Event, what: str
         except BaseException as e:  # handed to the caller
             box["error"] = e
 
-    helper = threading.Thread(target=run, name=f"inflight-{who.replace(' ', '-')}-helper", daemon=True)
+    helper = threading.Thread(target=run, name="inflight-beside", daemon=True)
     helper.start()
-    poll_until(lambda: None if helper.is_alive() else True, timeout_s=None, what=what, who=who, stop=stop)
+    wait(lambda: None if helper.is_alive() else True)
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def call_unless_stopped(fn: Callable[[], T], *, stop: threading.Event, what: str, who: str) -> T:
+    """``fn()`` beside (``call_beside``) a wait that ``stop`` ends (``poll_until``'s
+    ``InterruptedError``, naming ``what``): gloo's rendezvous, which cannot be cancelled."""
+    return call_beside(fn, lambda done: poll_until(done, timeout_s=None, what=what, who=who, stop=stop))
