@@ -247,7 +247,7 @@ class CommitCoordinator:
             return EngineCommitted(version=version, step=self.steps, commit_ms=ms, tokens_at_commit=self._output_tokens(),
                                    part=part, parts=parts, label=str(self.label))
         applied = [r.rank for r in results if r.applied]
-        reason = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+        reason = "; ".join(f"worker rank {r}: {e}" for r, e in sorted(failed.items()))
         if applied:
             back = [as_result(r, WorkerSettleResult) for r in executor.collective_rpc("inflight_rollback", args=(version,))]
             stuck = {r.rank: r.error for r in back if not r.ok}
@@ -391,7 +391,7 @@ class CommitCoordinator:
                 return None
             versions.add((msg.version, msg.part, msg.parts))
             if msg.refused:
-                refused.append(f"rank {msg.rank}: {msg.refused}")
+                refused.append(f"worker rank {msg.rank}: {msg.refused}")
         if len(versions) > 1:  # a rank still on an older attempt; it withdraws on its timeout
             time.sleep(_POLL_MAX_S)
             return None

@@ -38,7 +38,7 @@ from inflight.layer_groups import Hybrid
 from inflight.engine.engine_channel import CommitReady, EngineCommitted, decode_engine
 from inflight.protocol import ProtocolError, encode
 from inflight.staging import StagedVersion, StagingPool, ordered_commit, ready_event
-from inflight.transport.errors import TransportError, TransportTimeout
+from inflight.transport.errors import TransportError, TransportTimeout, member
 from inflight.transport.stream_check import CommitFailed, CommitInfo
 from inflight.transport.poll import poll_until
 from inflight.transport.store import wait_key
@@ -119,7 +119,7 @@ class EngineTarget:
         self.channel.set(key, self.incarnation.encode())
         try:  # a coordinator busy committing answers within a step; else go on
             poll_until(lambda: None if self.channel.check([key]) else True, timeout_s=5.0, what="the coordinator's goodbye",
-                       who=f"rank {self.rank}")
+                       who=member(self.rank))
         except TransportTimeout:
             pass
 
@@ -161,14 +161,14 @@ class EngineTarget:
         try:
             try:
                 raw = wait_key(self.channel, key, timeout_s=self.config.commit_timeout_s, stop=None, what=what,
-                               who=f"rank {self.rank}")
+                               who=member(self.rank))
             except TransportTimeout as e:
                 if self._withdraw(ready):  # the engine never took it: nothing changed anywhere
                     self.channel.delete_key(f"ready/{self.rank}")
                     raise CommitFailed(f"v{version} withdrawn: {e}") from e
                 # the commit is running on the execution thread: its outcome is moments away
                 raw = wait_key(self.channel, key, timeout_s=self.config.commit_timeout_s, stop=None, what=what,
-                               who=f"rank {self.rank}")
+                               who=member(self.rank))
         except TransportError:
             self._withdraw(ready)  # the store is gone: if the engine took v, its own window settled it
             raise
@@ -176,7 +176,7 @@ class EngineTarget:
             outcome = decode_engine(raw)
         except ProtocolError as e:
             self._withdraw(ready)
-            raise TransportError(f"rank {self.rank}: unreadable commit outcome: {e}") from e
+            raise TransportError(f"{member(self.rank)}: unreadable commit outcome: {e}") from e
         if not isinstance(outcome, EngineCommitted) or (outcome.version, outcome.part) != (version, ready.part):
             self._withdraw(ready)  # refused before the window (not newer than the live version)
             raise CommitFailed(getattr(outcome, "reason", f"unexpected outcome {outcome!r}"))

@@ -51,22 +51,20 @@ def patch_engine_core() -> None:
     """
     from vllm.v1.engine.core import EngineCore
 
-    for name in ("step", "step_with_batch_queue", "collective_rpc", "shutdown", "preprocess_add_request"):
+    for name in _ENGINE_CORE_WRAPPERS:
         if not callable(getattr(EngineCore, name, None)):
             raise RuntimeError(f"inflight: vllm EngineCore has no {name}(); this vLLM is not 0.32-compatible")
     if getattr(EngineCore.step, _MARK, False):
         return
+    for name, wrap in _ENGINE_CORE_WRAPPERS.items():
+        fn = functools.wraps(getattr(EngineCore, name))(wrap(getattr(EngineCore, name)))
+        setattr(fn, _MARK, True)
+        setattr(EngineCore, name, fn)
 
-    from inflight.engine.coordinator import ATTR, CommitCoordinator, check_engine
-    from inflight.engine.config import InflightConfig
 
-    original_step = EngineCore.step
-    original_batch_step = EngineCore.step_with_batch_queue
-    original_rpc = EngineCore.collective_rpc
-    original_shutdown = EngineCore.shutdown
-    original_preprocess = EngineCore.preprocess_add_request
+def _wrap_step(original_step: Any) -> Any:
+    from inflight.engine.coordinator import ATTR
 
-    @functools.wraps(original_step)
     def step(self):
         coordinator = self.__dict__.get(ATTR)
         if coordinator is None:
@@ -80,7 +78,12 @@ def patch_engine_core() -> None:
                 attach_routing(self, outputs)
         return outputs, executed
 
-    @functools.wraps(original_batch_step)
+    return step
+
+
+def _wrap_batch_step(original_batch_step: Any) -> Any:
+    from inflight.engine.coordinator import ATTR
+
     def step_with_batch_queue(self):
         coordinator = self.__dict__.get(ATTR)
         if coordinator is None:
@@ -90,7 +93,13 @@ def patch_engine_core() -> None:
             report(executed)
         return outputs, executed
 
-    @functools.wraps(original_rpc)
+    return step_with_batch_queue
+
+
+def _wrap_collective_rpc(original_rpc: Any) -> Any:
+    from inflight.engine.config import InflightConfig
+    from inflight.engine.coordinator import ATTR, CommitCoordinator, check_engine
+
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None) -> list[Any]:
         coordinator = self.__dict__.get(ATTR)
         if method == "inflight_start":
@@ -119,7 +128,12 @@ def patch_engine_core() -> None:
             results = [msgspec.structs.replace(as_result(r, WorkerStatus), engine=coordinator.status()) for r in results]
         return results
 
-    @functools.wraps(original_shutdown)
+    return collective_rpc
+
+
+def _wrap_shutdown(original_shutdown: Any) -> Any:
+    from inflight.engine.coordinator import ATTR
+
     def shutdown(self):
         # the in-flight machinery stops with the engine (``del llm``, a server's exit): the
         # coordinator and every worker's listener let go of the trainer's store first
@@ -130,7 +144,12 @@ def patch_engine_core() -> None:
                 pass
         return original_shutdown(self)
 
-    @functools.wraps(original_preprocess)
+    return shutdown
+
+
+def _wrap_preprocess(original_preprocess: Any) -> Any:
+    from inflight.engine.coordinator import ATTR
+
     def preprocess_add_request(self, request):
         coordinator = self.__dict__.get(ATTR)
         if coordinator is not None and coordinator.config.adapter is not None:
@@ -139,13 +158,13 @@ def patch_engine_core() -> None:
             check_request(request.request_id, request.lora_request, coordinator.config.adapter)
         return original_preprocess(self, request)
 
-    for fn in (step, step_with_batch_queue, collective_rpc, shutdown, preprocess_add_request):
-        setattr(fn, _MARK, True)
-    EngineCore.step = step
-    EngineCore.step_with_batch_queue = step_with_batch_queue
-    EngineCore.collective_rpc = collective_rpc
-    EngineCore.shutdown = shutdown
-    EngineCore.preprocess_add_request = preprocess_add_request
+    return preprocess_add_request
+
+
+_ENGINE_CORE_WRAPPERS = {"step": _wrap_step, "step_with_batch_queue": _wrap_batch_step,
+                         "collective_rpc": _wrap_collective_rpc, "shutdown": _wrap_shutdown,
+                         "preprocess_add_request": _wrap_preprocess}
+"""EngineCore's methods ``patch_engine_core`` wraps, each with its wrapper's factory."""
 
 
 def patch_inprocess_refusals() -> None:

@@ -123,6 +123,8 @@ class WorkerStatus(_Result):
     rejections: dict[str, NonNeg] = {}
     rejoins: NonNeg = 0
     dropped_staging: NonNeg = 0
+    aborted: NonNeg = 0
+    """Updates the trainer called off after this worker accepted them (``ListenerStats.aborted``)."""
     last_error: str = ""
     commits: tuple[WorkerCommitResult, ...] = ()
     engine: EngineState | None = None

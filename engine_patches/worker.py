@@ -230,7 +230,7 @@ class InflightWorkerExtension:
             started=True, rank=target.rank, joined=listener is not None, listening=self._inflight_thread.is_alive(),
             generation=listener.group.identity if listener else None, live_version=target.live_version,
             model_steps=target.model_steps, committed=stats.committed, rejections=dict(stats.rejections),
-            rejoins=stats.rejoins, dropped_staging=stats.dropped_staging, last_error=stats.last_error,
+            rejoins=stats.rejoins, dropped_staging=stats.dropped_staging, aborted=stats.aborted, last_error=stats.last_error,
             commits=tuple(target.commits), staging_peak_bytes=self._inflight_pool.peak_bytes)
 
     def inflight_stop(self) -> None:

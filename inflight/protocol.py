@@ -29,10 +29,15 @@ from msgspec import Meta, Struct
 PROTOCOL_VERSION = 2
 
 # Names are torch dtype names without the "torch." prefix.
-WireDtype = Literal["float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2", "int64", "int32", "int8", "uint8", "bool"]
+ModelDtype = Literal["float32", "bfloat16"]
+"""The dtypes an engine serves and a trainer trains in (``model.dtype``)."""
+CastDtype = Literal[ModelDtype, "float16"]
+"""The dtypes a push may cast weights to (``PushConfig.dtype``)."""
+WireDtype = Literal[CastDtype, "float64", "float8_e4m3fn", "float8_e5m2", "int64", "int32", "int8", "uint8", "bool"]
 DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
                                   "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1}  # float8: an FP8 checkpoint's
 ChecksumAlgo = Literal["xxh3", "crc32", "wsum64"]
+"""A bucket's checksum (``inflight.transport.checksum``)."""
 CommitUnit = Literal["model", "layer"]
 """What an engine commits at once: the whole model, or one layer group (``inflight.layer_groups``)."""
 RejectCode = Literal[

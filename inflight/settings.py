@@ -6,6 +6,8 @@ trainer's TOML sections) are frozen keyword-only dataclasses. Each calls
 ``Literal`` enums below (or any ``Literal``) is checked against its values at
 construction, with an error naming the field, the bad value and the choices. Argument
 parsers take their ``choices=`` from ``choices(Enum)``, so a value is spelled in one place.
+The wire's own enums (dtypes, checksums) live in ``inflight.protocol``, which imports
+nothing, and the settings here are built from them.
 """
 
 from __future__ import annotations
@@ -16,23 +18,26 @@ import sys
 import typing
 from typing import Any, Literal
 
+from inflight.protocol import CastDtype, ChecksumAlgo
+
 DataPlane = Literal["gloo", "nccl"]
 """The weight group's data plane: NCCL between GPUs, gloo through host memory."""
 Backend = Literal["auto", DataPlane]
 """A ``DataPlane``, or ``auto``: NCCL where CUDA is available, else gloo."""
-CommitStrategyName = Literal["swap", "reload", "copy", "lora"]
+InStorageCommit = Literal["reload", "copy"]
+"""The commits that write the staged tensors into the model's own storage
+(``inflight.engine.commit.in_storage``)."""
+CommitStrategyName = Literal["swap", InStorageCommit, "lora"]
 """How staged weights become live (``inflight.engine.commit``); ``lora``: an adapter-only engine's
 slot write (``inflight.engine.commit.lora_slot``)."""
 CommitChoice = Literal["auto", CommitStrategyName]
 """A ``CommitStrategyName``, or ``auto``: the best one that is right for the engine."""
 StagingPlace = Literal["device", "host"]
 """Where a version waits between its buckets' arrival and its commit."""
-ChecksumChoice = Literal["auto", "xxh3", "crc32", "wsum64"]
+ChecksumChoice = Literal["auto", ChecksumAlgo]
 """Per-bucket checksum; ``auto`` is xxh3 on gloo and wsum64 (computed on the GPU) on NCCL."""
-PushDtype = Literal["keep", "float32", "bfloat16", "float16"]
+PushDtype = Literal["keep", CastDtype]
 """What the trainer casts weights to while packing; ``keep`` sends each tensor's own dtype."""
-ModelDtype = Literal["float32", "bfloat16"]
-"""The engine's (and the pushed weights') dtype."""
 RolloutMode = Literal["inflight", "batch"]
 """In-flight sampling, or the synchronous batch-boundary baseline."""
 TrackerName = Literal["jsonl", "tensorboard", "wandb", "trackio"]

@@ -22,13 +22,11 @@ Four implementations, in the order of the Triton tutorials:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import triton
 import triton.language as tl
 
-Impl = Literal["auto", "triton", "torch", "reference"]
+from inflight.kernels import Impl
 
 
 def logprob_entropy_reference(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

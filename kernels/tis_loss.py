@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from inflight.kernels import Impl
+
 Objective = Literal["reinforce", "ppo", "icepop", "none"]
 _OBJECTIVE_ID = {name: i for i, name in enumerate(get_args(Objective))}  # the kernel's OBJECTIVE
 
@@ -156,7 +158,7 @@ class _TISLoss(torch.autograd.Function):
 
 def tis_loss(logp, mu, adv, mask, n_tokens: float, *, objective: Objective = "reinforce", truncation: float = 2.0,
              clip_low: float = 0.2, clip_high: float = 0.28, icepop_low: float = 0.5, icepop_high: float = 2.0,
-             lag_decay: float = 1.0, lag=None, log_ratio=None, impl: Literal["auto", "triton", "reference"] = "auto"):
+             lag_decay: float = 1.0, lag=None, log_ratio=None, impl: Impl = "auto"):
     """Scalar loss and per-token weights from flat (N,) float32 tensors; grad flows to ``logp``.
 
     ``objective`` and its constants are the module docstring's: ``truncation`` C (reinforce),
@@ -171,8 +173,10 @@ def tis_loss(logp, mu, adv, mask, n_tokens: float, *, objective: Objective = "re
         raise ValueError(f"tis_loss wants equal (N,) tensors, got {[tuple(t.shape) for t in tensors]}")
     if not n_tokens > 0:
         raise ValueError(f"n_tokens={n_tokens} must be > 0")
+    if impl not in get_args(Impl):
+        raise ValueError(f"impl={impl!r} is not one of {', '.join(get_args(Impl))}")
     use_triton = impl == "triton" or (impl == "auto" and logp.device.type == "cuda")
-    if not use_triton:
+    if not use_triton:  # torch and reference: the reference is plain torch
         return tis_loss_reference(logp, mu, adv, mask, n_tokens, lag=lag, log_ratio=log_ratio, **c._asdict())
     lag = torch.zeros_like(logp) if lag is None else lag
     args = [t.detach().float().contiguous() if t is not None else None for t in (mu, log_ratio, lag, adv, mask)]

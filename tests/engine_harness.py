@@ -26,6 +26,7 @@ from inflight.engine.client import inflight_status, start_inflight, tagged
 from inflight.engine.rpc import WorkerStatus
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushResult, WeightPusher
+from tests.helpers import WAIT_S, wait_until
 
 
 def stop_engine(llm: Any) -> None:
@@ -246,8 +247,10 @@ def drive(llm: Any, coordinator: Any, prompts: Sequence[str], sp: Any, *, hold_a
     while engine.has_unfinished_requests():
         k = coordinator.commits() - base
         if k < len(hold_at) and coordinator.steps - start >= hold_at[k]:
-            while not coordinator.commit_pending() and coordinator.commits() - base == k and not release():
-                time.sleep(0.001)  # an event, not a deadline: the trainer's push becoming committable
+            # an event (``wait_until`` only bounds a hang): the trainer's push becoming committable
+            wait_until(lambda: coordinator.commit_pending() or coordinator.commits() - base != k or release(),
+                       f"commit {k + 1} to be pending at the coordinator (held at engine step {hold_at[k]})",
+                       poll_s=0.001)
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
@@ -266,8 +269,8 @@ class StepPushes:
     def _run(self, steps: Callable[[], int], at: tuple[int, ...], push: Callable[[int], Any]) -> None:
         try:
             for k, mark in enumerate(at):
-                while steps() < mark:
-                    time.sleep(0.001)  # an event, not a deadline: the engine reaching the step
+                # an event (``wait_until`` only bounds a hang): the engine reaching the step
+                wait_until(lambda: steps() >= mark, f"engine step {mark} (push {k + 1})", poll_s=0.001)
                 self.results.append(push(k))
         except BaseException as e:  # noqa: BLE001  surfaced by ``join``
             self.errors.append(e)
@@ -277,7 +280,8 @@ class StepPushes:
 
     def join(self) -> list[Any]:
         """Wait for the last push; fail with the trainer's error if it had one. Returns the results."""
-        self._thread.join()
+        self._thread.join(WAIT_S)
+        assert not self._thread.is_alive(), f"waited {WAIT_S:.0f} s for the trainer thread's last push"
         assert not self.errors, self.errors
         return self.results
 
@@ -337,14 +341,15 @@ def serve_process(model_dir: Path, log_dir: Path, flags: Sequence[str] = ()) -> 
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{http}"
     try:
-        deadline = time.monotonic() + 240  # start-up only: no test assertion waits on it
+        deadline = time.monotonic() + WAIT_S  # start-up only: a bound for a hang, never a check of speed
         while True:
             try:
-                with urllib.request.urlopen(base + "/health", timeout=2):
+                with urllib.request.urlopen(base + "/health", timeout=10):
                     break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("vllm serve did not come up:\n" + log_path.read_text()[-3000:]) from None
+                    raise RuntimeError(f"vllm serve did not come up (waited up to {WAIT_S:.0f} s for its /health):\n"
+                                       + log_path.read_text()[-3000:]) from None
                 time.sleep(0.5)
         yield base
     finally:

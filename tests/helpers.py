@@ -47,49 +47,105 @@ def metrics_rows(out: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+WAIT_S = 600.0
+"""The longest a test waits for one event of a run or an engine (a row, a step, a commit, a
+restart) before it fails naming what it waited for: an engine's start on a 2-core machine at
+load 10 is the slowest such event measured. A bound for a hang, never a check of speed."""
+
+
+def wait_until(done: Callable[[], object], what: str, *, poll_s: float = 0.05, timeout_s: float = WAIT_S) -> None:
+    """Poll ``done()`` every ``poll_s`` until it is true; after ``timeout_s`` fail naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
+        time.sleep(poll_s)
+
+
 def wait_rows(out: Path, n: int, *, where: Callable[[list[dict]], bool] = lambda rows: True) -> list[dict]:
     """Block until the run has written ``n`` rows (one at least) and ``where(rows)`` holds:
-    an event of the run's own, never a deadline. Returns the rows."""
-    while True:
+    an event of the run's own (``wait_until`` bounds it). Returns the rows."""
+    seen: list[list[dict]] = []
+
+    def written() -> bool:
         rows = metrics_rows(out)
-        if rows and len(rows) >= n and where(rows):
-            return rows
-        time.sleep(0.05)
+        seen[:] = [rows]
+        return bool(rows) and len(rows) >= n and where(rows)
+
+    wait_until(written, f"{n} rows in {out} matching {where.__doc__ or where}")
+    return seen[0]
+
+
+_ADMITTED: list[str] = []
+"""The ids of the groups the run that ``train_beside`` runs admitted so far, in order."""
+
+
+def wait_admitted(engine_id: str) -> None:
+    """Block until the run that ``train_beside`` runs admitted a group of engine ``engine_id``
+    ("e1"): an event of the run's own, which comes however slow that engine is (with
+    ``kill_before_last_step`` the last step admits queued groups while it waits)."""
+    wait_until(lambda: any(g.startswith(f"{engine_id}.") for g in list(_ADMITTED)),
+               f"the trainer to admit a group of engine {engine_id}")
 
 
 def train_beside(cfg: TrainConfig, beside: Callable[[], None], *, kill_before_last_step: bool = False
                  ) -> tuple[dict, list[dict]]:
     """``train(cfg)`` while ``beside`` runs in a thread (a fault or an input it injects when
-    the run's rows say so: see ``wait_rows``). With ``kill_before_last_step`` (``beside``
-    kills an engine) the last step waits until ``beside`` returned and the fleet sees the
-    engine's death, so the kill is recovered inside the run however late the rows it waits
-    for come (a slow engine's first group, on a busy machine). Returns the run's summary
-    and its rows."""
+    the run's rows or admitted groups say so: ``wait_rows``, ``wait_admitted``). With
+    ``kill_before_last_step`` (``beside`` kills an engine) the last step waits until
+    ``beside`` returned and the fleet sees the engine's death, admitting the queued groups
+    meanwhile (so no engine blocks on a full queue), and the kill is recovered inside the
+    run however late what it waits for comes (a slow engine's first group, on a busy
+    machine). Returns the run's summary and its rows."""
+    from inflight.rollout_queue import RolloutBuffer
     from inflight.trainer.train import train
     from inflight.trainer.weight_sync import WeightSync
 
     t = threading.Thread(target=beside, daemon=True)
-    next_batch, calls = WeightSync.next_batch, []
+    next_batch, admit, calls = WeightSync.next_batch, RolloutBuffer._admit, []
+    _ADMITTED.clear()
 
-    def after_the_kill(self: WeightSync, buffer, version: int):  # noqa: ANN001, ANN202
+    def recording(self: RolloutBuffer, data: bytes, current_version: int) -> None:
+        before = len(self.pending)
+        admit(self, data, current_version)
+        if len(self.pending) > before:
+            _ADMITTED.append(self.pending[-1].group_id)
+
+    def after_the_kill(self: WeightSync, buffer: RolloutBuffer, version: int):  # noqa: ANN202
         calls.append(version)
         if len(calls) == cfg.run.steps:
-            t.join(cfg.transport.rejoin_timeout_s)  # what it waits for (a row, a kill) comes in the run's time
+            # what ``beside`` waits for (a row, a group, a kill) comes in the run's time: this
+            # bound only turns a fault that never comes into a failure naming it
+            deadline = time.monotonic() + cfg.transport.rejoin_timeout_s
+            while t.is_alive() and time.monotonic() < deadline:
+                buffer.drain(version)
+                t.join(0.05)
             if t.is_alive():
                 raise AssertionError(f"the fault beside the run did not come by its last step: {beside.__doc__ or beside}")
-            while self.fleet.restarts == 0 and self.fleet.exit_problem() is None:
-                time.sleep(0.05)
+            wait_until(lambda: self.fleet.restarts or self.fleet.exit_problem(), "the fleet to see the engine's death")
         return next_batch(self, buffer, version)
 
     t.start()
+    RolloutBuffer._admit = recording  # type: ignore[method-assign]
     if kill_before_last_step:
         WeightSync.next_batch = after_the_kill  # type: ignore[method-assign]
     try:
         summary = train(cfg)
     finally:
-        WeightSync.next_batch = next_batch  # type: ignore[method-assign]
+        WeightSync.next_batch, RolloutBuffer._admit = next_batch, admit  # type: ignore[method-assign]
     t.join(5)
     return summary, metrics_rows(Path(cfg.run.out_dir))
+
+
+def check_tags(summary: dict, rows: list[dict], max_lag: int) -> None:
+    """Every token a step trained on is tagged with a version the trainer had published
+    before that step and at most ``max_lag`` behind it, and the summary's most versions in
+    one sample is its rows' most."""
+    for r in rows:
+        tags = {v for vs in r["versions_by_engine"].values() for v in vs}
+        assert tags and r["version"] - 1 - max_lag <= min(tags) and max(tags) < r["version"], r
+        assert 1 <= r["max_versions_per_sample"] <= len(tags), r
+    assert summary["max_versions_per_sample"] == max(r["max_versions_per_sample"] for r in rows)
 
 
 def pending_ids(out: Path) -> list[str]:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 
@@ -26,7 +27,7 @@ from inflight.transport.group import GroupConfig, WeightGroup
 from inflight.transport.store import store_reachable, wait_key
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from tests.engine_harness import Harness, perturbed
-from tests.helpers import form_pair
+from tests.helpers import WAIT_S, form_pair
 
 SECRET = "correct horse battery staple"
 
@@ -47,7 +48,7 @@ def test_store_listens_on_loopback_unless_an_address_is_configured(host: str, ho
     outside = _outside_address()
     if outside is None:
         pytest.skip("this machine has no address but loopback")
-    config = GroupConfig(host=host, port=hold_port(host), world_size=2, timeout_s=5.0, insecure=host == "0.0.0.0")
+    config = GroupConfig(host=host, port=hold_port(host), world_size=2, timeout_s=60.0, insecure=host == "0.0.0.0")
     errors: list[BaseException] = []
     trainers: list[WeightGroup] = []
     up = threading.Event()
@@ -64,9 +65,10 @@ def test_store_listens_on_loopback_unless_an_address_is_configured(host: str, ho
     assert store_reachable("127.0.0.1", config.port)
     assert store_reachable(outside, config.port) == (host == "0.0.0.0")
     # let the trainer go: a worker joins, so the trainer's wait ends with the group formed
-    worker = WeightGroup(GroupConfig(host="127.0.0.1", port=config.port, world_size=2, timeout_s=5.0), 1,
+    worker = WeightGroup(GroupConfig(host="127.0.0.1", port=config.port, world_size=2, timeout_s=60.0), 1,
                          join_timeout_s=60.0)
-    assert up.wait(60) and not errors, errors  # the store was this very socket, and the group formed
+    assert up.wait(WAIT_S), f"waited {WAIT_S:.0f} s for the trainer's group to form"
+    assert not errors, errors  # the store was this very socket, and the group formed
     worker.close()
     trainers[0].close()
 
@@ -78,10 +80,10 @@ def test_a_group_off_loopback_without_a_secret_is_refused_unless_insecure(hold_p
 
     monkeypatch.delenv(SECRET_ENV, raising=False)
     config = GroupConfig(host="0.0.0.0", port=hold_port("0.0.0.0"), world_size=2, timeout_s=5.0)
-    with pytest.raises(ValueError, match=f"rank 0: the weight group at 0.0.0.0:{config.port} is reachable from other "
+    with pytest.raises(ValueError, match=f"trainer rank 0: the weight group at 0.0.0.0:{config.port} is reachable from other "
                                          f"machines and has no shared secret.*Set {SECRET_ENV}"):
         WeightGroup(config, 0, join_timeout_s=1.0)
-    with pytest.raises(ValueError, match="rank 1: the weight group at 0.0.0.0.* has no shared secret"):
+    with pytest.raises(ValueError, match="worker rank 1: the weight group at 0.0.0.0.* has no shared secret"):
         WeightGroup(config, 1, join_timeout_s=1.0)
     for loopback in ("127.0.0.1", "127.0.0.2", "localhost"):
         dataclasses.replace(config, host=loopback).check_exposure(None, "rank 0")  # loopback: nothing to refuse
@@ -114,7 +116,7 @@ def harness(tiny_llama, hold_port):
     saved = os.environ.get(SECRET_ENV)
     os.environ[SECRET_ENV] = SECRET  # the engine reads it at its start, the pusher at its construction
     try:
-        h = Harness(tiny_llama, "float32", hold_port(), timeout_s=10.0)
+        h = Harness(tiny_llama, "float32", hold_port(), timeout_s=60.0)
     finally:
         os.environ.pop(SECRET_ENV) if saved is None else os.environ.__setitem__(SECRET_ENV, saved)
     yield h
@@ -145,7 +147,7 @@ def test_trainer_with_a_wrong_or_missing_secret_is_refused(harness: Harness, mon
             monkeypatch.delenv(SECRET_ENV)
         else:
             monkeypatch.setenv(SECRET_ENV, secret)
-        with pytest.raises(AuthError) as exc:
+        with pytest.raises(AuthError, match=f"worker rank 1's hello.*{re.escape(says)}") as exc:
             _trainer(h)
         assert "worker rank 1's hello" in str(exc.value) and says in str(exc.value), str(exc.value)
         _serves(h, live)
@@ -169,7 +171,8 @@ def test_a_forged_control_message_is_refused_and_the_engine_keeps_serving(harnes
     for k, forged in enumerate(forgeries):
         stray.set(f"gen{g}/ctl/msg/{seq + k}", forged)
         wait_key(stray, f"gen{g}/ctl/rep/{seq + k}/ack/1", timeout_s=60, stop=None, what="the refusal", who="test")
-        with pytest.raises(PushRejected) as exc:  # the trainer's message of that number was pre-empted
+        # the trainer's message of that number was pre-empted
+        with pytest.raises(PushRejected, match=rf"\[unauthenticated\] .*{SECRET_ENV}") as exc:
             h.pusher.push(live + 1, perturbed(h.base, seed=4))
         assert exc.value.codes == {"unauthenticated"} and SECRET_ENV in str(exc.value), str(exc.value)
         _serves(h, live)
@@ -203,7 +206,7 @@ def test_a_forged_bucket_with_a_valid_checksum_is_refused_and_the_engine_keeps_s
 
         assert checksum(forged, "wsum64") == checksum(data, "wsum64") and not torch.equal(forged, data)
         return header, forged if header.index == 1 else data
-    with pytest.raises(PushRejected) as exc:
+    with pytest.raises(PushRejected, match=r"\[unauthenticated\] .*bucket 1 of v") as exc:
         pusher.push(live + 1, perturbed(h.base, seed=6), tamper=forge)
     assert exc.value.codes == {"unauthenticated"} and "bucket 1 of v" in str(exc.value), str(exc.value)
     (_, after), = h.greedy(["1+2="], max_tokens=4)
@@ -225,7 +228,7 @@ def test_forged_generation_and_rendezvous_keys_are_refused(port, monkeypatch) ->
     from inflight.transport.store import SealedStore
 
     monkeypatch.setenv(SECRET_ENV, SECRET)
-    trainer, worker = form_pair(port)
+    trainer, worker = form_pair(port, timeout_s=60.0)
     config = trainer.config
     stray = PrefixStore(config.name, TCPStore(config.host, config.port, is_master=False, wait_for_workers=False))
     for forged in (b"99", seal(b"99", b"guessed", f"{config.name}/{trainer.incarnation}/generation")):
@@ -240,8 +243,8 @@ def test_forged_generation_and_rendezvous_keys_are_refused(port, monkeypatch) ->
     # the rendezvous of a data plane: rank 0's address, forged by the stray client
     stray.set("forged/pg/0/0", b"an address of the stray client's choosing")
     rendezvous = SealedStore(PrefixStore(f"{config.name}/forged/pg", worker._tcp), SECRET.encode(), "ctx")
-    with pytest.raises(TransportError, match="rank 1: forming a gloo group of 2 failed: ctx/0/0: unauthenticated message"):
-        DataPlane(rendezvous, rank=1, pg_rank=1, size=2, backend="gloo", timeout=timedelta(seconds=5),
+    with pytest.raises(TransportError, match="worker rank 1: forming a gloo group of 2 failed: ctx/0/0: unauthenticated message"):
+        DataPlane(rendezvous, rank=1, pg_rank=1, size=2, backend="gloo", timeout=timedelta(seconds=60),
                   device=torch.device("cpu"), peers=[0], superseded=lambda: False)
     worker.close()
     trainer.close()
@@ -295,19 +298,21 @@ def test_a_rollout_item_of_an_earlier_run_is_refused_in_the_next(hold_port) -> N
 
 def test_worker_with_a_secret_refuses_an_unsealed_roster(port) -> None:
     """The other direction: a trainer without the secret cannot enrol a worker that has one."""
-    config = GroupConfig(port=port, world_size=2, timeout_s=5.0)
+    config = GroupConfig(port=port, world_size=2, timeout_s=60.0)  # far above a refusal's time: not what ends it
     hosted: list[BaseException] = []
 
     def trainer() -> None:
         try:
-            WeightGroup(config, 0, join_timeout_s=30.0, secret=None)
+            WeightGroup(config, 0, join_timeout_s=60.0, secret=None)
         except BaseException as e:  # noqa: BLE001  it refuses the worker's sealed hello
             hosted.append(e)
 
     t = threading.Thread(target=trainer, daemon=True)
     t.start()
-    with pytest.raises(TransportError) as refused:  # the trainer refuses, and closes its store: not a timeout
+    # the trainer refuses, and closes its store: not a timeout
+    with pytest.raises(TransportError, match="worker rank 1: the group store failed") as refused:
         WeightGroup(config, 1, join_timeout_s=60.0, secret=SECRET.encode())
-    assert type(refused.value) is TransportError and "rank 1: the group store failed" in str(refused.value), refused.value
-    t.join(60)
+    assert type(refused.value) is TransportError, refused.value  # a TransportTimeout is not the refusal
+    t.join(WAIT_S)
+    assert not t.is_alive(), f"waited {WAIT_S:.0f} s for the trainer's refusal"
     assert hosted and isinstance(hosted[0], AuthError) and f"{SECRET_ENV} is not set here" in str(hosted[0])

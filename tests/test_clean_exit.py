@@ -19,11 +19,16 @@ the engine script is started on that port.
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import WAIT_S
 
 ENGINE = r"""
 import gc, sys
@@ -33,7 +38,7 @@ from inflight.engine.client import start_inflight, tagged
 from inflight.transport.group import GroupConfig
 model, port = sys.argv[1], int(sys.argv[2])
 llm = LLM(model, enforce_eager=True, dtype="float32", max_model_len=256, **engine_kwargs())
-start_inflight(llm, InflightConfig(group=GroupConfig(port=port, world_size=2, timeout_s=10)))
+start_inflight(llm, InflightConfig(group=GroupConfig(port=port, world_size=2, timeout_s=60)))
 print("STARTED", flush=True)
 sys.stdin.readline()  # the trainer pushed v1
 out = llm.generate(["1+1="], SamplingParams(max_tokens=4, logprobs=0), use_tqdm=False)[0].outputs[0]
@@ -54,12 +59,12 @@ from inflight.transport.store import reserve_port, wait_key
 from inflight.transport.pusher import PushConfig, WeightPusher
 model, port = sys.argv[1], reserve_port()
 print("PORT", port, flush=True)
-pusher = WeightPusher(GroupConfig(port=port, world_size=2, timeout_s=10), PushConfig(bucket_mb=0.25), join_timeout_s=300)
+pusher = WeightPusher(GroupConfig(port=port, world_size=2, timeout_s=60), PushConfig(bucket_mb=0.25), join_timeout_s=600)
 pusher.push(1, load_file(model + "/model.safetensors"))
 print("PUSHED", flush=True)
 how = sys.stdin.readline().strip()
 if how == "await_left":  # the engine stopped first: it marks left/<rank> on its way out
-    wait_key(pusher.group.store, "left/1", timeout_s=300, stop=None, what="the engine leaving", who="trainer")
+    wait_key(pusher.group.store, "left/1", timeout_s=600, stop=None, what="the engine leaving", who="trainer")
 if how != "vanish":  # "vanish": the script just ends; its exit must say goodbye
     pusher.close()
 print("TRAINER END", flush=True)
@@ -73,26 +78,52 @@ class _Proc:
         (tmp / f"{name}.py").write_text(source)
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
         env.pop("INFLIGHT_SECRET", None)
+        self.name = name
         self.err = open(tmp / f"{name}.err", "w+")
         self.p = subprocess.Popen([sys.executable, str(tmp / f"{name}.py"), *args], env=env, text=True,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err)
         self.lines: list[str] = []
+        self._read: queue.Queue[str | None] = queue.Queue()  # its stdout, line by line; None at its end
+        self._reader = threading.Thread(target=self._read_stdout, daemon=True)
+        self._reader.start()
+
+    def _read_stdout(self) -> None:
+        for line in self.p.stdout:
+            self._read.put(line)
+        self._read.put(None)
 
     def expect(self, word: str) -> str:
-        """Block until the process prints a line starting with ``word`` (an event, not a deadline)."""
-        while line := self.p.stdout.readline():
+        """Block until the process prints a line starting with ``word`` (an event: ``WAIT_S``
+        only bounds a hang)."""
+        deadline = time.monotonic() + WAIT_S
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._read.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                self._read.put(None)  # the end stays the end for the next reader
+                raise AssertionError(f"the {self.name} exited without {word!r}: {self.output()[-4000:]}")
             self.lines.append(line)
             if line.startswith(word):
                 return line
-        raise AssertionError(f"exited without {word!r}: {self.output()[-4000:]}")
+        raise AssertionError(f"waited {WAIT_S:.0f} s for the {self.name} to print {word!r}: {self.output()[-4000:]}")
 
     def say(self, line: str) -> None:
         self.p.stdin.write(line + "\n")
         self.p.stdin.flush()
 
     def finish(self) -> int:
-        self.lines += self.p.stdout.readlines()
-        return self.p.wait(timeout=300)
+        try:
+            code = self.p.wait(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"waited {WAIT_S:.0f} s for the {self.name} to exit: {self.output()[-4000:]}") from None
+        self._reader.join(WAIT_S)
+        assert not self._reader.is_alive(), f"waited {WAIT_S:.0f} s for the end of the {self.name}'s output"
+        while (line := self._read.get_nowait()) is not None:
+            self.lines.append(line)
+        self._read.put(None)
+        return code
 
     def output(self) -> str:
         self.err.seek(0)

@@ -91,9 +91,9 @@ def test_override_errors_name_the_key(override: str, error: str) -> None:
 def test_an_override_fails_exactly_as_the_same_key_in_the_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text((CONFIG_DIR / "demo.toml").read_text().replace("steps = 200", "steps = 200\nstepz = 5"))
-    with pytest.raises(ValueError) as from_file:
+    with pytest.raises(ValueError, match=r"run: unknown key\(s\) \['stepz'\]") as from_file:
         load_config(bad)
-    with pytest.raises(ValueError) as from_set:
+    with pytest.raises(ValueError, match=r"run: unknown key\(s\) \['stepz'\]") as from_set:
         load_config("demo", ["run.stepz=5"])
     assert str(from_file.value) == str(from_set.value)
 
@@ -111,15 +111,19 @@ def test_inflight_help_names_every_command_without_importing_torch() -> None:
     assert out.stdout.strip().endswith("torch imported: False"), out.stdout + out.stderr
 
 
+USAGE_ERROR = "^2$"
+"""What a ``SystemExit`` of argparse's usage error says: its exit code (the message goes to stderr)."""
+
+
 def test_train_and_engine_report_a_bad_config_as_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_:
+    with pytest.raises(SystemExit, match=USAGE_ERROR) as exit_:
         cli.main(["train", "--config", "nope"])
     assert exit_.value.code == 2
     assert "inflight train: error: config 'nope': no packaged config of that name; packaged: demo" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match=USAGE_ERROR):
         cli.main(["train", "--config", "demo", "--set", "run.stepz=5"])
     assert "inflight train: error: run: unknown key(s) ['stepz']" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match=USAGE_ERROR):
         cli.main(["engine", "--config", "demo", "--set", "run.steps=0", "--model-dir", "x", "--port", "1"])
     assert "inflight engine: error: run: run.steps=0 must be >= 1" in capsys.readouterr().err
 
@@ -128,7 +132,7 @@ def test_prepare_model_prints_the_directory(tmp_path: Path, capsys: pytest.Captu
     (tmp_path / "config.json").write_text("{}")
     cli.main(["prepare-model", str(tmp_path)])
     assert capsys.readouterr().out.strip() == str(tmp_path)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match=USAGE_ERROR):
         cli.main(["prepare-model", str(tmp_path / "absent")])
     assert "no such directory" in capsys.readouterr().err
 
@@ -138,7 +142,7 @@ def test_bench_runs_the_module_with_its_arguments(capsys: pytest.CaptureFixture[
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: transport.py") and "--bucket-mb" in out.stdout
-    with pytest.raises(SystemExit) as exit_:
+    with pytest.raises(SystemExit, match=USAGE_ERROR) as exit_:
         cli.main(["bench", "nope"])
     assert exit_.value.code == 2 and "argument NAME: invalid choice: 'nope'" in capsys.readouterr().err
 

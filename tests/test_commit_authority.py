@@ -107,7 +107,7 @@ def test_a_trainer_lost_between_commit_and_outcome_leaves_every_rank_at_the_labe
         pusher = WeightPusher(group, PUSH)  # a new trainer, on the same port
         assert pusher.engine_versions == {1: 1, 2: 1}
         assert llm.collective_rpc(fail_next_commit_on_vllm_rank_1) == [0, 1]
-        with pytest.raises(PushRejected) as exc:
+        with pytest.raises(PushRejected, match=r"(?s)\[commit_failed\] .*rolled back on ranks \[1\]") as exc:
             pusher.push(2, perturbed(base, seed=401, scale=0.05))
         assert exc.value.codes == {"commit_failed"} and "rolled back on ranks [1]" in exc.value.rejections[1].reason
         assert coordinator.live_version == 1 and not coordinator.broken

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import metrics_rows
+from tests.helpers import metrics_rows, wait_until
 from inflight.trainer.config_files import config_from_dict
 from inflight.trainer.console import OncePerMessage, log_tail, log_to_file
 from inflight.trainer.fleet import Fleet, Placement
@@ -66,8 +66,8 @@ def test_an_engine_that_fails_is_reported_with_the_end_of_its_log(tmp_path, monk
     fleet = Fleet(cfg, tmp_path, 0, 0, Placement(backend="gloo", engine_devices=None), tmp_path)
     fleet.start(wait_for_version=0)
     try:
-        while "RuntimeError: the engine could not start" not in console.getvalue():  # the watcher's report
-            fleet.engines[0].process.join(0.1)
+        wait_until(lambda: "RuntimeError: the engine could not start" in console.getvalue(),
+                   "the watcher's report of the failed engine", poll_s=0.1)
     finally:
         fleet.stop()
     seen = console.getvalue()

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from inflight.engine.client import tagged
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import Harness, Reference, drive, perturbed, push_at_steps
+from tests.helpers import wait_until
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5=", "lazy dog"]
 # Measured here: fp32 <= 1.7e-6 (oneDNN vs transformers' matmuls); bf16 <= 0.016 (every
@@ -135,8 +135,8 @@ def test_decoding_continues_while_buckets_arrive(harness: Harness) -> None:
         if header.index == 20:
             at = coordinator.steps
             result["sender_waiting"] = True
-            while coordinator.steps < at + 3:
-                time.sleep(0.001)
+            wait_until(lambda: coordinator.steps >= at + 3, f"engine step {at + 3} (the sender held at bucket 20)",
+                       poll_s=0.001)
             result["sender_waiting"] = False
         return header, data
 
@@ -145,8 +145,9 @@ def test_decoding_continues_while_buckets_arrive(harness: Harness) -> None:
         stats, staged = h.pusher.send(h.version, perturbed(h.base, seed=7), tamper=hold_bucket_20)
         result["staged"] = staged[1]
         result["steps_staged"] = coordinator.steps
-        while coordinator.steps < result["steps_staged"] + 3:  # staged, not committed: the engine keeps serving
-            time.sleep(0.001)
+        # staged, not committed: the engine keeps serving
+        wait_until(lambda: coordinator.steps >= result["steps_staged"] + 3,
+                   f"engine step {result['steps_staged'] + 3} (the update staged, its commit held)", poll_s=0.001)
         result["steps_before_commit"] = coordinator.steps
         result["commit"] = h.pusher.commit(h.version)[1]
 
@@ -247,7 +248,7 @@ def test_misconfigured_engine_is_refused(tiny_llama, port) -> None:
 
     llm = LLM(str(tiny_llama), enforce_eager=True, max_model_len=256, worker_extension_cls=WORKER_EXTENSION,
               enable_prefix_caching=True)
-    with pytest.raises(Exception) as exc:
+    with pytest.raises(Exception, match="inflight cannot run on this engine: .*need 'processed_logprobs'") as exc:
         start_inflight(llm, InflightConfig(group=GroupConfig(port=port)))
     assert "need 'processed_logprobs'" in str(exc.value)
     assert "prefix" not in str(exc.value)  # prefix caching is kept exact across commits, not refused

@@ -136,11 +136,11 @@ def test_failure_on_one_rank_rolls_back_both_and_the_label_stays(tp: TPEngine) -
     before = tp.greedy()
     live = before[0][1].versions[0]
     assert tp.llm.collective_rpc(fail_next_commit_on_vllm_rank_1) == [0, 1]
-    with pytest.raises(PushRejected) as exc:
+    with pytest.raises(PushRejected, match=r"(?s)refused at commit: .*\[commit_failed\] .*injected commit failure") as exc:
         tp.push(perturbed(tp.base, seed=300, scale=0.05))
     assert exc.value.phase == "commit" and exc.value.codes == {"commit_failed"}
     reason = exc.value.rejections[1].reason
-    assert "rank 2: applying" in reason and "injected commit failure" in reason and "rolled back on ranks [1]" in reason
+    assert "worker rank 2: applying" in reason and "injected commit failure" in reason and "rolled back on ranks [1]" in reason
     assert tp.coordinator.live_version == live and not tp.coordinator.broken
     after = tp.greedy()
     for (_, a), (_, b) in zip(before, after):  # the same weights on both ranks, the same label
@@ -200,7 +200,7 @@ def test_each_rank_reports_what_its_loaders_read_and_the_two_tile_every_split_te
     assert max(mine.values()) < 0.6 * update_bytes(TensorSchema(schema))
     state = perturbed(tp.base, seed=250, scale=0.02)
     result = tp.push(state)
-    assert result.send.nbytes == sum(mine.values())
+    assert result.send.nbytes == sum(mine.values()) == result.send.delivered_bytes  # each rank its own bytes
     assert sorted(tp.llm.collective_rpc(_staging_buffer_bytes)) == sorted(mine.values())
     _assert_matches(tp, state, tp.version)
 

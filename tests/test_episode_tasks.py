@@ -310,13 +310,13 @@ def test_guess_number_binary_search_wins_within_seven_turns() -> None:
     task = GuessNumber()
     for secret in range(1, 101):
         lo, hi, replies = 1, 100, []
-        while True:
+        for turn in range(1, 8):  # seven turns at most: the seventh is the episode's last
             replies.append(str((lo + hi) // 2))
-            out = task.turn(_view(_game(task, secret), *replies, last=len(replies) == 7))
+            out = task.turn(_view(_game(task, secret), *replies, last=turn == 7))
             if out.done:
                 break
             lo, hi = ((lo + hi) // 2 + 1, hi) if out.observation.startswith("higher") else (lo, (lo + hi) // 2 - 1)
-        assert out.reward == 1.0 and task.correct(out.reward), secret
+        assert out.done and out.reward == 1.0 and task.correct(out.reward), (secret, replies)
 
 
 def test_guess_number_eval_prompts_are_held_out() -> None:

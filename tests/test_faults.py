@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import signal
 import threading
 import time
@@ -25,9 +26,13 @@ from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import Harness, Reference, perturbed, push_at_steps
+from tests.helpers import WAIT_S, wait_until
 
 PROMPTS = ["1+2=", "count 3 4", "lazy dog"]
-TIMEOUT_S = 4.0  # the worker's limit on every wait: a stalled trainer is dropped after this
+TIMEOUT_S = 30.0
+"""The worker's limit on every wait: a stalled trainer is dropped after this. Far above an
+ordinary wait for a bucket on a loaded machine (the soak's 200 pushes share the process with
+the decoding engine), and far above ``NOTICED_S``, which a dead trainer must beat."""
 
 
 @pytest.fixture(scope="module")
@@ -92,14 +97,14 @@ def test_bad_updates_are_refused_while_the_engine_decodes(harness: Harness) -> N
             keep = kw.pop("keep_dtype", False)
             cast, h.pusher._dtype = h.pusher._dtype, (None if keep else h.pusher._dtype)  # send as given
             try:
-                with pytest.raises(PushRejected) as exc:
+                with pytest.raises(PushRejected, match=rf"(?s)\[{code}\] .*{re.escape(fragment)}") as exc:
                     h.pusher.push(version, state, **kw)
             finally:
                 h.pusher._dtype = cast
             assert exc.value.codes == {code}, str(exc.value)
             assert fragment in str(exc.value), str(exc.value)
             steps_during.append(coordinator.steps - s0)
-        with pytest.raises(PushRejected) as exc:  # commit of a version whose buckets never came
+        with pytest.raises(PushRejected, match=rf"\[incomplete\] .*commit of v{live + 1}") as exc:  # no buckets came
             h.pusher.commit(live + 1)
         assert exc.value.codes == {"incomplete"} and f"commit of v{live + 1}" in str(exc.value)
 
@@ -153,15 +158,17 @@ def test_stalled_trainer_is_dropped_and_a_restarted_one_rejoins(harness: Harness
     victim = ctx.Process(target=_stalling_trainer, args=(h.group, live + 1, perturbed(h.base, seed=13), ready), daemon=True)
     victim.start()
     try:
-        assert ready.wait(60), "the stalling trainer never formed the group"
-        deadline = time.monotonic() + 20 * TIMEOUT_S
-        while h.status().dropped_staging == status0.dropped_staging:
-            assert time.monotonic() < deadline, h.status()
+        assert ready.wait(WAIT_S), f"waited {WAIT_S:.0f} s for the stalling trainer to form the group"
+
+        def dropped() -> bool:
             assert _outputs(h) == before  # the engine serves the last good version meanwhile
+            return h.status().dropped_staging != status0.dropped_staging
+        wait_until(dropped, f"the stalled trainer's update to be dropped at the worker's timeout ({TIMEOUT_S:g} s)",
+                   poll_s=0.0, timeout_s=TIMEOUT_S + WAIT_S)
         status = h.status()
         assert status.live_version == live
         err = status.last_error  # the bucket it stalled on: gloo may not have sent the ones posted before the stop
-        assert "bucket" in err and "trainer (rank 0)" in err and f"{TIMEOUT_S:.1f}s" in err, err
+        assert "bucket" in err and "trainer rank 0" in err and f"{TIMEOUT_S:.1f}s" in err, err
     finally:
         victim.kill()
         victim.join(10)
@@ -197,14 +204,17 @@ def _killed_trainer(group: GroupConfig, version: int, state: dict, ready, early:
     pusher.push(version, state, tamper=die)
 
 
-NOTICED_S = 2.0
+NOTICED_S = 12.0
 """How soon a worker must notice its trainer's death, wherever in a push it lands: the poll of
-a posted op asks the trainer's store every quarter second (``DataPlane._poll``)."""
+a posted op asks the trainer's store every quarter second (``DataPlane._poll``), so well
+under a second on an idle machine; 10 s more for a loaded one, and still far below the
+worker's timeout (``TIMEOUT_S``), the only other way the update would be dropped."""
+assert NOTICED_S < TIMEOUT_S / 2
 
 
 @pytest.mark.parametrize("early", [True, False], ids=["early", "late"])
-def test_a_trainer_killed_mid_push_is_noticed_within_two_seconds_and_a_new_one_pushes(harness: Harness,
-                                                                                     early: bool) -> None:
+def test_a_trainer_killed_mid_push_is_noticed_before_the_timeout_and_a_new_one_pushes(harness: Harness,
+                                                                                      early: bool) -> None:
     h = harness
     live, before = h.version, _outputs(h)
     status0 = h.status()
@@ -214,12 +224,13 @@ def test_a_trainer_killed_mid_push_is_noticed_within_two_seconds_and_a_new_one_p
     victim = ctx.Process(target=_killed_trainer, args=(h.group, live + 1, perturbed(h.base, seed=15), ready, early),
                          daemon=True)
     victim.start()
-    assert ready.wait(60), "the trainer never formed the group"
-    victim.join(120)
-    assert victim.exitcode == -signal.SIGKILL
+    assert ready.wait(WAIT_S), f"waited {WAIT_S:.0f} s for the trainer to form the group"
+    victim.join(WAIT_S)
+    assert victim.exitcode == -signal.SIGKILL, f"the trainer did not die at its bucket: exit code {victim.exitcode}"
     dead = time.monotonic()
     while h.status().dropped_staging == status0.dropped_staging:  # the half-received update is dropped
-        assert time.monotonic() - dead < NOTICED_S, h.status()  # at once, not at the worker's timeout
+        # at once, not at the worker's timeout
+        assert time.monotonic() - dead < NOTICED_S, f"not dropped within {NOTICED_S:g} s: {h.status()}"
     assert "trainer" in h.status().last_error, h.status().last_error  # gloo saw the reset, or the heartbeat the death
     assert _outputs(h) == before and h.status().live_version == live  # the last version, still served
     h.pusher = WeightPusher(h.group, PushConfig(dtype="float32", bucket_mb=0.25))  # a new trainer pushes
@@ -261,13 +272,18 @@ def test_soak_200_updates_while_decoding(harness: Harness) -> None:
         finally:
             done.set()
 
-    t = threading.Thread(target=trainer)
+    t = threading.Thread(target=trainer, daemon=True)
     t.start()
     outs = []
     sp = SamplingParams(temperature=1.0, max_tokens=120, logprobs=0, ignore_eos=True)
+    landed, deadline = 0, time.monotonic() + WAIT_S  # renewed at each commit: a bound for a hang
     while not done.is_set():
         outs += h.llm.generate([f"{i}+{i}=" for i in range(8)], sp, use_tqdm=False)
-    t.join()
+        if len(commits) > landed:
+            landed, deadline = len(commits), time.monotonic() + WAIT_S
+        assert time.monotonic() < deadline, f"waited {WAIT_S:.0f} s for update {landed + 1} of {n_updates} to commit"
+    t.join(WAIT_S)
+    assert not t.is_alive(), f"waited {WAIT_S:.0f} s for the trainer thread to end"
     assert not errors, errors
     assert len(commits) == n_updates and h.status().live_version == h.version
     by_version = {c.version: c for c in commits}

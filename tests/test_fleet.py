@@ -34,7 +34,7 @@ from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import idle_engine, perturbed, push_at_steps
-from tests.helpers import check_ledger, metrics_rows, pending_ids, run_config, train_beside, wait_rows
+from tests.helpers import check_ledger, metrics_rows, pending_ids, run_config, train_beside, wait_admitted, wait_rows
 from inflight.trainer.config_files import config_from_dict
 from inflight.trainer.fleet import Fleet, Placement
 from inflight.trainer.train import train
@@ -185,8 +185,9 @@ def test_a_killed_engine_is_restarted_while_the_other_takes_every_update(tmp_pat
     out = tmp_path / "run"
     cfg = run_config(out, steps=10, **FLEET)
 
-    def killer() -> None:  # once engine 1 fed a batch: "both engines fed the queue" below is then not a race
-        wait_rows(out, 3, where=lambda rows: any("e1" in r["versions_by_engine"] for r in rows))
+    def killer() -> None:  # once the trainer admitted a group of engine 1's: "both engines fed the run" is then not a race
+        wait_rows(out, 3)
+        wait_admitted("e1")
         os.kill(int((out / "engine1.pid").read_text()), signal.SIGKILL)
 
     summary, rows = train_beside(cfg, killer, kill_before_last_step=True)
@@ -202,8 +203,11 @@ def test_a_killed_engine_is_restarted_while_the_other_takes_every_update(tmp_pat
     # also be dropped once for silence, and let back in: that is a recovery without a restart)
     restarts = [e for e in summary["engine_events"] if e["restarted"]]
     assert [e["restarted"] for e in restarts] == [[1]], summary["engine_events"]
-    consumed = check_ledger(summary, rows, pending_ids(out))
-    assert {g.split(".", 1)[0] for g in consumed} == {"e0", "e1"}  # both engines fed the queue
+    pending = pending_ids(out)
+    consumed = check_ledger(summary, rows, pending)
+    # both engines fed the run: each group is trained on, dropped as stale or saved as pending
+    fed = consumed + [g for r in rows for g in r["dropped_ids"]] + pending
+    assert {g.split(".", 1)[0] for g in fed} == {"e0", "e1"}
 
 
 def test_a_frozen_engine_is_dropped_and_rejoins_without_stale_tags(tmp_path) -> None:

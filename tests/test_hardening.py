@@ -66,10 +66,11 @@ def test_pusher_refuses_bad_input_by_name_and_the_engine_keeps_serving(harness: 
         (good, True, "version=True"),
     ]
     for state, version, fragment in cases:
-        with pytest.raises((ValueError, TypeError)) as exc:
+        with pytest.raises((ValueError, TypeError), match=re.escape(fragment)) as exc:
             h.pusher.push(version, state)
         assert fragment in str(exc.value), str(exc.value)
-    with pytest.raises(PushRejected) as rejected:  # version 0: the engines' loaded weights, refused by them
+    # version 0: the engines' loaded weights, refused by them
+    with pytest.raises(PushRejected, match=r"(?s)\[stale_version\] .*versions start at 1") as rejected:
         h.pusher.push(0, good)
     assert rejected.value.codes == {"stale_version"} and "versions start at 1" in str(rejected.value)
     assert h.status().live_version == live
@@ -110,7 +111,7 @@ def test_stray_bytes_in_the_group_store_are_named_and_the_engine_keeps_serving(h
     seq = h.pusher.control.seq
     stray.set(f"gen{g}/ctl/msg/{seq}", noise)  # the next control message, before the trainer posts it
     wait_key(stray, f"gen{g}/ctl/rep/{seq}/ack/1", timeout_s=60, stop=None, what="the refusal", who="test")  # read
-    with pytest.raises(PushRejected) as exc:
+    with pytest.raises(PushRejected, match=r"(?s)\[bad_message\] .*bad control message") as exc:
         h.push(perturbed(h.base, seed=3))
     assert exc.value.codes == {"bad_message"} and "bad control message" in str(exc.value)
     _serves(h, live)
@@ -131,7 +132,7 @@ def test_failed_commit_after_a_rejoin_restores_the_live_version(harness: Harness
     live = h.version
     h.pusher.rejoin(60.0)  # a new generation: the worker runs a new listener, which never committed
     h.llm.collective_rpc(fail_after_applying)
-    with pytest.raises(PushRejected) as exc:
+    with pytest.raises(PushRejected, match=r"(?s)\[commit_failed\] .*injected failure") as exc:
         h.pusher.push(live + 1, perturbed(h.base, seed=6))
     assert exc.value.codes == {"commit_failed"} and "injected failure" in str(exc.value)
     status = h.status()

@@ -108,7 +108,7 @@ def test_targets_outside_the_vocabulary_are_refused(impl: str, bad: int) -> None
     """The reference's gather raises on such a target; the kernels would read out of bounds."""
     z, y, _, _ = _logits((2, 3, 37), torch.float32, "cpu", 1)
     y[1, 2] = bad
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=rf"index {bad} is out of bounds for dimension 2 with size 37"):
         logprob_entropy_reference(z, y)
     with pytest.raises(ValueError, match=r"outside the vocabulary 0..36"):
         logprob_entropy(z, y, impl=impl)

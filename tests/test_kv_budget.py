@@ -52,7 +52,7 @@ def test_the_kv_cache_gets_what_vllm_computed_less_staging_and_the_margin() -> N
 
 
 def test_a_budget_staging_does_not_fit_is_refused_with_the_bytes_and_a_utilization_that_fits() -> None:
-    with pytest.raises(StagingMemoryError) as exc:
+    with pytest.raises(StagingMemoryError, match=r"gpu_memory_utilization=0\.90 leaves only 1\.00 GiB of 80\.00 GiB") as exc:
         kv_cache_after_staging(GiB, _device_need(GiB), device=CUDA, total=80 * GiB, utilization=0.9)
     msg = str(exc.value)
     assert "2.00 GiB (staging 1.00, rollback copy 1.00) + 0.50 GiB margin of device memory per rank" in msg
@@ -69,7 +69,7 @@ def test_start_checks_the_config_against_what_was_set_aside_not_the_free_memory(
     enough = SetAside(2 * GiB + CUDA_MARGIN_BYTES, "StagingIntent(...)", 40 * GiB)
     check_fits(need, device=CUDA, budget=nothing_free, gpu_memory_utilization=0.9, set_aside=enough)
     short = SetAside(GiB + CUDA_MARGIN_BYTES, "StagingIntent(keep_rollback=False)", 40 * GiB)
-    with pytest.raises(StagingMemoryError) as exc:
+    with pytest.raises(StagingMemoryError, match=r"set aside 1\.50 GiB before sizing its KV cache") as exc:
         check_fits(need, device=CUDA, budget=nothing_free, gpu_memory_utilization=0.9, set_aside=short)
     assert "stages 2.00 GiB (staging 1.00, rollback copy 1.00) + 0.50 GiB margin" in str(exc.value)
     assert "set aside 1.50 GiB before sizing its KV cache, for StagingIntent(keep_rollback=False)" in str(exc.value)

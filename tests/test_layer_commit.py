@@ -169,7 +169,8 @@ def test_a_group_that_fails_leaves_a_served_hybrid_and_the_next_push_completes(e
             data[0] ^= 0xFF
         return header, data
 
-    with pytest.raises(LayerPushIncomplete) as stopped:
+    with pytest.raises(LayerPushIncomplete, match=r"(?s)update v2 stopped at layer group 2 of \d+; groups 0\.\.1 landed: "
+                                                  r".*\[checksum\]") as stopped:
         e.push(2, tamper=corrupt_group_2)
     assert stopped.value.landed == 2 and stopped.value.group == 2 and "checksum" in stopped.value.codes
     assert str(e.coordinator.label) == "1>2:2" and e.coordinator.live_version == 1
@@ -220,10 +221,11 @@ def test_tp2_ranks_commit_each_group_together_and_stage_their_shards_only(tiny_m
                 data[0] ^= 0xFF
             return header, data
 
-        with pytest.raises(LayerPushIncomplete) as stopped:
+        with pytest.raises(LayerPushIncomplete, match=r"(?s)update v3 stopped at layer group 2 .*worker rank 1: \[checksum\] "
+                                                      r".*refused by worker rank 1") as stopped:
             e.push(3, tamper=corrupt_rank_1_group_2)
         assert stopped.value.landed == 2 and stopped.value.rejections[1].code == "checksum"
-        assert "refused by rank 1" in stopped.value.rejections[2].reason, stopped.value.rejections[2]
+        assert "refused by worker rank 1" in stopped.value.rejections[2].reason, stopped.value.rejections[2]
         assert str(e.coordinator.label) == "2>3:2"
         e.push(4)
         ref = Reference(e.model_dir, "float32").load(e.versions[4])

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from inflight.layer_groups import Hybrid, LabelError, LayerGroups, hybrid_fraction, layer_groups, parse_label
@@ -39,7 +41,7 @@ def test_labels_name_every_groups_version() -> None:
     # the same version sent again after it stopped at group 3: its first 3 groups stay counted
     assert h.with_groups(6, 1, 8) == h and h.with_groups(6, 4, 8) == Hybrid(5, ((6, 4),))
     for bad in ("x", "5>6", "5>4:1", "5>6:0", "5>7:1>6:1", "-1"):
-        with pytest.raises(LabelError):
+        with pytest.raises(LabelError, match=f"version label {re.escape(repr(bad))}"):
             parse_label(bad)
 
 

@@ -1,5 +1,6 @@
-"""The tree stays readable: no import cycle, no oversized file, a short training story,
-and every setting's choices spelled once.
+"""The tree stays readable: no import cycle, no function over about a screen, a short
+training story, and every setting's choices spelled once. Files are split by role, not by
+size: a class stays whole in one file however long.
 
 Read from the source with ``ast``: every import counts, those inside functions too (a
 cycle broken only by a lazy import is still a cycle a reader has to hold in mind)."""
@@ -8,13 +9,16 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"inflight": "inflight", "engine_patches": "inflight.engine", "kernels": "inflight.kernels",
             "trainer": "inflight.trainer", "bench": "inflight.bench"}
 """Each top-level folder and the package name it imports as (one namespace: ``inflight/__init__.py``)."""
-MAX_LINES = 400
+MAX_FUNCTION_LINES = 60
+"""The longest function (signature and docstring included) in the library's folders; the
+benchmark scripts in ``bench/`` read top to bottom and are exempt."""
 
 
 def _modules() -> dict[str, Path]:
@@ -79,9 +83,22 @@ def test_the_cycle_check_finds_a_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_no_source_file_is_over_the_limit() -> None:
-    long = {str(p.relative_to(ROOT)): n for p in _modules().values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+def _long_functions(source: str, limit: int) -> list[tuple[str, int]]:
+    """Each function in ``source`` over ``limit`` lines (its nested functions count in it)."""
+    return [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(ast.parse(source))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > limit]
+
+
+def test_no_function_is_longer_than_a_screen() -> None:
+    long = {f"{name}.{fn}": n for name, p in _modules().items() if not name.startswith("inflight.bench")
+            for fn, n in _long_functions(p.read_text(), MAX_FUNCTION_LINES)}
     assert not long, long
+
+
+def test_the_length_check_finds_a_long_function() -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    assert _long_functions(f"def f():\n{body}\n", MAX_FUNCTION_LINES) == [("f", MAX_FUNCTION_LINES + 1)]
+    assert _long_functions(f"def f():\n{body}\n", MAX_FUNCTION_LINES + 1) == []
 
 
 def test_the_training_story_is_short() -> None:
@@ -91,22 +108,33 @@ def test_the_training_story_is_short() -> None:
     assert len(lines) <= 60, len(lines)
 
 
+def _literals(source: str) -> list[tuple[frozenset[str], int]]:
+    """The values spelled in each ``Literal[...]`` of ``source`` (not those it takes from
+    another ``Literal`` by name) and its line."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "Literal":
+            elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            out.append((frozenset(str(e.value) for e in elts if isinstance(e, ast.Constant)), node.lineno))
+    return out
+
+
+def _spelled_twice(sources: dict[str, str]) -> list[tuple[list[str], str, str]]:
+    """Pairs of ``Literal``s that spell two or more of the same values: one list of choices
+    written twice, or a part of one (a subset, an overlap) that should be built from it."""
+    found = [(values, f"{name}:{line}") for name, src in sources.items() for values, line in _literals(src)]
+    return [(sorted(a & b), wa, wb) for i, (a, wa) in enumerate(found) for b, wb in found[i + 1:] if len(a & b) >= 2]
+
+
 def test_each_settings_choice_list_is_declared_once() -> None:
-    """A ``Literal`` of the same values in two places is one setting spelled twice."""
-    seen: dict[tuple[str, ...], str] = {}
-    twice = []
-    for name, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "Literal":
-                elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-                values = tuple(sorted(str(e.value) for e in elts if isinstance(e, ast.Constant)))
-                if len(values) < 2:
-                    continue
-                where = f"{name}:{node.lineno}"
-                if values in seen:
-                    twice.append((values, seen[values], where))
-                seen.setdefault(values, where)
-    assert not twice, twice
+    sources = {name: path.read_text() for name, path in _modules().items()}
+    assert not (twice := _spelled_twice(sources)), twice
+
+
+def test_the_choice_check_finds_a_list_spelled_twice() -> None:
+    assert _spelled_twice({"a": 'X = Literal["p", "q", "r"]', "b": 'Y = Literal["q", "r"]'}) == [(["q", "r"], "a:1", "b:1")]
+    assert _spelled_twice({"a": 'X = Literal["p", "q"]\nY = Literal["r", X]'}) == []  # built from X: one spelling
+    assert _spelled_twice({"a": 'X = Literal["p", "q"]', "b": 'Y = Literal["p", "s"]'}) == []  # one value alike
 
 
 def test_the_code_imports_one_namespace() -> None:
@@ -121,3 +149,36 @@ def test_the_code_imports_one_namespace() -> None:
                      else [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
             stray += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n.split(".")[0] in folders]
     assert not stray, stray
+
+
+def _cited_tests(text: str) -> list[tuple[str, str | None]]:
+    """The tests a document cites: ``tests/test_x.py`` (name None) and ``tests/test_x.py::name``,
+    a bare ``::name`` meaning one more test of the file cited last."""
+    cited, last = [], None
+    for m in re.finditer(r"tests/(\w+\.py)(?:::(\w+))?|::(\w+)", text):
+        if m.group(1):
+            last = m.group(1)
+            cited.append((last, m.group(2)))
+        elif last is not None:
+            cited.append((last, m.group(3)))
+    return cited
+
+
+def test_the_docs_cite_tests_that_exist() -> None:
+    """A guarantee names the test that shows it: a renamed or deleted test leaves it unproven."""
+    stale = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for file, name in _cited_tests(doc.read_text()):
+            path = ROOT / "tests" / file
+            if not path.exists():
+                stale.append(f"{doc.name}: tests/{file}")
+            elif name is not None and name not in {n.name for n in ast.walk(ast.parse(path.read_text()))
+                                                   if isinstance(n, (ast.FunctionDef, ast.ClassDef))}:
+                stale.append(f"{doc.name}: tests/{file}::{name}")
+    assert not stale, stale
+
+
+def test_the_citation_reader_follows_the_last_file() -> None:
+    text = "`tests/test_a.py::test_one`, `::test_two`; `tests/test_b.py`, `::test_three`"
+    assert _cited_tests(text) == [("test_a.py", "test_one"), ("test_a.py", "test_two"), ("test_b.py", None),
+                                  ("test_b.py", "test_three")]

@@ -123,7 +123,7 @@ def test_a_repack_failing_on_the_repack_thread_refuses_the_update_and_the_live_v
                 raise RuntimeError("oneDNN could not pack this layer")
             return real(module)
         monkeypatch.setattr(swap, "process_after_loading", failing)
-        with pytest.raises(PushRejected) as exc:
+        with pytest.raises(PushRejected, match=r"(?s)\[prepare_failed\] .*could not pack") as exc:
             h.push(perturbed(h.base, seed=2))
         assert exc.value.codes == {"prepare_failed"} and "could not pack" in str(exc.value)
         assert calls and all(name.startswith("inflight-repack") for name in calls)

@@ -20,6 +20,8 @@ and a tiny Qwen3 at TP=2 (two worker processes, each taking its own slice in its
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -100,12 +102,12 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_serves_on(lora: LoRAEng
     }
     pusher = lora.pusher
     for code, weights in bad.items():
-        with pytest.raises(PushRejected) as exc:
+        with pytest.raises(PushRejected, match=rf"\[{code}\]") as exc:
             pusher.push(v + 1, weights)
         assert code in exc.value.codes, exc.value
     pusher._dtype = None  # as PushConfig(dtype="keep"): each tensor travels in its own dtype
     try:
-        with pytest.raises(PushRejected) as exc:
+        with pytest.raises(PushRejected, match=rf"(?s)\[bad_dtype\] .*{re.escape(name)}") as exc:
             pusher.push(v + 1, {**lora.live, name: lora.live[name].to(torch.bfloat16)})
     finally:
         pusher._dtype = torch.float32
@@ -149,7 +151,7 @@ def test_a_commit_failing_on_one_rank_is_taken_back_on_every_rank(lora: LoRAEngi
     before = lora.greedy()
     v = lora.version
     assert lora.llm.collective_rpc(fail_next_commit_on_vllm_rank_1) == [0, 1]
-    with pytest.raises(PushRejected) as exc:
+    with pytest.raises(PushRejected, match=r"(?s)\[commit_failed\] .*rolled back on ranks \[1\]") as exc:
         lora.pusher.push(v + 1, perturbed(lora.live, seed=500, scale=0.05))
     assert exc.value.codes == {"commit_failed"} and "rolled back on ranks [1]" in exc.value.rejections[1].reason
     after = lora.greedy()
@@ -172,7 +174,7 @@ def test_adapter_directories_the_slot_cannot_hold_are_refused_by_name(tmp_path) 
     config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "use_dora": True, "bias": "lora_only",
               "modules_to_save": ["score"], "target_modules": ["q_proj", "lm_head", "embed_tokens"]}
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError) as exc:
+    with pytest.raises(ValueError, match=f"the adapter in {re.escape(str(tmp_path))} cannot be served in flight") as exc:
         engine_kwargs(adapter=AdapterSpec(path=str(tmp_path)))
     for words in ("use_dora", "bias='lora_only'", "modules_to_save=['score']", "['embed_tokens', 'lm_head']"):
         assert words in str(exc.value), (words, str(exc.value))

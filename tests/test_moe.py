@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from tests.engine_harness import Harness
-from tests.helpers import MOE, moe_trainer_model
+from tests.helpers import MOE, check_tags, moe_trainer_model
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5=", "lazy dog"]
 def _on_disk(path) -> dict[str, torch.Tensor]:
@@ -234,4 +234,4 @@ def test_training_an_moe_policy(tmp_path) -> None:
     assert rows[-1]["pushed_version"] == 3 and rows[-1]["commit_ms"] > 0  # every push committed
     assert all(r["tokens_in_loss"] > 0 and r["grad_norm"] > 0 for r in rows)
     assert "routing_mismatch" not in rows[-1]  # replay is opt-in
-    assert summary["max_versions_per_sample"] >= 1
+    check_tags(summary, rows, cfg.loss.max_lag)

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,10 +41,10 @@ from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
 from tests.engine_harness import Reference, perturbed, replay, stop_engine
+from tests.helpers import WAIT_S, wait_until
 
 EXACT = 1e-4  # fp32 behaviour log-probs against transformers
 BLOCK = 128  # vLLM CPU's KV block
-WAIT_S = 300.0  # the longest any event here may take on a loaded 2-core machine (a push of a tiny model)
 
 
 def _prompt(seed: int, n: int = 300) -> list[int]:
@@ -116,9 +114,10 @@ class CacheEngine:
                 errors.append(e)
         thread = threading.Thread(target=push, daemon=True)
         thread.start()
-        _wait(lambda: self.coordinator.commit_pending() or errors, f"the commit of v{version} to be pending")
+        wait_until(lambda: self.coordinator.commit_pending() or errors, f"the commit of v{version} to be pending",
+                   poll_s=0.002)
         assert not errors, errors
-        thread.errors = errors  # type: ignore[attr-defined]
+        thread.errors, thread.version = errors, version  # type: ignore[attr-defined]
         return thread
 
 
@@ -143,11 +142,11 @@ def _start(model_dir, port: int, scheduling: str, world_size: int = 2, **kwargs:
                        {0: load_file(str(Path(model_dir) / "model.safetensors"))})
 
 
-def _wait(done: Callable[[], Any], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not done():
-        assert time.monotonic() < deadline, f"waited {WAIT_S:.0f} s for {what}"
-        time.sleep(0.002)
+def _joined(thread: threading.Thread) -> None:
+    """Wait for a trainer thread of ``push_until_pending`` to return; fail with its error."""
+    thread.join(WAIT_S)
+    assert not thread.is_alive(), f"waited {WAIT_S:.0f} s for the push of v{thread.version} to return"  # type: ignore[attr-defined]
+    assert not thread.errors, thread.errors  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("scheduling", ["sync", "async"])
@@ -169,8 +168,7 @@ def test_a_request_preempted_across_a_commit_is_recomputed_as_reported(tiny_llam
         rid, at = victim.request_id.rsplit("-", 1)[0], victim.num_output_tokens
         thread = e.push_until_pending(1)
         e.step()  # v1 commits while the victim waits with its KV dropped
-        thread.join()
-        assert not thread.errors  # type: ignore[attr-defined]
+        _joined(thread)
         e.finish()
         stats = e.coordinator.prefix_cache.stats
         assert stats.recomputed == 1 and stats.recomputed_ids == (victim.request_id,), stats
@@ -215,8 +213,7 @@ def _commit_round(e: CacheEngine, version: int, shared: list[int], group: int = 
     e.step()  # the commit lands at this step's boundary, then the scheduler admits the group
     assert e.coordinator.live_version == version
     assert e.coordinator.prefix_cache.stats.restarted_prefills == restarted + 1
-    thread.join()
-    assert not thread.errors  # type: ignore[attr-defined]
+    _joined(thread)
     e.step(8)  # prefill the group and decode on: the next commit catches these requests running
 
 
@@ -285,8 +282,7 @@ def test_multi_turn_reuses_only_blocks_of_the_live_weights(engine: CacheEngine) 
     e.step(3)
     thread = e.push_until_pending(v + 1)
     e.step()
-    thread.join()
-    assert not thread.errors  # type: ignore[attr-defined]
+    _joined(thread)
     e.finish()
     across = tagged(e.done["across"].outputs[0])
     assert across.versions[0] == v and across.versions[-1] == v + 1
@@ -323,8 +319,7 @@ def test_tp2_under_async_scheduling_tags_each_batch_with_its_weights(tiny_llama,
                 e.step(10)
                 thread = e.push_until_pending(v)
                 e.step()
-                thread.join()
-                assert not thread.errors  # type: ignore[attr-defined]
+                _joined(thread)
             e.finish()
             ref = Reference(tiny_llama, "float32")
             for rid in (f"t{i}" for i in range(4)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import msgspec
@@ -48,7 +49,7 @@ def test_round_trip(msg) -> None:
 
 
 def test_messages_are_frozen() -> None:
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match="immutable type: 'Commit'"):
         P.Commit(version=1).version = 2  # type: ignore[misc]
 
 
@@ -71,7 +72,7 @@ def _raw(obj) -> bytes:
     ],
 )
 def test_control_rejections(data: bytes, fragment: str) -> None:
-    with pytest.raises(P.ProtocolError) as exc:
+    with pytest.raises(P.ProtocolError, match=re.escape(fragment)) as exc:
         P.decode_control(data)
     assert fragment in str(exc.value)
     assert str(exc.value).startswith("bad control message")

@@ -9,10 +9,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import time
 
 import pytest
 
-from tests.helpers import check_ledger, pending_ids, run_config, train_beside, wait_rows
+from tests.helpers import check_ledger, pending_ids, run_config, train_beside, wait_admitted, wait_rows
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")]
@@ -27,11 +28,22 @@ RAY_FLEET = {"engine": {"count": 2, "launcher": "ray"}, "rollout": {"in_flight_g
 def ray_cluster():
     import ray
 
-    # one CPU per engine actor (engine.ray_cpus), on a local cluster of this machine
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    from inflight.trainer.ray_launcher import WORKER_NICENESS, connect
+
+    connect()  # a local cluster of this machine, as a run without engine.ray_address starts
     yield
     ray.shutdown()
+    os.environ.pop(WORKER_NICENESS, None)
+
+
+def test_a_local_clusters_engines_run_at_the_trainers_priority() -> None:
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    assert ray.get(niceness.remote()) == os.nice(0)
 
 
 def test_ray_actors_train_and_a_killed_actor_is_restarted_while_the_other_takes_every_update(tmp_path) -> None:
@@ -42,8 +54,9 @@ def test_ray_actors_train_and_a_killed_actor_is_restarted_while_the_other_takes_
 
     killed: list[int] = []
 
-    def killer() -> None:  # once engine 1 fed a batch
-        wait_rows(out, 3, where=lambda rows: any("e1" in r["versions_by_engine"] for r in rows))
+    def killer() -> None:  # once the trainer admitted a group of engine 1's: "both engines fed the run" is then not a race
+        wait_rows(out, 3)
+        wait_admitted("e1")
         killed.append(int((out / "engine1.pid").read_text()))
         os.kill(killed[0], signal.SIGKILL)  # the actor's process: what a lost node does to it
 
@@ -54,10 +67,33 @@ def test_ray_actors_train_and_a_killed_actor_is_restarted_while_the_other_takes_
     assert rows[-1]["committed_ranks"] == [1, 2] and rows[-1]["pushed_version"] == rows[-1]["version"]
     restarts = [e for e in summary["engine_events"] if e["restarted"]]
     assert [e["restarted"] for e in restarts] == [[1]], summary["engine_events"]
-    consumed = check_ledger(summary, rows, pending_ids(out))
-    assert {g.split(".", 1)[0] for g in consumed} == {"e0", "e1"}
+    pending = pending_ids(out)
+    consumed = check_ledger(summary, rows, pending)
+    # both engines fed the run: each group is trained on, dropped as stale or saved as pending
+    fed = consumed + [g for r in rows for g in r["dropped_ids"]] + pending
+    assert {g.split(".", 1)[0] for g in fed} == {"e0", "e1"}
     # a new actor took its place, and its engine wrote to the same log
     assert int((out / "engine1.pid").read_text()) != killed[0]
     assert "vllm" in (out / "engine1.log").read_text().lower()
     # the placement groups were given back at the end
+    assert not [pg for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"]
+
+
+def test_an_actor_whose_engine_fails_at_start_stops_the_run_with_its_error(tmp_path) -> None:
+    """A setting vLLM refuses at start (a context longer than the model's): the actor's run
+    ends with vLLM's error, and the trainer stops at once naming it, not after the join's
+    ``transport.rejoin_timeout_s`` (1500 s here) with a transport timeout."""
+    import ray
+
+    from inflight.trainer.fleet import EngineLost
+    from inflight.trainer.train import train
+
+    cfg = run_config(tmp_path / "run", steps=2, engine={"launcher": "ray", "max_model_len": 1 << 20},
+                     transport={"rejoin_timeout_s": 1500.0})
+    t0 = time.monotonic()
+    with pytest.raises(EngineLost, match=r"engine 0 \(Ray actor, process \d+\) ended: ValidationError: .*"
+                       r"User-specified max_model_len \(1048576\) is greater than the derived.*before joining"):
+        train(cfg)
+    # an actor's start (over 180 s at load 8) and the watcher's half-second look, far below the timeout
+    assert time.monotonic() - t0 < 600, time.monotonic() - t0
     assert not [pg for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"]

@@ -40,7 +40,7 @@ def test_a_failed_first_commit_never_reads_the_disk_inside_the_stall(tiny_llama,
     try:
         h.llm.collective_rpc(_count_disk_reloads)
         h.llm.collective_rpc(fail_after_applying)
-        with pytest.raises(PushRejected) as exc:
+        with pytest.raises(PushRejected, match=r"(?s)\[commit_failed\] .*injected failure") as exc:
             h.pusher.push(1, perturbed(h.base, seed=8))
         assert exc.value.codes == {"commit_failed"} and "injected failure" in str(exc.value)
         assert h.llm.collective_rpc(lambda worker: worker.disk_reloads) == [0]

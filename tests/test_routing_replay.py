@@ -17,7 +17,6 @@ Trainer:
 from __future__ import annotations
 
 import json
-import threading
 
 import msgspec
 import numpy as np
@@ -28,7 +27,7 @@ from inflight.engine.client import tagged
 from inflight.engine.routing import routing_fields, routing_of, streamed_routing
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling
 from tests.engine_harness import push_at_steps
-from tests.helpers import MOE, moe_trainer_model
+from tests.helpers import MOE, moe_trainer_model, wait_until
 from inflight.trainer.loss import collate, compute_loss, policy_logprobs
 from inflight.trainer.routing_replay import NO_ROUTE, RoutingReplay, collate_routing, gate_weights
 
@@ -143,8 +142,8 @@ def test_streamed_routing_covers_exactly_the_tokens_shown(fp32_engine, tiny_moe)
     done = {}
     while engine.has_unfinished_requests():
         if coordinator.steps - start >= 20 and coordinator.commits() == commits:  # hold until the commit can land here
-            while not coordinator.commit_pending() and coordinator.commits() == commits:
-                threading.Event().wait(0.001)
+            wait_until(lambda: coordinator.commit_pending() or coordinator.commits() != commits,
+                       "the commit to be pending at the coordinator (held 20 engine steps in)", poll_s=0.001)
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out

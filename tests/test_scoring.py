@@ -25,8 +25,13 @@ import pytest
 from inflight.trainer.scoring import ScoringPool, Scored, check_rewards, engine_task_factory
 from inflight.trainer.tasks import Arithmetic, Completion, Prompt, Task
 
-HANG_S = 60.0
-"""What a call waits before the test calls it a hang: generous, never a timing check."""
+HANG_S = 600.0
+"""What a call waits before the test calls it a hang: generous, never a timing check
+(``tests.helpers.WAIT_S``, not imported here: the spawned workers import this module, and
+tests.helpers brings torch, far past their memory cap)."""
+TIMEOUT_S = 5.0
+"""The call timeout of the tests that exercise it (a hung call is cut off at it): far above an
+ordinary call's time on a loaded machine (milliseconds)."""
 
 
 # -- tasks the workers build ---------------------------------------------------------------------
@@ -106,19 +111,19 @@ def collect(pool: ScoringPool, keys: Sequence[str], within_s: float = HANG_S) ->
     return got
 
 
+def wait_until(done, what: str) -> None:
+    """``tests.helpers.wait_until``, polling every 20 ms (imported in the test process only)."""
+    from tests.helpers import wait_until
+
+    wait_until(done, what, poll_s=0.02, timeout_s=HANG_S)
+
+
 def gone(pid: int) -> bool:
     """No such process, or a zombie: it runs no more."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except (FileNotFoundError, ProcessLookupError):
         return True
-
-
-def wait_until(what, within_s: float = HANG_S) -> None:
-    deadline = time.monotonic() + within_s
-    while not what():
-        assert time.monotonic() < deadline, f"{what} still false after {within_s} s"
-        time.sleep(0.02)
 
 
 def children() -> set[int]:
@@ -186,14 +191,15 @@ def test_plain_task_rewards_match_the_task_called_directly() -> None:
 
 
 def test_slow_task_blocks_neither_submit_nor_poll(pool: ScoringPool) -> None:
+    # blocking would take the task's 20 s; not blocking takes milliseconds, 5 s on a loaded machine
     started = time.perf_counter()
-    pool.submit("slow", *group("sleep", 2.0))
+    pool.submit("slow", *group("sleep", 20.0))
     submit_s = time.perf_counter() - started
     started = time.perf_counter()
     polled = [pool.poll() for _ in range(20)]
     poll_s = time.perf_counter() - started
-    assert submit_s < 0.5 and poll_s < 0.5, (submit_s, poll_s)
-    assert polled == [[]] * 20 and pool.pending() == 1  # it sleeps 2 s: nothing can be back yet
+    assert submit_s < 5.0 and poll_s < 5.0, (submit_s, poll_s)
+    assert polled == [[]] * 20 and pool.pending() == 1  # it sleeps 20 s: nothing can be back yet
     assert collect(pool, ["slow"])["slow"] == Scored("slow", GOOD, "")
 
 
@@ -253,14 +259,14 @@ def test_crashed_worker_fails_its_call_with_the_exit_code_and_is_replaced(pool: 
     got = collect(pool, ["crash"])["crash"]
     assert got.rewards is None and "exit code -9" in got.error and "SIGKILL" in got.error and "'crash'" in got.error
     assert len(set(pids) - set(pool.pids())) == 1 and len(pool.pids()) == 2
-    wait_until(lambda: all(gone(p) for p in set(pids) - set(pool.pids())))
+    wait_until(lambda: all(gone(p) for p in set(pids) - set(pool.pids())), "the crashed worker's process to be gone")
     for key in ("next1", "next2"):
         pool.submit(key, *group())
     assert [s.rewards for s in collect(pool, ["next1", "next2"]).values()] == [GOOD, GOOD]
 
 
 def test_hung_task_times_out_its_worker_is_killed_and_the_next_call_succeeds(tmp_path: Path) -> None:
-    with ScoringPool(functools.partial(Scripted), workers=1, timeout_s=1.0, memory_mb=None) as pool:
+    with ScoringPool(functools.partial(Scripted), workers=1, timeout_s=TIMEOUT_S, memory_mb=None) as pool:
         assert pool.wait_ready(HANG_S)
         [old] = pool.pids()
         pool.submit("stuck", *group("hang", str(tmp_path / "sleeper")))
@@ -268,12 +274,14 @@ def test_hung_task_times_out_its_worker_is_killed_and_the_next_call_succeeds(tmp
         got = collect(pool, ["stuck", "queued"])
         assert list(got) == ["stuck", "queued"]
         error = got["stuck"].error
-        assert got["stuck"].rewards is None and "'stuck'" in error and "timed out" in error and "timeout_s=1 s" in error
+        assert got["stuck"].rewards is None and "'stuck'" in error and "timed out" in error, error
+        assert f"timeout_s={TIMEOUT_S:g} s" in error, error
         assert got["queued"] == Scored("queued", GOOD, "")
         [new] = pool.pids()
         assert new != old and gone(old)
         sleeper = int((tmp_path / "sleeper").read_text())
-        wait_until(lambda: gone(sleeper))  # the verifier's own child went with its worker's group
+        # the verifier's own child went with its worker's group
+        wait_until(lambda: gone(sleeper), f"the hung verifier's child {sleeper} to be gone")
         assert pool.counts["timeouts"] == 1
 
 
@@ -286,12 +294,13 @@ def test_failing_make_task_is_reported_at_wait_ready_and_on_every_call() -> None
         assert got.rewards is None and "no judge configured" in got.error and "'k'" in got.error
 
 
-@pytest.mark.parametrize("factory, named", [
-    (exiting_factory, "died with exit code 3 before its task was built"),
-    (stuck_factory, "did not build its task within start_timeout_s=1 s"),
+@pytest.mark.parametrize("factory, start_timeout_s, named", [
+    (exiting_factory, 300.0, "died with exit code 3 before its task was built"),  # not a timeout: no start-up races it
+    (stuck_factory, 1.0, "did not build its task within start_timeout_s=1 s"),
 ])
-def test_a_worker_that_cannot_start_fails_one_waiting_call_per_restart(factory, named: str) -> None:
-    with ScoringPool(factory, start_timeout_s=1.0) as pool:
+def test_a_worker_that_cannot_start_fails_one_waiting_call_per_restart(factory, start_timeout_s: float,
+                                                                      named: str) -> None:
+    with ScoringPool(factory, start_timeout_s=start_timeout_s) as pool:
         pool.submit("a", *group())
         pool.submit("b", *group())
         got = collect(pool, ["a", "b"])
@@ -321,7 +330,7 @@ def test_the_ledger_balances_under_a_mix_of_everything(tmp_path: Path) -> None:
            "nan": ("bad", [math.nan, 1.0, 1.0]), "short": ("bad", [1.0]), "word": ("bad", "x"),
            "huge": ("alloc", 1024), "crash": ("crash", None), "async": ("async", None), "sleep": ("sleep", 0.2),
            "ok1": ("ok", None), "crash2": ("crash", None), "ok2": ("ok", None), "ok3": ("ok", None)}
-    with ScoringPool(functools.partial(Scripted), workers=2, timeout_s=2.0, memory_mb=256) as pool:
+    with ScoringPool(functools.partial(Scripted), workers=2, timeout_s=TIMEOUT_S, memory_mb=256) as pool:
         for key, (do, arg) in mix.items():
             pool.submit(key, *group(do, arg))
         assert pool.pending() == len(mix)
@@ -348,15 +357,17 @@ def test_close_leaves_no_child_and_returns_what_was_outstanding(tmp_path: Path) 
     pool.submit("stuck", *group("hang", str(tmp_path / "sleeper")))
     pool.submit("slow", *group("sleep", 30.0))
     pool.submit("queued", *group())
-    wait_until(lambda: (tmp_path / "sleeper").exists())
+    wait_until(lambda: (tmp_path / "sleeper").exists(), "the hung verifier to write its child's pid")
     pool.close()
     pool.close()  # twice is fine
-    got = collect(pool, ["stuck", "slow", "queued"], within_s=1.0)  # all there at once
+    got = {s.key: s for s in pool.poll()}  # all there at once: the first poll after close returns them
+    assert sorted(got) == ["queued", "slow", "stuck"], got
     assert all(s.rewards is None and "closed before it was scored" in s.error for s in got.values())
     assert pool.pending() == 0
     assert not children() - before and {p.pid for p in multiprocessing.active_children()} <= mp_before
     assert all(gone(p) for p in pids)
-    wait_until(lambda: gone(int((tmp_path / "sleeper").read_text())))  # the verifier's child too
+    sleeper = int((tmp_path / "sleeper").read_text())
+    wait_until(lambda: gone(sleeper), f"the hung verifier's child {sleeper} to be gone")  # it too
     with pytest.raises(RuntimeError, match="after close"):
         pool.submit("late", *group())
 
@@ -397,5 +408,5 @@ def test_engine_task_factory_scores_as_the_engine_does_under_the_default_cap(tmp
     completions = [Completion("", tok(text, add_special_tokens=False).input_ids) for text in ("7777", "7 3 x", "xyz")]
     with ScoringPool(engine_task_factory(cfg, str(tmp_path))) as pool:  # memory_mb=2048: transformers fits
         pool.submit("g", prompts, completions)
-        got = collect(pool, ["g"], within_s=120.0)["g"]
+        got = collect(pool, ["g"])["g"]
     assert got == Scored("g", RepeatDigit(tok, 4).score(prompts, completions), "")

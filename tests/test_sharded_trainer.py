@@ -23,6 +23,7 @@ import torch
 
 from inflight.engine.client import coordinator_of, start_inflight, tagged
 from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.rpc import WorkerStatus, as_result
 from inflight.transport.group import GroupConfig
 from tests.engine_harness import Reference, stop_engine, drive, push_at_steps
 
@@ -200,6 +201,9 @@ def test_an_fsdp2_trainer_pushes_in_flight_and_survives_losing_a_rank(tiny_llama
         assert trainer.ranks[1].exitcode == -signal.SIGKILL
         assert coordinator.live_version == 2 and not coordinator.broken
         assert _assert_serves(llm, tiny_llama, v2, 2) == before  # the last good version, bit for bit
+        # each worker's status says the trainer called v3 off, and why
+        for st in (as_result(r, WorkerStatus) for r in llm.collective_rpc("inflight_status")):
+            assert st.aborted == 1 and st.last_error.startswith("[aborted] v3: ") and "a trainer rank died" in st.last_error, st
     finally:
         trainer.close()
         stop_engine(llm)

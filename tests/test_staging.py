@@ -61,7 +61,7 @@ def test_a_gpu_that_cannot_stage_is_refused_with_the_bytes_and_a_utilization_tha
     cuda = torch.device("cuda", 0)
     roomy = MemoryBudget(3 * GiB, 80 * GiB, 64 * GiB, 512 * GiB)
     check_fits(need, device=cuda, budget=roomy, gpu_memory_utilization=0.9)  # fits
-    with pytest.raises(StagingMemoryError) as exc:
+    with pytest.raises(StagingMemoryError, match=r"1\.50 GiB of 80\.00 GiB is free") as exc:
         check_fits(need, device=cuda, budget=MemoryBudget(int(1.5 * GiB), 80 * GiB, 64 * GiB, 512 * GiB),
                    gpu_memory_utilization=0.9)
     msg = str(exc.value)
@@ -77,7 +77,7 @@ def test_a_gpu_that_cannot_stage_is_refused_with_the_bytes_and_a_utilization_tha
 def test_a_cpu_engine_that_cannot_stage_names_the_kv_cache_space_to_give_up() -> None:
     need = _need(GiB, prepared=GiB // 2)
     cpu = torch.device("cpu")
-    with pytest.raises(StagingMemoryError) as exc:
+    with pytest.raises(StagingMemoryError, match="Lower VLLM_CPU_KVCACHE_SPACE by 2 GiB") as exc:
         check_fits(need, device=cpu, budget=MemoryBudget(GiB, 16 * GiB, GiB, 16 * GiB))
     assert "2.50 GiB (staging 1.00, rollback copy 1.00, swap commit 0.50) of host memory" in str(exc.value)
     assert "Lower VLLM_CPU_KVCACHE_SPACE by 2 GiB" in str(exc.value)
@@ -89,7 +89,7 @@ def test_host_memory_is_checked_for_every_worker_of_the_engine_on_the_node() -> 
     cpu = torch.device("cpu")
     budget = MemoryBudget(3 * GiB, 16 * GiB, 3 * GiB, 16 * GiB)
     check_fits(need, device=cpu, budget=budget, node_workers=1)
-    with pytest.raises(StagingMemoryError) as exc:
+    with pytest.raises(StagingMemoryError, match=r"2 workers of this engine on this node x 2\.00 GiB") as exc:
         check_fits(need, device=cpu, budget=budget, node_workers=2)
     assert "2 workers of this engine on this node x 2.00 GiB" in str(exc.value)
     assert "Lower VLLM_CPU_KVCACHE_SPACE by 1 GiB" in str(exc.value)  # per worker: 4 - 3 GiB over 2

@@ -188,7 +188,7 @@ def test_a_bad_dataset_is_refused_before_any_engine_starts(tmp_path, tiny_qwen) 
 
     def refusal(**dataset) -> str:
         cfg = config_from_dict({"task": {"name": "dataset", "dataset": dataset}})
-        with pytest.raises(SetupError) as e:
+        with pytest.raises(SetupError, match=rf"(?s)^task 'dataset': .*{re.escape(dataset['path'])}") as e:
             _task_before_engines(cfg, tiny_qwen)
         return str(e.value)
 

@@ -24,7 +24,15 @@ from inflight.transport.layout import TensorSchema
 from inflight.transport.listener import UpdateListener
 from inflight.transport.peer import run_peer
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
-from tests.helpers import ListenerPair, form_pair, state_dict_of
+from tests.helpers import WAIT_S, ListenerPair, form_pair, state_dict_of
+
+GROUP_TIMEOUT_S = 60.0
+"""The group timeout of tests that do not exercise it: far above any wait of theirs on a loaded machine."""
+NOTICED_S = 12.0
+"""How soon a worker gives up on a dead trainer: a beat or two (well under a second on an idle
+machine), 10 s more for a loaded one, and still far below the group's timeout, the other way
+its wait would end."""
+assert NOTICED_S < GROUP_TIMEOUT_S / 2
 
 
 # -- layout and checksums -----------------------------------------------------------------
@@ -80,7 +88,7 @@ def test_a_reserved_port_is_held_until_the_store_takes_that_very_socket() -> Non
     from inflight.transport.store import connect_store, host_store, release_port, reserve_port
 
     port = reserve_port()
-    with socket.socket() as other, pytest.raises(OSError):
+    with socket.socket() as other, pytest.raises(OSError, match="Address already in use"):
         other.bind(("127.0.0.1", port))  # held: the pick cannot be lost to another bind
     store = host_store("127.0.0.1", port, 2, timedelta(seconds=5))
     connect_store("127.0.0.1", port, "x", 5.0).set("k", b"v")
@@ -138,8 +146,8 @@ def test_state_dict_crosses_processes_exactly(tiny_qwen, port, tmp_path, dtype: 
         result = pusher.push(1, sd)
     finally:
         pusher.close()
-        peer.join(60)
-    assert peer.exitcode == 0
+        peer.join(WAIT_S)
+    assert peer.exitcode == 0, f"the peer process: exit code {peer.exitcode} (None: still running after {WAIT_S:.0f} s)"
     cut = bucket_bytes // 64 * 64  # bucket_mb rounds down to 64 B, so no element straddles two buckets
     assert pusher.config.bucket_bytes == cut and result.send.buckets == len(bucket_windows(result.send.nbytes, cut))
     got = load_file(str(tmp_path / "v1.safetensors"))
@@ -160,10 +168,10 @@ def pair(tiny_qwen, port):
     p.close()
 
 
-def _expect_refusal(pair: _Pair, code: str, version: int, named, **kw) -> None:
+def _expect_refusal(pair: ListenerPair, code: str, version: int, named, **kw) -> None:
     live = dict(pair.target.live)
     before = pair.target.live_version
-    with pytest.raises(PushRejected) as exc:
+    with pytest.raises(PushRejected, match=rf"\[{code}\]") as exc:
         pair.pusher.push(version, named, **kw)
     assert exc.value.codes == {code}, str(exc.value)
     assert pair.target.live_version == before
@@ -195,7 +203,7 @@ def test_refusals_keep_last_good_version(pair) -> None:
     _expect_refusal(p, "checksum", 2, {k: v + 1 for k, v in sd.items()}, tamper=corrupt)
     _expect_refusal(p, "short_bucket", 2, {k: v + 1 for k, v in sd.items()}, tamper=short)
     _expect_refusal(p, "bucket_order", 2, {k: v + 1 for k, v in sd.items()}, tamper=reorder)
-    with pytest.raises(PushRejected) as exc:  # commit of a version that was never staged
+    with pytest.raises(PushRejected, match=r"\[incomplete\]") as exc:  # commit of a version that was never staged
         p.pusher.commit(5)
     assert exc.value.codes == {"incomplete"}
     # the next good update goes through
@@ -233,7 +241,7 @@ def test_a_bucket_declaring_more_than_the_whole_update_breaks_the_group(port) ->
     declares more than the whole update cannot, and the sender is not speaking this protocol."""
     from inflight.transport.errors import TransportError
 
-    trainer, worker = form_pair(port)
+    trainer, worker = form_pair(port, timeout_s=GROUP_TIMEOUT_S)
     sender = BucketSender(trainer, bucket_bytes=4096, checksum_algo="crc32")
     weights = {"w": torch.ones(64)}
     announce = sender.pack(1, weights)  # 256 B, one bucket
@@ -244,7 +252,7 @@ def test_a_bucket_declaring_more_than_the_whole_update_breaks_the_group(port) ->
     sending = threading.Thread(target=lambda: _quietly(sender.send, announce, weights, tamper=long), daemon=True)
     sending.start()
     with pytest.raises(TransportError, match="declares 1024 B, more than the whole update"):
-        BucketReceiver(worker).receive(announce, flat, timeout_s=5.0)
+        BucketReceiver(worker).receive(announce, flat, timeout_s=GROUP_TIMEOUT_S)  # not a timeout: the bucket's size
     worker.close()
     trainer.close()
     sending.join(30)
@@ -258,20 +266,19 @@ def _quietly(fn, *args, **kw) -> None:
 
 
 def test_receiver_timeout_names_peer_and_bucket(port) -> None:
-    trainer, worker = form_pair(port)
+    trainer, worker = form_pair(port, timeout_s=GROUP_TIMEOUT_S)
     announce = BucketSender(trainer, bucket_bytes=128, checksum_algo="crc32").pack(1, {"w": torch.ones(64)})
     flat = torch.zeros(announce.total_bytes, dtype=torch.uint8)
-    with pytest.raises(TransportTimeout) as exc:  # the trainer announced but never sends bucket 0
+    # the trainer announced but never sends bucket 0
+    with pytest.raises(TransportTimeout, match="header of bucket 0 of v1.*trainer rank 0"):
         BucketReceiver(worker).receive(announce, flat, timeout_s=1.0)
-    msg = str(exc.value)
-    assert "header of bucket 0 of v1" in msg and "trainer (rank 0)" in msg
 
 
 def test_a_point_to_point_member_without_a_shard_plan_gets_the_whole_model(port) -> None:
     """On NCCL every generation is point to point (a broadcast beside vLLM's TP all-reduces can
     deadlock): a member that sent no shard plan is sent the whole update, laid out as a
     broadcast would lay it out."""
-    trainer, worker = form_pair(port)
+    trainer, worker = form_pair(port, timeout_s=GROUP_TIMEOUT_S)
     sender = BucketSender(trainer, bucket_bytes=128, checksum_algo="crc32")
     named = {"w": torch.ones(64), "b": torch.zeros(3, 5)}
     assert sender.pack_each(1, named, {1: None}) == {1: sender.pack(1, named)}
@@ -296,7 +303,7 @@ def test_data_sockets_bind_the_group_address_not_the_default_interface(port, mon
     # (this one's resolves to loopback, which would hide the difference)
     lan_device = ProcessGroupGloo.create_device  # a device listens from its creation: made only when asked for
     monkeypatch.setattr(ProcessGroupGloo, "create_default_device", staticmethod(lambda: lan_device(hostname=outside[0])))
-    trainer, worker = form_pair(port)
+    trainer, worker = form_pair(port, timeout_s=GROUP_TIMEOUT_S)
     got = torch.zeros(3)
     pending = worker.start_broadcast(got, what="a bucket")
     trainer.broadcast(torch.ones(3), what="a bucket")
@@ -330,11 +337,12 @@ def test_a_member_lost_after_its_hello_ends_the_formation_at_once(port, monkeypa
     worker = threading.Thread(target=_quietly, args=(WeightGroup, config, 1), daemon=True)
     worker.start()
     began = time.monotonic()
-    with pytest.raises(InterruptedError, match="rank 0: stopped while waiting for generation 1's data plane to form"):
+    with pytest.raises(InterruptedError, match="trainer rank 0: stopped while waiting for generation 1's data plane to form"):
         WeightGroup(config, 0, stop=died)  # without stop's check: gloo's timeout, 120 s
     # nothing else waits for the abandoned rendezvous either (it holds a store connection of its own)
     assert time.monotonic() - began < 60
-    worker.join()
+    worker.join(WAIT_S)
+    assert not worker.is_alive(), f"waited {WAIT_S:.0f} s for the member that died to end"
 
 
 def test_a_workers_stop_ends_a_wait_on_a_posted_op_and_aborts_it(port) -> None:
@@ -347,7 +355,7 @@ def test_a_workers_stop_ends_a_wait_on_a_posted_op_and_aborts_it(port) -> None:
     posted = worker.start_recv(torch.zeros(4), what="bucket 0 of v1")
     threading.Timer(0.2, stop.set).start()  # the worker shuts down while the op is posted
     began = time.monotonic()
-    with pytest.raises(InterruptedError, match="rank 1: stopped while waiting for bucket 0 of v1"):
+    with pytest.raises(InterruptedError, match="worker rank 1: stopped while waiting for bucket 0 of v1"):
         worker.wait(posted, 120.0)
     assert time.monotonic() - began < 60 and worker.data.pg is None  # ended by stop, not the timeout; aborted
     worker.close()
@@ -375,21 +383,25 @@ def test_a_worker_notices_its_trainers_death_by_its_store_while_the_data_plane_i
     host.start()
     try:
         port = parent.recv()
-        config = GroupConfig(port=port, world_size=2, timeout_s=60)
+        config = GroupConfig(port=port, world_size=2, timeout_s=GROUP_TIMEOUT_S)
         client = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         trainers: list = []
         t = threading.Thread(target=lambda: trainers.append(WeightGroup(config, 0, store=client, join_timeout_s=60.0)))
         t.start()
         worker = WeightGroup(config, 1, join_timeout_s=60.0)
-        t.join(60)
+        t.join(WAIT_S)
+        assert trainers, "the trainer did not form the group"
         posted = worker.start_recv(torch.zeros(4), what="bucket 0 of v1")
         host.kill()
-        host.join(10)
+        host.join(WAIT_S)
+        assert host.exitcode is not None, f"waited {WAIT_S:.0f} s for the killed store's process to end"
         died = time.monotonic()
-        with pytest.raises(TransportError, match=r"rank 1: the trainer is gone \(its store .* refuses connections\), "
-                                                 r"during bucket 0 of v1 from/to trainer \(rank 0\); gloo communicator aborted"):
+        with pytest.raises(TransportError, match=r"worker rank 1: the trainer is gone \(its store .* refuses connections\), "
+                                                 r"during bucket 0 of v1 from/to trainer rank 0; gloo communicator aborted"):
             worker.wait(posted)
-        assert time.monotonic() - died < 2.0 and worker.data.pg is None  # a beat or two, not gloo's 60 s; aborted
+        took = time.monotonic() - died
+        assert took < NOTICED_S, f"{took:.1f} s"  # a beat or two, not the group's timeout (60 s)
+        assert worker.data.pg is None  # aborted
         worker.close()
         trainers[0].close()
     finally:
@@ -400,8 +412,7 @@ def test_a_data_plane_with_work_posted_is_aborted_never_shut_down(port) -> None:
     """A graceful shutdown waits for the collectives posted on it; NCCL's finalize never returns
     when their root is dead (a killed trainer), hanging the listener. So ``close`` aborts a
     data plane with work posted, or after a failure, and shuts down only an idle one."""
-    trainer, worker = form_pair(port)
-    config = trainer.config
+    trainer, worker = form_pair(port, timeout_s=GROUP_TIMEOUT_S)
     aborted: list[str] = []
     for name, member in (("worker", worker), ("trainer", trainer)):
         real = member.data.abort
@@ -461,3 +472,34 @@ def test_an_nccl_data_plane_forms_at_once_and_no_watchdog_outruns_its_waits() ->
     assert torch.equal(t.cpu(), torch.arange(1000, dtype=torch.float32))
     plane.close()
     assert plane.pg is None
+
+
+def test_a_broadcast_counts_the_bytes_every_member_received(port) -> None:
+    """Two workers without shard plans (a TP=2 engine on gloo) each receive the whole update:
+    the push sends it once (``nbytes``) and delivers it twice (``delivered_bytes``, the
+    trainer's ``push_mb``)."""
+    from inflight.transport.peer import DictTarget
+
+    config = GroupConfig(port=port, world_size=3, timeout_s=60.0)
+    named = {"w": torch.arange(96, dtype=torch.float32), "b": torch.ones(3, 5)}
+    targets = [DictTarget(), DictTarget()]
+    stop = threading.Event()
+
+    def serve(rank: int) -> None:
+        UpdateListener(WeightGroup(config, rank), targets[rank - 1], None).run(stop)
+
+    workers = [threading.Thread(target=serve, args=(r,), daemon=True) for r in (1, 2)]
+    for w in workers:
+        w.start()
+    pusher = WeightPusher(config, PushConfig(dtype="float32", bucket_mb=0.001))
+    try:
+        result = pusher.push(1, named)
+    finally:
+        pusher.close()
+        stop.set()
+        for w in workers:
+            w.join(WAIT_S)
+    whole = sum(t.numel() * 4 for t in named.values())
+    assert whole <= result.send.nbytes < whole + 2 * ALIGN and result.send.delivered_bytes == 2 * result.send.nbytes
+    for target in targets:
+        assert target.live_version == 1 and all(torch.equal(target.live[k], v) for k, v in named.items())

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from inflight.adapter import AdapterSpec
-from inflight.protocol import CommitUnit, Sampling
-from inflight.settings import Backend, ModelDtype, RolloutMode, TrackerName, check_choices
+from inflight.protocol import CommitUnit, ModelDtype, Sampling
+from inflight.settings import Backend, RolloutMode, TrackerName, check_choices
 from inflight.trainer.loss_config import LossConfig
 from inflight.trainer.optim import OptimConfig
 from inflight.transport.group import GroupConfig
@@ -157,7 +157,8 @@ class TransportConfig:
     engine gets every visible GPU but the trainer's first), else gloo (CPU, or one shared GPU,
     which NCCL cannot connect to itself)."""
     bucket_mb: float = PushConfig.bucket_mb
-    """Bucket size of weight pushes."""
+    """Bucket size of weight pushes (the pusher's ``PushConfig.bucket_mb``); each engine
+    reserves its landing room for buckets this large (``InflightConfig.max_bucket_mb``)."""
     collective_timeout_s: float = GroupConfig.timeout_s
     """Connecting, joining a generation, and each bucket's broadcast: an engine whose trainer
     stalls this long mid-transfer drops the update and rejoins."""

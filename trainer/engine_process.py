@@ -34,6 +34,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
+from inflight.adapter import AdapterSpec
 from inflight.protocol import EngineReport, RolloutGroup, Sampling
 from inflight.rollout_queue import RolloutQueue
 from inflight.settings import Backend, choices
@@ -302,29 +303,15 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
         log_to_file(log_file, f"engine {engine_index} (process {os.getpid()})")
     engine_environment(cfg, cuda_devices)
     quiet_libraries()  # after the environment: huggingface_hub reads HF_HUB_OFFLINE at import
-    import torch
-    from vllm import LLM
-
     from inflight.engine.client import policy_lora, start_inflight
-    from inflight.engine.config import engine_kwargs
-    from inflight.adapter import AdapterSpec
 
     if not 0 <= engine_index < cfg.engine.count:
         raise ValueError(f"engine index {engine_index} outside engine.count={cfg.engine.count}")
     rank = cfg.engine.ranks(engine_index)[0]  # its fleet rank: seeds differ across the fleet
     group = dataclasses.replace(group_config(cfg, port=port, backend=backend), host=host)  # the rollout queue's store
     own = group.for_engine(engine_index, cfg.engine.tensor_parallel_size)  # its weight group: the trainer and its workers
-    extra: dict = {} if torch.cuda.is_available() else {"enforce_eager": True}
-    if cfg.engine.tensor_parallel_size > 1:  # one worker process per rank (the in-process executor holds one)
-        extra.update(tensor_parallel_size=cfg.engine.tensor_parallel_size, distributed_executor_backend="mp")
-    if torch.cuda.is_available():
-        extra["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
-    if cfg.loss.routing_replay:  # routing is read after a step's forward: one batch in flight at a time
-        extra["async_scheduling"] = False
     adapter = AdapterSpec(path=adapter_dir) if adapter_dir else None
-    llm = LLM(model_dir, dtype=cfg.model.dtype, max_num_seqs=cfg.engine.max_num_seqs,
-              max_model_len=cfg.engine.max_model_len, seed=cfg.run.seed + rank, **extra,
-              **engine_kwargs(adapter=adapter, enable_prefix_caching=cfg.engine.prefix_caching))
+    llm = _engine(cfg, model_dir, rank, adapter)
     config = inflight_config(cfg, own, rank=1, initial_version=initial_version, adapter=adapter)
     start_inflight(llm, config)
     loop = RolloutLoop(cfg, llm, model_dir, group, engine_index, rank, parent_pid,
@@ -345,6 +332,26 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
             time.sleep(0.1)
     finally:
         loop.scorer.close()
+
+
+def _engine(cfg: TrainConfig, model_dir: str, rank: int, adapter: AdapterSpec | None) -> Any:
+    """The rollout engine's ``vllm.LLM``, seeded by its fleet ``rank``; in a LoRA run it
+    serves ``adapter`` on ``model_dir``'s base."""
+    import torch
+    from vllm import LLM
+
+    from inflight.engine.config import engine_kwargs
+
+    extra: dict = {} if torch.cuda.is_available() else {"enforce_eager": True}
+    if cfg.engine.tensor_parallel_size > 1:  # one worker process per rank (the in-process executor holds one)
+        extra.update(tensor_parallel_size=cfg.engine.tensor_parallel_size, distributed_executor_backend="mp")
+    if torch.cuda.is_available():
+        extra["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
+    if cfg.loss.routing_replay:  # routing is read after a step's forward: one batch in flight at a time
+        extra["async_scheduling"] = False
+    return LLM(model_dir, dtype=cfg.model.dtype, max_num_seqs=cfg.engine.max_num_seqs,
+               max_model_len=cfg.engine.max_model_len, seed=cfg.run.seed + rank, **extra,
+               **engine_kwargs(adapter=adapter, enable_prefix_caching=cfg.engine.prefix_caching))
 
 
 def may_start_group(*, ahead: int, trainer_version: int | None, live_version: int, groups_per_step: int,

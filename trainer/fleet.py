@@ -219,23 +219,35 @@ class Fleet:
             threading.Thread(target=self._watch, name="inflight-engine-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        """Report each spawned engine that fails (exits with a code other than 0: 0 is a stop the
-        trainer asked for) at once, with the end of its log. An engine that fails at start-up
-        does so while the trainer waits up to ``transport.rejoin_timeout_s`` for it to join,
-        and nothing else would say why meanwhile; a recovery's report names only the log."""
-        reported: set[int] = set()
+        """Report each spawned engine that fails (a process that exits with a code other than
+        0, which is a stop the trainer asked for; a Ray actor whose run ends) at once, with
+        the end of its log. An engine that fails at start-up does so while the trainer waits
+        up to ``transport.rejoin_timeout_s`` for it to join, and nothing else would say why
+        meanwhile; a recovery's report names only the log."""
+        reported: set[tuple[int, int | None]] = set()
         while not self._stopping.wait(0.5):
             for e in self.engines:
-                p = e.process  # a restart replaces it; this one is kept while looked at
-                # its sentinel: reaping it here (``is_alive``) would race the main thread's reaping
-                if p is None or p.pid in reported or not ready([p.sentinel], timeout=0):
-                    continue
-                reported.add(p.pid)
-                while (code := p.exitcode) is None and not self._stopping.wait(0.05):
-                    pass  # the main thread is reaping it at the same moment: its return code comes
-                if code and not self._stopping.is_set():
-                    tqdm.write(f"inflight: engine {e.index} (process {p.pid}) exited with code {code}; {e.last_lines()}")
+                problem = self._failed(e, reported)
+                if problem is not None and not self._stopping.is_set():
+                    tqdm.write(f"inflight: {problem}; {e.last_lines()}")
                     self.exited.set()
+
+    def _failed(self, e: EngineProcess, reported: set[tuple[int, int | None]]) -> str | None:
+        """Engine ``e``'s failure (an ``EngineProcess`` or a ``RayEngine``, alike), once per
+        process (a restart starts another), or None."""
+        p = e.process  # a restart replaces it; this one is kept while looked at
+        if p is None:  # a Ray actor: its run's end is its exit (``RayEngine.exit_problem``)
+            if (e.index, e.pid) in reported or (problem := e.exit_problem()) is None:
+                return None
+            reported.add((e.index, e.pid))
+            return problem
+        # its sentinel: reaping it here (``is_alive``) would race the main thread's reaping
+        if (e.index, p.pid) in reported or not ready([p.sentinel], timeout=0):
+            return None
+        reported.add((e.index, p.pid))
+        while (code := p.exitcode) is None and not self._stopping.wait(0.05):
+            pass  # the main thread is reaping it at the same moment: its return code comes
+        return f"engine {e.index} (process {p.pid}) exited with code {code}" if code else None
 
     def connect(self, group: GroupConfig, push: PushConfig) -> FleetPusher:
         """Host a weight group per engine on ``group``'s store and wait up to

@@ -24,7 +24,7 @@ from inflight.protocol import RolloutGroup, Sampling
 from inflight.kernels.logprob_entropy import logprob_entropy
 from inflight.kernels.tis_loss import tis_loss
 from inflight.trainer.loss_config import LossConfig
-from inflight.trainer.correction import bounds, correction_masks, seq_log_ratio, sequence_inputs
+from inflight.trainer.correction import Masks, bounds, correction_masks, seq_log_ratio, sequence_inputs
 from inflight.trainer.metrics import by_lag, correction_stats
 from inflight.trainer.sampling_filter import filter_logits
 
@@ -157,35 +157,47 @@ def compute_loss(logp: torch.Tensor, entropy: torch.Tensor, batch: Batch, *, ver
     if not with_metrics:
         return loss, {}
     with torch.no_grad():
-        w = weight.reshape(logp.shape)
-        low, high = bounds(cfg.objective, obj_lag)
-        stats = correction_stats(log_ratio, w, rho, low, high, cand=masks.lag, final=mask, real=masks.real,
-                                 seq_sel=real.any(-1), seq_cand=masks.lag, seq_final=mask, seq_real=masks.real,
-                                 catastrophic=cfg.veto_threshold)
-        used = masks.lag > 0
-        lags = lag[real]
-        n_seq = max(1, int(real.any(-1).sum()))
-        metrics = {
-            **stats,
-            "tokens_in_loss": int(mask.sum()),
-            "frac_masked_filter": float(filtered.sum()) / n_tokens,
-            "frac_masked_lag": float(scored.sum() - masks.lag.sum()) / n_tokens,
-            "frac_masked_veto": float((masks.lag - masks.veto).sum()) / n_tokens,
-            "frac_masked_seq": float((masks.veto - masks.seq).sum()) / n_tokens,
-            "frac_masked_m2po": float((masks.seq - masks.m2po).sum()) / n_tokens,
-            "frac_seq_vetoed": float(((masks.lag.sum(-1) > 0) & (masks.veto.sum(-1) == 0)).sum()) / n_seq,
-            "frac_truncated": stats["frac_truncated_high"] + stats["frac_truncated_low"],
-            "ratio_hist": _histogram(torch.exp(log_ratio)[used], RATIO_BINS),
-            "seq_ratio_mean": float(torch.exp(seq_log_ratio(log_ratio, masks.lag))[masks.lag.sum(-1) > 0].mean())
-            if float(masks.lag.sum()) else 1.0,
-            "by_lag": by_lag(log_ratio, w, rho, low, high, mask, masks.real, lag, cfg.veto_threshold),
-            "entropy": float((entropy.detach() * real).sum() / n_tokens),
-            **({} if kl is None else {"kl_ref": float(kl.detach())}),
-            "lag_hist": {int(k): int(v) for k, v in zip(*torch.unique(lags, return_counts=True))},
-            "lag_mean": float(lags.float().mean()) if lags.numel() else 0.0,
-            "frac_multi_version": float(
-                sum(len(set(row[m > 0].tolist())) > 1 for row, m in zip(batch.versions, batch.completion_mask)) / len(lag)
-            ),
-        }
-        metrics["ess_low"] = metrics["tokens_in_loss"] > 0 and metrics["ess"] < cfg.ess_warn
+        metrics = _step_metrics(log_ratio, weight.reshape(logp.shape), rho, obj_lag, masks, batch, lag, entropy,
+                                filtered=filtered, scored=scored, n_tokens=n_tokens, cfg=cfg)
+    if kl is not None:
+        metrics["kl_ref"] = float(kl.detach())
     return loss, metrics
+
+
+def _step_metrics(log_ratio: torch.Tensor, w: torch.Tensor, rho: torch.Tensor, obj_lag: torch.Tensor, masks: Masks,
+                  batch: Batch, lag: torch.Tensor, entropy: torch.Tensor, *, filtered: torch.Tensor,
+                  scored: torch.Tensor, n_tokens: float, cfg: LossConfig) -> dict:
+    """The step's importance-sampling metrics (``compute_loss``'s second result): ``w`` the
+    objective's per-token weight, ``rho`` the ratio it bounds, ``masks`` ``correction_masks``'."""
+    real = batch.completion_mask > 0
+    mask = masks.final
+    low, high = bounds(cfg.objective, obj_lag)
+    stats = correction_stats(log_ratio, w, rho, low, high, cand=masks.lag, final=mask, real=masks.real,
+                             seq_sel=real.any(-1), seq_cand=masks.lag, seq_final=mask, seq_real=masks.real,
+                             catastrophic=cfg.veto_threshold)
+    used = masks.lag > 0
+    lags = lag[real]
+    n_seq = max(1, int(real.any(-1).sum()))
+    metrics = {
+        **stats,
+        "tokens_in_loss": int(mask.sum()),
+        "frac_masked_filter": float(filtered.sum()) / n_tokens,
+        "frac_masked_lag": float(scored.sum() - masks.lag.sum()) / n_tokens,
+        "frac_masked_veto": float((masks.lag - masks.veto).sum()) / n_tokens,
+        "frac_masked_seq": float((masks.veto - masks.seq).sum()) / n_tokens,
+        "frac_masked_m2po": float((masks.seq - masks.m2po).sum()) / n_tokens,
+        "frac_seq_vetoed": float(((masks.lag.sum(-1) > 0) & (masks.veto.sum(-1) == 0)).sum()) / n_seq,
+        "frac_truncated": stats["frac_truncated_high"] + stats["frac_truncated_low"],
+        "ratio_hist": _histogram(torch.exp(log_ratio)[used], RATIO_BINS),
+        "seq_ratio_mean": float(torch.exp(seq_log_ratio(log_ratio, masks.lag))[masks.lag.sum(-1) > 0].mean())
+        if float(masks.lag.sum()) else 1.0,
+        "by_lag": by_lag(log_ratio, w, rho, low, high, mask, masks.real, lag, cfg.veto_threshold),
+        "entropy": float((entropy.detach() * real).sum() / n_tokens),
+        "lag_hist": {int(k): int(v) for k, v in zip(*torch.unique(lags, return_counts=True))},
+        "lag_mean": float(lags.float().mean()) if lags.numel() else 0.0,
+        "frac_multi_version": float(
+            sum(len(set(row[m > 0].tolist())) > 1 for row, m in zip(batch.versions, batch.completion_mask)) / len(lag)
+        ),
+    }
+    metrics["ess_low"] = metrics["tokens_in_loss"] > 0 and metrics["ess"] < cfg.ess_warn
+    return metrics

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +31,25 @@ from inflight.trainer.engine_process import run_engine
 log = logging.getLogger("inflight.supervisor")
 
 
-def connect(cfg: TrainConfig) -> None:
-    """Join the Ray cluster at ``engine.ray_address``, or start a local one (once per process)."""
+WORKER_NICENESS = "RAY_worker_niceness"
+"""Ray's setting for its workers' niceness, read when a local cluster starts. Ray's default,
+15, gives an engine actor the CPU after every other process of the node: on a node it shares
+with the trainer and other work, the engines starve (docs/LOG.md, 2026-11-27). ``connect``
+starts a local cluster at 0, the trainer's own priority."""
+
+
+def connect(address: str = "") -> None:
+    """Join the Ray cluster at ``address`` (``engine.ray_address``), or start a local one
+    whose workers run at the trainer's priority (``WORKER_NICENESS``); once per process."""
     try:
         import ray
     except ImportError as e:
         raise RuntimeError("engine.launcher='ray' needs Ray: pip install 'inflight[ray]'") from e
     if not ray.is_initialized():
+        if not address:
+            os.environ.setdefault(WORKER_NICENESS, "0")
         # the actors import this package from the driver's working directory, as the processes do
-        ray.init(address=cfg.engine.ray_address or None, include_dashboard=False, log_to_driver=False,
+        ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}})
 
 
@@ -49,7 +60,14 @@ class _EngineActor:
         return os.getpid()
 
     def run(self, *args: Any, **kwargs: Any) -> None:
-        run_engine(*args, **kwargs)
+        try:
+            run_engine(*args, **kwargs)
+        except BaseException as e:
+            # Ray pickles a task's exception for the driver, and one that does not pickle (vLLM's
+            # pydantic config errors) arrives as Ray's own TypeError: the log keeps the traceback,
+            # the driver gets the type and message
+            traceback.print_exc()
+            raise RuntimeError(f"{type(e).__name__}: {e}") from None
 
 
 class RayEngine:
@@ -85,7 +103,7 @@ class RayEngine:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        connect(self.cfg)
+        connect(self.cfg.engine.ray_address)
         if self.restarts == 0 and not self.cfg.run.resume:  # a new run's log; a restart's appends
             self.log_file.write_text("")
         bundle = self._bundle()
@@ -119,8 +137,9 @@ class RayEngine:
         try:
             ray.get(self._run)
         except Exception as e:  # noqa: BLE001  the actor died or run_engine raised: both end the engine
-            return (f"engine {self.index} (Ray actor, process {self.pid}) ended: {type(e).__name__}: "
-                    f"{str(e).splitlines()[0][:200]} (log: {self.log_file})")
+            cause = getattr(e, "cause", None) or e  # a RayTaskError carries the actor's own exception
+            what = " ".join(line.strip() for line in str(cause).splitlines() if line.strip())
+            return f"engine {self.index} (Ray actor, process {self.pid}) ended: {what[:400]} (log: {self.log_file})"
         return f"engine {self.index} (Ray actor, process {self.pid}) returned (log: {self.log_file})"
 
     def last_lines(self) -> str:

@@ -61,7 +61,7 @@ def push_metrics(results: Mapping[int, PushResult], fleet: Fleet) -> dict[str, A
             "commit_spread_steps": max(waits) - min(waits),
             "push_ms": 1e3 * max(r.stage_wait_s + r.commit_wait_s for r in results.values()),
             "send_ms": 1e3 * max(r.send.send_s for r in results.values()),
-            "push_mb": sum(r.send.nbytes for r in results.values()) / 2**20,
+            "push_mb": sum(r.send.delivered_bytes for r in results.values()) / 2**20,
             "read_ms": 1e3 * max(r.send.read_s for r in results.values()),
             "steps_during_transfer": first.staged[min(first.staged)].steps_during_transfer}
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -34,6 +34,7 @@ from inflight.engine.commit.load_plan import LoadPlan
 from inflight.engine.commit.postload import cpu_unquantized_moe, modules_sharing_parameters, reprocess
 from inflight.engine.commit.routing_plan import Route, RoutingPlan
 from inflight.protocol import ShardPlan
+from inflight.settings import InStorageCommit
 from inflight.shard_plan import Box
 from inflight.staging import copy_into
 
@@ -112,7 +113,7 @@ class InStorageApplier:
     post-load processing leaves them as loaded).
     """
 
-    def __init__(self, model_runner: Any, strategy: Literal["reload", "copy"], shapes: Shapes | None = None) -> None:
+    def __init__(self, model_runner: Any, strategy: InStorageCommit, shapes: Shapes | None = None) -> None:
         self.runner = model_runner
         self.strategy = strategy
         model = model_runner.get_model()

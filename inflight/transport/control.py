@@ -31,7 +31,7 @@ from inflight.protocol import (
     encode,
 )
 from inflight.auth import seal, unseal
-from inflight.transport.errors import GaveUp, TransportError, TransportTimeout
+from inflight.transport.errors import GaveUp, TransportError, TransportTimeout, member
 from inflight.transport.group import WeightGroup
 from inflight.transport.store import wait_key
 
@@ -132,7 +132,7 @@ class WorkerControl:
             try:
                 raw = self.group.store.get(key)
             except RuntimeError as e:
-                raise TransportError(f"rank {self.group.rank}: control message #{seq} for this rank: {e}") from e
+                raise TransportError(f"{member(self.group.rank)}: control message #{seq} for this rank: {e}") from e
             msg = decode_control(unseal(raw, self.group.secret, self.group.auth_context(key)))
         return seq, msg
 

@@ -17,7 +17,7 @@ import torch
 from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroup, Work
 
 from inflight.settings import DataPlane as Backend
-from inflight.transport.errors import GaveUp, TransportError, TransportTimeout
+from inflight.transport.errors import GaveUp, TransportError, TransportTimeout, member
 from inflight.transport.poll import call_beside, poll_until
 
 _NCCL_ENV_LOCK = threading.Lock()
@@ -113,7 +113,7 @@ class DataPlane:
         try:
             self.pg: ProcessGroup | None = _make_process_group(store, pg_rank, size, backend, timeout, device, bind)
         except Exception as e:
-            raise TransportError(f"rank {rank}: forming a {backend} group of {size} failed: {e}") from e
+            raise TransportError(f"{member(rank)}: forming a {backend} group of {size} failed: {e}") from e
         if backend == "nccl":
             self._connect_nccl(device)
 
@@ -134,7 +134,7 @@ class DataPlane:
             raise
         except Exception as e:
             self.abort()
-            raise TransportError(f"rank {self.rank}: connecting NCCL on {device} failed: {e}") from e
+            raise TransportError(f"{member(self.rank)}: connecting NCCL on {device} failed: {e}") from e
 
     def start_broadcast(self, tensor: torch.Tensor, *, what: str) -> tuple[Work, str]:
         """Post a broadcast from rank 0 into every member's ``tensor``; finish it with ``wait``.
@@ -156,12 +156,12 @@ class DataPlane:
 
     def _post(self, op: Callable[[ProcessGroup], Work], what: str) -> tuple[Work, str]:
         if self.pg is None:
-            raise TransportError(f"rank {self.rank}: posting {what}: the data plane was closed")
+            raise TransportError(f"{member(self.rank)}: posting {what}: the data plane was closed")
         try:
             work = op(self.pg)
         except Exception as e:
             self._failed = True
-            raise TransportError(f"rank {self.rank}: posting {what} failed: {e}") from e
+            raise TransportError(f"{member(self.rank)}: posting {what} failed: {e}") from e
         self._unfinished += 1
         return work, what
 
@@ -184,7 +184,7 @@ class DataPlane:
         """
         work, what = pending
         timeout = self.timeout if timeout_s is None else timedelta(seconds=timeout_s)
-        peer = "trainer (rank 0)" if self.rank else f"workers {self.peers}"
+        peer = member(0) if self.rank else f"workers {self.peers}"
         label = f"{what} from/to {peer}"
         try:
             if self.backend == "nccl":
@@ -200,7 +200,7 @@ class DataPlane:
             raise
         except Exception as e:
             self._failed = True
-            msg = f"rank {self.rank}: {what} from/to {peer} failed after <= {timeout.total_seconds():.1f}s: {e}"
+            msg = f"{member(self.rank)}: {what} from/to {peer} failed after <= {timeout.total_seconds():.1f}s: {e}"
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise TransportTimeout(msg) from e
             raise TransportError(msg) from e
@@ -210,7 +210,7 @@ class DataPlane:
         call_beside(fn, lambda done: self._poll(done, timeout_s, what))
 
     def _poll(self, done: Callable[[], bool | None], timeout_s: float, what: str) -> None:
-        who = f"rank {self.rank}"
+        who = member(self.rank)
         give_up = self._superseded if self.rank != 0 else None
         try:  # a few ms between polls at most: each is a GIL grab beside vLLM's scheduler
             poll_until(done, timeout_s=timeout_s, what=what, who=who,

@@ -5,6 +5,13 @@ from __future__ import annotations
 from inflight.protocol import RejectCode
 
 
+def member(rank: int) -> str:
+    """How errors name weight-group rank ``rank``: the trainer's is 0 ("trainer rank 0", its
+    rank in a sharded trainer too), and each engine worker's 1..N ("worker rank 2"); a bare
+    "rank 1" could be either a worker or a sharded trainer's second process."""
+    return "trainer rank 0" if rank == 0 else f"worker rank {rank}"
+
+
 class TransportError(RuntimeError):
     """The group failed: a peer vanished, a collective broke, or a message was unusable."""
 

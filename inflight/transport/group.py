@@ -25,7 +25,7 @@ from torch.distributed import PrefixStore, Store, TCPStore, Work
 from inflight.auth import read_secret, seal, unseal
 from inflight.protocol import AuthError, CommitUnit, Joined, ProtocolError, Roster, ShardPlan, decode_control, decode_reply, encode
 from inflight.transport.data_plane import DataPlane, nccl_error_handling_once
-from inflight.transport.errors import GaveUp, TransportError, TransportTimeout
+from inflight.transport.errors import GaveUp, TransportError, TransportTimeout, member
 from inflight.transport.liveness import Heartbeat, silent_ranks
 from inflight.transport.poll import call_unless_stopped, poll_until
 from inflight.transport.group_config import GroupConfig, data_plane_address  # GroupConfig's home is group_config
@@ -61,12 +61,12 @@ def _open_generation(root: Store, secret: bytes | None, name: str, rank: int, tr
                 unauthenticated()
             return g if g > 0 and g not in tried and root.check([f"gen{g}/open"]) else None
         except RuntimeError as e:
-            raise TransportError(f"rank {rank}: the group store failed while waiting to join: {e}") from e
+            raise TransportError(f"{member(rank)}: the group store failed while waiting to join: {e}") from e
     left = None if deadline is None else deadline - time.monotonic()
     try:
-        return poll_until(ready, timeout_s=left, stop=stop, what="a generation to join", who=f"rank {rank}")
+        return poll_until(ready, timeout_s=left, stop=stop, what="a generation to join", who=member(rank))
     except TransportTimeout:
-        raise TransportTimeout(f"rank {rank}: the trainer (rank 0) opened no generation to join") from None
+        raise TransportTimeout(f"{member(rank)}: the trainer opened no generation to join") from None
 
 
 class WeightGroup:
@@ -92,7 +92,7 @@ class WeightGroup:
         wire_dtypes: Mapping[str, str] | None = None,
     ) -> None:
         if not 0 <= rank < config.world_size:
-            raise ValueError(f"rank {rank} outside world_size {config.world_size}")
+            raise ValueError(f"{member(rank)} outside world_size {config.world_size}")
         self.config = config
         self.rank = rank
         self.backend = config.resolved_backend()
@@ -103,7 +103,7 @@ class WeightGroup:
         self.device = device
         self.timeout = timedelta(seconds=config.timeout_s)
         self.secret = read_secret() if secret == "env" else secret
-        config.check_exposure(self.secret, f"rank {rank}")
+        config.check_exposure(self.secret, member(rank))
         """Shared secret sealing every message of the group (``INFLIGHT_SECRET``; None: none)."""
         self.data: DataPlane | None = None
         self.roster: tuple[int, ...] = ()
@@ -209,7 +209,7 @@ class WeightGroup:
             return True if hellos.keys() >= want else None
         try:
             poll_until(all_in, timeout_s=max(deadline - time.monotonic(), 0.0), what=f"hellos of generation {g}",
-                       who="rank 0", stop=stop)
+                       who=member(0), stop=stop)
         except TransportTimeout:
             pass  # the caller decides what the ones that came are enough for
         return hellos
@@ -244,7 +244,7 @@ class WeightGroup:
         store (a frozen trainer's store would block the caller)."""
         beat = self._heartbeat
         if beat is not None and beat.gone is not None:
-            raise TransportError(f"rank {self.rank}: the trainer is gone ({beat.gone})")
+            raise TransportError(f"{member(self.rank)}: the trainer is gone ({beat.gone})")
         return beat is not None and beat.generation is not None and beat.generation > self.generation
 
     def _join(self, live_version: int, stop: threading.Event | None, timeout_s: float | None,
@@ -253,7 +253,7 @@ class WeightGroup:
         """Worker: connect to the store, wait for an open generation, announce, form."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._tcp = connect_retrying(self.config.host, self.config.port, self.config.world_size, self.config.timeout_s,
-                                     who=f"rank {self.rank}", deadline=deadline, stop=stop)
+                                     who=member(self.rank), deadline=deadline, stop=stop)
         self._root = PrefixStore(self.config.name, self._tcp)
         # beat before the hello, so rank 0 never finds a member of a generation silent
         self._heartbeat = Heartbeat(self.config.host, self.config.port, self.config.name, self.rank, self.config.timeout_s,
@@ -270,7 +270,7 @@ class WeightGroup:
             try:
                 self.incarnation = self._root.get("incarnation").decode()  # set before any generation opens
             except RuntimeError as e:
-                raise TransportError(f"rank {self.rank}: the group store failed while joining: {e}") from e
+                raise TransportError(f"{member(self.rank)}: the group store failed while joining: {e}") from e
             self._root.set(f"gen{g}/hello/{self.rank}", seal(hello, self.secret, self._context(f"gen{g}/hello/{self.rank}")))
             roster = self._wait_roster(g, deadline, stop)
             if roster is None or self.rank not in roster.members:
@@ -297,12 +297,12 @@ class WeightGroup:
         left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
         try:
             raw = wait_key(self._root, f"gen{g}/roster", timeout_s=left, stop=stop, what=f"the roster of generation {g}",
-                           who=f"rank {self.rank}", give_up=lambda: not self._root.check([f"gen{g}/open"]))
+                           who=member(self.rank), give_up=lambda: not self._root.check([f"gen{g}/open"]))
             msg = decode_control(unseal(raw, self.secret, self._context(f"gen{g}/roster")))
         except GaveUp:
             return None
         except ProtocolError as e:
-            raise TransportError(f"rank {self.rank}: unreadable roster of generation {g}: {e}") from e
+            raise TransportError(f"{member(self.rank)}: unreadable roster of generation {g}: {e}") from e
         return msg if isinstance(msg, Roster) and msg.generation == g else None
 
     def _form_data_plane(self, g: int, stop: threading.Event | None = None) -> None:
@@ -322,7 +322,7 @@ class WeightGroup:
                              bind=data_plane_address(self.config.host, self.rank), stop=self._stop)
 
         self.data = build() if stop is None else call_unless_stopped(
-            build, stop=stop, what=f"generation {g}'s data plane to form", who=f"rank {self.rank}")
+            build, stop=stop, what=f"generation {g}'s data plane to form", who=member(self.rank))
         self.generation = g
         self.incarnation = self._root.get("incarnation").decode()
         self.store = PrefixStore(prefix + "/ctl", self._tcp)
@@ -359,7 +359,7 @@ class WeightGroup:
 
     def _plane(self) -> DataPlane:
         if self.data is None:
-            raise TransportError(f"rank {self.rank}: no data plane (the group was closed or is re-forming)")
+            raise TransportError(f"{member(self.rank)}: no data plane (the group was closed or is re-forming)")
         return self.data
 
     def start_broadcast(self, tensor: torch.Tensor, *, what: str) -> tuple[Work, str]:

@@ -113,6 +113,7 @@ class LayerUpdates:
                 self._refuse(seq, a, error)
             else:
                 self.failed = error.reason
+                lis.stats.note_abort(a.version, error.reason)
             return None
         return staged
 

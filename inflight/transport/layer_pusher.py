@@ -25,6 +25,7 @@ import msgspec
 
 from inflight.layer_groups import layer_groups
 from inflight.protocol import Accepted, Committed, Rejected, Staged, UpdateAnnounce
+from inflight.transport.errors import member
 from inflight.transport.outcomes import Packed, PushResult, _split
 from inflight.transport.sender import SendStats, Tamper
 
@@ -45,7 +46,7 @@ class LayerPushIncomplete(RuntimeError):
     on every engine rank (the engines serve that hybrid), the rest are not."""
 
     def __init__(self, version: int, landed: int, parts: int, group: int, rejections: dict[int, Rejected]) -> None:
-        detail = "; ".join(f"rank {r}: [{m.code}] {m.reason}" for r, m in sorted(rejections.items()))
+        detail = "; ".join(f"worker rank {r}: [{m.code}] {m.reason}" for r, m in sorted(rejections.items()))
         super().__init__(f"update v{version} stopped at layer group {group} of {parts}; groups 0..{landed - 1} "
                          f"landed: {detail}")
         self.version, self.landed, self.parts, self.group, self.rejections = version, landed, parts, group, rejections
@@ -69,7 +70,7 @@ def push_layers(pusher: Any, packed: Packed, tamper: Tamper | None = None) -> Pu
             seq = control.post(announces[None]) if None in announces else control.post_each(announces)  # type: ignore[arg-type]
             _, refused = _split(control.replies(seq, timeout, f"announce of group {k} of v{version}"), Accepted)
             if refused:
-                sender.send_abort(version, f"group {k} refused by " + ",".join(str(r) for r in sorted(refused)))
+                sender.send_abort(version, f"group {k} refused by " + ", ".join(member(r) for r in sorted(refused)))
                 stop = k
                 break
             stats = _add(stats, sender.send_each(announces, packed.source, tamper=tamper))
@@ -100,4 +101,5 @@ def push_layers(pusher: Any, packed: Packed, tamper: Tamper | None = None) -> Pu
 
 def _add(a: SendStats, b: SendStats) -> SendStats:
     return SendStats(version=a.version, nbytes=a.nbytes + b.nbytes, buckets=a.buckets + b.buckets,
-                     pack_s=a.pack_s + b.pack_s, send_s=a.send_s + b.send_s, read_s=a.read_s + b.read_s)
+                     pack_s=a.pack_s + b.pack_s, send_s=a.send_s + b.send_s, read_s=a.read_s + b.read_s,
+                     delivered_bytes=a.delivered_bytes + b.delivered_bytes)

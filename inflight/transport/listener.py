@@ -69,6 +69,14 @@ class ListenerStats:
     """Times the worker joined a new generation after losing its group."""
     dropped_staging: int = 0
     """Versions staged (or half received) and then discarded because the group failed."""
+    aborted: int = 0
+    """Updates the trainer called off after this worker accepted them (another worker refused
+    one, or the trainer's source failed mid-stream: a sharded trainer's rank died)."""
+
+    def note_abort(self, version: int, reason: str) -> None:
+        """An update this worker accepted was called off by the trainer."""
+        self.aborted += 1
+        self.last_error = f"[aborted] v{version}: {reason}"
 
 
 class UpdateListener:
@@ -120,6 +128,7 @@ class UpdateListener:
                     self.layers.abort(msg.version, msg.reason)
                     if self._staged is not None and self._staged.announce.version == msg.version:
                         log.info("rank %d: v%d aborted by the trainer: %s", self.group.rank, msg.version, msg.reason)
+                        self.stats.note_abort(msg.version, msg.reason)
                         self._drop()
                 elif isinstance(msg, Shutdown):
                     self._leave(seq, msg.reason)
@@ -158,8 +167,10 @@ class UpdateListener:
         if error is not None:  # nothing live was touched
             self.pool.give(flat)
             self.target.discard()  # the tensors fed so far
-            if error.code != "aborted":  # an aborted update was refused by another worker first
+            if error.code != "aborted":
                 self._reject(seq, a.version, error.code, error.reason, phase="staged")
+            else:  # refused by another worker first, or its source failed mid-stream
+                self.stats.note_abort(a.version, error.reason)
             return
         self._staged = staged
         first = staged.first_bucket_step

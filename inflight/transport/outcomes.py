@@ -38,7 +38,7 @@ class PushRejected(RuntimeError):
     """At least one worker refused the update; the engines keep their last good version."""
 
     def __init__(self, version: int, phase: str, rejections: dict[int, Rejected]) -> None:
-        detail = "; ".join(f"rank {r}: [{m.code}] {m.reason}" for r, m in sorted(rejections.items()))
+        detail = "; ".join(f"worker rank {r}: [{m.code}] {m.reason}" for r, m in sorted(rejections.items()))
         super().__init__(f"update v{version} refused at {phase}: {detail}")
         self.version = version
         self.phase = phase

@@ -39,7 +39,7 @@ from inflight.transport.layer_pusher import push_layers, split
 from inflight.transport.outcomes import Packed, PushRejected, PushResult, _split
 from inflight.transport.sender import BucketSender, SendStats, SourceError, Tamper
 from inflight.transport.control import TrainerControl
-from inflight.transport.errors import TransportError
+from inflight.transport.errors import TransportError, member
 from inflight.transport.group import GroupConfig, WeightGroup
 from inflight.transport.layout import dtype_name
 from inflight.transport.packing import aligned_bucket_bytes, first_use_order
@@ -183,7 +183,7 @@ class WeightPusher:
             seq = self.control.post(packed.announces[None]) if None in packed.announces else self.control.post_each(packed.announces)  # type: ignore[arg-type]
             accepted, refused = _split(self.control.replies(seq, self.config.reply_timeout_s, f"announce of v{version}"), Accepted)
             if refused:
-                self.sender.send_abort(version, "refused by " + ",".join(str(r) for r in sorted(refused)))
+                self.sender.send_abort(version, "refused by " + ", ".join(member(r) for r in sorted(refused)))
                 raise PushRejected(version, "announce", refused)
             stats = self._stream(packed, tamper)
         finally:
@@ -330,7 +330,7 @@ class WeightPusher:
             gone = lambda r=rank: self.group.store.check([f"left/{r}"])  # noqa: E731  its engine stopped first
             try:
                 raw = wait_key(self.group.store, key, timeout_s=max(deadline - time.monotonic(), 0.001), stop=None,
-                               what=f"rank {rank}'s goodbye", who="rank 0", give_up=gone)
+                               what=f"{member(rank)}'s goodbye", who=member(0), give_up=gone)
             except TransportError:
                 continue
             if not isinstance(self.control.read_reply(key, raw, f"worker rank {rank}'s goodbye"), Left):

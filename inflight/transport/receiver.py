@@ -19,7 +19,7 @@ import torch
 from inflight.auth import bucket_mac
 from inflight.memory import BucketWindows
 from inflight.protocol import Abort, BucketHeader, BucketSpec, ProtocolError, UpdateAnnounce
-from inflight.transport.errors import TransportError, UpdateRejected
+from inflight.transport.errors import TransportError, UpdateRejected, member
 from inflight.transport.frames import FRAME_BYTES, mac_context, unframe
 from inflight.transport.group import WeightGroup
 from inflight.transport.layout import checksum
@@ -57,7 +57,7 @@ class BucketReceiver:
         no scratch memory is ever needed. A bucket larger than the whole buffer means the
         sender is not speaking this protocol."""
         if nbytes > dest.numel():
-            raise TransportError(f"rank {self.group.rank}: a bucket of v{announce.version} declares {nbytes} B, more "
+            raise TransportError(f"{member(self.group.rank)}: a bucket of v{announce.version} declares {nbytes} B, more "
                                  f"than the whole update ({announce.total_bytes} B); the data plane is out of step")
         return dest[:nbytes]
 
@@ -93,24 +93,8 @@ class BucketReceiver:
         next_header = self.group.start_frame(self._frames[0], what=f"header of bucket 0 of v{v}")
         for spec in announce.buckets:
             self.group.wait(next_header, timeout_s)
-            header: BucketHeader | None = None
-            try:
-                frame = unframe(self._frames[spec.index % 2])
-            except ProtocolError as e:
-                error: UpdateRejected | None = UpdateRejected("bad_message", f"bucket {spec.index}: {e}")
-            else:
-                if isinstance(frame, Abort):  # called off: refused elsewhere, or its source failed mid-stream
-                    raise UpdateRejected("aborted", f"v{v} aborted by the trainer before bucket {spec.index}: {frame.reason}")
-                header = frame
-                error = self._check_header(header, spec, v)
-            # A declared size above bucket_bytes means the sender is not speaking this
-            # protocol: there is no safe place to land it, so the group must be rebuilt.
+            header, error = self._header(spec, announce)
             nbytes = spec.nbytes if header is None else header.nbytes
-            if nbytes > announce.bucket_bytes:
-                raise TransportError(
-                    f"rank {self.group.rank}: bucket {spec.index} of v{v} declares {nbytes} B > bucket_bytes "
-                    f"{announce.bucket_bytes}; the data plane is out of step"
-                )
             first_error = first_error or error
             good = first_error is None
             if to_host:
@@ -125,27 +109,49 @@ class BucketReceiver:
                     self._frames[(spec.index + 1) % 2], what=f"header of bucket {spec.index + 1} of v{v}"
                 )
             if landed is not None:  # verify the previous bucket while this one is on the wire
-                first_error = first_error or self._settle(*landed, announce, dest if to_host else None)
-                if first_error is None and on_verified is not None:
-                    on_verified(landed[0].index)
+                first_error = first_error or self._settle(landed, announce, dest if to_host else None, on_verified)
             self.group.wait(pending, timeout_s)
             landed = (spec, header, window) if good and header is not None else None
             if on_bucket is not None:
                 on_bucket(spec.index)
         if landed is not None:
-            first_error = first_error or self._settle(*landed, announce, dest if to_host else None)
-            if first_error is None and on_verified is not None:
-                on_verified(landed[0].index)
+            first_error = first_error or self._settle(landed, announce, dest if to_host else None, on_verified)
         if first_error is not None:
             raise first_error
 
-    def _settle(self, spec: BucketSpec, header: BucketHeader, window: torch.Tensor, announce: UpdateAnnounce,
-                host: torch.Tensor | None) -> UpdateRejected | None:
-        """Verify a landed bucket; with host staging, copy it to the host once it verified
-        (synchronously: its landing slot is reused two buckets later)."""
+    def _header(self, spec: BucketSpec, announce: UpdateAnnounce) -> tuple[BucketHeader | None, UpdateRejected | None]:
+        """Bucket ``spec``'s header as it landed, None where unreadable, and the refusal it earns.
+        An ``Abort`` in its place raises ``UpdateRejected``; a declared size above
+        ``bucket_bytes`` raises ``TransportError``: the sender is not speaking this protocol,
+        there is no safe place to land the bucket, and the group must be rebuilt."""
+        v = announce.version
+        header: BucketHeader | None = None
+        try:
+            frame = unframe(self._frames[spec.index % 2])
+        except ProtocolError as e:
+            error: UpdateRejected | None = UpdateRejected("bad_message", f"bucket {spec.index}: {e}")
+        else:
+            if isinstance(frame, Abort):  # called off: refused elsewhere, or its source failed mid-stream
+                raise UpdateRejected("aborted", f"v{v} aborted by the trainer before bucket {spec.index}: {frame.reason}")
+            header = frame
+            error = self._check_header(header, spec, v)
+        nbytes = spec.nbytes if header is None else header.nbytes
+        if nbytes > announce.bucket_bytes:
+            raise TransportError(f"{member(self.group.rank)}: bucket {spec.index} of v{v} declares {nbytes} B > "
+                                 f"bucket_bytes {announce.bucket_bytes}; the data plane is out of step")
+        return header, error
+
+    def _settle(self, landed: tuple[BucketSpec, BucketHeader, torch.Tensor], announce: UpdateAnnounce,
+                host: torch.Tensor | None, on_verified: Callable[[int], None] | None) -> UpdateRejected | None:
+        """Verify the bucket that landed last; with host staging, copy it to the host once it
+        verified (synchronously: its landing slot is reused two buckets later); then
+        ``on_verified``. Returns its refusal, or None."""
+        spec, header, window = landed
         error = self._verify(header, window, announce) or self._authenticate(header, window, announce.version)
         if error is None and host is not None:
             host[spec.offset: spec.offset + spec.nbytes].copy_(window)
+        if error is None and on_verified is not None:
+            on_verified(spec.index)
         return error
 
     @staticmethod
@@ -174,9 +180,9 @@ class BucketReceiver:
         try:
             frame = unframe(self._frames[0])
         except ProtocolError as e:
-            raise TransportError(f"rank {self.group.rank}: expected the abort frame of v{version}: {e}") from None
+            raise TransportError(f"{member(self.group.rank)}: expected the abort frame of v{version}: {e}") from None
         if not isinstance(frame, Abort):
-            raise TransportError(f"rank {self.group.rank}: refused v{version} but the trainer sent buckets anyway")
+            raise TransportError(f"{member(self.group.rank)}: refused v{version} but the trainer sent buckets anyway")
 
     @staticmethod
     def _check_header(header: BucketHeader, spec: BucketSpec, version: int) -> UpdateRejected | None:

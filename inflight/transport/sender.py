@@ -38,12 +38,16 @@ from inflight.transport.packing import MappingSource, Source, WindowFiller
 class SendStats:
     version: int
     nbytes: int
+    """The update's bytes: once for a broadcast, each worker's own summed for point-to-point."""
     buckets: int
     pack_s: float
     """Time spent filling, checksumming and sealing buckets (inside ``send_s``)."""
     send_s: float
     read_s: float = 0.0
     """From the first bucket until the last one was packed: how long the caller's tensors were read."""
+    delivered_bytes: int = 0
+    """The bytes the workers received: a broadcast's once per member (a tensor parallel
+    engine without shard plans gets the whole update on each of its T workers)."""
 
 
 # A fault-injection seam for tests and drills: may replace a bucket's header and bytes.
@@ -159,8 +163,10 @@ class BucketSender:
                 for p in pair:
                     self.group.wait(p)
         first = next(iter(announces.values()))
+        delivered = sum(a.total_bytes * (len(self.group.roster) if r is None else 1) for r, a in announces.items())
         return SendStats(first.version, sum(a.total_bytes for a in announces.values()),
-                         sum(len(a.buckets) for a in announces.values()), pack_s, time.perf_counter() - t0, read_s)
+                         sum(len(a.buckets) for a in announces.values()), pack_s, time.perf_counter() - t0, read_s,
+                         delivered)
 
     def _pack_bucket(self, rank: int | None, announce: UpdateAnnounce, i: int,
                      filler: WindowFiller) -> tuple[BucketHeader, torch.Tensor]:
