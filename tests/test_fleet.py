@@ -34,7 +34,7 @@ from inflight.transport.group import GroupConfig
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import idle_engine, perturbed, push_at_steps
-from tests.helpers import check_ledger, metrics_rows, pending_ids, run_config, train_beside, wait_admitted, wait_rows
+from tests.helpers import check_ledger, metrics_rows, pending_ids, run_config, train_beside, wait_admitted, wait_rows, wait_until
 from inflight.trainer.config_files import config_from_dict
 from inflight.trainer.fleet import Fleet, Placement
 from inflight.trainer.train import train
@@ -97,7 +97,7 @@ def test_two_engines_take_every_update_with_exact_tags_on_each(tiny_qwen, port) 
         # a version one engine refuses goes live on neither
         bad = dict(perturbed(base, seed=70, scale=0.02))
         bad["model.norm.weight"] = bad["model.norm.weight"][:-1]
-        with pytest.raises(PushRejected, match=r"update v4 refused at announce: rank \d: \[bad_shape\] model.norm.weight: "):
+        with pytest.raises(PushRejected, match=r"update v4 refused at announce: worker rank \d: \[bad_shape\] model.norm.weight: "):
             pusher.push(4, bad)
         assert [c.live_version for c in coordinators] == [3, 3]
     finally:
@@ -112,7 +112,7 @@ def test_an_engine_lost_mid_transfer_costs_the_fleet_one_timeout(tiny_qwen, tmp_
     """The training loop's recovery (``Fleet.recover``) on a group per engine: the engine lost
     between two of its buckets is dropped by its heartbeat, without a second timeout; the
     other engine took the update meanwhile and its group is left as it was."""
-    timeout_s = 6.0
+    timeout_s = 20.0  # the heartbeat's window (2 s) and a loaded machine's slowness stay far below it
     base = GroupConfig(port=port, timeout_s=timeout_s)
     ctx = mp.get_context("spawn")
     ready = [ctx.Event() for _ in range(2)]
@@ -144,19 +144,21 @@ def test_an_engine_lost_mid_transfer_costs_the_fleet_one_timeout(tiny_qwen, tmp_
             collect(2, pusher.push_async(2, v2, tamper={1: lose_engine_1}))
         assert sorted(failed.value.landed) == [0] and sorted(failed.value.failed) == [1]
         queue = RolloutQueue(pusher.sub_store("rollout"), 4)
+        t0 = time.monotonic()
         version = fleet.recover(pusher, str(failed.value), 2, lambda: v2, queue, failed.value.failed)
-        back_after = time.monotonic() - lost["t"]
+        recovered_s = time.monotonic() - t0
         assert version == 2 and pusher.live == [0]
         assert pusher.pushers[0].group.generation == generation_0  # engine 0's group untouched
         assert fleet.drops == 1 and fleet.events[-1]["members"] == [1]
-        # one timeout (the failed wait) plus the heartbeat window: no second wait for engine 1
-        assert back_after < 2 * timeout_s, back_after
+        # the failed push waited its one timeout; the recovery does not wait a second one for
+        # engine 1: its heartbeat's silence (a 2 s window) says it is gone
+        assert recovered_s < timeout_s, recovered_s
         if sig == "SIGKILL":  # the survivor goes on alone
             assert sorted(pusher.push(3, perturbed(weights, seed=3, scale=0.01))) == [0]
             return
         os.kill(procs[1].pid, signal.SIGCONT)
-        while pusher.knocking() != [1]:  # it finds its transfer failed, drops the staging, knocks
-            time.sleep(0.05)
+        # it finds its transfer failed, drops the staging, knocks
+        wait_until(lambda: pusher.knocking() == [1], "the thawed engine 1 to knock")
         # back in: engine 1 still serves v1 under v1's label, never the v2 it was frozen in the
         # middle of; engine 0 serves v2 (fleet ranks 1 and 2)
         assert fleet.admit(pusher) == {2: 1}
