@@ -63,6 +63,8 @@ def patch_engine_core() -> None:
 
 
 def _wrap_step(original_step: Any) -> Any:
+    """``step`` and ``step_with_batch_queue`` alike: the batch queue runs only with async
+    scheduling, which ``check_engine`` refuses beside ``record_routing``."""
     from inflight.engine.coordinator import ATTR
 
     def step(self):
@@ -79,21 +81,6 @@ def _wrap_step(original_step: Any) -> Any:
         return outputs, executed
 
     return step
-
-
-def _wrap_batch_step(original_batch_step: Any) -> Any:
-    from inflight.engine.coordinator import ATTR
-
-    def step_with_batch_queue(self):
-        coordinator = self.__dict__.get(ATTR)
-        if coordinator is None:
-            return original_batch_step(self)
-        with coordinator.step() as report:
-            outputs, executed = original_batch_step(self)
-            report(executed)
-        return outputs, executed
-
-    return step_with_batch_queue
 
 
 def _wrap_collective_rpc(original_rpc: Any) -> Any:
@@ -161,7 +148,7 @@ def _wrap_preprocess(original_preprocess: Any) -> Any:
     return preprocess_add_request
 
 
-_ENGINE_CORE_WRAPPERS = {"step": _wrap_step, "step_with_batch_queue": _wrap_batch_step,
+_ENGINE_CORE_WRAPPERS = {"step": _wrap_step, "step_with_batch_queue": _wrap_step,
                          "collective_rpc": _wrap_collective_rpc, "shutdown": _wrap_shutdown,
                          "preprocess_add_request": _wrap_preprocess}
 """EngineCore's methods ``patch_engine_core`` wraps, each with its wrapper's factory."""

@@ -167,6 +167,14 @@ def check_ledger(summary: dict, rows: list[dict], pending: list[str]) -> list[st
     return consumed
 
 
+def engines_that_fed(summary: dict, rows: list[dict], out: Path) -> set[str]:
+    """``check_ledger`` over the run in ``out``; the engines ("e0", ...) whose groups are in its
+    ledger: trained on, dropped as stale, or saved as pending for the next run."""
+    pending = pending_ids(out)
+    consumed = check_ledger(summary, rows, pending)
+    return {g.split(".", 1)[0] for g in consumed + [g for r in rows for g in r["dropped_ids"]] + pending}
+
+
 def free_port() -> int:
     """A port free now, for a server that is not the group's store (``vllm serve``'s HTTP
     port). It cannot be held as ``reserve_port`` holds a store's: the server is another

@@ -62,7 +62,7 @@ class _EngineActor:
     def run(self, *args: Any, **kwargs: Any) -> None:
         try:
             run_engine(*args, **kwargs)
-        except BaseException as e:
+        except Exception as e:  # noqa: BLE001  re-raised as its type and message
             # Ray pickles a task's exception for the driver, and one that does not pickle (vLLM's
             # pydantic config errors) arrives as Ray's own TypeError: the log keeps the traceback,
             # the driver gets the type and message
