@@ -1,16 +1,13 @@
 """The training loop end to end: in-flight vs batch-boundary samples/s and reward vs wall clock.
 
-    python -m inflight.bench.e2e [--steps 40] [--split-cores] [--out runs/bench]
+    python -m inflight.bench.e2e [--steps 40] [--placement shared split] [--out runs/bench]
 
-Two placements, each running both modes alike:
+Each placement (``inflight.bench.placement``) runs both modes alike:
 
 - **shared cores** (what ``inflight.trainer.train`` does on this machine): trainer and engine
   processes on the same cores, taking turns, so the overlap async RL exists for cannot show;
 - **split cores** (a real deployment, emulated): the trainer process on core 0, the engine
-  process on core 1, one compute thread each (the trainer's torch threads, the engine's
-  ``VLLM_CPU_OMP_THREADS_BIND``). A pinning thread keeps every thread of the engine process
-  (the listener's included, and any started later) on the engine's core and every thread of
-  this process on the trainer's.
+  process on core 1, one compute thread each (``placement.pinned_processes``).
 
 Samples/s counts from the first step on (the same engine start-up for all); reward against
 wall clock comes from each run's ``metrics.jsonl``. Writes ``bench_e2e.png``.
@@ -19,89 +16,30 @@ wall clock comes from each run's ``metrics.jsonl``. Writes ``bench_e2e.png``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-TRAINER_CORE, ENGINE_CORE = 0, 1
+from inflight.bench.placement import PLACEMENTS, Placement, pinned_processes
 
-
-def _threads(pid: int) -> list[int]:
-    try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except FileNotFoundError:
-        return []
-
-
-def _pin(pid: int, core: int) -> None:
-    for tid in _threads(pid):
-        with contextlib.suppress(OSError):  # a thread that just exited
-            if os.sched_getaffinity(tid) != {core}:
-                os.sched_setaffinity(tid, {core})
-
-
-@contextlib.contextmanager
-def split_cores() -> Iterator[None]:
-    """Trainer (this process) on ``TRAINER_CORE``, its engine processes on ``ENGINE_CORE``."""
-    import psutil
-    import torch
-
-    if len(os.sched_getaffinity(0)) < 2:
-        raise RuntimeError("split cores needs 2 cores")
-    saved_env = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    saved_threads = torch.get_num_threads()
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(ENGINE_CORE)  # the engine's one compute thread
-    torch.set_num_threads(1)
-    stop = threading.Event()
-    me = os.getpid()
-
-    def keep_pinned() -> None:
-        while not stop.is_set():
-            _pin(me, TRAINER_CORE)
-            for child in psutil.Process(me).children(recursive=True):
-                _pin(child.pid, ENGINE_CORE)
-            stop.wait(0.5)
-
-    _pin(me, TRAINER_CORE)
-    pinner = threading.Thread(target=keep_pinned, name="pin-cores", daemon=True)
-    pinner.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        pinner.join()
-        everything = set(range(os.cpu_count() or 1))
-        for tid in _threads(me):
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(tid, everything)
-        torch.set_num_threads(saved_threads)
-        if saved_env is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved_env
-
-
-def train_loop(steps: int, work: Path, engines: int = 1, *, split: bool = False) -> list[dict]:
+def train_loop(steps: int, work: Path, engines: int = 1, *, placement: Placement = "shared") -> list[dict]:
     """In-flight vs batch-boundary with one engine (and, with ``engines`` > 1 on shared
     cores, in-flight with a fleet of that many engines)."""
     from inflight.trainer.config_files import config_from_dict
     from inflight.trainer.train import train
 
     rows = []
-    runs = [("inflight", 1), ("batch", 1)] + ([("inflight", engines)] if engines > 1 and not split else [])
-    cores = "split cores" if split else "shared cores"
+    runs = [("inflight", 1), ("batch", 1)] + ([("inflight", engines)] if engines > 1 and placement == "shared" else [])
+    cores = f"{placement} cores"
     for mode, count in runs:
-        name = f"train_{mode}_x{count}_{'split' if split else 'shared'}"
+        name = f"train_{mode}_x{count}_{placement}"
         cfg = config_from_dict({"run": {"steps": steps, "out_dir": str(work / name)}, "rollout": {"mode": mode},
                                 "engine": {"count": count}})
         load = os.getloadavg()[0]
         t0 = time.perf_counter()
-        with split_cores() if split else contextlib.nullcontext():
+        with pinned_processes(placement):
             train(cfg)
         log = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()]
         steps_log = [r for r in log if "reward_mean" in r]
@@ -148,16 +86,14 @@ def plot_e2e(rows: list[dict], png: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--split-cores", action="store_true", help="also run with trainer and engine on a core each")
-    ap.add_argument("--shared", action=argparse.BooleanOptionalAction, default=True, help="the shared-core runs")
+    ap.add_argument("--placement", nargs="+", choices=PLACEMENTS, default=["shared"],
+                    help="inflight.bench.placement: each runs both modes (split: trainer and engine on a core each)")
     ap.add_argument("--out", default="runs/bench")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = train_loop(args.steps, Path(tmp), split=False) if args.shared else []
-        if args.split_cores:
-            rows += train_loop(args.steps, Path(tmp), split=True)
+        rows = [r for placement in args.placement for r in train_loop(args.steps, Path(tmp), placement=placement)]
     for r in rows:
         print(f"{r['cores']:>12} {r['mode']:>8}: {r['samples_s']} samples/s, reward {r['reward_first']} -> "
               f"{r['reward_last']} ({r['steps']} steps, {r['wall_s']} s; per step {r['step_ms']} ms, of it waiting for "

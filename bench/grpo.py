@@ -70,7 +70,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # a cacheless engine holds 8 x (P + T) per group
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from inflight.bench.inflight_lora import per_round, row  # noqa: E402
+from inflight.bench.paired import per_round, row  # noqa: E402
 from inflight.bench.inflight_trainer import trainer  # noqa: E402
 from inflight.bench.native_gloo import native_update  # noqa: E402
 from inflight.bench.grpo_figures import (GROUP, achieved_cadence, group_prompt, positions, ramp, report,  # noqa: E402
@@ -170,7 +170,7 @@ class Stream:
 
 class GRPOBench:
     """One engine (prefix caching on or off), its trainer process and the modes; ``run``
-    gives ``inflight.bench.inflight_lora``'s chunks. Set ``shape`` = (P, T) before running."""
+    gives ``inflight.bench.paired``'s chunks. Set ``shape`` = (P, T) before running."""
 
     def __init__(self, model_dir: Path, caching: bool, groups: int, max_len: int, seed: int, listener_nice: int,
                  placement: Placement) -> None:
@@ -259,7 +259,7 @@ class GRPOBench:
         return self.finish(mode, every, stream, events, pushes, skipped)
 
     def finish(self, mode: str, every: int, stream: Stream, events: list, pushes: list, skipped: int) -> dict:
-        """End a chunk: drop its requests, and its figures in ``inflight.bench.inflight_lora``'s form."""
+        """End a chunk: drop its requests, and its figures in ``inflight.bench.paired``'s form."""
         extra = {**self.counter.totals(), "pushes": pushes,
                  "reset_ms": [r["reset_ms"] for _, r in events if "reset_ms" in r]}
         engine = self.llm.llm_engine

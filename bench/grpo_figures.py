@@ -7,7 +7,7 @@ Columns (per engine, mode and (P, T)):
 - ``tok_s``: generated tokens per second of wall time; ``vs_none``: its ratio to ``none``'s;
 - ``lost_ms_per_update``: decode time lost per update, (the mode's wall - the wall ``none``
   needs for the same tokens) / updates (``inflight.bench.inflight_report.compare``); ``paired_*``:
-  the step-paired estimate (``inflight.bench.inflight_lora.per_round``: step i against ``none``'s
+  the step-paired estimate (``inflight.bench.paired.per_round``: step i against ``none``'s
   step i of the same round); it assumes equal batches at equal steps, which a reset's or a
   commit's restarted prefills break, so the token-based figures are the headline;
 - ``updates``, ``steps_per_update`` (achieved: the chunks' steps / their updates),

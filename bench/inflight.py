@@ -1,12 +1,16 @@
 """In-flight commits vs vLLM's native pause(keep)+update vs batch-boundary sync, like for like.
 
     python -m inflight.bench.inflight [--sizes S M L MoE | --model DIR|smollm2] [--every 8 32] [--steps 768] [--rounds 4]
-                             [--commit-unit model layer] [--routing] [--train-steps 40 [--split-cores] [--engines 2]]
-    python -m inflight.bench.inflight --lora [--model smollm2|DIR] [--every 4] ...   # adapter-only rows: inflight.bench.inflight_lora
+                             [--commit-unit model layer] [--routing] [--placement shared|split]
+                             [--train-steps 40 [--engines 2]]
+
+The adapter-only rows are ``inflight.bench.inflight_lora``'s.
 
 Per model, one in-process vLLM engine (in-flight worker + vLLM's weight-transfer API with
-the ``inflight_gloo`` backend) decodes the same workload in every mode: a stream of
-requests with 16..512 new tokens, ``--concurrency`` in flight, refilled as they finish. A
+the ``inflight_gloo`` backend) decodes the same workload in every mode (``inflight.bench.paired``):
+a stream of requests with 16..512 new tokens, ``--concurrency`` in flight, refilled as they
+finish. ``--placement`` (``inflight.bench.placement``) puts the engine and the trainer on shared
+cores or a core each, for the engine rows and the training loop's alike. A
 trainer process holds the weights and, on the driver's cue every N engine steps:
 
 1. none: no updates (the ceiling);
@@ -48,9 +52,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -60,11 +62,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from inflight.bench.inflight_lora import PROMPT, main as lora_main, sampling  # noqa: E402
 from inflight.bench.inflight_report import COLS, compare, plot  # noqa: E402
 from inflight.bench.inflight_trainer import trainer  # noqa: E402
 from inflight.bench.native_gloo import native_update  # noqa: E402
-from inflight.bench.placement import Placement, engine_env, pin_trainer  # noqa: E402
+from inflight.bench.paired import RequestStream  # noqa: E402
+from inflight.bench.placement import PLACEMENTS, Placement, engine_env, pin_trainer  # noqa: E402
 from inflight.trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus  # noqa: E402
 
 if TYPE_CHECKING:
@@ -147,40 +149,30 @@ class Bench:
         return inflight_status(self.llm).staging_peak_bytes
 
     def run(self, mode: str, every: int, steps: int) -> dict:
+        """``steps`` engine steps of ``mode`` (none, inflight, native, batch), an update due every
+        ``every``; the chunk's figures (``RequestStream.end``), the tags' lags and the staging peak."""
         from inflight.versions import tags_from_spans
 
-        engine = self.llm.llm_engine
-        rng = random.Random(self.seed)
-        active: set[str] = set()
-        times, events = [time.perf_counter()], []  # events: (interval index, kind, info)
+        stream = RequestStream(self.llm.llm_engine, mode, self.seed, self.concurrency)
         lags: list[int] = []
-        st = {"tokens": 0, "routed": 0, "finished": 0, "skipped": 0, "n_req": 0}
+        st = {"routed": 0, "finished": 0, "skipped": 0}
         pushing, draining = False, False
         coordinator_start = self.coordinator.steps
         peak_before = self.staging_peak()
 
-        def refill() -> None:
-            while not draining and len(active) < self.concurrency:
-                rid = f"{mode}-{st['n_req']}"
-                st["n_req"] += 1
-                engine.add_request(rid, PROMPT, sampling(rng, st["n_req"]))
-                active.add(rid)
-
         def step() -> None:
-            for out in engine.step():
-                st["tokens"] += len(out.outputs[0].token_ids)
-                if out.finished:
-                    active.discard(out.request_id)
-                    st["finished"] += 1
-                    st["routed"] += out.outputs[0].routed_experts is not None
-                    spans = out.outputs[0].weight_versions
-                    tags = tags_from_spans(spans, spans[-1].end if spans else 0)
-                    lags.extend(self.coordinator.live_version - v for v in tags)
-            times.append(time.perf_counter())
+            if not draining:
+                stream.refill()
+            for out in stream.step():
+                st["finished"] += 1
+                st["routed"] += out.outputs[0].routed_experts is not None
+                spans = out.outputs[0].weight_versions
+                tags = tags_from_spans(spans, spans[-1].end if spans else 0)
+                lags.extend(self.coordinator.live_version - v for v in tags)
 
         def landed() -> None:
             r = self.conn.recv()
-            events.append((r["commit_step"] - coordinator_start + 1, "commit", r))
+            stream.event(r, r["commit_step"] - coordinator_start + 1)
 
         for i in range(steps):
             due = i > 0 and i % every == 0
@@ -202,34 +194,22 @@ class Bench:
                 self.core.resume_scheduler()
                 r = self.conn.recv()
                 r["pause_ms"] = 1e3 * (time.perf_counter() - t0)
-                events.append((len(times), "native", r))
+                stream.event(r)
             elif mode == "batch":
                 draining = draining or due
-                if draining and not active:
+                if draining and not stream.active:
                     self.version += 1
                     self.conn.send(("push", self.version))  # the engine is idle: the commit is immediate
-                    events.append((len(times), "batch", self.conn.recv()))
+                    stream.event(self.conn.recv())
                     draining = False
-            refill()
             step()
         while pushing:  # the last push is staging: keep decoding (and counting) until it lands
-            refill()
             step()
             if self.conn.poll():
                 landed()
                 pushing = False
-        for rid in list(active):
-            engine.abort_request([rid])
-        while engine.has_unfinished_requests():
-            engine.step()
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        at = {i for i, _, _ in events}
-        return {"mode": mode, "every": every, "tokens": st["tokens"], "wall_s": times[-1] - times[0], "lags": lags, "gaps": gaps,
-                "quiet": [g for i, g in enumerate(gaps, 1) if i not in at], "skipped": st["skipped"],
-                "event_gaps": [gaps[i - 1] for i, _, _ in events if 0 < i <= len(gaps)],
-                "infos": [r for _, _, r in events], "steps": len(gaps), "routing": self.routing,
-                "routed": st["routed"], "finished": st["finished"], "peak": (peak_before, self.staging_peak())}
-
+        return {**stream.end(every, st["skipped"]), "lags": lags, "routing": self.routing, "routed": st["routed"],
+                "finished": st["finished"], "peak": (peak_before, self.staging_peak())}
     def report(self, chunks: list[dict], label: str | None = None) -> dict:
         """One row from the chunks of one mode (interleaved with the other modes' chunks, so a
         drift in machine speed hits every mode alike)."""
@@ -332,8 +312,6 @@ def bench_routing(bench: Bench, every: int, steps: int, rounds: int) -> list[dic
 
 
 def main() -> None:
-    if "--lora" in sys.argv[1:]:  # adapter-only rows, with their own options and defaults
-        return lora_main(Bench)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="*", default=["S", "M", "L"], choices=list(SIZES), help="none: only --model / training rows")
     ap.add_argument("--model", nargs="*", default=[], help="model directories, hub ids or 'smollm2' (trainer/models.py)")
@@ -348,7 +326,8 @@ def main() -> None:
                          "the engine's own default is 0)")
     ap.add_argument("--routing", action="store_true", help="add record_routing rows on the tiny MoE")
     ap.add_argument("--train-steps", type=int, default=0, help="also time the training loop (0: skip); see inflight.bench.e2e")
-    ap.add_argument("--split-cores", action="store_true", help="with --train-steps: also trainer and engine on a core each")
+    ap.add_argument("--placement", choices=PLACEMENTS, default="shared",
+                    help="inflight.bench.placement: where the engine and the trainer run (engine rows and training loop)")
     ap.add_argument("--engines", type=int, default=1, help="with --train-steps: add a row for a fleet of this many engines")
     ap.add_argument("--out", default="runs/bench")
     args = ap.parse_args()
@@ -358,14 +337,15 @@ def main() -> None:
     load = [round(os.getloadavg()[0], 1)]
     with tempfile.TemporaryDirectory() as tmp:
         if args.routing:  # first: vLLM builds its expert-parallel group only if the process's first engine is MoE
-            bench = Bench("MoE", Path(tmp), args.concurrency, seed=0, listener_nice=args.listener_nice)
+            bench = Bench("MoE", Path(tmp), args.concurrency, seed=0, listener_nice=args.listener_nice,
+                          placement=args.placement)
             rows += bench_routing(bench, args.every[0], args.steps, args.rounds)
             bench.close()
             del bench
         for size in args.model + args.sizes:
             for unit in args.commit_unit:  # fixed when an engine starts: an engine each
                 bench = Bench(size, Path(tmp), args.concurrency, seed=0, listener_nice=args.listener_nice,
-                              commit_unit=unit)
+                              commit_unit=unit, placement=args.placement)
                 rows += bench_model(bench, args.every, args.steps, args.rounds)
                 bench.close()
                 del bench
@@ -374,9 +354,7 @@ def main() -> None:
         if args.train_steps:
             from inflight.bench.e2e import plot_e2e, train_loop
 
-            train_rows = train_loop(args.train_steps, Path(tmp), args.engines, split=False)
-            if args.split_cores:
-                train_rows += train_loop(args.train_steps, Path(tmp), 1, split=True)
+            train_rows = train_loop(args.train_steps, Path(tmp), args.engines, placement=args.placement)
             plot_e2e(train_rows, out / "bench_e2e.png")
     compare(rows)
     print(f"load average (1 min) at start / after the engine rows: {load[0]} / {load[1]}")
@@ -388,7 +366,8 @@ def main() -> None:
               f"reward last 20% {r['reward_last']} ({r['steps']} steps, {r['wall_s']} s)")
     if rows:
         plot(rows, out / "bench_inflight.png")
-    print(json.dumps({"bench": "inflight", "device": "cpu", "concurrency": args.concurrency, "steps": args.steps,
+    print(json.dumps({"bench": "inflight", "device": "cpu", "placement": args.placement, "concurrency": args.concurrency,
+                      "steps": args.steps,
                       "rounds": args.rounds, "commit_units": args.commit_unit, "load_1m": load, "rows": rows,
                       "train": train_rows}))
 

@@ -1,9 +1,9 @@
 """Adapter-only in-flight updates vs vLLM's own LoRA reload vs whole-model updates, one model.
 
-    python -m inflight.bench.inflight --lora [--model smollm2|DIR] [--every 4] [--steps 192] [--rounds 3] [--rank 16]
+    python -m inflight.bench.inflight_lora [--model smollm2|DIR] [--every 4] [--steps 192] [--rounds 3] [--rank 16]
 
-``inflight.bench.inflight``'s method: one in-process vLLM engine at a time decodes the same request
-stream (``PROMPT``, 16..512 new tokens, ``--concurrency`` in flight) in each of its modes,
+``inflight.bench.paired``'s method, as ``inflight.bench.inflight``'s: one in-process vLLM engine at a
+time decodes the same request stream (``PROMPT``, 16..512 new tokens, ``--concurrency`` in flight) in each of its modes,
 interleaved in ``--rounds`` chunks so a drift in machine speed hits them alike. A trainer
 process (nice 19, one thread) holds the weights and, cued every ``--every`` engine steps,
 sends an update (made once, up front: making weights is training, not the update path); a
@@ -45,36 +45,23 @@ import gc
 import json
 import multiprocessing as mp
 import os
-import random
-import statistics
 import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
-
 import torch
 
+from inflight.bench.inflight import Bench
 from inflight.bench.inflight_report import compare
 from inflight.bench.inflight_trainer import push_report
+from inflight.bench.paired import PROMPT, RequestStream, interleaved
 from inflight.bench.placement import PLACEMENTS, Placement, engine_env, pin_trainer
 
-PROMPT = {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12]}
-"""Every request's prompt, here and in ``inflight.bench.inflight``: all rows decode the same stream."""
 STEP_SCALE = 1e-2  # the trainer's versions: v0's tensors + this x N(0, 1) (v0's B is zero: the step is B)
 ENGINES = {"lora-inflight": ("none", "inflight-lora"), "lora-vllm": ("none", "native-lora-inplace", "native-lora-pause")}
 FULL = {"none": "none", "inflight": "inflight-full", "native": "native-full"}  # Bench.run's modes -> row labels
 COLS = ["engine", "mode", "updates", "steps_per_update", "tok_s", "vs_none", "lost_ms_per_update", "lost_ms_per_update_capped",
         "capped_steps", "step_ms", "stall_ms", "bytes_per_update", "write_ms", "load_ms", "pause_ms", "commit_ms"]
-
-
-def sampling(rng: random.Random, n: int) -> Any:
-    """The workload's ``n``-th request: 16..512 new tokens, temperature 1, streamed as deltas."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return SamplingParams(max_tokens=rng.randint(16, 512), ignore_eos=True, temperature=1.0,
-                          output_kind=RequestOutputKind.DELTA, seed=n)
 
 
 def lora_trainer(conn: Connection, base_dir: str, adapter_dir: str, out_dir: str, push: bool) -> None:
@@ -85,7 +72,7 @@ def lora_trainer(conn: Connection, base_dir: str, adapter_dir: str, out_dir: str
     os.nice(19)
     torch.set_num_threads(1)
     from inflight.adapter import ADAPTER_WEIGHTS
-    from inflight.transport.group import GroupConfig
+    from inflight.transport.group_config import GroupConfig
     from inflight.transport.pusher import PushConfig, WeightPusher
     from inflight.transport.store import reserve_port
     from inflight.trainer.adapter import adapter_weights, load_adapter_weights, load_trainable
@@ -206,38 +193,21 @@ class LoRABench:
     def run(self, mode: str, every: int, steps: int) -> dict:
         """``steps`` engine steps of ``mode``: ``none``, ``inflight-lora`` (a push) or
         ``native-lora-inplace`` / ``native-lora-pause`` (a write, then vLLM's reload)."""
-        engine = self.llm.llm_engine
-        rng = random.Random(self.seed)
-        active: set[str] = set()
-        times, events = [time.perf_counter()], []  # events: (interval index, info)
-        st, pending = {"tokens": 0, "skipped": 0, "n_req": 0}, False
+        stream = RequestStream(self.llm.llm_engine, mode, self.seed, self.concurrency, lora_request=self.lora)
+        skipped, pending = 0, False
         start = self.coordinator.steps if self.coordinator is not None else 0
-
-        def refill() -> None:
-            while len(active) < self.concurrency:
-                rid = f"{mode}-{st['n_req']}"
-                st["n_req"] += 1
-                engine.add_request(rid, PROMPT, sampling(rng, st["n_req"]), lora_request=self.lora)
-                active.add(rid)
-
-        def step() -> None:
-            for out in engine.step():
-                st["tokens"] += len(out.outputs[0].token_ids)
-                if out.finished:
-                    active.discard(out.request_id)
-            times.append(time.perf_counter())
 
         def land(r: dict) -> None:
             if mode == "inflight-lora":  # committed inside the engine step that held it
-                events.append((r["commit_step"] - start + 1, r))
+                stream.event(r, r["commit_step"] - start + 1)
             else:  # loaded now, between steps: the next interval holds it
-                events.append((len(times), self.load(mode, r)))
+                stream.event(self.load(mode, r))
 
         i = 0
         while i < steps or pending:  # past the chunk while its last update is on its way: those steps count
             if mode != "none" and 0 < i < steps and i % every == 0:
                 if pending:
-                    st["skipped"] += 1  # the previous update is still on its way: this one is not sent
+                    skipped += 1  # the previous update is still on its way: this one is not sent
                 else:
                     self.version += 1
                     self.conn.send(("push" if mode == "inflight-lora" else "save", self.version))
@@ -245,21 +215,12 @@ class LoRABench:
             if pending and self.conn.poll():
                 land(self.conn.recv())
                 pending = False
-            refill()
-            step()
+            stream.refill()
+            stream.step()
             i += 1
         if self.coordinator is not None and self.coordinator.live_version != self.version:
             raise RuntimeError(f"the engine serves version {self.coordinator.live_version}, pushed {self.version}")
-        for rid in list(active):
-            engine.abort_request([rid])
-        while engine.has_unfinished_requests():
-            engine.step()
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        at = {i for i, _ in events}
-        return {"mode": mode, "every": every, "tokens": st["tokens"], "wall_s": times[-1] - times[0], "gaps": gaps,
-                "steps": len(gaps), "skipped": st["skipped"], "infos": [r for _, r in events],
-                "quiet": [g for i, g in enumerate(gaps, 1) if i not in at],
-                "event_gaps": [gaps[i - 1] for i, _ in events if 0 < i <= len(gaps)]}
+        return stream.end(every, skipped)
 
     def close(self) -> None:
         self.conn.send(("stop", 0))
@@ -267,61 +228,6 @@ class LoRABench:
         if self.coordinator is not None:
             self.llm.collective_rpc("inflight_stop")
         self.llm.llm_engine.engine_core.shutdown()  # then drop it and gc.collect(): the next engine starts clean
-
-
-def row(model: str, engine: str, label: str, chunks: list[dict]) -> dict:
-    """One row from one mode's chunks (``LoRABench.run`` or ``inflight.bench.inflight.Bench.run``)."""
-    infos = [r for c in chunks for r in c["infos"]]
-    quiet = [g for c in chunks for g in c["quiet"]]
-    base = statistics.median(quiet)
-    events = [g for c in chunks for g in c["event_gaps"]]
-    stalls = [1e3 * (g - base) for g in events]
-    tokens, wall, steps = (sum(c[k] for c in chunks) for k in ("tokens", "wall_s", "steps"))
-    timed = {k: round(statistics.median(r[k] for r in infos), 2) if infos and k in infos[0] else None
-             for k in ("write_ms", "load_ms", "pause_ms", "commit_ms")}
-    return {"model": model, "engine": engine, "mode": label, "every": chunks[0]["every"], "group": chunks[0]["every"],
-            "steps": steps, "updates": len(infos), "skipped": sum(c["skipped"] for c in chunks),
-            "steps_per_update": round(steps / len(infos), 1) if infos else None, "tokens": tokens,
-            "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1), "step_ms": round(1e3 * base, 2),
-            "stall_ms": round(statistics.median(stalls), 2) if stalls else 0.0,
-            "bytes_per_update": infos[0]["nbytes"] if infos else 0, **timed, "_quiet": quiet, "_events": events}
-
-
-def interleaved(bench: Any, modes: dict[str, str], model: str, engine: str, every: int, steps: int,
-                rounds: int) -> list[dict]:
-    """``modes`` (``inflight.bench.run``'s mode -> row label) on one engine, interleaved: none, a, b, a, b, none, ..."""
-    chunks: dict[str, list[dict]] = {m: [] for m in modes}
-    order = list(modes)
-    for k in range(rounds):  # each round starts with the next mode: no mode always runs first
-        for mode in order[k % len(order):] + order[:k % len(order)]:
-            chunks[mode].append(bench.run(mode, every, steps // rounds))
-    return [{**row(model, engine, label, chunks[mode]), **per_round(chunks, mode)} for mode, label in modes.items()]
-
-
-def per_round(chunks: dict[str, list[dict]], mode: str) -> dict:
-    """``mode`` against ``none``, step by step, round by round. Every mode decodes the same
-    stream (the same seeds and lengths, refilled as requests finish), so step i of a chunk
-    holds the same batch in every mode: decode lost = the sum over steps of (the mode's step
-    - none's step i in the same round), plus, for steps a mode ran past the chunk while its
-    last update landed, (that step - none's median step). This leaves out the prefill-heavy
-    first steps that a plain tokens/s ratio would spread unevenly over chunks of different
-    lengths. Returned: the totals (``paired_*``) and each round's ratio and loss."""
-    ratios, lost, total_lost, total_none, total_wall, updates = [], [], 0.0, 0.0, 0.0, 0
-    for c, n in zip(chunks[mode], chunks["none"]):
-        mine, ref = c["gaps"], n["gaps"]
-        common = min(len(mine), len(ref))
-        over = mine[common:]
-        base = statistics.median(ref)
-        none_s = sum(ref[:common]) + base * len(over)  # what none takes for the same steps
-        lost_s = sum(mine) - none_s
-        ratios.append(round(none_s / sum(mine), 3))
-        if c["infos"]:
-            lost.append(round(1e3 * lost_s / len(c["infos"])))
-        total_lost, total_none, total_wall, updates = (total_lost + lost_s, total_none + none_s, total_wall + sum(mine),
-                                                       updates + len(c["infos"]))
-    return {"paired_vs_none": round(total_none / total_wall, 4) if total_wall else None,
-            "paired_lost_ms_per_update": round(1e3 * total_lost / updates, 1) if updates else None,
-            "round_vs_none": ratios, "round_lost_ms": lost}
 
 
 def checks(rows: list[dict]) -> dict:
@@ -335,14 +241,11 @@ def checks(rows: list[dict]) -> dict:
             "b_frac": round(frac, 4), "b_pass": frac <= 0.05}
 
 
-def main(bench_cls: type) -> None:
-    """``python -m inflight.bench.inflight --lora``. ``bench_cls``: ``inflight.bench.inflight.Bench``, for the
-    full-model rows, handed in by ``inflight.bench.inflight`` (which imports this module)."""
+def main() -> None:
     from inflight.trainer.adapter import LoRAOptions, write_first_adapter
     from inflight.trainer.models import resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lora", action="store_true", help="selects this benchmark in inflight.bench.inflight")
     ap.add_argument("--model", default="smollm2", help="a model directory, hub id or 'smollm2' (trainer/models.py)")
     ap.add_argument("--every", type=int, default=4, help="requested update cadence, engine steps (every mode)")
     ap.add_argument("--steps", type=int, default=192, help="engine steps per mode")
@@ -366,7 +269,7 @@ def main(bench_cls: type) -> None:
             bench.close()
             del bench
             gc.collect()
-        full = bench_cls(str(base), Path(tmp), args.concurrency, seed=0, listener_nice=args.listener_nice,
+        full = Bench(str(base), Path(tmp), args.concurrency, seed=0, listener_nice=args.listener_nice,
                          placement=args.placement)
         rows += interleaved(full, FULL, model, "full", **run)
         full.close()
@@ -394,3 +297,7 @@ def main(bench_cls: type) -> None:
                       "placement": args.placement,
                       "concurrency": args.concurrency, "load_1m": load, "wall_s": round(time.perf_counter() - t0, 1),
                       "reload_change": reload_change, "checks": c, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -39,7 +39,8 @@ def trainer(conn: Connection, model_dir: str) -> None:
     os.nice(19)
     torch.set_num_threads(1)
     from inflight.bench.native_gloo import broadcast_state
-    from inflight.transport.group import GroupConfig, WeightGroup
+    from inflight.transport.group import WeightGroup
+    from inflight.transport.group_config import GroupConfig
     from inflight.transport.pusher import PushConfig, WeightPusher
     from inflight.transport.store import reserve_port
 

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from inflight.transport.group import GroupConfig, WeightGroup
+from inflight.transport.group import WeightGroup
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.layout import plan_tensors, tensor_views
 
 BACKEND = "inflight_gloo"
@@ -72,7 +73,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        from inflight.engine.commit.postload import modules_sharing_parameters, reprocess
+        from inflight.engine.commit.loaders import modules_sharing_parameters, reprocess
 
         finalize_layerwise_reload(self.model, self.model_config)
         # as in inflight's reload commit: a tied LM head's CPU prepack must follow its embedding

@@ -34,18 +34,18 @@ from inflight.bench.inflight import Bench
 
 PHASES = [  # (owner, attribute, phase name); missing attributes are skipped (older or newer code)
     ("inflight.transport.listener:UpdateListener", "_on_announce", "staging total (announce to Staged)"),
-    ("inflight.transport.receiver:BucketReceiver", "receive", "receive (with the per-bucket work below)"),
-    ("inflight.transport.receiver:BucketReceiver", "_verify", "  checksums"),
-    ("inflight.transport.stream_check", "nonfinite", "  finite check"),
-    ("inflight.transport.stream_check:Streamed", "verified", "  prepare during receive (per bucket)"),
-    ("inflight.engine.commit.swap:SwapApplier", "prepare", "prepare after the last bucket"),
-    ("inflight.engine.commit.swap:SwapApplier", "_shadows", "  shadow parameters (fresh)"),
-    ("inflight.engine.commit.shadow_sets:ShadowSets", "take", "  shadow parameters (reused)"),
-    ("inflight.engine.commit.swap:SwapApplier", "_load", "  weight loaders"),
-    ("inflight.engine.commit.swap:SwapApplier", "_copy", "  load plan copies (all)"),
-    ("inflight.engine.commit.swap:SwapApplier", "_repack_one", "  re-pack, oneDNN handles (all)"),
+    ("inflight.transport.listener:BucketReceiver", "receive", "receive (with the per-bucket work below)"),
+    ("inflight.transport.listener:BucketReceiver", "_verify", "  checksums"),
+    ("inflight.transport.listener", "nonfinite", "  finite check"),
+    ("inflight.transport.listener:Streamed", "verified", "  prepare during receive (per bucket)"),
+    ("inflight.engine.commit.swap:SwapStrategy", "prepare", "prepare after the last bucket"),
+    ("inflight.engine.commit.swap:SwapStrategy", "_shadows", "  shadow parameters (fresh)"),
+    ("inflight.engine.commit.swap:ShadowSets", "take", "  shadow parameters (reused)"),
+    ("inflight.engine.commit.swap:SwapStrategy", "_load", "  weight loaders"),
+    ("inflight.engine.commit.swap:SwapStrategy", "_copy", "  load plan copies (all)"),
+    ("inflight.engine.commit.swap:SwapStrategy", "_repack_one", "  re-pack, oneDNN handles (all)"),
     ("inflight.transport.listener:UpdateListener", "_on_commit", "commit round trip (listener)"),
-    ("inflight.engine.commit.swap:SwapApplier", "apply", "commit swap (engine thread)"),
+    ("inflight.engine.commit.swap:SwapStrategy", "apply", "commit swap (engine thread)"),
 ]
 
 
@@ -133,9 +133,9 @@ def main() -> None:
     ap.add_argument("--no-load-plan", action="store_true", help="without the load plan: vLLM's loaders into fresh shadows")
     args = ap.parse_args()
     if args.no_load_plan:
-        from inflight.engine.commit.swap import SwapApplier
+        from inflight.engine.commit.swap import SwapStrategy
 
-        SwapApplier.__init__.__kwdefaults__["load_plan"] = False
+        SwapStrategy.__init__.__kwdefaults__["load_plan"] = False
     rec = Recorder()
     order = install(rec)
     load = os.getloadavg()[0]

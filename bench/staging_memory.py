@@ -45,7 +45,7 @@ def measure(model_dir: Path, commit: str, updates: int, port: int) -> dict:
 
     from inflight.engine.client import start_inflight
     from inflight.engine.config import InflightConfig, engine_kwargs
-    from inflight.transport.group import GroupConfig
+    from inflight.transport.group_config import GroupConfig
     from inflight.transport.pusher import PushConfig, WeightPusher
 
     llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", max_model_len=256, seed=0, **engine_kwargs())

@@ -131,7 +131,7 @@ def _trainer(model_dir: str, bucket_mb: float, pushes: int, steps: int, results)
     import torch
     from transformers import AutoModelForCausalLM
 
-    from inflight.transport.group import GroupConfig
+    from inflight.transport.group_config import GroupConfig
     from inflight.transport.peer import run_peer
     from inflight.transport.pusher import PushConfig, WeightPusher
     from inflight.transport.sources import named_weights

@@ -19,9 +19,10 @@ import time
 
 import torch
 
-from inflight.transport.group import GroupConfig, WeightGroup
+from inflight.transport.group import WeightGroup
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.listener import UpdateListener
-from inflight.transport.packing import aligned_bucket_bytes
+from inflight.transport.layout import aligned_bucket_bytes
 from inflight.transport.peer import DictTarget
 from inflight.transport.pusher import PushConfig, WeightPusher
 from inflight.transport.store import reserve_port

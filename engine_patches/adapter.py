@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from inflight.engine.commit.checkpoint import checkpoint_schema
-from inflight.engine.commit.lora_slot import LoRASlotApplier
+from inflight.engine.commit.lora_slot import LoRASlotStrategy
 from inflight.adapter import AdapterSpec
 from inflight.transport.layout import TensorSchema
 
@@ -71,15 +71,15 @@ def check_request(request_id: str, lora_request: Any, spec: AdapterSpec) -> None
                          "its versions arrive in flight, and a reload would serve the file's")
 
 
-def start_adapter(model_runner: Any, spec: AdapterSpec) -> tuple[TensorSchema, LoRASlotApplier]:
+def start_adapter(model_runner: Any, spec: AdapterSpec) -> tuple[TensorSchema, LoRASlotStrategy]:
     """Worker, execution thread, at ``inflight_start``: the policy adapter pinned in the slot,
     disk loads redirected to the live version, and the schema updates are checked against
     (the PEFT directory's tensors, in the LoRA dtype)."""
     schema = adapter_schema(model_runner, spec)
-    applier = LoRASlotApplier(model_runner, spec, schema)
-    applier.attach()
-    guard_disk_loads(model_runner.lora_manager, applier, spec)
-    return schema, applier
+    strategy = LoRASlotStrategy(model_runner, spec, schema)
+    strategy.attach()
+    guard_disk_loads(model_runner.lora_manager, strategy, spec)
+    return schema, strategy
 
 
 def adapter_schema(model_runner: Any, spec: AdapterSpec) -> TensorSchema:
@@ -87,7 +87,7 @@ def adapter_schema(model_runner: Any, spec: AdapterSpec) -> TensorSchema:
     return checkpoint_schema(Path(spec.path), model_runner.lora_config.lora_dtype)
 
 
-def guard_disk_loads(worker_manager: Any, applier: LoRASlotApplier, spec: AdapterSpec) -> None:
+def guard_disk_loads(worker_manager: Any, strategy: LoRASlotStrategy, spec: AdapterSpec) -> None:
     """Make the worker manager's ``_load_adapter`` (vLLM 0.32: what ``add_adapter`` calls for
     an adapter it does not hold) return the live version for the policy id, and refuse any
     other id. Set on the instance, once; idempotent."""
@@ -97,7 +97,7 @@ def guard_disk_loads(worker_manager: Any, applier: LoRASlotApplier, spec: Adapte
 
     def load_adapter(lora_request: Any) -> Any:
         if lora_request.lora_int_id == spec.int_id:
-            return applier.live_adapter(spec.int_id)
+            return strategy.live_adapter(spec.int_id)
         raise ValueError(f"inflight: adapter id {lora_request.lora_int_id} requested on an engine that serves only "
                          f"the policy adapter (id {spec.int_id})")
 

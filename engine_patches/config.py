@@ -10,7 +10,7 @@ import msgspec
 from inflight.adapter import AdapterSpec
 from inflight.protocol import CommitUnit
 from inflight.settings import Backend, CommitChoice, StagingPlace, check_choices
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 
 WORKER_EXTENSION = "inflight.engine.worker.InflightWorkerExtension"
 STAGING_INTENT_KEY = "inflight_staging"

@@ -33,6 +33,13 @@ Ordering invariants:
   never serving a mix under any label;
 - store I/O (waiting for readiness, posting the outcome) happens on the watcher thread,
   never inside the stall.
+
+The engine channel: inside one engine, through the trainer's store, each worker and the
+engine's commit coordinator talk with the messages defined here. Every worker posts
+``CommitReady`` for the version (or layer group) it staged, verified and prepared; the
+coordinator commits it on every worker at one step boundary, or on none, and posts
+``EngineCommitted`` or ``EngineCommitFailed``. Typed and sealed like the trainer's wire
+protocol (``inflight.protocol``), whose base and decoders it uses; it never reaches the trainer.
 """
 
 from __future__ import annotations
@@ -45,14 +52,15 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Callable, Literal, Union
+
+from msgspec import Meta
 
 from inflight.engine.config import InflightConfig
 from inflight.engine.rpc import EngineState, WorkerCommitResult, WorkerSettleResult, as_result
 from inflight.engine.batch_labels import BatchLabels
 from inflight.engine.prefix_cache import PrefixCacheGuard, problems as prefix_cache_problems
-from inflight.engine.engine_channel import CommitReady, EngineCommitFailed, EngineCommitted, decode_engine
-from inflight.protocol import ENGINE_CHANNEL, ProtocolError, encode
+from inflight.protocol import ENGINE_CHANNEL, NonNeg, ProtocolError, Wire, decoder, encode
 from inflight.layer_groups import Hybrid
 from inflight.transport.errors import TransportError
 from inflight.transport.poll import poll_until
@@ -65,6 +73,46 @@ ATTR = "_inflight_coordinator"
 
 Via = Literal["step", "idle-callback", "idle-inproc"]
 _POLL_MAX_S = 0.005
+
+
+# the engine channel's messages --------------------------------------------------------------
+
+class CommitReady(Wire, tag="commit_ready"):
+    """Worker -> its engine's coordinator: ``version`` is staged and prepared on this rank and
+    the trainer's ``Commit`` for it arrived; the coordinator commits once every rank is ready."""
+
+    rank: NonNeg
+    version: NonNeg
+    part: NonNeg = 0
+    parts: NonNeg = 0
+    refused: str = ""
+    """Layer-granular: why this rank refused group ``part`` that the other ranks may hand over."""
+
+
+class EngineCommitted(Wire, tag="engine_committed"):
+    """Coordinator -> the engine's workers: every rank made ``version`` (or its group ``part``)
+    live between engine steps ``step`` and ``step + 1``; meaning of the fields as in ``Committed``."""
+
+    version: NonNeg
+    step: NonNeg
+    commit_ms: Annotated[float, Meta(ge=0)]
+    tokens_at_commit: dict[str, NonNeg] = {}
+    part: NonNeg = 0
+    parts: NonNeg = 0
+    label: str = ""  # the engine's version label from step ``step + 1`` on
+
+
+class EngineCommitFailed(Wire, tag="engine_commit_failed"):
+    """Coordinator -> the engine's workers: ``version`` did not go live on any rank; every
+    rank that had applied it rolled back, and the label stays at ``live_version``."""
+
+    version: NonNeg
+    reason: str
+    live_version: NonNeg
+
+
+EngineMessage = Union[CommitReady, EngineCommitted, EngineCommitFailed]
+decode_engine: Callable[[bytes | memoryview], EngineMessage] = decoder(EngineMessage, "engine")
 
 
 def check_engine(vllm_config: Any, config: InflightConfig, scheduler: Any = None) -> int:

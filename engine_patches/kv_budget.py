@@ -52,7 +52,7 @@ SET_ASIDE_ATTR = "_inflight_set_aside"
 _MARK = "__inflight_kv_budget__"
 
 
-def planned_need(schema: TensorSchema, applier: CommitStrategy, plan: ShardPlan | None, *, staging: StagingPlace,
+def planned_need(schema: TensorSchema, strategy: CommitStrategy, plan: ShardPlan | None, *, staging: StagingPlace,
                  keep_rollback: bool, bucket_bytes: int, engine: torch.device, data: torch.device,
                  mac: bool) -> StagingNeed:
     """What a worker of an ``engine``-device engine holds for these settings, its buckets
@@ -60,39 +60,39 @@ def planned_need(schema: TensorSchema, applier: CommitStrategy, plan: ShardPlan 
     for the reservation at ``inflight_start``, so the two agree."""
     pool_device = data if staging == "device" else torch.device("cpu")
     where: StagingPlace = "device" if pool_device.type == engine.type else "host"  # gloo beside a GPU stages on the host
-    rollback_copy = keep_rollback and applier.strategy not in ("swap", "lora")  # they roll back by module, by slot image
-    groups, window = getattr(applier, "groups", ()), getattr(applier, "window", 0)  # a layer-granular swap
+    rollback_copy = keep_rollback and strategy.name not in ("swap", "lora")  # they roll back by module, by slot image
+    groups, window = getattr(strategy, "groups", ()), getattr(strategy, "window", 0)  # a layer-granular swap
     if groups:
         rollback_copy = False
-    return staging_need(schema, plan=plan, staging=where, rollback_copy=rollback_copy, commit_bytes=applier.held_bytes(),
-                        commit=applier.strategy, bucket_bytes=bucket_bytes, plane_cuda=data.type == "cuda", mac=mac,
+    return staging_need(schema, plan=plan, staging=where, rollback_copy=rollback_copy, commit_bytes=strategy.held_bytes(),
+                        commit=strategy.name, bucket_bytes=bucket_bytes, plane_cuda=data.type == "cuda", mac=mac,
                         groups=groups, window=window)
 
 
 def intended_need(worker: Any, intent: StagingIntent) -> StagingNeed:
     """This rank's staging at the intent's settings, from the loaded model."""
     mc = worker.vllm_config.model_config
-    applier: CommitStrategy
+    strategy: CommitStrategy
     if intent.adapter is not None:  # the adapter's tensors and slot images, not the model
         from inflight.engine.adapter import adapter_schema
-        from inflight.engine.commit.lora_slot import LoRASlotApplier
+        from inflight.engine.commit.lora_slot import LoRASlotStrategy
 
         schema = adapter_schema(worker.model_runner, intent.adapter)
-        applier = LoRASlotApplier(worker.model_runner, intent.adapter, schema)
+        strategy = LoRASlotStrategy(worker.model_runner, intent.adapter, schema)
     else:
         schema = engine_schema(worker.model_runner)
-        applier = make_strategy(worker.model_runner, intent.commit, schema, quantized=mc.quantization is not None,
+        strategy = make_strategy(worker.model_runner, intent.commit, schema, quantized=mc.quantization is not None,
                                 eager=mc.enforce_eager)
     try:
         engine = torch.device(worker.model_runner.device)
         # as GroupConfig.resolved_backend: NCCL wherever CUDA is, unless gloo is named
         data = engine if engine.type == "cuda" and intent.backend != "gloo" else torch.device("cpu")
         # the MAC's host copy is host memory: no secret changes the device bytes
-        return planned_need(schema, applier, applier.shard_plan(), staging=intent.staging,
+        return planned_need(schema, strategy, strategy.shard_plan(), staging=intent.staging,
                             keep_rollback=intent.keep_rollback, bucket_bytes=int(intent.max_bucket_mb * (1 << 20)),
                             engine=engine, data=data, mac=False)
     finally:
-        applier.close()
+        strategy.close()
 
 
 def reserve_before_kv_cache(worker: Any, available: int, *, total: int, utilization: float) -> int:

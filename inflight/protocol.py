@@ -7,7 +7,7 @@ channel's types. No pickle on the wire. Channels:
 - replies (each worker -> trainer, on the store): ``Accepted`` | ``Staged`` | ``Rejected`` | ``Committed``
 - rollouts (engine -> trainer, the rollout queue): ``RolloutGroup`` of ``RolloutSample``; ``EngineReport``
 (inside one engine, its workers and its commit coordinator talk on the engine channel:
-``inflight.engine.engine_channel``)
+``inflight.engine.coordinator``)
 
 One update (two-phase): ``UpdateAnnounce(v)`` -> ``Accepted``/``Rejected`` from every worker
 -> each bucket's frame if all accepted, else one ``Abort`` frame -> ``Staged``/``Rejected`` ->

@@ -26,7 +26,7 @@ Backend = Literal["auto", DataPlane]
 """A ``DataPlane``, or ``auto``: NCCL where CUDA is available, else gloo."""
 InStorageCommit = Literal["reload", "copy"]
 """The commits that write the staged tensors into the model's own storage
-(``inflight.engine.commit.in_storage``)."""
+(``inflight.engine.commit.reload``, ``inflight.engine.commit.copy``)."""
 CommitStrategyName = Literal["swap", InStorageCommit, "lora"]
 """How staged weights become live (``inflight.engine.commit``); ``lora``: an adapter-only engine's
 slot write (``inflight.engine.commit.lora_slot``)."""

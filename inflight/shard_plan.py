@@ -4,7 +4,7 @@ A tensor-parallel rank's weight loaders read only its part of most tensors (a co
 row-parallel linear's rows or columns, a vocabulary range of the embedding) and the whole of
 a few (norms, biases of row-parallel layers). A worker derives its plan from the copies its
 loaders make, recorded once at start (``LoadPlan.shard_plan`` in
-``inflight.engine.commit.load_plan``): for each tensor the bounding box of every region its
+``inflight.engine.commit.loaders``): for each tensor the bounding box of every region its
 copies read. A tensor whose loaders do anything but copy boxes of it (a transpose, a cast, a
 computed value) is a *fallback*: it needs the whole tensor, and is counted as such.
 

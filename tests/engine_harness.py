@@ -3,6 +3,7 @@ transformers reference to check what the engine computes after an update."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import json
@@ -24,7 +25,7 @@ from safetensors.torch import load_file
 from inflight.engine.config import WORKER_EXTENSION, InflightConfig, engine_kwargs
 from inflight.engine.client import inflight_status, start_inflight, tagged
 from inflight.engine.rpc import WorkerStatus
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, PushResult, WeightPusher
 from tests.helpers import WAIT_S, wait_until
 
@@ -315,6 +316,50 @@ def push_at_steps(steps: Callable[[], int], at: Sequence[int], push: Callable[[i
     the engine until each commit can land at its step.
     """
     return StepPushes(steps, at, push)
+
+
+async def stream_across_commits(engine: Any, push: Callable[[int], Any], versions: int, requests: int, every: int,
+                                lora_request: Any = None) -> list[Any]:
+    """``requests`` long sampled requests streamed from ``AsyncLLM`` ``engine`` through
+    ``stream_tagged`` while versions 1..``versions`` land: ``push(k)`` (returning the commit
+    info) runs once every stream has moved on by ``every * (k + 1)`` tokens, the engine's
+    steps as streamed. EngineCore runs in its own process, free of the test: the requests are
+    long (up to 1000 tokens) and each stream closes itself (aborting its request) 20 tokens
+    past the last commit, so every commit lands mid-request however slow the machine, and no
+    assertion races the engine. Checked: a streamed tag never changes once reported, every
+    stream's tags are monotone and change to each version exactly at the token its commit
+    reported. Returns the commits, in order."""
+    from vllm import SamplingParams
+
+    from inflight.engine.client import stream_tagged
+    from inflight.versions import boundaries, is_monotone
+
+    progress = [0] * requests
+    pushes = push_at_steps(lambda: min(progress), [every * (k + 1) for k in range(versions)], push)
+    commits = pushes.results
+
+    async def consume(i: int) -> tuple[str, list[int]]:
+        sp = SamplingParams(temperature=1.0, max_tokens=1000, logprobs=0, ignore_eos=True, seed=i)
+        rid, seen = f"req-{i}", []
+        async with contextlib.aclosing(stream_tagged(engine, f"{i}+{i}=", sp, rid, lora_request=lora_request)) as stream:
+            async for out, tags in stream:
+                assert tags[: len(seen)] == seen, "a streamed tag changed after it was reported"
+                assert len(tags) == len(out.outputs[0].token_ids)
+                seen = tags
+                progress[i] = len(tags)
+                if len(commits) == versions and len(seen) > commits[-1].tokens_at_commit.get(rid, 0) + 20:
+                    break  # closing the stream aborts the request
+        assert len(commits) == versions, ("a request ended before every commit landed", pushes.errors)
+        return rid, seen
+
+    finished = await asyncio.gather(*(consume(i) for i in range(requests)))
+    await asyncio.to_thread(pushes.join)
+    assert [c.version for c in commits] == list(range(1, versions + 1))
+    for rid, seen in finished:
+        first = boundaries(seen)
+        assert is_monotone(seen) and set(first) == set(range(versions + 1)), first
+        assert all(first[c.version] == c.tokens_at_commit[rid] for c in commits)
+    return commits
 
 
 def post_json(url: str, body: dict) -> dict:

@@ -1,24 +1,27 @@
 """Helpers shared by test modules: training runs (a small config, reading the run's metrics
-and checkpoint, the rollout queue's ledger) and a free port for a server that is not a store."""
+and checkpoint, the rollout queue's ledger), a free port for a server that is not a store, and
+the pusher's fault-injection seam (``tampering``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
 import torch
 
 from inflight.protocol import decode_group
-from inflight.transport.group import GroupConfig, WeightGroup
+from inflight.transport.group import WeightGroup
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.layout import TensorSchema
 from inflight.transport.listener import UpdateListener
 from inflight.transport.peer import DictTarget
-from inflight.transport.pusher import PushConfig, WeightPusher
+from inflight.transport.pusher import BucketSender, PushConfig, Tamper, WeightPusher
 from inflight.trainer.config import TrainConfig
 from inflight.trainer.config_files import config_from_dict
 
@@ -191,29 +194,42 @@ def fail_next_commit_on_vllm_rank_1(worker) -> int:
     rank 1 (weight-group rank 2) fails its next apply, before touching any weight."""
     if worker.rank != 1:
         return 0
-    applier = worker._inflight_target.applier
-    real = applier.apply
+    strategy = worker._inflight_target.strategy
+    real = strategy.apply
 
     def apply() -> None:
-        applier.apply = real
+        strategy.apply = real
         raise RuntimeError("injected commit failure")
 
-    applier.apply = apply
+    strategy.apply = apply
     return 1
 
 
 def fail_after_applying(worker) -> int:
     """Inside the worker: its next apply writes the new weights, then fails (a half-done commit)."""
-    applier = worker._inflight_target.applier
-    real = applier.apply
+    strategy = worker._inflight_target.strategy
+    real = strategy.apply
 
     def apply() -> None:
-        applier.apply = real
+        strategy.apply = real
         real()
         raise RuntimeError("injected failure after the weights were written")
 
-    applier.apply = apply
+    strategy.apply = apply
     return 1
+
+
+@contextlib.contextmanager
+def tampering(pusher: WeightPusher | BucketSender, fn: Tamper | None) -> Iterator[None]:
+    """Inside the block, every bucket ``pusher`` sends goes through ``fn`` (the sender's
+    fault-injection seam: it may replace a bucket's header and bytes; None: untouched). A
+    background push (``push_async``) must end inside the block: collect its outcome there."""
+    sender = pusher.sender if isinstance(pusher, WeightPusher) else pusher
+    before, sender._tamper = sender._tamper, fn
+    try:
+        yield
+    finally:
+        sender._tamper = before
 
 
 MOE = dict(arch="qwen3_moe", hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256,

@@ -12,7 +12,7 @@ from inflight.engine.client import coordinator_of, policy_lora, start_inflight, 
 from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.engine.rpc import WorkerStatus, as_result
 from inflight.adapter import AdapterSpec
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
 from inflight.trainer.adapter import LoRAOptions, adapter_weights, load_adapter_weights
 
@@ -141,18 +141,18 @@ def slot_equals_vllm_load(worker, path: str) -> bool:
 def copy_plan_of(worker) -> tuple[int, int] | None:
     """Inside a worker: the lora commit's copy plan, (runs, indexed images), or None when
     prepare takes vLLM's path (``inflight.engine.commit.lora_plan``)."""
-    plan = worker._inflight_target.applier._plan
+    plan = worker._inflight_target.strategy._plan
     return None if plan is None else plan.counts()
 
 
 def index_bytes_counted(worker) -> tuple[int, int]:
     """Inside a worker: the lora commit's index bytes as the KV cache's budget counts them, before
-    ``attach`` records the copy plan (a fresh applier's bound), and as ``attach`` recorded them."""
+    ``attach`` records the copy plan (a fresh strategy's bound), and as ``attach`` recorded them."""
     from inflight.engine.adapter import adapter_schema
-    from inflight.engine.commit.lora_slot import LoRASlotApplier
+    from inflight.engine.commit.lora_slot import LoRASlotStrategy
 
-    live = worker._inflight_target.applier
-    fresh = LoRASlotApplier(worker.model_runner, live._spec, adapter_schema(worker.model_runner, live._spec))
+    live = worker._inflight_target.strategy
+    fresh = LoRASlotStrategy(worker.model_runner, live._spec, adapter_schema(worker.model_runner, live._spec))
     return fresh.index_bytes(), live.index_bytes()
 
 

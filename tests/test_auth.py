@@ -23,11 +23,12 @@ from inflight.auth import SECRET_ENV, seal
 from inflight.rollout_queue import RolloutBuffer, RolloutQueue
 from inflight.protocol import AuthError, Commit, RolloutGroup, RolloutSample, encode
 from inflight.transport.errors import TransportError
-from inflight.transport.group import GroupConfig, WeightGroup
+from inflight.transport.group import WeightGroup
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.store import store_reachable, wait_key
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from tests.engine_harness import Harness, perturbed
-from tests.helpers import WAIT_S, form_pair
+from tests.helpers import WAIT_S, form_pair, tampering
 
 SECRET = "correct horse battery staple"
 
@@ -206,8 +207,8 @@ def test_a_forged_bucket_with_a_valid_checksum_is_refused_and_the_engine_keeps_s
 
         assert checksum(forged, "wsum64") == checksum(data, "wsum64") and not torch.equal(forged, data)
         return header, forged if header.index == 1 else data
-    with pytest.raises(PushRejected, match=r"\[unauthenticated\] .*bucket 1 of v") as exc:
-        pusher.push(live + 1, perturbed(h.base, seed=6), tamper=forge)
+    with pytest.raises(PushRejected, match=r"\[unauthenticated\] .*bucket 1 of v") as exc, tampering(pusher, forge):
+        pusher.push(live + 1, perturbed(h.base, seed=6))
     assert exc.value.codes == {"unauthenticated"} and "bucket 1 of v" in str(exc.value), str(exc.value)
     (_, after), = h.greedy(["1+2="], max_tokens=4)
     assert after.versions == [live] * 4 and after.token_ids == before.token_ids and after.logprobs == before.logprobs

@@ -1,4 +1,4 @@
-"""``inflight.bench.inflight_lora.per_round``: decode lost, paired step by step against ``none``.
+"""``inflight.bench.paired.per_round``: decode lost, paired step by step against ``none``.
 
 Every mode decodes the same batches at the same step, so the loss is the sum of step
 differences, plus each step run past the chunk (while the last update landed) against
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from inflight.bench.inflight_lora import per_round
+from inflight.bench.paired import per_round
 
 
 def _chunk(gaps: list[float], updates: int = 0) -> dict:

@@ -35,7 +35,7 @@ import gc, sys
 from vllm import LLM, SamplingParams
 from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.engine.client import start_inflight, tagged
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 model, port = sys.argv[1], int(sys.argv[2])
 llm = LLM(model, enforce_eager=True, dtype="float32", max_model_len=256, **engine_kwargs())
 start_inflight(llm, InflightConfig(group=GroupConfig(port=port, world_size=2, timeout_s=60)))
@@ -54,7 +54,7 @@ print("ENGINE END", flush=True)
 TRAINER = r"""
 import sys
 from safetensors.torch import load_file
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.store import reserve_port, wait_key
 from inflight.transport.pusher import PushConfig, WeightPusher
 model, port = sys.argv[1], reserve_port()

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from inflight.engine.client import coordinator_of, start_inflight, tagged
 from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.engine.rpc import WorkerStatus, as_result
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from tests.engine_harness import Reference, stop_engine, perturbed
 from tests.helpers import fail_next_commit_on_vllm_rank_1

@@ -62,9 +62,9 @@ def _worker_facts(worker) -> dict[str, Any]:
     mc = worker.vllm_config.model_config
     model_dir = checkpoint_dir(mc.model, mc.revision)
     schema = checkpoint_schema(model_dir, mc.dtype)
-    applier, pool = worker._inflight_target.applier, worker._inflight_pool
-    plan = applier.shard_plan()
-    model = applier.runner.get_model()
+    strategy, pool = worker._inflight_target.strategy, worker._inflight_pool
+    plan = strategy.shard_plan()
+    model = strategy.runner.get_model()
     boxes_exact = None
     if pool.previous is not None and plan is not None and worker._inflight_target.live_version == 0:
         base = load_file(str(model_dir / "model.safetensors"))
@@ -75,8 +75,8 @@ def _worker_facts(worker) -> dict[str, Any]:
                 want = want.narrow(d, b, n)
             boxes_exact &= torch.equal(pool.previous.views[s.name], want)
     return {
-        "rank": worker.rank, "strategy": applier.strategy, "has_plan": applier.load_plan is not None,
-        "loaded": sorted(applier.load_plan.loaded) if applier.load_plan is not None else None,
+        "rank": worker.rank, "strategy": strategy.name, "has_plan": strategy.load_plan is not None,
+        "loaded": sorted(strategy.load_plan.loaded) if strategy.load_plan is not None else None,
         "fallbacks": list(plan.fallbacks) if plan is not None else None,
         "planned": update_bytes(schema, plan), "whole": update_bytes(schema),
         "buffers": sorted([pool.previous.flat.numel()] + [t.numel() for t in pool._free]),
@@ -134,7 +134,7 @@ def run_copy_engine(model_dir: str, tp: int) -> dict[str, Any]:
 
     from inflight.engine.client import coordinator_of, start_inflight, tagged
     from inflight.engine.config import InflightConfig, engine_kwargs
-    from inflight.transport.group import GroupConfig
+    from inflight.transport.group_config import GroupConfig
     from inflight.transport.pusher import PushConfig, WeightPusher
     from inflight.transport.store import release_port, reserve_port
     from tests.engine_harness import drive, push_at_steps, stop_engine
@@ -303,7 +303,7 @@ def test_copy_is_refused_on_a_cpu_engine_whose_gemm_prepacks(tiny_llama, port) -
     from inflight.engine.client import start_inflight
     from inflight.engine.commit.base import resolve_strategy
     from inflight.engine.config import InflightConfig, engine_kwargs
-    from inflight.transport.group import GroupConfig
+    from inflight.transport.group_config import GroupConfig
 
     cpu = torch.device("cpu")
     assert resolve_strategy("copy", cpu, quantized=False, eager=True, cpu_prepack=None) == "copy"
@@ -376,17 +376,17 @@ class _RankOne(torch.nn.Module):
 
 
 def _runner(model: torch.nn.Module) -> SimpleNamespace:
-    """What ``InStorageApplier`` reads of vLLM's model runner."""
+    """What ``CopyStrategy`` reads of vLLM's model runner."""
     return SimpleNamespace(device=torch.device("cpu"), get_model=lambda: model)
 
 
 def test_the_copy_plan_is_recorded_on_cpu_scratch_and_replays_the_loaders_from_boxes(caplog) -> None:
-    from inflight.engine.commit.in_storage import InStorageApplier, _CpuScratch
+    from inflight.engine.commit.copy import CopyStrategy, _CpuScratch
 
     shapes = {"w": ((4, 3), torch.float32), "b": ((3,), torch.float32)}
     model = _RankOne()
     b_loader = model.b.weight_loader
-    applier = InStorageApplier(_runner(model), "copy", shapes)
+    strategy = CopyStrategy(_runner(model), shapes)
     assert model.b.weight_loader is b_loader  # recording put the property-backed loader back too
     # recording wrote only into scratch: the live parameters are as they were
     assert torch.equal(model.w, torch.full((2, 3), 7.0)) and torch.equal(model.b, torch.full((3,), 7.0))
@@ -394,21 +394,21 @@ def test_the_copy_plan_is_recorded_on_cpu_scratch_and_replays_the_loaders_from_b
     a, b = scratch[id(model.w)], scratch[id(model.w)]
     assert a is not b and a.device.type == "cpu" and a.stride() == model.w.stride()  # made per access, never kept
     assert getattr(a, "weight_loader") is model.w.weight_loader  # with the live parameter's own loader
-    plan = applier.shard_plan()
+    plan = strategy.shard_plan()
     assert {s.name: (s.start, s.length) for s in plan.shards} == {"w": ((2, 0), (2, 3)), "b": ((0,), (3,))}
     full = {"w": torch.arange(12.0).view(4, 3), "b": torch.tensor([1.0, 2.0, 3.0])}
     boxed = {"w": full["w"][2:4].clone(), "b": full["b"].clone()}  # as this rank stages them
-    applier.prepare(boxed)
-    applier.apply()
+    strategy.prepare(boxed)
+    strategy.apply()
     assert torch.equal(model.w, full["w"][2:4]) and torch.equal(model.b, full["b"])
-    applier.undo({"w": torch.zeros(4, 3), "b": torch.zeros(3)})  # a whole rollback copy reads the same rows
+    strategy.undo({"w": torch.zeros(4, 3), "b": torch.zeros(3)})  # a whole rollback copy reads the same rows
     assert not model.w.any() and not model.b.any()
     # a model whose loading transforms tensors: no plan, whole tensors, load_weights (logged)
     caplog.set_level("WARNING", logger="inflight.commit")
     model = _RankOne(flip=True)
-    applier = InStorageApplier(_runner(model), "copy", shapes)
-    assert applier.shard_plan() is None and applier.load_plan is None
+    strategy = CopyStrategy(_runner(model), shapes)
+    assert strategy.shard_plan() is None and strategy.load_plan is None
     assert "no load plan for the copy commit of _RankOne" in caplog.text
-    applier.prepare(full)
-    applier.apply()
+    strategy.prepare(full)
+    strategy.apply()
     assert torch.equal(model.w, full["w"].flip(0)[2:4]) and torch.equal(model.b, full["b"].flip(0))

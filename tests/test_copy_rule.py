@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from inflight.engine.commit.base import resolve_strategy
-from inflight.engine.commit.postload import copy_refusals
+from inflight.engine.commit.loaders import copy_refusals
 
 
 class DerivesABuffer(torch.nn.Module):

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import torch
 
 from inflight.engine.config import InflightConfig, engine_kwargs
-from inflight.engine.client import inflight_status_async, start_inflight_async, stream_tagged, tagged
-from inflight.transport.group import GroupConfig
+from inflight.engine.client import inflight_status_async, start_inflight_async, tagged
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
-from inflight.versions import boundaries, is_monotone
-from tests.engine_harness import CACHE_PROMPT, Reference, Sample, check_fresh, check_warm, perturbed, push_at_steps
+from tests.engine_harness import (CACHE_PROMPT, Reference, Sample, check_fresh, check_warm, perturbed,
+                                  stream_across_commits)
 
 
 async def _sample(engine, rid: str) -> Sample:
@@ -41,40 +40,8 @@ async def _run(model_dir, port: int) -> None:
         pusher = await asyncio.to_thread(WeightPusher, group, PushConfig(bucket_mb=0.25))
         base = load_file(str(model_dir / "model.safetensors"))
         check_warm(await _sample(engine, "warm-0"), await _sample(engine, "warm-1"))
-        n_req, versions = 6, 3
-        progress = [0] * n_req
-        # commit whenever every stream has moved on by 60 tokens (the engine's steps, as streamed)
-        pushes = push_at_steps(lambda: min(progress), [60 * (k + 1) for k in range(versions)],
-                               lambda k: pusher.push(k + 1, perturbed(base, seed=k, scale=0.02)).commits[1])
-        commits = pushes.results
-
-        async def consume(i: int):
-            # EngineCore runs in its own process, free of this test: the requests are long
-            # (up to 1000 tokens) and each stream closes itself (aborting its request) once
-            # it is 20 tokens past the last commit, so every commit lands mid-request
-            # however slow the machine, and no assertion races the engine.
-            sp = SamplingParams(temperature=1.0, max_tokens=1000, logprobs=0, ignore_eos=True, seed=i)
-            rid, seen = f"req-{i}", []
-            async with contextlib.aclosing(stream_tagged(engine, f"{i}+{i}=", sp, request_id=rid)) as stream:
-                async for out, tags in stream:
-                    assert tags[: len(seen)] == seen, "a streamed tag changed after it was reported"
-                    assert len(tags) == len(out.outputs[0].token_ids)
-                    seen = tags
-                    progress[i] = len(tags)
-                    if len(commits) == versions and len(seen) > commits[-1].tokens_at_commit.get(rid, 0) + 20:
-                        break  # closing the stream aborts the request
-            assert len(commits) == versions, ("a request ended before every commit landed", pushes.errors)
-            return rid, seen
-
-        finished = await asyncio.gather(*(consume(i) for i in range(n_req)))
-        await asyncio.to_thread(pushes.join)
-        assert [c.version for c in commits] == [1, 2, 3]
-        for request_id, seen in finished:
-            assert is_monotone(seen)
-            first = boundaries(seen)
-            assert set(first) == {0, 1, 2, 3}, first
-            for c in commits:
-                assert first[c.version] == c.tokens_at_commit[request_id]
+        await stream_across_commits(engine, lambda k: pusher.push(k + 1, perturbed(base, seed=k, scale=0.02)).commits[1],
+                                    versions=3, requests=6, every=60)
 
         # the engine now serves v3 exactly
         state = perturbed(base, seed=2, scale=0.02)

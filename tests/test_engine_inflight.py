@@ -17,7 +17,7 @@ from inflight.engine.client import tagged
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import Harness, Reference, drive, perturbed, push_at_steps
-from tests.helpers import wait_until
+from tests.helpers import tampering, wait_until
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5=", "lazy dog"]
 # Measured here: fp32 <= 1.7e-6 (oneDNN vs transformers' matmuls); bf16 <= 0.016 (every
@@ -142,7 +142,8 @@ def test_decoding_continues_while_buckets_arrive(harness: Harness) -> None:
 
     def stage_then_commit(_: int) -> None:  # once the engine stepped 5 times
         h.version += 1
-        stats, staged = h.pusher.send(h.version, perturbed(h.base, seed=7), tamper=hold_bucket_20)
+        with tampering(h.pusher, hold_bucket_20):
+            stats, staged = h.pusher.send(h.version, perturbed(h.base, seed=7))
         result["staged"] = staged[1]
         result["steps_staged"] = coordinator.steps
         # staged, not committed: the engine keeps serving
@@ -244,7 +245,7 @@ def test_misconfigured_engine_is_refused(tiny_llama, port) -> None:
 
     from inflight.engine.config import WORKER_EXTENSION, InflightConfig
     from inflight.engine.client import start_inflight
-    from inflight.transport.group import GroupConfig
+    from inflight.transport.group_config import GroupConfig
 
     llm = LLM(str(tiny_llama), enforce_eager=True, max_model_len=256, worker_extension_cls=WORKER_EXTENSION,
               enable_prefix_caching=True)
@@ -265,7 +266,7 @@ def test_engines_without_a_between_steps_boundary_are_refused(tiny_llama, port) 
 
     from inflight.engine.config import InflightConfig, engine_kwargs
     from inflight.engine.coordinator import check_engine
-    from inflight.transport.group import GroupConfig
+    from inflight.transport.group_config import GroupConfig
 
     llm = LLM(str(tiny_llama), enforce_eager=True, max_model_len=256, **engine_kwargs())
     real = llm.llm_engine.vllm_config

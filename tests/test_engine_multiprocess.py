@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.engine.client import inflight_status, start_inflight, tagged
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
 from inflight.versions import boundaries, is_monotone, tags_from_spans
 from tests.engine_harness import Reference, stop_engine, perturbed, push_at_steps

@@ -14,7 +14,7 @@ import torch
 
 from inflight.engine.config import InflightConfig
 from inflight.engine.rpc import StartReport, WorkerStatus, as_result
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
 from tests.engine_harness import CACHE_PROMPT, Reference, Sample, check_fresh, check_warm, perturbed, post_json, serve_process
 

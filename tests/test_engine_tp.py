@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.engine.client import coordinator_of, start_inflight, tagged
 from inflight.engine.rpc import WorkerStatus, as_result
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from tests.engine_harness import (Reference, assert_tags_change_at_commits, check_fresh, check_warm, drive, llm_sample,
                                   perturbed, push_at_steps, stop_engine)

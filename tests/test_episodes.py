@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from inflight.engine.client import coordinator_of, start_inflight
 from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling, decode_group, encode
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
 from tests.engine_harness import Reference, perturbed, replay, stop_engine
 from tests.helpers import WAIT_S, wait_until

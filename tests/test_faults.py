@@ -22,11 +22,11 @@ import torch
 
 from inflight.engine.client import tagged
 from inflight.protocol import BucketHeader
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import Harness, Reference, perturbed, push_at_steps
-from tests.helpers import WAIT_S, wait_until
+from tests.helpers import WAIT_S, tampering, wait_until
 
 PROMPTS = ["1+2=", "count 3 4", "lazy dog"]
 TIMEOUT_S = 30.0
@@ -75,7 +75,7 @@ def test_bad_updates_are_refused_while_the_engine_decodes(harness: Harness) -> N
     nan = dict(good)
     nan[name] = good[name].clone()
     nan[name][3, 5] = float("nan")
-    cases = [  # (expected code, fragment the reason names, version, state, push kwargs)
+    cases = [  # (expected code, fragment the reason names, version, state, how it is pushed)
         ("stale_version", f"not newer than the live v{live}", live, good, {}),
         ("stale_version", f"not newer than the live v{live}", live - 1, good, {}),  # goes backwards
         ("unknown_tensor", "extra.weight", live + 1, good | {"extra.weight": torch.zeros(4)}, {}),
@@ -97,8 +97,9 @@ def test_bad_updates_are_refused_while_the_engine_decodes(harness: Harness) -> N
             keep = kw.pop("keep_dtype", False)
             cast, h.pusher._dtype = h.pusher._dtype, (None if keep else h.pusher._dtype)  # send as given
             try:
-                with pytest.raises(PushRejected, match=rf"(?s)\[{code}\] .*{re.escape(fragment)}") as exc:
-                    h.pusher.push(version, state, **kw)
+                with tampering(h.pusher, kw.get("tamper")), pytest.raises(
+                        PushRejected, match=rf"(?s)\[{code}\] .*{re.escape(fragment)}") as exc:
+                    h.pusher.push(version, state)
             finally:
                 h.pusher._dtype = cast
             assert exc.value.codes == {code}, str(exc.value)
@@ -145,7 +146,8 @@ def _stalling_trainer(group: GroupConfig, version: int, state: dict, ready) -> N
     trainer restarted on a fixed port)."""
     pusher = WeightPusher(group, PushConfig(bucket_mb=0.25))
     ready.set()
-    pusher.push(version, state, tamper=_stall_at_bucket_2)
+    with tampering(pusher, _stall_at_bucket_2):
+        pusher.push(version, state)
 
 
 def test_stalled_trainer_is_dropped_and_a_restarted_one_rejoins(harness: Harness) -> None:
@@ -201,7 +203,8 @@ def _killed_trainer(group: GroupConfig, version: int, state: dict, ready, early:
         return h, data
     pusher = WeightPusher(group, config)
     ready.set()
-    pusher.push(version, state, tamper=die)
+    with tampering(pusher, die):
+        pusher.push(version, state)
 
 
 NOTICED_S = 12.0

@@ -30,11 +30,12 @@ from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.engine.client import coordinator_of, start_inflight, tagged
 from inflight.rollout_queue import RolloutQueue
 from inflight.transport.fleet_pusher import FleetPushError, FleetPusher, collect
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import idle_engine, perturbed, push_at_steps
-from tests.helpers import check_ledger, engines_that_fed, metrics_rows, pending_ids, run_config, train_beside, wait_admitted, wait_rows, wait_until
+from tests.helpers import (check_ledger, engines_that_fed, metrics_rows, pending_ids, run_config, tampering, train_beside, wait_admitted,
+                           wait_rows, wait_until)
 from inflight.trainer.config_files import config_from_dict
 from inflight.trainer.fleet import Fleet, Placement
 from inflight.trainer.train import train
@@ -140,8 +141,8 @@ def test_an_engine_lost_mid_transfer_costs_the_fleet_one_timeout(tiny_qwen, tmp_
             return header, data
 
         v2 = perturbed(weights, seed=2, scale=0.01)
-        with pytest.raises(FleetPushError) as failed:
-            collect(2, pusher.push_async(2, v2, tamper={1: lose_engine_1}))
+        with pytest.raises(FleetPushError) as failed, tampering(pusher.pushers[1], lose_engine_1):
+            collect(2, pusher.push_async(2, v2))
         assert sorted(failed.value.landed) == [0] and sorted(failed.value.failed) == [1]
         queue = RolloutQueue(pusher.sub_store("rollout"), 4)
         t0 = time.monotonic()

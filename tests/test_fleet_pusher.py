@@ -25,9 +25,10 @@ import pytest
 from safetensors.torch import load_file
 
 from inflight.transport.fleet_pusher import FleetPushError, FleetPusher, collect
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig
 from tests.engine_harness import idle_engine, perturbed
+from tests.helpers import tampering
 
 TIMEOUT_S = 120.0  # far above an update's time here: an engine waiting on another would show
 
@@ -76,14 +77,15 @@ def test_a_frozen_engine_holds_back_only_its_own_update(fleet) -> None:
 
     generation_0 = pusher.pushers[0].group.identity
     t0 = time.perf_counter()
-    futures = pusher.push_async(2, perturbed(base, seed=2, scale=0.01), tamper={1: freeze_engine_1})
-    landed_0 = futures[0].result(timeout=TIMEOUT_S)
-    alone_s = time.perf_counter() - t0
-    assert frozen, "engine 1 was not frozen mid-transfer"
-    assert not futures[1].done(), "engine 1 finished while frozen"  # so engine 0 did not wait for it
-    assert sorted(landed_0.commits) == [1] and landed_0.version == 2
-    os.kill(procs[1].pid, signal.SIGCONT)
-    late = collect(2, {1: futures[1]})[1]  # thawed well within the timeout: it lands, late
+    with tampering(pusher.pushers[1], freeze_engine_1):
+        futures = pusher.push_async(2, perturbed(base, seed=2, scale=0.01))
+        landed_0 = futures[0].result(timeout=TIMEOUT_S)
+        alone_s = time.perf_counter() - t0
+        assert frozen, "engine 1 was not frozen mid-transfer"
+        assert not futures[1].done(), "engine 1 finished while frozen"  # so engine 0 did not wait for it
+        assert sorted(landed_0.commits) == [1] and landed_0.version == 2
+        os.kill(procs[1].pid, signal.SIGCONT)
+        late = collect(2, {1: futures[1]})[1]  # thawed well within the timeout: it lands, late
     assert late.version == 2 and sorted(late.commits) == [1]
     print(f"\nfleet: an update of both engines {1e3 * normal_s:.0f} ms; engine 0's with engine 1 frozen "
           f"{1e3 * alone_s:.0f} ms (timeout {TIMEOUT_S:.0f} s)")
@@ -117,9 +119,8 @@ def test_an_update_one_engine_refuses_lands_on_the_other(fleet) -> None:
             data[:8] ^= 0xFF
         return header, data
 
-    futures = pusher.push_async(2, perturbed(base, seed=2, scale=0.01), tamper={0: corrupt})
-    with pytest.raises(FleetPushError, match=r"(?s)engine 0.*checksum") as refused:
-        collect(2, futures)
+    with pytest.raises(FleetPushError, match=r"(?s)engine 0.*checksum") as refused, tampering(pusher.pushers[0], corrupt):
+        collect(2, pusher.push_async(2, perturbed(base, seed=2, scale=0.01)))
     assert sorted(refused.value.landed) == [1] and sorted(refused.value.failed) == [0]
     assert "engine 0" in str(refused.value) and "checksum" in str(refused.value)
     # what each engine serves, as its workers report on joining a re-formed group

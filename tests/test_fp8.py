@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 from inflight.engine.commit.checkpoint import checkpoint_schema
-from inflight.engine.commit.in_storage import reload_peak_bytes
-from inflight.transport.group import GroupConfig, WeightGroup
+from inflight.engine.commit.reload import reload_peak_bytes
+from inflight.transport.group import WeightGroup
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.layout import TensorSchema
 from inflight.transport.listener import UpdateListener
 from inflight.transport.pusher import PushConfig, WeightPusher

@@ -30,7 +30,7 @@ from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.rollout_queue import RolloutBuffer, RolloutQueue
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling
 from inflight.transport.errors import TransportError
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.store import wait_key
 from inflight.transport.pusher import PushRejected
 from tests.helpers import fail_after_applying

@@ -27,7 +27,7 @@ from inflight.memory import (
     kv_cache_after_staging,
     update_bytes,
 )
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.layout import WSUM_TEMP_BYTES
 
 GiB = 1 << 30

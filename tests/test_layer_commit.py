@@ -28,11 +28,12 @@ from inflight.engine.rpc import WorkerStatus, as_result
 from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.layer_groups import Hybrid, layer_groups, parse_label
 from inflight.memory import update_bytes
-from inflight.transport.group import GroupConfig
-from inflight.transport.layer_pusher import LayerPushIncomplete
+from inflight.transport.group_config import GroupConfig
+from inflight.transport.pusher import LayerPushIncomplete
 from inflight.transport.layout import TensorSchema
 from inflight.transport.pusher import PushConfig, WeightPusher
 from tests.engine_harness import Reference, check_fresh, check_warm, llm_sample, perturbed, push_at_steps, replay, stop_engine
+from tests.helpers import tampering
 
 EXACT = 1e-4  # fp32 behaviour log-probs against transformers (measured <= 2e-6 on whole versions)
 
@@ -56,9 +57,9 @@ class LayerEngine:
         self.versions = {0: load_file(str(model_dir / "model.safetensors"))}
         self.groups = layer_groups(self.versions[0])
 
-    def push(self, version: int, **kw):
+    def push(self, version: int):
         self.versions[version] = perturbed(self.versions[0], seed=100 + version, scale=self.scale)
-        return self.pusher.push(version, self.versions[version], **kw)
+        return self.pusher.push(version, self.versions[version])
 
     def weights_of(self, label: str) -> dict[str, torch.Tensor]:
         """The weights a label names, rebuilt from it alone."""
@@ -170,8 +171,8 @@ def test_a_group_that_fails_leaves_a_served_hybrid_and_the_next_push_completes(e
         return header, data
 
     with pytest.raises(LayerPushIncomplete, match=r"(?s)update v2 stopped at layer group 2 of \d+; groups 0\.\.1 landed: "
-                                                  r".*\[checksum\]") as stopped:
-        e.push(2, tamper=corrupt_group_2)
+                                                  r".*\[checksum\]") as stopped, tampering(e.pusher, corrupt_group_2):
+        e.push(2)
     assert stopped.value.landed == 2 and stopped.value.group == 2 and "checksum" in stopped.value.codes
     assert str(e.coordinator.label) == "1>2:2" and e.coordinator.live_version == 1
     # the engine serves that hybrid, and tags it so that it can be rebuilt exactly
@@ -221,9 +222,10 @@ def test_tp2_ranks_commit_each_group_together_and_stage_their_shards_only(tiny_m
                 data[0] ^= 0xFF
             return header, data
 
-        with pytest.raises(LayerPushIncomplete, match=r"(?s)update v3 stopped at layer group 2 .*worker rank 1: \[checksum\] "
-                                                      r".*refused by worker rank 1") as stopped:
-            e.push(3, tamper=corrupt_rank_1_group_2)
+        with tampering(e.pusher, corrupt_rank_1_group_2), pytest.raises(
+                LayerPushIncomplete, match=r"(?s)update v3 stopped at layer group 2 .*worker rank 1: \[checksum\] "
+                                           r".*refused by worker rank 1") as stopped:
+            e.push(3)
         assert stopped.value.landed == 2 and stopped.value.rejections[1].code == "checksum"
         assert "refused by worker rank 1" in stopped.value.rejections[2].reason, stopped.value.rejections[2]
         assert str(e.coordinator.label) == "2>3:2"

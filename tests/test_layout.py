@@ -182,3 +182,62 @@ def test_the_citation_reader_follows_the_last_file() -> None:
     text = "`tests/test_a.py::test_one`, `::test_two`; `tests/test_b.py`, `::test_three`"
     assert _cited_tests(text) == [("test_a.py", "test_one"), ("test_a.py", "test_two"), ("test_b.py", None),
                                   ("test_b.py", "test_three")]
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    """The names a module defines at its top level (in ``if``/``try``/``with``/``for`` blocks
+    too): functions, classes and assigned names, not the names it imports."""
+    names: set[str] = set()
+
+    def targets(node: ast.AST) -> None:
+        names.update(n.id for n in ast.walk(node) if isinstance(n, ast.Name))
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                for t in node.targets:
+                    targets(t)
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.For, ast.AsyncFor)):
+                targets(node.target)
+            elif isinstance(node, (ast.With, ast.AsyncWith)):
+                for item in node.items:
+                    if item.optional_vars is not None:
+                        targets(item.optional_vars)
+            for field in ("body", "orelse", "finalbody"):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    visit(getattr(node, field, []))
+            for handler in getattr(node, "handlers", []):
+                visit(handler.body)
+
+    visit(tree.body)
+    return names
+
+
+def _imported_through(paths: list[Path], modules: dict[str, Path]) -> list[str]:
+    """Each ``from <project module> import name`` in ``paths`` where ``name`` is neither
+    defined in that module nor a module of its own: a name taken from a module it only passes
+    through. Package ``__init__``s, which gather names on purpose, are exempt."""
+    defined: dict[str, set[str]] = {}
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules):
+                continue
+            home = modules[node.module]
+            if home.name == "__init__.py":
+                continue
+            if node.module not in defined:
+                defined[node.module] = _defined(ast.parse(home.read_text()))
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{a.name}" for a in node.names
+                      if a.name not in defined[node.module] and f"{node.module}.{a.name}" not in modules]
+    return found
+
+
+def test_every_import_names_what_its_module_defines() -> None:
+    """``from a import X`` takes ``X`` from the module that defines it, not from one that
+    imports it for its own use: moving ``X`` (or that use) then breaks no importer silently."""
+    modules = _modules()
+    paths = [*modules.values(), *(ROOT / "tests").rglob("*.py")]
+    assert not (stray := _imported_through(paths, modules)), stray

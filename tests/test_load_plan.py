@@ -1,5 +1,5 @@
-"""The swap commit's load plan and reused shadow buffers (``inflight.engine.commit.load_plan``,
-``inflight.engine.commit.shadow_sets``) on a real vLLM CPU engine.
+"""The swap commit's load plan and reused shadow buffers (``inflight.engine.commit.loaders``,
+``inflight.engine.commit.swap``) on a real vLLM CPU engine.
 
 - the plan's copies write exactly the bytes vLLM's own weight loaders write (bitwise, every
   parameter of a Qwen2 with fused qkv / gate_up, qkv bias and tied embeddings);
@@ -29,22 +29,22 @@ def _worker(h: Harness):
 
 
 def test_plan_writes_exactly_what_the_loaders_write(tiny_qwen, port) -> None:
-    from inflight.engine.commit.swap import SwapApplier
+    from inflight.engine.commit.swap import SwapStrategy
 
     h = Harness(tiny_qwen, "float32", port)
     try:
-        applier = _worker(h)._inflight_target.applier
-        assert isinstance(applier, SwapApplier) and applier.load_plan is not None
-        assert not applier.load_plan.loaded, f"unplanned tensors: {sorted(applier.load_plan.loaded)}"
+        strategy = _worker(h)._inflight_target.strategy
+        assert isinstance(strategy, SwapStrategy) and strategy.load_plan is not None
+        assert not strategy.load_plan.loaded, f"unplanned tensors: {sorted(strategy.load_plan.loaded)}"
         weights = perturbed(h.base, seed=3)
-        by_loaders = applier._shadows()
-        applier._load(weights, by_loaders)
-        by_plan, destinations = applier._targets.take(applier._shadow, applier._templates, applier.load_plan)
+        by_loaders = strategy._shadows()
+        strategy._load(weights, by_loaders)
+        by_plan, destinations = strategy._targets.take(strategy._shadow, strategy._templates, strategy.load_plan)
         for t in by_plan.values():
             t.data.fill_(float("nan"))  # anything the plan does not write stays NaN and fails below
-        applier._copy(destinations, applier.load_plan.sources(weights))
-        applier.load_plan.fill(by_plan)
-        applier._targets.discard()
+        strategy._copy(destinations, strategy.load_plan.sources(weights))
+        strategy.load_plan.fill(by_plan)
+        strategy._targets.discard()
         assert by_plan.keys() == by_loaders.keys()
         for key, want in by_loaders.items():
             assert torch.equal(by_plan[key].data, want.data), key
@@ -70,10 +70,10 @@ def test_staging_into_reused_buffers_never_touches_the_live_version(tiny_qwen, p
     never needed)."""
     h = Harness(tiny_qwen, "float32", port)
     try:
-        applier = _worker(h)._inflight_target.applier
+        strategy = _worker(h)._inflight_target.strategy
         repacks = {"during receive": 0, "after": 0}  # when each layer's re-pack was started
         where = ["during receive"]
-        submit, prepare = applier._submit, applier.prepare
+        submit, prepare = strategy._submit, strategy.prepare
 
         def counted_submit(*args):
             repacks[where[0]] += 1
@@ -85,7 +85,7 @@ def test_staging_into_reused_buffers_never_touches_the_live_version(tiny_qwen, p
                 return prepare(weights)
             finally:
                 where[0] = "during receive"
-        applier._submit, applier.prepare = counted_submit, finishing
+        strategy._submit, strategy.prepare = counted_submit, finishing
         live = h.base
         for seed in range(1, 7):
             state = perturbed(h.base, seed=seed)
@@ -95,10 +95,10 @@ def test_staging_into_reused_buffers_never_touches_the_live_version(tiny_qwen, p
             h.pusher.commit(h.version)
             _check(h, state, h.version)
             live = state
-        assert applier._targets.reuse, "the re-pack broke a reuse assumption: updates fell back to fresh buffers"
-        assert len(applier._targets._sets) == 2
+        assert strategy._targets.reuse, "the re-pack broke a reuse assumption: updates fell back to fresh buffers"
+        assert len(strategy._targets._sets) == 2
         # the updates were streamed: most layers re-packed while later buckets were still coming
-        layers = len(applier._owners)
+        layers = len(strategy._owners)
         assert sum(repacks.values()) == 6 * layers
         assert repacks["during receive"] >= 6 * layers // 2, repacks
     finally:

@@ -6,20 +6,18 @@ the policy adapter gets an error of its own while the engine serves on."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import urllib.error
 
 import pytest
 import torch
 
-from inflight.engine.client import policy_lora, start_inflight_async, stream_tagged, tagged
+from inflight.engine.client import policy_lora, start_inflight_async, tagged
 from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.engine.rpc import StartReport, as_result
 from inflight.adapter import AdapterSpec
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
-from inflight.versions import boundaries, is_monotone
-from tests.engine_harness import perturbed, post_json, push_at_steps, serve_process
+from tests.engine_harness import perturbed, post_json, serve_process, stream_across_commits
 from tests.lora_harness import PeftReference, write_adapter
 
 
@@ -38,30 +36,8 @@ async def _run_async(base, adapter_dir, v0: dict, port: int) -> None:
         lora = policy_lora(config)
         pusher = await asyncio.to_thread(WeightPusher, group, PushConfig(bucket_mb=0.25))
         versions = [perturbed(v0, seed=60 + k, scale=0.03) for k in range(2)]
-        progress = [0] * 3
-        pushes = push_at_steps(lambda: min(progress), [40, 80],
-                               lambda k: pusher.push(k + 1, versions[k]).commits[1])
-        commits = pushes.results
-
-        async def consume(i: int):
-            # long requests, each closed 20 tokens after the last commit: every commit lands mid-request
-            sp = SamplingParams(temperature=1.0, max_tokens=1000, logprobs=0, ignore_eos=True, seed=i)
-            rid, seen = f"req-{i}", []
-            async with contextlib.aclosing(stream_tagged(engine, f"{i}+{i}=", sp, rid, lora_request=lora)) as stream:
-                async for out, tags in stream:
-                    assert tags[: len(seen)] == seen
-                    seen = tags
-                    progress[i] = len(tags)
-                    if len(commits) == 2 and len(seen) > commits[-1].tokens_at_commit.get(rid, 0) + 20:
-                        break
-            return rid, seen
-
-        finished = await asyncio.gather(*(consume(i) for i in range(3)))
-        await asyncio.to_thread(pushes.join)
-        for rid, seen in finished:
-            first = boundaries(seen)
-            assert is_monotone(seen) and set(first) == {0, 1, 2}
-            assert all(first[c.version] == c.tokens_at_commit[rid] for c in commits)
+        await stream_across_commits(engine, lambda k: pusher.push(k + 1, versions[k]).commits[1], versions=2,
+                                    requests=3, every=40, lora_request=lora)
         async for refused in engine.generate("1+2=", SamplingParams(max_tokens=4), "no-adapter"):
             pass  # EngineCore answers the request alone, with an error finish and no token
         assert refused.finished and refused.outputs[0].finish_reason == "error" and not refused.outputs[0].token_ids

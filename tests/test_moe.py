@@ -8,7 +8,7 @@ top-2, head_dim 64, on a real vLLM CPU engine).
 - after an update the engine's greedy tokens and log-probs equal the transformers model
   the trainer holds (fp32, 1e-5), for both CPU commit strategies (``swap``, what ``auto``
   picks on an eager engine, and ``reload``): vLLM's CPU MoE update path skips the experts'
-  re-pack (``inflight.engine.commit.postload.process_after_loading``), which these tests catch;
+  re-pack (``inflight.engine.commit.loaders.process_after_loading``), which these tests catch;
 - building a commit strategy never fails with a bare error: an unforeseen one is a refusal
   naming the model class, a loader that transforms tensors makes ``auto`` fall back;
 - the trainer entry point trains an MoE policy.
@@ -209,8 +209,8 @@ def test_building_a_commit_never_fails_bare(caplog) -> None:
     with pytest.raises(RuntimeError, match=r"building the swap commit for Unforeseen failed: TypeError"):
         make_strategy(_Runner(Unforeseen()), "auto", schema, quantized=False, eager=True)
     with caplog.at_level(logging.WARNING, logger="inflight.apply"):
-        applier = make_strategy(_Runner(Transposing()), "auto", schema, quantized=False, eager=True)
-    assert applier.strategy == "reload"
+        strategy = make_strategy(_Runner(Transposing()), "auto", schema, quantized=False, eager=True)
+    assert strategy.name == "reload"
     assert "swap commits unavailable for Transposing" in caplog.text and "transforms 'w'" in caplog.text
     with pytest.raises(RuntimeError, match=r"commit='swap' is not possible for Transposing"):
         make_strategy(_Runner(Transposing()), "swap", schema, quantized=False, eager=True)
@@ -231,7 +231,7 @@ def test_training_an_moe_policy(tmp_path) -> None:
     summary = train(cfg)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == [1, 2, 3]
-    assert rows[-1]["pushed_version"] == 3 and rows[-1]["commit_ms"] > 0  # every push committed
+    assert rows[-1]["pushed_version"] == 3 and rows[-1]["stall_ms"] > 0  # every push committed
     assert all(r["tokens_in_loss"] > 0 and r["grad_norm"] > 0 for r in rows)
     assert "routing_mismatch" not in rows[-1]  # replay is opt-in
     check_tags(summary, rows, cfg.loss.max_lag)

@@ -1,5 +1,5 @@
 """The fence between a push's reads of the trainer's tensors and the optimizer's writes
-(``inflight.transport.read_fence``): on the host everywhere; on CUDA, the push packs on a
+(``inflight.transport.pusher``): on the host everywhere; on CUDA, the push packs on a
 stream of its own, ordered after the optimizer step before it and before the one after it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from inflight.transport.read_fence import ReadFence
+from inflight.transport.pusher import ReadFence
 
 
 def test_the_fence_holds_the_writer_until_the_push_read_everything() -> None:

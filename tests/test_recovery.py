@@ -24,7 +24,7 @@ import torch
 
 from inflight.rollout_queue import RolloutQueue
 from inflight.protocol import RolloutGroup, RolloutSample
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 from tests.helpers import (WAIT_S, check_ledger, metrics_rows, pending_ids, run_config, train_beside, wait_rows,
                            wait_until)
 from inflight.trainer.episode_journal import peek

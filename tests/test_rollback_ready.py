@@ -18,7 +18,7 @@ from tests.helpers import fail_after_applying
 
 def _count_disk_reloads(worker) -> int:
     """Inside the worker: count vLLM reloads of the checkpoint from disk (no weights given)."""
-    runner = worker._inflight_target.applier.runner
+    runner = worker._inflight_target.strategy.runner
     real = runner.reload_weights
     worker.disk_reloads = 0
 

@@ -42,7 +42,7 @@ class RecordingEngine:
 
         from inflight.engine.config import InflightConfig, engine_kwargs
         from inflight.engine.client import start_inflight
-        from inflight.transport.group import GroupConfig
+        from inflight.transport.group_config import GroupConfig
         from inflight.transport.pusher import PushConfig, WeightPusher
 
         self.llm = LLM(str(model_dir), enforce_eager=True, dtype=dtype, max_model_len=1024, seed=0, **engine_kwargs())
@@ -167,7 +167,7 @@ def test_preempted_requests_keep_exact_routing(tiny_moe, port) -> None:
 
     from inflight.engine.config import InflightConfig, engine_kwargs
     from inflight.engine.client import coordinator_of, start_inflight
-    from inflight.transport.group import GroupConfig
+    from inflight.transport.group_config import GroupConfig
     from inflight.transport.pusher import WeightPusher
 
     llm = LLM(str(tiny_moe), enforce_eager=True, dtype="float32", max_model_len=128, seed=0, block_size=32,

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from inflight.trainer.scoring import ScoringPool, Scored, check_rewards, engine_task_factory
+from inflight.trainer.scoring import ScoringPool
+from inflight.trainer.scoring_worker import Scored, check_rewards, engine_task_factory
 from inflight.trainer.tasks import Arithmetic, Completion, Prompt, Task
 
 HANG_S = 600.0

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import torch
 
-from inflight.engine.commit.load_plan import LoadPlan
+from inflight.engine.commit.loaders import LoadPlan
 from inflight.protocol import BucketSpec, Joined, decode_reply, encode
 from inflight.shard_plan import box_of_view, check_plan, make_plan, plan_bytes, whole
 
@@ -31,8 +31,8 @@ def test_boxes_of_views() -> None:
 def _record(shapes: dict, loaders: dict) -> LoadPlan:
     """A plan recorded from plain loaders writing into parameters of their own shapes."""
     targets = {name: torch.empty(shape) for name, (shape, _) in loaders.items()}
-    routes = {name: [(name, lambda target, w, fn=fn: fn(target, w))] for name, (_, fn) in loaders.items()}
-    return LoadPlan.record({n: (s, torch.float32) for n, s in shapes.items()}, routes, targets)
+    calls_of = {name: [(name, lambda target, w, fn=fn: fn(target, w))] for name, (_, fn) in loaders.items()}
+    return LoadPlan.record({n: (s, torch.float32) for n, s in shapes.items()}, calls_of, targets)
 
 
 def test_a_plan_from_loaders_that_narrow_copy_whole_or_transpose() -> None:

@@ -144,7 +144,7 @@ def test_smoke_run_of_the_smollm2_config(tmp_path: Path) -> None:
     cfg = load_config("smollm2_cpu", ["run.steps=2", f"run.out_dir={tmp_path / 'run'}", "eval.every=2", "eval.prompts=4"])
     summary = train(cfg)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["pushed_version"] == 2 and rows[-1]["commit_ms"] > 0
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["pushed_version"] == 2 and rows[-1]["stall_ms"] > 0
     assert [r["version"] for r in rows if "eval_accuracy" in r] == [0, 2]
     assert rows[0]["eval_examples"][0]["prompt"].startswith("What is ")
     # the first 20% of two steps is the first; a sample scores 0 or 1, so a step's mean is k / n

@@ -149,7 +149,7 @@ def test_engine_reserves_at_start_and_refuses_a_budget_it_would_not_fit(tiny_qwe
 
     from inflight.engine.config import InflightConfig, engine_kwargs
     from inflight.engine.client import start_inflight
-    from inflight.transport.group import GroupConfig
+    from inflight.transport.group_config import GroupConfig
 
     llm = LLM(str(tiny_qwen), enforce_eager=True, dtype="float32", max_model_len=256, seed=0, **engine_kwargs())
     config = InflightConfig(group=GroupConfig(port=port, world_size=2))

@@ -19,7 +19,7 @@ import random
 import pytest
 import torch
 
-from inflight.engine.commit.readiness import Dependencies
+from inflight.engine.commit.swap import Dependencies
 from inflight.protocol import BucketSpec
 from inflight.transport.layout import completed_by_bucket, plan_tensors
 from inflight.transport.layout import TensorSchema

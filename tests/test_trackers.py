@@ -41,11 +41,11 @@ def test_a_missing_tracker_package_names_its_extra(monkeypatch: pytest.MonkeyPat
 
 def test_metric_names_are_grouped_and_only_numbers_go() -> None:
     row = {"step": 3, "version": 3, "loss": 0.5, "grad_norm": 1.0, "ess": 0.9, "ess_low": True, "reward_mean": 0.25,
-           "lag_mean": 0.5, "queue_depth": 2, "commit_ms": 1.5, "push_mb": 0.1, "wait_ms": 3.0, "eval_accuracy": 0.75,
+           "lag_mean": 0.5, "queue_depth": 2, "stall_ms": 1.5, "push_mb": 0.1, "wait_ms": 3.0, "eval_accuracy": 0.75,
            "lag_hist": {"0": 3}, "ratio_hist": [1, 2], "group_ids": ["a"], "committed_ranks": [1], "pending_note": None}
     assert scalars(row) == {
         "sync/version": 3.0, "train/loss": 0.5, "train/grad_norm": 1.0, "train/ess": 0.9, "train/ess_low": 1.0,
-        "rollout/reward_mean": 0.25, "rollout/lag_mean": 0.5, "rollout/queue_depth": 2.0, "sync/commit_ms": 1.5,
+        "rollout/reward_mean": 0.25, "rollout/lag_mean": 0.5, "rollout/queue_depth": 2.0, "sync/stall_ms": 1.5,
         "sync/push_mb": 0.1, "sync/wait_ms": 3.0, "eval/accuracy": 0.75}
 
 
@@ -115,7 +115,7 @@ def test_a_short_run_reports_to_tensorboard_wandb_and_trackio(tmp_path: Path, mo
     # TensorBoard, read with its own reader: one point per optimizer step, metrics.jsonl's values
     acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
-    for name in ("rollout/reward_mean", "rollout/lag_mean", "train/loss", "train/ess", "sync/commit_ms"):
+    for name in ("rollout/reward_mean", "rollout/lag_mean", "train/loss", "train/ess", "sync/stall_ms"):
         key = name.partition("/")[2]
         series = [(e.step, e.value) for e in acc.Scalars(name)]
         want = [(r["step"], pytest.approx(r[key], rel=1e-6, abs=1e-6)) for r in train_rows if r.get(key) is not None]

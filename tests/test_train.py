@@ -29,7 +29,7 @@ def test_training_run_end_to_end(tmp_path) -> None:
                 "reward_mean", "queue_depth", "rejected", "dropped_stale"):
         assert key in rows[-1], key
     # every push was committed by the engine: the last row carries the last commit
-    assert rows[-1]["pushed_version"] == 6 and rows[-1]["commit_ms"] > 0
+    assert rows[-1]["pushed_version"] == 6 and rows[-1]["stall_ms"] > 0
     assert all(sum(r["ratio_hist"]) > 0 for r in rows)
     # the engine samples within loss.max_lag and the buffer admits no group the loss would mask whole
     assert all(r["tokens_in_loss"] > 0 and "push_wait_ms" in r for r in rows)

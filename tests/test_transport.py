@@ -15,16 +15,17 @@ import torch
 from safetensors.torch import load_file
 
 from inflight.protocol import BucketHeader
-from inflight.transport.receiver import BucketReceiver
-from inflight.transport.sender import BucketSender
+from inflight.transport.listener import BucketReceiver
+from inflight.transport.pusher import BucketSender
 from inflight.transport.errors import TransportError, TransportTimeout
-from inflight.transport.group import GroupConfig, WeightGroup
+from inflight.transport.group import WeightGroup
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.layout import ALIGN, bucket_windows, checksum, pack_into, plan_tensors, tensor_views
 from inflight.transport.layout import TensorSchema
 from inflight.transport.listener import UpdateListener
 from inflight.transport.peer import run_peer
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher
-from tests.helpers import WAIT_S, ListenerPair, form_pair, state_dict_of
+from tests.helpers import WAIT_S, ListenerPair, form_pair, state_dict_of, tampering
 
 GROUP_TIMEOUT_S = 60.0
 """The group timeout of tests that do not exercise it: far above any wait of theirs on a loaded machine."""
@@ -168,11 +169,11 @@ def pair(tiny_qwen, port):
     p.close()
 
 
-def _expect_refusal(pair: ListenerPair, code: str, version: int, named, **kw) -> None:
+def _expect_refusal(pair: ListenerPair, code: str, version: int, named) -> None:
     live = dict(pair.target.live)
     before = pair.target.live_version
     with pytest.raises(PushRejected, match=rf"\[{code}\]") as exc:
-        pair.pusher.push(version, named, **kw)
+        pair.pusher.push(version, named)
     assert exc.value.codes == {code}, str(exc.value)
     assert pair.target.live_version == before
     assert live.keys() == pair.target.live.keys() and all(torch.equal(live[k], pair.target.live[k]) for k in live)
@@ -200,9 +201,9 @@ def test_refusals_keep_last_good_version(pair) -> None:
     def reorder(h: BucketHeader, data: torch.Tensor):  # bucket 1 sent again in place of bucket 2
         return (msgspec.structs.replace(h, index=1), data) if h.index == 2 else (h, data)
 
-    _expect_refusal(p, "checksum", 2, {k: v + 1 for k, v in sd.items()}, tamper=corrupt)
-    _expect_refusal(p, "short_bucket", 2, {k: v + 1 for k, v in sd.items()}, tamper=short)
-    _expect_refusal(p, "bucket_order", 2, {k: v + 1 for k, v in sd.items()}, tamper=reorder)
+    for code, tamper in [("checksum", corrupt), ("short_bucket", short), ("bucket_order", reorder)]:
+        with tampering(p.pusher, tamper):
+            _expect_refusal(p, code, 2, {k: v + 1 for k, v in sd.items()})
     with pytest.raises(PushRejected, match=r"\[incomplete\]") as exc:  # commit of a version that was never staged
         p.pusher.commit(5)
     assert exc.value.codes == {"incomplete"}
@@ -244,18 +245,19 @@ def test_a_bucket_declaring_more_than_the_whole_update_breaks_the_group(port) ->
     trainer, worker = form_pair(port, timeout_s=GROUP_TIMEOUT_S)
     sender = BucketSender(trainer, bucket_bytes=4096, checksum_algo="crc32")
     weights = {"w": torch.ones(64)}
-    announce = sender.pack(1, weights)  # 256 B, one bucket
+    announce = sender.lay_out(1, weights)  # 256 B, one bucket
     flat = torch.zeros(announce.total_bytes, dtype=torch.uint8)
 
     def long(h: BucketHeader, data: torch.Tensor):
         return msgspec.structs.replace(h, nbytes=1024), torch.zeros(1024, dtype=torch.uint8)
-    sending = threading.Thread(target=lambda: _quietly(sender.send, announce, weights, tamper=long), daemon=True)
-    sending.start()
-    with pytest.raises(TransportError, match="declares 1024 B, more than the whole update"):
-        BucketReceiver(worker).receive(announce, flat, timeout_s=GROUP_TIMEOUT_S)  # not a timeout: the bucket's size
-    worker.close()
-    trainer.close()
-    sending.join(30)
+    with tampering(sender, long):
+        sending = threading.Thread(target=lambda: _quietly(sender.send, announce, weights), daemon=True)
+        sending.start()
+        with pytest.raises(TransportError, match="declares 1024 B, more than the whole update"):
+            BucketReceiver(worker).receive(announce, flat, timeout_s=GROUP_TIMEOUT_S)  # not a timeout: the bucket's size
+        worker.close()
+        trainer.close()
+        sending.join(30)
 
 
 def _quietly(fn, *args, **kw) -> None:
@@ -267,7 +269,7 @@ def _quietly(fn, *args, **kw) -> None:
 
 def test_receiver_timeout_names_peer_and_bucket(port) -> None:
     trainer, worker = form_pair(port, timeout_s=GROUP_TIMEOUT_S)
-    announce = BucketSender(trainer, bucket_bytes=128, checksum_algo="crc32").pack(1, {"w": torch.ones(64)})
+    announce = BucketSender(trainer, bucket_bytes=128, checksum_algo="crc32").lay_out(1, {"w": torch.ones(64)})
     flat = torch.zeros(announce.total_bytes, dtype=torch.uint8)
     # the trainer announced but never sends bucket 0
     with pytest.raises(TransportTimeout, match="header of bucket 0 of v1.*trainer rank 0"):
@@ -281,7 +283,7 @@ def test_a_point_to_point_member_without_a_shard_plan_gets_the_whole_model(port)
     trainer, worker = form_pair(port, timeout_s=GROUP_TIMEOUT_S)
     sender = BucketSender(trainer, bucket_bytes=128, checksum_algo="crc32")
     named = {"w": torch.ones(64), "b": torch.zeros(3, 5)}
-    assert sender.pack_each(1, named, {1: None}) == {1: sender.pack(1, named)}
+    assert sender.lay_out_each(1, named, {1: None}) == {1: sender.lay_out(1, named)}
     worker.close()
     trainer.close()
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 BENCHES = {
     "inflight": "in-flight vs native pause+update vs batch-boundary, like for like",
+    "inflight_lora": "adapter-only in-flight vs vLLM's own adapter reload vs whole-model updates",
     "grpo": "GRPO groups on shared prompts: in-flight with prefix caching vs vLLM's salted and reset caches",
     "transport": "bucketed transfer vs a raw broadcast",
     "e2e": "the training loop end to end, shared and split cores",

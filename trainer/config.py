@@ -14,7 +14,7 @@ from inflight.protocol import CommitUnit, ModelDtype, Sampling
 from inflight.settings import Backend, RolloutMode, TrackerName, check_choices
 from inflight.trainer.loss_config import LossConfig
 from inflight.trainer.optim import OptimConfig
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig
 from inflight.engine.config import InflightConfig
 from inflight.trainer.tasks.config import ArithmeticConfig, JsonlConfig, TaskConfig  # noqa: F401  (sections of TrainConfig)

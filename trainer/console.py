@@ -170,6 +170,6 @@ class BarText:
         self.rewards.append(row["reward_mean"])
         self.marks.append((time.perf_counter(), self.marks[-1][1] + len(row["group_ids"]) * self.group_size))
         (t0, n0), (t1, n1) = self.marks[0], self.marks[-1]
-        stall = row.get("commit_ms")
+        stall = row.get("stall_ms")
         return (f"reward {sum(self.rewards) / len(self.rewards):.2f} lag {row['lag_mean']:.1f} "
                 f"stall {'-' if stall is None else f'{stall:.1f}ms'} {(n1 - n0) / max(t1 - t0, 1e-9):.1f} samples/s")

@@ -39,7 +39,8 @@ from inflight.protocol import EngineReport, RolloutGroup, Sampling
 from inflight.rollout_queue import RolloutQueue
 from inflight.settings import Backend, choices
 from inflight.transport.errors import TransportError
-from inflight.transport.group import INCARNATION, GroupConfig
+from inflight.transport.group import INCARNATION
+from inflight.transport.group_config import GroupConfig
 from inflight.trainer.config import TrainConfig, group_config, inflight_config
 from inflight.trainer.config_files import add_config_arguments, load_config
 from inflight.trainer.console import log_to_file, quiet_libraries

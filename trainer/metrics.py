@@ -90,7 +90,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     rows = _train_rows(rows)
     n = len(rows)
     k = max(1, n // 5)
-    stalls = [r["commit_ms"] for r in rows if r.get("commit_ms") is not None]
+    stalls = [r["stall_ms"] for r in rows if r.get("stall_ms") is not None]
     return {
         "steps": n,
         "reward_first_20pct": _mean([r["reward_mean"] for r in rows[:k]]),
@@ -136,7 +136,7 @@ def plot_run(rows: list[dict[str, Any]], png: Path, title: str = "") -> None:
     axes[1].plot(steps, [max(r["lag_hist"] or {"0": 0}, key=int) for r in rows], label="max lag", alpha=0.6)
     axes[1].set_ylabel("token lag (versions)")
     axes[1].legend(loc="upper right")
-    axes[2].plot(steps, [r.get("commit_ms") or float("nan") for r in rows], label="engine stall per update (commit)")
+    axes[2].plot(steps, [r.get("stall_ms") or float("nan") for r in rows], label="engine stall per update (commit)")
     axes[2].plot(steps, [r.get("push_ms") or float("nan") for r in rows], label="push, announce..commit", alpha=0.6)
     axes[2].set_ylabel("ms")
     axes[2].set_xlabel("optimizer step")

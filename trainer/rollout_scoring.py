@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from inflight.protocol import EngineReport, RolloutGroup, RolloutSample, Sampling
-from inflight.trainer.scoring import ScoringPool, engine_task_factory
+from inflight.trainer.scoring import ScoringPool
+from inflight.trainer.scoring_worker import engine_task_factory
 
 log = logging.getLogger("inflight.rollout")
 

@@ -34,7 +34,7 @@ ROLLOUT = frozenset({
     "reward_mean", "reward_std", "lag_mean", "frac_multi_version", "max_versions_per_sample", "hybrid_token_frac",
     "queue_depth", "admitted", "dropped_stale", "pending", "queue_holes", "tokens", "seqs"})
 SYNC = frozenset({
-    "version", "pushed_version", "commit_ms", "commit_step", "commit_groups", "commit_spread_steps", "push_ms",
+    "version", "pushed_version", "stall_ms", "commit_step", "commit_groups", "commit_spread_steps", "push_ms",
     "send_ms", "push_mb", "read_ms", "steps_during_transfer", "wait_ms", "push_wait_ms", "read_wait_ms",
     "engine_failures", "engine_restarts", "engine_drops", "engines_live"})
 SKIP = frozenset({"step"})  # the x axis itself

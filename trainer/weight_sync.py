@@ -55,7 +55,7 @@ def push_metrics(results: Mapping[int, PushResult], fleet: Fleet) -> dict[str, A
     # engines count their own steps, so what compares across a fleet is how many steps each
     # decoded between the first bucket and its commit
     waits = [c.steps_since_first_bucket for c in commits.values()]
-    return {"pushed_version": first.version, "commit_ms": first.stall_ms, "commit_step": commit.step,
+    return {"pushed_version": first.version, "stall_ms": first.stall_ms, "commit_step": commit.step,
             "commit_groups": len(first.groups),
             "committed_ranks": sorted(commits), "commit_steps": {r: c.step for r, c in sorted(commits.items())},
             "commit_spread_steps": max(waits) - min(waits),

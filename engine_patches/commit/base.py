@@ -12,9 +12,11 @@ and ``undo``, on the engine's execution thread, between two steps):
 - execution thread, inside the stall: ``apply``; after a failed ``apply``, ``restore``;
   after a successful ``apply`` that another rank of the engine failed, ``undo``.
 
-Strategies: ``swap`` (eager CPU: load and re-pack into shadow modules before the commit,
-swap attributes at it; ``inflight.engine.commit.swap``), ``reload`` and ``copy`` (write into
-the live storage at the commit; ``inflight.engine.commit.in_storage``). ``swap`` and ``copy``
+Strategies, one module each, found by name in a lazy registry (``STRATEGIES``,
+``LAYER_STRATEGIES``: imported only when chosen): ``swap`` (eager CPU: load and re-pack into
+shadow modules before the commit, swap attributes at it; ``inflight.engine.commit.swap``),
+``reload`` and ``copy`` (write into the live storage at the commit;
+``inflight.engine.commit.reload``, ``inflight.engine.commit.copy``). ``swap`` and ``copy``
 replay a load plan recorded at start and so expose a shard plan (each tensor-parallel rank
 stages only what its loaders read); ``reload`` takes whole tensors. ``copy`` on CPU needs
 linears that keep their weights (``INFLIGHT_CPU_PLAIN_GEMM=1``: ``inflight.engine.patch``).
@@ -22,13 +24,14 @@ linears that keep their weights (``INFLIGHT_CPU_PLAIN_GEMM=1``: ``inflight.engin
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from inflight.engine.commit.postload import copy_refusals
+from inflight.engine.commit.loaders import LoaderMapError, Shapes, copy_refusals
 from inflight.engine.patch import PLAIN_CPU_GEMM_ENV
 from inflight.protocol import ShardPlan
 from inflight.protocol import CommitUnit
@@ -40,7 +43,7 @@ log = logging.getLogger("inflight.commit")
 class CommitStrategy(Protocol):
     """One engine worker's way of making a prepared version live."""
 
-    strategy: Resolved
+    name: Resolved
 
     def feed(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Listener thread: these verified tensors of the version being staged arrived."""
@@ -99,7 +102,7 @@ def cpu_gemm_prepacking(dtypes: Iterable[torch.dtype]) -> str | None:
 def resolve_strategy(strategy: CommitChoice, device: torch.device, quantized: bool, eager: bool,
                      copy_refused: Sequence[str] = (), cpu_prepack: str | None = "oneDNN") -> Resolved:
     """The strategy ``strategy`` names for this engine (``auto``: the best that is right).
-    ``copy_refused``: the layer kinds a plain copy would leave stale (``postload.copy_refusals``);
+    ``copy_refused``: the layer kinds a plain copy would leave stale (``loaders.copy_refusals``);
     ``cpu_prepack``: on CPU, the kernel the GEMM dispatch prepacks linear weights for
     (``cpu_gemm_prepacking``; None: they stay in their parameters, and ``copy`` is right)."""
     if strategy == "auto":
@@ -120,16 +123,38 @@ def resolve_strategy(strategy: CommitChoice, device: torch.device, quantized: bo
     return strategy
 
 
-def make_strategy(model_runner: Any, strategy: CommitChoice, schema: TensorSchema, *, quantized: bool,
-                  eager: bool, commit_unit: CommitUnit = "model", window: int = 2) -> CommitStrategy:
-    """The commit strategy for this engine; ``auto`` falls back from swap to reload when the
-    model's loaders do more than route tensors. ``commit_unit="layer"``: the swap commit one
-    layer group at a time (``window`` groups prepared at most), or an error saying why not."""
-    from inflight.engine.commit.in_storage import InStorageApplier
-    from inflight.engine.commit.swap import RoutingError, SwapApplier
+STRATEGIES: dict[str, str] = {
+    "swap": "inflight.engine.commit.swap:SwapStrategy",
+    "reload": "inflight.engine.commit.reload:ReloadStrategy",
+    "copy": "inflight.engine.commit.copy:CopyStrategy",
+}
+"""The whole-model commit strategies by name, as ``"module:Class"``: a class is imported
+only when an engine chooses it (as vLLM's ``weight_transfer`` factory registers its
+engines), and offers ``build(model_runner, shapes, *, window)``. ``lora`` is built by
+``inflight.engine.adapter``, with the adapter's own start-up steps."""
+LAYER_STRATEGIES: dict[str, str] = {
+    "swap": "inflight.engine.commit.swap:LayerSwapStrategy",
+    "copy": "inflight.engine.commit.copy:LayerCopyStrategy",
+}
+"""The strategies that commit one layer group at a time (``commit_unit="layer"``), likewise."""
+FALLBACKS: dict[str, str] = {"swap": "reload"}
+"""Where ``auto`` goes when the strategy it chose cannot take this model's loaders
+(``LoaderMapError``: they do more than route tensors); a named strategy is refused instead."""
 
-    device = torch.device(model_runner.device)
-    model = model_runner.get_model()
+
+def strategy_class(name: str, unit: CommitUnit = "model") -> type:
+    """The class registered as ``name`` for ``unit`` (``STRATEGIES``, ``LAYER_STRATEGIES``), imported now."""
+    registry = LAYER_STRATEGIES if unit == "layer" else STRATEGIES
+    if name not in registry:
+        raise ValueError(f"inflight: no commit strategy {name!r} for commit_unit={unit!r} (known: {sorted(registry)})")
+    module, _, cls = registry[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def _copy_checks(model: torch.nn.Module, strategy: CommitChoice, device: torch.device,
+                 schema: TensorSchema) -> tuple[list[str], str | None]:
+    """What ``resolve_strategy`` needs to judge a copy: the layer kinds it would leave stale,
+    and on CPU the kernel the GEMM dispatch prepacks for."""
     # a copy is checked for stale post-load state wherever it may be chosen: on GPU by ``auto``,
     # on CPU only when named (``auto`` never picks it there)
     check_copy = strategy == "copy" or (strategy == "auto" and device.type != "cpu")
@@ -137,34 +162,46 @@ def make_strategy(model_runner: Any, strategy: CommitChoice, schema: TensorSchem
     prepack = None
     if device.type == "cpu" and strategy == "copy":
         prepack = cpu_gemm_prepacking(p.dtype for p in model.parameters() if p.is_floating_point())
-    chosen = resolve_strategy(strategy, device, quantized, eager, refused, prepack)
+    return refused, prepack
+
+
+def make_strategy(model_runner: Any, strategy: CommitChoice, schema: TensorSchema, *, quantized: bool,
+                  eager: bool, commit_unit: CommitUnit = "model", window: int = 2) -> CommitStrategy:
+    """The commit strategy for this engine; ``auto`` falls back from swap to reload when the
+    model's loaders do more than route tensors (``FALLBACKS``). ``commit_unit="layer"``: the
+    swap or copy commit one layer group at a time (``window`` groups prepared at most), or an
+    error saying why not. Reads only ``model_runner.device`` and ``model_runner.get_model()``
+    before the chosen class's ``build``."""
+    device = torch.device(model_runner.device)
+    model = model_runner.get_model()
+    chosen = resolve_strategy(strategy, device, quantized, eager, *_copy_checks(model, strategy, device, schema))
     model_class = type(model).__name__
     shapes = {n: (shape, torch_dtype(dt)) for n, (shape, dt) in schema.tensors.items()}
     if commit_unit == "layer":
-        if chosen == "reload":
+        if chosen not in LAYER_STRATEGIES:
             raise ValueError("inflight: commit_unit='layer' needs the swap commit (an eager, unquantized CPU engine) or "
-                             "the copy commit (CUDA, unquantized); this engine commits with 'reload'")
-        from inflight.engine.commit.layer_copy import LayerCopyApplier
-        from inflight.engine.commit.layer_swap import LayerSwapApplier
+                             f"the copy commit (CUDA, unquantized); this engine commits with {chosen!r}")
+        try:
+            return strategy_class(chosen, "layer").build(model_runner, shapes, window=window)
+        except LoaderMapError as e:
+            raise LoaderMapError(f"inflight: commit_unit='layer' is not possible for {model_class}: {e}") from e
+    return _build(model_runner, strategy, chosen, shapes, model_class)
 
-        try:
-            if chosen == "swap":
-                return LayerSwapApplier(model, shapes, window=window)
-            return LayerCopyApplier(model_runner, shapes, window=window)
-        except RoutingError as e:
-            raise RoutingError(f"inflight: commit_unit='layer' is not possible for {model_class}: {e}") from e
-    if chosen == "swap":
-        try:
-            return SwapApplier(model, shapes)
-        except RoutingError as e:
-            if strategy == "swap":
-                raise RoutingError(f"inflight: commit='swap' is not possible for {model_class}: {e}") from e
-            log.warning("inflight: swap commits unavailable for %s (%s); using reload", model_class, e)
-            chosen = "reload"
-        except Exception as e:  # a model's loader we did not foresee: refuse, naming it, rather than a bare error
-            raise RuntimeError(f"inflight: building the swap commit for {model_class} failed: {e!r}; "
-                               f"start with InflightConfig(commit='reload')") from e
+
+def _build(model_runner: Any, strategy: CommitChoice, chosen: Resolved, shapes: Shapes,
+           model_class: str) -> CommitStrategy:
+    """Build ``chosen`` (``strategy``: what was asked for), or under ``auto`` its fallback
+    (``FALLBACKS``) when the model's loaders do more than route tensors."""
+    fallback = FALLBACKS.get(chosen)
     try:
-        return InStorageApplier(model_runner, chosen, shapes)
-    except Exception as e:
-        raise RuntimeError(f"inflight: building the {chosen} commit for {model_class} failed: {e!r}") from e
+        return strategy_class(chosen).build(model_runner, shapes)
+    except LoaderMapError as e:
+        if fallback is None:
+            raise RuntimeError(f"inflight: building the {chosen} commit for {model_class} failed: {e!r}") from e
+        if strategy != "auto":
+            raise LoaderMapError(f"inflight: commit={chosen!r} is not possible for {model_class}: {e}") from e
+        log.warning("inflight: %s commits unavailable for %s (%s); using %s", chosen, model_class, e, fallback)
+    except Exception as e:  # a model's loader we did not foresee: refuse, naming it, rather than a bare error
+        hint = "" if fallback is None else f"; start with InflightConfig(commit={fallback!r})"
+        raise RuntimeError(f"inflight: building the {chosen} commit for {model_class} failed: {e!r}{hint}") from e
+    return _build(model_runner, fallback, fallback, shapes, model_class)

@@ -46,10 +46,10 @@ from inflight.transport.layout import TensorSchema
 log = logging.getLogger("inflight")
 
 
-class LoRASlotApplier:
+class LoRASlotStrategy:
     """One worker's adapter slot: prepared images of the next version, and the live one's."""
 
-    strategy = "lora"
+    name = "lora"
     needs_rollback_copy = False  # the previous version's images are kept from its own commit
 
     def __init__(self, model_runner: Any, spec: AdapterSpec, schema: TensorSchema) -> None:

@@ -3,25 +3,25 @@ the engine's critical path, and the commit itself only swaps module attributes.
 
 Why it is needed: on CPU a commit through vLLM's layerwise reload re-packs every linear
 weight for oneDNN inside the stall (tens of ms even for a tiny model; creating the oneDNN
-handles alone is ~5 ms per layer here). vLLM routes each checkpoint tensor through a
+handles alone is ~5 ms per layer here). vLLM sends each checkpoint tensor through a
 per-parameter ``weight_loader`` that writes into whatever parameter it is handed, and the
 CPU GEMM dispatch keeps its result in plain module attributes (``cpu_linear``, an empty
 ``weight``). So, in the listener thread:
 
-1. ``RoutingPlan.record`` (``inflight.engine.commit.routing_plan``, once, at start): run the
+1. ``LoaderMap.record`` (``inflight.engine.commit.loaders``, once, at start): run the
    model's own ``load_weights`` with recording loaders to learn which parameter's loader
    takes each checkpoint name; a model whose ``load_weights`` transforms tensors on the way
    is refused, and the caller falls back to ``reload``.
-2. ``SwapApplier.feed`` (bucket by bucket, during the receive) and ``prepare`` (after the
+2. ``SwapStrategy.feed`` (bucket by bucket, during the receive) and ``prepare`` (after the
    last bucket): fill shadow parameters (shaped from the pre-processing metadata vLLM
    recorded at model construction) with the staged tensors, and run each layer's
    ``process_weights_after_loading`` on a shallow copy of the layer (the re-pack) as soon
-   as its tensors are all in (``inflight.engine.commit.readiness``). The filling replays a load
-   plan recorded once at start from the real loaders (``inflight.engine.commit.load_plan``: one
+   as its tensors are all in (``Countdown``, below). The filling replays a load
+   plan recorded once at start from the real loaders (``inflight.engine.commit.loaders``: one
    ``_foreach_copy_`` per bucket, no Python loaders) into reused buffers
-   (``inflight.engine.commit.shadow_sets``); ``load_plan=False`` runs the loaders into fresh shadows.
+   (``ShadowSets``, below); ``load_plan=False`` runs the loaders into fresh shadows.
    Live modules are not touched; a failure here refuses the update.
-3. ``SwapApplier.apply`` (under the commit coordinator's lock): assign the prepared parameters and
+3. ``SwapStrategy.apply`` (under the commit coordinator's lock): assign the prepared parameters and
    attributes to the live modules, keeping the previous ones for an instant rollback in the
    commit's own window (another rank of the engine failed); once the engine keeps the
    commit (``release_rollback``) they are let go, so one spare set of modules exists at a
@@ -29,27 +29,81 @@ CPU GEMM dispatch keeps its result in plain module attributes (``cpu_linear``, a
 
 Only for eager CPU engines: compiled graphs and CUDA graphs capture parameter storage, so
 there the copy-into-storage commits are the right ones.
+
+Which layers of a streamed update are complete, as its checkpoint tensors arrive
+(``Dependencies``, ``Countdown``).
+
+Why: a swap commit re-packs every layer (the CPU oneDNN handles) before the version can go
+live, and that re-pack is most of an update's staging time on a real model. The tensors
+arrive bucket by bucket, in checkpoint order, so the first layers are complete long before
+the last bucket lands. Re-packing each layer as soon as the last tensor it reads has been
+verified overlaps the re-pack with the rest of the receive, instead of running it after.
+
+A layer is re-packed from its own parameters only (``process_weights_after_loading`` of
+one module), which is what lets vLLM's own layerwise reload process a layer as soon as its
+weights are loaded; this is the same rule, applied to shadow parameters. Tied parameters
+(an LM head sharing the embedding) make a layer wait on another layer's tensors: a layer
+waits on every parameter it holds, and a parameter on every tensor whose loader writes it.
+
+Computed once per engine (``Dependencies``); each update walks a fresh ``Countdown``.
+
+Where a ``swap`` commit's prepared weights are written, reused across updates (``ShadowSets``).
+
+Why: allocating fresh shadow parameters for every update costs a page fault per 4 KiB on
+first touch (the kernel zeroes each page: ~0.1-0.2 s per 0.5 GB here), and a load plan's
+destination views would have to be rebuilt per update (Python per tensor, on the engine's
+GIL). Reused buffers have neither cost.
+
+Which buffers can be reused, learned from the first update:
+- *consumed* parameters: the CPU re-pack reads them into its own packed copy (a oneDNN
+  handle, a packed MoE weight) and the prepared module no longer holds them. One scratch
+  set serves every update: nothing live reads it.
+- *kept* parameters (embeddings, norms, biases): the prepared module holds them, so they
+  become live. They rotate through two sets: the live version's and the one being
+  prepared. Inside a commit's window the second holds the swapped-out version (for a
+  rollback); the engine keeping the commit releases it (``released``) before the next
+  update is prepared into it, so a third set is made only if one is ever still held then.
+
+A re-pack that replaces a parameter's storage in place (``param.data = ...``), or that
+keeps a tensor sharing a consumed buffer among the module's attributes, would make reuse
+wrong: either one turns reuse off for good (fresh buffers every update, as before).
+
+The ``swap`` commit one layer group at a time (``LayerSwapStrategy``,
+``InflightConfig(commit_unit="layer")``).
+
+Each layer group (``inflight.layer_groups``) is prepared as the whole model is by
+``SwapStrategy``: its staged tensors are copied into fresh shadow parameters by the load plan
+recorded at start (boxes of this rank's shard plan included), its modules are re-packed on
+shallow copies, and the commit swaps the prepared parameters and attributes into the live
+modules of that group only. So a rank holds the shadows of at most ``window`` groups, not of
+a model, and a commit's stall is one group's swap.
+
+Ordering invariants:
+- groups are prepared and applied in the order they arrive (a FIFO): the listener hands the
+  engine one group at a time, so ``apply`` always takes the oldest prepared group;
+- a group's modules are exactly the modules whose parameters its tensors fill, each module in
+  one group, and every parameter of those modules is filled by the group's tensors (checked
+  at start, or the model is refused with the reason): a swap never leaves a module half new;
+- the modules a commit swapped out are kept until the engine keeps the commit (``undo`` puts
+  them back inside the commit's window when another rank failed), then freed off the engine
+  thread, at the next ``prepare``.
 """
 
 from __future__ import annotations
 
 import types
 import copy
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from inflight.engine.commit.postload import process_after_loading
-from inflight.engine.commit.load_plan import LoadPlan
-from inflight.engine.commit.readiness import Countdown, Dependencies
-from inflight.engine.commit.routing_plan import RoutingError, RoutingPlan, Route
-from inflight.engine.commit.shadow_sets import ShadowSets
+from inflight.engine.commit.loaders import LoadPlan, LoaderMapError, LoaderMap, LoaderCall, Shapes, process_after_loading
+from inflight.layer_groups import LayerGroups
 from inflight.protocol import ShardPlan
-
-__all__ = ["RoutingError", "SwapApplier"]
 
 _STRUCTURAL = frozenset({"_parameters", "_buffers", "_modules"})
 
@@ -97,6 +151,148 @@ def parameter_aliases(model: torch.nn.Module, owners: list[torch.nn.Module]) -> 
         visit(module, 0)
     return found
 
+# which layers are complete (readiness) -------------------------------------------------------
+
+class Dependencies:
+    def __init__(self, writers: Mapping[str, Iterable[int]], layers: Sequence[Iterable[int]]) -> None:
+        """``writers[name]``: the parameter keys ``name``'s loaders write; ``layers[i]``: the
+        parameter keys layer ``i`` holds. Every key a layer holds must have a writer."""
+        self._keys_of_name = {name: frozenset(keys) for name, keys in writers.items()}
+        names_per_key: dict[int, int] = {}
+        for keys in self._keys_of_name.values():
+            for k in keys:
+                names_per_key[k] = names_per_key.get(k, 0) + 1
+        self._names_per_key = names_per_key
+        self._layers_of_key: dict[int, list[int]] = {}
+        self._keys_per_layer: list[int] = []
+        for i, keys in enumerate(layers):
+            keys = frozenset(keys)
+            unwritten = [k for k in keys if k not in names_per_key]
+            if unwritten:
+                raise ValueError(f"layer {i} holds parameters no checkpoint tensor writes ({len(unwritten)})")
+            for k in keys:
+                self._layers_of_key.setdefault(k, []).append(i)
+            self._keys_per_layer.append(len(keys))
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self._keys_of_name)
+
+    def countdown(self) -> Countdown:
+        return Countdown(self)
+
+
+class Countdown:
+    """One update's progress: feed it the tensors that arrived, it names the layers they completed."""
+
+    def __init__(self, deps: Dependencies) -> None:
+        self._deps = deps
+        self._key_left = dict(deps._names_per_key)
+        self._layer_left = list(deps._keys_per_layer)
+        self.seen: set[str] = set()
+
+    def ready_at_start(self) -> list[int]:
+        """Layers that hold no parameter at all: complete before any tensor."""
+        return [i for i, n in enumerate(self._layer_left) if n == 0]
+
+    def arrived(self, names: Iterable[str]) -> list[int]:
+        """Mark ``names`` as loaded; return the layers that became complete, in order."""
+        done: list[int] = []
+        for name in names:
+            if name in self.seen:
+                raise ValueError(f"checkpoint tensor {name!r} arrived twice in one update")
+            keys = self._deps._keys_of_name.get(name)
+            if keys is None:
+                raise KeyError(f"checkpoint tensor {name!r} is not part of this model's updates")
+            self.seen.add(name)
+            for k in keys:
+                self._key_left[k] -= 1
+                if self._key_left[k] == 0:
+                    for layer in self._deps._layers_of_key.get(k, ()):
+                        self._layer_left[layer] -= 1
+                        if self._layer_left[layer] == 0:
+                            done.append(layer)
+        return sorted(done)
+
+    def missing(self) -> list[str]:
+        return sorted(self._deps.names - self.seen)
+
+# reused shadow buffers -----------------------------------------------------------------------
+
+_SETS = 3  # live, previous (inside a commit's window only), being prepared
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class ShadowSets:
+    def __init__(self) -> None:
+        self.reuse = True
+        self._consumed: frozenset[int] | None = None  # learned from the first update
+        self._sets: list[dict[int, torch.nn.Parameter]] = []
+        self._destinations: list[list[torch.Tensor]] = []
+        self._ptrs: list[dict[int, int]] = []
+        self.live: int | None = None
+        self.previous: int | None = None
+        self.prepared: int | None = None
+
+    def take(self, make: Callable[[torch.Tensor, torch.nn.Module], torch.nn.Parameter],
+             templates: Mapping[int, tuple[torch.Tensor, torch.nn.Module]],
+             plan: LoadPlan) -> tuple[dict[int, torch.nn.Parameter], list[torch.Tensor]]:
+        """The shadow parameters to prepare the next version into, and the plan's views of them."""
+        if not self.reuse:
+            shadows = {k: make(t, owner) for k, (t, owner) in templates.items()}
+            self.prepared = None
+            return shadows, plan.destinations(shadows)
+        s = next(i for i in range(_SETS) if i not in (self.live, self.previous))
+        if s == len(self._sets):  # sets are made in index order, on first need
+            scratch = {} if not self._sets else {k: self._sets[0][k] for k in self._consumed or ()}
+            shadows = {k: scratch[k] if k in scratch else make(t, owner) for k, (t, owner) in templates.items()}
+            self._sets.append(shadows)
+            self._destinations.append(plan.destinations(shadows))
+            self._ptrs.append({k: _ptr(p) for k, p in shadows.items()})
+        self.prepared = s
+        return self._sets[s], self._destinations[s]
+
+    def settle(self, shadows: Mapping[int, torch.nn.Parameter], states: list[Any]) -> None:
+        """After the re-pack of a version prepared into ``take``'s buffers: learn (first
+        update) which buffers it consumed, and turn reuse off if it broke the assumptions."""
+        if not self.reuse or self.prepared is None:
+            return
+        moved = [k for k, p in shadows.items() if _ptr(p) != self._ptrs[self.prepared][k]]
+        held = {id(p) for st in states for p in st.params.values() if p is not None}
+        attr_ptrs = {_ptr(v) for st in states for v in st.attrs.values() if isinstance(v, torch.Tensor)}
+        consumed = frozenset(k for k, p in shadows.items() if id(p) not in held)
+        if moved or any(_ptr(shadows[k]) in attr_ptrs for k in consumed):
+            self._off()
+            return
+        if self._consumed is None:
+            self._consumed = consumed
+        elif consumed != self._consumed:  # the re-pack changed its mind: trust nothing reused
+            self._off()
+
+    def _off(self) -> None:
+        self.reuse = False
+        # the buffers stay referenced by whatever live or previous state holds them; drop ours
+        self._sets, self._destinations, self._ptrs = [], [], []
+        self.live = self.previous = self.prepared = None
+
+    # the strategy's transitions ------------------------------------------------------------
+    def applied(self) -> None:
+        self.previous, self.live, self.prepared = self.live, self.prepared, None
+
+    def rolled_back(self) -> None:
+        self.live, self.previous = self.previous, self.live
+
+    def released(self) -> None:
+        self.previous = None
+
+    def discard(self) -> None:
+        self.prepared = None
+
+# the whole-model swap ------------------------------------------------------------------------
+
 @dataclass
 class _Update:
     """The version being prepared: its shadow parameters, the plan's views of them, and progress."""
@@ -108,8 +304,8 @@ class _Update:
     repacks: list[Future] = field(default_factory=list)  # the re-pack thread's work for this update
 
 
-class SwapApplier:
-    strategy = "swap"
+class SwapStrategy:
+    name = "swap"
     needs_rollback_copy = False  # it swaps the old modules back
 
     def __init__(self, model: torch.nn.Module, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *,
@@ -117,7 +313,7 @@ class SwapApplier:
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         self.model = model
-        self.plan = RoutingPlan.record(model, shapes)
+        self.plan = LoaderMap.record(model, shapes)
         self._owners: list[torch.nn.Module] = [m for m in model.modules() if m._parameters]
         # Slots are (module, name), fixed now: a swap replaces the parameter objects, and a
         # tied parameter's slots share one key (the id of the object they shared at start).
@@ -145,12 +341,18 @@ class SwapApplier:
             s.name: ((s.start, s.length), shapes[s.name][0]) for s in self._shard_plan.shards}
         self._targets = ShadowSets()
         self._deps = Dependencies(
-            {name: [r.param_id for r in rs] for name, rs in self.plan.routes.items()},
+            {name: [r.param_id for r in rs] for name, rs in self.plan.calls.items()},
             [[self._slot_key[(id(m), n)] for n, p in m._parameters.items() if p is not None] for m in self._owners])
         self._update: _Update | None = None
         self._pool: ThreadPoolExecutor | None = None  # the re-pack thread, started on the first update
 
-    def _loader_call(self, route: Route):
+    @classmethod
+    def build(cls, model_runner: Any, shapes: Shapes, *, window: int = 2) -> SwapStrategy:
+        """The strategy registry's constructor (``commit.base.make_strategy``); the whole
+        model commits at once, so ``window`` is not used."""
+        return cls(model_runner.get_model(), shapes)
+
+    def _loader_call(self, route: LoaderCall):
         def call(target: torch.Tensor, tensor: torch.Tensor) -> None:
             loader = getattr(target, "weight_loader", None)  # vLLM's v2 parameters expose it as a property
             if loader is None:
@@ -160,8 +362,8 @@ class SwapApplier:
 
     def _record_load_plan(self, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> LoadPlan:
         scratch = self._shadows()
-        routes = {name: [(r.param_id, self._loader_call(r)) for r in rs] for name, rs in self.plan.routes.items()}
-        return LoadPlan.record(shapes, routes, scratch)
+        calls_of = {name: [(r.param_id, self._loader_call(r)) for r in rs] for name, rs in self.plan.calls.items()}
+        return LoadPlan.record(shapes, calls_of, scratch)
 
     def shard_plan(self) -> ShardPlan | None:
         """What the recorded load plan reads of each checkpoint tensor (None without a plan)."""
@@ -189,7 +391,7 @@ class SwapApplier:
     @torch.no_grad()
     def feed(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Load these tensors of the version being staged (verified, each once) into the shadow
-        parameters, and re-pack every layer they complete (``inflight.engine.commit.readiness``); live
+        parameters, and re-pack every layer they complete (``Countdown``); live
         modules are untouched. The listener calls it bucket by bucket, during the receive."""
         u = self._current()
         if not weights:
@@ -283,7 +485,7 @@ class SwapApplier:
     def _load(self, weights: Mapping[str, torch.Tensor], shadows: dict[int, torch.nn.Parameter]) -> None:
         """The model's own loaders (without a load plan, or for what the plan could not prove)."""
         for name, tensor in weights.items():
-            for route in self.plan.routes[name]:
+            for route in self.plan.calls[name]:
                 self._loader_call(route)(shadows[route.param_id], tensor)
 
     def _repack_one(self, live: torch.nn.Module, shadows: Mapping[int, torch.nn.Parameter]) -> _ModuleState:
@@ -368,3 +570,104 @@ class SwapApplier:
                 m.__dict__.pop(k, None)
             else:
                 m.__dict__[k] = v
+
+# one layer group at a time -------------------------------------------------------------------
+
+class LayerSwapStrategy(SwapStrategy):
+    """``swap``, committing one layer group per commit."""
+
+    name = "swap"
+
+    def __init__(self, model: torch.nn.Module, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *,
+                 window: int = 2) -> None:
+        super().__init__(model, shapes, load_plan=True)
+        self.window = window
+        self.groups = LayerGroups.of(shapes)
+        owner_keys = [[self._slot_key[(id(m), n)] for n, p in m._parameters.items() if p is not None] for m in self._owners]
+        filled = [{r.param_id for n in names for r in self.plan.calls[n]} for names in self.groups]
+        self._members: list[list[int]] = [[] for _ in self.groups]
+        for i, keys in enumerate(owner_keys):
+            hit = sorted(g for g, ks in enumerate(filled) if ks & set(keys))
+            if len(hit) > 1:
+                raise LoaderMapError(f"{type(self._owners[i]).__name__} holds parameters of layer groups {hit}: a "
+                                   "layer-granular commit needs each module in one group")
+            if hit:
+                self._members[hit[0]].append(i)
+        self._keys: list[set[int]] = []
+        for g, members in enumerate(self._members):
+            keys = {k for i in members for k in owner_keys[i]}
+            if not keys <= filled[g]:
+                raise LoaderMapError(f"layer group {g} ({self.groups[g][0]}, ...) leaves parameters of its modules unfilled")
+            self._keys.append(keys)
+        self._writes_of_group = [[i for n in names for i in self._writes_of.get(n, ())] for names in self.groups]
+        self._ready_groups: deque[tuple[int, list[_ModuleState]]] = deque()
+
+    @classmethod
+    def build(cls, model_runner: Any, shapes: Shapes, *, window: int = 2) -> LayerSwapStrategy:
+        """The strategy registry's constructor (``commit.base.make_strategy``)."""
+        return cls(model_runner.get_model(), shapes, window=window)
+
+    def group_bytes(self) -> list[int]:
+        """Each group's parameter bytes on this rank (what its shadows hold)."""
+        return [sum(self._templates[k][0].numel() * self._templates[k][0].element_size() for k in keys)
+                for keys in self._keys]
+
+    def held_bytes(self) -> int:
+        """At most ``window`` prepared groups beside the live modules: their shadows and the
+        re-packed copies the CPU GEMM keeps (a bound, as for the whole model)."""
+        return 2 * self.window * max(self.group_bytes(), default=0)
+
+    @torch.no_grad()
+    def feed(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Nothing per bucket: a group is small, and is prepared whole in ``prepare``."""
+
+    @torch.no_grad()
+    def prepare(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Build group ``g``'s new modules from its staged tensors (exactly that group's)."""
+        self._released = None  # what the last kept commit swapped out: freed here, off the engine thread
+        g = self.groups.group_of_update(weights)
+        shadows = {k: self._shadow(*self._templates[k]) for k in self._keys[g]}
+        planned = self._writes_of_group[g]
+        if planned:
+            self._copy(self._views(shadows, planned), self.load_plan.sources(weights, planned, self._boxes))
+        self.load_plan.fill(shadows, weights.keys())
+        self._load({n: t for n, t in weights.items() if n in self.load_plan.loaded}, shadows)
+        self._ready_groups.append((g, [self._repack_one(self._owners[i], shadows) for i in self._members[g]]))
+
+    def _views(self, shadows: Mapping[int, torch.Tensor], indices: list[int]) -> list[torch.Tensor]:
+        out = []
+        for i in indices:
+            w = self.load_plan.writes[i]
+            base = shadows[w.key].data
+            shape, stride, offset = w.dst
+            out.append(base.as_strided(shape, stride, base.storage_offset() + offset))
+        return out
+
+    def discard(self) -> None:
+        """Drop every prepared group (the listener calls it when nothing is in the engine's hands)."""
+        self._ready_groups.clear()
+        self._released = None
+
+    def apply(self) -> None:
+        """Swap the oldest prepared group in (call under the commit coordinator's lock)."""
+        if not self._ready_groups:
+            raise RuntimeError("layer commit without a prepared group")
+        _, states = self._ready_groups.popleft()
+        previous = self._swap(states)
+        self._release(self._previous)
+        self._previous = previous
+
+    def undo(self, previous: object) -> None:
+        """Take back a successful ``apply`` (another rank of the engine failed this group)."""
+        if self._previous is None:
+            raise RuntimeError("no applied group to take back")
+        self._swap(self._previous)
+        self._previous = None
+
+    def release_rollback(self) -> None:
+        self._release(self._previous)
+        self._previous = None
+
+    def close(self) -> None:
+        self.discard()
+        super().close()

@@ -36,9 +36,8 @@ import torch
 from torch.distributed import PrefixStore
 
 from inflight.transport.errors import TransportTimeout
-from inflight.transport.group import GroupConfig
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, PushResult, WeightPusher
-from inflight.transport.sender import Tamper
 from inflight.transport.sources import ShardedSource, Weights
 from inflight.transport.store import host_store
 
@@ -81,12 +80,12 @@ class FleetPusher:
         re-form, is out until it knocks and is let back in with ``rejoin``)."""
         return [e for e, p in self.pushers.items() if p.group.roster]
 
-    def push_async(self, version: int, weights: Weights, *, engines: Sequence[int] | None = None,
-                   tamper: Mapping[int, Tamper] | None = None) -> dict[int, Future[PushResult]]:
+    def push_async(self, version: int, weights: Weights, *,
+                   engines: Sequence[int] | None = None) -> dict[int, Future[PushResult]]:
         """Start ``version`` towards ``engines`` (default: the live ones); each engine's future
         resolves when that engine committed it (or failed). Every engine's update is laid out
         before any is sent, so bad input (or one engine's bad shard plan) raises here and no
-        engine sees anything. ``tamper``: per engine, the pusher's fault-injection seam."""
+        engine sees anything."""
         engines = self.live if engines is None else list(engines)
         if not engines:
             raise ValueError(f"push of v{version}: no engine to push to (none is live)")
@@ -94,8 +93,7 @@ class FleetPusher:
             raise ValueError("a ShardedSource gathers in the order of one push; push it to one engine's "
                              "WeightPusher at a time, or push plain tensors to the fleet")
         laid_out = {e: self.pushers[e].lay_out(version, weights) for e in engines}
-        tamper = tamper or {}
-        return {e: self.pushers[e].push_laid_out(packed, tamper=tamper.get(e)) for e, packed in laid_out.items()}
+        return {e: self.pushers[e].push_laid_out(laid) for e, laid in laid_out.items()}
 
     def push(self, version: int, weights: Weights, *, engines: Sequence[int] | None = None) -> dict[int, PushResult]:
         """Push to ``engines`` (default: the live ones) and wait for all; raise ``FleetPushError``

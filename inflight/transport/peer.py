@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from inflight.staging import StagedVersion, StagingPool
-from inflight.transport.group import GroupConfig, WeightGroup
+from inflight.transport.group import WeightGroup
+from inflight.transport.group_config import GroupConfig
 from inflight.transport.layout import TensorSchema
 from inflight.transport.listener import CommitInfo, UpdateListener
 

@@ -1,4 +1,7 @@
-"""Trainer side of a weight update: ``WeightPusher.push(version, named_tensors)``.
+"""Trainer side of a weight update: ``WeightPusher.push(version, named_tensors)``, the whole
+model at once or one layer group at a time; the ``BucketSender`` that streams its buckets; the
+``ReadFence`` between a push's reads and the optimizer's writes; and what a push laid out
+(``LaidOut``) and came to (``PushResult``, ``PushRejected``, ``LayerPushIncomplete``).
 
 Ordering invariants (rank 0 is the only writer, so it alone decides the sequence):
 1. ``announce`` before any bucket; buckets only when *every* worker accepted, otherwise a
@@ -7,6 +10,47 @@ Ordering invariants (rank 0 is the only writer, so it alone decides the sequence
    engines never end up on different versions because one of them saw a bad bucket;
 3. ``push`` returns after every worker replied ``Committed``: from then on every token the
    engines sample is tagged with the new version.
+
+The data plane (``BucketSender``): ``lay_out`` / ``lay_out_each`` give the announces without reading
+a byte; ``send_each`` then packs each bucket from a ``Source`` of the caller's tensors as it
+goes out (``inflight.transport.layout``). The sender keeps no update between the two: the
+caller hands the announces and their source to ``send_each``.
+- buckets go round-robin over the destinations (bucket 0 of each, then bucket 1, ...), at
+  most two in flight per destination: bucket i is packed into the buffer bucket i - 2 used,
+  after that send completed, so the trainer holds two buckets per destination;
+- every read of the caller's tensors happens before ``on_read_done`` runs (it runs once the
+  last bucket is packed, before the last sends complete): from then on the caller may write
+  its parameters (``optimizer.step``) while the update is still on the wire;
+- a source that fails mid-stream sends every destination with buckets left an ``Abort`` frame
+  in place of its next header, and nothing after it: the receivers stop in step, and the
+  pusher can go on with the group.
+
+A layer-granular update (engines with ``commit_unit="layer"``, ``WeightPusher._push_layers``)
+of version v goes out as one announce per layer group, in the commit order both sides derive
+from the tensor names (``inflight.layer_groups``); each engine commits each group at its next
+step boundary once every one of its ranks staged and verified it, with no ``Commit`` from the
+trainer (``inflight.transport.listener``).
+- group k's buckets go out only once every worker accepted group k, and a worker accepts
+  it only with room to stage it: sending is paced by the engines' commits (back-pressure),
+  and a worker never stages more than its ``staged_groups``;
+- the first group any worker refuses ends the update: its buckets are replaced by an abort
+  frame, no later group is sent, and the groups before it commit (each was verified). The
+  engines serve that hybrid, and ``LayerPushIncomplete`` says how many groups landed;
+- the caller's tensors are read group by group as the buckets go out; the read fence
+  (``WeightPusher.wait_reads``) opens after the last group's buckets are packed.
+
+When a push has read the trainer's tensors (``ReadFence``): a push reads the live parameters
+as its buckets are packed, while the trainer goes on with the next forward and backward; the
+optimizer may write a parameter only after the push read it. On the host that is an event the
+push sets after its last bucket is packed. On CUDA the push packs and checksums on a stream of
+its own, so sending overlaps training rather than queueing behind it on the stream training
+uses, and two CUDA events order the streams:
+
+    trainer's stream:  ... optimizer.step | begin: record `begun` | forward, backward ... | wait: wait `read` | optimizer.step
+    push's stream:                          wait `begun` | pack 0 | pack 1 | ... | pack n-1 | done: record `read`
+
+CUDA is used only by a trainer that already initialized it (its tensors are on a GPU): a
+CPU trainer on a machine with a GPU creates no context.
 """
 
 from __future__ import annotations
@@ -15,37 +59,370 @@ import atexit
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import msgspec
 import torch
 from torch.distributed import TCPStore
 
+from inflight.auth import bucket_mac
+from inflight.layer_groups import layer_groups
 from inflight.protocol import (
     Abort,
     Accepted,
+    BucketHeader,
+    BucketSpec,
+    ChecksumAlgo,
     Commit,
     Committed,
     Left,
     ProtocolError,
+    Rejected,
+    ReplyMessage,
+    ShardPlan,
     Shutdown,
     Staged,
     UpdateAnnounce,
 )
 from inflight.settings import ChecksumChoice, PushDtype, check_choices
-from inflight.shard_plan import check_digest
-from inflight.transport.layer_pusher import push_layers, split
-from inflight.transport.outcomes import Packed, PushRejected, PushResult, _split
-from inflight.transport.sender import BucketSender, SendStats, SourceError, Tamper
-from inflight.transport.control import TrainerControl
+from inflight.shard_plan import check_digest, inside
 from inflight.transport.errors import TransportError, member
-from inflight.transport.group import GroupConfig, WeightGroup
-from inflight.transport.layout import dtype_name
-from inflight.transport.packing import aligned_bucket_bytes, first_use_order
-from inflight.transport.read_fence import ReadFence
-from inflight.transport.sources import ShardedSource, Weights, weights_of
+from inflight.transport.group import TrainerControl, WeightGroup
+from inflight.transport.group_config import GroupConfig
+from inflight.transport.layout import (ALIGN, MappingSource, Source, WindowFiller, aligned_bucket_bytes, bucket_windows, checksum,
+                                       dtype_name, first_use_order, frame, mac_context, plan_tensors)
+from inflight.transport.sources import ShardedSource, SourceError, Weights, weights_of
 from inflight.transport.store import wait_key
+
+
+@dataclass(frozen=True)
+class SendStats:
+    version: int
+    nbytes: int
+    """The update's bytes: once for a broadcast, each worker's own summed for point-to-point."""
+    buckets: int
+    pack_s: float
+    """Time spent filling, checksumming and sealing buckets (inside ``send_s``)."""
+    send_s: float
+    read_s: float = 0.0
+    """From the first bucket until the last one was packed: how long the caller's tensors were read."""
+    delivered_bytes: int = 0
+    """The bytes the workers received: a broadcast's once per member (a tensor parallel
+    engine without shard plans gets the whole update on each of its T workers)."""
+
+    def __add__(self, other: SendStats) -> SendStats:
+        return SendStats(version=self.version, nbytes=self.nbytes + other.nbytes, buckets=self.buckets + other.buckets,
+                         pack_s=self.pack_s + other.pack_s, send_s=self.send_s + other.send_s,
+                         read_s=self.read_s + other.read_s, delivered_bytes=self.delivered_bytes + other.delivered_bytes)
+
+
+# A fault-injection seam for tests and drills: may replace a bucket's header and bytes. It is a
+# sender's private hook (``BucketSender._tamper``, set by ``tests/helpers.py``'s ``tampering``),
+# never an argument of a push.
+Tamper = Callable[[BucketHeader, torch.Tensor], tuple[BucketHeader, torch.Tensor]]
+
+
+def _buckets(total: int, bucket_bytes: int) -> tuple[BucketSpec, ...]:
+    return tuple(BucketSpec(index=i, offset=o, nbytes=n) for i, (o, n) in enumerate(bucket_windows(total, bucket_bytes)))
+
+
+
+def _wire_dtypes(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
+                 dtypes: Mapping[str, str] | None) -> dict[str, str]:
+    """Each tensor's wire dtype: ``dtypes``' for the names it holds, else ``dtype`` (None: the tensor's own)."""
+    return {name: (dtypes or {}).get(name) or dtype_name(dtype or t.dtype) for name, t in named.items()}
+
+class BucketSender:
+    """Rank 0: two bucket buffers per destination, reused across versions."""
+
+    def __init__(self, group: WeightGroup, *, bucket_bytes: int, checksum_algo: ChecksumAlgo) -> None:
+        if group.rank != 0:
+            raise ValueError("only rank 0 sends weights")
+        if bucket_bytes <= 0 or bucket_bytes % ALIGN:
+            raise ValueError(f"bucket_bytes={bucket_bytes} must be a positive multiple of {ALIGN} "
+                             "(bucket boundaries fall between elements)")
+        self.group = group
+        self.bucket_bytes = bucket_bytes
+        self.checksum_algo = checksum_algo
+        self._buffers: dict[int | None, list[torch.Tensor]] = {}
+        self._tamper: Tamper | None = None  # the fault-injection seam: runs on each bucket before it is sent
+
+    def lay_out(self, version: int, named: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
+             dtypes: Mapping[str, str] | None = None) -> UpdateAnnounce:
+        """Lay ``named`` out (cast to ``dtype`` if given; ``dtypes``: the wire dtype of the
+        tensors the engine keeps in a dtype of their own, ``Joined.wire_dtypes``) and describe
+        it from names, shapes and dtypes alone; nothing is read until ``send``."""
+        wire = _wire_dtypes(named, dtype, dtypes)
+        tensors, total = plan_tensors((name, tuple(t.shape), wire[name]) for name, t in named.items())
+        return UpdateAnnounce(version=version, total_bytes=total, bucket_bytes=self.bucket_bytes,
+                              checksum_algo=self.checksum_algo, tensors=tensors, buckets=_buckets(total, self.bucket_bytes))
+
+    def lay_out_each(self, version: int, named: Mapping[str, torch.Tensor], plans: Mapping[int, ShardPlan | None],
+                  dtype: torch.dtype | None = None, dtypes: Mapping[str, str] | None = None) -> dict[int, UpdateAnnounce]:
+        """For each worker, lay out the boxes of ``named`` its shard plan asks for (in the
+        update's tensor order), or the whole of ``named`` for a worker without a plan (``lay_out``):
+        one announce per worker, nothing read until ``send_each``."""
+        wire = _wire_dtypes(named, dtype, dtypes)
+        out = {}
+        for rank, plan in plans.items():
+            if plan is None:
+                out[rank] = self.lay_out(version, named, dtype, dtypes)
+                continue
+            boxes = {s.name: (s.start, s.length) for s in plan.shards}
+            # a tensor the plan has no box for that fits goes whole (start ()): the worker refuses
+            # the update naming it, as it would a broadcast one
+            fit = {n: b for n, b in boxes.items() if n in named and inside(*b, named[n].shape)}
+            tensors, total = plan_tensors(((n, fit[n][1] if n in fit else tuple(t.shape), wire[n]) for n, t in named.items()),
+                                          starts={n: fit[n][0] if n in fit else () for n in named})
+            out[rank] = UpdateAnnounce(version=version, total_bytes=total, bucket_bytes=self.bucket_bytes,
+                                       checksum_algo=self.checksum_algo, tensors=tensors,
+                                       buckets=_buckets(total, self.bucket_bytes), plan_digest=plan.digest)
+        return out
+
+    def send(self, announce: UpdateAnnounce, source: Source | Mapping[str, torch.Tensor]) -> SendStats:
+        """Broadcast every bucket of ``announce`` (``lay_out``) read from ``source``; returns when all
+        broadcasts completed."""
+        return self.send_each({None: announce}, source)
+
+    def send_each(self, announces: Mapping[int | None, UpdateAnnounce], source: Source | Mapping[str, torch.Tensor], *,
+                  on_read_done: Callable[[], None] | None = None) -> SendStats:
+        """Pack, from ``source`` (a ``Source``, or the tensors by name), and send every bucket of
+        ``{None: announce}`` (``lay_out``: broadcast) or ``{rank: announce}`` (``lay_out_each``: each
+        worker its own), round-robin, at most two buckets in flight per destination. Raises
+        ``SourceError`` (after aborting the stream) if reading the tensors fails."""
+        t0 = time.perf_counter()
+        if isinstance(source, Mapping):
+            source = MappingSource(source)
+        fillers = {r: WindowFiller(a.tensors, source) for r, a in announces.items()}
+        in_flight: dict[int | None, list[list[tuple]]] = {r: [] for r in announces}
+        sent = dict.fromkeys(announces, 0)
+        pack_s, read_s = 0.0, 0.0
+        try:
+            for i in range(max((len(a.buckets) for a in announces.values()), default=0)):
+                for rank, announce in announces.items():
+                    if i >= len(announce.buckets):
+                        continue
+                    while len(in_flight[rank]) >= 2:  # bucket i reuses bucket i - 2's buffer
+                        for p in in_flight[rank].pop(0):
+                            self.group.wait(p)
+                    tp = time.perf_counter()
+                    header, data = self._pack_bucket(rank, announce, i, fillers[rank])
+                    pack_s += time.perf_counter() - tp
+                    if self._tamper is not None:
+                        header, data = self._tamper(header, data)
+                    in_flight[rank].append(self._post_bucket(rank, header, data, len(announce.buckets)))
+                    sent[rank] = i + 1
+            read_s = time.perf_counter() - t0
+        except _SourceFailed as e:
+            self._abort_rest(announces, sent, in_flight, str(e.__cause__))
+            raise SourceError(f"v{e.version}: {e}") from e.__cause__
+        finally:
+            for filler in fillers.values():
+                filler.close()
+            if on_read_done is not None:
+                on_read_done()
+        for pending in in_flight.values():
+            for pair in pending:
+                for p in pair:
+                    self.group.wait(p)
+        first = next(iter(announces.values()))
+        delivered = sum(a.total_bytes * (len(self.group.roster) if r is None else 1) for r, a in announces.items())
+        return SendStats(first.version, sum(a.total_bytes for a in announces.values()),
+                         sum(len(a.buckets) for a in announces.values()), pack_s, time.perf_counter() - t0, read_s,
+                         delivered)
+
+    def _pack_bucket(self, rank: int | None, announce: UpdateAnnounce, i: int,
+                     filler: WindowFiller) -> tuple[BucketHeader, torch.Tensor]:
+        b = announce.buckets[i]
+        buffers = self._buffers.get(rank)
+        if buffers is None or buffers[0].numel() < self.bucket_bytes:
+            buffers = self._buffers[rank] = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.group.device)
+                                             for _ in range(2)]
+        data = buffers[i % 2][:b.nbytes]
+        try:
+            filler.fill(data, b.offset, last=i == len(announce.buckets) - 1)
+        except Exception as e:
+            to = "" if rank is None else f" for rank {rank}"
+            raise _SourceFailed(announce.version, f"reading the tensors of bucket {i}{to} failed: {e}") from e
+        mac = b""
+        if self.group.secret is not None:
+            mac = bucket_mac(self.group.secret, mac_context(self.group, announce.version, i, rank), data)
+        return BucketHeader(version=announce.version, index=i, offset=b.offset, nbytes=b.nbytes,
+                            checksum=checksum(data, self.checksum_algo), mac=mac), data
+
+    def _post_bucket(self, rank: int | None, header: BucketHeader, data: torch.Tensor, n: int) -> list[tuple]:
+        to, v = ("" if rank is None else f" to rank {rank}"), header.version
+        return [self._post(frame(header, self.group.device), rank, f"header of bucket {header.index} of v{v}{to}"),
+                self._post(data, rank, f"bucket {header.index}/{n} of v{v}{to} ({data.numel()} B)")]
+
+    def _abort_rest(self, announces: Mapping[int | None, UpdateAnnounce], sent: Mapping[int | None, int],
+                    in_flight: Mapping[int | None, list[list[tuple]]], reason: str) -> None:
+        """End the stream of every destination that still expects buckets with an ``Abort`` frame."""
+        for rank, announce in announces.items():
+            if sent[rank] < len(announce.buckets):
+                version = announce.version
+                in_flight[rank].append([self._post(frame(Abort(version=version, reason=reason[:120]), self.group.device),
+                                                   rank, f"abort frame of v{version}")])
+        for pending in in_flight.values():
+            for pair in pending:
+                for p in pair:
+                    self.group.wait(p)
+
+    def _post(self, tensor: torch.Tensor, rank: int | None, what: str) -> tuple:
+        if rank is None:
+            return self.group.start_broadcast(tensor, what=what)
+        return self.group.start_send(tensor, rank, what=what)
+
+    def send_abort(self, version: int, reason: str) -> None:
+        """The single ``Abort`` frame that replaces the buckets of a refused update: broadcast,
+        or sent to each worker in a point-to-point generation."""
+        data = frame(Abort(version=version, reason=reason[:120]), self.group.device)
+        ranks = list(self.group.roster) if self.group.point_to_point else [None]
+        for pending in [self._post(data, r, f"abort frame of v{version}") for r in ranks]:
+            self.group.wait(pending)
+
+
+class _SourceFailed(Exception):
+    def __init__(self, version: int, message: str) -> None:
+        super().__init__(message)
+        self.version = version
+
+
+@dataclass(frozen=True)
+class LaidOut:
+    """An update laid out: ``{None: announce}`` (broadcast) or ``{rank: announce}`` (each worker
+    its own), and what its buckets are read from: the caller's tensors by name, or a sharded
+    source that gathers them."""
+
+    announces: dict[int | None, UpdateAnnounce]
+    source: Mapping[str, torch.Tensor] | ShardedSource
+    groups: tuple[dict[int | None, UpdateAnnounce], ...] = ()
+    """A layer-granular update: one layout per layer group (``announces`` is the first)."""
+
+    @property
+    def sharded(self) -> ShardedSource | None:
+        return self.source if isinstance(self.source, ShardedSource) else None
+
+    @property
+    def version(self) -> int:
+        return next(iter(self.announces.values())).version
+
+
+class PushRejected(RuntimeError):
+    """At least one worker refused the update; the engines keep their last good version."""
+
+    def __init__(self, version: int, phase: str, rejections: dict[int, Rejected]) -> None:
+        detail = "; ".join(f"worker rank {r}: [{m.code}] {m.reason}" for r, m in sorted(rejections.items()))
+        super().__init__(f"update v{version} refused at {phase}: {detail}")
+        self.version = version
+        self.phase = phase
+        self.rejections = rejections
+
+    @property
+    def codes(self) -> set[str]:
+        return {m.code for m in self.rejections.values()}
+
+
+@dataclass(frozen=True)
+class PushResult:
+    version: int
+    send: SendStats
+    staged: dict[int, Staged]
+    commits: dict[int, Committed]
+    stage_wait_s: float
+    commit_wait_s: float
+    groups: tuple[dict[int, Committed], ...] = ()
+    """A layer-granular update: every rank's ``Committed`` for each layer group, in order."""
+
+    @property
+    def stall_ms(self) -> float:
+        """What the engine spent committing (lowest rank): the commit, or every group's."""
+        commits = self.groups or (self.commits,)
+        return sum(c[min(c)].commit_ms for c in commits)
+
+    @property
+    def step(self) -> int:
+        """Engine step after which ``version`` went live (lowest rank's engine)."""
+        return self.commits[min(self.commits)].step
+
+
+def _split(replies: dict[int, ReplyMessage], want: type) -> tuple[dict[int, object], dict[int, Rejected]]:
+    good = {r: m for r, m in replies.items() if isinstance(m, want)}
+    bad = {r: m for r, m in replies.items() if isinstance(m, Rejected)}
+    odd = {r: m for r, m in replies.items() if r not in good and r not in bad}
+    if odd:
+        raise RuntimeError(f"protocol violation: expected {want.__name__}, got {odd}")
+    return good, bad
+
+
+class LayerPushIncomplete(RuntimeError):
+    """A layer-granular update stopped at group ``landed``: groups ``0 .. landed - 1`` are live
+    on every engine rank (the engines serve that hybrid), the rest are not."""
+
+    def __init__(self, version: int, landed: int, parts: int, group: int, rejections: dict[int, Rejected]) -> None:
+        detail = "; ".join(f"worker rank {r}: [{m.code}] {m.reason}" for r, m in sorted(rejections.items()))
+        super().__init__(f"update v{version} stopped at layer group {group} of {parts}; groups 0..{landed - 1} "
+                         f"landed: {detail}")
+        self.version, self.landed, self.parts, self.group, self.rejections = version, landed, parts, group, rejections
+
+    @property
+    def codes(self) -> set[str]:
+        return {m.code for m in self.rejections.values()}
+
+
+class ReadFence:
+    """``begin`` (the caller, before a push) -> ``reading`` and ``done`` (the push's thread)
+    -> ``wait`` (the caller, before it writes a parameter)."""
+
+    def __init__(self) -> None:
+        self._host = threading.Event()
+        self._host.set()
+        self.stream: torch.cuda.Stream | None = None
+        """The push's CUDA stream (made at the first push of a CUDA trainer)."""
+        self._begun: torch.cuda.Event | None = None
+        self._read: torch.cuda.Event | None = None
+
+    def begin(self) -> None:
+        """A push starts: it reads only what the caller's stream queued so far (the last optimizer step)."""
+        self._host.clear()
+        self._begun = self._read = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            if self.stream is None:
+                self.stream = torch.cuda.Stream()
+            self._begun = torch.cuda.Event()
+            self._begun.record()
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """The push's thread packs on the push's stream, after ``begin``'s point of the caller's."""
+        if self._begun is None or self.stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self._begun)
+            yield
+
+    def done(self) -> None:
+        """The push read every tensor it sends (or ended); a second call changes nothing."""
+        if self._host.is_set():
+            return
+        if self._begun is not None and self.stream is not None:
+            read = torch.cuda.Event()
+            read.record(self.stream)
+            self._read = read
+        self._host.set()
+
+    def wait(self, timeout_s: float | None = None) -> float:
+        """Block until ``done``, and order the caller's stream after the push's reads; the seconds waited."""
+        t0 = time.perf_counter()
+        if not self._host.wait(timeout_s):
+            raise TimeoutError(f"the push in flight still reads the trainer's tensors after {timeout_s} s")
+        if self._read is not None:
+            torch.cuda.current_stream().wait_event(self._read)
+        return time.perf_counter() - t0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,7 +463,7 @@ def _refuse_fp8_casts(named: Mapping[str, torch.Tensor], wire: Mapping[str, str]
 
 def check_update(version: int, named: Mapping[str, torch.Tensor], device: torch.device, *, sharded: bool = False) -> None:
     """Refuse, naming the problem, what the engines could only refuse later or misread:
-    called before anything is packed, so a bad call costs the engines nothing. ``sharded``:
+    called before anything is laid, so a bad call costs the engines nothing. ``sharded``:
     ``named`` is a ``ShardedSource``'s layout (meta tensors), checked for names and dtypes."""
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"version={version!r}: versions are integers >= 1 (0 names the weights the engines loaded)")
@@ -115,8 +492,20 @@ def check_update(version: int, named: Mapping[str, torch.Tensor], device: torch.
             seen[view] = name
 
 
+def split(named: dict, lay_out) -> list[dict[int | None, UpdateAnnounce]]:
+    """One layout per layer group: ``lay_out(subset)`` lays a subset of ``named`` out (the
+    pusher's broadcast or per-worker layout), and each announce is marked as group k of G."""
+    groups = layer_groups(named)
+    out = []
+    for k, names in enumerate(groups):
+        announces = lay_out({n: named[n] for n in names})
+        out.append({r: msgspec.structs.replace(a, part=k, parts=len(groups)) for r, a in announces.items()})
+    return out
+
+
 class WeightPusher:
-    """Rank 0 of the weight group. Not thread-safe: one push at a time."""
+    """Rank 0 of the weight group: it pushes the whole model at once or, to layer-granular
+    engines, one layer group at a time (``_push_layers``). Not thread-safe: one push at a time."""
 
     def __init__(self, group: GroupConfig, config: PushConfig = PushConfig(), device: torch.device | None = None, *,
                  join_timeout_s: float | None = None, store: TCPStore | None = None,
@@ -140,7 +529,7 @@ class WeightPusher:
         self._atexit = lambda: (p := ref()) is not None and p.close("trainer process exiting")
         atexit.register(self._atexit)
 
-    def _pack(self, version: int, weights: Weights) -> Packed:
+    def _lay_out(self, version: int, weights: Weights) -> LaidOut:
         """Lay the update out: one announce for every worker (broadcast), or, in a generation
         whose members all sent shard plans, one per worker with its boxes only
         (``inflight.shard_plan``). Reads no tensor: buckets are packed as they are sent."""
@@ -156,39 +545,39 @@ class WeightPusher:
         kept = {n: d for h in self.group.hellos.values() for n, d in h.wire_dtypes.items()}  # fp32 of a bf16 engine
         _refuse_fp8_casts(named, kept)
 
-        def lay_out(subset: Mapping[str, torch.Tensor]) -> dict[int | None, UpdateAnnounce]:
+        def announces(subset: Mapping[str, torch.Tensor]) -> dict[int | None, UpdateAnnounce]:
             if not self.group.point_to_point:
-                return {None: self.sender.pack(version, subset, self._dtype, kept)}
-            return dict(self.sender.pack_each(version, subset, plans, self._dtype, kept))
+                return {None: self.sender.lay_out(version, subset, self._dtype, kept)}
+            return dict(self.sender.lay_out_each(version, subset, plans, self._dtype, kept))
         if self.layered:
             if sharded is not None:
                 raise ValueError("a ShardedSource gathers in one push's order: push it to whole-model engines "
                                  "(commit_unit='model'), or push plain tensors to layer-granular ones")
-            groups = tuple(split(named, lay_out))
-            return Packed(groups[0], source, groups)
-        return Packed(lay_out(named), source)
+            groups = tuple(split(named, announces))
+            return LaidOut(groups[0], source, groups)
+        return LaidOut(announces(named), source)
 
-    def send(self, version: int, weights: Weights, *, tamper: Tamper | None = None) -> tuple[SendStats, dict[int, Staged]]:
+    def send(self, version: int, weights: Weights) -> tuple[SendStats, dict[int, Staged]]:
         """Phase 1: announce, stream the buckets, and collect ``Staged`` from every worker."""
-        packed = self._pack(version, weights)
-        if packed.groups:
+        laid = self._lay_out(version, weights)
+        if laid.groups:
             raise ValueError("layer-granular engines (commit_unit='layer') commit each group as it lands: use push()")
         self._reads.begin()
         with self._reads.reading():
-            return self._send_packed(packed, tamper)
+            return self._send_laid_out(laid)
 
-    def _send_packed(self, packed: Packed, tamper: Tamper | None = None) -> tuple[SendStats, dict[int, Staged]]:
-        version = packed.version
+    def _send_laid_out(self, laid: LaidOut) -> tuple[SendStats, dict[int, Staged]]:
+        version = laid.version
         try:
-            seq = self.control.post(packed.announces[None]) if None in packed.announces else self.control.post_each(packed.announces)  # type: ignore[arg-type]
+            seq = self.control.post(laid.announces[None]) if None in laid.announces else self.control.post_each(laid.announces)  # type: ignore[arg-type]
             accepted, refused = _split(self.control.replies(seq, self.config.reply_timeout_s, f"announce of v{version}"), Accepted)
             if refused:
                 self.sender.send_abort(version, "refused by " + ", ".join(member(r) for r in sorted(refused)))
                 raise PushRejected(version, "announce", refused)
-            stats = self._stream(packed, tamper)
+            stats = self._stream(laid)
         finally:
-            if packed.sharded is not None:
-                packed.sharded.finish(version)
+            if laid.sharded is not None:
+                laid.sharded.finish(version)
             self._reads.done()
         staged, bad = _split(self.control.replies(seq, self.config.reply_timeout_s, f"buckets of v{version}", phase="staged"), Staged)
         if bad:
@@ -196,18 +585,18 @@ class WeightPusher:
             raise PushRejected(version, "staging", bad)
         return stats, staged  # type: ignore[return-value]
 
-    def _stream(self, packed: Packed, tamper: Tamper | None) -> SendStats:
+    def _stream(self, laid: LaidOut) -> SendStats:
         """The buckets of an accepted update; a source that fails mid-stream drops it everywhere."""
-        version, announces = packed.version, packed.announces
+        version, announces = laid.version, laid.announces
         try:
-            if packed.sharded is not None:
-                packed.sharded.begin(version, first_use_order([a.tensors for a in announces.values()],
+            if laid.sharded is not None:
+                laid.sharded.begin(version, first_use_order([a.tensors for a in announces.values()],
                                                               [[(b.offset, b.nbytes) for b in a.buckets] for a in announces.values()]))
         except SourceError as e:  # the other trainer ranks are gone before any byte: call the update off
             self.sender.send_abort(version, str(e))
             raise
         try:
-            return self.sender.send_each(announces, packed.source, tamper=tamper, on_read_done=self._reads.done)
+            return self.sender.send_each(announces, laid.source, on_read_done=self._reads.done)
         except SourceError as e:  # the stream ended in step: the workers that finished drop what they staged
             self.abort(version, str(e)[:200])
             raise
@@ -224,58 +613,100 @@ class WeightPusher:
         """Drop a staged ``version`` on every worker."""
         self.control.post(Abort(version=version, reason=reason))
 
-    def push(self, version: int, weights: Weights, *, tamper: Tamper | None = None) -> PushResult:
+    def push(self, version: int, weights: Weights) -> PushResult:
         """Send then commit; returns when every engine serves ``version``. ``weights``: a module,
         a mapping or iterator of ``(name, tensor)``, or a ``ShardedSource`` (rank 0 of a sharded
         trainer; the other ranks call its ``follow``)."""
         self._reads.begin()
-        return self._push_packed(self._pack(version, weights), tamper)
+        return self._push_laid_out(self._lay_out(version, weights))
 
     @property
     def layered(self) -> bool:
         """Every worker of this generation commits one layer group at a time (``commit_unit="layer"``)."""
         return bool(self.group.hellos) and all(h.commit_unit == "layer" for h in self.group.hellos.values())
 
-    def _push_packed(self, packed: Packed, tamper: Tamper | None = None) -> PushResult:
+    def _push_laid_out(self, laid: LaidOut) -> PushResult:
         with self._reads.reading():  # on CUDA, on the push's own stream (``ReadFence``)
-            return self._push_reading(packed, tamper)
+            return self._push_reading(laid)
 
-    def _push_reading(self, packed: Packed, tamper: Tamper | None) -> PushResult:
-        if packed.groups:
-            return push_layers(self, packed, tamper)
+    def _push_reading(self, laid: LaidOut) -> PushResult:
+        if laid.groups:
+            return self._push_layers(laid)
         t0 = time.perf_counter()
-        stats, staged = self._send_packed(packed, tamper)
+        stats, staged = self._send_laid_out(laid)
         t1 = time.perf_counter()
-        commits = self.commit(packed.version)
-        self._landed = packed.version
-        return PushResult(packed.version, stats, staged, commits, t1 - t0, time.perf_counter() - t1)
+        commits = self.commit(laid.version)
+        self._landed = laid.version
+        return PushResult(laid.version, stats, staged, commits, t1 - t0, time.perf_counter() - t1)
 
-    def push_async(self, version: int, weights: Weights, *, tamper: Tamper | None = None) -> Future[PushResult]:
+    def _push_layers(self, laid: LaidOut) -> PushResult:
+        """Send every group of ``laid`` (a layer-granular update) and collect each engine rank's
+        outcome for each."""
+        version, parts = laid.version, len(laid.groups)
+        t0 = time.perf_counter()
+        control, sender, timeout = self.control, self.sender, self.config.reply_timeout_s
+        sent: list[tuple[int, int]] = []
+        stats = SendStats(version=version, nbytes=0, buckets=0, pack_s=0.0, send_s=0.0)
+        refused: dict[int, Rejected] = {}
+        try:
+            for k, announces in enumerate(laid.groups):
+                seq = control.post(announces[None]) if None in announces else control.post_each(announces)  # type: ignore[arg-type]
+                _, refused = _split(control.replies(seq, timeout, f"announce of group {k} of v{version}"), Accepted)
+                if refused:
+                    sender.send_abort(version, f"group {k} refused by " + ", ".join(member(r) for r in sorted(refused)))
+                    stop = k
+                    break
+                stats = stats + sender.send_each(announces, laid.source)
+                sent.append((k, seq))
+            else:
+                stop = parts
+        finally:
+            self._reads.done()
+        t1 = time.perf_counter()
+        landed, commits, first_bad = 0, {}, None
+        per_group: list[dict] = []
+        for k, seq in sent:
+            done, bad = _split(control.replies(seq, timeout, f"group {k} of v{version}", phase="staged"), Committed)
+            if bad and first_bad is None:
+                first_bad = (k, bad)
+            if not bad and first_bad is None:
+                landed, commits = k + 1, done
+                per_group.append(done)
+        if first_bad is not None or refused:
+            group, why = first_bad if first_bad is not None else (stop, refused)
+            raise LayerPushIncomplete(version, landed, parts, group, why)  # type: ignore[arg-type]
+        self._landed = version
+        # what decoded while the update was on its way: from group 0's first bucket to the last commit
+        staged = {r: Staged(rank=r, version=version, receive_ms=1e3 * (t1 - t0), steps_during_transfer=c.steps_since_first_bucket)
+                  for r, c in commits.items()}
+        return PushResult(version, stats, staged, commits, t1 - t0, time.perf_counter() - t1, tuple(per_group))  # type: ignore[arg-type]
+
+    def push_async(self, version: int, weights: Weights) -> Future[PushResult]:
         """Send and commit in the background; the tensors are read as their buckets go out.
 
         Reads, not writes: the caller may run the next forward and backward at once, but must
         call ``wait_reads`` before it writes a parameter (``optimizer.step``). Waits for the
         previous background push first: one update in flight.
         """
-        return self.push_laid_out(self.lay_out(version, weights), tamper=tamper)
+        return self.push_laid_out(self.lay_out(version, weights))
 
-    def lay_out(self, version: int, weights: Weights) -> Packed:
+    def lay_out(self, version: int, weights: Weights) -> LaidOut:
         """The first half of ``push_async``: wait for the push in flight (one update at a time:
         its bucket buffers are in use), then check and lay out ``version`` (``_pack``). Bad
         input raises here, before anything is sent."""
         if self._in_flight is not None:
             self._in_flight.exception()  # wait; its owner reads the outcome
-        return self._pack(version, weights)
+        return self._lay_out(version, weights)
 
-    def push_laid_out(self, packed: Packed, *, tamper: Tamper | None = None) -> Future[PushResult]:
+    def push_laid_out(self, laid: LaidOut) -> Future[PushResult]:
         """The second half of ``push_async``: send and commit what the last ``lay_out`` laid out."""
         self._reads.begin()
-        self._in_flight = self._background.submit(self._push_packed, packed, tamper)
+        self._in_flight = self._background.submit(self._push_laid_out, laid)
         return self._in_flight
 
     def wait_reads(self, timeout_s: float | None = None) -> float:
         """Block until the push in flight has read every tensor it sends (its last bucket is
-        packed, or it ended), and on CUDA order the caller's stream after those reads
+        laid, or it ended), and on CUDA order the caller's stream after those reads
         (``ReadFence``); returns the seconds waited. Call it before writing parameters."""
         return self._reads.wait(timeout_s)
 

@@ -28,7 +28,11 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
-from inflight.transport.sender import SourceError
+
+class SourceError(RuntimeError):
+    """Reading the update's tensors failed mid-stream; the engines were told to drop it and keep
+    their last good version. The group is in step: the next push may go on."""
+
 
 Weights = Union[torch.nn.Module, Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]], "ShardedSource"]
 """Anything ``WeightPusher.push`` accepts."""

@@ -2,7 +2,7 @@
 
 The trainer (rank 0) hosts the store; workers, the engines' commit coordinators and the
 rollout queue's producers are its clients. It carries the control plane (msgspec
-messages, ``control.py``), membership (``group.py``), heartbeats (``liveness.py``) and the
+messages), membership (both ``group.py``), heartbeats (``liveness.py``) and the
 rollout queue.
 
 Ports, race-free: ``reserve_port`` binds a listening socket (port 0: the kernel picks) and
