@@ -1,7 +1,7 @@
 """In-flight commits vs vLLM's native pause(keep)+update vs batch-boundary sync, like for like.
 
     python -m inflight.bench.inflight [--sizes S M L MoE | --model DIR|smollm2] [--every 8 32] [--steps 768] [--rounds 4]
-                             [--commit-unit model layer] [--routing] [--placement shared|split]
+                             [--commit-unit model layer] [--routing] [--placement shared|split] [--link 1gbit]
                              [--train-steps 40 [--engines 2]]
 
 The adapter-only rows are ``inflight.bench.inflight_lora``'s.
@@ -10,7 +10,9 @@ Per model, one in-process vLLM engine (in-flight worker + vLLM's weight-transfer
 the ``inflight_gloo`` backend) decodes the same workload in every mode (``inflight.bench.paired``):
 a stream of requests with 16..512 new tokens, ``--concurrency`` in flight, refilled as they
 finish. ``--placement`` (``inflight.bench.placement``) puts the engine and the trainer on shared
-cores or a core each, for the engine rows and the training loop's alike. A
+cores or a core each, for the engine rows and the training loop's alike; ``--link RATE`` puts
+the trainer process behind a shaped link (``inflight.bench.slow_link``), so both update paths,
+in-flight and native, cross it. A
 trainer process holds the weights and, on the driver's cue every N engine steps:
 
 1. none: no updates (the ceiling);
@@ -49,6 +51,7 @@ training loop end to end (``inflight.bench.e2e``). Prints a table, one JSON line
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -67,9 +70,11 @@ from inflight.bench.inflight_trainer import trainer  # noqa: E402
 from inflight.bench.native_gloo import native_update  # noqa: E402
 from inflight.bench.paired import RequestStream  # noqa: E402
 from inflight.bench.placement import PLACEMENTS, Placement, engine_env, pin_trainer  # noqa: E402
+from inflight.bench.slow_link import slow_link  # noqa: E402
 from inflight.trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus  # noqa: E402
 
 if TYPE_CHECKING:
+    from inflight.bench.slow_link import SlowLink
     from inflight.protocol import CommitUnit
 
 SIZES = {  # tiny random-init models; MoE: a Qwen3-MoE (4 experts, top-2) for the record_routing rows
@@ -85,7 +90,8 @@ class Bench:
     """One model and commit unit: the engine, its trainer process, and the modes."""
 
     def __init__(self, size: str, work: Path, concurrency: int, seed: int, listener_nice: int,
-                 record_routing: bool = False, commit_unit: CommitUnit = "model", placement: Placement = "shared") -> None:
+                 record_routing: bool = False, commit_unit: CommitUnit = "model", placement: Placement = "shared",
+                 link: SlowLink | None = None) -> None:
         from vllm import LLM
 
         from inflight.engine.config import InflightConfig, engine_kwargs
@@ -110,7 +116,7 @@ class Bench:
         self.llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", max_model_len=640, seed=seed,
                        max_num_seqs=concurrency, weight_transfer_config={"backend": "inflight_gloo"}, **engine_kwargs())
         self.conn, child = mp.get_context("spawn").Pipe()
-        self.proc = mp.get_context("spawn").Process(target=trainer, args=(child, str(model_dir)), daemon=True)
+        self.proc = mp.get_context("spawn").Process(target=trainer, args=(child, str(model_dir), link), daemon=True)
         self.proc.start()
         pin_trainer(self.proc.pid, placement)
         inflight_group, native_group = self.conn.recv()  # the trainer's stores, on the ports it holds
@@ -118,7 +124,8 @@ class Bench:
                                      record_routing=record_routing, commit_unit=commit_unit)  # layer: staged_groups=2, the default
         start_inflight(self.llm, self.config)
         self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {
-            "host": native_group.host, "port": native_group.port, "world_size": 2, "rank": 1, "name": native_group.name}})
+            "host": native_group.host, "port": native_group.port, "world_size": 2, "rank": 1, "name": native_group.name,
+            "timeout_s": native_group.timeout_s, "insecure": native_group.insecure}})
         assert self.conn.recv() == "ready"
         self.coordinator = coordinator_of(self.llm)
         self.core = self.llm.llm_engine.engine_core.engine_core
@@ -325,6 +332,8 @@ def main() -> None:
                     help="InflightConfig.listener_nice of the engine (19, as docs/performance.md's table was measured; "
                          "the engine's own default is 0)")
     ap.add_argument("--routing", action="store_true", help="add record_routing rows on the tiny MoE")
+    ap.add_argument("--link", default=None, metavar="RATE",
+                    help="the trainer behind a shaped link (inflight.bench.slow_link; e.g. 1gbit, 100mbit; needs root)")
     ap.add_argument("--train-steps", type=int, default=0, help="also time the training loop (0: skip); see inflight.bench.e2e")
     ap.add_argument("--placement", choices=PLACEMENTS, default="shared",
                     help="inflight.bench.placement: where the engine and the trainer run (engine rows and training loop)")
@@ -335,17 +344,18 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     load = [round(os.getloadavg()[0], 1)]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        link = stack.enter_context(slow_link(args.link)) if args.link else None
         if args.routing:  # first: vLLM builds its expert-parallel group only if the process's first engine is MoE
             bench = Bench("MoE", Path(tmp), args.concurrency, seed=0, listener_nice=args.listener_nice,
-                          placement=args.placement)
+                          placement=args.placement, link=link)
             rows += bench_routing(bench, args.every[0], args.steps, args.rounds)
             bench.close()
             del bench
         for size in args.model + args.sizes:
             for unit in args.commit_unit:  # fixed when an engine starts: an engine each
                 bench = Bench(size, Path(tmp), args.concurrency, seed=0, listener_nice=args.listener_nice,
-                              commit_unit=unit, placement=args.placement)
+                              commit_unit=unit, placement=args.placement, link=link)
                 rows += bench_model(bench, args.every, args.steps, args.rounds)
                 bench.close()
                 del bench
@@ -366,7 +376,7 @@ def main() -> None:
               f"reward last 20% {r['reward_last']} ({r['steps']} steps, {r['wall_s']} s)")
     if rows:
         plot(rows, out / "bench_inflight.png")
-    print(json.dumps({"bench": "inflight", "device": "cpu", "placement": args.placement, "concurrency": args.concurrency,
+    print(json.dumps({"bench": "inflight", "device": "cpu", "link": args.link, "placement": args.placement, "concurrency": args.concurrency,
                       "steps": args.steps,
                       "rounds": args.rounds, "commit_units": args.commit_unit, "load_1m": load, "rows": rows,
                       "train": train_rows}))

@@ -4,7 +4,9 @@ It hosts both groups' stores (in-flight and native), so it holds their ports
 (``reserve_port``) and sends the two ``GroupConfig``s to the engine's process first. It
 stands in for a trainer on other hardware, so it runs at low priority: on this machine it
 shares the cores with the engine it measures. The same code drives a whole-model and a
-layer-granular engine: ``WeightPusher.push`` tells them apart by their hellos.
+layer-granular engine: ``WeightPusher.push`` tells them apart by their hellos. Given a
+``SlowLink`` (``inflight.bench.slow_link``), it runs in the link's namespace and hosts both
+groups on its end, so every byte of both update paths crosses the shaped link.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from inflight.bench.slow_link import SlowLink
     from inflight.transport.pusher import PushResult
 
 
@@ -32,10 +35,14 @@ def push_report(r: PushResult, version: int, cpu_s: float) -> dict:
             "cpu_s": cpu_s}
 
 
-def trainer(conn: Connection, model_dir: str) -> None:
+def trainer(conn: Connection, model_dir: str, link: SlowLink | None = None) -> None:
     """The process's entry point: serves ``("push" | "native" | "stop", version)`` from ``conn``."""
     from safetensors.torch import load_file
 
+    if link is not None:  # first: every socket and thread of this process is then in the namespace
+        from inflight.bench.slow_link import enter
+
+        enter(link)
     os.nice(19)
     torch.set_num_threads(1)
     from inflight.bench.native_gloo import broadcast_state
@@ -50,8 +57,10 @@ def trainer(conn: Connection, model_dir: str) -> None:
     states = [{k: v + 1e-3 * torch.randn(v.shape, generator=torch.Generator().manual_seed(i)) for k, v in base.items()}
               for i in range(2)]
     del base  # memory: a real model's weights are 0.5+ GB here, on a shared machine
-    inflight_group = GroupConfig(port=reserve_port(), world_size=2, timeout_s=120)
-    native_group = GroupConfig(port=reserve_port(), world_size=2, backend="gloo", name="native")
+    # over a slow link: the namespace's end of a private veth pair on this machine, no MAC (as native's)
+    where = {"timeout_s": 120.0} if link is None else {"host": link.inner, "insecure": True, "timeout_s": 600.0}
+    inflight_group = GroupConfig(port=reserve_port(), world_size=2, **where)
+    native_group = GroupConfig(port=reserve_port(), world_size=2, backend="gloo", name="native", **where)
     conn.send((inflight_group, native_group))
     pusher = WeightPusher(inflight_group, PushConfig(bucket_mb=64))
     native = WeightGroup(native_group, 0)

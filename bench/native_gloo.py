@@ -43,6 +43,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     rank: int
     timeout_s: float = 120.0
     name: str = "native"
+    insecure: bool = False  # a shaped link of this machine (inflight.bench.slow_link), as the in-flight group's
 
 
 @dataclass
@@ -62,7 +63,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         cfg = GroupConfig(host=init_info.host, port=init_info.port, world_size=init_info.world_size,
-                          backend="gloo", timeout_s=init_info.timeout_s, name=init_info.name)
+                          backend="gloo", timeout_s=init_info.timeout_s, name=init_info.name,
+                          insecure=init_info.insecure)
         self.group = WeightGroup(cfg, init_info.rank)
 
     def start_weight_update(self) -> None:

@@ -21,6 +21,7 @@ BENCHES = {
     "inflight_lora": "adapter-only in-flight vs vLLM's own adapter reload vs whole-model updates",
     "grpo": "GRPO groups on shared prompts: in-flight with prefix caching vs vLLM's salted and reset caches",
     "transport": "bucketed transfer vs a raw broadcast",
+    "slow_link": "a shaped link between network namespaces (tbf): its achieved bytes/s",
     "e2e": "the training loop end to end, shared and split cores",
     "scoring": "decoding while a slow verifier scores: in the scoring processes vs inline",
     "profile_staging": "one update's staging time, phase by phase and thread by thread",

@@ -1,0 +1,35 @@
+"""``inflight.bench.slow_link``: a shaped link between two network namespaces of this machine,
+and nothing of it left behind after a run or a failure."""
+
+from __future__ import annotations
+
+import pytest
+
+from inflight.bench.slow_link import achieved_bytes_per_s, available, leftovers, rate_bps, slow_link
+
+needs_netns = pytest.mark.skipif(available() is not None, reason=f"slow link: {available()}")
+
+
+def test_rates_read_as_tc_writes_them() -> None:
+    assert [rate_bps(r) for r in ("10gbit", "1gbit", "100mbit", "2.5gbit")] == [10**10, 10**9, 10**8, 25 * 10**8]
+    with pytest.raises(ValueError, match=r"rate='1 GB/s': expected a number and kbit, mbit or gbit"):
+        rate_bps("1 GB/s")
+
+
+@needs_netns
+def test_the_link_carries_bytes_no_faster_than_its_rate_and_leaves_nothing() -> None:
+    """16 MiB at 100 Mbit/s (1.3 s): the shaping caps the rate (a busy machine can only make it
+    slower, so only the cap is asserted; the 64 KiB burst adds under 0.5%)."""
+    assert not leftovers()
+    with slow_link("100mbit") as link:
+        assert leftovers(), "the link was not built"
+        bps = achieved_bytes_per_s(link, 16 * 2**20)
+    assert 0 < bps <= 1.02 * link.rate_bps / 8, bps
+    assert not leftovers()
+
+
+@needs_netns
+def test_a_failure_inside_the_block_leaves_nothing() -> None:
+    with pytest.raises(KeyError, match="inside"), slow_link("1gbit", index=3):
+        raise KeyError("inside")
+    assert not leftovers()
