@@ -333,7 +333,8 @@ def main() -> None:
                          "the engine's own default is 0)")
     ap.add_argument("--routing", action="store_true", help="add record_routing rows on the tiny MoE")
     ap.add_argument("--link", default=None, metavar="RATE",
-                    help="the trainer behind a shaped link (inflight.bench.slow_link; e.g. 1gbit, 100mbit; needs root)")
+                    help="the engine rows' trainer behind a shaped link (inflight.bench.slow_link; e.g. 1gbit, 100mbit; "
+                         "needs root); the training loop's rows run without it")
     ap.add_argument("--train-steps", type=int, default=0, help="also time the training loop (0: skip); see inflight.bench.e2e")
     ap.add_argument("--placement", choices=PLACEMENTS, default="shared",
                     help="inflight.bench.placement: where the engine and the trainer run (engine rows and training loop)")

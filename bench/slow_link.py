@@ -11,7 +11,8 @@ control messages and data plane all cross the shaped veth. ``tbf`` shapes each e
 to ``rate``; the kernel here has no ``netem``, so the link adds no delay of its own.
 
 Needs root (CAP_NET_ADMIN) and ``ip``/``tc`` (iproute2). Every name carries ``PREFIX`` and
-this process's id, so ``leftovers()`` finds anything a run left behind.
+this process's id, and its addresses are a /30 of this process's own, so runs side by side
+do not meet; ``leftovers(pid)`` finds anything a run left behind.
 """
 
 from __future__ import annotations
@@ -87,15 +88,21 @@ def _take_down(link: SlowLink) -> None:
 
 @contextlib.contextmanager
 def slow_link(rate: str, *, index: int = 0) -> Iterator[SlowLink]:
-    """A namespace joined to this one by a veth pair shaped to ``rate`` both ways, on
-    10.77.<index>.0/30; taken down when the block ends, however it ends."""
+    """A namespace joined to this one by a veth pair shaped to ``rate`` both ways, on a /30 of
+    this process's own (``index``: 0..9, one per link it holds at once); taken down when the
+    block ends, however it ends."""
     reason = available()
     if reason is not None:
         raise RuntimeError(f"a slow link {reason}")
+    if not 0 <= index <= 9:
+        raise ValueError(f"index={index}: 0..9 (a device name holds at most 15 characters)")
     bps = rate_bps(rate)
-    tag = f"{os.getpid()}x{index}"
-    link = SlowLink(namespace=f"{PREFIX}-{tag}", outer_dev=f"{PREFIX}o{tag}"[:15], inner_dev=f"{PREFIX}i{tag}"[:15],
-                    outer=f"10.77.{index}.1", inner=f"10.77.{index}.2", rate_bps=bps)
+    pid = os.getpid()
+    tag = f"{pid}x{index}"
+    # RFC 2544's benchmarking range, 198.18.0.0/15: a /30 per process and index, no real network's
+    base = f"198.{18 + (pid >> 8) % 2}.{pid % 256}"
+    link = SlowLink(namespace=f"{PREFIX}-{tag}", outer_dev=f"{PREFIX}o{tag}", inner_dev=f"{PREFIX}i{tag}",
+                    outer=f"{base}.{4 * index + 1}", inner=f"{base}.{4 * index + 2}", rate_bps=bps)
     try:
         _run("ip", "netns", "add", link.namespace)
         _run("ip", "link", "add", link.outer_dev, "type", "veth", "peer", "name", link.inner_dev)
@@ -126,15 +133,17 @@ def enter(link: SlowLink) -> None:
         os.close(fd)
 
 
-def leftovers() -> list[str]:
-    """Every namespace, link and qdisc of this module's naming still on the machine."""
+def leftovers(pid: int | None = None) -> list[str]:
+    """Every namespace, link and qdisc of this module's naming still on the machine (``pid``:
+    only those of that process's links)."""
+    mark = "" if pid is None else f"{pid}x"
     found = []
     netns = subprocess.run(("ip", "netns", "list"), capture_output=True, text=True).stdout
-    found += [f"netns {line.split()[0]}" for line in netns.splitlines() if line.startswith(f"{PREFIX}-")]
+    found += [f"netns {line.split()[0]}" for line in netns.splitlines() if line.startswith(f"{PREFIX}-{mark}")]
     links = subprocess.run(("ip", "-o", "link", "show"), capture_output=True, text=True).stdout
-    found += [f"link {m}" for m in re.findall(rf"^\d+: ({PREFIX}[io]\w+)", links, flags=re.M)]
+    found += [f"link {m}" for m in re.findall(rf"^\d+: ({PREFIX}[io]{mark}\w+)", links, flags=re.M)]
     qdiscs = subprocess.run(("tc", "qdisc", "show"), capture_output=True, text=True).stdout
-    found += [f"qdisc {line}" for line in qdiscs.splitlines() if f" dev {PREFIX}" in line]
+    found += [f"qdisc {line}" for line in qdiscs.splitlines() if re.search(rf" dev {PREFIX}[io]{mark}", line)]
     return found
 
 
@@ -160,18 +169,18 @@ def achieved_bytes_per_s(link: SlowLink, nbytes: int) -> float:
         proc.start()
         conn, _ = server.accept()
         with conn:
-            got, t0 = 0, None
-            while got < nbytes:
+            first = conn.recv(1 << 20)  # the clock starts when this returns: its bytes are not counted
+            t0, got = time.perf_counter(), len(first)
+            while first and got < nbytes:
                 data = conn.recv(1 << 20)
                 if not data:
                     break
-                t0 = t0 or time.perf_counter()
                 got += len(data)
             wall = time.perf_counter() - t0
         proc.join(60)
     if got != nbytes:
         raise RuntimeError(f"the link delivered {got} of {nbytes} bytes")
-    return got / wall
+    return (got - len(first)) / wall
 
 
 def main() -> None:
@@ -187,7 +196,7 @@ def main() -> None:
                      "achieved_frac": round(bps / (link.rate_bps / 8), 3)})
         print(f"{rate}: {bps / 1e6:.1f} MB/s achieved of {link.rate_bps / 8e6:.1f} MB/s shaped "
               f"({rows[-1]['achieved_frac']:.3f}), load {os.getloadavg()[0]:.1f}")
-    left = leftovers()
+    left = leftovers(os.getpid())
     print(json.dumps({"bench": "slow_link", "rows": rows, "load_1m": round(os.getloadavg()[0], 1), "leftovers": left}))
     if left:
         raise SystemExit(f"left behind: {left}")

@@ -175,7 +175,7 @@ def _mid_prefill(request: Any) -> bool:
 
 
 def guard_cache_blocks(coordinator: Any, guard: PrefixCacheGuard) -> None:
-    """LoaderCall one engine's ``KVCacheCoordinator.cache_blocks`` (vLLM 0.32.0; both of
+    """Send one engine's ``KVCacheCoordinator.cache_blocks`` (vLLM 0.32.0; both of
     ``KVCacheManager``'s callers go through it) past ``guard.may_cache``: a request that
     held KV at a commit inserts no more blocks into the index. Bound on this instance
     only, from ``inflight_start``; idempotent (a second guard replaces the first)."""

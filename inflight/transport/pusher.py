@@ -692,7 +692,7 @@ class WeightPusher:
 
     def lay_out(self, version: int, weights: Weights) -> LaidOut:
         """The first half of ``push_async``: wait for the push in flight (one update at a time:
-        its bucket buffers are in use), then check and lay out ``version`` (``_pack``). Bad
+        its bucket buffers are in use), then check and lay out ``version`` (``_lay_out``). Bad
         input raises here, before anything is sent."""
         if self._in_flight is not None:
             self._in_flight.exception()  # wait; its owner reads the outcome
