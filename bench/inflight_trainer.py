@@ -58,8 +58,8 @@ def trainer(conn: Connection, model_dir: str, link: SlowLink | None = None) -> N
               for i in range(2)]
     del base  # memory: a real model's weights are 0.5+ GB here, on a shared machine
     # over a slow link: the namespace's end of a private veth pair on this machine, no MAC (as native's)
-    host = "127.0.0.1" if link is None else link.inner
-    where = {"timeout_s": 120.0} if link is None else {"host": host, "insecure": True, "timeout_s": 600.0}
+    where = {"timeout_s": 120.0} if link is None else {"host": link.inner, "insecure": True, "timeout_s": 600.0}
+    host = where.get("host", GroupConfig.host)  # the store's address: its port is reserved there
     inflight_group = GroupConfig(port=reserve_port(host), world_size=2, **where)
     native_group = GroupConfig(port=reserve_port(host), world_size=2, backend="gloo", name="native", **where)
     conn.send((inflight_group, native_group))

@@ -23,10 +23,11 @@ import torch
 from safetensors.torch import load_file
 
 from inflight.engine.config import WORKER_EXTENSION, InflightConfig, engine_kwargs
-from inflight.engine.client import inflight_status, start_inflight, tagged
+from inflight.engine.client import inflight_status, start_inflight, stream_tagged, tagged
 from inflight.engine.rpc import WorkerStatus
 from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, PushResult, WeightPusher
+from inflight.versions import boundaries, is_monotone
 from tests.helpers import WAIT_S, wait_until
 
 
@@ -292,9 +293,6 @@ def assert_tags_change_at_commits(outs: Sequence[Any], commits: Sequence[Any], *
     """Each of ``outs`` (finished ``RequestOutput``s of ``tokens`` tokens, sampled while the
     pushes ``commits`` landed) is tagged with version 0 and then each pushed version, and its
     tag changes exactly at the token count and engine step that ``rank``'s commit reported."""
-    from inflight.engine.client import tagged
-    from inflight.versions import boundaries, is_monotone
-
     for o in outs:
         tc = tagged(o.outputs[0])
         assert len(tc.token_ids) == tokens and is_monotone(tc.versions)
@@ -330,9 +328,6 @@ async def stream_across_commits(engine: Any, push: Callable[[int], Any], version
     stream's tags are monotone and change to each version exactly at the token its commit
     reported. Returns the commits, in order."""
     from vllm import SamplingParams
-
-    from inflight.engine.client import stream_tagged
-    from inflight.versions import boundaries, is_monotone
 
     progress = [0] * requests
     pushes = push_at_steps(lambda: min(progress), [every * (k + 1) for k in range(versions)], push)
