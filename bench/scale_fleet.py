@@ -1,6 +1,6 @@
-"""From a scenario (published hardware and model figures, one TOML per fleet) or from a
-``inflight.bench.inflight`` run (measured CPU costs) to what ``scale_model.simulate`` needs: slots,
-a decode step time and, per way of updating, what an update costs the engine.
+"""From a scenario (published hardware and model figures, one TOML per fleet) to what
+``scale_model.simulate`` needs: slots, a decode step time and, per way of updating, what an
+update costs the engine.
 
 Variants of the in-flight mode differ only in where the staged version waits and how much
 of it: ``inflight`` (device memory; every TP rank stages the full checkpoint S),
@@ -45,10 +45,11 @@ BUILT = tuple(v for v in VARIANTS if v not in LAYERED)  # the shard modes: the e
 GB = 1e9
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"  # package data: inflight.bench.scale runs from an installed wheel too
 TRANSFERS = "transfers.toml"  # the published update times, beside the scenarios: not a scenario
+LINKS = "links.toml"  # slower links between the pools (scale_links), beside them: not a scenario either
 
 
 def scenario_paths(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.glob("*.toml") if p.name != TRANSFERS)
+    return sorted(p for p in folder.glob("*.toml") if p.name not in (TRANSFERS, LINKS))
 
 
 def _check_positive(obj: object, *, allow_zero: tuple[str, ...] = ()) -> None:
@@ -158,9 +159,12 @@ class Updates:
     staging_hbm_passes: float  # HBM traffic per staged byte (write, checksum/NaN read, copy-out)
     commit_hbm_passes: float  # HBM traffic per live byte at the commit (read staging + write live)
     staged_groups: int = 2  # layer-granular commit: groups a rank stages at once (InflightConfig default)
+    wire_ratio: float = 1.0  # bytes on the wire / the dense update's (a sparse delta: < 1; scale_links)
 
     def __post_init__(self) -> None:
         _check_positive(self, allow_zero=("staging_hbm_passes",))
+        if self.wire_ratio > 1:
+            raise ValueError(f"Updates.wire_ratio={self.wire_ratio} must be <= 1 (a delta never sends more than dense)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -257,7 +261,8 @@ def plan(s: Scenario, variant: str) -> Plan:
                     weights_per_seq_s=m.active_params_b * 1e9 * m.bytes_per_param / ranks / hbm,
                     kv_per_seq_s=held * m.kv_bytes_per_token_gpu / hbm,
                     flops_per_seq_s=2 * m.active_params_b * 1e9 / ranks / (g.tflops * 1e12 * sv.mfu))
-    transfer = max(sent / (ln.engine_gbps * GB), f.engines * sent / (ln.egress_gbps * GB) if ln.egress_gbps else 0.0)
+    wire = sent * u.wire_ratio  # what crosses the link: the update, or its sparse delta
+    transfer = max(wire / (ln.engine_gbps * GB), f.engines * wire / (ln.egress_gbps * GB) if ln.egress_gbps else 0.0)
     if variant == "none":
         update = Update(mode="none")
     elif layered:
@@ -322,32 +327,3 @@ def published_rows(s: Scenario) -> list[dict]:
         out.append({"scenario": s.name, "system": system, "engine_gbps": round(v.link.engine_gbps, 1),
                     "pause_s": round(plan(v, "pause").update.stall_s, 3)})
     return out
-
-
-# --- the CPU benchmark, read back as a model -------------------------------------------------
-
-CPU_LENGTHS = Lengths(dist="uniform", low=16, high=512)  # inflight.bench.inflight: max_tokens = randint(16, 512)
-
-
-def cpu_step_time(points: list[tuple[int, float]]) -> StepTime:
-    """Decode step time of one benchmark engine from measured (concurrency, median step ms) of
-    its ``none`` mode: the line through two points, or a constant from one."""
-    pts = sorted(points)
-    (b0, t0), (b1, t1) = pts[0], pts[-1]
-    slope = max(0.0, (t1 - t0) / (b1 - b0)) / 1e3 if b1 > b0 else 0.0
-    base = t1 / 1e3 - slope * b1
-    return StepTime(weights_max_s=base, weights_per_seq_s=base, kv_per_seq_s=slope)
-
-
-def cpu_update(row: dict, slowdown: float) -> Update:
-    """An update of a benchmark row, from what the run measured (per-update medians): the
-    native path's stall (its transfer + load), batch's idle update, the in-flight staging
-    time and commit. ``slowdown`` is the one figure a throughput run cannot separate from
-    its result: how much longer a decode step is while a version stages beside it."""
-    mode = {"inflight": "inflight", "native": "pause", "batch": "batch", "none": "none"}[row["mode"]]
-    if mode == "none":
-        return Update(mode="none")
-    if mode == "inflight":
-        return Update(mode="inflight", every_steps=row["every"], stall_s=row["commit_ms"] / 1e3,
-                      stage_s=row["stage_ms"] / 1e3, stage_cost_s=slowdown * row["stage_ms"] / 1e3)
-    return Update(mode=mode, every_steps=row["every"], stall_s=max(row["stall_ms"], 0.0) / 1e3)

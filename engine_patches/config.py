@@ -65,6 +65,12 @@ class InflightConfig:
     (fail-stop, with the reason; a supervisor restarts it) rather than serve a mix of two
     versions. The ``swap`` commit needs no copy: it swaps the old modules back, which it
     keeps only inside the commit's window."""
+    keep_base: bool = False
+    """Take sparse updates (``PushConfig(encoding="sparse")``, ``inflight.transport.delta``):
+    keep the live version's bytes after each commit, the base the next update's changed
+    elements are written onto. Costs one update's bytes for the base (none where the
+    rollback copy already holds them) and one for a sparse update's wire bytes, where
+    ``staging`` says. Whole-model commits only (``commit_unit="model"``)."""
     max_bucket_mb: float = 256.0
     """The largest bucket this worker lands, in MiB: its bucket windows (scratch for a bad
     bucket; landing windows for host staging on a GPU) are reserved at start at this size,
@@ -119,6 +125,9 @@ class InflightConfig:
                              "adapter updates commit whole, into the adapter slot ('auto' or 'lora', 'model')")
         if self.adapter is None and self.commit == "lora":
             raise ValueError("InflightConfig.commit='lora' needs InflightConfig.adapter (the policy adapter's spec)")
+        if self.keep_base and self.commit_unit == "layer":
+            raise ValueError("InflightConfig.keep_base=True with commit_unit='layer': layer groups travel dense; "
+                             "sparse updates need whole-model commits")
         if self.commit_unit == "layer" and self.commit == "reload":
             raise ValueError("InflightConfig.commit='reload' with commit_unit='layer': layer-granular commits need the "
                              "'swap' (eager CPU) or 'copy' (CUDA) commit; 'auto' picks the right one")
@@ -162,6 +171,7 @@ class StagingIntent:
 
     staging: StagingPlace = _DEFAULTS["staging"]
     keep_rollback: bool = _DEFAULTS["keep_rollback"]
+    keep_base: bool = _DEFAULTS["keep_base"]
     max_bucket_mb: float = _DEFAULTS["max_bucket_mb"]
     commit: CommitChoice = _DEFAULTS["commit"]
     backend: Backend = "auto"
@@ -180,7 +190,8 @@ class StagingIntent:
     @classmethod
     def of(cls, config: InflightConfig) -> StagingIntent:
         """The intent of the config the engine will be started with."""
-        return cls(staging=config.staging, keep_rollback=config.keep_rollback, max_bucket_mb=config.max_bucket_mb,
+        return cls(staging=config.staging, keep_rollback=config.keep_rollback, keep_base=config.keep_base,
+                   max_bucket_mb=config.max_bucket_mb,
                    commit=config.commit, backend=config.group.backend, adapter=config.adapter)
 
     def to_dict(self) -> dict[str, Any]:

@@ -54,7 +54,7 @@ _MARK = "__inflight_kv_budget__"
 
 def planned_need(schema: TensorSchema, strategy: CommitStrategy, plan: ShardPlan | None, *, staging: StagingPlace,
                  keep_rollback: bool, bucket_bytes: int, engine: torch.device, data: torch.device,
-                 mac: bool) -> StagingNeed:
+                 mac: bool, keep_base: bool = False) -> StagingNeed:
     """What a worker of an ``engine``-device engine holds for these settings, its buckets
     landing on ``data`` (the weight group's data plane): one accounting for the set-aside and
     for the reservation at ``inflight_start``, so the two agree."""
@@ -66,7 +66,7 @@ def planned_need(schema: TensorSchema, strategy: CommitStrategy, plan: ShardPlan
         rollback_copy = False
     return staging_need(schema, plan=plan, staging=where, rollback_copy=rollback_copy, commit_bytes=strategy.held_bytes(),
                         commit=strategy.name, bucket_bytes=bucket_bytes, plane_cuda=data.type == "cuda", mac=mac,
-                        groups=groups, window=window)
+                        groups=groups, window=window, base_copy=keep_base)
 
 
 def intended_need(worker: Any, intent: StagingIntent) -> StagingNeed:
@@ -90,7 +90,7 @@ def intended_need(worker: Any, intent: StagingIntent) -> StagingNeed:
         # the MAC's host copy is host memory: no secret changes the device bytes
         return planned_need(schema, strategy, strategy.shard_plan(), staging=intent.staging,
                             keep_rollback=intent.keep_rollback, bucket_bytes=int(intent.max_bucket_mb * (1 << 20)),
-                            engine=engine, data=data, mac=False)
+                            engine=engine, data=data, mac=False, keep_base=intent.keep_base)
     finally:
         strategy.close()
 

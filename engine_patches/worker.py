@@ -155,13 +155,14 @@ class InflightWorkerExtension:
         data = self._inflight_data_device(config)
         bucket_bytes = int(config.max_bucket_mb * (1 << 20))
         need = planned_need(schema, strategy, plan, staging=config.staging, keep_rollback=config.keep_rollback,
-                            bucket_bytes=bucket_bytes, engine=device, data=data, mac=mac)
+                            bucket_bytes=bucket_bytes, engine=device, data=data, mac=mac, keep_base=config.keep_base)
         # an engine built with a staging intent kept its device bytes out of the KV cache: the
         # config must fit in those, not in the free memory (which holds vLLM's activation peak)
         check_fits(need, device=device, budget=budget, node_workers=node_workers,
                    gpu_memory_utilization=getattr(self.vllm_config.cache_config, "gpu_memory_utilization", None),
                    set_aside=getattr(self, SET_ASIDE_ATTR, None))
-        pool = StagingPool(data if config.staging == "device" else torch.device("cpu"), pin=need.where == "host")
+        pool = StagingPool(data if config.staging == "device" else torch.device("cpu"), pin=need.where == "host",
+                           keep_base=config.keep_base)
         pool.reserve(need.update_bytes, need.copies)
         pool.windows = BucketWindows.reserve(bucket_bytes, data, landing=data.type == "cuda" and need.where == "host", mac=mac)
         if any(p.what == "rollback copy" for p in need.parts):
@@ -197,7 +198,8 @@ class InflightWorkerExtension:
                 group = WeightGroup(config.group, rank, device=self._inflight_data_device(config),
                                     live_version=target.live_version, stop=stop, join_timeout_s=None,
                                     engine_ranks=engine_ranks, secret=secret, plan=plan, commit_unit=config.commit_unit,
-                                    label="" if not target.label.steps else str(target.label), wire_dtypes=kept)
+                                    label="" if not target.label.steps else str(target.label), wire_dtypes=kept,
+                                    keeps_base=config.keep_base)
             except InterruptedError:
                 return
             except TransportError as e:  # the store went away while joining: try again
@@ -455,8 +457,9 @@ class EngineTarget:
 
     def execute_confirm(self, version: int) -> WorkerSettleResult:
         """Every rank applied ``version``: it is live. Where the pool keeps a rollback copy
-        (reserved at start: ``keep_rollback`` with ``reload``/``copy``), the staged bytes become
-        it and the copy they replace goes back to the pool; else they go back themselves."""
+        (reserved at start: ``keep_rollback`` with ``reload``/``copy``) or a base for sparse
+        updates (``keep_base``), the staged bytes become it and the bytes they replace go back
+        to the pool; else they go back themselves."""
         applied, self._applied = self._applied, None
         if applied is None or applied.version != version:
             return WorkerSettleResult(rank=self.rank, version=version, ok=False,
@@ -468,10 +471,8 @@ class EngineTarget:
         self._live = self.label.oldest
         if applied.parts:
             applied.pool.give(applied.staged.flat)  # no rollback copy: a committed group is never taken back
-        elif applied.pool.previous is not None:
-            applied.pool.keep_as_previous(applied.staged)
         else:
-            applied.pool.give(applied.staged.flat)
+            applied.pool.went_live(applied.staged)
         self.strategy.release_rollback()  # nothing rolls back past a kept commit but the copy above
         return WorkerSettleResult(rank=self.rank, version=version, ok=True)
 

@@ -23,6 +23,9 @@ What a worker holds, and why each exists:
   of an engine can only be undone on the others from a copy of the live bytes, taken
   before the window (never read from disk inside it). The ``swap`` commit needs none: it
   rolls back by swapping the old modules back;
+- for sparse updates (``keep_base``): the live version's bytes, the base the next update's
+  changes are written onto (the rollback copy where there is one), and the sparse update's
+  own wire bytes, received beside the version they rebuild (at most one update);
 - the commit strategy's own memory (``CommitStrategy.held_bytes``): for ``swap`` (CPU), the
   next version loaded and re-packed for oneDNN before the commit, so the commit is an
   attribute swap; inside the commit's window the set holds the swapped-out version instead
@@ -115,12 +118,14 @@ class StagingNeed:
 
 def staging_need(schema: TensorSchema, *, plan: ShardPlan | None = None, staging: StagingPlace, rollback_copy: bool,
                  commit_bytes: int = 0, commit: str = "swap", bucket_bytes: int = 0, plane_cuda: bool = False,
-                 mac: bool = False, groups: Sequence[Sequence[str]] = (), window: int = 0) -> StagingNeed:
+                 mac: bool = False, groups: Sequence[Sequence[str]] = (), window: int = 0,
+                 base_copy: bool = False) -> StagingNeed:
     """What a worker holds (see the module docstring). ``plane_cuda``: buckets land on the
     engine's GPU (NCCL), where the windows and checksum temporaries live; ``mac``: a secret
     is set; ``plan``: this worker's shard plan, whose boxes alone it stages (in a
     point-to-point generation); ``groups`` and ``window``: a layer-granular commit stages
-    ``window`` layer groups at most, each as large as the largest of ``groups``."""
+    ``window`` layer groups at most, each as large as the largest of ``groups``;
+    ``base_copy``: sparse updates are taken (``keep_base``)."""
     if groups and window:
         sizes = tensor_bytes(schema, plan)
         n = max(sum(sizes[name] for name in g) for g in groups)
@@ -134,6 +139,13 @@ def staging_need(schema: TensorSchema, *, plan: ShardPlan | None = None, staging
         parts = [Part("staging", n, staging)]
     if rollback_copy:
         parts.append(Part("rollback copy", n, staging))
+    if base_copy:
+        if groups and window:
+            raise ValueError("a layer-granular commit takes dense updates only (keep_base=False)")
+        if not rollback_copy:  # else the rollback copy is the base
+            parts.append(Part("sparse base", n, staging))
+        parts.append(Part("sparse wire bytes", n, staging))
+        copies += 1 + (not rollback_copy)
     if commit_bytes:
         parts.append(Part(f"{commit} commit", commit_bytes, "device"))
     if plane_cuda:

@@ -43,7 +43,7 @@ CommitUnit = Literal["model", "layer"]
 RejectCode = Literal[
     "bad_message", "stale_version", "unknown_tensor", "missing_tensor", "bad_shape", "bad_dtype", "bad_layout",
     "checksum", "short_bucket", "bucket_order", "incomplete", "prepare_failed", "commit_failed", "timeout",
-    "aborted", "nonfinite", "no_memory", "unauthenticated"]
+    "aborted", "nonfinite", "no_memory", "unauthenticated", "wrong_base"]
 # Key prefix, under the group's name in its store, of one engine's commit channel.
 ENGINE_CHANNEL = "engine"
 
@@ -98,6 +98,37 @@ class BucketSpec(Struct, frozen=True, forbid_unknown_fields=True):
     nbytes: Pos
 
 
+SparseCodec = Literal["index", "xor_zstd"]
+"""How a changed tensor travels in a sparse update (``inflight.transport.delta``)."""
+
+
+class Changed(Struct, frozen=True, forbid_unknown_fields=True):
+    """One tensor of a sparse update that travels as its changes against the base. ``index``
+    codec: the flat indices of the elements that changed (the int32 wire tensor ``index``)
+    and their new values (the wire tensor ``values``, in the tensor's dtype). ``xor_zstd``:
+    the tensor's bits xor the base's, zstd-compressed (``values``, uint8; no ``index``).
+    ``digest``: the announce's checksum of the whole rebuilt tensor's bytes, the result, not
+    the delta."""
+
+    name: Annotated[str, Meta(min_length=1)]
+    values: Annotated[str, Meta(min_length=1)]
+    digest: NonNeg
+    codec: SparseCodec = "index"
+    index: str = ""
+
+
+class Delta(Struct, frozen=True, forbid_unknown_fields=True):
+    """A sparse update (``inflight.transport.delta``): the announce's tensors are the wire
+    stream, and ``result`` lays the weights out as a dense update of them would. A result
+    tensor is either a wire tensor of its name, sent whole, or ``changed`` against the bytes
+    of ``base_version`` the worker keeps; a worker without them refuses (``wrong_base``)."""
+
+    base_version: NonNeg
+    result: tuple[TensorSpec, ...]
+    result_bytes: NonNeg
+    changed: tuple[Changed, ...]
+
+
 class UpdateAnnounce(Wire, tag="announce"):
     """Trainer -> workers: the complete layout of policy version ``version``."""
 
@@ -113,6 +144,8 @@ class UpdateAnnounce(Wire, tag="announce"):
     part: NonNeg = 0
     parts: NonNeg = 0
     """Layer-granular (``parts`` > 0): exactly the tensors of layer group ``part`` of ``parts``."""
+    delta: Delta | None = None
+    """A sparse update: how its wire tensors rebuild the weights (None: the tensors are the weights)."""
 
     def __post_init__(self) -> None:
         if self.protocol != PROTOCOL_VERSION:
@@ -128,17 +161,58 @@ class UpdateAnnounce(Wire, tag="announce"):
             end += b.nbytes
         if end != self.total_bytes:
             raise ValueError(f"buckets cover {end} bytes, total_bytes={self.total_bytes}")
-        names: set[str] = set()
-        for t in self.tensors:
-            if t.name in names:
-                raise ValueError(f"tensor {t.name!r} listed twice")
-            names.add(t.name)
-            if t.offset + t.nbytes > self.total_bytes:
-                raise ValueError(f"tensor {t.name!r} ends at {t.offset + t.nbytes} > total_bytes={self.total_bytes}")
-        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors if t.nbytes)
-        for (_, a_end, a), (b_start, _, b) in zip(spans, spans[1:]):
-            if b_start < a_end:
-                raise ValueError(f"tensors {a!r} and {b!r} overlap")
+        _check_layout(self.tensors, self.total_bytes)
+        if self.delta is not None:
+            _check_delta(self.delta, self.tensors, layered=self.parts > 0)
+
+
+def _check_layout(tensors: tuple[TensorSpec, ...], total_bytes: int) -> None:
+    names: set[str] = set()
+    for t in tensors:
+        if t.name in names:
+            raise ValueError(f"tensor {t.name!r} listed twice")
+        names.add(t.name)
+        if t.offset + t.nbytes > total_bytes:
+            raise ValueError(f"tensor {t.name!r} ends at {t.offset + t.nbytes} > total_bytes={total_bytes}")
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors if t.nbytes)
+    for (_, a_end, a), (b_start, _, b) in zip(spans, spans[1:]):
+        if b_start < a_end:
+            raise ValueError(f"tensors {a!r} and {b!r} overlap")
+
+
+def _check_delta(delta: Delta, tensors: tuple[TensorSpec, ...], *, layered: bool) -> None:
+    """Every result tensor is a wire tensor of its shape and dtype, or an index (int32) and
+    values (its dtype) of one length; every wire tensor is used once."""
+    if layered:
+        raise ValueError("a sparse update is whole-model: layer groups travel dense")
+    _check_layout(delta.result, delta.result_bytes)
+    wire = {t.name: t for t in tensors}
+    changed = {c.name: c for c in delta.changed}
+    used: list[str] = []
+    for r in delta.result:
+        c = changed.pop(r.name, None)
+        if c is None:
+            w = wire.get(r.name)
+            if w is None or (w.shape, w.dtype) != (r.shape, r.dtype):
+                raise ValueError(f"delta: result tensor {r.name!r} is neither sent whole nor changed")
+            used.append(r.name)
+            continue
+        index, values = wire.get(c.index), wire.get(c.values)
+        if c.codec == "xor_zstd":
+            if values is None or values.dtype != "uint8" or len(values.shape) != 1 or c.index:
+                raise ValueError(f"delta: {r.name!r} changes by wire tensor {c.values!r}, which is not one uint8 "
+                                 "zstd frame (and no index)")
+            used.append(c.values)
+            continue
+        if index is None or values is None or index.dtype != "int32" or values.dtype != r.dtype \
+                or len(index.shape) != 1 or index.shape != values.shape:
+            raise ValueError(f"delta: {r.name!r} changes by wire tensors {c.index!r} and {c.values!r}, which are "
+                             f"not an int32 index and {r.dtype} values of one length")
+        used += [c.index, c.values]
+    if changed:
+        raise ValueError(f"delta: changes for tensors not in the result: {sorted(changed)[:3]}")
+    if sorted(used) != sorted(wire):
+        raise ValueError(f"delta: wire tensors used {len(used)} times for {len(wire)} sent (each exactly once)")
 
 
 class BucketHeader(Wire, tag="bucket"):
@@ -214,6 +288,8 @@ class Joined(Wire, tag="joined"):
     """``layer``: the trainer sends this worker one announce per layer group."""
     wire_dtypes: dict[str, str] = {}
     """Tensors an update carries in a dtype of their own (not the push's), by name: fp32 ones of a bf16 engine."""
+    keeps_base: bool = False
+    """This worker keeps its live version's bytes (``InflightConfig.keep_base``): sparse updates against it can rebuild."""
 
 
 class Accepted(Wire, tag="accepted"):

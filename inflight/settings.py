@@ -18,7 +18,7 @@ import sys
 import typing
 from typing import Any, Literal
 
-from inflight.protocol import CastDtype, ChecksumAlgo
+from inflight.protocol import CastDtype, ChecksumAlgo, SparseCodec
 
 DataPlane = Literal["gloo", "nccl"]
 """The weight group's data plane: NCCL between GPUs, gloo through host memory."""
@@ -38,6 +38,11 @@ ChecksumChoice = Literal["auto", ChecksumAlgo]
 """Per-bucket checksum; ``auto`` is xxh3 on gloo and wsum64 (computed on the GPU) on NCCL."""
 PushDtype = Literal["keep", CastDtype]
 """What the trainer casts weights to while packing; ``keep`` sends each tensor's own dtype."""
+SparseCodecChoice = Literal["auto", SparseCodec]
+"""A sparse update's codec: ``auto`` is ``xor_zstd`` on a gloo data plane (host), ``index`` on NCCL (device)."""
+PushEncoding = Literal["dense", "sparse"]
+"""How an update travels: every tensor whole, or, against a version the engine keeps, only the
+elements that changed (``inflight.transport.delta``)."""
 RolloutMode = Literal["inflight", "batch"]
 """In-flight sampling, or the synchronous batch-boundary baseline."""
 TrackerName = Literal["jsonl", "tensorboard", "wandb", "trackio"]

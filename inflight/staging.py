@@ -68,8 +68,12 @@ class StagingPool:
     gives back what a commit consumed and moves the rollback copy (``previous``), which
     only it reads or changes once the listener runs. ``_lock`` guards the free list."""
 
-    def __init__(self, device: torch.device, *, pin: bool = False) -> None:
+    def __init__(self, device: torch.device, *, pin: bool = False, keep_base: bool = False) -> None:
         self.device = device
+        self.keep_base = keep_base
+        """Keep the live version's bytes as the base of sparse updates (``InflightConfig.keep_base``)."""
+        self.base: StagedVersion | None = None
+        """The live version's bytes where no rollback copy holds them (``keep_base``)."""
         self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
         self._lock = threading.Lock()
         self._free: list[torch.Tensor] = []
@@ -114,6 +118,25 @@ class StagingPool:
         with self._lock:
             self._out.pop(buffer.data_ptr(), None)
             self._free.append(buffer)
+
+    def went_live(self, staged: StagedVersion) -> None:
+        """Execution thread: ``staged`` (a whole version) went live. Its bytes become the
+        rollback copy where the pool keeps one, else the base of the next sparse update where
+        the pool keeps that, else they go back to the pool."""
+        if self.previous is not None:
+            self.keep_as_previous(staged)
+        elif self.keep_base:
+            old, self.base = self.base, staged
+            if old is not None:
+                self.give(old.flat)
+        else:
+            self.give(staged.flat)
+
+    def base_for(self) -> StagedVersion | None:
+        """The live version's bytes, if the pool holds them: the rollback copy or the base
+        (``None``: neither, or only the weights read at start, which carry no version)."""
+        live = self.previous if self.previous is not None else self.base
+        return live if live is not None and live.announce is not None else None
 
     def keep_as_previous(self, staged: StagedVersion) -> None:
         """Execution thread: ``staged`` went live; keep its bytes as the rollback copy and give

@@ -58,7 +58,7 @@ class Harness:
     """``LLM`` (in-process engine) + ``WeightPusher`` (rank 0) on one gloo group."""
 
     def __init__(self, model_dir: Path, dtype: str, port: int, commit: str = "auto", timeout_s: float = 60.0,
-                 keep_rollback: bool = True, **engine_overrides: object) -> None:
+                 keep_rollback: bool = True, keep_base: bool = False, **engine_overrides: object) -> None:
         from vllm import LLM
 
         self.model_dir = Path(model_dir)
@@ -67,8 +67,8 @@ class Harness:
                        **engine_kwargs(**engine_overrides))
         self.group = GroupConfig(port=port, world_size=2, timeout_s=timeout_s)
         try:
-            self.start_report = start_inflight(self.llm, InflightConfig(group=self.group, commit=commit,
-                                                                                    keep_rollback=keep_rollback))  # type: ignore[arg-type]
+            self.start_report = start_inflight(self.llm, InflightConfig(group=self.group, commit=commit,  # type: ignore[arg-type]
+                                                                        keep_rollback=keep_rollback, keep_base=keep_base))
             self.pusher = WeightPusher(self.group, PushConfig(dtype=dtype, bucket_mb=0.25))
         except BaseException:
             # Tear the engine down now (e.g. the pusher could not host the group's store):
@@ -86,6 +86,18 @@ class Harness:
     def push(self, state: dict[str, torch.Tensor]) -> PushResult:
         self.version += 1
         return self.pusher.push(self.version, state)
+
+    @contextlib.contextmanager
+    def pushing_with(self, config: PushConfig) -> Iterator[WeightPusher]:
+        """A trainer with ``config`` in place of the harness's (the engine joins its group as it
+        would a restarted trainer's); the harness's own comes back after."""
+        self.pusher.close()
+        self.pusher = WeightPusher(self.group, config)
+        try:
+            yield self.pusher
+        finally:
+            self.pusher.close()
+            self.pusher = WeightPusher(self.group, PushConfig(dtype=self.dtype, bucket_mb=0.25))
 
     def coordinator(self):
         """The engine's commit coordinator (EngineCore runs in this process)."""

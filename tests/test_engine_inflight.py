@@ -34,7 +34,7 @@ ENGINES = [("qwen2", "float32", "auto"), ("qwen2", "bfloat16", "auto"), ("llama"
 @pytest.fixture(scope="module", params=ENGINES, ids=lambda p: "-".join(p))
 def harness(request, tiny_qwen, tiny_llama, hold_port):
     arch, dtype, commit = request.param
-    h = Harness(tiny_qwen if arch == "qwen2" else tiny_llama, dtype, hold_port(), commit=commit)
+    h = Harness(tiny_qwen if arch == "qwen2" else tiny_llama, dtype, hold_port(), commit=commit, keep_base=True)
     assert h.start_report.commit == ("swap" if commit == "auto" else commit)
     yield h
     h.close()
@@ -71,6 +71,88 @@ def test_update_matches_transformers_and_rollback_restores(harness: Harness) -> 
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6, rtol=0)
         assert b.versions == [h.version] * len(b.token_ids)
+
+
+def _small_step(master: dict[str, torch.Tensor], seed: int) -> None:
+    """An fp32 step that moves 5% of the elements by ~1e-3 of themselves (in bf16, many round
+    back to the value they had)."""
+    g = torch.Generator().manual_seed(seed)
+    for t in master.values():
+        t.add_((torch.rand(t.shape, generator=g) < 0.05) * t * 1e-3 * torch.randn(t.shape, generator=g))
+
+
+def _held_digests(h: Harness) -> dict[str, int]:
+    """The xxh3 of each tensor of the live version's bytes the engine keeps (its sparse base)."""
+    from inflight.transport.layout import checksum
+
+    def digests(worker) -> dict[str, int]:
+        base = worker._inflight_pool.base_for()
+        return {n: checksum(t.reshape(-1).view(torch.uint8), "xxh3") for n, t in base.views.items()}
+    return h.llm.collective_rpc(digests)[0]
+
+
+@pytest.mark.parametrize("harness", ENGINES[:2], indirect=True, ids=lambda p: "-".join(p))
+def test_ten_sparse_pushes_equal_transformers_and_a_dense_push(harness: Harness) -> None:
+    """Ten sparse updates in a row: the engine's bytes are, bit for bit, the trainer's weights
+    cast as a dense push casts them; its outputs equal transformers' (fp32) and, bit for bit,
+    its outputs after a dense push of the same weights (bf16 and fp32)."""
+    from inflight.transport.layout import checksum
+    from inflight.transport.pusher import PushConfig
+
+    h = harness
+    master = {n: t.clone() for n, t in h.base.items()}
+    with h.pushing_with(PushConfig(dtype=h.dtype, bucket_mb=0.25, encoding="sparse")):
+        assert h.push(master).send.changed_frac is None  # the trainer holds no base yet: dense
+        for k in range(10):
+            _small_step(master, seed=k)
+            send = h.push(master).send
+            assert send.changed_frac is not None and send.nbytes < 0.5 * send.dense_bytes, send
+        want = {n: checksum(t.to(getattr(torch, h.dtype)).reshape(-1).view(torch.uint8), "xxh3") for n, t in master.items()}
+        assert _held_digests(h) == want
+        sparse = h.greedy(PROMPTS)
+        if h.dtype == "float32":
+            _check_against_reference(h, master, expect_version=h.version)
+    assert h.push(master).send.changed_frac is None  # the harness's own pusher: dense
+    dense = h.greedy(PROMPTS)
+    for (_, a), (_, b) in zip(sparse, dense):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+@ONCE
+def test_a_sparse_update_the_engine_cannot_rebuild_is_refused_and_live_stays(harness: Harness) -> None:
+    """The engine lost its base: the delta is refused by name and goes again dense. Its base
+    bytes are not the version's any more: the rebuilt tensor fails its checksum, the update
+    is refused, and the engine serves what it served, bit for bit."""
+    from inflight.transport.pusher import PushConfig, PushRejected
+
+    h = harness
+    master = {n: t.clone() for n, t in h.base.items()}
+    with h.pushing_with(PushConfig(dtype=h.dtype, bucket_mb=0.25, encoding="sparse")):
+        h.push(master)
+
+        def lose_base(worker) -> None:
+            pool = worker._inflight_pool
+            pool.give(pool.base.flat)
+            pool.base = None
+        h.llm.collective_rpc(lose_base)
+        _small_step(master, seed=20)
+        assert h.push(master).send.changed_frac is None  # refused, then sent dense
+        status = h.status()
+        assert status.rejections.get("wrong_base") == 1
+        assert f"v{h.version} is a sparse update against v{h.version - 1}, and this worker holds no base bytes" \
+            in status.last_error
+        before, live = h.greedy(PROMPTS), h.version
+
+        def corrupt_base(worker) -> None:
+            worker._inflight_pool.base.views["model.norm.weight"].mul_(2.0)
+        h.llm.collective_rpc(corrupt_base)
+        _small_step(master, seed=21)
+        with pytest.raises(PushRejected, match=r"\[checksum\] v\d+: model.norm.weight rebuilt on v\d+ has checksum"):
+            h.push(master)
+        assert h.status().live_version == live
+        after = h.greedy(PROMPTS)
+        for (_, a), (_, b) in zip(before, after):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and b.versions == [live] * len(b.token_ids)
 
 
 @ONCE

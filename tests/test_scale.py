@@ -1,10 +1,12 @@
 """The fleet model of ``python -m inflight.bench.scale``: its invariants, hand-computed memory and lag,
-the shipped scenarios, and its prediction of a committed ``inflight.bench.inflight`` run; the bytes
+the shipped scenarios, and its predictions of ``inflight.bench.inflight`` runs on SmolLM2 from
+separate micro-benchmarks (``scale_replay``, ``scale_calibrate``); the bytes
 per rank it takes from a model's shapes (``inflight.bench.scale_shapes``), by hand and against the
 shard plans a real TP=2 engine's weight loaders give (one engine per tiny model, started once).
 
 Nothing else starts an engine or reads a clock: the model is deterministic for a seed, and
-the CPU check compares it with a run measured once and committed (bench/scale_cpu_bench.json).
+the CPU check compares committed predictions (bench/scale_predictions.json, made from
+bench/scale_calibration.json) with committed runs (bench/scale_slow_link_runs.json).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from inflight.bench.scale import TOLERANCE, merge_repeats, reference_ok, scenario_rows, validate_cpu
+from inflight.bench.scale import scenario_rows
 from inflight.bench.scale_fleet import GB, SCENARIOS, Link, Scenario, engine_rate, plan, scenario_paths
 from inflight.bench.scale_layer import layer_rows
+from inflight.bench.scale_links import link_rows, load_links, over
 from inflight.bench.scale_model import Lengths, Run, StepTime, Update, _add_lags, simulate
+from inflight.bench.scale_replay import CALIBRATION, MODES, PREDICTIONS, RUNS, chunk_context, command, judge, predict
 from inflight.bench.scale_shapes import (Arch, box, group_bytes, group_names, link_bytes, param_count, rank_bytes, staging_bytes,
                                 tensors)
 from inflight.shard_plan import PlanBytes
@@ -329,47 +333,129 @@ def test_layer_groups_commit_one_per_boundary_paced_by_the_slots(staged: int, st
     assert r.span_s == pytest.approx(span_s)
 
 
-# --- the model against the CPU benchmark --------------------------------------------------
+# --- the model against this CPU: predicted from micro-benchmarks, judged on the recorded runs ----
+
+MISSED = {
+    ("10gbit", "inflight"), ("10gbit", "native"), ("10gbit", "native@inflight"), ("10gbit", "inflight/native"),
+    # the predictions' loopback staging (3.40 s a push) and native stall (4.21 s) came from an engine
+    # calibration that ran beside a training job (load 0.2 -> 2.3); the run staged in 1.54 s, stalled 1.67 s
+    ("100mbit", "inflight"), ("100mbit", "inflight/native"),
+    # predicted 4363 ms from the chunk's context growth; measured 1603 (the development run: 3804): two
+    # updates a run, and the replay's context model does not hold for this run
+}
+"""The checks the committed predictions miss, each with its cause (README and
+docs/performance.md say so). A miss not listed here fails, and so does a listed check that
+passes: the list states what the model does, it leaves no run out."""
+
 
 @pytest.fixture(scope="module")
-def bench() -> dict:
-    return json.loads((ROOT / "bench" / "scale_cpu_bench.json").read_text())
+def judged() -> tuple[dict, list[dict]]:
+    """The committed predictions and the recorded ``inflight.bench.inflight`` runs."""
+    return json.loads(PREDICTIONS.read_text()), json.loads(RUNS.read_text())["runs"]
 
 
-def test_model_predicts_the_cpu_benchmark_within_15_percent(bench: dict) -> None:
-    checks = validate_cpu(bench)
-    assert len(checks) == 3 * 3 * 2  # three modes, sizes S M L, every 8 and 32
-    assert sum(c["calibration"] for c in checks) == 1  # one figure fitted, the rest predicted
-    judged = [c for c in checks if not c["disturbed"]]
-    assert len(judged) >= 12  # the rule for a disturbed reference cannot empty the check
-    bad = [c for c in judged if abs(c["error"]) > TOLERANCE]
-    assert not bad, bad
+def test_every_prediction_is_within_its_band(judged) -> None:
+    """Each recorded run (1 Gbit/s and 100 Mbit/s at least; 10 Gbit/s and loopback once recorded):
+    in-flight's, native's and native@inflight's decode time lost per update within REL of the
+    measured figure plus DRIFT of the update period's decode time, and the ratio in-flight /
+    native within what those two bands allow. No row is left out: what the predictions miss is
+    named in ``MISSED`` with its cause, and every other check must pass."""
+    preds, runs = judged
+    assert {"1gbit", "100mbit"} <= {r.get("link") or "loopback" for r in runs}
+    checks = judge(preds, runs)
+    for run in runs:  # every measured mode that updates is judged
+        rate = run.get("link") or "loopback"
+        judged_modes = {c["mode"] for c in checks if c["rate"] == rate}
+        assert {r["mode"] for r in run["rows"] if r["mode"] in MODES and r["updates"]} <= judged_modes
+        assert "inflight/native" in judged_modes
+    missed = [c for c in checks if not c["ok"]]
+    assert {(c["rate"], c["mode"]) for c in missed} == MISSED, missed
 
 
-def test_a_disturbed_reference_is_recognised() -> None:
-    """A none run whose tokens/s implies a mean step 4x its median lost seconds to something
-    else: its repeat is left out of the mean where another repeat ran clean."""
-    def run(tok_s: float) -> dict:
-        rows = [{"size": "S", "every": 8, "mode": m, "tok_s": t, "vs_none": t / tok_s, "step_ms": 8.0, "stall_ms": 0.0,
-                 "commit_ms": None, "stage_ms": None, "ms_per_gb": None} for m, t in (("none", tok_s), ("native", 6000.0))]
-        return {"concurrency": 64, "rows": rows}
-
-    clean, disturbed = run(7000.0), run(1800.0)
-    assert reference_ok(clean, "S", 8) and not reference_ok(disturbed, "S", 8)
-    merged = {r["mode"]: r for r in merge_repeats([disturbed, clean])}
-    assert merged["native"]["vs_none"] == pytest.approx(6000 / 7000) and merged["native"]["repeats"] == 1
-    assert not merged["native"]["disturbed"]
-    assert merge_repeats([disturbed])[1]["disturbed"]
+def test_the_band_is_tighter_than_the_gap(judged) -> None:
+    """In every recorded run the band around in-flight's loss is a small part of the gap to
+    native's: a model that gave in-flight native's cost, or native in-flight's, would miss."""
+    preds, runs = judged
+    for c in judge(preds, runs):
+        if c["mode"] == "inflight":
+            run = next(r for r in runs if (r.get("link") or "loopback") == c["rate"])
+            native = next(r for r in run["rows"] if r["mode"] == "native")["lost_ms_per_update"]
+            assert c["band_ms"] < 0.2 * (native - c["measured"]), c
 
 
-def test_the_cpu_check_can_fail(bench: dict) -> None:
-    """The same check on a run whose native path had stalled half as long: the model, fed that
-    stall, predicts a ratio the (real) measurement then misses by more than 15%."""
-    doctored = copy.deepcopy(bench)
-    for r in doctored["runs"][0]["rows"]:
-        if r["mode"] == "native" and r["size"] == "L":
-            r["stall_ms"] *= 0.2
-    assert any(abs(c["error"]) > TOLERANCE for c in validate_cpu(doctored) if c["mode"] == "native")
+def test_the_check_fails_a_wrong_model(judged) -> None:
+    """Models that leave a mechanism out miss: in-flight losing nothing (no longer chunks while
+    a push lands: 100 Mbit/s), a decode step 8% slower for the whole transfer (1 Gbit/s), and
+    native without its fixed overhead beyond the wire (pause, reload, load, resume)."""
+    preds, runs = judged
+
+    def missed(rate: str, mode: str, value: float) -> bool:
+        wrong = copy.deepcopy(preds)
+        wrong["predictions"][rate]["modes"][mode]["lost_ms_per_update"] = value
+        return not next(c for c in judge(wrong, runs) if c["rate"] == rate and c["mode"] == mode)["ok"]
+
+    p = preds["predictions"]
+    assert missed("100mbit", "inflight", 0.0)
+    assert missed("1gbit", "inflight", 0.08 * 1e3 * p["1gbit"]["params"]["stage_s"])
+    cal = json.loads(CALIBRATION.read_text())
+    fixed = cal["engine"]["native"]["stall_s"] - cal["engine"]["native"]["send_s"]
+    assert missed("1gbit", "native@inflight", p["1gbit"]["modes"]["native@inflight"]["lost_ms_per_update"] - 2e3 * fixed)
+
+
+def test_the_predictions_are_the_calibrations(judged) -> None:
+    """The committed predictions are what ``scale predict`` makes of the committed calibration,
+    and the calibration says which command and date produced each part."""
+    cal = json.loads(CALIBRATION.read_text())
+    assert predict(cal)["predictions"] == judged[0]["predictions"]
+    assert judged[0]["command"] == "python -m inflight.bench.scale predict"
+    for part in ("link", "engine", "wait"):
+        runs = [r for r in cal["runs"] if part in r["parts"]]
+        assert runs and all(r["command"].startswith("python -m inflight.bench.scale calibrate") and r["date"] for r in runs)
+    for run in judged[1]:
+        assert run["command"] == command(run.get("link") or "loopback")
+
+
+def test_replayed_context_by_hand() -> None:
+    """Two slots, lengths from random.Random(0): before each step, the prompts (8 tokens each)
+    plus the tokens each running request has so far; a slot refills the step after it frees."""
+    import random
+
+    rng = random.Random(0)
+    a, b = rng.randint(16, 512), rng.randint(16, 512)
+    ctx, new = chunk_context(min(a, b) + 2, concurrency=2)
+    assert new[0] == 2 and ctx[0] == 16 and ctx[5] == 16 + 10
+    first = min(a, b)  # the shorter frees its slot after its last token; the next request starts
+    assert new[first] == 1 and ctx[first] == 8 + first + 8
+
+
+# --- slower links between the pools --------------------------------------------------------
+
+def test_links_load_and_scale_the_transfer() -> None:
+    """Each link of links.toml gives an engine its share of the port (a TP1 engine an eighth of a
+    node's 100 Gbit/s at 0.9: 1.41 GB/s) or a connection of its own; a sparse delta scales what
+    crosses the link and nothing else."""
+    links, ratio = load_links(SCENARIOS)
+    assert [x.name for x in links] == ["100 Gbit/s TCP", "25 Gbit/s TCP", "1 Gbit/s decentralized"] and 0 < ratio <= 1
+    s = _scenario()
+    assert links[0].engine_gbps(s) == pytest.approx(100 / 8 * 0.9 / 8)
+    assert links[2].engine_gbps(s) == pytest.approx(1 / 8 * 0.9)
+    dense, sparse = over(s, links[1]), over(s, links[1], 0.25)
+    assert plan(sparse, "inflight").update.stage_s == pytest.approx(0.25 * plan(dense, "inflight").update.stage_s)
+    assert plan(sparse, "inflight").staging_gb_gpu == plan(dense, "inflight").staging_gb_gpu
+    assert dense.updates.every_s == pytest.approx(plan(dense, "inflight").update.stage_s)  # link-bound cadence
+    with pytest.raises(ValueError, match="wire_ratio=1.5"):
+        replace(s.updates, wire_ratio=1.5)
+
+
+def test_over_a_slow_link_pause_loses_its_stall() -> None:
+    """7B over 1 Gbit/s: a pause as long as the decode between updates halves tokens/s; in-flight
+    keeps within 1% of none and wins; a sparse delta doubles in-flight's updates per hour."""
+    links, _ = load_links(SCENARIOS)
+    rows = {r["wire"]: r for r in link_rows(_scenario(), links[2:], 0.5)}
+    d, sp = rows["dense"], rows["sparse"]
+    assert d["inflight"] > 0.99 and d["winner"] == "inflight" and d["margin"] > 1.5
+    assert 0.45 < d["pause"] < 0.6
+    assert sp["inflight_per_hour"] == pytest.approx(2 * d["inflight_per_hour"], rel=0.01)
 
 
 def test_run_accumulates_chunks() -> None:

@@ -68,9 +68,11 @@ def test_config_errors_name_the_key(tmp_path) -> None:
 def test_batch_mode_samples_each_step_from_one_version(tmp_path) -> None:
     """The synchronous baseline: every sample of step k was drawn entirely by version k-1.
     Sampled with top-k and top-p, which the trainer mirrors: the policy it trains is the one
-    that sampled, so (nearly) every importance ratio is 1."""
+    that sampled, so (nearly) every importance ratio is 1. The pushes are sparse after the
+    first (``transport.encoding``): a wrongly rebuilt weight would move the ratios too."""
     cfg = config_from_dict({**SMALL, "run": {**SMALL["run"], "steps": 4, "out_dir": str(tmp_path / "run")},
-                            "rollout": {**SMALL["rollout"], "mode": "batch", "top_k": 20, "top_p": 0.9}})
+                            "rollout": {**SMALL["rollout"], "mode": "batch", "top_k": 20, "top_p": 0.9},
+                            "transport": {**SMALL["transport"], "encoding": "sparse"}})
     train(cfg)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4
@@ -80,6 +82,9 @@ def test_batch_mode_samples_each_step_from_one_version(tmp_path) -> None:
     # ratios in [0.95, 1.05): a token whose top-p cut the two implementations place apart may leave it
     centre = sum(r["ratio_hist"][3] for r in rows) / sum(sum(r["ratio_hist"]) for r in rows)
     assert centre >= 0.98, [r["ratio_hist"] for r in rows]
+    pushes = [r for r in rows if r.get("dense_mb")]
+    assert pushes[0]["changed_frac"] is None and pushes[0]["sent_mb"] == pushes[0]["dense_mb"]  # no base yet: dense
+    assert len(pushes) >= 3 and all(0 < r["changed_frac"] <= 1 and r["sent_mb"] < r["dense_mb"] for r in pushes[1:]), pushes
 
 
 def test_placement_splits_gpus_and_never_puts_nccl_on_one_device() -> None:

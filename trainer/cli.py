@@ -22,6 +22,7 @@ BENCHES = {
     "grpo": "GRPO groups on shared prompts: in-flight with prefix caching vs vLLM's salted and reset caches",
     "transport": "bucketed transfer vs a raw broadcast",
     "slow_link": "a shaped link between network namespaces (tbf): its achieved bytes/s",
+    "sparse": "sparse updates on real RL steps: bytes against dense, the encodings compared, CPU cost",
     "e2e": "the training loop end to end, shared and split cores",
     "scoring": "decoding while a slow verifier scores: in the scoring processes vs inline",
     "profile_staging": "one update's staging time, phase by phase and thread by thread",

@@ -11,7 +11,7 @@ from typing import Literal
 
 from inflight.adapter import AdapterSpec
 from inflight.protocol import CommitUnit, ModelDtype, Sampling
-from inflight.settings import Backend, RolloutMode, TrackerName, check_choices
+from inflight.settings import Backend, PushEncoding, RolloutMode, TrackerName, check_choices
 from inflight.trainer.loss_config import LossConfig
 from inflight.trainer.optim import OptimConfig
 from inflight.transport.group_config import GroupConfig
@@ -171,6 +171,11 @@ class TransportConfig:
     """After a failure, how long the trainer waits for the engine to come back (start-up included)."""
     insecure: bool = GroupConfig.insecure
     """Allow a non-loopback ``host`` without ``INFLIGHT_SECRET`` (``GroupConfig.insecure``)."""
+    encoding: PushEncoding = PushConfig.encoding
+    """``sparse``: each push sends only the elements that changed, in the engine's dtype,
+    against the version the engine serves, where that is smaller (``PushConfig.encoding``);
+    the engines keep their live version's bytes for it (``InflightConfig.keep_base``). Pays
+    on slow links and bf16 engines, where most weights do not change between two steps."""
 
     def __post_init__(self) -> None:
         check_choices(self, "transport")
@@ -297,7 +302,8 @@ def group_config(cfg: TrainConfig, *, port: int, backend: Backend | None = None)
 
 def push_config(cfg: TrainConfig) -> PushConfig:
     """How the trainer packs and sends this run's pushes."""
-    return PushConfig(bucket_mb=cfg.transport.bucket_mb, dtype=cfg.model.dtype, reply_timeout_s=cfg.transport.reply_timeout_s)
+    return PushConfig(bucket_mb=cfg.transport.bucket_mb, dtype=cfg.model.dtype, reply_timeout_s=cfg.transport.reply_timeout_s,
+                      encoding=cfg.transport.encoding)
 
 
 def inflight_config(cfg: TrainConfig, group: GroupConfig, *, rank: int, initial_version: int,
@@ -305,4 +311,4 @@ def inflight_config(cfg: TrainConfig, group: GroupConfig, *, rank: int, initial_
     """What engine ``rank``'s workers need to join ``group`` and commit this run's pushes."""
     return InflightConfig(group=group, rank=rank, initial_version=initial_version, max_bucket_mb=cfg.transport.bucket_mb,
                           stale_timeout_s=cfg.transport.stale_timeout_s, record_routing=cfg.loss.routing_replay,
-                          commit_unit=cfg.engine.commit_unit, adapter=adapter)
+                          commit_unit=cfg.engine.commit_unit, adapter=adapter, keep_base=cfg.transport.encoding == "sparse")

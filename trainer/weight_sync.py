@@ -62,6 +62,10 @@ def push_metrics(results: Mapping[int, PushResult], fleet: Fleet) -> dict[str, A
             "push_ms": 1e3 * max(r.stage_wait_s + r.commit_wait_s for r in results.values()),
             "send_ms": 1e3 * max(r.send.send_s for r in results.values()),
             "push_mb": sum(r.send.delivered_bytes for r in results.values()) / 2**20,
+            # each engine's update as sent and as it would be dense (``transport.encoding``)
+            "sent_mb": sum(r.send.nbytes for r in results.values()) / 2**20,
+            "dense_mb": sum(r.send.dense_bytes for r in results.values()) / 2**20,
+            "changed_frac": first.send.changed_frac, "encode_ms": 1e3 * first.send.encode_s,
             "read_ms": 1e3 * max(r.send.read_s for r in results.values()),
             "steps_during_transfer": first.staged[min(first.staged)].steps_during_transfer}
 

@@ -35,6 +35,7 @@ from datetime import timedelta
 import torch
 from torch.distributed import PrefixStore
 
+from inflight.transport.delta import DeltaEncoder
 from inflight.transport.errors import TransportTimeout
 from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, PushResult, WeightPusher
@@ -66,10 +67,11 @@ class FleetPusher:
         self.base = group
         self._store = host_store(group.host, group.port, 1 + sum(engine_tp), timedelta(seconds=group.timeout_s))
         self.pushers: dict[int, WeightPusher] = {}
+        deltas = DeltaEncoder() if config.encoding == "sparse" else None  # one copy of each version for every engine
         try:
             for e, tp in enumerate(engine_tp):
                 self.pushers[e] = WeightPusher(group.for_engine(e, tp), config, device, join_timeout_s=join_timeout_s,
-                                               store=self._store, stop=stop)
+                                               store=self._store, stop=stop, deltas=deltas)
         except BaseException:
             self.close("the fleet did not form")
             raise

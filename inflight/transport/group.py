@@ -118,7 +118,7 @@ class WeightGroup:
         live_version: int = 0, stop: threading.Event | None = None, join_timeout_s: float | None = None,
         engine_ranks: tuple[int, ...] = (), secret: bytes | None | Literal["env"] = "env", plan: ShardPlan | None = None,
         store: TCPStore | None = None, commit_unit: CommitUnit = "model", label: str = "",
-        wire_dtypes: Mapping[str, str] | None = None,
+        wire_dtypes: Mapping[str, str] | None = None, keeps_base: bool = False,
     ) -> None:
         if not 0 <= rank < config.world_size:
             raise ValueError(f"{member(rank)} outside world_size {config.world_size}")
@@ -160,7 +160,7 @@ class WeightGroup:
         else:
             try:
                 self._join(live_version, stop, join_timeout_s, engine_ranks or (rank,), plan, commit_unit, label,
-                           dict(wire_dtypes or {}))
+                           dict(wire_dtypes or {}), keeps_base)
             except BaseException:
                 self.close()  # a member that never joined must not go on beating
                 raise
@@ -278,7 +278,7 @@ class WeightGroup:
 
     def _join(self, live_version: int, stop: threading.Event | None, timeout_s: float | None,
               engine_ranks: tuple[int, ...], plan: ShardPlan | None, commit_unit: CommitUnit = "model",
-              label: str = "", wire_dtypes: dict[str, str] | None = None) -> None:
+              label: str = "", wire_dtypes: dict[str, str] | None = None, keeps_base: bool = False) -> None:
         """Worker: connect to the store, wait for an open generation, announce, form."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._tcp = connect_retrying(self.config.host, self.config.port, self.config.world_size, self.config.timeout_s,
@@ -290,7 +290,7 @@ class WeightGroup:
         tried: set[int] = set()
         hello = encode(Joined(rank=self.rank, live_version=live_version, incarnation=INCARNATION,
                               engine_ranks=tuple(engine_ranks), plan=plan, commit_unit=commit_unit, label=label,
-                              wire_dtypes=wire_dtypes or {}))
+                              wire_dtypes=wire_dtypes or {}, keeps_base=keeps_base))
         while True:
             self._root.set(f"knock/{self.rank}", INCARNATION.encode())
             g = _open_generation(self._root, self.secret, self.config.name, self.rank, tried, deadline, stop,

@@ -85,6 +85,7 @@ from inflight.protocol import (
     UpdateAnnounce,
 )
 from inflight.staging import StagedVersion, StagingPool
+from inflight.transport.delta import DeltaDecoder, base_mismatch, result_announce
 from inflight.transport.errors import TransportError, UpdateRejected, member
 from inflight.transport.group import Phase, WeightGroup, WorkerControl
 from inflight.transport.layout import FRAME_BYTES, TensorSchema, checksum, completed_by_bucket, mac_context, tensor_views, unframe
@@ -167,18 +168,32 @@ class Streamed:
     checksum (and every bucket before it): its finite check, then the target's
     ``prepare_part``, while the next bucket is on the wire. ``finish`` runs after the last
     bucket: ``prepare`` with every tensor. The first failure stops the feeding and is
-    reported by ``finish``; the receive goes on regardless, keeping the group in step."""
+    reported by ``finish``; the receive goes on regardless, keeping the group in step.
 
-    def __init__(self, target: CommitTarget, announce: UpdateAnnounce, flat: torch.Tensor, check_finite: bool) -> None:
+    A sparse update (``decoder``) is checked and prepared as the weights it rebuilds: each
+    verified bucket's wire tensors are first decoded onto the base, and ``announce`` and
+    ``views`` are the rebuilt weights' (``result_announce``)."""
+
+    def __init__(self, target: CommitTarget, announce: UpdateAnnounce, flat: torch.Tensor, check_finite: bool,
+                 decoder: DeltaDecoder | None = None) -> None:
         self.target, self.check_finite = target, check_finite
-        self.announce = announce
-        self.views = tensor_views(flat, announce.tensors)
+        self.decoder = decoder
+        self.announce = announce if decoder is None else result_announce(announce)
+        self.views = tensor_views(flat, announce.tensors) if decoder is None else decoder.result
         self._due = completed_by_bucket(announce.tensors, announce.buckets)
         self._error: UpdateRejected | None = None
 
     def verified(self, index: int) -> None:
-        if self._error is None:
-            self._take({name: self.views[name] for name in self._due[index]})
+        if self._error is not None:
+            return
+        names = self._due[index]
+        if self.decoder is not None:
+            try:
+                names = self.decoder.decode(names)
+            except UpdateRejected as e:
+                self._error = e
+                return
+        self._take({name: self.views[name] for name in names})
 
     def _take(self, named: dict[str, torch.Tensor]) -> None:
         v = self.announce.version
@@ -192,8 +207,12 @@ class Streamed:
             self._error = UpdateRejected("prepare_failed", f"v{v}: {e!r}")
 
     def finish(self) -> UpdateRejected | None:
-        if self._error is None and not self._due:
-            self._take(self.views)  # no buckets at all (an update of empty tensors): check what there is
+        if self._error is None and not self._due:  # no buckets at all (empty tensors, or nothing changed): check what there is
+            try:
+                names = list(self.views) if self.decoder is None else self.decoder.decode(list(self.decoder.wire))
+            except UpdateRejected as e:
+                return e
+            self._take({name: self.views[name] for name in names})
         if self._error is not None:
             return self._error
         try:
@@ -508,13 +527,20 @@ class UpdateListener:
     def _on_announce(self, seq: int, a: UpdateAnnounce) -> None:
         self._drop()  # a new announce supersedes anything staged but not committed
         error = self._check_announce(a)
+        base = self.pool.base_for() if a.delta is not None else None
+        if error is None and a.delta is not None and (why := base_mismatch(
+                a, None if base is None else base.views, None if base is None else base.announce.version)):
+            error = UpdateRejected("wrong_base", why)
         if error is None and (why := self.receiver.fits(a)) is not None:
             error = UpdateRejected("no_memory", why)
-        flat = None
+        flat = result = None
         if error is None:
             try:  # before Accepted: a buffer that cannot be had refuses the update, not the group
                 flat = self._buffer(a.total_bytes)
+                result = self._buffer(a.delta.result_bytes) if a.delta is not None else None
             except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+                if flat is not None:
+                    self.pool.give(flat)
                 error = UpdateRejected("no_memory", f"v{a.version}: no staging buffer of {a.total_bytes} B: {e}")
         if error is not None:
             self._reject(seq, a.version, error.code, error.reason)
@@ -522,9 +548,10 @@ class UpdateListener:
             return
         self.control.reply(seq, Accepted(rank=self.group.rank, version=a.version))
         t0 = time.perf_counter()
-        error, staged = self.receive_update(a, flat)
+        rebuild = None if a.delta is None else (result, base.views)  # type: ignore[union-attr]
+        error, staged = self.receive_update(a, flat, rebuild)
         if error is not None:  # nothing live was touched
-            self.pool.give(flat)
+            self.pool.give(staged.flat)
             self.target.discard()  # the tensors fed so far
             if error.code != "aborted":
                 self._reject(seq, a.version, error.code, error.reason, phase="staged")
@@ -537,12 +564,18 @@ class UpdateListener:
         self.control.reply(seq, Staged(rank=self.group.rank, version=a.version,
                                        receive_ms=1e3 * (time.perf_counter() - t0), steps_during_transfer=steps), phase="staged")
 
-    def receive_update(self, a: UpdateAnnounce, flat: torch.Tensor) -> tuple[UpdateRejected | None, StagedVersion]:
+    def receive_update(self, a: UpdateAnnounce, flat: torch.Tensor,
+                       rebuild: tuple[torch.Tensor, Mapping[str, torch.Tensor]] | None = None,
+                       ) -> tuple[UpdateRejected | None, StagedVersion]:
         """Receive ``a``'s buckets into ``flat``, checking and preparing its tensors as they
-        verify: (why it is refused, or None; the staged version). A transport failure gives
-        ``flat`` back, drops what was prepared and raises (half received: the bytes are unused)."""
+        verify: (why it is refused, or None; the staged version, whose bytes the caller gives
+        back if refused). A sparse update (``rebuild``: the buffer its weights are rebuilt in,
+        and the base's views) stages the rebuilt weights, and ``flat``, its wire bytes, goes
+        back to the pool. A transport failure gives the buffers back, drops what was prepared
+        and raises (half received: the bytes are unused)."""
         first_step: list[int] = []
-        stream = Streamed(self.target, a, flat, self.check_finite)
+        decoder = None if rebuild is None else DeltaDecoder(a, flat, rebuild[0], rebuild[1])
+        stream = Streamed(self.target, a, flat, self.check_finite, decoder)
         error: UpdateRejected | None
         try:
             self.receiver.receive(a, flat, on_bucket=lambda i: first_step.append(self.target.steps()) if i == 0 else None,
@@ -552,11 +585,16 @@ class UpdateListener:
             error = e
         except TransportError:
             self.pool.give(flat)
+            if rebuild is not None:
+                self.pool.give(rebuild[0])
             self.target.discard()
             self.stats.dropped_staging += 1
             raise
         first = first_step[0] if first_step else self.target.steps()  # an update of no bytes has no bucket
-        return error, StagedVersion(a, flat, first, stream.views)
+        if rebuild is not None:
+            self.pool.give(flat)  # the wire bytes: the rebuilt weights are what stages
+            flat = rebuild[0]
+        return error, StagedVersion(stream.announce, flat, first, stream.views)
 
     def _on_commit(self, seq: int, c: Commit) -> None:
         staged = self._staged
@@ -697,7 +735,9 @@ class UpdateListener:
         if a.version <= self.target.live_version:
             note = " (versions start at 1: 0 names the weights the engine loaded)" if a.version == 0 else ""
             return UpdateRejected("stale_version", f"v{a.version} is not newer than the live v{self.target.live_version}{note}")
-        return self.schema.check(a, self.plan) if self.schema is not None else None
+        if self.schema is None:
+            return None
+        return self.schema.check(a if a.delta is None else result_announce(a), self.plan)
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         return self.pool.take(nbytes)

@@ -52,7 +52,7 @@ class DictTarget:
         t0 = time.perf_counter()
         if self.keep:
             self.live = {k: v.clone() for k, v in staged.views.items()}
-        pool.give(staged.flat)  # copied (or not kept): the staging buffer is free again
+        pool.went_live(staged)  # copied (or not kept): the staging buffer is free again, unless kept as the base
         self._version = version
         if self.out_dir is not None:
             from safetensors.torch import save_file

@@ -56,12 +56,14 @@ CPU trainer on a machine with a GPU creates no context.
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass
 
 import msgspec
@@ -87,8 +89,9 @@ from inflight.protocol import (
     Staged,
     UpdateAnnounce,
 )
-from inflight.settings import ChecksumChoice, PushDtype, check_choices
+from inflight.settings import ChecksumChoice, PushDtype, PushEncoding, SparseCodecChoice, check_choices
 from inflight.shard_plan import check_digest, inside
+from inflight.transport.delta import DeltaEncoder, Encoded
 from inflight.transport.errors import TransportError, member
 from inflight.transport.group import TrainerControl, WeightGroup
 from inflight.transport.group_config import GroupConfig
@@ -112,17 +115,26 @@ class SendStats:
     delivered_bytes: int = 0
     """The bytes the workers received: a broadcast's once per member (a tensor parallel
     engine without shard plans gets the whole update on each of its T workers)."""
+    dense_bytes: int = 0
+    """What the update laid out dense would be: ``nbytes`` unless it went sparse."""
+    changed_frac: float | None = None
+    """A sparse update: the fraction of elements that changed against its base (None: dense)."""
+    encode_s: float = 0.0
+    """A sparse update: the trainer's time to encode it against its base."""
 
     def __add__(self, other: SendStats) -> SendStats:
         return SendStats(version=self.version, nbytes=self.nbytes + other.nbytes, buckets=self.buckets + other.buckets,
                          pack_s=self.pack_s + other.pack_s, send_s=self.send_s + other.send_s,
-                         read_s=self.read_s + other.read_s, delivered_bytes=self.delivered_bytes + other.delivered_bytes)
+                         read_s=self.read_s + other.read_s, delivered_bytes=self.delivered_bytes + other.delivered_bytes,
+                         dense_bytes=self.dense_bytes + other.dense_bytes)
 
 
 # A fault-injection seam for tests and drills: may replace a bucket's header and bytes. It is a
 # sender's private hook (``BucketSender._tamper``, set by ``tests/helpers.py``'s ``tampering``),
 # never an argument of a push.
 Tamper = Callable[[BucketHeader, torch.Tensor], tuple[BucketHeader, torch.Tensor]]
+
+log = logging.getLogger("inflight.pusher")
 
 
 def _buckets(total: int, bucket_bytes: int) -> tuple[BucketSpec, ...]:
@@ -301,6 +313,10 @@ class LaidOut:
     source: Mapping[str, torch.Tensor] | ShardedSource
     groups: tuple[dict[int | None, UpdateAnnounce], ...] = ()
     """A layer-granular update: one layout per layer group (``announces`` is the first)."""
+    encoded: Encoded | None = None
+    """A sparse update: its encoding against the engine's base (``announces`` carry its delta)."""
+    dense: Mapping[str, torch.Tensor] | None = None
+    """With ``PushConfig.encoding="sparse"``: the version's wire bytes, what a dense resend reads."""
 
     @property
     def sharded(self) -> ShardedSource | None:
@@ -437,6 +453,17 @@ class PushConfig:
     """Cast to the engine's dtype once while packing; ``keep`` sends each tensor's own dtype."""
     reply_timeout_s: float = 120.0
     """How long to wait for every worker's reply to each phase (accept, staged, committed)."""
+    encoding: PushEncoding = "dense"
+    """``sparse``: send each tensor as the elements that changed against the version the
+    engine serves, where that is smaller (``inflight.transport.delta``). Needs engines that
+    keep their live version's bytes (``InflightConfig(keep_base=True)``); the trainer keeps
+    the last two versions' wire bytes. Whole-model pushes of plain tensors only: layer
+    groups, shard plans and sharded sources travel dense, as does any update to an engine
+    that does not hold the base (it refuses, and gets the update dense at once)."""
+    sparse_codec: SparseCodecChoice = "auto"
+    """How a changed tensor travels (``inflight.transport.delta``): ``xor_zstd`` (its bits xor
+    the base's, zstd-compressed on the host), ``index`` (indices and values, on the tensors'
+    device), or ``auto``: ``xor_zstd`` on a gloo data plane, ``index`` on NCCL."""
 
     def __post_init__(self) -> None:
         check_choices(self, "PushConfig")
@@ -492,6 +519,19 @@ def check_update(version: int, named: Mapping[str, torch.Tensor], device: torch.
             seen[view] = name
 
 
+def whole_boxes(plan: ShardPlan, named: Mapping[str, torch.Tensor]) -> bool:
+    """Whether ``plan``'s boxes are the whole of every tensor (one worker per engine)."""
+    return all(not any(s.start) and tuple(s.length) == tuple(named[s.name].shape) for s in plan.shards if s.name in named)
+
+
+def following(a: UpdateAnnounce, plan: ShardPlan) -> UpdateAnnounce:
+    """A sparse announce for a worker whose shard plan's boxes are whole tensors: its result
+    tensors as boxes from the origin, under the plan's digest."""
+    assert a.delta is not None
+    result = tuple(msgspec.structs.replace(t, start=(0,) * len(t.shape)) for t in a.delta.result)
+    return msgspec.structs.replace(a, plan_digest=plan.digest, delta=msgspec.structs.replace(a.delta, result=result))
+
+
 def split(named: dict, lay_out) -> list[dict[int | None, UpdateAnnounce]]:
     """One layout per layer group: ``lay_out(subset)`` lays a subset of ``named`` out (the
     pusher's broadcast or per-worker layout), and each announce is marked as group k of G."""
@@ -509,11 +549,13 @@ class WeightPusher:
 
     def __init__(self, group: GroupConfig, config: PushConfig = PushConfig(), device: torch.device | None = None, *,
                  join_timeout_s: float | None = None, store: TCPStore | None = None,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, deltas: DeltaEncoder | None = None) -> None:
         """Hosts the group (on ``store``, shared with other groups, if given) and waits up to
         ``join_timeout_s`` (default: the group's timeout) for every worker; ``InterruptedError``
-        once ``stop`` is set meanwhile (a worker's process died: it will not come)."""
+        once ``stop`` is set meanwhile (a worker's process died: it will not come). ``deltas``:
+        with ``encoding="sparse"``, the encoder a fleet's pushers share (default: one of its own)."""
         self.config = config
+        self.deltas = (deltas or DeltaEncoder()) if config.encoding == "sparse" else None
         self.group = WeightGroup(group, rank=0, device=device, join_timeout_s=join_timeout_s, store=store, stop=stop)
         algo = config.checksum if config.checksum != "auto" else ("wsum64" if self.group.backend == "nccl" else "xxh3")
         self.sender = BucketSender(self.group, bucket_bytes=config.bucket_bytes, checksum_algo=algo)
@@ -544,6 +586,11 @@ class WeightPusher:
 
         kept = {n: d for h in self.group.hellos.values() for n, d in h.wire_dtypes.items()}  # fp32 of a bf16 engine
         _refuse_fp8_casts(named, kept)
+        if self.deltas is not None and sharded is None and not self.layered:
+            laid = self._lay_out_sparse(version, named, kept, plans)
+            if laid is not None:
+                return laid
+            named = source = self.deltas.wire_of(version) or named  # dense, read from the bytes recorded
 
         def announces(subset: Mapping[str, torch.Tensor]) -> dict[int | None, UpdateAnnounce]:
             if not self.group.point_to_point:
@@ -557,6 +604,31 @@ class WeightPusher:
             return LaidOut(groups[0], source, groups)
         return LaidOut(announces(named), source)
 
+    def _lay_out_sparse(self, version: int, named: Mapping[str, torch.Tensor], kept: Mapping[str, str],
+                        plans: Mapping[int, ShardPlan | None]) -> LaidOut | None:
+        """``encoding="sparse"``: record the version's wire bytes (the last read of the caller's
+        tensors), then encode them against the version every member serves, where each keeps
+        its bytes and takes whole tensors; None: send the recorded bytes dense."""
+        assert self.deltas is not None
+        wire = _wire_dtypes(named, self._dtype, kept)
+        dense = self.deltas.record(version, named, wire)
+        live = set(self.engine_versions.values())
+        if len(live) != 1 or not all(h.keeps_base for h in self.group.hellos.values()):
+            return None
+        if not all(plan is None or whole_boxes(plan, named) for plan in plans.values()):
+            return None  # tensor parallel boxes: each rank's slice would need its own delta
+        codec = self.config.sparse_codec
+        if codec == "auto":
+            codec = "xor_zstd" if self.group.backend == "gloo" else "index"
+        encoded = self.deltas.encode(version, named, wire, live.pop(), self.sender.checksum_algo, codec)
+        if encoded is None:
+            return None
+        announce = msgspec.structs.replace(self.sender.lay_out(version, encoded.wire), delta=encoded.delta)
+        if not self.group.point_to_point:
+            return LaidOut({None: announce}, encoded.wire, encoded=encoded, dense=dense)
+        each = {r: announce if plan is None else following(announce, plan) for r, plan in plans.items()}
+        return LaidOut(each, encoded.wire, encoded=encoded, dense=dense)  # type: ignore[arg-type]
+
     def send(self, version: int, weights: Weights) -> tuple[SendStats, dict[int, Staged]]:
         """Phase 1: announce, stream the buckets, and collect ``Staged`` from every worker."""
         laid = self._lay_out(version, weights)
@@ -567,6 +639,22 @@ class WeightPusher:
             return self._send_laid_out(laid)
 
     def _send_laid_out(self, laid: LaidOut) -> tuple[SendStats, dict[int, Staged]]:
+        """Send ``laid``; a sparse update a worker refuses for want of its base goes again dense."""
+        try:
+            return self._send_once(laid)
+        except PushRejected as e:
+            if laid.encoded is None or laid.dense is None or e.phase != "announce" or e.codes != {"wrong_base"}:
+                raise
+            log.info("v%d: %s; sending it dense", laid.version, e)
+            dense = laid.dense
+            if None in laid.announces:
+                announces = {None: self.sender.lay_out(laid.version, dense)}
+            else:
+                plans = {r: h.plan for r, h in self.group.hellos.items()}
+                announces = dict(self.sender.lay_out_each(laid.version, dense, plans))  # type: ignore[arg-type]
+            return self._send_once(LaidOut(announces, dense, dense=dense))
+
+    def _send_once(self, laid: LaidOut) -> tuple[SendStats, dict[int, Staged]]:
         version = laid.version
         try:
             seq = self.control.post(laid.announces[None]) if None in laid.announces else self.control.post_each(laid.announces)  # type: ignore[arg-type]
@@ -575,6 +663,9 @@ class WeightPusher:
                 self.sender.send_abort(version, "refused by " + ", ".join(member(r) for r in sorted(refused)))
                 raise PushRejected(version, "announce", refused)
             stats = self._stream(laid)
+            e = laid.encoded
+            stats = dataclasses.replace(stats, dense_bytes=stats.nbytes) if e is None else dataclasses.replace(
+                stats, dense_bytes=e.dense_bytes, changed_frac=e.changed / max(e.elements, 1), encode_s=e.encode_s)
         finally:
             if laid.sharded is not None:
                 laid.sharded.finish(version)

@@ -1,0 +1,257 @@
+"""``inflight.bench.inflight`` on this CPU, replayed from separately measured parameters: the
+predictions ``bench.scale`` is judged on, and the judging.
+
+    python -m inflight.bench.scale predict [--calibration bench/scale_calibration.json]   # -> bench/scale_predictions.json
+    python -m inflight.bench.scale record LOG [LOG ...]      # bench.inflight's last JSON line -> bench/scale_slow_link_runs.json
+
+The parameters come from ``scale_calibrate``'s micro-benchmarks (``bench/scale_calibration.json``),
+never from the runs predicted: the decode step of the SmolLM2 engine against the context its
+requests hold, the link's achieved bytes/s, the in-flight push's staging rate, commit stall and
+time beyond staging over loopback, the decode slowdown while a thread receives as the listener
+does, and vLLM's native pause(keep)+update stall beyond its transfer over loopback.
+
+The replay follows the driver step by step (``Bench.run`` and ``bench_model``): the same request
+stream (``random.Random(0)`` lengths 16..512, 32 in flight, an 8-token prompt, refilled as they
+finish, afresh each chunk), so each step's context is known; in-flight pushes on its cue unless
+one is staging (then the cue is skipped), staging slows each step it overlaps by the measured
+fraction, the commit holds the first step boundary after staging ends, the driver sees the
+push landed before the next step, and a chunk with a push under way runs on until it lands;
+native pauses at each cue for its whole update; native@inflight runs native at in-flight's
+achieved spacing over as many steps. Each mode's decode time lost per update is then computed
+as ``inflight_report.compare`` does: (wall - the wall none needs for the same tokens) / updates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CALIBRATION, PREDICTIONS, RUNS = HERE / "scale_calibration.json", HERE / "scale_predictions.json", HERE / "scale_slow_link_runs.json"
+PROMPT_TOKENS, LOW, HIGH = 8, 16, 512  # inflight.bench.paired: PROMPT, max_tokens = randint(16, 512)
+# The judged runs: each the committed command of inflight.bench.inflight whose fresh output the lead records.
+COMMAND = "python -m inflight.bench.inflight --model smollm2 --sizes --concurrency 32 --placement split"
+SETTINGS = {
+    "1gbit": {"every": 16, "steps": 384, "rounds": 4},
+    "100mbit": {"every": 64, "steps": 256, "rounds": 2},
+    "10gbit": {"every": 16, "steps": 384, "rounds": 4},
+    "loopback": {"every": 16, "steps": 384, "rounds": 4},
+}
+MODES = ("inflight", "native", "native@inflight")
+# The band, fixed before the judged runs: a predicted loss per update passes within REL of the
+# measured one, plus DRIFT of the update period's decode time (steps per update x none's mean
+# step): two runs of one mode on this shared machine differ by about 1-2% of a step's time.
+REL, DRIFT = 0.15, 0.02
+
+
+def command(rate: str) -> str:
+    s = SETTINGS[rate]
+    link = "" if rate == "loopback" else f" --link {rate}"
+    return f"{COMMAND} --every {s['every']} --steps {s['steps']} --rounds {s['rounds']}{link}"
+
+
+def chunk_context(steps: int, concurrency: int = 32, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Before each step of a fresh ``RequestStream`` chunk: the context its running requests hold
+    (prompt + tokens generated so far, summed) and how many requests it admitted."""
+    rng = random.Random(seed)
+    running: list[list[int]] = []  # [tokens left, tokens so far]
+    ctx, new = [], []
+    for _ in range(steps):
+        admitted = concurrency - len(running)
+        running += [[rng.randint(LOW, HIGH), 0] for _ in range(admitted)]
+        ctx.append(sum(PROMPT_TOKENS + r[1] for r in running))
+        new.append(admitted)
+        for r in running:
+            r[0] -= 1
+            r[1] += 1
+        running = [r for r in running if r[0] > 0]
+    return ctx, new
+
+
+@dataclass(frozen=True)
+class Params:
+    """What the replay needs for one link, all from ``scale_calibration.json``."""
+
+    a_s: float  # decode step: a + c x context + p x requests admitted
+    c_s: float
+    p_s: float
+    stage_s: float  # in-flight: staging one update at this link's rate
+    pre_s: float  # in-flight: from the cue until staging starts
+    commit_s: float  # in-flight: the commit's stall at its step boundary
+    slowdown: float  # in-flight: fraction each step overlapping staging is longer
+    native_s: float  # native pause(keep)+update: the whole stall
+
+    def step(self, ctx: int, new: int) -> float:
+        return self.a_s + self.c_s * ctx + self.p_s * new
+
+
+def params(cal: dict, rate: str) -> Params:
+    """The replay's parameters for ``rate`` (``loopback`` or a shaped link). Staging: the link's
+    wire time or loopback's CPU-bound staging, whichever is longer, plus one bucket's share of
+    the loopback time (the first bucket's packing and the last one's verification do not
+    overlap the wire). Native: its loopback stall with the loopback send replaced by the pack
+    and the wire at this rate (or loopback's wire, if slower)."""
+    e, step = cal["engine"], cal["engine"]["step"]
+    n, inf, nat = e["nbytes"], e["inflight"], e["native"]
+    wire = 0.0 if rate == "loopback" else n / cal["link"]["achieved_Bps"][rate]
+    stage = max(wire, inf["stage_s"]) + inf["stage_s"] / inf["buckets"]
+    mean_step = step["a_s"] + step["c_s_per_token"] * 32 * 150  # a typical step, for the boundary wait
+    pre = max(0.0, inf["push_s"] - inf["stage_s"] - mean_step / 2)
+    loop_wire = max(nat["send_s"] - nat["pack_s"], 0.0)
+    native = nat["stall_s"] - nat["send_s"] + nat["pack_s"] + max(wire, loop_wire)
+    return Params(a_s=step["a_s"], c_s=step["c_s_per_token"], p_s=step["p_s_per_request"], stage_s=stage, pre_s=pre,
+                  commit_s=inf["stall_s"], slowdown=cal["wait"]["by_rate"][rate]["slowdown"], native_s=native)
+
+
+def none_chunk(p: Params, steps: int) -> tuple[float, int]:
+    """(wall seconds, steps) of a ``none`` chunk."""
+    ctx, new = chunk_context(steps)
+    return sum(p.step(k, m) for k, m in zip(ctx, new)), steps
+
+
+def native_chunk(p: Params, every: int, steps: int) -> tuple[float, int, int]:
+    """(wall, steps, updates) of a native chunk: the whole stall at each cue, before that step."""
+    ctx, new = chunk_context(steps)
+    due = [i for i in range(1, steps) if i % every == 0]
+    return sum(p.step(k, m) for k, m in zip(ctx, new)) + len(due) * p.native_s, steps, len(due)
+
+
+def inflight_chunk(p: Params, every: int, steps: int) -> tuple[float, int, int]:
+    """(wall, steps, updates) of an in-flight chunk (``Bench.run``'s loop and its tail)."""
+    ctx, new = chunk_context(steps + 4000)
+    t, i, updates = 0.0, 0, 0
+    staged_at = seen_after = None  # staging ends; the step index after which the driver sees it landed
+    while i < steps or staged_at is not None or seen_after is not None:
+        if seen_after is not None and i > seen_after:
+            seen_after = None  # landed: the driver's poll before this step saw it
+        if i < steps and i > 0 and i % every == 0 and staged_at is None and seen_after is None:
+            start, staged_at = t, t + p.pre_s + p.stage_s
+        dt = p.step(ctx[i], new[i])
+        if staged_at is not None and t >= staged_at:  # the commit holds this boundary
+            dt += p.commit_s
+            staged_at, seen_after, updates = None, i, updates + 1
+        elif staged_at is not None:
+            busy = min(t + dt, staged_at) - max(t, start + p.pre_s)
+            dt += p.slowdown * max(busy, 0.0)
+        t += dt
+        i += 1
+    return t, i, updates
+
+
+def predict_rate(cal: dict, rate: str) -> dict:
+    """Each mode's decode time lost per update (ms), its updates and steps, for ``rate``'s settings."""
+    p, s = params(cal, rate), SETTINGS[rate]
+    chunk, rounds, every = s["steps"] // s["rounds"], s["rounds"], s["every"]
+    none_wall, none_steps = none_chunk(p, chunk)
+    rate_tok = none_steps / none_wall  # per request slot: every step yields one token per slot
+    inf = inflight_chunk(p, every, chunk)
+    achieved = (inf[1] - 1) // inf[2] if inf[2] else every
+    runs = {"inflight": inf, "native": native_chunk(p, every, chunk),
+            "native@inflight": native_chunk(p, achieved, inf[1]) if achieved > every else None}
+    out = {}
+    for mode, r in runs.items():
+        if r is None or not r[2]:
+            continue
+        wall, steps, updates = r
+        out[mode] = {"lost_ms_per_update": round(1e3 * (wall - steps / rate_tok) / updates, 1),
+                     "updates": rounds * updates, "steps": rounds * steps}
+    out["none_step_ms"] = round(1e3 * none_wall / none_steps, 2)
+    return out
+
+
+def predict(cal: dict) -> dict:
+    """Every judged run's predictions, with the band and the parameters used."""
+    preds = {}
+    for rate in SETTINGS:
+        if rate == "loopback" or rate in cal["link"]["achieved_Bps"]:
+            preds[rate] = {"command": command(rate), "params": vars(params(cal, rate)), "modes": predict_rate(cal, rate)}
+            m = preds[rate]["modes"]
+            ref = m.get("native@inflight", m.get("native"))
+            if ref and "inflight" in m:
+                m["ratio_inflight_native"] = round(m["inflight"]["lost_ms_per_update"] / ref["lost_ms_per_update"], 4)
+    return {"band": {"rel": REL, "drift": DRIFT}, "predictions": preds}
+
+
+def allowed(measured: dict, none_row: dict, rel: float = REL, drift: float = DRIFT) -> float:
+    """The band around a measured row's loss per update, ms: ``rel`` of it plus ``drift`` of the
+    decode time of its update period at none's mean step."""
+    none_step_ms = 1e3 * none_row["wall_s"] / none_row["steps"]
+    return rel * abs(measured["lost_ms_per_update"]) + drift * measured["steps"] / measured["updates"] * none_step_ms
+
+
+def judge(preds: dict, runs: list[dict]) -> list[dict]:
+    """One check per predicted mode of every recorded run (none left out), and the ratio."""
+    out = []
+    band = preds["band"]
+    for run in runs:
+        rate = run.get("link") or "loopback"
+        want = preds["predictions"][rate]["modes"]
+        rows = {r["mode"]: r for r in run["rows"]}
+        for mode in MODES:
+            if mode not in want and mode not in rows:
+                continue
+            got, exp = rows.get(mode), want.get(mode)
+            if got is None or exp is None or not got["updates"]:
+                out.append({"rate": rate, "mode": mode, "ok": False, "why": "predicted or measured, not both"})
+                continue
+            err = exp["lost_ms_per_update"] - got["lost_ms_per_update"]
+            lim = allowed(got, rows["none"], band["rel"], band["drift"])
+            out.append({"rate": rate, "mode": mode, "measured": got["lost_ms_per_update"],
+                        "predicted": exp["lost_ms_per_update"], "error_ms": round(err, 1),
+                        "error": round(err / got["lost_ms_per_update"], 3), "band_ms": round(lim, 1), "ok": abs(err) <= lim})
+        ref = "native@inflight" if "native@inflight" in rows else "native"
+        if "ratio_inflight_native" in want and rows.get(ref, {}).get("updates") and rows.get("inflight", {}).get("updates"):
+            out.append(_ratio_check(rate, rows["inflight"], rows[ref], rows["none"], want["ratio_inflight_native"], band))
+    return out
+
+
+def _ratio_check(rate: str, inflight: dict, native: dict, none: dict, predicted: float, band: dict) -> dict:
+    """In-flight's loss over native's (at in-flight's cadence where it fell behind): the
+    predicted ratio must lie within what the two rows' bands allow, (in - b_in) / (nat + b_nat)
+    .. (in + b_in) / (nat - b_nat)."""
+    m_in, m_nat = inflight["lost_ms_per_update"], native["lost_ms_per_update"]
+    b_in, b_nat = (allowed(r, none, band["rel"], band["drift"]) for r in (inflight, native))
+    lo, hi = (m_in - b_in) / (m_nat + b_nat), (m_in + b_in) / max(m_nat - b_nat, 1e-9)
+    return {"rate": rate, "mode": "inflight/native", "measured": round(m_in / m_nat, 4), "predicted": predicted,
+            "error": round(predicted / (m_in / m_nat) - 1, 3), "band": [round(lo, 4), round(hi, 4)], "ok": lo <= predicted <= hi}
+
+
+def record(logs: list[Path], out: Path = RUNS) -> dict:
+    """Each log's last ``{"bench": "inflight", ...}`` line, with the command that made it, into ``out``."""
+    data = json.loads(out.read_text()) if out.exists() else {"runs": []}
+    for log in logs:
+        line = next(x for x in reversed(log.read_text().splitlines()) if x.startswith('{"bench": "inflight"'))
+        run = json.loads(line)
+        rate = run.get("link") or "loopback"
+        run["command"] = command(rate)
+        run["log"] = log.name
+        run["recorded"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        s = SETTINGS[rate]
+        if (run["steps"], run["rounds"], run["rows"][0]["every"]) != (s["steps"], s["rounds"], s["every"]):
+            raise SystemExit(f"{log}: not the committed settings of {rate} ({command(rate)})")
+        data["runs"] = [r for r in data["runs"] if (r.get("link") or "loopback") != rate] + [run]
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="inflight bench scale predict|record", description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["predict", "record"])
+    ap.add_argument("logs", nargs="*", type=Path, help="record: bench.inflight logs (their last JSON line)")
+    ap.add_argument("--calibration", type=Path, default=CALIBRATION)
+    args = ap.parse_args(argv)
+    if args.what == "record":
+        data = record(args.logs)
+        print(f"{RUNS}: {[r.get('link') or 'loopback' for r in data['runs']]}")
+        return
+    out = predict(json.loads(args.calibration.read_text()))
+    out["command"] = "python -m inflight.bench.scale predict"
+    out["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    PREDICTIONS.write_text(json.dumps(out, indent=1) + "\n")
+    json.dump(out, sys.stdout, indent=1)
+    print()
