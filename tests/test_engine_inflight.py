@@ -153,6 +153,8 @@ def test_a_sparse_update_the_engine_cannot_rebuild_is_refused_and_live_stays(har
         after = h.greedy(PROMPTS)
         for (_, a), (_, b) in zip(before, after):
             assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and b.versions == [live] * len(b.token_ids)
+    h.push(master)  # dense (the harness's pusher): the engine serves the harness's version again
+    assert h.status().live_version == h.version
 
 
 @ONCE
