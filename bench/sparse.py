@@ -36,7 +36,7 @@ import torch
 
 from inflight.protocol import BucketSpec, UpdateAnnounce
 from inflight.transport.delta import DeltaDecoder, DeltaEncoder
-from inflight.transport.layout import plan_tensors, tensor_views
+from inflight.transport.layout import dtype_name, plan_tensors, tensor_views
 
 import zstandard
 
@@ -91,7 +91,7 @@ def wire_codec(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], dtyp
     encoded, enc_ms = timed(encode)
     if encoded is None:
         raise SystemExit("nothing to encode: the two versions have different tensors")
-    tensors, total = plan_tensors((n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in encoded.wire.items())
+    tensors, total = plan_tensors((n, tuple(t.shape), dtype_name(t.dtype)) for n, t in encoded.wire.items())
     a = UpdateAnnounce(version=1, total_bytes=total, bucket_bytes=max(total, 64), checksum_algo="xxh3", tensors=tensors,
                        buckets=(BucketSpec(index=0, offset=0, nbytes=total),) if total else (), delta=encoded.delta)
     flat = torch.zeros(total, dtype=torch.uint8)
@@ -129,7 +129,7 @@ def xor_compressed(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], 
 def compare(before: Path, after: Path, dtype: torch.dtype) -> list[dict]:
     torch.set_num_threads(1)
     base, new = load(before, dtype), load(after, dtype)
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     c, d = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
     rows = [wire_codec(base, new, name, "xor_zstd"), wire_codec(base, new, name, "index"),
             xor_compressed(base, new, "xor + zlib 1", lambda b: zlib.compress(b, 1), zlib.decompress),

@@ -41,9 +41,9 @@ import msgspec
 import torch
 import zstandard
 
-from inflight.protocol import BucketSpec, Changed, ChecksumAlgo, Delta, SparseCodec, UpdateAnnounce
+from inflight.protocol import Changed, ChecksumAlgo, Delta, SparseCodec, UpdateAnnounce
 from inflight.transport.errors import UpdateRejected
-from inflight.transport.layout import ALIGN, bucket_windows, checksum, plan_tensors, tensor_views, torch_dtype
+from inflight.transport.layout import ALIGN, bucket_specs, checksum, dtype_name, plan_tensors, tensor_views, torch_dtype
 
 INDEX, VALUES, XOR = "@index", "@values", "@xor"
 """Suffixes of a changed tensor's wire tensors (``'<name>@index'``); no parameter name holds an ``@``."""
@@ -133,7 +133,7 @@ class DeltaEncoder:
         if not changed:
             return None
         result, result_bytes = plan_tensors((n, tuple(t.shape), wire[n]) for n, t in new.items())
-        _, wire_bytes = plan_tensors((n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in out.items())
+        _, wire_bytes = plan_tensors((n, tuple(t.shape), dtype_name(t.dtype)) for n, t in out.items())
         encoded = Encoded(wire=out, delta=Delta(base_version=base_version, result=result, result_bytes=result_bytes,
                                                 changed=tuple(changed)),
                           dense_bytes=result_bytes, wire_bytes=wire_bytes, changed=counts[0], elements=counts[1],
@@ -191,9 +191,8 @@ def result_announce(a: UpdateAnnounce) -> UpdateAnnounce:
     what the engine's schema checks and what the commit reads."""
     assert a.delta is not None
     d = a.delta
-    buckets = tuple(BucketSpec(index=i, offset=o, nbytes=n)
-                    for i, (o, n) in enumerate(bucket_windows(d.result_bytes, a.bucket_bytes)))
-    return msgspec.structs.replace(a, tensors=d.result, total_bytes=d.result_bytes, buckets=buckets, delta=None)
+    return msgspec.structs.replace(a, tensors=d.result, total_bytes=d.result_bytes,
+                                   buckets=bucket_specs(d.result_bytes, a.bucket_bytes), delta=None)
 
 
 class DeltaDecoder:
@@ -260,6 +259,6 @@ def base_mismatch(a: UpdateAnnounce, base: Mapping[str, torch.Tensor] | None, he
     for c in a.delta.changed:
         spec = specs[c.name]
         b = base.get(c.name)
-        if b is None or tuple(b.shape) != spec.shape or str(b.dtype).removeprefix("torch.") != spec.dtype:
+        if b is None or tuple(b.shape) != spec.shape or dtype_name(b.dtype) != spec.dtype:
             return f"v{a.version}: {c.name} changes against v{want}, whose bytes here do not hold it as {spec.dtype}{list(spec.shape)}"
     return None

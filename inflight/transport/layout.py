@@ -92,6 +92,11 @@ def bucket_windows(total_bytes: int, bucket_bytes: int) -> list[tuple[int, int]]
     return [(o, min(bucket_bytes, total_bytes - o)) for o in range(0, total_bytes, bucket_bytes)]
 
 
+def bucket_specs(total_bytes: int, bucket_bytes: int) -> tuple[BucketSpec, ...]:
+    """The ``BucketSpec`` of each of ``bucket_windows``: what an announce lists."""
+    return tuple(BucketSpec(index=i, offset=o, nbytes=n) for i, (o, n) in enumerate(bucket_windows(total_bytes, bucket_bytes)))
+
+
 def aligned_bucket_bytes(nbytes: int) -> int:
     """``nbytes`` rounded down to a multiple of ``ALIGN`` (at least ``ALIGN``), so that no element
     of any wire dtype straddles two buckets."""

@@ -56,6 +56,7 @@ CPU trainer on a machine with a GPU creates no context.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import threading
 import time
@@ -63,7 +64,6 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-import dataclasses
 from dataclasses import dataclass
 
 import msgspec
@@ -76,7 +76,6 @@ from inflight.protocol import (
     Abort,
     Accepted,
     BucketHeader,
-    BucketSpec,
     ChecksumAlgo,
     Commit,
     Committed,
@@ -95,7 +94,7 @@ from inflight.transport.delta import DeltaEncoder, Encoded
 from inflight.transport.errors import TransportError, member
 from inflight.transport.group import TrainerControl, WeightGroup
 from inflight.transport.group_config import GroupConfig
-from inflight.transport.layout import (ALIGN, MappingSource, Source, WindowFiller, aligned_bucket_bytes, bucket_windows, checksum,
+from inflight.transport.layout import (ALIGN, MappingSource, Source, WindowFiller, aligned_bucket_bytes, bucket_specs, checksum,
                                        dtype_name, first_use_order, frame, mac_context, plan_tensors)
 from inflight.transport.sources import ShardedSource, SourceError, Weights, weights_of
 from inflight.transport.store import wait_key
@@ -137,10 +136,6 @@ Tamper = Callable[[BucketHeader, torch.Tensor], tuple[BucketHeader, torch.Tensor
 log = logging.getLogger("inflight.pusher")
 
 
-def _buckets(total: int, bucket_bytes: int) -> tuple[BucketSpec, ...]:
-    return tuple(BucketSpec(index=i, offset=o, nbytes=n) for i, (o, n) in enumerate(bucket_windows(total, bucket_bytes)))
-
-
 
 def _wire_dtypes(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
                  dtypes: Mapping[str, str] | None) -> dict[str, str]:
@@ -170,7 +165,7 @@ class BucketSender:
         wire = _wire_dtypes(named, dtype, dtypes)
         tensors, total = plan_tensors((name, tuple(t.shape), wire[name]) for name, t in named.items())
         return UpdateAnnounce(version=version, total_bytes=total, bucket_bytes=self.bucket_bytes,
-                              checksum_algo=self.checksum_algo, tensors=tensors, buckets=_buckets(total, self.bucket_bytes))
+                              checksum_algo=self.checksum_algo, tensors=tensors, buckets=bucket_specs(total, self.bucket_bytes))
 
     def lay_out_each(self, version: int, named: Mapping[str, torch.Tensor], plans: Mapping[int, ShardPlan | None],
                   dtype: torch.dtype | None = None, dtypes: Mapping[str, str] | None = None) -> dict[int, UpdateAnnounce]:
@@ -191,7 +186,7 @@ class BucketSender:
                                           starts={n: fit[n][0] if n in fit else () for n in named})
             out[rank] = UpdateAnnounce(version=version, total_bytes=total, bucket_bytes=self.bucket_bytes,
                                        checksum_algo=self.checksum_algo, tensors=tensors,
-                                       buckets=_buckets(total, self.bucket_bytes), plan_digest=plan.digest)
+                                       buckets=bucket_specs(total, self.bucket_bytes), plan_digest=plan.digest)
         return out
 
     def send(self, announce: UpdateAnnounce, source: Source | Mapping[str, torch.Tensor]) -> SendStats:
