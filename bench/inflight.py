@@ -15,7 +15,10 @@ the trainer process behind a shaped link (``inflight.bench.slow_link``), so both
 in-flight and native, cross it. A
 trainer process holds the weights and, on the driver's cue every N engine steps:
 
-1. none: no updates (the ceiling);
+1. none: no updates (the ceiling); and, whenever in-flight ran past its chunk while its last
+   push landed, **none@inflight**: none over in-flight's very steps, the ceiling of the rows
+   run at in-flight's length (a longer chunk holds longer contexts, so its steps are slower
+   with no update at all);
 2. inflight: ``WeightPusher.push`` while the engine keeps stepping; the commit lands at
    a step boundary. A push that comes due while the previous one is still staging is
    skipped, so in-flight's *achieved* cadence can be lower than the requested one;
@@ -41,7 +44,8 @@ The steps of none / inflight / native run interleaved in ``--rounds`` chunks, so
 in machine speed hits all of them alike; a chunk with a push still staging at its end keeps
 stepping until it landed (those steps count: an update's whole cost is in its chunk). The
 headline is **decode time lost per update** = (wall time of the mode - wall time ``none``
-needs for the same tokens) / updates: it counts the stall and every slower step while an
+(``none@inflight`` for inflight and native@inflight where it ran) needs for the same tokens) /
+updates: it counts the stall and every slower step while an
 update stages. The commit interval (the engine-loop interval holding the commit minus the
 median interval) is its own column. ``--routing`` adds rows for ``record_routing`` on a
 tiny MoE (``none`` with the recorder off and on, interleaved). ``--train-steps`` runs the
@@ -282,8 +286,8 @@ def bench_model(bench: Bench, everys: list[int], steps: int, rounds: int) -> lis
     rows = []
     chunk = steps // rounds
     for every in everys:
-        chunks: dict[str, list[dict]] = {m: [] for m in ("none", "inflight", "native", "native@inflight")}
-        for _ in range(rounds):  # interleaved: none, inflight, native, native@inflight, none, ...
+        chunks: dict[str, list[dict]] = {m: [] for m in ("none", "inflight", "native", "native@inflight", "none@inflight")}
+        for _ in range(rounds):  # interleaved: none, inflight, native, native@inflight, none@inflight, none, ...
             for mode in ("none", "inflight", "native"):
                 chunks[mode].append(bench.run(mode, every, chunk))
             got = chunks["inflight"][-1]
@@ -292,11 +296,19 @@ def bench_model(bench: Bench, everys: list[int], steps: int, rounds: int) -> lis
             achieved = (got["steps"] - 1) // len(got["infos"]) if got["infos"] else every
             if achieved > every:
                 chunks["native@inflight"].append(bench.run("native", achieved, got["steps"]))
+            # none over in-flight's very steps: a longer chunk holds longer contexts (slower steps)
+            # whatever the updates do, so the rows that ran past the chunk are measured against it.
+            same = got["steps"] == chunk
+            chunks["none@inflight"].append(chunks["none"][-1] if same else bench.run("none", every, got["steps"]))
         # a batch boundary needs every request drained (up to 512 tokens): one long run
         batch = bench.run("batch", every, steps)
+        if all(c["steps"] == chunk for c in chunks["inflight"]):
+            chunks["none@inflight"] = []  # in-flight kept to the chunk: none is its ceiling already
         group = [bench.report(chunks[m], label=m) for m in chunks if chunks[m]] + [bench.report([batch])]
         for r in group:
             r["group"], r["every"] = every, every  # requested cadence; steps_per_update is the achieved one
+            if chunks["none@inflight"] and r["mode"] in ("inflight", "native@inflight"):
+                r["ceiling"] = "none@inflight"  # inflight_report.compare measures these rows against it
         rows += group
     return rows
 

@@ -13,13 +13,14 @@ CAP = 4.0  # steps longer than CAP x none's median step count as that (``lost_ms
 
 
 def compare(rows: list[dict]) -> None:
-    """Against ``none`` of the same model, engine (commit unit) and cadence group: throughput
-    ratio, and decode time lost per update = (wall - the wall none needs for the same tokens) /
-    updates. Each engine has its own ``none``: engines run one after the other, so only the
-    modes within one engine are interleaved against drift."""
+    """Against ``none`` of the same model, engine (commit unit) and cadence group (or the row's
+    own ``ceiling``: ``none@inflight``, none over in-flight's steps, where in-flight ran past its
+    chunks): throughput ratio, and decode time lost per update = (wall - the wall the ceiling
+    needs for the same tokens) / updates. Each engine has its own ``none``: engines run one after
+    the other, so only the modes within one engine are interleaved against drift."""
     for r in rows:
         ceiling = next(x for x in rows if x["model"] == r["model"] and x["engine"] == r["engine"]
-                       and x["group"] == r["group"] and x["mode"] == "none")
+                       and x["group"] == r["group"] and x["mode"] == r.get("ceiling", "none"))
         r["vs_none"] = round(r["tok_s"] / ceiling["tok_s"], 3)
         lost = r["wall_s"] - r["tokens"] / ceiling["tok_s"]
         r["lost_ms_per_update"] = round(1e3 * lost / r["updates"], 1) if r["updates"] else None

@@ -12,11 +12,12 @@ Parts (each well under 3 minutes; run them one at a time, never beside another h
   the decode step (two ``none`` chunks of 200 steps, every step's time against the total context
   the replayed request stream holds: ``step_s = a + c x context + p x new requests``); vLLM's
   native pause(keep)+update (its stall beyond the transfer: pause, layerwise reload, load,
-  finish, resume); an in-flight push (its commit stall, the push's time beyond staging, the
-  loopback staging rate); the native broadcast's pack (``pack_into`` of the whole state).
+  finish, resume); in-flight pushes (the commit stall, the push's time beyond staging, the
+  loopback staging rate); each path's first update, which sets itself up, kept apart; the
+  native broadcast's pack (``pack_into`` of the whole state).
 - ``wait``: the listener's wait beside decode. The engine decodes ``none`` chunks while a thread
-  on the trainer's core receives 64 MiB buckets exactly as the listener does (the data plane's
-  gloo ``recv`` waited on a helper thread, polled every <= 4 ms, each bucket checksummed) from a
+  on the trainer's core receives the pusher's 64 MiB buckets exactly as the listener does (the
+  data plane's gloo ``recv`` waited on a helper thread, polled every <= 4 ms, each bucket checksummed) from a
   sender process (on the same core, as the trainer is) behind a shaped link, a bucket, then as
   long idle, again and again through one ``none`` chunk: the median step (over the decode step
   model's figure for that step) while receiving over the median while idle, minus one, per
@@ -119,18 +120,21 @@ def engine_part(bench) -> dict:
     from inflight.trainer.models import resolve_model
 
     nones = [bench.run("none", 10**9, 200)["gaps"] for _ in range(2)]
-    native = bench.run("native", 16, 49)
+    # each path's first update sets itself up (buffers allocated and faulted in): measured apart, not counted
+    native = bench.run("native", 16, 81)
     base = statistics.median(native["quiet"])
-    stalls = [g - base for g in native["event_gaps"]]
-    push = bench.run("inflight", 16, 64)
-    infos = push["infos"]
+    stalls = [g - base for g in native["event_gaps"]][1:]
+    push = bench.run("inflight", 16, 128)
+    infos = push["infos"][1:]
     nbytes = infos[0]["nbytes"]
     return {"model": bench.model, "nbytes": nbytes, "step": fit_step(nones),
             "native": {"stall_s": statistics.median(stalls), "send_s": statistics.median(r["send_s"] for r in native["infos"]),
-                       "pack_s": native_pack_s(Path(resolve_model("smollm2"))), "updates": len(stalls)},
+                       "pack_s": native_pack_s(Path(resolve_model("smollm2"))), "updates": len(stalls),
+                       "first_stall_s": [g - base for g in native["event_gaps"]][0]},
             "inflight": {"stage_s": statistics.median(r["stage_ms"] for r in infos) / 1e3,
                          "push_s": statistics.median(r["push_s"] for r in infos),
                          "stall_s": statistics.median(r["stall_ms"] for r in infos) / 1e3, "updates": len(infos),
+                         "first_stage_s": push["infos"][0]["stage_ms"] / 1e3,
                          "buckets": -(-nbytes // BUCKET)}}
 
 
@@ -237,9 +241,9 @@ def wait_part(bench, step: dict, rates: tuple[str, ...] = ("loopback",) + RATES)
     out = {}
     for i, rate in enumerate(rates):
         with (slow_link(rate, index=i) if rate != "loopback" else contextlib.nullcontext()) as link:
-            bps = {"loopback": 1.6e8, "10gbit": 1.6e8, "1gbit": 1.2e8, "100mbit": 1.2e7}[rate]  # about
-            nbytes = min(BUCKET, int(0.1 * bps) if rate in ("loopback", "10gbit") else int(0.5 * bps))
-            buckets = 1 + round(WAIT_STEPS * 0.16 / 2 * bps / nbytes)  # receiving for about half the chunk
+            bps = {"loopback": 3.5e8, "10gbit": 3.5e8, "1gbit": 1.2e8, "100mbit": 1.2e7}[rate]  # about
+            nbytes = BUCKET  # the pusher's buckets: what the listener waits on and checksums, one at a time
+            buckets = 1 + max(2, round(WAIT_STEPS * 0.16 / 2 * bps / nbytes))  # receiving for about half the chunk
             here, there = mp.get_context("spawn").Pipe()
             proc = mp.get_context("spawn").Process(target=_sender, args=(link, there, buckets, nbytes), daemon=True)
             proc.start()
@@ -262,11 +266,13 @@ def wait_part(bench, step: dict, rates: tuple[str, ...] = ("loopback",) + RATES)
 
 def merge_waits(old: dict, new: list[dict]) -> dict:
     """Every repeat of the wait part, this run's added to the file's; each rate's figure is the
-    median of its repeats (one chunk is noisy: its steps vary by several percent)."""
+    median of its repeats (one chunk is noisy: its steps vary by several percent). Repeats made
+    with another bucket size are dropped: they measured another wait."""
     by_rate = {rate: dict(v, repeats=v.get("repeats", [v["slowdown"]])) for rate, v in old.get("by_rate", {}).items()}
     for run in new:
         for rate, v in run["by_rate"].items():
-            kept = by_rate.get(rate, {}).get("repeats", []) + [v["slowdown"]]
+            same = by_rate.get(rate, {}).get("bucket_bytes") == v["bucket_bytes"]
+            kept = (by_rate[rate]["repeats"] if same else []) + [v["slowdown"]]
             by_rate[rate] = v | {"repeats": kept, "slowdown": round(statistics.median(kept), 4)}
     return {"steps": WAIT_STEPS, "by_rate": by_rate}
 

@@ -18,7 +18,8 @@ fraction, the commit holds the first step boundary after staging ends, the drive
 push landed before the next step, and a chunk with a push under way runs on until it lands;
 native pauses at each cue for its whole update; native@inflight runs native at in-flight's
 achieved spacing over as many steps. Each mode's decode time lost per update is then computed
-as ``inflight_report.compare`` does: (wall - the wall none needs for the same tokens) / updates.
+as ``inflight_report.compare`` does: (wall - the wall none needs for the same tokens) / updates,
+against none over in-flight's steps (``none@inflight``) for the rows run at in-flight's length.
 """
 
 from __future__ import annotations
@@ -153,12 +154,16 @@ def predict_rate(cal: dict, rate: str) -> dict:
     achieved = (inf[1] - 1) // inf[2] if inf[2] else every
     runs = {"inflight": inf, "native": native_chunk(p, every, chunk),
             "native@inflight": native_chunk(p, achieved, inf[1]) if achieved > every else None}
+    ceiling = {"inflight": rate_tok, "native": rate_tok, "native@inflight": rate_tok}
+    if inf[1] != chunk:  # bench.inflight's none@inflight: none over in-flight's steps
+        at_inflight = none_chunk(p, inf[1])
+        ceiling["inflight"] = ceiling["native@inflight"] = at_inflight[1] / at_inflight[0]
     out = {}
     for mode, r in runs.items():
         if r is None or not r[2]:
             continue
         wall, steps, updates = r
-        out[mode] = {"lost_ms_per_update": round(1e3 * (wall - steps / rate_tok) / updates, 1),
+        out[mode] = {"lost_ms_per_update": round(1e3 * (wall - steps / ceiling[mode]) / updates, 1),
                      "updates": rounds * updates, "steps": rounds * steps}
     out["none_step_ms"] = round(1e3 * none_wall / none_steps, 2)
     return out

@@ -336,12 +336,18 @@ def test_layer_groups_commit_one_per_boundary_paced_by_the_slots(staged: int, st
 # --- the model against this CPU: predicted from micro-benchmarks, judged on the recorded runs ----
 
 MISSED = {
-    ("10gbit", "inflight"), ("10gbit", "native"), ("10gbit", "native@inflight"), ("10gbit", "inflight/native"),
-    # the predictions' loopback staging (3.40 s a push) and native stall (4.21 s) came from an engine
-    # calibration that ran beside a training job (load 0.2 -> 2.3); the run staged in 1.54 s, stalled 1.67 s
     ("100mbit", "inflight"), ("100mbit", "inflight/native"),
-    # predicted 4363 ms from the chunk's context growth; measured 1603 (the development run: 3804): two
-    # updates a run, and the replay's context model does not hold for this run
+    # predicted 408 ms; measured -3541 ms (faster than none): none over in-flight's 648 steps ran its
+    # median step at 179 ms, in-flight and native@inflight over the same steps at 168: a 6.5% drift
+    # between chunks of 50-100 s, 3.5 s per update, where the wait costs 0.4 s (two updates a run)
+    ("10gbit", "native"), ("10gbit", "native@inflight"),
+    ("loopback", "native"), ("loopback", "native@inflight"),
+    # predicted 1943 ms from the calibration's loopback-bound native update (send 0.83 s); the runs'
+    # trainer sent in 1.34-1.66 s and lost 2643-3016 ms: a CPU-bound transfer here varies by up to 2x
+    ("loopback", "inflight"), ("loopback", "inflight/native"),
+    # predicted 136 ms from a 9.2% slower step while staging (the wait part: 13.7% and 4.8% in two
+    # repeats); the run lost 375 ms, 26% of its 1.46 s staging: the listener's wait beside the
+    # trainer's own CPU-bound packing is slower than the wait part reproduces
 }
 """The checks the committed predictions miss, each with its cause (README and
 docs/performance.md say so). A miss not listed here fails, and so does a listed check that
@@ -384,9 +390,9 @@ def test_the_band_is_tighter_than_the_gap(judged) -> None:
 
 
 def test_the_check_fails_a_wrong_model(judged) -> None:
-    """Models that leave a mechanism out miss: in-flight losing nothing (no longer chunks while
-    a push lands: 100 Mbit/s), a decode step 8% slower for the whole transfer (1 Gbit/s), and
-    native without its fixed overhead beyond the wire (pause, reload, load, resume)."""
+    """Models that leave a mechanism out miss (1 Gbit/s): a decode step 8% slower for the whole
+    transfer, in-flight stalling for it, and native without its fixed overhead beyond the wire
+    (pause, reload, load, resume)."""
     preds, runs = judged
 
     def missed(rate: str, mode: str, value: float) -> bool:
@@ -395,8 +401,8 @@ def test_the_check_fails_a_wrong_model(judged) -> None:
         return not next(c for c in judge(wrong, runs) if c["rate"] == rate and c["mode"] == mode)["ok"]
 
     p = preds["predictions"]
-    assert missed("100mbit", "inflight", 0.0)
     assert missed("1gbit", "inflight", 0.08 * 1e3 * p["1gbit"]["params"]["stage_s"])
+    assert missed("1gbit", "inflight", 1e3 * p["1gbit"]["params"]["stage_s"])  # in-flight paused as long as it stages
     cal = json.loads(CALIBRATION.read_text())
     fixed = cal["engine"]["native"]["stall_s"] - cal["engine"]["native"]["send_s"]
     assert missed("1gbit", "native@inflight", p["1gbit"]["modes"]["native@inflight"]["lost_ms_per_update"] - 2e3 * fixed)

@@ -579,25 +579,33 @@ class WeightPusher:
             if plan is not None:
                 check_digest(plan, f"worker rank {rank}")
 
-        kept = {n: d for h in self.group.hellos.values() for n, d in h.wire_dtypes.items()}  # fp32 of a bf16 engine
+        kept = self._kept()
         _refuse_fp8_casts(named, kept)
         if self.deltas is not None and sharded is None and not self.layered:
             laid = self._lay_out_sparse(version, named, kept, plans)
             if laid is not None:
                 return laid
             named = source = self.deltas.wire_of(version) or named  # dense, read from the bytes recorded
-
-        def announces(subset: Mapping[str, torch.Tensor]) -> dict[int | None, UpdateAnnounce]:
-            if not self.group.point_to_point:
-                return {None: self.sender.lay_out(version, subset, self._dtype, kept)}
-            return dict(self.sender.lay_out_each(version, subset, plans, self._dtype, kept))
         if self.layered:
             if sharded is not None:
                 raise ValueError("a ShardedSource gathers in one push's order: push it to whole-model engines "
                                  "(commit_unit='model'), or push plain tensors to layer-granular ones")
-            groups = tuple(split(named, announces))
+            groups = tuple(split(named, lambda subset: self._announces(version, subset, kept)))
             return LaidOut(groups[0], source, groups)
-        return LaidOut(announces(named), source)
+        return LaidOut(self._announces(version, named, kept), source)
+
+    def _kept(self) -> dict[str, str]:
+        """The tensors the engines keep in a wire dtype of their own (fp32 of a bf16 engine)."""
+        return {n: d for h in self.group.hellos.values() for n, d in h.wire_dtypes.items()}
+
+    def _announces(self, version: int, subset: Mapping[str, torch.Tensor],
+                   kept: Mapping[str, str]) -> dict[int | None, UpdateAnnounce]:
+        """``{None: announce}`` for a broadcast, or, where the workers are reached point to point
+        (shard plans), ``{rank: announce}`` with each worker's boxes only."""
+        if not self.group.point_to_point:
+            return {None: self.sender.lay_out(version, subset, self._dtype, kept)}
+        plans = {r: h.plan for r, h in self.group.hellos.items()}
+        return dict(self.sender.lay_out_each(version, subset, plans, self._dtype, kept))
 
     def _lay_out_sparse(self, version: int, named: Mapping[str, torch.Tensor], kept: Mapping[str, str],
                         plans: Mapping[int, ShardPlan | None]) -> LaidOut | None:
@@ -642,12 +650,7 @@ class WeightPusher:
                 raise
             log.info("v%d: %s; sending it dense", laid.version, e)
             dense = laid.dense
-            if None in laid.announces:
-                announces = {None: self.sender.lay_out(laid.version, dense)}
-            else:
-                plans = {r: h.plan for r, h in self.group.hellos.items()}
-                announces = dict(self.sender.lay_out_each(laid.version, dense, plans))  # type: ignore[arg-type]
-            return self._send_once(LaidOut(announces, dense, dense=dense))
+            return self._send_once(LaidOut(self._announces(laid.version, dense, self._kept()), dense, dense=dense))
 
     def _send_once(self, laid: LaidOut) -> tuple[SendStats, dict[int, Staged]]:
         version = laid.version
