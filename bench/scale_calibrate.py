@@ -17,11 +17,11 @@ Parts (each well under 3 minutes; run them one at a time, never beside another h
   native broadcast's pack (``pack_into`` of the whole state).
 - ``wait``: the listener's wait beside decode. The engine decodes ``none`` chunks while a thread
   on the trainer's core receives the pusher's 64 MiB buckets exactly as the listener does (the
-  data plane's gloo ``recv`` waited on a helper thread, polled every <= 4 ms, each bucket checksummed) from a
-  sender process (on the same core, as the trainer is) behind a shaped link, a bucket, then as
-  long idle, again and again through one ``none`` chunk: the median step (over the decode step
-  model's figure for that step) while receiving over the median while idle, minus one, per
-  rate. The busier the trainer's core, the longer a GIL holder there waits for it (loopback:
+  data plane's gloo ``recv`` waited on a helper thread, polled every <= 4 ms, each bucket
+  checksummed) from a sender process (on the same core, as the trainer is) behind a shaped
+  link, a bucket, then as long idle, again and again through one ``none`` chunk: the median
+  step (over the decode step model's figure for that step) while receiving over the median
+  while idle, minus one, per rate. The busier the trainer's core, the longer a GIL holder there waits for it (loopback:
   the core is saturated).
 
 Writes one JSON file with each part's figures and, in ``runs``, every run that made them (its
@@ -123,14 +123,14 @@ def engine_part(bench) -> dict:
     # each path's first update sets itself up (buffers allocated and faulted in): measured apart, not counted
     native = bench.run("native", 16, 81)
     base = statistics.median(native["quiet"])
-    stalls = [g - base for g in native["event_gaps"]][1:]
+    first_stall, *stalls = [g - base for g in native["event_gaps"]]
     push = bench.run("inflight", 16, 128)
     infos = push["infos"][1:]
     nbytes = infos[0]["nbytes"]
     return {"model": bench.model, "nbytes": nbytes, "step": fit_step(nones),
             "native": {"stall_s": statistics.median(stalls), "send_s": statistics.median(r["send_s"] for r in native["infos"]),
                        "pack_s": native_pack_s(Path(resolve_model("smollm2"))), "updates": len(stalls),
-                       "first_stall_s": [g - base for g in native["event_gaps"]][0]},
+                       "first_stall_s": first_stall},
             "inflight": {"stage_s": statistics.median(r["stage_ms"] for r in infos) / 1e3,
                          "push_s": statistics.median(r["push_s"] for r in infos),
                          "stall_s": statistics.median(r["stall_ms"] for r in infos) / 1e3, "updates": len(infos),
