@@ -16,9 +16,9 @@ in-flight and native, cross it. A
 trainer process holds the weights and, on the driver's cue every N engine steps:
 
 1. none: no updates (the ceiling); and, whenever in-flight ran past its chunk while its last
-   push landed, **none@inflight**: none over in-flight's very steps, the ceiling of the rows
-   run at in-flight's length (a longer chunk holds longer contexts, so its steps are slower
-   with no update at all);
+   push landed, **none@inflight**: none over in-flight's very steps, run right after it (the
+   least drift between the two), the ceiling of the rows run at in-flight's length (a longer
+   chunk holds longer contexts, so its steps are slower with no update at all);
 2. inflight: ``WeightPusher.push`` while the engine keeps stepping; the commit lands at
    a step boundary. A push that comes due while the previous one is still staging is
    skipped, so in-flight's *achieved* cadence can be lower than the requested one;
@@ -160,11 +160,14 @@ class Bench:
 
     def run(self, mode: str, every: int, steps: int) -> dict:
         """``steps`` engine steps of ``mode`` (none, inflight, native, batch), an update due every
-        ``every``; the chunk's figures (``RequestStream.end``), the tags' lags and the staging peak."""
+        ``every``; the chunk's figures (``RequestStream.end``), the tags' lags, the step intervals
+        each push was sent before (``cues``; each lands in its ``infos`` entry's event interval)
+        and the staging peak."""
         from inflight.versions import tags_from_spans
 
         stream = RequestStream(self.llm.llm_engine, mode, self.seed, self.concurrency)
         lags: list[int] = []
+        cues: list[int] = []  # the step intervals (1-based) a push was sent before
         st = {"routed": 0, "finished": 0, "skipped": 0}
         pushing, draining = False, False
         coordinator_start = self.coordinator.steps
@@ -192,6 +195,7 @@ class Bench:
                 elif due:
                     self.version += 1
                     self.conn.send(("push", self.version))
+                    cues.append(i + 1)
                     pushing = True
                 if pushing and self.conn.poll():
                     landed()
@@ -218,8 +222,9 @@ class Bench:
             if self.conn.poll():
                 landed()
                 pushing = False
-        return {**stream.end(every, st["skipped"]), "lags": lags, "routing": self.routing, "routed": st["routed"],
-                "finished": st["finished"], "peak": (peak_before, self.staging_peak())}
+        return {**stream.end(every, st["skipped"]), "lags": lags, "cues": cues, "routing": self.routing,
+                "routed": st["routed"], "finished": st["finished"], "peak": (peak_before, self.staging_peak())}
+
     def report(self, chunks: list[dict], label: str | None = None) -> dict:
         """One row from the chunks of one mode (interleaved with the other modes' chunks, so a
         drift in machine speed hits every mode alike)."""
@@ -286,19 +291,21 @@ def bench_model(bench: Bench, everys: list[int], steps: int, rounds: int) -> lis
     chunk = steps // rounds
     for every in everys:
         chunks: dict[str, list[dict]] = {m: [] for m in ("none", "inflight", "native", "native@inflight", "none@inflight")}
-        for _ in range(rounds):  # interleaved: none, inflight, native, native@inflight, none@inflight, none, ...
-            for mode in ("none", "inflight", "native"):
+        for _ in range(rounds):  # interleaved: none, inflight, none@inflight, native, native@inflight, none, ...
+            for mode in ("none", "inflight"):
                 chunks[mode].append(bench.run(mode, every, chunk))
             got = chunks["inflight"][-1]
+            # none over in-flight's very steps, right after it (the least drift between the two): a
+            # longer chunk holds longer contexts (slower steps) whatever the updates do, so the rows
+            # that ran past the chunk are measured against it.
+            same = got["steps"] == chunk
+            chunks["none@inflight"].append(chunks["none"][-1] if same else bench.run("none", every, got["steps"]))
+            chunks["native"].append(bench.run("native", every, chunk))
             # In-flight fell behind (a due push skipped, or steps run past the chunk while its last
             # push landed): native over as many steps with as many updates, evenly spaced.
             achieved = (got["steps"] - 1) // len(got["infos"]) if got["infos"] else every
             if achieved > every:
                 chunks["native@inflight"].append(bench.run("native", achieved, got["steps"]))
-            # none over in-flight's very steps: a longer chunk holds longer contexts (slower steps)
-            # whatever the updates do, so the rows that ran past the chunk are measured against it.
-            same = got["steps"] == chunk
-            chunks["none@inflight"].append(chunks["none"][-1] if same else bench.run("none", every, got["steps"]))
         # a batch boundary needs every request drained (up to 512 tokens): one long run
         batch = bench.run("batch", every, steps)
         if all(c["steps"] == chunk for c in chunks["inflight"]):

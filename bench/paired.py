@@ -69,7 +69,8 @@ class RequestStream:
     def end(self, every: int, skipped: int) -> dict:
         """Drop the requests in flight; the chunk's figures: its step intervals (``gaps``), those
         without an update (``quiet``) and those holding one (``event_gaps``), the updates'
-        reports (``infos``), and ``skipped``, the due updates not sent."""
+        reports (``infos``) and the intervals holding them (``event_at``, 1-based), and ``skipped``,
+        the due updates not sent."""
         for rid in list(self.active):
             self.engine.abort_request([rid])
         while self.engine.has_unfinished_requests():
@@ -78,6 +79,7 @@ class RequestStream:
         at = {i for i, _ in self.events}
         return {"mode": self.mode, "every": every, "tokens": self.tokens, "wall_s": self.times[-1] - self.times[0],
                 "gaps": gaps, "steps": len(gaps), "skipped": skipped, "infos": [r for _, r in self.events],
+                "event_at": [i for i, _ in self.events],
                 "quiet": [g for i, g in enumerate(gaps, 1) if i not in at],
                 "event_gaps": [gaps[i - 1] for i, _ in self.events if 0 < i <= len(gaps)]}
 

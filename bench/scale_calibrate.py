@@ -10,19 +10,23 @@ Parts (each well under 3 minutes; run them one at a time, never beside another h
 - ``engine``: one SmolLM2 engine as ``inflight.bench.inflight --placement split --concurrency
   32`` builds it (``Bench``), no link, over loopback:
   the decode step (two ``none`` chunks of 200 steps, every step's time against the total context
-  the replayed request stream holds: ``step_s = a + c x context + p x new requests``); vLLM's
-  native pause(keep)+update (its stall beyond the transfer: pause, layerwise reload, load,
-  finish, resume); in-flight pushes (the commit stall, the push's time beyond staging, the
-  loopback staging rate); each path's first update, which sets itself up, kept apart; the
-  native broadcast's pack (``pack_into`` of the whole state).
+  the replayed request stream holds: ``step_s = a + c x context + p x new requests``); then
+  in-flight pushes and vLLM's native pause(keep)+update alternated in chunks as the judged runs
+  alternate them (``ROUNDS`` rounds of a 96-step in-flight chunk, then two 96-step native
+  chunks, an update due every 16 steps), each path's first update of a chunk (it sets itself up again
+  after the other path ran: buffers faulted in afresh) kept apart from the rest: the in-flight
+  commit stall, the push's time beyond staging, the loopback staging time, and the decode
+  slowdown while the real pusher stages (the figure where the CPU, not the wire, bounds
+  staging); native's stall and its transfer; the native broadcast's pack (``pack_into`` of the
+  whole state).
 - ``wait``: the listener's wait beside decode. The engine decodes ``none`` chunks while a thread
   on the trainer's core receives the pusher's 64 MiB buckets exactly as the listener does (the
   data plane's gloo ``recv`` waited on a helper thread, polled every <= 4 ms, each bucket
   checksummed) from a sender process (on the same core, as the trainer is) behind a shaped
   link, a bucket, then as long idle, again and again through one ``none`` chunk: the median
   step (over the decode step model's figure for that step) while receiving over the median
-  while idle, minus one, per rate. The busier the trainer's core, the longer a GIL holder there waits for it (loopback:
-  the core is saturated).
+  while idle, minus one, per rate (the figure where the wire bounds staging). The busier the
+  trainer's core, the longer a GIL holder there waits for it.
 
 Writes one JSON file with each part's figures and, in ``runs``, every run that made them (its
 command, date and load); a part not run keeps the file's earlier figures, and the wait part's
@@ -48,6 +52,7 @@ RATES = ("10gbit", "1gbit", "100mbit")
 BUCKET = 64 << 20  # the benchmark trainer's bucket_mb
 WAIT_STEPS = 320  # one chunk per rate
 WINDOW_S = 0.8  # wait: a receiving window, then as long idle
+ROUNDS = 4  # engine: in-flight and native chunks, alternated as the judged runs alternate them
 
 
 def link_part(mb: int = 64) -> dict:
@@ -115,27 +120,60 @@ def native_pack_s(model_dir: Path) -> float:
     return statistics.median(box["s"])
 
 
+def push_slowdown(chunks: list[dict], step: dict) -> dict:
+    """The decode slowdown while the real pusher stages over loopback, from in-flight chunks
+    (``Bench.run``): each step's time over the decode step model's, the steps from a push's cue
+    until its commit against those between a commit and the next cue (they alternate every few
+    steps, so drift and the context's growth hit both alike)."""
+    on, off = [], []
+    for chunk in chunks:
+        ctx, new = replayed_context(len(chunk["gaps"]))
+        ratio = [g / (step["a_s"] + step["c_s_per_token"] * ctx[i] + step["p_s_per_request"] * new[i])
+                 for i, g in enumerate(chunk["gaps"])]
+        cues, commits = chunk["cues"], chunk["event_at"]  # 1-based intervals; staging starts in the cue's
+        for k, (cue, commit) in enumerate(zip(cues, commits)):
+            nxt = cues[k + 1] if k + 1 < len(cues) else len(ratio) + 1
+            on += [ratio[j - 1] for j in range(cue, commit)]  # the commit's interval left out: it holds the stall
+            off += [ratio[j - 1] for j in range(commit + 1, nxt)]
+    return {"slowdown": round(statistics.median(on) / statistics.median(off) - 1, 4), "steps_on": len(on),
+            "steps_off": len(off)}
+
+
+def first_and_rest(chunks: list[list[float]]) -> tuple[float, float]:
+    """The mean of each chunk's first figure and the mean of the others: a path's first update
+    after the other path ran sets itself up again (its buffers faulted in afresh)."""
+    return statistics.mean(c[0] for c in chunks), statistics.mean(x for c in chunks for x in c[1:])
+
+
 def engine_part(bench) -> dict:
-    """Decode step, native update and in-flight push of the SmolLM2 engine, over loopback."""
+    """Decode step, native update and in-flight push of the SmolLM2 engine, over loopback. The
+    updates run as the judged runs run them (``SETTINGS``' 16-step cadence, 96-step chunks):
+    ``ROUNDS`` rounds of an in-flight chunk then two native chunks (a run's native and
+    native@inflight), each path's first update of a chunk kept apart from the rest
+    (``first_and_rest``)."""
     from inflight.trainer.models import resolve_model
 
-    nones = [bench.run("none", 10**9, 200)["gaps"] for _ in range(2)]
-    # each path's first update sets itself up (buffers allocated and faulted in): measured apart, not counted
-    native = bench.run("native", 16, 81)
-    base = statistics.median(native["quiet"])
-    first_stall, *stalls = [g - base for g in native["event_gaps"]]
-    push = bench.run("inflight", 16, 128)
-    infos = push["infos"][1:]
+    step = fit_step([bench.run("none", 10**9, 200)["gaps"] for _ in range(2)])
+    pushes, natives = [], []
+    for _ in range(ROUNDS):
+        pushes.append(bench.run("inflight", 16, 96))
+        natives += [bench.run("native", 16, 96) for _ in range(2)]  # as native, then native@inflight
+    stalls = []
+    for c in natives:
+        base = statistics.median(c["quiet"])
+        stalls.append([g - base for g in c["event_gaps"]])
+    stage = first_and_rest([[r["stage_ms"] / 1e3 for r in c["infos"]] for c in pushes])
+    send = first_and_rest([[r["send_s"] for r in c["infos"]] for c in natives])
+    infos = [r for c in pushes for r in c["infos"]]
     nbytes = infos[0]["nbytes"]
-    return {"model": bench.model, "nbytes": nbytes, "step": fit_step(nones),
-            "native": {"stall_s": statistics.median(stalls), "send_s": statistics.median(r["send_s"] for r in native["infos"]),
-                       "pack_s": native_pack_s(Path(resolve_model("smollm2"))), "updates": len(stalls),
-                       "first_stall_s": first_stall},
-            "inflight": {"stage_s": statistics.median(r["stage_ms"] for r in infos) / 1e3,
-                         "push_s": statistics.median(r["push_s"] for r in infos),
-                         "stall_s": statistics.median(r["stall_ms"] for r in infos) / 1e3, "updates": len(infos),
-                         "first_stage_s": push["infos"][0]["stage_ms"] / 1e3,
-                         "buckets": -(-nbytes // BUCKET)}}
+    return {"model": bench.model, "nbytes": nbytes, "step": step, "rounds": ROUNDS,
+            "native": {"first_stall_s": first_and_rest(stalls)[0], "stall_s": first_and_rest(stalls)[1],
+                       "first_send_s": send[0], "send_s": send[1], "updates": sum(map(len, stalls)),
+                       "pack_s": native_pack_s(Path(resolve_model("smollm2")))},
+            "inflight": {"first_stage_s": stage[0], "stage_s": stage[1], "updates": len(infos),
+                         "push_over_stage_s": statistics.median(r["push_s"] - r["stage_ms"] / 1e3 for r in infos),
+                         "stall_s": statistics.median(r["stall_ms"] for r in infos) / 1e3,
+                         **push_slowdown(pushes, step), "buckets": -(-nbytes // BUCKET)}}
 
 
 def _sender(link, conn, buckets: int, nbytes: int) -> None:

@@ -39,7 +39,7 @@ PROMPT_TOKENS, LOW, HIGH = 8, 16, 512  # inflight.bench.paired: PROMPT, max_toke
 COMMAND = "python -m inflight.bench.inflight --model smollm2 --sizes --concurrency 32 --placement split"
 SETTINGS = {
     "1gbit": {"every": 16, "steps": 384, "rounds": 4},
-    "100mbit": {"every": 64, "steps": 256, "rounds": 2},
+    "100mbit": {"every": 64, "steps": 512, "rounds": 4},
     "10gbit": {"every": 16, "steps": 384, "rounds": 4},
     "loopback": {"every": 16, "steps": 384, "rounds": 4},
 }
@@ -76,16 +76,20 @@ def chunk_context(steps: int, concurrency: int = 32, seed: int = 0) -> tuple[lis
 
 @dataclass(frozen=True)
 class Params:
-    """What the replay needs for one link, all from ``scale_calibration.json``."""
+    """What the replay needs for one link, all from ``scale_calibration.json``. A chunk's first
+    update of each path has figures of its own (``first_*``): it sets itself up again after the
+    other path ran."""
 
     a_s: float  # decode step: a + c x context + p x requests admitted
     c_s: float
     p_s: float
-    stage_s: float  # in-flight: staging one update at this link's rate
+    first_stage_s: float  # in-flight: staging a chunk's first update at this link's rate
+    stage_s: float  # ... and each later one
     pre_s: float  # in-flight: from the cue until staging starts
     commit_s: float  # in-flight: the commit's stall at its step boundary
     slowdown: float  # in-flight: fraction each step overlapping staging is longer
-    native_s: float  # native pause(keep)+update: the whole stall
+    first_native_s: float  # native pause(keep)+update: the whole stall, a chunk's first update
+    native_s: float  # ... and each later one
 
     def step(self, ctx: int, new: int) -> float:
         return self.a_s + self.c_s * ctx + self.p_s * new
@@ -95,18 +99,27 @@ def params(cal: dict, rate: str) -> Params:
     """The replay's parameters for ``rate`` (``loopback`` or a shaped link). Staging: the link's
     wire time or loopback's CPU-bound staging, whichever is longer, plus one bucket's share of
     the loopback time (the first bucket's packing and the last one's verification do not
-    overlap the wire). Native: its loopback stall with the loopback send replaced by the pack
-    and the wire at this rate (or loopback's wire, if slower)."""
+    overlap the wire). The slowdown while staging: the real pushes' over loopback where the CPU
+    bounds staging, the wait part's at this rate where the wire does. Native: its loopback stall
+    with the loopback send replaced by the pack and the wire at this rate (or loopback's wire,
+    if slower)."""
     e, step = cal["engine"], cal["engine"]["step"]
     n, inf, nat = e["nbytes"], e["inflight"], e["native"]
     wire = 0.0 if rate == "loopback" else n / cal["link"]["achieved_Bps"][rate]
-    stage = max(wire, inf["stage_s"]) + inf["stage_s"] / inf["buckets"]
+
+    def stage(loop_s: float) -> float:
+        return max(wire, loop_s) + inf["stage_s"] / inf["buckets"]
+
+    def native(stall_s: float, send_s: float) -> float:
+        return stall_s - send_s + nat["pack_s"] + max(wire, send_s - nat["pack_s"])
+
     mean_step = step["a_s"] + step["c_s_per_token"] * 32 * 150  # a typical step, for the boundary wait
-    pre = max(0.0, inf["push_s"] - inf["stage_s"] - mean_step / 2)
-    loop_wire = max(nat["send_s"] - nat["pack_s"], 0.0)
-    native = nat["stall_s"] - nat["send_s"] + nat["pack_s"] + max(wire, loop_wire)
-    return Params(a_s=step["a_s"], c_s=step["c_s_per_token"], p_s=step["p_s_per_request"], stage_s=stage, pre_s=pre,
-                  commit_s=inf["stall_s"], slowdown=cal["wait"]["by_rate"][rate]["slowdown"], native_s=native)
+    slowdown = inf["slowdown"] if wire < inf["stage_s"] else cal["wait"]["by_rate"][rate]["slowdown"]
+    return Params(a_s=step["a_s"], c_s=step["c_s_per_token"], p_s=step["p_s_per_request"],
+                  first_stage_s=stage(inf["first_stage_s"]), stage_s=stage(inf["stage_s"]),
+                  pre_s=max(0.0, inf["push_over_stage_s"] - mean_step / 2), commit_s=inf["stall_s"], slowdown=slowdown,
+                  first_native_s=native(nat["first_stall_s"], nat["first_send_s"]),
+                  native_s=native(nat["stall_s"], nat["send_s"]))
 
 
 def none_chunk(p: Params, steps: int) -> tuple[float, int]:
@@ -119,7 +132,8 @@ def native_chunk(p: Params, every: int, steps: int) -> tuple[float, int, int]:
     """(wall, steps, updates) of a native chunk: the whole stall at each cue, before that step."""
     ctx, new = chunk_context(steps)
     due = [i for i in range(1, steps) if i % every == 0]
-    return sum(p.step(k, m) for k, m in zip(ctx, new)) + len(due) * p.native_s, steps, len(due)
+    stalls = p.first_native_s + (len(due) - 1) * p.native_s if due else 0.0
+    return sum(p.step(k, m) for k, m in zip(ctx, new)) + stalls, steps, len(due)
 
 
 def inflight_chunk(p: Params, every: int, steps: int) -> tuple[float, int, int]:
@@ -131,7 +145,8 @@ def inflight_chunk(p: Params, every: int, steps: int) -> tuple[float, int, int]:
         if seen_after is not None and i > seen_after:
             seen_after = None  # landed: the driver's poll before this step saw it
         if i < steps and i > 0 and i % every == 0 and staged_at is None and seen_after is None:
-            start, staged_at = t, t + p.pre_s + p.stage_s
+            start = t
+            staged_at = t + p.pre_s + (p.stage_s if updates else p.first_stage_s)
         dt = p.step(ctx[i], new[i])
         if staged_at is not None and t >= staged_at:  # the commit holds this boundary
             dt += p.commit_s

@@ -25,7 +25,9 @@ from inflight.bench.scale_fleet import GB, SCENARIOS, Link, Scenario, engine_rat
 from inflight.bench.scale_layer import layer_rows
 from inflight.bench.scale_links import link_rows, load_links, over
 from inflight.bench.scale_model import Lengths, Run, StepTime, Update, _add_lags, simulate
-from inflight.bench.scale_replay import CALIBRATION, MODES, PREDICTIONS, RUNS, chunk_context, command, judge, predict
+from inflight.bench.scale_calibrate import first_and_rest, push_slowdown
+from inflight.bench.scale_replay import (CALIBRATION, MODES, PREDICTIONS, RUNS, Params, chunk_context, command, inflight_chunk,
+                                         judge, native_chunk, predict)
 from inflight.bench.scale_shapes import (Arch, box, group_bytes, group_names, link_bytes, param_count, rank_bytes, staging_bytes,
                                 tensors)
 from inflight.shard_plan import PlanBytes
@@ -432,6 +434,35 @@ def test_replayed_context_by_hand() -> None:
     assert new[0] == 2 and ctx[0] == 16 and ctx[5] == 16 + 10
     first = min(a, b)  # the shorter frees its slot after its last token; the next request starts
     assert new[first] == 1 and ctx[first] == 8 + first + 8
+
+
+def test_push_slowdown_by_hand() -> None:
+    """Steps from a push's cue until its commit 25% over the step model, the others on it: the
+    slowdown is 0.25; the commit's own interval (its stall) counts for neither side."""
+    step = {"a_s": 0.1, "c_s_per_token": 1e-5, "p_s_per_request": 0.01}
+    ctx, new = chunk_context(60)
+    cues, commits = [5, 25, 45], [12, 31, 52]
+    staging = {j for c, e in zip(cues, commits) for j in range(c, e)}
+    gaps = [(step["a_s"] + step["c_s_per_token"] * ctx[j - 1] + step["p_s_per_request"] * new[j - 1])
+            * (1.25 if j in staging else 50.0 if j in commits else 1.0) for j in range(1, 61)]
+    got = push_slowdown([{"gaps": gaps, "cues": cues, "event_at": commits}], step)
+    assert got["slowdown"] == pytest.approx(0.25) and got["steps_on"] == len(staging)
+    assert got["steps_off"] == (25 - 13) + (45 - 32) + (60 - 52)
+
+
+def test_each_chunks_first_update_is_its_own() -> None:
+    """A chunk's first update takes its own figure (``first_and_rest``, then the replay): a native
+    chunk stalls first_native_s once and native_s for the rest; an in-flight chunk's first push
+    stages for first_stage_s, which holds the cue of the step after it (skipped) when longer."""
+    assert first_and_rest([[3.0, 1.0, 2.0], [5.0, 3.0]]) == (4.0, 2.0)
+    p = Params(a_s=0.1, c_s=0.0, p_s=0.0, first_stage_s=1.75, stage_s=0.45, pre_s=0.0, commit_s=0.0, slowdown=0.0,
+               first_native_s=3.0, native_s=1.0)
+    wall, steps, updates = native_chunk(p, every=10, steps=41)
+    assert (steps, updates) == (41, 4) and wall == pytest.approx(41 * 0.1 + 3.0 + 3 * 1.0)
+    # cue at step 10: staged at 1.0 + 1.75 s (step 28's start), seen after 28; the cue at 20 is
+    # skipped, the one at 30 staged at 3.0 + 0.45 (step 35), seen after it: 2 updates in 40 steps
+    wall, steps, updates = inflight_chunk(p, every=10, steps=40)
+    assert (steps, updates) == (40, 2) and wall == pytest.approx(4.0)
 
 
 # --- slower links between the pools --------------------------------------------------------
