@@ -1,7 +1,7 @@
 """At scale, on paper: in-flight updates vs pause-based and batch-boundary sync for a fleet.
 
     inflight bench scale [--configs bench/scenarios/*.toml] [--png docs/scale.png]   (or: python -m inflight.bench.scale ...)
-    inflight bench scale calibrate [--parts link engine wait]   # the CPU replay's micro-benchmarks (scale_calibrate)
+    inflight bench scale calibrate [--parts link engine push]   # the CPU replay's micro-benchmarks (scale_calibrate)
     inflight bench scale predict                                 # its predictions, before the runs (scale_replay)
     inflight bench scale record LOG [LOG ...]                    # the inflight.bench.inflight runs they are judged on
 

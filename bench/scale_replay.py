@@ -6,9 +6,11 @@ predictions ``bench.scale`` is judged on, and the judging.
 
 The parameters come from ``scale_calibrate``'s micro-benchmarks (``bench/scale_calibration.json``),
 never from the runs predicted: the decode step of the SmolLM2 engine against the context its
-requests hold, the link's achieved bytes/s, the in-flight push's staging rate, commit stall and
-time beyond staging over loopback, the decode slowdown while a thread receives as the listener
-does, and vLLM's native pause(keep)+update stall beyond its transfer over loopback.
+requests hold, the link's achieved bytes/s, the in-flight push's staging time, commit stall and
+time beyond staging over loopback, the decode slowdown while the real pusher stages at each
+rate, and vLLM's native pause(keep)+update stall beyond its transfer over loopback; each path's
+first update of a chunk with figures of its own (it sets itself up again after the other path
+ran).
 
 The replay follows the driver step by step (``Bench.run`` and ``bench_model``): the same request
 stream (``random.Random(0)`` lengths 16..512, 32 in flight, an 8-token prompt, refilled as they
@@ -99,8 +101,8 @@ def params(cal: dict, rate: str) -> Params:
     """The replay's parameters for ``rate`` (``loopback`` or a shaped link). Staging: the link's
     wire time or loopback's CPU-bound staging, whichever is longer, plus one bucket's share of
     the loopback time (the first bucket's packing and the last one's verification do not
-    overlap the wire). The slowdown while staging: the real pushes' over loopback where the CPU
-    bounds staging, the wait part's at this rate where the wire does. Native: its loopback stall
+    overlap the wire). The slowdown while staging: the real pushes' at this rate (the push
+    part; over loopback, the engine part's). Native: its loopback stall
     with the loopback send replaced by the pack and the wire at this rate (or loopback's wire,
     if slower)."""
     e, step = cal["engine"], cal["engine"]["step"]
@@ -114,7 +116,7 @@ def params(cal: dict, rate: str) -> Params:
         return stall_s - send_s + nat["pack_s"] + max(wire, send_s - nat["pack_s"])
 
     mean_step = step["a_s"] + step["c_s_per_token"] * 32 * 150  # a typical step, for the boundary wait
-    slowdown = inf["slowdown"] if wire < inf["stage_s"] else cal["wait"]["by_rate"][rate]["slowdown"]
+    slowdown = inf["slowdown"] if rate == "loopback" else cal["push"]["by_rate"][rate]["slowdown"]
     return Params(a_s=step["a_s"], c_s=step["c_s_per_token"], p_s=step["p_s_per_request"],
                   first_stage_s=stage(inf["first_stage_s"]), stage_s=stage(inf["stage_s"]),
                   pre_s=max(0.0, inf["push_over_stage_s"] - mean_step / 2), commit_s=inf["stall_s"], slowdown=slowdown,

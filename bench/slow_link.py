@@ -24,8 +24,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -87,10 +89,29 @@ def _take_down(link: SlowLink) -> None:
 
 
 @contextlib.contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """While the block runs, SIGTERM (``kill``, a job's time limit) raises ``SystemExit`` in the
+    main thread, so the ``finally`` around it takes the link down; Python's default would end
+    the process with the namespace still there. A handler someone else set is left alone."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
 def slow_link(rate: str, *, index: int = 0) -> Iterator[SlowLink]:
     """A namespace joined to this one by a veth pair shaped to ``rate`` both ways, on a /30 of
     this process's own (``index``: 0..9, one per link it holds at once); taken down when the
-    block ends, however it ends."""
+    block ends, however it ends (SIGTERM included: ``_exit_on_sigterm``)."""
     reason = available()
     if reason is not None:
         raise RuntimeError(f"a slow link {reason}")
@@ -103,21 +124,22 @@ def slow_link(rate: str, *, index: int = 0) -> Iterator[SlowLink]:
     base = f"198.{18 + (pid >> 8) % 2}.{pid % 256}"
     link = SlowLink(namespace=f"{PREFIX}-{tag}", outer_dev=f"{PREFIX}o{tag}", inner_dev=f"{PREFIX}i{tag}",
                     outer=f"{base}.{4 * index + 1}", inner=f"{base}.{4 * index + 2}", rate_bps=bps)
-    try:
-        _run("ip", "netns", "add", link.namespace)
-        _run("ip", "link", "add", link.outer_dev, "type", "veth", "peer", "name", link.inner_dev)
-        _run("ip", "link", "set", link.inner_dev, "netns", link.namespace)
-        _run("ip", "addr", "add", f"{link.outer}/30", "dev", link.outer_dev)
-        _run("ip", "link", "set", link.outer_dev, "up")
-        ns = ("ip", "netns", "exec", link.namespace)
-        _run(*ns, "ip", "addr", "add", f"{link.inner}/30", "dev", link.inner_dev)
-        _run(*ns, "ip", "link", "set", link.inner_dev, "up")
-        _run(*ns, "ip", "link", "set", "lo", "up")
-        _shape(link.outer_dev, bps)
-        _shape(link.inner_dev, bps, netns=link.namespace)
-        yield link
-    finally:
-        _take_down(link)
+    with _exit_on_sigterm():
+        try:
+            _run("ip", "netns", "add", link.namespace)
+            _run("ip", "link", "add", link.outer_dev, "type", "veth", "peer", "name", link.inner_dev)
+            _run("ip", "link", "set", link.inner_dev, "netns", link.namespace)
+            _run("ip", "addr", "add", f"{link.outer}/30", "dev", link.outer_dev)
+            _run("ip", "link", "set", link.outer_dev, "up")
+            ns = ("ip", "netns", "exec", link.namespace)
+            _run(*ns, "ip", "addr", "add", f"{link.inner}/30", "dev", link.inner_dev)
+            _run(*ns, "ip", "link", "set", link.inner_dev, "up")
+            _run(*ns, "ip", "link", "set", "lo", "up")
+            _shape(link.outer_dev, bps)
+            _shape(link.inner_dev, bps, netns=link.namespace)
+            yield link
+        finally:
+            _take_down(link)
 
 
 def enter(link: SlowLink) -> None:

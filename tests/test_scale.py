@@ -27,7 +27,7 @@ from inflight.bench.scale_links import link_rows, load_links, over
 from inflight.bench.scale_model import Lengths, Run, StepTime, Update, _add_lags, simulate
 from inflight.bench.scale_calibrate import first_and_rest, push_slowdown
 from inflight.bench.scale_replay import (CALIBRATION, MODES, PREDICTIONS, RUNS, Params, chunk_context, command, inflight_chunk,
-                                         judge, native_chunk, predict)
+                                         judge, native_chunk, params, predict)
 from inflight.bench.scale_shapes import (Arch, box, group_bytes, group_names, link_bytes, param_count, rank_bytes, staging_bytes,
                                 tensors)
 from inflight.shard_plan import PlanBytes
@@ -416,7 +416,7 @@ def test_the_predictions_are_the_calibrations(judged) -> None:
     cal = json.loads(CALIBRATION.read_text())
     assert predict(cal)["predictions"] == judged[0]["predictions"]
     assert judged[0]["command"] == "python -m inflight.bench.scale predict"
-    for part in ("link", "engine", "wait"):
+    for part in ("link", "engine", "push"):
         runs = [r for r in cal["runs"] if part in r["parts"]]
         assert runs and all(r["command"].startswith("python -m inflight.bench.scale calibrate") and r["date"] for r in runs)
     for run in judged[1]:
@@ -463,6 +463,25 @@ def test_each_chunks_first_update_is_its_own() -> None:
     # skipped, the one at 30 staged at 3.0 + 0.45 (step 35), seen after it: 2 updates in 40 steps
     wall, steps, updates = inflight_chunk(p, every=10, steps=40)
     assert (steps, updates) == (40, 2) and wall == pytest.approx(4.0)
+
+
+def test_replay_parameters_by_hand() -> None:
+    """A link of 100 MB/s for 1 GB: staging is the wire (10 s) plus a bucket's share of loopback's
+    2 s, slowed by the push part's figure at that rate; native's loopback send (1.05 s, 0.05 of
+    it packing) becomes the pack and the wire. Over loopback: the engine part's figures."""
+    cal = {"link": {"achieved_Bps": {"1gbit": 1e8}},
+           "engine": {"nbytes": 10**9, "step": {"a_s": 0.1, "c_s_per_token": 0.0, "p_s_per_request": 0.0},
+                      "inflight": {"stage_s": 2.0, "first_stage_s": 3.0, "buckets": 4, "slowdown": 0.2,
+                                   "push_over_stage_s": 0.2, "stall_s": 0.001},
+                      "native": {"stall_s": 2.5, "send_s": 1.05, "first_stall_s": 3.5, "first_send_s": 2.05, "pack_s": 0.05}},
+           "push": {"by_rate": {"1gbit": {"slowdown": 0.03}}}}
+    p = params(cal, "1gbit")
+    assert p.stage_s == pytest.approx(10.5) and p.first_stage_s == pytest.approx(10.5) and p.slowdown == 0.03
+    assert p.native_s == pytest.approx(2.5 - 1.05 + 0.05 + 10.0) and p.first_native_s == pytest.approx(3.5 - 2.05 + 0.05 + 10.0)
+    assert p.pre_s == pytest.approx(0.15) and p.commit_s == 0.001
+    loop = params(cal, "loopback")
+    assert loop.stage_s == pytest.approx(2.5) and loop.first_stage_s == pytest.approx(3.5)
+    assert loop.slowdown == 0.2 and loop.native_s == pytest.approx(2.5) and loop.first_native_s == pytest.approx(3.5)
 
 
 # --- slower links between the pools --------------------------------------------------------

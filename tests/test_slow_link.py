@@ -36,3 +36,24 @@ def test_a_failure_inside_the_block_leaves_nothing() -> None:
     with pytest.raises(KeyError, match="inside"), slow_link("1gbit", index=3):
         raise KeyError("inside")
     assert not leftovers(os.getpid())
+
+
+@needs_netns
+def test_a_killed_run_leaves_nothing() -> None:
+    """A process holding a link ended by SIGTERM (``kill``, a job's time limit) takes it down on
+    its way out, and exits with 128 + SIGTERM."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import time\nfrom inflight.bench.slow_link import slow_link\n"
+            "with slow_link('1gbit', index=5):\n    print('up', flush=True)\n    time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        assert leftovers(proc.pid), "the link was not built"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert not leftovers(proc.pid)
