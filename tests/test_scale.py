@@ -338,18 +338,13 @@ def test_layer_groups_commit_one_per_boundary_paced_by_the_slots(staged: int, st
 # --- the model against this CPU: predicted from micro-benchmarks, judged on the recorded runs ----
 
 MISSED = {
-    ("100mbit", "inflight"), ("100mbit", "inflight/native"),
-    # predicted 408 ms; measured -3541 ms (faster than none): none over in-flight's 648 steps ran its
-    # median step at 179 ms, in-flight and native@inflight over the same steps at 168: a 6.5% drift
-    # between chunks of 50-100 s, 3.5 s per update, where the wait costs 0.4 s (two updates a run)
-    ("10gbit", "native"), ("10gbit", "native@inflight"),
-    ("loopback", "native"), ("loopback", "native@inflight"),
-    # predicted 1943 ms from the calibration's loopback-bound native update (send 0.83 s); the runs'
-    # trainer sent in 1.34-1.66 s and lost 2643-3016 ms: a CPU-bound transfer here varies by up to 2x
-    ("loopback", "inflight"), ("loopback", "inflight/native"),
-    # predicted 136 ms from a 9.2% slower step while staging (the wait part: 13.7% and 4.8% in two
-    # repeats); the run lost 375 ms, 26% of its 1.46 s staging: the listener's wait beside the
-    # trainer's own CPU-bound packing is slower than the wait part reproduces
+    ("10gbit", "native@inflight"),
+    # predicted 2470 ms, measured 1869 (native at the asked cadence, same run: 2272, predicted 2417):
+    # native@inflight's chunks follow native's, so their first update sets up little (lost 60 ms per
+    # update beyond the median stall, where native's chunks, after in-flight, lost 317), and their
+    # median stall was 1.81 s where the calibration's updates after the first averaged 2.20 s; the
+    # calibration pools the first updates after in-flight and after native, and the replay gives
+    # both kinds of chunk that figure
 }
 """The checks the committed predictions miss, each with its cause (README and
 docs/performance.md say so). A miss not listed here fails, and so does a listed check that
