@@ -116,10 +116,10 @@ def native_pack_s(model_dir: Path) -> float:
 
 
 def push_slowdown(chunks: list[dict], step: dict) -> dict:
-    """The decode slowdown while the real pusher stages over loopback, from in-flight chunks
-    (``Bench.run``): each step's time over the decode step model's, the steps from a push's cue
-    until its commit against those between a commit and the next cue (they alternate every few
-    steps, so drift and the context's growth hit both alike)."""
+    """The decode slowdown while the real pusher stages, from in-flight chunks (``Bench.run``):
+    each step's time over the decode step model's, the steps from a push's cue until its commit
+    against those between a commit and the next cue (they alternate every few steps, so drift
+    and the context's growth hit both alike)."""
     on, off = [], []
     for chunk in chunks:
         ctx, new = replayed_context(len(chunk["gaps"]))
@@ -158,11 +158,12 @@ def engine_part(bench) -> dict:
         base = statistics.median(c["quiet"])
         stalls.append([g - base for g in c["event_gaps"]])
     stage = first_and_rest([[r["stage_ms"] / 1e3 for r in c["infos"]] for c in pushes])
+    stall = first_and_rest(stalls)
     send = first_and_rest([[r["send_s"] for r in c["infos"]] for c in natives])
     infos = [r for c in pushes for r in c["infos"]]
     nbytes = infos[0]["nbytes"]
     return {"model": bench.model, "nbytes": nbytes, "step": step, "rounds": ROUNDS,
-            "native": {"first_stall_s": first_and_rest(stalls)[0], "stall_s": first_and_rest(stalls)[1],
+            "native": {"first_stall_s": stall[0], "stall_s": stall[1],
                        "first_send_s": send[0], "send_s": send[1], "updates": sum(map(len, stalls)),
                        "pack_s": native_pack_s(Path(resolve_model("smollm2")))},
             "inflight": {"first_stage_s": stage[0], "stage_s": stage[1], "updates": len(infos),
