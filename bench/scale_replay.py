@@ -102,9 +102,8 @@ def params(cal: dict, rate: str) -> Params:
     wire time or loopback's CPU-bound staging, whichever is longer, plus one bucket's share of
     the loopback time (the first bucket's packing and the last one's verification do not
     overlap the wire). The slowdown while staging: the real pushes' at this rate (the push
-    part; over loopback, the engine part's). Native: its loopback stall
-    with the loopback send replaced by the pack and the wire at this rate (or loopback's wire,
-    if slower)."""
+    part; over loopback, the engine part's). Native: its loopback stall with the loopback send
+    replaced by the pack and the wire at this rate (or loopback's wire, if slower)."""
     e, step = cal["engine"], cal["engine"]["step"]
     n, inf, nat = e["nbytes"], e["inflight"], e["native"]
     wire = 0.0 if rate == "loopback" else n / cal["link"]["achieved_Bps"][rate]
