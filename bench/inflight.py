@@ -45,8 +45,9 @@ in machine speed hits all of them alike; a chunk with a push still staging at it
 stepping until it landed (those steps count: an update's whole cost is in its chunk). The
 headline is **decode time lost per update** = (wall time of the mode - wall time ``none``
 (``none@inflight`` for inflight and native@inflight where it ran) needs for the same tokens) /
-updates: it counts the stall and every slower step while an update stages. The commit interval (the engine-loop interval holding the commit minus the
-median interval) is its own column. ``--routing`` adds rows for ``record_routing`` on a
+updates: it counts the stall and every slower step while an update stages. The commit
+interval (the engine-loop interval holding the commit minus the median interval) is its own
+column. ``--routing`` adds rows for ``record_routing`` on a
 tiny MoE (``none`` with the recorder off and on, interleaved). ``--train-steps`` runs the
 training loop end to end (``inflight.bench.e2e``). Prints a table, one JSON line; writes a figure.
 """

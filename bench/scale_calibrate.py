@@ -12,8 +12,8 @@ Parts (each under 6 minutes; run them one at a time, never beside another heavy 
   the decode step (two ``none`` chunks of 200 steps, every step's time against the total context
   the replayed request stream holds: ``step_s = a + c x context + p x new requests``); then
   in-flight pushes and vLLM's native pause(keep)+update alternated in chunks as the judged runs
-  alternate them (``ROUNDS`` rounds of a 96-step in-flight chunk, then two 96-step native
-  chunks, an update due every 16 steps), each path's first update of a chunk (it sets itself
+  alternate them (the loopback run's ``SETTINGS``: 4 rounds of a 96-step in-flight chunk, then
+  two 96-step native chunks, an update due every 16 steps), each path's first update of a chunk (it sets itself
   up again after the other path ran: buffers faulted in afresh) kept apart from the rest: the
   in-flight commit stall, the push's time beyond staging, the loopback staging time, and the
   decode slowdown while the real pusher stages over loopback; native's stall and its
@@ -44,7 +44,6 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parent / "scale_calibration.json"
 RATES = ("10gbit", "1gbit", "100mbit")
 BUCKET = 64 << 20  # the benchmark trainer's bucket_mb
-ROUNDS = 4  # engine: in-flight and native chunks, alternated as the judged runs alternate them
 PUSHES = {"10gbit": (24, 6), "1gbit": (64, 5), "100mbit": (400, 3)}
 """push: per rate, the steps between two pushes (each stages for about 11 / 31 / 300 steps) and
 the pushes."""
@@ -142,17 +141,20 @@ def first_and_rest(chunks: list[list[float]]) -> tuple[float, float]:
 
 def engine_part(bench) -> dict:
     """Decode step, native update and in-flight push of the SmolLM2 engine, over loopback. The
-    updates run as the judged runs run them (``SETTINGS``' 16-step cadence, 96-step chunks):
-    ``ROUNDS`` rounds of an in-flight chunk then two native chunks (a run's native and
-    native@inflight), each path's first update of a chunk kept apart from the rest
+    updates run as the judged loopback run makes them (``scale_replay.SETTINGS``: its rounds,
+    chunk length and cadence): each round an in-flight chunk then two native chunks (a run's
+    native and native@inflight), each path's first update of a chunk kept apart from the rest
     (``first_and_rest``)."""
+    from inflight.bench.scale_replay import SETTINGS
     from inflight.trainer.models import resolve_model
 
+    run = SETTINGS["loopback"]
+    every, chunk = run["every"], run["steps"] // run["rounds"]
     step = fit_step([bench.run("none", 10**9, 200)["gaps"] for _ in range(2)])
     pushes, natives = [], []
-    for _ in range(ROUNDS):
-        pushes.append(bench.run("inflight", 16, 96))
-        natives += [bench.run("native", 16, 96) for _ in range(2)]  # as native, then native@inflight
+    for _ in range(run["rounds"]):
+        pushes.append(bench.run("inflight", every, chunk))
+        natives += [bench.run("native", every, chunk) for _ in range(2)]  # as native, then native@inflight
     stalls = []
     for c in natives:
         base = statistics.median(c["quiet"])
@@ -162,7 +164,7 @@ def engine_part(bench) -> dict:
     send = first_and_rest([[r["send_s"] for r in c["infos"]] for c in natives])
     infos = [r for c in pushes for r in c["infos"]]
     nbytes = infos[0]["nbytes"]
-    return {"model": bench.model, "nbytes": nbytes, "step": step, "rounds": ROUNDS,
+    return {"model": bench.model, "nbytes": nbytes, "step": step, "rounds": run["rounds"],
             "native": {"first_stall_s": stall[0], "stall_s": stall[1],
                        "first_send_s": send[0], "send_s": send[1], "updates": sum(map(len, stalls)),
                        "pack_s": native_pack_s(Path(resolve_model("smollm2")))},
