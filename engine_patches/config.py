@@ -212,7 +212,7 @@ class StagingIntent:
 
 
 def engine_kwargs(*, reserve_staging: StagingIntent | InflightConfig | None = None, adapter: AdapterSpec | None = None,
-                  **overrides: object) -> dict[str, object]:
+                  rl_api: bool = False, **overrides: object) -> dict[str, object]:
     """Engine arguments an in-flight engine needs, for ``LLM(...)`` / ``AsyncEngineArgs(...)``.
 
     - the worker extension that receives and commits weights;
@@ -233,7 +233,10 @@ def engine_kwargs(*, reserve_staging: StagingIntent | InflightConfig | None = No
       (``inflight.engine.kv_budget``). Without it the KV cache is sized as vLLM alone would,
       and ``inflight_start`` checks staging against the memory left free;
     - with ``adapter`` (``InflightConfig.adapter``): LoRA with one adapter slot, of the
-      adapter's rank, wrapping only the adapter's target modules (``inflight.adapter``).
+      adapter's rank, wrapping only the adapter's target modules (``inflight.adapter``);
+    - with ``rl_api``: the ``inflight`` weight-transfer backend, so clients of vLLM's RL API
+      (``init_weight_transfer_engine`` ... ``finish_weight_update``) commit in flight
+      (``inflight.engine.rl_api``).
     """
     kwargs: dict[str, object] = dict(
         worker_extension_cls=WORKER_EXTENSION,
@@ -246,6 +249,8 @@ def engine_kwargs(*, reserve_staging: StagingIntent | InflightConfig | None = No
         # one slot, one cached adapter: the policy's, pinned at start; no other can evict it
         kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=shape.max_lora_rank,
                       lora_target_modules=list(shape.target_modules), fully_sharded_loras=False)
+    if rl_api:
+        kwargs["weight_transfer_config"] = {"backend": "inflight"}
     kwargs.update(overrides)
     if reserve_staging is not None:
         intent = reserve_staging if isinstance(reserve_staging, StagingIntent) else StagingIntent.of(reserve_staging)

@@ -23,7 +23,8 @@ _MARK = "__inflight_engine_core__"
 
 
 def patch_engine_core() -> None:
-    """Wrap five methods of ``vllm.v1.engine.core.EngineCore`` (vLLM 0.32.0).
+    """Wrap nine methods of ``vllm.v1.engine.core.EngineCore``, and ``EngineCoreProc``'s own
+    ``pause_scheduler`` (vLLM 0.32.0).
 
     - ``collective_rpc``: when ``inflight_start`` passes through (from ``LLM``, ``AsyncLLM``
       or the OpenAI server's ``/collective_rpc``), check the engine, attach a
@@ -44,22 +45,29 @@ def patch_engine_core() -> None:
     - ``preprocess_add_request``: on an adapter engine (``InflightConfig.adapter``), refuses a
       request that does not decode with the policy adapter (``inflight.engine.adapter.
       check_request``): vLLM answers the request alone with an error; the engine serves on.
+    - on an engine whose weight-transfer backend is ``inflight`` (``inflight.engine.rl_api``):
+      ``collective_rpc`` routes vLLM's RL API calls to the worker extension;
+      ``set_weight_version`` accepts only a label the next commit (or the live weights) bears
+      and leaves the label to the commit; ``pause_scheduler(mode="keep")`` does not stop
+      decoding (``sleep``'s own pause still does) and ``resume_scheduler`` clears it.
 
     Idempotent; raises if vLLM's EngineCore no longer has these methods. Must run before an
     EngineCore binds ``self.step_fn`` in ``__init__``, which the ``vllm.general_plugins``
     entry point guarantees (plugins load at the top of ``EngineCore.__init__``).
     """
-    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.engine.core import EngineCore, EngineCoreProc
 
     for name in _ENGINE_CORE_WRAPPERS:
         if not callable(getattr(EngineCore, name, None)):
             raise RuntimeError(f"inflight: vllm EngineCore has no {name}(); this vLLM is not 0.32-compatible")
     if getattr(EngineCore.step, _MARK, False):
         return
-    for name, wrap in _ENGINE_CORE_WRAPPERS.items():
-        fn = functools.wraps(getattr(EngineCore, name))(wrap(getattr(EngineCore, name)))
-        setattr(fn, _MARK, True)
-        setattr(EngineCore, name, fn)
+    for cls in (EngineCore, EngineCoreProc):  # EngineCoreProc defines a pause_scheduler of its own
+        for name, wrap in _ENGINE_CORE_WRAPPERS.items():
+            if name in cls.__dict__:
+                fn = functools.wraps(cls.__dict__[name])(wrap(cls.__dict__[name]))
+                setattr(fn, _MARK, True)
+                setattr(cls, name, fn)
 
 
 def _wrap_step(original_step: Any) -> Any:
@@ -84,21 +92,27 @@ def _wrap_step(original_step: Any) -> Any:
 
 
 def _wrap_collective_rpc(original_rpc: Any) -> Any:
+    from inflight.engine import rl_api
     from inflight.engine.config import InflightConfig
     from inflight.engine.coordinator import ATTR, CommitCoordinator, check_engine
+
+    def start(self, config: InflightConfig, timeout: Any) -> list[Any]:
+        coordinator = CommitCoordinator(self, config, check_engine(self.vllm_config, config, self.scheduler))
+        # the second argument tells each worker that its EngineCore will drive the commit
+        results = original_rpc(self, "inflight_start", timeout, (config.to_json(), coordinator.instance_id), None)
+        self.__dict__[ATTR] = coordinator
+        coordinator.start()
+        return results
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None) -> list[Any]:
         coordinator = self.__dict__.get(ATTR)
         if method == "inflight_start":
             if coordinator is not None:
                 raise RuntimeError("inflight: already started on this engine")
-            config = InflightConfig.from_json(args[0])
-            coordinator = CommitCoordinator(self, config, check_engine(self.vllm_config, config, self.scheduler))
-            # the second argument tells each worker that its EngineCore will drive the commit
-            results = original_rpc(self, method, timeout, (args[0], coordinator.instance_id), kwargs)
-            self.__dict__[ATTR] = coordinator
-            coordinator.start()
-            return results
+            return start(self, InflightConfig.from_json(args[0]), timeout)
+        if method in rl_api.METHODS and rl_api.uses_backend(self):
+            return rl_api.call(self, method, kwargs or {}, lambda m, a, k: collective_rpc(self, m, timeout, a, k),
+                               lambda config: start(self, config, timeout), coordinator)
         if coordinator is None:
             return original_rpc(self, method, timeout, args, kwargs)
         if method == "inflight_stop":
@@ -148,9 +162,63 @@ def _wrap_preprocess(original_preprocess: Any) -> Any:
     return preprocess_add_request
 
 
+def _wrap_set_weight_version(original: Any) -> Any:
+    from inflight.engine import rl_api
+    from inflight.engine.coordinator import ATTR
+
+    def set_weight_version(self, weight_version):
+        if not rl_api.uses_backend(self):
+            return original(self, weight_version)
+        # the coordinator moves the label at the commit: a label set now would tag the old weights' tokens
+        rl_api.check_label(self, weight_version, self.__dict__.get(ATTR))
+        return None
+
+    return set_weight_version
+
+
+def _wrap_pause_scheduler(original: Any) -> Any:
+    from inflight.engine import rl_api
+
+    def pause_scheduler(self, mode="abort", clear_cache=True):
+        if mode == "keep" and rl_api.uses_backend(self) and not rl_api.state(self).sleeping:
+            api = rl_api.state(self)  # decoding goes on: the update it waits for commits in flight
+            api.keep_paused, api.keep_pauses = True, api.keep_pauses + 1
+            return None
+        return original(self, mode, clear_cache)
+
+    return pause_scheduler
+
+
+def _wrap_resume_scheduler(original: Any) -> Any:
+    from inflight.engine import rl_api
+
+    def resume_scheduler(self):
+        if rl_api.uses_backend(self):
+            rl_api.state(self).keep_paused = False
+        return original(self)
+
+    return resume_scheduler
+
+
+def _wrap_sleep(original: Any) -> Any:
+    from inflight.engine import rl_api
+
+    def sleep(self, *args, **kwargs):
+        api = rl_api.state(self)
+        api.sleeping = True  # sleep's own pause is a real one, keep mode included
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            api.sleeping = False
+
+    return sleep
+
+
 _ENGINE_CORE_WRAPPERS = {"step": _wrap_step, "step_with_batch_queue": _wrap_step,
                          "collective_rpc": _wrap_collective_rpc, "shutdown": _wrap_shutdown,
-                         "preprocess_add_request": _wrap_preprocess}
+                         "preprocess_add_request": _wrap_preprocess, "set_weight_version": _wrap_set_weight_version,
+                         "pause_scheduler": _wrap_pause_scheduler, "resume_scheduler": _wrap_resume_scheduler,
+                         "sleep": _wrap_sleep}
 """EngineCore's methods ``patch_engine_core`` wraps, each with its wrapper's factory."""
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 def register() -> None:
-    """Apply the step-boundary patch and the in-process refusal patch (``inflight.engine.patch``),
+    """Register the ``inflight`` weight-transfer backend (``register_backend``); apply the step-boundary patch and the in-process refusal patch (``inflight.engine.patch``),
     the KV cache budget patch (``inflight.engine.kv_budget``), on CPU the async-scheduling
     switch (``keep_cpu_async_scheduling``, inert unless ``INFLIGHT_CPU_ASYNC_SCHEDULING=1``),
     and, with ``INFLIGHT_CPU_PLAIN_GEMM=1``, the plain CPU GEMM
@@ -19,6 +19,7 @@ def register() -> None:
                                       plain_cpu_gemm_requested, use_plain_cpu_gemm)
     from vllm.platforms import current_platform
 
+    register_backend()
     patch_engine_core()
     if current_platform.is_cpu():
         keep_cpu_async_scheduling()
@@ -26,3 +27,19 @@ def register() -> None:
     patch_available_memory()
     if plain_cpu_gemm_requested():
         use_plain_cpu_gemm()
+
+
+def register_backend() -> None:
+    """Add the ``inflight`` backend to vLLM's weight-transfer registries, worker side
+    (``inflight.engine.transfer_engine``) and trainer side (``inflight.trainer.transfer_trainer``),
+    each imported on first use; idempotent."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from inflight.engine.transfer_engine import BACKEND
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, "inflight.engine.transfer_engine",
+                                                    "InflightWeightTransferEngine")
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, "inflight.trainer.transfer_trainer",
+                                                     "InflightTrainerWeightTransferEngine")

@@ -73,6 +73,14 @@ class WorkerSettleResult(_Result):
     error: str = ""
 
 
+class RLUpdateResult(_Result):
+    """``inflight_rl_update``: the update one worker was told of (vLLM's ``update_weights`` on
+    the ``inflight`` backend: ``inflight.engine.transfer_engine``)."""
+
+    rank: NonNeg
+    version: NonNeg
+
+
 class PrefixCacheStats(_Result):
     """What an engine's prefix-cache guard did since it started (``inflight.engine.prefix_cache``)."""
 

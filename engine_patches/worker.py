@@ -67,7 +67,8 @@ from inflight.engine.config import InflightConfig
 from inflight.engine.coordinator import CommitReady, EngineCommitted, decode_engine, outcome_key
 from inflight.engine.kv_budget import SET_ASIDE_ATTR, planned_need
 from inflight.engine.patch import count_worker_steps
-from inflight.engine.rpc import StartReport, WorkerCommitResult, WorkerSettleResult, WorkerStatus
+from inflight.engine.rpc import RLUpdateResult, StartReport, WorkerCommitResult, WorkerSettleResult, WorkerStatus
+from inflight.engine.transfer_engine import InflightWeightTransferEngine, RLApiError
 from inflight.auth import read_secret
 from inflight.layer_groups import Hybrid
 from inflight.protocol import ENGINE_CHANNEL, ProtocolError, Sampling, ShardPlan, encode
@@ -136,6 +137,9 @@ class InflightWorkerExtension:
             target=self._inflight_serve, args=(config, schema, rank, plan), name=f"inflight-listener-{rank}", daemon=True
         )
         self._inflight_thread.start()
+        rl_engine = getattr(self, "weight_transfer_engine", None)
+        if isinstance(rl_engine, InflightWeightTransferEngine):  # vLLM's RL API on the inflight backend
+            rl_engine.bind(schema, lambda: target.live_version)
         # the listener stops with the interpreter too (a plain exit, no engine shutdown), before
         # the objects its thread uses are torn down under it
         ref = weakref.ref(self)
@@ -244,6 +248,34 @@ class InflightWorkerExtension:
 
     def inflight_rollback(self, version: int) -> WorkerSettleResult:
         return self._inflight_target.execute_rollback(version)
+
+    # -- vLLM's RL API on the inflight backend (EngineCore routes its calls here: inflight.engine.rl_api) --
+    def inflight_rl_start(self) -> None:
+        self._inflight_rl_engine().start_weight_update()
+
+    def inflight_rl_update(self, update_info: dict | list[dict]) -> RLUpdateResult:
+        """``update_info``: one for every worker, or a list indexed by worker rank (as vLLM's)."""
+        if isinstance(update_info, list):
+            if len(update_info) != self.vllm_config.parallel_config.world_size:
+                raise RLApiError(f"inflight: update_info is a list of {len(update_info)}; this engine has "
+                                 f"{self.vllm_config.parallel_config.world_size} workers")
+            update_info = update_info[self.rank]
+        engine = self._inflight_rl_engine()
+        engine.update_weights(update_info)
+        return RLUpdateResult(rank=self._inflight_target.rank, version=engine.open_version)
+
+    def inflight_rl_finish(self) -> None:
+        self._inflight_rl_engine().finish_weight_update()
+
+    def inflight_rl_abandon(self) -> None:
+        self._inflight_rl_engine().abandon()
+
+    def _inflight_rl_engine(self) -> InflightWeightTransferEngine:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, InflightWeightTransferEngine):
+            raise RLApiError(f"inflight: this worker's weight-transfer engine is {type(engine).__name__}, not the "
+                             "inflight backend's: start the engine with weight_transfer_config={'backend': 'inflight'}")
+        return engine
 
     def inflight_take_routing(self) -> tuple[list[str], Any]:
         """The last forward's routing rows (``inflight.engine.routing``); called by EngineCore after each step."""

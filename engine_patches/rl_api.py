@@ -1,0 +1,138 @@
+"""vLLM's RL API on an engine whose weight-transfer backend is ``inflight``: EngineCore's side.
+
+Clients of vLLM's API (``/pause``, ``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``, ``/resume``; ``LLM``'s methods; ``TrainerWeightTransferEngine``) reach
+EngineCore as utility calls between two engine steps. On an engine started with
+``weight_transfer_config={"backend": "inflight"}`` the patch (``inflight.engine.patch``) hands
+them here:
+
+- ``init_weight_transfer_engine(init_info)``: ``init_info`` is an ``InflightConfig`` (a JSON
+  object, or that object as a string); it starts the engine as ``inflight_start`` does. Again
+  with the same config (a restarted trainer), it drops an update its predecessor left open and
+  returns; with another config, it is refused, naming the fields that differ;
+- ``start_weight_update``, ``update_weights``, ``finish_weight_update``: the worker extension's
+  ``inflight_rl_*`` methods, each of which returns at once (``inflight.engine.transfer_engine``);
+- ``start_draft_weight_update``: refused by name (speculative decoding is refused at start);
+- ``shutdown_weight_transfer_engine``: ``inflight_stop``;
+- ``set_weight_version(v)`` (``finish_weight_update(weight_version)``, ``/update_weight_version``):
+  accepted only for the version the engine serves or the update it was told of, and never
+  moves the label: the coordinator moves it to that version at the commit, in the commit's
+  window, so no token the old weights sampled carries it;
+- ``pause_scheduler(mode="keep")``: decoding goes on (the one deviation from vLLM's semantics,
+  the backend's opt-in); ``is_scheduler_paused`` says so. ``abort`` and ``wait`` still pause.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+import msgspec
+
+from inflight.engine.config import WORKER_EXTENSION, InflightConfig
+from inflight.engine.transfer_engine import BACKEND, RLApiError
+
+log = logging.getLogger("inflight.rl_api")
+
+ATTR = "_inflight_rl_api"
+"""Attribute of the ``EngineCore`` that holds its ``RLApiState``."""
+
+WORKER_METHODS = {"start_weight_update": "inflight_rl_start", "update_weights": "inflight_rl_update",
+                  "finish_weight_update": "inflight_rl_finish"}
+"""vLLM's worker methods and the worker extension's methods they become on this backend."""
+METHODS = {*WORKER_METHODS, "init_weight_transfer_engine", "start_draft_weight_update", "shutdown_weight_transfer_engine"}
+
+
+@dataclass
+class RLApiState:
+    """What EngineCore remembers of the RL API's calls."""
+
+    keep_paused: bool = False
+    """A client's ``pause(mode="keep")`` is in effect (decoding goes on regardless)."""
+    keep_pauses: int = 0
+    announced: int | None = None
+    """The version of the last update a client announced (``update_weights``)."""
+    sleeping: bool = False
+    """Inside ``sleep``: its pause is a real one, whatever the mode."""
+
+
+def uses_backend(core: Any) -> bool:
+    """Whether ``core``'s engine runs the ``inflight`` weight-transfer backend."""
+    wtc = getattr(core.vllm_config, "weight_transfer_config", None)
+    return wtc is not None and wtc.backend == BACKEND
+
+
+def state(core: Any) -> RLApiState:
+    if ATTR not in core.__dict__:
+        core.__dict__[ATTR] = RLApiState()
+    return core.__dict__[ATTR]
+
+
+def config_of(init_info: Any) -> InflightConfig:
+    """``init_info`` (an ``InflightConfig`` as a JSON object or string) as the config it names."""
+    if isinstance(init_info, (str, bytes)):
+        return InflightConfig.from_json(init_info)
+    if not isinstance(init_info, dict):
+        raise RLApiError(f"inflight: init_info must be an InflightConfig as a JSON object, not {type(init_info).__name__}")
+    return InflightConfig.from_json(msgspec.json.encode(init_info))
+
+
+def call(core: Any, method: str, kwargs: dict[str, Any], rpc: Callable[..., list[Any]],
+         start: Callable[[InflightConfig], list[Any]], coordinator: Any) -> list[Any]:
+    """One call of vLLM's RL API on ``core``: ``rpc(method, args, kwargs)`` reaches the
+    workers (EngineCore's patched ``collective_rpc``: under the coordinator's lock, between two
+    steps), ``start(config)`` starts the engine as ``inflight_start`` does."""
+    if method == "init_weight_transfer_engine":
+        return _init(core, kwargs, rpc, start, coordinator)
+    if method == "start_draft_weight_update":
+        raise RLApiError("inflight: start_draft_weight_update: draft model updates are refused, as speculative "
+                         "decoding is on an in-flight engine")
+    if coordinator is None:
+        raise RLApiError(f"inflight: {method} before init_weight_transfer_engine")
+    if method == "shutdown_weight_transfer_engine":
+        return rpc("inflight_stop", (), None)
+    results = rpc(WORKER_METHODS[method], (), kwargs)  # between two steps, as every RPC on an in-flight engine
+    if method == "update_weights":
+        from inflight.engine.rpc import RLUpdateResult, as_result
+
+        state(core).announced = as_result(results[0], RLUpdateResult).version
+    return results
+
+
+def _init(core: Any, kwargs: dict[str, Any], rpc: Callable[..., list[Any]], start: Callable[[InflightConfig], list[Any]],
+          coordinator: Any) -> list[Any]:
+    ext = core.vllm_config.parallel_config.worker_extension_cls
+    if ext != WORKER_EXTENSION:
+        raise RLApiError(f"inflight: the inflight backend needs the worker extension: start the engine with "
+                         f"worker_extension_cls={WORKER_EXTENSION!r} (--worker-extension-cls; engine_kwargs() sets it), "
+                         f"not {ext!r}")
+    config = config_of((kwargs or {}).get("init_info"))
+    if coordinator is None:
+        return start(config)
+    if coordinator.config != config:
+        differ = [f.name for f in fields(InflightConfig) if getattr(config, f.name) != getattr(coordinator.config, f.name)]
+        raise RLApiError(f"inflight: init_weight_transfer_engine twice with another config (fields {differ} differ): "
+                         "this engine serves one weight group; restart it to join another")
+    # a restarted trainer: its workers rejoin the new store by themselves; an update the last
+    # trainer left open is gone with it
+    log.info("inflight: init_weight_transfer_engine again with the same config: a new trainer; open updates dropped")
+    return rpc("inflight_rl_abandon", (), None)
+
+
+def check_label(core: Any, weight_version: Any, coordinator: Any) -> None:
+    """Refuse a label that is neither the version this engine serves nor the update a client
+    announced; an accepted one changes nothing now (the commit moves the label)."""
+    if coordinator is None:
+        raise RLApiError("inflight: set_weight_version before init_weight_transfer_engine: the label of an in-flight "
+                         "engine moves only with a commit")
+    try:
+        version = int(str(weight_version))
+    except ValueError:
+        raise RLApiError(f"inflight: weight_version={weight_version!r} must be an integer: each token is tagged with "
+                         "the integer version that sampled it") from None
+    announced = state(core).announced
+    if version != coordinator.live_version and version != announced:
+        raise RLApiError(f"inflight: weight_version={version} names no update: the engine serves v{coordinator.live_version}"
+                         f"{'' if announced is None else f' and was told of v{announced}'}; the label moves to an "
+                         "announced version at its commit")

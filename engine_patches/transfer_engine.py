@@ -1,0 +1,168 @@
+"""The ``inflight`` backend of vLLM's weight-transfer API, worker side: ``InflightWeightTransferEngine``.
+
+vLLM builds one per worker from ``--weight-transfer-config '{"backend": "inflight"}'``
+(``WeightTransferEngineFactory``; the plugin registers the name in every vLLM process). On an
+engine with this backend, EngineCore routes the RL API's calls to the worker extension
+(``inflight.engine.rl_api``), which hands each to this object:
+
+- ``init_weight_transfer_engine(init_info)`` is ``inflight_start``: ``init_info`` is an
+  ``InflightConfig`` as a JSON object; the listener then joins the trainer's weight group;
+- ``start_weight_update`` opens a session, ``update_weights(update_info)`` checks what the
+  update will carry (``InflightUpdateInfo``) against this worker's tensors and live version,
+  ``finish_weight_update`` closes the session. Each returns at once: the bytes arrive on the
+  listener thread, which stages, verifies and prepares them while the engine decodes; the
+  commit lands at a step boundary once every worker has staged (``inflight.engine.coordinator``).
+
+Invariants: none of these methods touches live weights, staging or the label; a session's
+version is newer than every version this worker served or was told of; a refused start or
+update leaves the session as it was (the client may retry), and ``finish`` always closes it;
+the engine serves its last good version throughout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from inflight.transport.layout import TensorSchema
+
+BACKEND = "inflight"
+"""The backend's name in vLLM's registries (worker and trainer side alike)."""
+
+
+@dataclass
+class InflightInitInfo(WeightTransferInitInfo):
+    """Never parsed here: EngineCore turns the init info into an ``InflightConfig`` and starts
+    the worker with it (``inflight.engine.rl_api``)."""
+
+
+@dataclass
+class InflightUpdateInfo(WeightTransferUpdateInfo):
+    """What one update will carry, sent with ``update_weights``: its version and its tensors
+    as they travel (checkpoint names, full shapes, wire dtypes). The bytes come on the weight
+    group, not with this."""
+
+    version: int
+    names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+
+
+class RLApiError(ValueError):
+    """A call of vLLM's RL API that this engine refuses; the message names the problem and the fix."""
+
+
+@dataclass
+class _Session:
+    update: InflightUpdateInfo | None = None
+
+
+class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, InflightUpdateInfo]):
+    init_info_cls = InflightInitInfo
+    update_info_cls = InflightUpdateInfo
+    supports_draft_weight_update = False
+    """A draft model's update is refused by name: speculative decoding is refused at start."""
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._schema: TensorSchema | None = None
+        self._live: Callable[[], int] = lambda: 0
+        self._session: _Session | None = None
+        self._newest = -1  # the newest version a session of this engine named
+
+    def bind(self, schema: TensorSchema, live_version: Callable[[], int]) -> None:
+        """Called by ``inflight_start`` on this worker: the tensors an update must match and
+        the version this worker serves."""
+        self._schema, self._live = schema, live_version
+        self._newest = max(self._newest, live_version())
+
+    def init_transfer_engine(self, init_info: InflightInitInfo) -> None:
+        raise RuntimeError("inflight: init_weight_transfer_engine reached the worker without passing through the "
+                           "inflight plugin's EngineCore (install this package in the engine's environment; check "
+                           "VLLM_PLUGINS)")
+
+    def start_weight_update(self) -> None:
+        self._check_started("start_weight_update")
+        if self._session is not None:
+            raise RLApiError("inflight: start_weight_update while an update is open: call finish_weight_update first")
+        self._session = _Session()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Check ``update_info`` and record it; the bytes are the listener's to receive."""
+        self._check_started("update_weights")
+        if self._session is None:
+            raise RLApiError("inflight: update_weights before start_weight_update")
+        if self._session.update is not None:
+            raise RLApiError(f"inflight: update_weights twice in one update (v{self._session.update.version} is open): "
+                             "an update is announced once, whole")
+        info = self.parse_update_info(update_info)
+        self._check_update(info)
+        self._session.update = info
+        self._newest = info.version
+
+    def receive_weights(self, update_info: InflightUpdateInfo) -> None:
+        raise RuntimeError("inflight: weights arrive on the listener thread, never inside an engine step")
+
+    def finish_weight_update(self) -> None:
+        self._check_started("finish_weight_update")
+        if self._session is None:
+            raise RLApiError("inflight: finish_weight_update without start_weight_update")
+        session, self._session = self._session, None  # closed either way: the next start opens a new one
+        if session.update is None:
+            raise RLApiError("inflight: finish_weight_update without update_weights: the update is closed unannounced "
+                             "(announce its version and tensors between start and finish)")
+
+    def abandon(self) -> None:
+        """Drop an open session (its client went away); the next start opens a new one."""
+        self._session = None
+
+    @property
+    def open_version(self) -> int | None:
+        """The version of the open session's update, if one was announced."""
+        return None if self._session is None or self._session.update is None else self._session.update.version
+
+    def shutdown(self) -> None:
+        """The listener stops with the engine (``inflight_stop``); nothing else is held here."""
+        self._session = None
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> InflightUpdateInfo:
+        if not isinstance(update_dict, dict):
+            raise RLApiError(f"inflight: update_info must be an object, not {type(update_dict).__name__}")
+        try:
+            info = InflightUpdateInfo(**update_dict)
+        except TypeError as e:
+            raise RLApiError(f"inflight: update_info {sorted(update_dict)}: {e} (expected version, names, shapes, "
+                             "dtype_names)") from None
+        if not isinstance(info.version, int) or isinstance(info.version, bool):
+            raise RLApiError(f"inflight: update_info.version={info.version!r} must be an integer")
+        if not len(info.names) == len(info.shapes) == len(info.dtype_names):
+            raise RLApiError(f"inflight: update_info has {len(info.names)} names, {len(info.shapes)} shapes and "
+                             f"{len(info.dtype_names)} dtype_names: one of each per tensor")
+        return info
+
+    def _check_started(self, call: str) -> None:
+        if self._schema is None:
+            raise RLApiError(f"inflight: {call} before init_weight_transfer_engine")
+
+    def _check_update(self, info: InflightUpdateInfo) -> None:
+        assert self._schema is not None
+        live = self._live()
+        if info.version <= max(live, self._newest):
+            raise RLApiError(f"inflight: update_info.version={info.version} is not newer than v{max(live, self._newest)} "
+                             f"(this engine serves v{live}): versions only move forward")
+        tensors = self._schema.tensors
+        unknown = [n for n in info.names if n not in tensors]
+        if unknown:
+            raise RLApiError(f"inflight: v{info.version} names tensors this engine does not have: {unknown[:5]}")
+        for name, shape in zip(info.names, info.shapes):
+            if tuple(shape) != tuple(tensors[name][0]):
+                raise RLApiError(f"inflight: v{info.version}: {name} has shape {tuple(shape)}, this engine's is "
+                                 f"{tuple(tensors[name][0])}")
+        if len(set(info.names)) != len(info.names):
+            raise RLApiError(f"inflight: v{info.version} names a tensor twice")
+        missing = sorted(set(tensors) - set(info.names))
+        if missing:
+            raise RLApiError(f"inflight: v{info.version} leaves out tensors of this engine: {missing[:5]} "
+                             f"({len(missing)} in all); an update carries every tensor")
