@@ -115,8 +115,10 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
                              "(announce its version and tensors between start and finish)")
 
     def abandon(self) -> None:
-        """Drop an open session (its client went away); the next start opens a new one."""
+        """Drop an open session (its client went away); the next start opens a new one, and
+        may name the version the dropped one announced."""
         self._session = None
+        self._newest = self._live()
 
     @property
     def open_version(self) -> int | None:

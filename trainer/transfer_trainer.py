@@ -19,7 +19,8 @@ request's tokens at the commit (``PushResult``). A list of clients (or of Ray ac
 is a fleet: one weight group per engine (``FleetPusher``).
 
 Invariants: only rank 0 (``is_sender``) talks to the clients and pushes; versions move by one
-per ``send_weights`` from ``initial_version``; a push that fails leaves every engine serving its
+per ``send_weights`` from the newest the engines serve when the trainer joins (``initial_version``
+on fresh engines); a push that fails leaves every engine serving its
 last good version, and the session is closed without a label.
 """
 
@@ -93,9 +94,12 @@ class InflightTrainerWeightTransferEngine(TrainerWeightTransferEngine[InflightTr
             c.init_weight_transfer_engine(msgspec.json.decode(config.to_json()))
         if fleet is None:
             engine.pusher = WeightPusher(configs[0].group, init_info.push, join_timeout_s=init_info.join_timeout_s)
+            live = engine.pusher.engine_versions.values()
         else:
             engine.pusher = FleetPusher(fleet, [c.group.world_size - 1 for c in configs], init_info.push,
                                         join_timeout_s=init_info.join_timeout_s)
+            live = [v for p in engine.pusher.pushers.values() for v in p.engine_versions.values()]
+        engine.version = max(engine.version, *live)  # a restarted trainer goes on from what the engines serve
         return engine
 
     def send_weights(self, version: int | None = None) -> PushResult | dict[int, PushResult] | None:

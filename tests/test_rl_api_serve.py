@@ -1,0 +1,213 @@
+"""vLLM's RL API over HTTP on ``vllm serve --weight-transfer-config '{"backend": "inflight"}'``.
+
+The server is started as a user would; vLLM's own ``HTTPVLLMWeightSyncClient`` drives the
+handshake through ``WeightTransferTrainerFactory``, and a script sends TRL's exact sequence
+(pause keep, start, update, finish with a version, resume) by hand. Tokens stream from the
+token-in/token-out ``/inference/v1/generate`` endpoint throughout; its version spans are
+replayed in transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import requests
+import torch
+from safetensors.torch import load_file
+
+from inflight.trainer.transfer_trainer import InflightTrainerInitInfo, update_info
+from inflight.transport.pusher import PushConfig
+from inflight.versions import boundaries, labels_from_spans, tags_from_spans
+from tests.engine_harness import Reference, perturbed, replay, serve_process
+from tests.helpers import wait_until
+
+BACKEND_FLAGS = ["--weight-transfer-config", '{"backend": "inflight"}', "--enable-scale-out", "--max-model-len", "1024"]
+TOKENS = 990
+"""Each request's length: long enough for every push to land while it decodes."""
+
+
+class Stream(threading.Thread):
+    """One sampled request streamed from ``/inference/v1/generate``: its tokens, behaviour
+    log-probs and (from the final chunk) version spans, and how far it has got."""
+
+    def __init__(self, base: str, i: int, prompt: list[int], max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.base, self.rid, self.prompt, self.max_tokens, self.seed = base, f"req-{i}", prompt, max_tokens, i
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.spans: list[dict] | None = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        body = {"request_id": self.rid, "token_ids": self.prompt, "stream": True,
+                "sampling_params": {"max_tokens": self.max_tokens, "temperature": 1.0, "logprobs": 0, "ignore_eos": True,
+                                    "seed": self.seed}}
+        try:
+            with requests.post(self.base + "/inference/v1/generate", json=body, stream=True, timeout=600) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith(b"data: ") and line != b"data: [DONE]":
+                        self._take(json.loads(line[6:])["choices"][0])
+        except BaseException as e:  # noqa: BLE001  read by the test
+            self.error = e
+
+    def _take(self, choice: dict) -> None:
+        self.logprobs += [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or []]
+        self.tokens += choice.get("token_ids") or []
+        if choice.get("weight_versions"):
+            self.spans = choice["weight_versions"]
+
+    @property
+    def engine_id(self) -> str:
+        """The id the engine knows the request by (the endpoint prefixes the client's)."""
+        return f"generate-tokens-{self.rid}"
+
+    @property
+    def progress(self) -> int:
+        return len(self.tokens)
+
+    def finished(self) -> bool:
+        self.join(600)
+        assert self.error is None and not self.is_alive(), self.error
+        assert self.spans is not None and len(self.tokens) == len(self.logprobs) == self.max_tokens
+        return True
+
+    def labels(self) -> list[str]:
+        return labels_from_spans([_Span(**s) for s in self.spans], len(self.tokens))
+
+
+class _Span:
+    def __init__(self, version: str, start: int, end: int) -> None:
+        self.version, self.start, self.end = version, start, end
+
+
+@pytest.fixture(scope="module")
+def group_port(hold_port):
+    """The engine joins one weight group for its life: every trainer of this module hosts it on this port."""
+    return hold_port()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen, tmp_path_factory):
+    with serve_process(tiny_qwen, tmp_path_factory.mktemp("rl_api_serve"), BACKEND_FLAGS) as base:
+        yield base
+
+
+class ProgressAfterStart:
+    """vLLM's ``HTTPVLLMWeightSyncClient``, called as it is; between ``start`` and ``update``
+    this trainer waits for every stream to take 2 more tokens, so each update is shown to
+    start while the engine decodes (an event, never a deadline)."""
+
+    def __init__(self, base: str, streams: list[Stream]) -> None:
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        self.http = HTTPVLLMWeightSyncClient(base)
+        self.streams = streams
+        self.at_start: list[list[int]] = []
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.http.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self.http.start_weight_update()
+        self.at_start.append([s.progress for s in self.streams])
+
+    def update_weights(self, info) -> None:
+        mark = self.at_start[-1]
+        wait_until(lambda: all(s.progress >= m + 2 or not s.is_alive() for s, m in zip(self.streams, mark)),
+                   "2 tokens of every stream after start_weight_update")
+        assert all(s.is_alive() for s in self.streams), "a request ended before every update started"
+        self.http.update_weights(info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.http.finish_weight_update(weight_version)
+
+
+def test_http_client_pushes_five_versions_while_sixteen_requests_stream(server, tiny_qwen, group_port) -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    base = load_file(str(tiny_qwen / "model.safetensors"))
+    states = {0: base}
+    streams: list[Stream] = []
+    client = ProgressAfterStart(server, streams)
+    info = InflightTrainerInitInfo(rank=0, port=group_port, push=PushConfig(dtype="float32", bucket_mb=0.25), timeout_s=60.0)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=base)
+    # after init: what the engine sampled before it is labelled vLLM's "default", not a version
+    streams += [Stream(server, i, [3 + (5 * i + j) % 250 for j in range(8 + i)], TOKENS) for i in range(16)]
+    results = []
+    try:
+        for k in range(5):
+            wait_until(lambda: min(s.progress for s in streams) >= 16 * (k + 1) or any(not s.is_alive() for s in streams),
+                       f"every stream at {16 * (k + 1)} tokens")
+            states[k + 1] = trainer.source = perturbed(base, seed=200 + k, scale=0.02)
+            results.append(trainer.send_weights())
+        assert all(s.is_alive() for s in streams), "a request ended before every commit landed"
+    finally:
+        trainer.shutdown()
+    assert [r.version for r in results] == [1, 2, 3, 4, 5]
+    ref = Reference(tiny_qwen, "float32")
+    for s in streams:
+        assert s.finished()
+        first = boundaries(tags_from_spans([_Span(**x) for x in s.spans], len(s.tokens)))
+        assert set(first) == set(range(6)), first
+        for r, marks in zip(results, client.at_start):
+            at_commit = r.commits[1].tokens_at_commit[s.engine_id]
+            assert first[r.version] == at_commit > marks[streams.index(s)], (r.version, at_commit)
+    for s in streams[:3]:  # a transformers replay from the spans alone; a one-token shift of them fails
+        labels = s.labels()
+        want = replay(ref, lambda label: states[int(label)], s.prompt, s.tokens, labels, labels[0])
+        got = torch.tensor(s.logprobs, dtype=torch.float64)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        off = replay(ref, lambda label: states[int(label)], s.prompt, s.tokens, labels[1:] + labels[-1:], labels[0])
+        assert (got - off).abs().max() > 1e-3
+
+
+def _post(server: str, path: str, **kw) -> requests.Response:
+    r = requests.post(server + path, timeout=60, **kw)
+    return r
+
+
+def test_trl_sequence_keeps_decoding_and_labels_at_the_commit(server, tiny_qwen, group_port) -> None:
+    """pause(keep) -> start -> update -> finish(version) -> resume, as TRL's AsyncGRPO sends
+    them, with the bytes pushed beside it: tokens flow between pause and resume, the label
+    does not move at finish, and it moves at the commit step."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    base = load_file(str(tiny_qwen / "model.safetensors"))
+    info = InflightTrainerInitInfo(rank=0, port=group_port, push=PushConfig(dtype="float32", bucket_mb=0.25), timeout_s=60.0)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(server), source=base)
+    live = trainer.version
+    v = live + 1
+    stream = Stream(server, 99, [7, 8, 9, 10], TOKENS)
+    try:
+        wait_until(lambda: stream.progress >= 8, "the request to stream")
+        r = _post(server, "/update_weights", json={"update_info": update_info(v, base, "float32")})
+        assert r.status_code >= 400 and "update_weights before start_weight_update" in r.text, r.text
+        assert _post(server, "/pause", params={"mode": "keep"}).ok
+        assert requests.get(server + "/is_paused", timeout=60).json() == {"is_paused": False}
+        assert _post(server, "/start_weight_update").ok
+        paused_at = stream.progress
+        wait_until(lambda: stream.progress >= paused_at + 4, "tokens while a client holds a keep-pause")
+        state = perturbed(base, seed=300, scale=0.02)
+        assert _post(server, "/update_weights", json={"update_info": update_info(v, state, "float32")}).ok
+        trainer.pusher.send(v, state)  # staged on the worker while it decodes
+        assert _post(server, "/finish_weight_update", json={"weight_version": str(v)}).ok
+        assert requests.get(server + "/weight_info", timeout=60).json() == {"weight_version": str(live)}
+        commits = trainer.pusher.commit(v)
+        assert requests.get(server + "/weight_info", timeout=60).json() == {"weight_version": str(v)}
+        assert _post(server, "/resume").ok
+        r = _post(server, "/update_weight_version", json={"new_version": str(v + 3)})
+        assert r.status_code >= 400 and f"weight_version={v + 3} names no update" in r.text, r.text
+    finally:
+        trainer.shutdown()
+    assert stream.finished()
+    first = boundaries(tags_from_spans([_Span(**x) for x in stream.spans], len(stream.tokens)))
+    assert first[v] == commits[1].tokens_at_commit[stream.engine_id] > paused_at
+    assert _post(server, "/pause", params={"mode": "abort"}).ok  # abort (and wait) still pause
+    assert requests.get(server + "/is_paused", timeout=60).json() == {"is_paused": True}
+    assert _post(server, "/resume").ok
+    assert requests.get(server + "/is_paused", timeout=60).json() == {"is_paused": False}
