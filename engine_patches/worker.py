@@ -137,9 +137,7 @@ class InflightWorkerExtension:
             target=self._inflight_serve, args=(config, schema, rank, plan), name=f"inflight-listener-{rank}", daemon=True
         )
         self._inflight_thread.start()
-        rl_engine = getattr(self, "weight_transfer_engine", None)
-        if isinstance(rl_engine, InflightWeightTransferEngine):  # vLLM's RL API on the inflight backend
-            rl_engine.bind(schema, lambda: target.live_version)
+        _bind_rl_api(self, schema, target)
         # the listener stops with the interpreter too (a plain exit, no engine shutdown), before
         # the objects its thread uses are torn down under it
         ref = weakref.ref(self)
@@ -534,6 +532,14 @@ class EngineTarget:
     def _log(self, result: WorkerCommitResult) -> WorkerCommitResult:
         self.commits = (self.commits + [result])[-64:]
         return result
+
+
+def _bind_rl_api(worker: Any, schema: TensorSchema, target: EngineTarget) -> None:
+    """On the inflight backend, give vLLM's weight-transfer engine of this worker the tensors
+    an update must match and the version the worker serves."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if isinstance(engine, InflightWeightTransferEngine):
+        engine.bind(schema, lambda: target.live_version)
 
 
 def _same_node_workers() -> int:
