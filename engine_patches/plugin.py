@@ -6,10 +6,14 @@ before a worker loads its model or sizes its KV cache.
 
 from __future__ import annotations
 
+import sys
+
 
 def register() -> None:
-    """Register the ``inflight`` weight-transfer backend (``register_backend``); apply the step-boundary patch and the in-process refusal patch (``inflight.engine.patch``),
-    the KV cache budget patch (``inflight.engine.kv_budget``), on CPU the async-scheduling
+    """Register the ``inflight`` weight-transfer backend (``register_backend``); apply the
+    step-boundary patch and the in-process refusal patch (``inflight.engine.patch``), the KV
+    cache budget patch (``inflight.engine.kv_budget``), in the OpenAI server the version
+    spans on its completions (``inflight.engine.openai_spans``), on CPU the async-scheduling
     switch (``keep_cpu_async_scheduling``, inert unless ``INFLIGHT_CPU_ASYNC_SCHEDULING=1``),
     and, with ``INFLIGHT_CPU_PLAIN_GEMM=1``, the plain CPU GEMM
     (``inflight.engine.patch.use_plain_cpu_gemm``); all idempotent, as vLLM may load
@@ -24,6 +28,10 @@ def register() -> None:
     if current_platform.is_cpu():
         keep_cpu_async_scheduling()
     patch_inprocess_refusals()
+    if "vllm.entrypoints.openai" in sys.modules:  # the OpenAI server's process (its other processes import it too)
+        from inflight.engine.openai_spans import patch_openai_spans
+
+        patch_openai_spans()
     patch_available_memory()
     if plain_cpu_gemm_requested():
         use_plain_cpu_gemm()

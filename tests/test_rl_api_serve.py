@@ -23,7 +23,8 @@ from inflight.versions import boundaries, labels_from_spans, tags_from_spans
 from tests.engine_harness import Reference, perturbed, replay, serve_process
 from tests.helpers import wait_until
 
-BACKEND_FLAGS = ["--weight-transfer-config", '{"backend": "inflight"}', "--enable-scale-out", "--max-model-len", "1024"]
+BACKEND_FLAGS = ["--weight-transfer-config", '{"backend": "inflight"}', "--enable-scale-out", "--max-model-len", "1024",
+                 "--trust-request-chat-template"]  # the tiny tokenizer has no chat template: a request brings one
 TOKENS = 990
 """Each request's length: long enough for every push to land while it decodes."""
 
@@ -211,3 +212,22 @@ def test_trl_sequence_keeps_decoding_and_labels_at_the_commit(server, tiny_qwen,
     assert requests.get(server + "/is_paused", timeout=60).json() == {"is_paused": True}
     assert _post(server, "/resume").ok
     assert requests.get(server + "/is_paused", timeout=60).json() == {"is_paused": False}
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+"""The tiny model's tokenizer has no chat template: the request brings one."""
+
+
+def test_openai_endpoints_return_version_spans(server, tiny_qwen) -> None:
+    """``/v1/completions`` and ``/v1/chat/completions`` carry each choice's ``weight_versions``:
+    the label of the weights live when it was sampled, as ``/weight_info`` names it."""
+    live = requests.get(server + "/weight_info", timeout=60).json()["weight_version"]
+    model = str(tiny_qwen)
+    out = requests.post(server + "/v1/completions", timeout=60, json={
+        "model": model, "prompt": "1+2=", "max_tokens": 5, "ignore_eos": True, "n": 2, "seed": 0}).json()
+    assert [c["weight_versions"] for c in out["choices"]] == [[{"version": live, "start": 0, "end": 5}]] * 2, out
+    chat = requests.post(server + "/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": [{"role": "user", "content": "1+2="}], "max_tokens": 4, "ignore_eos": True,
+        "chat_template": CHAT_TEMPLATE}).json()
+    assert "choices" in chat, chat
+    assert chat["choices"][0]["weight_versions"] == [{"version": live, "start": 0, "end": 4}], chat
