@@ -92,12 +92,28 @@ def call(core: Any, method: str, kwargs: dict[str, Any], rpc: Callable[..., list
         raise RLApiError(f"inflight: {method} before init_weight_transfer_engine")
     if method == "shutdown_weight_transfer_engine":
         return rpc("inflight_stop", (), None)
-    results = rpc(WORKER_METHODS[method], (), kwargs)  # between two steps, as every RPC on an in-flight engine
+    results = _settled(rpc, WORKER_METHODS[method], kwargs)  # between two steps, as every RPC on an in-flight engine
     if method == "update_weights":
-        from inflight.engine.rpc import RLUpdateResult, as_result
-
-        state(core).announced = as_result(results[0], RLUpdateResult).version
+        state(core).announced = results[0].version
     return results
+
+
+def _settled(rpc: Callable[..., list[Any]], method: str, kwargs: dict[str, Any] | None) -> list[Any]:
+    """Every worker's ``RLCallResult`` of ``method``; raises ``RLApiError`` if any refused. Where
+    some ranks took a call the others refused, the update is dropped on every rank, so the
+    engine's ranks never disagree on what is open."""
+    from inflight.engine.rpc import RLCallResult, as_result
+
+    results = [as_result(r, RLCallResult) for r in rpc(method, (), kwargs)]
+    refused = [r for r in results if not r.ok]
+    if not refused:
+        return results
+    reasons = sorted({r.error for r in refused})
+    if len(refused) < len(results):
+        rpc("inflight_rl_abandon", (), None)
+        reasons.append(f"(ranks {sorted(r.rank for r in results if r.ok)} had taken it: the update is dropped on every "
+                       "rank; start again)")
+    raise RLApiError("; ".join(reasons))
 
 
 def _init(core: Any, kwargs: dict[str, Any], rpc: Callable[..., list[Any]], start: Callable[[InflightConfig], list[Any]],
@@ -117,7 +133,7 @@ def _init(core: Any, kwargs: dict[str, Any], rpc: Callable[..., list[Any]], star
     # a restarted trainer: its workers rejoin the new store by themselves; an update the last
     # trainer left open is gone with it
     log.info("inflight: init_weight_transfer_engine again with the same config: a new trainer; open updates dropped")
-    return rpc("inflight_rl_abandon", (), None)
+    return _settled(rpc, "inflight_rl_abandon", None)
 
 
 def check_label(core: Any, weight_version: Any, coordinator: Any) -> None:

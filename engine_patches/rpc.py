@@ -73,12 +73,17 @@ class WorkerSettleResult(_Result):
     error: str = ""
 
 
-class RLUpdateResult(_Result):
-    """``inflight_rl_update``: the update one worker was told of (vLLM's ``update_weights`` on
-    the ``inflight`` backend: ``inflight.engine.transfer_engine``)."""
+class RLCallResult(_Result):
+    """``inflight_rl_*``: one worker's part of a call of vLLM's RL API on the ``inflight``
+    backend (``inflight.engine.transfer_engine``). A refusal comes back as ``ok=False`` with
+    its reason, never raised: an error raised in one worker of vLLM's ``mp`` executor leaves
+    the other workers' replies queued for the next call."""
 
     rank: NonNeg
-    version: NonNeg
+    ok: bool = True
+    error: str = ""
+    version: NonNeg | None = None
+    """``update_weights``: the version of the update this worker was told of."""
 
 
 class PrefixCacheStats(_Result):

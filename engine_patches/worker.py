@@ -67,7 +67,7 @@ from inflight.engine.config import InflightConfig
 from inflight.engine.coordinator import CommitReady, EngineCommitted, decode_engine, outcome_key
 from inflight.engine.kv_budget import SET_ASIDE_ATTR, planned_need
 from inflight.engine.patch import count_worker_steps
-from inflight.engine.rpc import RLUpdateResult, StartReport, WorkerCommitResult, WorkerSettleResult, WorkerStatus
+from inflight.engine.rpc import RLCallResult, StartReport, WorkerCommitResult, WorkerSettleResult, WorkerStatus
 from inflight.engine.transfer_engine import InflightWeightTransferEngine, RLApiError
 from inflight.auth import read_secret
 from inflight.layer_groups import Hybrid
@@ -248,25 +248,36 @@ class InflightWorkerExtension:
         return self._inflight_target.execute_rollback(version)
 
     # -- vLLM's RL API on the inflight backend (EngineCore routes its calls here: inflight.engine.rl_api) --
-    def inflight_rl_start(self) -> None:
-        self._inflight_rl_engine().start_weight_update()
+    def inflight_rl_start(self) -> RLCallResult:
+        return self._inflight_rl_call(lambda engine: engine.start_weight_update())
 
-    def inflight_rl_update(self, update_info: dict | list[dict]) -> RLUpdateResult:
+    def inflight_rl_update(self, update_info: dict | list[dict]) -> RLCallResult:
         """``update_info``: one for every worker, or a list indexed by worker rank (as vLLM's)."""
-        if isinstance(update_info, list):
-            if len(update_info) != self.vllm_config.parallel_config.world_size:
-                raise RLApiError(f"inflight: update_info is a list of {len(update_info)}; this engine has "
-                                 f"{self.vllm_config.parallel_config.world_size} workers")
-            update_info = update_info[self.rank]
-        engine = self._inflight_rl_engine()
-        engine.update_weights(update_info)
-        return RLUpdateResult(rank=self._inflight_target.rank, version=engine.open_version)
+        def update(engine: InflightWeightTransferEngine) -> int | None:
+            info = update_info
+            if isinstance(info, list):
+                workers = self.vllm_config.parallel_config.world_size
+                if len(info) != workers:
+                    raise RLApiError(f"inflight: update_info is a list of {len(info)}; this engine has {workers} workers")
+                info = info[self.rank]
+            engine.update_weights(info)
+            return engine.open_version
+        return self._inflight_rl_call(update)
 
-    def inflight_rl_finish(self) -> None:
-        self._inflight_rl_engine().finish_weight_update()
+    def inflight_rl_finish(self) -> RLCallResult:
+        return self._inflight_rl_call(lambda engine: engine.finish_weight_update())
 
-    def inflight_rl_abandon(self) -> None:
-        self._inflight_rl_engine().abandon()
+    def inflight_rl_abandon(self) -> RLCallResult:
+        return self._inflight_rl_call(lambda engine: engine.abandon())
+
+    def _inflight_rl_call(self, call: Any) -> RLCallResult:
+        """Run ``call(engine)``; a refusal becomes the result's error (see ``RLCallResult``)."""
+        rank = self._inflight_target.rank
+        try:
+            version = call(self._inflight_rl_engine())
+        except RLApiError as e:
+            return RLCallResult(rank=rank, ok=False, error=str(e))
+        return RLCallResult(rank=rank, version=version)
 
     def _inflight_rl_engine(self) -> InflightWeightTransferEngine:
         engine = getattr(self, "weight_transfer_engine", None)

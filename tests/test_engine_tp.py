@@ -11,7 +11,9 @@ Qwen3-MoE.
 - every commit runs on each worker's own execution thread (the worker process's main
   thread, the one that runs its forward passes);
 - a failure injected into one rank's commit rolls back the other rank, the label stays,
-  outputs stay bit-identical, and the next update lands.
+  outputs stay bit-identical, and the next update lands;
+- a trainer on vLLM's RL API (``LLM``'s offline methods, the ``inflight`` backend) takes over
+  from the project's own: every rank checks the announced update, and its pushes land on both.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ class TPEngine:
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
         vllm.envs.disable_envs_cache()  # an earlier in-process engine cached the environment
         self.model_dir = model_dir
+        # with the RL API's backend too: the project's own trainer and vLLM's API reach one engine alike
         self.llm = LLM(str(model_dir), tensor_parallel_size=2, distributed_executor_backend="mp", enforce_eager=True,
-                       dtype="float32", max_model_len=512, seed=0, **engine_kwargs())
+                       dtype="float32", max_model_len=512, seed=0, **engine_kwargs(rl_api=True))
         self.group = GroupConfig(port=port, world_size=3, timeout_s=120)
         self.report = start_inflight(self.llm, InflightConfig(group=self.group))
         self.pusher = WeightPusher(self.group, PushConfig(dtype="float32", bucket_mb=0.25))
@@ -210,3 +213,34 @@ def _staging_buffer_bytes(worker) -> int:
     pool = worker._inflight_pool
     assert pool.previous is None and len(pool._free) == 1
     return pool._free[0].numel()
+
+
+def test_a_trainer_on_vllms_rl_api_takes_over_both_ranks(tp: TPEngine) -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from inflight.engine.transfer_engine import RLApiError
+    from inflight.trainer.transfer_trainer import InflightTrainerInitInfo, update_info
+
+    tp.pusher.close()  # the project's trainer leaves; one on vLLM's API joins the same group
+    info = InflightTrainerInitInfo(rank=0, port=tp.group.port, tensor_parallel_size=2, timeout_s=tp.group.timeout_s,
+                                   push=PushConfig(dtype="float32", bucket_mb=0.25))
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=tp.llm, source=tp.base)
+    try:
+        assert trainer.version == tp.version  # it goes on from what the engine serves
+        tp.llm.start_weight_update()
+        bad = update_info(tp.version + 1, tp.base, "float32")
+        # each worker refuses in its result (an error raised in one worker of the mp executor would leave the
+        # other's reply queued for the next call); EngineCore raises it, once both replied
+        with pytest.raises(RLApiError, match="a list of 1; this engine has 2 workers"):
+            tp.llm.update_weights({"update_info": [bad]})
+        with pytest.raises(RLApiError, match="finish_weight_update without update_weights"):
+            tp.llm.finish_weight_update()  # refused (nothing announced), and closed
+        for seed in (400, 401):
+            state = trainer.source = perturbed(tp.base, seed=seed, scale=0.02)
+            result = trainer.send_weights()
+            assert set(result.commits) == {1, 2} and result.commits[1].step == result.commits[2].step
+            tp.version = result.version
+            _assert_matches(tp, state, tp.version)
+    finally:
+        trainer.shutdown()
+        tp.pusher = WeightPusher(tp.group, PushConfig(dtype="float32", bucket_mb=0.25))

@@ -67,7 +67,6 @@ class RLEngineActor(LLM):
         self._tokens: dict[str, int] = {}
         self._done: dict[str, Any] = {}
         self._wanted = 0
-        self._holds = []
         self._error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -101,7 +100,6 @@ class RLEngineActor(LLM):
             while engine.has_unfinished_requests() and not self._stop.is_set():
                 k = coordinator.commits() - base
                 if k < len(hold_at) and self._min_tokens() >= hold_at[k]:
-                    self._holds.append((k, self._min_tokens(), self._wanted))
                     wait_until(lambda: coordinator.commit_pending() or coordinator.commits() - base != k
                                or self._min_tokens() < self._wanted or self._stop.is_set(),
                                f"commit {k + 1} to be pending (held at {hold_at[k]} tokens)", poll_s=0.002,
@@ -118,7 +116,7 @@ class RLEngineActor(LLM):
         if self._error is not None:
             raise RuntimeError(f"the actor's engine thread failed:\n{self._error}")
         return {"tokens": dict(self._tokens), "steps": coordinator_of(self).steps,
-                "holds": list(self._holds), "running": self._thread is not None and self._thread.is_alive()}
+                "running": self._thread is not None and self._thread.is_alive()}
 
     def want(self, tokens: int) -> None:
         self._wanted = max(self._wanted, tokens)
@@ -241,12 +239,9 @@ def test_ray_client_pushes_five_versions_while_sixteen_requests_decode_in_an_act
         assert client.progress()["running"], "the requests ended before every commit landed"
         assert ray.get(actor.get_weight_version.remote()) == str(VERSIONS)
         outs = ray.get(actor.results.remote(), timeout=WAIT_S)
-        print("HOLDS", client.progress()["holds"][:50], len(client.progress()["holds"]))
-        print("ATSTART", [min(a["tokens"].values()) for a in client.at_start], [a["steps"] for a in client.at_start])
     finally:
         trainer.shutdown()
 
-    print("COMMITS", [(r.commits[1].step, r.commits[1].tokens_at_commit["req-0"]) for r in results])
     assert [r.version for r in results] == list(range(1, VERSIONS + 1))
     assert sorted(outs) == sorted(ids)
     for r, at_start in zip(results, client.at_start):
