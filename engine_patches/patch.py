@@ -23,7 +23,7 @@ _MARK = "__inflight_engine_core__"
 
 
 def patch_engine_core() -> None:
-    """Wrap nine methods of ``vllm.v1.engine.core.EngineCore``, and ``EngineCoreProc``'s own
+    """Wrap eight methods of ``vllm.v1.engine.core.EngineCore``, and ``EngineCoreProc``'s own
     ``pause_scheduler`` (vLLM 0.32.0).
 
     - ``collective_rpc``: when ``inflight_start`` passes through (from ``LLM``, ``AsyncLLM``
@@ -49,7 +49,7 @@ def patch_engine_core() -> None:
       ``collective_rpc`` routes vLLM's RL API calls to the worker extension;
       ``set_weight_version`` accepts only a label the next commit (or the live weights) bears
       and leaves the label to the commit; ``pause_scheduler(mode="keep")`` does not stop
-      decoding (``sleep``'s own pause still does) and ``resume_scheduler`` clears it.
+      decoding (``sleep``'s own pause still does).
 
     Idempotent; raises if vLLM's EngineCore no longer has these methods. Must run before an
     EngineCore binds ``self.step_fn`` in ``__init__``, which the ``vllm.general_plugins``
@@ -181,23 +181,10 @@ def _wrap_pause_scheduler(original: Any) -> Any:
 
     def pause_scheduler(self, mode="abort", clear_cache=True):
         if mode == "keep" and rl_api.uses_backend(self) and not rl_api.state(self).sleeping:
-            api = rl_api.state(self)  # decoding goes on: the update it waits for commits in flight
-            api.keep_paused, api.keep_pauses = True, api.keep_pauses + 1
-            return None
+            return None  # decoding goes on: the update the client pauses for commits in flight
         return original(self, mode, clear_cache)
 
     return pause_scheduler
-
-
-def _wrap_resume_scheduler(original: Any) -> Any:
-    from inflight.engine import rl_api
-
-    def resume_scheduler(self):
-        if rl_api.uses_backend(self):
-            rl_api.state(self).keep_paused = False
-        return original(self)
-
-    return resume_scheduler
 
 
 def _wrap_sleep(original: Any) -> Any:
@@ -217,8 +204,7 @@ def _wrap_sleep(original: Any) -> Any:
 _ENGINE_CORE_WRAPPERS = {"step": _wrap_step, "step_with_batch_queue": _wrap_step,
                          "collective_rpc": _wrap_collective_rpc, "shutdown": _wrap_shutdown,
                          "preprocess_add_request": _wrap_preprocess, "set_weight_version": _wrap_set_weight_version,
-                         "pause_scheduler": _wrap_pause_scheduler, "resume_scheduler": _wrap_resume_scheduler,
-                         "sleep": _wrap_sleep}
+                         "pause_scheduler": _wrap_pause_scheduler, "sleep": _wrap_sleep}
 """EngineCore's methods ``patch_engine_core`` wraps, each with its wrapper's factory."""
 
 

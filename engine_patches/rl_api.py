@@ -48,9 +48,6 @@ METHODS = {*WORKER_METHODS, "init_weight_transfer_engine", "start_draft_weight_u
 class RLApiState:
     """What EngineCore remembers of the RL API's calls."""
 
-    keep_paused: bool = False
-    """A client's ``pause(mode="keep")`` is in effect (decoding goes on regardless)."""
-    keep_pauses: int = 0
     announced: int | None = None
     """The version of the last update a client announced (``update_weights``)."""
     sleeping: bool = False

@@ -74,6 +74,7 @@ class InflightTrainerWeightTransferEngine(TrainerWeightTransferEngine[InflightTr
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.clients: list[Any] = []
         self.pusher: WeightPusher | FleetPusher | None = None
+        self.push_config = PushConfig()
         self.version = 0
 
     @classmethod
@@ -82,14 +83,15 @@ class InflightTrainerWeightTransferEngine(TrainerWeightTransferEngine[InflightTr
         """Start every engine's in-flight worker through its client, then host the weight
         group and wait for the workers to join."""
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
-        configs, fleet = engine_configs(init_info, len(clients_of(client)))
-        engine.version = configs[0].initial_version
+        clients = clients_of(client)
+        configs, fleet = engine_configs(init_info, len(clients))
+        engine.version, engine.push_config = configs[0].initial_version, init_info.push
         if not engine.is_sender:
             if not isinstance(source, ShardedSource):
                 raise ValueError("inflight: a multi-rank trainer passes the same ShardedSource on every rank; rank 0 "
                                  "pushes and the others follow")
             return engine
-        engine.clients = clients_of(client)
+        engine.clients = clients
         for c, config in zip(engine.clients, configs):
             c.init_weight_transfer_engine(msgspec.json.decode(config.to_json()))
         if fleet is None:
@@ -112,7 +114,7 @@ class InflightTrainerWeightTransferEngine(TrainerWeightTransferEngine[InflightTr
             self.version = version
             return None
         weights = _weights(self.source)
-        info = update_info(version, weights, self.pusher_config.dtype)
+        info = update_info(version, weights, self.push_config.dtype)
         for c in self.clients:
             c.start_weight_update()
         try:
@@ -128,11 +130,6 @@ class InflightTrainerWeightTransferEngine(TrainerWeightTransferEngine[InflightTr
             c.finish_weight_update(str(version))
         self.version = version
         return result
-
-    @property
-    def pusher_config(self) -> PushConfig:
-        pusher = self.pusher
-        return (pusher.config if isinstance(pusher, WeightPusher) else next(iter(pusher.pushers.values())).config)
 
     def shutdown(self) -> None:
         """Leave the weight group; the engines keep serving and wait for the next trainer."""
