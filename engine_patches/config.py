@@ -18,6 +18,47 @@ STAGING_INTENT_KEY = "inflight_staging"
 
 
 @dataclass(frozen=True, kw_only=True)
+class PackedWireConfig:
+    """vLLM's ``nccl`` weight-transfer wire, as a trainer of that backend sends its init info
+    (``NCCLWeightTransferInitInfo``, e.g. TRL's ``WeightTransferClient``): the engine's
+    workers join the trainer's group and receive its packed broadcast on the listener thread
+    (``inflight.transport.packed_wire``; ``inflight.engine.packed_receiver``)."""
+
+    master_address: str | None = None
+    """Where the trainer (group rank 0) hosts the group's rendezvous store."""
+    master_port: int | None = None
+    """Its port."""
+    rank_offset: int = 1
+    """Group rank of this engine's first worker (worker i joins as ``rank_offset + i``)."""
+    world_size: int
+    """The trainer and every receiving worker."""
+    nccl_unique_id_b64: str | None = None
+    """vLLM's torch-free rendezvous (NCCL only): the trainer's ``ncclUniqueId``, base64."""
+    packed: bool = False
+    """Chunks of many tensors (``packed_buffer_size_bytes`` each, at least); else one
+    broadcast per tensor."""
+    packed_buffer_size_bytes: int = 1 << 30
+    """vLLM's ``DEFAULT_PACKED_BUFFER_SIZE_BYTES``: where a chunk is cut."""
+    packed_num_buffers: int = 2
+    """The sender's buffers in flight (no effect on the bytes or their order)."""
+
+    def __post_init__(self) -> None:
+        if (self.master_address is None or self.master_port is None) == (self.nccl_unique_id_b64 is None):
+            raise ValueError("PackedWireConfig: give master_address and master_port, or nccl_unique_id_b64 (one of the "
+                             f"two rendezvous), not master_address={self.master_address!r}, "
+                             f"master_port={self.master_port!r} with nccl_unique_id_b64 "
+                             f"{'set' if self.nccl_unique_id_b64 else 'unset'}")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"PackedWireConfig.master_port={self.master_port} is not a TCP port")
+        if not 1 <= self.rank_offset < self.world_size:
+            raise ValueError(f"PackedWireConfig.rank_offset={self.rank_offset} outside 1..world_size-1="
+                             f"{self.world_size - 1} (the trainer is rank 0)")
+        if self.packed_buffer_size_bytes <= 0 or self.packed_num_buffers <= 0:
+            raise ValueError(f"PackedWireConfig.packed_buffer_size_bytes={self.packed_buffer_size_bytes} and "
+                             f"packed_num_buffers={self.packed_num_buffers} must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class InflightConfig:
     """What one engine worker needs to join the weight group and commit updates."""
 
@@ -104,6 +145,11 @@ class InflightConfig:
     adapter's tensors, which commit into the engine's one adapter slot (the ``lora``
     commit). Start the engine with ``engine_kwargs(adapter=...)``; every request must
     name this adapter (``inflight.engine.client.policy_lora``)."""
+    wire: PackedWireConfig | None = None
+    """Receive vLLM's ``nccl`` wire (its packed broadcast) instead of the trainer's weight
+    group: set by the RL API's ``init_weight_transfer_engine`` when a trainer of that backend
+    sends its init info (``inflight.engine.rl_api``). ``group`` is then the engine's own
+    commit channel, a store EngineCore hosts on loopback."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.rank < self.group.world_size:
@@ -128,6 +174,9 @@ class InflightConfig:
         if self.keep_base and self.commit_unit == "layer":
             raise ValueError("InflightConfig.keep_base=True with commit_unit='layer': layer groups travel dense; "
                              "sparse updates need whole-model commits")
+        if self.wire is not None and (self.adapter is not None or self.keep_base or self.commit_unit != "model"):
+            raise ValueError("InflightConfig.wire (vLLM's nccl wire) carries whole models: no adapter, keep_base or "
+                             f"commit_unit={self.commit_unit!r} with it")
         if self.commit_unit == "layer" and self.commit == "reload":
             raise ValueError("InflightConfig.commit='reload' with commit_unit='layer': layer-granular commits need the "
                              "'swap' (eager CPU) or 'copy' (CUDA) commit; 'auto' picks the right one")
@@ -143,15 +192,16 @@ class InflightConfig:
             raw = msgspec.json.decode(data)
             if not isinstance(raw, dict):
                 raise ValueError(f"InflightConfig JSON must be an object, not {type(raw).__name__}")
-            _refuse_unknown(cls, raw, "InflightConfig")
-            _refuse_unknown(GroupConfig, raw.get("group"), "InflightConfig.group")
-            _refuse_unknown(AdapterSpec, raw.get("adapter"), "InflightConfig.adapter")
+            refuse_unknown(cls, raw, "InflightConfig")
+            refuse_unknown(GroupConfig, raw.get("group"), "InflightConfig.group")
+            refuse_unknown(AdapterSpec, raw.get("adapter"), "InflightConfig.adapter")
+            refuse_unknown(PackedWireConfig, raw.get("wire"), "InflightConfig.wire")
             return msgspec.json.decode(data, type=cls)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ValueError(f"InflightConfig JSON: {e}") from None
 
 
-def _refuse_unknown(cls: type, raw: Any, where: str) -> None:
+def refuse_unknown(cls: type, raw: Any, where: str) -> None:
     if not isinstance(raw, dict):
         return  # a wrong type is msgspec's to name
     unknown = sorted(set(raw) - {f.name for f in fields(cls)})
@@ -204,7 +254,7 @@ class StagingIntent:
         raw = additional.get(STAGING_INTENT_KEY) if isinstance(additional, dict) else None
         if raw is None:
             return None
-        _refuse_unknown(cls, raw, f"additional_config[{STAGING_INTENT_KEY!r}]")
+        refuse_unknown(cls, raw, f"additional_config[{STAGING_INTENT_KEY!r}]")
         try:
             return msgspec.convert(raw, type=cls)
         except msgspec.ValidationError as e:

@@ -9,7 +9,11 @@ them here:
 - ``init_weight_transfer_engine(init_info)``: ``init_info`` is an ``InflightConfig`` (a JSON
   object, or that object as a string); it starts the engine as ``inflight_start`` does. Again
   with the same config (a restarted trainer), it drops an update its predecessor left open and
-  returns; with another config, it is refused, naming the fields that differ;
+  returns; with another config, it is refused, naming the fields that differ. Or ``init_info``
+  is what vLLM's ``nccl`` backend's trainers send (``master_address``, ``master_port``,
+  ``rank_offset``, ``world_size``, ``packed``...): the workers join that trainer's group and
+  receive its packed broadcast while the engine decodes (``wire_config``); again, they join
+  the new trainer's group;
 - ``start_weight_update``, ``update_weights``, ``finish_weight_update``: the worker extension's
   ``inflight_rl_*`` methods, each of which returns at once (``inflight.engine.transfer_engine``);
 - ``start_draft_weight_update``: refused by name (speculative decoding is refused at start);
@@ -52,6 +56,8 @@ class RLApiState:
     """The version of the last update a client announced (``update_weights``)."""
     sleeping: bool = False
     """Inside ``sleep``: its pause is a real one, whatever the mode."""
+    channel: Any = None
+    """On vLLM's nccl wire: (port, the store) EngineCore hosts for its commit channel."""
 
 
 def uses_backend(core: Any) -> bool:
@@ -120,7 +126,14 @@ def _init(core: Any, kwargs: dict[str, Any], rpc: Callable[..., list[Any]], star
         raise RLApiError(f"inflight: the inflight backend needs the worker extension: start the engine with "
                          f"worker_extension_cls={WORKER_EXTENSION!r} (--worker-extension-cls; engine_kwargs() sets it), "
                          f"not {ext!r}")
-    config = config_of((kwargs or {}).get("init_info"))
+    init_info = (kwargs or {}).get("init_info")
+    if is_packed_wire(init_info):
+        config = wire_config(core, init_info)
+        if coordinator is not None and coordinator.config.wire is not None:  # a new trainer of the nccl wire
+            log.info("inflight: init_weight_transfer_engine again on vLLM's nccl wire: joining the new trainer's group")
+            return _settled(rpc, "inflight_rl_rejoin", {"wire_json": msgspec.json.encode(config.wire).decode()})
+    else:
+        config = config_of(init_info)
     if coordinator is None:
         return start(config)
     if coordinator.config != config:
@@ -131,6 +144,40 @@ def _init(core: Any, kwargs: dict[str, Any], rpc: Callable[..., list[Any]], star
     # trainer left open is gone with it
     log.info("inflight: init_weight_transfer_engine again with the same config: a new trainer; open updates dropped")
     return _settled(rpc, "inflight_rl_abandon", None)
+
+
+def is_packed_wire(init_info: Any) -> bool:
+    """Whether ``init_info`` is the init info of vLLM's ``nccl`` backend (``rank_offset`` is its
+    own field), as its trainers send it, rather than an ``InflightConfig``."""
+    return isinstance(init_info, dict) and "rank_offset" in init_info
+
+
+def wire_config(core: Any, init_info: dict[str, Any]) -> InflightConfig:
+    """The engine's config on vLLM's ``nccl`` wire: the trainer's group from ``init_info``, and
+    a commit channel on a store this EngineCore hosts on loopback (held in its ``RLApiState``).
+    An engine's workers must share EngineCore's host."""
+    from datetime import timedelta
+
+    from inflight.engine.config import PackedWireConfig, refuse_unknown
+    from inflight.transport.group_config import GroupConfig
+    from inflight.transport.store import host_store, reserve_port
+
+    try:
+        refuse_unknown(PackedWireConfig, init_info, "init_info (vLLM's nccl backend)")
+        wire = msgspec.convert(init_info, PackedWireConfig)
+    except (ValueError, msgspec.ValidationError) as e:
+        raise RLApiError(f"inflight: {e}") from None
+    workers = core.vllm_config.parallel_config.world_size
+    if wire.world_size < wire.rank_offset + workers:
+        raise RLApiError(f"inflight: init_info.world_size={wire.world_size} has no room for this engine's {workers} "
+                         f"workers at rank_offset={wire.rank_offset}")
+    st = state(core)
+    if st.channel is None:
+        port = reserve_port("127.0.0.1")
+        st.channel = (port, host_store("127.0.0.1", port, 1 + workers, timedelta(seconds=120)))
+    group = GroupConfig(host="127.0.0.1", port=st.channel[0], world_size=1 + workers, backend="gloo",
+                        name="inflight-engine")
+    return InflightConfig(group=group, wire=wire)
 
 
 def check_label(core: Any, weight_version: Any, coordinator: Any) -> None:

@@ -6,7 +6,9 @@ engine with this backend, EngineCore routes the RL API's calls to the worker ext
 (``inflight.engine.rl_api``), which hands each to this object:
 
 - ``init_weight_transfer_engine(init_info)`` is ``inflight_start``: ``init_info`` is an
-  ``InflightConfig`` as a JSON object; the listener then joins the trainer's weight group;
+  ``InflightConfig`` as a JSON object, and the listener joins the trainer's weight group; or
+  it is the init info of vLLM's ``nccl`` backend, and a ``PackedReceiver`` joins that
+  trainer's group and takes its packed broadcast (``inflight.engine.packed_receiver``);
 - ``start_weight_update`` opens a session, ``update_weights(update_info)`` checks what the
   update will carry (``InflightUpdateInfo``) against this worker's tensors and live version,
   ``finish_weight_update`` closes the session. Each returns at once: the bytes arrive on the
@@ -16,7 +18,8 @@ engine with this backend, EngineCore routes the RL API's calls to the worker ext
 Invariants: none of these methods touches live weights, staging or the label; a session's
 version is newer than every version this worker served or was told of; a refused start or
 update leaves the session as it was (the client may retry), and ``finish`` always closes it;
-the engine serves its last good version throughout.
+the engine serves its last good version throughout. On the nccl wire an update that staged
+but did not commit is reported by the next ``start_weight_update``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any, Callable
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from inflight.transport.layout import TensorSchema
+from inflight.transport.layout import TensorSchema, torch_dtype
 
 BACKEND = "inflight"
 """The backend's name in vLLM's registries (worker and trainer side alike)."""
@@ -71,11 +74,12 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
         self._live: Callable[[], int] = lambda: 0
         self._session: _Session | None = None
         self._newest = -1  # the newest version a session of this engine named
+        self._receiver: Any = None  # a PackedReceiver: vLLM's nccl wire (inflight.engine.packed_receiver)
 
-    def bind(self, schema: TensorSchema, live_version: Callable[[], int]) -> None:
-        """Called by ``inflight_start`` on this worker: the tensors an update must match and
-        the version this worker serves."""
-        self._schema, self._live = schema, live_version
+    def bind(self, schema: TensorSchema, live_version: Callable[[], int], receiver: Any = None) -> None:
+        """Called by ``inflight_start`` on this worker: the tensors an update must match, the
+        version this worker serves and, on vLLM's nccl wire, its ``PackedReceiver``."""
+        self._schema, self._live, self._receiver = schema, live_version, receiver
         self._newest = max(self._newest, live_version())
 
     def init_transfer_engine(self, init_info: InflightInitInfo) -> None:
@@ -87,6 +91,12 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
         self._check_started("start_weight_update")
         if self._session is not None:
             raise RLApiError("inflight: start_weight_update while an update is open: call finish_weight_update first")
+        if self._receiver is not None:
+            if self._receiver.broken:
+                raise RLApiError(f"inflight: the trainer's group failed ({self._receiver.broken}): call "
+                                 "init_weight_transfer_engine again")
+            if (refused := self._receiver.take_refusal()) is not None:
+                raise RLApiError(f"inflight: {refused}; this engine serves v{self._live()} (start again to send the next)")
         self._session = _Session()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -97,8 +107,13 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
         if self._session.update is not None:
             raise RLApiError(f"inflight: update_weights twice in one update (v{self._session.update.version} is open): "
                              "an update is announced once, whole")
-        info = self.parse_update_info(update_info)
+        if self._receiver is not None:
+            info = self._wire_update_info(update_info)
+        else:
+            info = self.parse_update_info(update_info)
         self._check_update(info)
+        if self._receiver is not None:
+            self._expect(info)
         self._session.update = info
         self._newest = info.version
 
@@ -113,12 +128,16 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
         if session.update is None:
             raise RLApiError("inflight: finish_weight_update without update_weights: the update is closed unannounced "
                              "(announce its version and tensors between start and finish)")
+        if self._receiver is not None:
+            self._receiver.finish(session.update.version)
 
     def abandon(self) -> None:
         """Drop an open session (its client went away); the next start opens a new one, and
         may name the version the dropped one announced."""
         self._session = None
         self._newest = self._live()
+        if self._receiver is not None:
+            self._receiver.abandon()
 
     @property
     def open_version(self) -> int | None:
@@ -143,6 +162,40 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
             raise RLApiError(f"inflight: update_info has {len(info.names)} names, {len(info.shapes)} shapes and "
                              f"{len(info.dtype_names)} dtype_names: one of each per tensor")
         return info
+
+    def _wire_update_info(self, update_dict: Any) -> InflightUpdateInfo:
+        """vLLM's ``nccl`` update info (``names``, ``dtype_names``, ``shapes``; ``version``
+        optional): the version is the next after every one this engine served or was told of."""
+        if not isinstance(update_dict, dict):
+            raise RLApiError(f"inflight: update_info must be an object, not {type(update_dict).__name__}")
+        unknown = sorted(set(update_dict) - {"names", "dtype_names", "shapes", "version", "packed"})
+        if unknown:
+            raise RLApiError(f"inflight: update_info has unknown fields {unknown} (vLLM's nccl backend sends names, "
+                             "dtype_names, shapes; version is optional)")
+        if "packed" in update_dict and update_dict["packed"] != self._receiver.packed:
+            raise RLApiError(f"inflight: update_info.packed={update_dict['packed']!r}, but init_weight_transfer_engine "
+                             f"said packed={self._receiver.packed}: the wire's packing is set once, at init")
+        version = update_dict.get("version", max(self._live(), self._newest) + 1)
+        fields_ = {k: update_dict.get(k, []) for k in ("names", "dtype_names", "shapes")}
+        return self.parse_update_info({"version": version, **fields_})
+
+    def _expect(self, info: InflightUpdateInfo) -> None:
+        """Check the wire dtypes and hand the update to the receiver, whose thread takes its bytes."""
+        import torch
+
+        from inflight.engine.packed_receiver import WireUpdate
+
+        assert self._schema is not None
+        dtypes = []
+        for name, dname in zip(info.names, info.dtype_names):
+            dtype = getattr(torch, str(dname), None)
+            own = self._schema.tensors[name][1]
+            if not isinstance(dtype, torch.dtype) or (dtype.is_floating_point != torch_dtype(own).is_floating_point) or (
+                    not dtype.is_floating_point and str(dname) != own):
+                raise RLApiError(f"inflight: v{info.version}: {name} travels as {dname!r}, which this engine cannot "
+                                 f"take into its {own} (a float converts to any float; anything else must match)")
+            dtypes.append(dtype)
+        self._receiver.expect(WireUpdate(info.version, list(info.names), [list(s) for s in info.shapes], dtypes))
 
     def _check_started(self, call: str) -> None:
         if self._schema is None:

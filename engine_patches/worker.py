@@ -59,13 +59,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from inflight.engine.commit.base import CommitStrategy, make_strategy
 from inflight.engine.commit.checkpoint import checkpoint_dir, engine_schema, read_checkpoint_into
-from inflight.engine.config import InflightConfig
+from inflight.engine.config import InflightConfig, PackedWireConfig
 from inflight.engine.coordinator import CommitReady, EngineCommitted, decode_engine, outcome_key
 from inflight.engine.kv_budget import SET_ASIDE_ATTR, planned_need
+from inflight.engine.packed_receiver import PackedReceiver, close_wire, join_wire
 from inflight.engine.patch import count_worker_steps
 from inflight.engine.rpc import RLCallResult, StartReport, WorkerCommitResult, WorkerSettleResult, WorkerStatus
 from inflight.engine.transfer_engine import InflightWeightTransferEngine, RLApiError
@@ -133,11 +135,8 @@ class InflightWorkerExtension:
         self._inflight_secret = secret
         self._inflight_listener: UpdateListener | None = None
         self._inflight_stats = ListenerStats()
-        self._inflight_thread = threading.Thread(
-            target=self._inflight_serve, args=(config, schema, rank, plan), name=f"inflight-listener-{rank}", daemon=True
-        )
-        self._inflight_thread.start()
-        _bind_rl_api(self, schema, target)
+        self._inflight_thread = self._inflight_listen(config, schema, rank, plan, target)
+        _bind_rl_api(self, schema, target, self._inflight_wire)
         # the listener stops with the interpreter too (a plain exit, no engine shutdown), before
         # the objects its thread uses are torn down under it
         ref = weakref.ref(self)
@@ -233,8 +232,44 @@ class InflightWorkerExtension:
                 except InterruptedError:
                     return
 
+    def _inflight_listen(self, config: InflightConfig, schema: TensorSchema, rank: int, plan: ShardPlan | None,
+                         target: EngineTarget) -> threading.Thread:
+        """Start the listener thread: on the trainer's weight group, or on vLLM's nccl wire."""
+        self._inflight_wire = None if config.wire is None else self._inflight_join_wire(config, schema, plan, target)
+        serve, args = ((self._inflight_serve, (config, schema, rank, plan)) if self._inflight_wire is None
+                       else (self._inflight_wire.run, (self._inflight_stop,)))
+        thread = threading.Thread(target=serve, args=args, name=f"inflight-listener-{rank}", daemon=True)
+        thread.start()
+        return thread
+
+    def _inflight_join_wire(self, config: InflightConfig, schema: TensorSchema, plan: ShardPlan | None,
+                            target: EngineTarget) -> PackedReceiver:
+        """vLLM's ``nccl`` wire (``InflightConfig.wire``): join the trainer's group now, as vLLM's
+        init does; commits go through this engine's own channel (a store EngineCore hosts)."""
+        assert config.wire is not None
+        device = self._inflight_data_device(config)
+        wire = join_wire(config.wire, self.vllm_config.parallel_config, device, config.stale_timeout_s, self._inflight_stop)
+        target.channel = config.group.connect(f"{ENGINE_CHANNEL}/{self._inflight_engine_id}")
+        return PackedReceiver(wire, packed=config.wire.packed, buffer_size_bytes=config.wire.packed_buffer_size_bytes,
+                              target=target, schema=schema, pool=self._inflight_pool, plan=plan,
+                              stats=self._inflight_stats, check_finite=config.check_finite, device=device)
+
+    def inflight_rl_rejoin(self, wire_json: str) -> RLCallResult:
+        """A new ``init_weight_transfer_engine`` on the packed wire (a restarted trainer): join its group."""
+        receiver: PackedReceiver | None = getattr(self, "_inflight_wire", None)
+        rank = self._inflight_target.rank
+        if receiver is None:
+            return RLCallResult(rank=rank, ok=False, error="inflight: this engine does not receive vLLM's nccl wire")
+        try:
+            wire = msgspec.json.decode(wire_json, type=PackedWireConfig)
+            receiver.rejoin(join_wire(wire, self.vllm_config.parallel_config, receiver.device,
+                                      self._inflight_target.config.stale_timeout_s, self._inflight_stop))
+        except (ValueError, TransportError, msgspec.ValidationError) as e:
+            return RLCallResult(rank=rank, ok=False, error=f"inflight: joining the trainer's group failed: {e}")
+        return RLCallResult(rank=rank)
+
     def _inflight_data_device(self, config: InflightConfig) -> torch.device:
-        if config.group.resolved_backend() == "nccl":
+        if config.group.resolved_backend() == "nccl" or (config.wire is not None and torch.cuda.is_available()):
             return torch.device(self.model_runner.device)
         return torch.device("cpu")
 
@@ -309,6 +344,8 @@ class InflightWorkerExtension:
         atexit.unregister(self._inflight_atexit)
         self._inflight_stop.set()
         self._inflight_thread.join(timeout=10)
+        if self._inflight_wire is not None:
+            close_wire(self._inflight_wire.wire)
         if self._inflight_routing is not None:
             self._inflight_routing.close()
         self._inflight_target.strategy.close()  # the swap commit's re-pack thread
@@ -545,12 +582,12 @@ class EngineTarget:
         return result
 
 
-def _bind_rl_api(worker: Any, schema: TensorSchema, target: EngineTarget) -> None:
+def _bind_rl_api(worker: Any, schema: TensorSchema, target: EngineTarget, receiver: PackedReceiver | None) -> None:
     """On the inflight backend, give vLLM's weight-transfer engine of this worker the tensors
-    an update must match and the version the worker serves."""
+    an update must match, the version the worker serves and, on vLLM's nccl wire, the receiver."""
     engine = getattr(worker, "weight_transfer_engine", None)
     if isinstance(engine, InflightWeightTransferEngine):
-        engine.bind(schema, lambda: target.live_version)
+        engine.bind(schema, lambda: target.live_version, receiver)
 
 
 def _same_node_workers() -> int:

@@ -1,0 +1,252 @@
+"""vLLM's ``nccl`` wire on an in-flight engine, worker side: ``PackedReceiver``.
+
+One thread per worker, started by ``inflight_start`` when ``InflightConfig.wire`` is set
+(the RL API's ``init_weight_transfer_engine`` got the ``nccl`` backend's init info). The RL
+API's ``update_weights`` hands it an update (``expect``) and returns at once. The thread
+receives the update's chunks (``inflight.transport.packed_wire``) into a staging buffer
+while the engine decodes, casting each tensor to the engine's dtype and keeping this rank's
+box of it, checks and prepares it. Once the client's ``finish_weight_update`` came
+(``finish``), it hands the update to the engine's commit (``EngineTarget.commit``), which
+lands it at one step boundary on every rank, or on none.
+
+Invariants: the thread receives exactly the chunks the update's info announced, even for an
+update it refuses (a non-finite tensor, a preparation that fails), so the group stays in step
+with the trainer; nothing live is touched before the commit; a refused or abandoned update
+gives its buffer back and the engine serves its last version; a refusal is kept until the
+next ``start_weight_update`` reports it (``take_refusal``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from inflight.protocol import ShardPlan
+from inflight.staging import StagedVersion, StagingPool
+from inflight.transport.errors import TransportError
+from inflight.transport.layout import TensorSchema, plan_tensors, tensor_views
+from inflight.transport.listener import CommitFailed, CommitTarget, ListenerStats, nonfinite
+from inflight.transport.packed_wire import chunk_plan, nbytes_of
+
+log = logging.getLogger("inflight.packed_receiver")
+
+
+@dataclass
+class WireUpdate:
+    """One update as ``update_weights`` announced it: its tensors in send order."""
+
+    version: int
+    names: list[str]
+    shapes: list[list[int]]
+    dtypes: list[torch.dtype]
+    finished: threading.Event = field(default_factory=threading.Event)
+    abandoned: bool = False
+
+
+class Refused(Exception):
+    """An update received whole but not staged (the reason names the tensor or the step)."""
+
+
+class PackedReceiver:
+    """Receives, stages and commits the updates of vLLM's packed wire on one worker."""
+
+    def __init__(self, wire: Any, *, packed: bool, buffer_size_bytes: int, target: CommitTarget, schema: TensorSchema,
+                 pool: StagingPool, plan: ShardPlan | None, stats: ListenerStats, check_finite: bool,
+                 device: torch.device) -> None:
+        self.wire, self.packed, self.buffer_size_bytes = wire, packed, buffer_size_bytes
+        self.target, self.schema, self.pool, self.stats = target, schema, pool, stats
+        self.check_finite, self.device = check_finite, device
+        self.boxes = {} if plan is None else {s.name: s for s in plan.shards}
+        self._jobs: queue.Queue[WireUpdate] = queue.Queue()
+        self._lock = threading.Lock()
+        self._current: WireUpdate | None = None
+        self._refusals: list[str] = []
+        self.broken = ""
+        """Why the group is unusable (a transfer failed mid-stream): updates are refused until a new init."""
+
+    # -- the execution thread (the RL API's calls) -----------------------------------------
+    def expect(self, update: WireUpdate) -> None:
+        """Queue ``update``; its bytes are the thread's to receive."""
+        with self._lock:
+            self._current = update
+        self._jobs.put(update)
+
+    def finish(self, version: int) -> None:
+        """The client finished ``version``: commit it once staged."""
+        with self._lock:
+            if self._current is not None and self._current.version == version:
+                self._current.finished.set()
+
+    def abandon(self) -> None:
+        """Drop the open update (its client went away): never committed; its bytes, if they
+        still come, are received and dropped."""
+        with self._lock:
+            if self._current is not None:
+                self._current.abandoned = True
+                self._current.finished.set()
+
+    def rejoin(self, wire: Any) -> None:
+        """A new init (a restarted trainer): drop the open update and receive on ``wire`` from now on."""
+        self.abandon()
+        old, self.wire, self.broken = self.wire, wire, ""
+        close_wire(old)
+
+    def take_refusal(self) -> str | None:
+        """Why earlier updates did not commit, once; None if every one did."""
+        with self._lock:
+            refusals, self._refusals = self._refusals, []
+        return "; ".join(refusals) or None
+
+    # -- the receiver thread -----------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                job = self._jobs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            wire = self.wire
+            try:
+                self._serve(job, stop)
+            except TransportError as e:  # the trainer is gone or stalled mid-stream: this group is over
+                if wire is self.wire:  # (not a group a new init already replaced)
+                    self.broken = str(e)
+                self.stats.last_error = f"[transport] {e}"
+                self._refuse(job, f"the transfer failed: {e}; call init_weight_transfer_engine again")
+                log.warning("inflight: v%d's packed transfer failed (%s); still serving v%d", job.version, e,
+                            self.target.live_version)
+            except Exception as e:  # noqa: BLE001 - the thread serves the next update; the engine its last version
+                log.exception("inflight: v%d from the packed wire failed", job.version)
+                self._refuse(job, f"receiving it failed: {e!r}")
+
+    def _serve(self, job: WireUpdate, stop: threading.Event) -> None:
+        flat, staged, why = self._receive(job)
+        if why is None:
+            while not job.finished.wait(0.5):
+                if stop.is_set():
+                    why = "the engine stopped"
+                    break
+        if why is None and job.abandoned:
+            why = "abandoned by its client"
+        if why is not None:
+            self.target.discard()
+            self.pool.give(flat)
+            self._refuse(job, why)
+            return
+        assert staged is not None
+        try:  # the target owns ``staged`` from here on, whatever the outcome
+            info = self.target.commit(job.version, staged, self.pool)
+        except CommitFailed as e:
+            self.target.discard()
+            self._refuse(job, f"its commit failed: {e}")
+            return
+        self.stats.committed += 1
+        log.info("inflight: v%d from the packed wire committed at step %d (%.1f ms)", job.version, info.step,
+                 info.commit_ms)
+
+    def _refuse(self, job: WireUpdate, why: str) -> None:
+        if job.abandoned:
+            return
+        with self._lock:
+            self._refusals.append(f"v{job.version} did not commit: {why}")
+        self.stats.last_error = f"[packed wire] v{job.version}: {why}"
+
+    def _receive(self, job: WireUpdate) -> tuple[torch.Tensor, StagedVersion | None, str | None]:
+        """Receive every chunk of ``job`` into a staging buffer: (the buffer, the staged
+        version, None) or (the buffer, None, why it is refused)."""
+        specs, total = plan_tensors(self._staged_layout(job), self._starts(job))
+        flat = self.pool.take(total)
+        views = tensor_views(flat, specs)
+        first_step = self.target.steps()
+        why: str | None = None
+        try:
+            self._land_all(job, views)
+        except Refused as e:  # every byte still came: the group is in step
+            why = str(e)
+        if why is None and self.check_finite and (bad := nonfinite(views)) is not None:
+            why = f"{bad} has NaN or Inf"
+        if why is None:
+            try:
+                self.target.prepare(job.version, views)
+            except Exception as e:  # noqa: BLE001 - any failure of preparation refuses the update alone
+                why = f"preparing it failed: {e!r}"
+        return flat, (None if why else StagedVersion(None, flat, first_step, views)), why
+
+    def _staged_layout(self, job: WireUpdate) -> list[tuple[str, list[int], str]]:
+        out = []
+        for name, shape in zip(job.names, job.shapes):
+            box = self.boxes.get(name)
+            out.append((name, list(box.length) if box is not None else shape, self.schema.tensors[name][1]))
+        return out
+
+    def _starts(self, job: WireUpdate) -> dict[str, tuple[int, ...]] | None:
+        if not self.boxes:
+            return None
+        return {n: tuple(self.boxes[n].start) if n in self.boxes else (0,) * len(s) for n, s in zip(job.names, job.shapes)}
+
+    def _land_all(self, job: WireUpdate, views: dict[str, torch.Tensor]) -> None:
+        """Each chunk (or, unpacked, each tensor) as it arrives, into ``views``."""
+        sizes = [nbytes_of(s, d) for s, d in zip(job.shapes, job.dtypes)]
+        groups = chunk_plan(sizes, self.buffer_size_bytes) if self.packed else [range(i, i + 1) for i in range(len(sizes))]
+        refused: list[str] = []
+        for chunk in groups:
+            buf = torch.empty(sum(sizes[i] for i in chunk), dtype=torch.uint8, device=self.device)
+            self._broadcast(buf)
+            offset = 0
+            for i in chunk:
+                wire = buf[offset:offset + sizes[i]].view(job.dtypes[i]).view(job.shapes[i])
+                offset += sizes[i]
+                try:
+                    self._place(job.names[i], wire, views[job.names[i]])
+                except (RuntimeError, TypeError) as e:
+                    refused.append(f"{job.names[i]}: {e}")
+        if refused:
+            raise Refused(f"tensors not taken: {refused[:3]}")
+
+    def _place(self, name: str, wire: torch.Tensor, dest: torch.Tensor) -> None:
+        """This rank's box of ``wire`` into ``dest``, cast to the engine's dtype."""
+        box = self.boxes.get(name)
+        if box is not None:
+            wire = wire[tuple(slice(s, s + n) for s, n in zip(box.start, box.length))]
+        with torch.no_grad():
+            dest.copy_(wire)
+
+    def _broadcast(self, buf: torch.Tensor) -> None:
+        if buf.is_cuda:  # vLLM's PyNcclCommunicator: on this thread's stream, which the copies follow
+            self.wire.broadcast(buf, src=0, stream=torch.cuda.current_stream())
+        else:
+            self.wire.broadcast(buf, src=0)
+
+
+def join_wire(config: Any, parallel_config: Any, device: torch.device, timeout_s: float, stop: threading.Event) -> Any:
+    """This worker's member of the trainer's packed-wire group (``InflightConfig.wire``):
+    vLLM's own ``PyNcclCommunicator`` on a GPU, a ``GlooWire`` on CPU; its rank is vLLM's
+    (``rank_offset`` + the worker's rank across data-parallel groups). Blocks until the
+    trainer and every worker joined, as vLLM's ``init_weight_transfer_engine`` does."""
+    rank = config.rank_offset + parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
+    if device.type == "cuda":
+        from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_process_group
+
+        info = NCCLWeightTransferInitInfo(
+            master_address=config.master_address, master_port=config.master_port, rank_offset=config.rank_offset,
+            world_size=config.world_size, nccl_unique_id_b64=config.nccl_unique_id_b64, packed=config.packed,
+            packed_buffer_size_bytes=config.packed_buffer_size_bytes, packed_num_buffers=config.packed_num_buffers)
+        return worker_init_process_group(info, parallel_config)
+    if config.nccl_unique_id_b64 is not None:
+        raise ValueError("inflight: nccl_unique_id_b64 names an NCCL group; this engine runs on CPU (gloo): give "
+                         "master_address and master_port")
+    from inflight.transport.packed_wire import GlooWire
+
+    return GlooWire(config.master_address, config.master_port, rank, config.world_size, timeout_s=timeout_s, stop=stop)
+
+
+def close_wire(wire: Any) -> None:
+    """Let go of a packed-wire group (vLLM's communicator or a ``GlooWire``)."""
+    try:
+        wire.destroy()
+    except Exception:  # noqa: BLE001 - a broken group may refuse a clean goodbye; nothing to save
+        pass
