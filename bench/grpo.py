@@ -23,7 +23,7 @@ cued every ``cadence`` engine steps. Modes, per (P, T, every):
    engine with prefix caching on: every commit invalidates the cache exactly
    (``inflight.engine.prefix_cache``). A cue due while the previous push stages is skipped;
 3. ``native-salt``: vLLM's ``pause_scheduler(keep)`` + ``start_weight_update`` /
-   ``update_weights`` (the trainer's gloo broadcast, ``inflight.bench.native_gloo``) /
+   ``update_weights`` (the trainer's gloo broadcast, ``inflight.trainer.native_update``) /
    ``finish_weight_update`` + ``resume_scheduler``, every request carrying ``cache_salt=
    "v<version at admission>"`` (prime-rl's and SkyRL's way): blocks of older versions are
    never looked up again, running requests keep their stale KV;
@@ -72,7 +72,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from inflight.bench.paired import per_round, row  # noqa: E402
 from inflight.bench.inflight_trainer import trainer  # noqa: E402
-from inflight.bench.native_gloo import native_update  # noqa: E402
+from inflight.trainer.native_update import native_update  # noqa: E402
 from inflight.bench.grpo_figures import (GROUP, achieved_cadence, group_prompt, positions, ramp, report,  # noqa: E402
                                rotate)
 from inflight.bench.placement import PLACEMENTS, Placement, engine_env, pin_trainer  # noqa: E402
@@ -177,7 +177,7 @@ class GRPOBench:
         from safetensors.torch import load_file
         from vllm import LLM
 
-        from inflight.bench.native_gloo import register, update_info
+        from inflight.trainer.native_update import register, update_info
         from inflight.engine.client import coordinator_of, start_inflight
         from inflight.engine.config import InflightConfig, engine_kwargs
 

@@ -71,8 +71,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from inflight.bench.inflight_report import COLS, compare, plot  # noqa: E402
 from inflight.bench.inflight_trainer import trainer  # noqa: E402
-from inflight.bench.native_gloo import native_update  # noqa: E402
+from inflight.trainer.native_update import native_update  # noqa: E402
 from inflight.bench.paired import RequestStream  # noqa: E402
+from inflight.bench.run_record import run_record  # noqa: E402
 from inflight.bench.placement import PLACEMENTS, Placement, engine_env, pin_trainer  # noqa: E402
 from inflight.bench.slow_link import slow_link  # noqa: E402
 from inflight.trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus  # noqa: E402
@@ -95,14 +96,14 @@ class Bench:
 
     def __init__(self, size: str, work: Path, concurrency: int, seed: int, listener_nice: int,
                  record_routing: bool = False, commit_unit: CommitUnit = "model", placement: Placement = "shared",
-                 link: SlowLink | None = None) -> None:
+                 link: SlowLink | None = None, rl_api: bool = False) -> None:
         from vllm import LLM
 
         from inflight.engine.config import InflightConfig, engine_kwargs
         from inflight.engine.client import coordinator_of, start_inflight
         from safetensors.torch import load_file
 
-        from inflight.bench.native_gloo import register, update_info
+        from inflight.trainer.native_update import register, update_info
 
         self.size, self.concurrency, self.seed, self.unit = size, concurrency, seed, commit_unit
         if size in SIZES:
@@ -117,19 +118,24 @@ class Bench:
         del state
         register()  # the native baseline's transfer engine, in this process (EngineCore runs here)
         listener_cpus = engine_env(placement)
+        # --rl-api: the inflight backend of vLLM's RL API (inflight-native-api rows); else inflight_gloo (native rows)
+        self.rl_api = rl_api
+        transfer = {} if rl_api else {"weight_transfer_config": {"backend": "inflight_gloo"}}
         self.llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", max_model_len=640, seed=seed,
-                       max_num_seqs=concurrency, weight_transfer_config={"backend": "inflight_gloo"}, **engine_kwargs())
+                       max_num_seqs=concurrency, **transfer, **engine_kwargs(rl_api=rl_api))
         self.conn, child = mp.get_context("spawn").Pipe()
-        self.proc = mp.get_context("spawn").Process(target=trainer, args=(child, str(model_dir), link), daemon=True)
+        self.proc = mp.get_context("spawn").Process(target=trainer, args=(child, str(model_dir), link, not rl_api),
+                                                      daemon=True)
         self.proc.start()
         pin_trainer(self.proc.pid, placement)
         inflight_group, native_group = self.conn.recv()  # the trainer's stores, on the ports it holds
         self.config = InflightConfig(group=inflight_group, listener_nice=listener_nice, listener_cpus=listener_cpus,
                                      record_routing=record_routing, commit_unit=commit_unit)  # layer: staged_groups=2, the default
         start_inflight(self.llm, self.config)
-        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {
-            "host": native_group.host, "port": native_group.port, "world_size": 2, "rank": 1, "name": native_group.name,
-            "timeout_s": native_group.timeout_s, "insecure": native_group.insecure}})
+        if not rl_api:
+            self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {
+                "host": native_group.host, "port": native_group.port, "world_size": 2, "rank": 1,
+                "name": native_group.name, "timeout_s": native_group.timeout_s, "insecure": native_group.insecure}})
         assert self.conn.recv() == "ready"
         self.coordinator = coordinator_of(self.llm)
         self.core = self.llm.llm_engine.engine_core.engine_core
@@ -184,17 +190,24 @@ class Bench:
                 tags = tags_from_spans(spans, spans[-1].end if spans else 0)
                 lags.extend(self.coordinator.live_version - v for v in tags)
 
+        api = mode == "inflight-native-api"
+
         def landed() -> None:
             r = self.conn.recv()
             stream.event(r, r["commit_step"] - coordinator_start + 1)
+            if api:  # as InflightTrainerWeightTransferEngine.send_weights: finish, naming the version, once it landed
+                self.llm.finish_weight_update(str(self.version))
 
         for i in range(steps):
             due = i > 0 and i % every == 0
-            if mode == "inflight":
+            if mode in ("inflight", "inflight-native-api"):
                 if due and pushing:
                     st["skipped"] += 1  # the previous update is still staging: this one is not sent
                 elif due:
                     self.version += 1
+                    if api:  # vLLM's RL API, each call between two steps: start, then update_weights(info)
+                        self.llm.start_weight_update()
+                        self.llm.update_weights({"update_info": {"version": self.version, **self.native_info}})
                     self.conn.send(("push", self.version))
                     cues.append(i + 1)
                     pushing = True
@@ -242,7 +255,7 @@ class Bench:
         hist: dict[int, int] = {}
         for x in lags:
             hist[x] = hist.get(x, 0) + 1
-        pushed = mode in ("inflight", "batch") and infos
+        pushed = mode in ("inflight", "inflight-native-api", "batch") and infos
         label = label or mode
         return {
             "model": self.model, "engine": self.unit, "size": self.size, "params": self.params, "every": every,
@@ -276,7 +289,7 @@ class Bench:
         same ``update_info``): "computed", not measured."""
         if mode == "native" and infos:
             return {"staging_peak_bytes": infos[0]["nbytes"], "peak_how": "computed"}
-        if mode in ("inflight", "batch") and infos:
+        if mode in ("inflight", "inflight-native-api", "batch") and infos:
             before, after = chunks[0]["peak"][0], chunks[-1]["peak"][1]
             return {"staging_peak_bytes": after, "peak_how": "row" if after > before else "earlier"}
         return {"staging_peak_bytes": None, "peak_how": None}
@@ -288,6 +301,8 @@ class Bench:
 
 
 def bench_model(bench: Bench, everys: list[int], steps: int, rounds: int) -> list[dict]:
+    if bench.rl_api:
+        return bench_rl_api(bench, everys, steps, rounds)
     rows = []
     chunk = steps // rounds
     for every in everys:
@@ -316,6 +331,32 @@ def bench_model(bench: Bench, everys: list[int], steps: int, rounds: int) -> lis
             r["group"], r["every"] = every, every  # requested cadence; steps_per_update is the achieved one
             if chunks["none@inflight"] and r["mode"] in ("inflight", "native@inflight"):
                 r["ceiling"] = "none@inflight"  # inflight_report.compare measures these rows against it
+        rows += group
+    return rows
+
+
+def bench_rl_api(bench: Bench, everys: list[int], steps: int, rounds: int) -> list[dict]:
+    """An engine on the RL API's inflight backend: none, inflight (``WeightPusher`` alone) and
+    inflight-native-api (the same pushes inside vLLM's start / update_weights / finish calls),
+    interleaved, alternating which of the two pushing modes runs first in a round. Each row that
+    ran past its chunk is measured against none over as many steps, run right after it."""
+    rows = []
+    chunk = steps // rounds
+    for every in everys:
+        modes = ("inflight", "inflight-native-api")
+        chunks: dict[str, list[dict]] = {m: [] for m in ("none", *modes, "none@inflight", "none@inflight-native-api")}
+        for k in range(rounds):
+            chunks["none"].append(bench.run("none", every, chunk))
+            for mode in modes[::-1] if k % 2 else modes:
+                got = bench.run(mode, every, chunk)
+                chunks[mode].append(got)
+                extra = got["steps"] != chunk
+                chunks[f"none@{mode}"].append(bench.run("none", every, got["steps"]) if extra else chunks["none"][-1])
+        group = [bench.report(chunks[m], label=m) for m in chunks if chunks[m]]
+        for r in group:
+            r["group"], r["every"] = every, every
+            if r["mode"] in modes:
+                r["ceiling"] = f"none@{r['mode']}"
         rows += group
     return rows
 
@@ -358,11 +399,15 @@ def main() -> None:
     ap.add_argument("--placement", choices=PLACEMENTS, default="shared",
                     help="inflight.bench.placement: where the engine and the trainer run (engine rows and training loop)")
     ap.add_argument("--engines", type=int, default=1, help="with --train-steps: add a row for a fleet of this many engines")
+    ap.add_argument("--rl-api", action="store_true",
+                    help="engines on vLLM's RL API's inflight backend: rows none, inflight and inflight-native-api "
+                         "(the same pushes inside start / update_weights / finish); no native rows")
     ap.add_argument("--out", default="runs/bench")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
+    run = run_record("inflight")  # the command, its start and the git revision, in the JSON
     load = [round(os.getloadavg()[0], 1)]
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         link = stack.enter_context(slow_link(args.link)) if args.link else None
@@ -375,7 +420,7 @@ def main() -> None:
         for size in args.model + args.sizes:
             for unit in args.commit_unit:  # fixed when an engine starts: an engine each
                 bench = Bench(size, Path(tmp), args.concurrency, seed=0, listener_nice=args.listener_nice,
-                              commit_unit=unit, placement=args.placement, link=link)
+                              commit_unit=unit, placement=args.placement, link=link, rl_api=args.rl_api)
                 rows += bench_model(bench, args.every, args.steps, args.rounds)
                 bench.close()
                 del bench
@@ -396,7 +441,7 @@ def main() -> None:
               f"reward last 20% {r['reward_last']} ({r['steps']} steps, {r['wall_s']} s)")
     if rows:
         plot(rows, out / "bench_inflight.png")
-    print(json.dumps({"bench": "inflight", "device": "cpu", "link": args.link, "placement": args.placement, "concurrency": args.concurrency,
+    print(json.dumps({"bench": "inflight", **run, "device": "cpu", "link": args.link, "placement": args.placement, "concurrency": args.concurrency,
                       "steps": args.steps,
                       "rounds": args.rounds, "commit_units": args.commit_unit, "load_1m": load, "rows": rows,
                       "train": train_rows}))

@@ -48,11 +48,12 @@ def plot(rows: list[dict], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [r for r in rows if r["mode"] != "none" and r["updates"] and not str(r["group"]).startswith("routing")]
+    shown = [r for r in rows if not r["mode"].startswith("none") and r["updates"] and not str(r["group"]).startswith("routing")]
     fig, axes = plt.subplots(1, 2, figsize=(14, 0.8 + 0.28 * len(shown)))
     labels = [f"{r['model']} [{r['engine']} engine] every {r['every']} {r['mode']} (-> {r['steps_per_update']})"
               for r in shown]
-    colors = {"inflight": "C1", "inflight-layer": "C5", "native": "C2", "native@inflight": "C4", "batch": "C3"}
+    colors = {"inflight": "C1", "inflight-layer": "C5", "native": "C2", "native@inflight": "C4", "batch": "C3",
+              "inflight-native-api": "C6"}
     ys = range(len(shown))
     axes[0].barh(ys, [max(r["lost_ms_per_update"], 0.1) for r in shown], color=[colors[r["mode"]] for r in shown])
     axes[0].set_xscale("log")

@@ -35,8 +35,9 @@ def push_report(r: PushResult, version: int, cpu_s: float) -> dict:
             "cpu_s": cpu_s}
 
 
-def trainer(conn: Connection, model_dir: str, link: SlowLink | None = None) -> None:
-    """The process's entry point: serves ``("push" | "native" | "stop", version)`` from ``conn``."""
+def trainer(conn: Connection, model_dir: str, link: SlowLink | None = None, native: bool = True) -> None:
+    """The process's entry point: serves ``("push" | "native" | "stop", version)`` from ``conn``
+    (``native`` False: an engine without the native group, whose rows only push)."""
     from safetensors.torch import load_file
 
     if link is not None:  # first: every socket and thread of this process is then in the namespace
@@ -45,7 +46,7 @@ def trainer(conn: Connection, model_dir: str, link: SlowLink | None = None) -> N
         enter(link)
     os.nice(19)
     torch.set_num_threads(1)
-    from inflight.bench.native_gloo import broadcast_state
+    from inflight.trainer.native_update import broadcast_state
     from inflight.transport.group import WeightGroup
     from inflight.transport.group_config import GroupConfig
     from inflight.transport.pusher import PushConfig, WeightPusher
@@ -64,7 +65,7 @@ def trainer(conn: Connection, model_dir: str, link: SlowLink | None = None) -> N
     native_group = GroupConfig(port=reserve_port(host), world_size=2, backend="gloo", name="native", **where)
     conn.send((inflight_group, native_group))
     pusher = WeightPusher(inflight_group, PushConfig(bucket_mb=64))
-    native = WeightGroup(native_group, 0)
+    group = WeightGroup(native_group, 0) if native else None
     conn.send("ready")
     while True:
         cmd, version = conn.recv()
@@ -75,9 +76,11 @@ def trainer(conn: Connection, model_dir: str, link: SlowLink | None = None) -> N
             conn.send(push_report(r, version, time.process_time() - cpu0))
         elif cmd == "native":
             t0 = time.perf_counter()
-            nbytes = broadcast_state(native, state)
+            assert group is not None, "a native update on an engine without the native group"
+            nbytes = broadcast_state(group, state)
             conn.send({"version": version, "send_s": time.perf_counter() - t0, "nbytes": nbytes})
         else:
             pusher.close()
-            native.close()
+            if group is not None:
+                group.close()
             return

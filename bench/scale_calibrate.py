@@ -84,12 +84,12 @@ def fit_step(chunks: list[list[float]]) -> dict:
 
 
 def native_pack_s(model_dir: Path) -> float:
-    """Seconds ``native_gloo.broadcast_state`` packs the whole state before its broadcast, on
+    """Seconds ``native_update.broadcast_state`` packs the whole state before its broadcast, on
     the trainer's core at the trainer's niceness (the median of three)."""
     import torch
     from safetensors.torch import load_file
 
-    from inflight.bench.native_gloo import update_info
+    from inflight.trainer.native_update import update_info
     from inflight.bench.placement import TRAINER_CORE
     from inflight.transport.layout import pack_into, plan_tensors
 

@@ -43,8 +43,9 @@ SparseCodecChoice = Literal["auto", SparseCodec]
 PushEncoding = Literal["dense", "sparse"]
 """How an update travels: every tensor whole, or, against a version the engine keeps, only the
 elements that changed (``inflight.transport.delta``)."""
-RolloutMode = Literal["inflight", "batch"]
-"""In-flight sampling, or the synchronous batch-boundary baseline."""
+RolloutMode = Literal["inflight", "batch", "pause"]
+"""In-flight sampling, the synchronous batch-boundary baseline, or async sampling with vLLM's
+native pause-and-update path (the baseline of today's async RL frameworks)."""
 TrackerName = Literal["jsonl", "tensorboard", "wandb", "trackio"]
 """Where the trainer's metrics go (``inflight.trainer.trackers``): metrics.jsonl, or an experiment tracker."""
 

@@ -8,7 +8,7 @@ import threading
 import torch
 from safetensors.torch import load_file
 
-from inflight.bench.native_gloo import broadcast_state, register, update_info
+from inflight.trainer.native_update import broadcast_state, register, update_info
 from inflight.transport.group import WeightGroup
 from inflight.transport.group_config import GroupConfig
 from tests.engine_harness import Reference, perturbed

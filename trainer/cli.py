@@ -23,7 +23,7 @@ BENCHES = {
     "transport": "bucketed transfer vs a raw broadcast",
     "slow_link": "a shaped link between network namespaces (tbf): its achieved bytes/s",
     "sparse": "sparse updates on real RL steps: bytes against dense, the encodings compared, CPU cost",
-    "e2e": "the training loop end to end, shared and split cores",
+    "e2e": "the training loop end to end: in-flight vs native pause+update vs batch-boundary, interleaved rounds",
     "scoring": "decoding while a slow verifier scores: in the scoring processes vs inline",
     "profile_staging": "one update's staging time, phase by phase and thread by thread",
     "staging_memory": "what an engine's staging costs in resident memory vs what it accounts",

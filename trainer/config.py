@@ -119,7 +119,13 @@ class RolloutConfig:
     mode: RolloutMode = "inflight"
     """inflight: the engine samples continuously and commits updates between decode steps.
     batch: the baseline of synchronous RL: the engine samples one step's groups with the
-    current version, then waits idle for the next version."""
+    current version, then waits idle for the next version.
+    pause: the baseline of today's async RL (PipelineRL, prime-rl, TRL's async GRPO): sampling
+    runs ahead as in inflight, but each update goes through vLLM's native path, between two
+    steps, with the engine paused (``pause_scheduler(mode="keep")``, ``update_weights``,
+    resume; ``inflight.trainer.native_update``), and every request carries the ``cache_salt``
+    of the version live when it was added. One engine, tensor parallel size 1, whole-model
+    dense updates, no LoRA, no routing replay; a lost engine stops the run."""
 
     def __post_init__(self) -> None:
         for name in ("group_size", "groups_per_step", "in_flight_groups", "queue_capacity"):
@@ -275,6 +281,8 @@ class TrainConfig:
         if self.rollout.mode == "inflight" and self.loss.max_lag < 1:
             raise ValueError(f"loss.max_lag={self.loss.max_lag} with rollout.mode='inflight': in-flight samples lag "
                              "the trainer by 1 at least; use max_lag >= 1, or rollout.mode='batch'")
+        if self.rollout.mode == "pause":
+            _check_pause(self)
         if self.model.lora.enabled and (self.loss.routing_replay or self.engine.commit_unit != "model"):
             raise ValueError("model.lora.rank > 0: an adapter run commits the whole adapter at once and replays no "
                              "routing (set loss.routing_replay=false, engine.commit_unit='model')")
@@ -290,6 +298,22 @@ class TrainConfig:
         if self.optim.micro_batches > 1 and self.loss.m2_threshold > 0:
             raise ValueError(f"loss.m2_threshold={self.loss.m2_threshold} masks tokens by a moment of the whole "
                              f"batch: it needs optim.micro_batches=1, not {self.optim.micro_batches}")
+
+
+def _check_pause(cfg: TrainConfig) -> None:
+    """``rollout.mode = "pause"`` runs vLLM's native update on one in-process engine: refuse,
+    by name, every setting it does not cover."""
+    refused = {"engine.count": (cfg.engine.count, 1), "engine.tensor_parallel_size": (cfg.engine.tensor_parallel_size, 1),
+               "engine.commit_unit": (cfg.engine.commit_unit, "model"), "engine.launcher": (cfg.engine.launcher, "process"),
+               "transport.encoding": (cfg.transport.encoding, "dense"), "model.lora.rank": (cfg.model.lora.rank, 0),
+               "loss.routing_replay": (cfg.loss.routing_replay, False)}
+    for key, (value, needed) in refused.items():
+        if value != needed:
+            raise ValueError(f"{key}={value!r} with rollout.mode='pause': the native pause-and-update path runs on "
+                             f"one whole-model engine; set {key}={needed!r}, or rollout.mode='inflight'")
+    if cfg.loss.max_lag < 1:
+        raise ValueError(f"loss.max_lag={cfg.loss.max_lag} with rollout.mode='pause': samples drawn ahead lag the "
+                         "trainer by 1 at least; use max_lag >= 1, or rollout.mode='batch'")
 
 
 def group_config(cfg: TrainConfig, *, port: int, backend: Backend | None = None) -> GroupConfig:

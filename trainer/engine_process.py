@@ -18,6 +18,12 @@ the worker extension and EngineCore's commit coordinator do it.
 
 ``rollout.mode = "batch"`` is the synchronous baseline: sample one optimizer step's groups
 with version v, ship them, sit idle until version v+1 is live, repeat.
+
+``rollout.mode = "pause"`` is the baseline of today's async RL: the same loop as inflight,
+but updates go through vLLM's native path, which this loop runs itself between two steps
+when the trainer announces a version (``inflight.trainer.native_update.NativeUpdater``: the
+scheduler paused, running requests keeping their KV); every request it adds carries the
+``cache_salt`` of the version live then.
 """
 
 from __future__ import annotations
@@ -116,6 +122,11 @@ class RolloutLoop:
         self.counter = 0
         self.steps = 0
         self._next_version = 0
+        self.native: Any = None  # pause mode: vLLM's native update, run between two steps (``_native_update``)
+        if cfg.rollout.mode == "pause":
+            from inflight.trainer.native_update import NativeUpdater
+
+            self.native = NativeUpdater(llm, self.coordinator)
 
     # -- the two modes ------------------------------------------------------------------------
     def run_inflight(self) -> None:
@@ -127,6 +138,13 @@ class RolloutLoop:
         idle until v+1 is live, repeat."""
         self._next_version = next_version
         self._loop(self._start_batch)
+
+    def run_pause(self) -> None:
+        """Sample continuously, as inflight; each announced version is loaded by vLLM's
+        native path with the engine paused, between two steps (``_native_update``)."""
+        if self.native is None:
+            raise ValueError("run_pause: the engine was not started with rollout.mode='pause'")
+        self._loop(self._start_inflight)
 
     def _start_inflight(self) -> bool | None:
         # as many groups decoding as configured, and at most as many more waiting for their rewards
@@ -152,6 +170,8 @@ class RolloutLoop:
         """Ship, start groups (``start_groups``: True to step, False to look again, None to
         stop), step; until the trainer asks to stop."""
         while True:
+            if self.native is not None:
+                self._native_update()
             self.backlog.extend(self.scorer.collect())
             if not self._ship_backlog():
                 return
@@ -168,6 +188,15 @@ class RolloutLoop:
                     continue
             if not self._step():
                 return
+
+    def _native_update(self) -> None:
+        """Pause mode: load the version the trainer announced, if any, before the next step."""
+        try:
+            version = self.native.due(self.queue.store)
+        except (RuntimeError, TransportError):  # the trainer's store is gone: stop_requested handles it
+            return
+        if version is not None:
+            self.native.update(self.queue.store, version, self.steps)
 
     def wait_for_version(self, version: int) -> bool:
         """Wait, idle, until ``version`` is live; False if the trainer asked to stop meanwhile."""
@@ -202,7 +231,7 @@ class RolloutLoop:
             self.scorer.start_group(rid, prompt, ids)  # type: ignore[attr-defined]  # turns come back via _add_turn
             return
         self.prompts[rid] = prompt
-        self.llm_engine.add_request(rid, {"prompt_token_ids": ids}, self.params, lora_request=self.lora_request)
+        self._add_request(rid, ids, self.params)
 
     def _add_turn(self, rid: str, prompt: Any, ids: list[int], max_tokens: int) -> None:
         """One turn of an episode: a request of n = 1 that continues the episode's token ids."""
@@ -211,8 +240,17 @@ class RolloutLoop:
         if max_tokens not in self._turn_params:
             self._turn_params[max_tokens] = SamplingParams(**{**_fields(self.params), "max_tokens": max_tokens})
         self.prompts[rid] = prompt
-        self.llm_engine.add_request(rid, {"prompt_token_ids": ids}, self._turn_params[max_tokens],
-                                    lora_request=self.lora_request)
+        self._add_request(rid, ids, self._turn_params[max_tokens])
+
+    def _add_request(self, rid: str, ids: list[int], params: Any) -> None:
+        """Add one request; in pause mode salted with the live version (vLLM does not invalidate
+        its prefix cache on a native update: a salt per version keeps older weights' blocks out)."""
+        request: dict[str, Any] = {"prompt_token_ids": ids}
+        if self.native is not None:
+            request["cache_salt"] = self.native.salt()
+        internal = self.llm_engine.add_request(rid, request, params, lora_request=self.lora_request)
+        if self.native is not None:
+            self.native.observe(internal)
 
     def _abort(self, rids: list[str]) -> None:
         self.llm_engine.abort_request(rids)
@@ -236,13 +274,15 @@ class RolloutLoop:
         queue is full and ``wait`` is False; False: stop."""
         while True:
             try:
-                self.queue.put(item, timeout_s=1.0 if wait else 0.0)
+                self.queue.put(item, timeout_s=(0.05 if self.native is not None else 1.0) if wait else 0.0)
                 return True
             except TimeoutError:  # the queue is full: the trainer is busy, or done with us
                 if not wait:
                     return None
                 if self.stop_requested():
                     return False
+                if self.native is not None:  # the trainer may wait for an update before it reads the queue
+                    self._native_update()
             except (RuntimeError, TransportError) as e:
                 log.warning("rollout: queue unreachable (%s); holding group %s", e, item.group_id)
                 if self.stop_requested():
@@ -315,6 +355,8 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
     llm = _engine(cfg, model_dir, rank, adapter)
     config = inflight_config(cfg, own, rank=1, initial_version=initial_version, adapter=adapter)
     start_inflight(llm, config)
+    if cfg.rollout.mode == "pause":  # the native group, on the trainer's store beside the in-flight one
+        _join_native(llm, group)
     loop = RolloutLoop(cfg, llm, model_dir, group, engine_index, rank, parent_pid,
                        lora_request=policy_lora(config) if adapter else None)
     next_version = max(initial_version, wait_for_version)  # batch mode: the version the next batch is sampled with
@@ -326,6 +368,8 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
             loop.scorer.resume()  # type: ignore[attr-defined]
         if cfg.rollout.mode == "batch":
             loop.run_batch(next_version)
+        elif cfg.rollout.mode == "pause":
+            loop.run_pause()
         else:
             loop.run_inflight()
     except ScoringFailed:  # reported to the trainer, which stops the run: no restart would help
@@ -333,6 +377,16 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
             time.sleep(0.1)
     finally:
         loop.scorer.close()
+
+
+def _join_native(llm: Any, group: GroupConfig) -> None:
+    """Pause mode: the engine's worker joins the trainer's native group (rank 1 of 2)."""
+    from inflight.trainer.native_update import native_group
+
+    g = native_group(group)
+    llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {
+        "host": g.host, "port": g.port, "world_size": g.world_size, "rank": 1, "name": g.name,
+        "timeout_s": g.timeout_s, "insecure": g.insecure}})
 
 
 def _engine(cfg: TrainConfig, model_dir: str, rank: int, adapter: AdapterSpec | None) -> Any:
@@ -350,6 +404,11 @@ def _engine(cfg: TrainConfig, model_dir: str, rank: int, adapter: AdapterSpec | 
         extra["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
     if cfg.loss.routing_replay:  # routing is read after a step's forward: one batch in flight at a time
         extra["async_scheduling"] = False
+    if cfg.rollout.mode == "pause":  # vLLM's native update path, over gloo (``inflight.trainer.native_update``)
+        from inflight.trainer.native_update import BACKEND, register
+
+        register()
+        extra["weight_transfer_config"] = {"backend": BACKEND}
     return LLM(model_dir, dtype=cfg.model.dtype, max_num_seqs=cfg.engine.max_num_seqs,
                max_model_len=cfg.engine.max_model_len, seed=cfg.run.seed + rank, **extra,
                **engine_kwargs(adapter=adapter, enable_prefix_caching=cfg.engine.prefix_caching))

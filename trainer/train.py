@@ -100,7 +100,7 @@ def train(cfg: TrainConfig) -> dict:
         interrupt.restore()
         queue.store.set("stop", b"1")
         fleet.stop()
-        pusher.close()
+        sync.close()
         metrics.close()  # the experiment trackers' files, finished
 
     # -- 5. what we leave behind ---------------------------------------------------------------------

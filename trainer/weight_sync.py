@@ -21,6 +21,11 @@ Ordering invariants:
   another. The engines it failed on (and a dead engine process, or an engine lost while
   waiting for rollouts) go through ``Fleet.recover``, engine by engine, which returns the
   trainer's version (raised above any engine's); the engines it landed on report it.
+
+With ``rollout.mode = "pause"`` the same order holds, but each push is vLLM's native update
+(``inflight.trainer.native_update.NativePusher``: announced on the store, broadcast on the
+native group, live once the engine reports it after its pause); a failed one stops the run
+(``EngineLost``): pause mode has one engine and no recovery.
 """
 
 from __future__ import annotations
@@ -93,9 +98,24 @@ class WeightSync:
         """How long the last optimizer step waited for the push in flight to finish reading."""
         self.batch_wait_s = 0.0
         """How long the last ``next_batch`` waited for rollouts (recoveries included)."""
+        self.native: Any = None
+        """Pause mode: the ``NativePusher`` every push goes through instead of ``pusher``."""
+        self.native_in_flight: Future[dict] | None = None
+        if cfg.rollout.mode == "pause":
+            from inflight.trainer.native_update import NativePusher, native_group
+
+            try:
+                self.native = NativePusher(native_group(pusher.base), queue.store, getattr(torch, cfg.model.dtype),
+                                           tcp_store=pusher.store, join_timeout_s=cfg.transport.rejoin_timeout_s,
+                                           stop=fleet.exited)
+            except InterruptedError:  # the fleet's watcher saw the engine exit: its log says why
+                raise EngineLost("the engine exited before it joined the native group (rollout.mode='pause')") from None
 
     def recover(self, reason: str, version: int, lost: Collection[int] = (), *, push_behind: bool = True) -> int:
-        """``Fleet.recover``, with the push in flight landed (``_land``) or none."""
+        """``Fleet.recover``, with the push in flight landed (``_land``) or none. Pause mode has
+        no recovery: its native group holds one engine, never re-formed (``EngineLost``)."""
+        if self.native is not None:
+            raise EngineLost(f"{reason} (rollout.mode='pause' does not recover a lost engine)")
         events = len(self.fleet.events)
         version = self.fleet.recover(self.pusher, reason, version, self.weights, self.queue, lost, push_behind=push_behind)
         new = self.fleet.events[events:]
@@ -188,7 +208,10 @@ class WeightSync:
             self._rejoined(self.fleet.admit(self.pusher, wait=True))  # the run ends with every engine that can come
         elif self.pusher.knocking():  # engines back from a restart or a freeze: in before this push
             self._rejoined(self.fleet.admit(self.pusher))
-        self.in_flight, self.in_flight_version = self.pusher.push_async(version, self.weights()), version
+        if self.native is not None:
+            self.native_in_flight, self.in_flight_version = self.native.push_async(version, self.weights()), version
+        else:
+            self.in_flight, self.in_flight_version = self.pusher.push_async(version, self.weights()), version
         if last:
             version = self.land(version)
         return version, evaluation
@@ -201,6 +224,9 @@ class WeightSync:
     def _land(self, version: int, *, push_behind: bool) -> int:
         """Wait for the push in flight on every engine: report it where it landed, recover the
         engines where it failed. Returns the trainer's version."""
+        if self.native_in_flight is not None:
+            self._land_native()
+            return version
         futures, self.in_flight = self.in_flight, {}
         if not futures:
             return version
@@ -212,6 +238,26 @@ class WeightSync:
             return self.recover(f"push failed: {e}", version, e.failed, push_behind=push_behind)
         self._landed(results)
         return version
+
+    def _land_native(self) -> None:
+        """Pause mode: wait until the engine reports the native update live, and keep its row."""
+        future, self.native_in_flight = self.native_in_flight, None
+        try:
+            r = future.result()
+        except Exception as e:
+            raise EngineLost(f"native update v{self.in_flight_version} failed (rollout.mode='pause' has no "
+                             f"recovery): {e}") from e
+        self.last = {"pushed_version": r["version"], "stall_ms": r["stall_ms"], "commit_step": r["commit_step"],
+                     "commit_groups": 1, "committed_ranks": [1], "push_ms": r["push_ms"], "send_ms": r["send_ms"],
+                     "push_mb": r["push_mb"], "sent_mb": r["push_mb"], "dense_mb": r["push_mb"],
+                     "native_salts": r["salts"]}
+        self.landed.append([r["version"], [1]])
+
+    def close(self) -> None:
+        """The weight groups: the native one (pause mode), then the fleet's."""
+        if self.native is not None:
+            self.native.close()
+        self.pusher.close()
 
     def _landed(self, results: Mapping[int, PushResult]) -> None:
         self.last = push_metrics(results, self.fleet)

@@ -33,7 +33,7 @@ from concurrent.futures import Future
 from datetime import timedelta
 
 import torch
-from torch.distributed import PrefixStore
+from torch.distributed import PrefixStore, TCPStore
 
 from inflight.transport.delta import DeltaEncoder
 from inflight.transport.errors import TransportTimeout
@@ -150,6 +150,11 @@ class FleetPusher:
     def sub_store(self, name: str) -> PrefixStore:
         """A key space of the fleet's store for other traffic (e.g. the rollout queue)."""
         return PrefixStore(f"{self.base.name}/{name}", self._store)
+
+    @property
+    def store(self) -> TCPStore:
+        """The fleet's TCP store itself, for another group hosted on it (a pause-mode run's native group)."""
+        return self._store
 
     def close(self, reason: str = "trainer done") -> None:
         """Say goodbye to every engine's workers, then let the store go (with its last
