@@ -1,6 +1,6 @@
 """What every benchmark run records about itself: its command, its start and the git revision.
 
-A run's JSON (committed under ``bench/runs/``, appended, never replaced) starts with these
+A run's JSON (committed under ``bench/results/``, appended, never replaced) starts with these
 fields, so a figure quoted from it can be traced to the code and the command that made it.
 """
 
