@@ -167,6 +167,9 @@ class PackedReceiver:
             self._land_all(job, views)
         except Refused as e:  # every byte still came: the group is in step
             why = str(e)
+        except BaseException:  # the group failed mid-stream: the buffer goes back, nothing was prepared
+            self.pool.give(flat)
+            raise
         if why is None and self.check_finite and (bad := nonfinite(views)) is not None:
             why = f"{bad} has NaN or Inf"
         if why is None:

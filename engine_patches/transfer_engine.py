@@ -93,6 +93,7 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
             raise RLApiError("inflight: start_weight_update while an update is open: call finish_weight_update first")
         if self._receiver is not None:
             if self._receiver.broken:
+                self._receiver.take_refusal()  # the update the failure took down: reported by this error
                 raise RLApiError(f"inflight: the trainer's group failed ({self._receiver.broken}): call "
                                  "init_weight_transfer_engine again")
             if (refused := self._receiver.take_refusal()) is not None:

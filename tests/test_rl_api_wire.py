@@ -242,3 +242,32 @@ def test_vllms_own_nccl_producer_lands_in_flight(tiny_qwen) -> None:
     ref = Reference(tiny_qwen, "float32").load({k: v.cpu() for k, v in state.items()})
     (o,) = llm.generate([{"prompt_token_ids": [5, 17, 42, 9]}], sp, use_tqdm=False)
     assert list(o.outputs[0].token_ids) == ref.greedy([5, 17, 42, 9], 4)
+
+
+def test_a_trainer_gone_mid_transfer_leaves_the_engine_serving(wired, hold_port) -> None:
+    """The trainer sends one chunk of an update and dies: the receiver's next chunk fails, its
+    buffer goes back, the engine serves its last version, and the next start asks for a new
+    init; the new trainer's update lands."""
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    llm, trainer, states, ref = wired
+    coordinator = coordinator_of(llm)
+    live = coordinator.live_version
+    base = states[0]
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"names": list(base), "dtype_names": ["float32"] * len(base),
+                                        "shapes": [list(t.shape) for t in base.values()]}})
+    first = pack_tensors(iter(perturbed(base, seed=601, scale=0.02).items()), lambda item: item[1], BUFFER)
+    trainer.wire.broadcast(first.packed_tensor, src=0)  # one chunk of several
+    trainer.wire.plane.abort()  # the trainer process is gone: its sockets close
+    llm.finish_weight_update()
+    with pytest.raises(RLApiError, match="the trainer's group failed .*call init_weight_transfer_engine again"):
+        wait_until(lambda: _refused_start(llm), "the receiver to find the trainer gone")
+    _serving(llm, states, ref, live)
+    trainer.port = hold_port()
+    trainer.init()
+    v = coordinator.live_version + 2  # the lost update's number is not reused
+    states[v] = perturbed(base, seed=602, scale=0.02)
+    trainer.send(states[v])
+    wait_until(lambda: coordinator.live_version == v, "the new trainer's update to commit")
+    _serving(llm, states, ref, v)
