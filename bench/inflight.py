@@ -176,6 +176,7 @@ class Bench:
         lags: list[int] = []
         cues: list[int] = []  # the step intervals (1-based) a push was sent before
         st = {"routed": 0, "finished": 0, "skipped": 0}
+        api_s: list[float] = []  # inflight-native-api: the engine thread's time in the API's calls, per update
         pushing, draining = False, False
         coordinator_start = self.coordinator.steps
         peak_before = self.staging_peak()
@@ -196,7 +197,9 @@ class Bench:
             r = self.conn.recv()
             stream.event(r, r["commit_step"] - coordinator_start + 1)
             if api:  # as InflightTrainerWeightTransferEngine.send_weights: finish, naming the version, once it landed
+                t0 = time.perf_counter()
                 self.llm.finish_weight_update(str(self.version))
+                api_s[-1] += time.perf_counter() - t0
 
         for i in range(steps):
             due = i > 0 and i % every == 0
@@ -206,8 +209,10 @@ class Bench:
                 elif due:
                     self.version += 1
                     if api:  # vLLM's RL API, each call between two steps: start, then update_weights(info)
+                        t0 = time.perf_counter()
                         self.llm.start_weight_update()
                         self.llm.update_weights({"update_info": {"version": self.version, **self.native_info}})
+                        api_s.append(time.perf_counter() - t0)
                     self.conn.send(("push", self.version))
                     cues.append(i + 1)
                     pushing = True
@@ -236,7 +241,7 @@ class Bench:
             if self.conn.poll():
                 landed()
                 pushing = False
-        return {**stream.end(every, st["skipped"]), "lags": lags, "cues": cues, "routing": self.routing,
+        return {**stream.end(every, st["skipped"]), "lags": lags, "cues": cues, "routing": self.routing, "api_s": api_s,
                 "routed": st["routed"], "finished": st["finished"], "peak": (peak_before, self.staging_peak())}
 
     def report(self, chunks: list[dict], label: str | None = None) -> dict:
@@ -272,6 +277,8 @@ class Bench:
             "stage_ms": round(statistics.median(r["stage_ms"] for r in infos), 1) if pushed else None,
             "ms_per_gb": round(1e3 * statistics.median(send) / (nbytes / 2**30), 1) if send else None,
             "lag_hist": dict(sorted(hist.items())), **self.staging_of(mode, chunks, infos),
+            # inflight-native-api: the RL API's calls per update (start, update_weights, finish), on the engine thread
+            "api_ms": round(1e3 * statistics.median(a), 3) if (a := [x for c in chunks for x in c.get("api_s", ())]) else None,
             "_quiet": [g for c in chunks for g in c["quiet"]], "_events": [g for c in chunks for g in c["event_gaps"]],
         }
 

@@ -72,4 +72,4 @@ def plot(rows: list[dict], png: Path) -> None:
 
 COLS = ["model", "engine", "every", "mode", "updates", "steps_per_update", "tok_s", "vs_none", "lost_ms_per_update",
         "lost_ms_per_update_capped", "capped_steps", "step_ms", "stall_ms", "commit_ms", "push_stall_ms", "groups",
-        "stage_ms", "ms_per_gb", "staging_peak_bytes", "peak_how"]
+        "stage_ms", "ms_per_gb", "staging_peak_bytes", "peak_how", "api_ms"]
