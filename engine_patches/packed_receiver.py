@@ -196,8 +196,10 @@ class PackedReceiver:
         sizes = [nbytes_of(s, d) for s, d in zip(job.shapes, job.dtypes)]
         groups = chunk_plan(sizes, self.buffer_size_bytes) if self.packed else [range(i, i + 1) for i in range(len(sizes))]
         refused: list[str] = []
-        for chunk in groups:
-            buf = torch.empty(sum(sizes[i] for i in chunk), dtype=torch.uint8, device=self.device)
+        lengths = [sum(sizes[i] for i in chunk) for chunk in groups]
+        landing = torch.empty(max(lengths, default=0), dtype=torch.uint8, device=self.device)  # one per update
+        for chunk, length in zip(groups, lengths):
+            buf = landing[:length]
             self._broadcast(buf)
             offset = 0
             for i in chunk:

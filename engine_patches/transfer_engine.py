@@ -190,11 +190,11 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
         dtypes = []
         for name, dname in zip(info.names, info.dtype_names):
             dtype = getattr(torch, str(dname), None)
-            own = self._schema.tensors[name][1]
-            if not isinstance(dtype, torch.dtype) or (dtype.is_floating_point != torch_dtype(own).is_floating_point) or (
-                    not dtype.is_floating_point and str(dname) != own):
+            own_name = self._schema.tensors[name][1]
+            own = torch_dtype(own_name)
+            if not isinstance(dtype, torch.dtype) or not (dtype == own or (dtype.is_floating_point and own.is_floating_point)):
                 raise RLApiError(f"inflight: v{info.version}: {name} travels as {dname!r}, which this engine cannot "
-                                 f"take into its {own} (a float converts to any float; anything else must match)")
+                                 f"take into its {own_name} (a float converts to any float; anything else must match)")
             dtypes.append(dtype)
         self._receiver.expect(WireUpdate(info.version, list(info.names), [list(s) for s in info.shapes], dtypes))
 
