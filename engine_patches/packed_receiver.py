@@ -203,7 +203,10 @@ class PackedReceiver:
             self._broadcast(buf)
             offset = 0
             for i in chunk:
-                wire = buf[offset:offset + sizes[i]].view(job.dtypes[i]).view(job.shapes[i])
+                piece = buf[offset:offset + sizes[i]]
+                if offset % job.dtypes[i].itemsize:  # packed bytes carry no alignment: a view needs it
+                    piece = piece.clone()
+                wire = piece.view(job.dtypes[i]).view(job.shapes[i])
                 offset += sizes[i]
                 try:
                     self._place(job.names[i], wire, views[job.names[i]])

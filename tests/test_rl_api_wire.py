@@ -271,3 +271,36 @@ def test_a_trainer_gone_mid_transfer_leaves_the_engine_serving(wired, hold_port)
     trainer.send(states[v])
     wait_until(lambda: coordinator.live_version == v, "the new trainer's update to commit")
     _serving(llm, states, ref, v)
+
+
+def test_a_packed_chunk_lands_whole_even_where_a_tensor_starts_unaligned(hold_port) -> None:
+    """vLLM's packing has no alignment: a float32 after a bfloat16 of odd length starts at an
+    offset a float32 view cannot take. The receiver lands every tensor of such a chunk, cast
+    to its staging dtype, over a real gloo pair."""
+    from inflight.engine.packed_receiver import PackedReceiver, WireUpdate
+    from inflight.transport.layout import TensorSchema
+
+    sent = {"a": torch.arange(3, dtype=torch.float32).to(torch.bfloat16), "b": torch.randn(5),
+            "c": torch.randn(2, 3).to(torch.bfloat16), "d": torch.arange(7, dtype=torch.int64)}
+    port = hold_port()
+    ends: list[GlooWire] = []
+    rank0 = threading.Thread(target=lambda: ends.append(GlooWire("127.0.0.1", port, 0, 2, timeout_s=30.0)))
+    rank0.start()
+    worker = GlooWire("127.0.0.1", port, 1, 2, timeout_s=30.0)
+    rank0.join()
+    schema = TensorSchema({"a": ((3,), "float32"), "b": ((5,), "float32"), "c": ((2, 3), "float32"),
+                           "d": ((7,), "int64")})
+    receiver = PackedReceiver(worker, packed=True, buffer_size_bytes=1 << 20, target=None, schema=schema, pool=None,
+                              plan=None, stats=None, check_finite=True, device=torch.device("cpu"))
+    views = {n: torch.zeros(shape, dtype=getattr(torch, d)) for n, (shape, d) in schema.tensors.items()}
+    job = WireUpdate(1, list(sent), [list(t.shape) for t in sent.values()], [t.dtype for t in sent.values()])
+    sender = threading.Thread(target=lambda: send_packed(sent.items(), ends[0], 1 << 20))
+    sender.start()
+    try:
+        receiver._land_all(job, views)
+    finally:
+        sender.join()
+        worker.close()
+        ends[0].close()
+    for name, t in sent.items():
+        assert torch.equal(views[name], t.to(views[name].dtype)), name
