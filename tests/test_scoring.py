@@ -411,3 +411,28 @@ def test_engine_task_factory_scores_as_the_engine_does_under_the_default_cap(tmp
         pool.submit("g", prompts, completions)
         got = collect(pool, ["g"])["g"]
     assert got == Scored("g", RepeatDigit(tok, 4).score(prompts, completions), "")
+
+
+def test_a_reasoning_gym_mix_scores_in_the_engine_pool_as_called_directly(tmp_path: Path) -> None:
+    """``task.name = "reasoning_gym"`` built as the engine builds it, in a worker under the
+    default memory cap: each prompt carries its entry, and the rewards equal the task's own."""
+    from inflight.trainer.config_files import config_from_dict
+    from inflight.trainer.tasks import build_task
+    from inflight.trainer.tiny_model import default_corpus, train_tokenizer
+
+    train_tokenizer(default_corpus(), tmp_path)
+    cfg = config_from_dict({"task": {"name": "reasoning_gym", "reasoning_gym": {
+        "datasets": ["basic_arithmetic", "spell_backward"], "seed": 7}}})
+    task, rng = build_task(cfg, tokenizer=None), random.Random(2)
+    groups = {}
+    for g in range(4):
+        p = task.sample(rng)
+        texts = [f"<answer>{p.answer}</answer>", "<answer>?</answer>", p.answer, f"<answer>{p.answer}</answer>."]
+        groups[f"g{g}"] = ([p] * 4, [Completion(t, []) for t in texts])
+    with ScoringPool(engine_task_factory(cfg, str(tmp_path)), timeout_s=120.0) as pool:
+        for key, (prompts, completions) in groups.items():
+            pool.submit(key, prompts, completions)
+        got = collect(pool, list(groups), within_s=600.0)
+    for key, (prompts, completions) in groups.items():
+        assert got[key] == Scored(key, task.score(prompts, completions), "")
+        assert got[key].rewards[0] == 1.0 and got[key].rewards[2] == 0.0

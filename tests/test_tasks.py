@@ -328,3 +328,104 @@ def test_training_run_logs_evaluation(tmp_path) -> None:
     assert summary["steps"] == 3 and summary["eval_versions"] == [0, 3]
     assert summary["eval_accuracy_last"] == rows[-1]["eval_accuracy"]
     assert (tmp_path / "run" / "training.png").stat().st_size > 10_000
+
+
+def _documented_toml(heading: str) -> str:
+    """The first TOML block after ``heading`` in docs/training.md."""
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "docs" / "training.md").read_text()
+    after = text[text.index(heading + "\n"):]
+    return after.split("```toml\n", 1)[1].split("```", 1)[0]
+
+
+def _reasoning_gym_reference(text: str, entry: dict) -> float:
+    """reasoning-gym's own score of a completion: its ``extract_answer``, then the entry's
+    dataset's ``score_answer`` (no answer tag: 0, as its evaluations count it)."""
+    import reasoning_gym
+    from reasoning_gym.utils import extract_answer
+
+    answer = extract_answer(text)
+    return 0.0 if answer is None else reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])(answer, entry)
+
+
+def test_the_documented_reasoning_gym_mix_is_a_task(tmp_path) -> None:
+    """docs/training.md's ``[task.reasoning_gym]`` block, as written: its options reach the
+    datasets, the weights the draws, nothing held out is sampled, the held-out set is the
+    same on every build, and the reward is reasoning-gym's own score."""
+    from inflight.trainer.config_files import load_config
+
+    (tmp_path / "run.toml").write_text(_documented_toml("### reasoning-gym") + "\n[eval]\nevery = 5\nprompts = 40\n")
+    cfg = load_config(tmp_path / "run.toml")
+    task, again = build_task(cfg, tokenizer=None), build_task(cfg, tokenizer=None)
+    held = task.eval_prompts(40)
+    assert len(held) == 40 and held == again.eval_prompts(40)
+    rng = random.Random(5)
+    drawn = [task.sample(rng) for _ in range(600)]
+    assert not {p.meta["entry"]["question"] for p in drawn} & {p.meta["entry"]["question"] for p in held}
+    sources = [p.meta["entry"]["metadata"]["source_dataset"] for p in drawn]
+    assert set(sources) == {"basic_arithmetic", "leg_counting"}
+    assert abs(sources.count("basic_arithmetic") / 600 - 2 / 3) < 4 * (2 / 9 / 600) ** 0.5  # weights 2:1, 4 sigma
+    assert all(p.meta["entry"]["metadata"]["num_terms"] <= 2 for p in drawn if "num_terms" in p.meta["entry"]["metadata"])
+    assert drawn[0].text.startswith("Given a problem") and drawn[0].text.endswith(drawn[0].meta["entry"]["question"])
+    for p in drawn[:40]:
+        right, entry = p.answer, p.meta["entry"]
+        texts = [f"<answer>{right}</answer>", f"<answer>0</answer> no: <answer>{right}</answer>",
+                 f"<answer>{right}1</answer>", right, ""]
+        rewards = task.score([p] * 5, [_done(t) for t in texts])
+        assert rewards == [_reasoning_gym_reference(t, entry) for t in texts]
+        assert rewards[:2] == [1.0, 1.0] and rewards[2] < 1 and rewards[3:] == [0.0, 0.0]
+    # reasoning-gym seeds entry i with seed + i: under seed 1, entries 1..40 are eval_seed 2's
+    # 40 held-out ones, so entry 0 is the only one left to draw
+    shifted = build_task(config_from_dict({"eval": {"every": 5, "prompts": 40}, "task": {
+        "name": "reasoning_gym", "reasoning_gym": {"datasets": ["leg_counting"], "size": 41, "seed": 1,
+                                                   "eval_seed": 2}}}), tokenizer=None)
+    held_questions = {p.meta["entry"]["question"] for p in shifted.eval_prompts(40)}
+    assert shifted.train[1]["question"] in held_questions and shifted.train[0]["question"] not in held_questions
+    assert {shifted.sample(rng).meta["entry"]["question"] for _ in range(30)} == {shifted.train[0]["question"]}
+
+
+def test_reasoning_gym_rewards_are_its_own_not_a_number_match(tiny_tok) -> None:
+    """A dataset whose answers are words (``spell_backward``) and a chat model: the system
+    prompt and question go through the chat template, and a word answer scores as
+    reasoning-gym scores it."""
+    import copy
+
+    chat_tok = copy.deepcopy(tiny_tok)
+    chat_tok.chat_template = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                              "{% if add_generation_prompt %}<|endoftext|>assistant: {% endif %}")
+    cfg = config_from_dict({"task": {"name": "reasoning_gym", "reasoning_gym": {
+        "datasets": ["spell_backward"], "system_prompt": "simple"}}})
+    task = build_task(cfg, tokenizer=chat_tok)
+    p = task.sample(random.Random(1))
+    assert [m["role"] for m in p.messages] == ["system", "user"] and p.messages[1]["content"] == p.meta["entry"]["question"]
+    assert chat_tok.decode(encode_prompt(chat_tok, p, "auto")).count(p.meta["entry"]["question"]) == 1
+    assert build_task(cfg, tokenizer=tiny_tok).sample(random.Random(1)).text.endswith(p.meta["entry"]["question"])
+    word = p.answer
+    texts = [f"<answer>{word}</answer>", f"<answer>{word[::-1]}</answer>" if word != word[::-1] else "<answer>x</answer>"]
+    assert task.score([p] * 2, [_done(t) for t in texts]) == [1.0, _reasoning_gym_reference(texts[1], p.meta["entry"])]
+    assert task.score([p], [_done(texts[1])])[0] < 1
+
+
+@pytest.mark.parametrize(("table", "named"), [
+    ({"datasets": ["basic_arithmetc"]}, r"'basic_arithmetc' is not a reasoning-gym dataset \(did you mean basic_arithmetic"),
+    ({"datasets": ["leg_counting", "leg_counting"]}, r"must name one dataset or more, each once"),
+    ({"datasets": ["leg_counting"], "weights": [1, 2]}, r"weights=\[1, 2\] must have one weight per dataset \(1\)"),
+    ({"datasets": ["leg_counting"], "weights": [0]}, r"weights=\[0\] must all be finite and > 0"),
+    ({"datasets": ["leg_counting"], "options": {"basic_arithmetic": {}}}, r"options names \['basic_arithmetic'\]"),
+    ({"seed": 3, "eval_seed": 3}, r"eval_seed=3 must differ from seed"),
+])
+def test_a_bad_reasoning_gym_table_is_refused_at_load(table: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        config_from_dict({"task": {"name": "reasoning_gym", "reasoning_gym": table}})
+
+
+def test_a_reasoning_gym_option_its_dataset_refuses_stops_the_build(tiny_tok) -> None:
+    cfg = config_from_dict({"task": {"name": "reasoning_gym", "reasoning_gym": {
+        "datasets": ["leg_counting"], "options": {"leg_counting": {"max_legs": 3}}}}})
+    with pytest.raises(ValueError, match=r"reasoning-gym refused the mix \['leg_counting'\] .*unexpected keyword "
+                                         r"argument 'max_legs'"):
+        build_task(cfg, tokenizer=tiny_tok)
+    with pytest.raises(ValueError, match=r"system_prompt='socratic' is not one of \['DeepSeekZero', "):
+        build_task(config_from_dict({"task": {"name": "reasoning_gym", "reasoning_gym": {"system_prompt": "socratic"}}}),
+                   tokenizer=None)

@@ -10,6 +10,7 @@
 | ``dataset`` | a Hugging Face dataset's prompt and answer columns (``[task.dataset]``) | as ``jsonl``, or your function |
 | ``calculator`` | multi-turn: ``What is 47 * 29?`` with a ``calc:`` tool (``[task.calculator]``) | 1 for the right ``answer:``, ``tool_credit`` for a call |
 | ``guess_number`` | multi-turn: a secret in [lo, hi], higher/lower feedback (``[task.guess_number]``) | 1 for a win, closeness and consistency credit otherwise |
+| ``reasoning_gym`` | a mix of reasoning-gym datasets (``[task.reasoning_gym]``: names, weights, seeds) | the dataset's ``score_answer`` on ``<answer>`` |
 | ``pkg.module:factory`` | yours: ``factory(tokenizer=..., **task.options)`` returns a ``Task`` | yours |
 """
 
@@ -28,11 +29,12 @@ from inflight.trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
 from inflight.trainer.tasks.guess_number import GuessNumber
 from inflight.trainer.tasks.hf_dataset import DatasetTask
 from inflight.trainer.tasks.jsonl import SAMPLE, JsonlFormatError, JsonlTask, load_jsonl
+from inflight.trainer.tasks.reasoning_mix import ReasoningGymTask
 
 if TYPE_CHECKING:
     from inflight.trainer.config import TrainConfig
 
-__all__ = ["BUILTIN", "Arithmetic", "Calculator", "Completion", "DatasetTask", "EpisodeTask", "EpisodeView", "GuessNumber", "Turn", "JsonlFormatError", "JsonlTask", "Prompt", "RepeatDigit", "SAMPLE",
+__all__ = ["BUILTIN", "Arithmetic", "Calculator", "Completion", "DatasetTask", "EpisodeTask", "EpisodeView", "GuessNumber", "Turn", "JsonlFormatError", "JsonlTask", "Prompt", "ReasoningGymTask", "RepeatDigit", "SAMPLE",
            "Task", "build_task", "encode_prompt", "final_number", "load_factory", "load_jsonl", "model_stop_ids",
            "stop_token_ids",
            "uses_chat"]
@@ -56,6 +58,11 @@ def build_task(train_cfg: TrainConfig, tokenizer: Any) -> Task:
         settings = getattr(cfg, cfg.name)
         cls = Calculator if cfg.name == "calculator" else GuessNumber
         return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}, eval_size=eval_size)
+    if cfg.name == "reasoning_gym":
+        r = cfg.reasoning_gym
+        return ReasoningGymTask(datasets=r.datasets, weights=r.weights, options=r.options, size=r.size, seed=r.seed,
+                                eval_seed=r.eval_seed, system_prompt=r.system_prompt,
+                                chat=uses_chat(tokenizer, cfg.chat), eval_size=eval_size)
     task = load_factory(cfg.name)(tokenizer=tokenizer, **cfg.options)
     if not isinstance(task, Task) and not all(callable(getattr(task, m, None)) for m in ("sample", "score", "eval_prompts")):
         raise TypeError(f"task.name={cfg.name!r} returned {type(task).__name__}, not a inflight.trainer.tasks.Task "

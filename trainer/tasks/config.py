@@ -147,6 +147,43 @@ class GuessNumberConfig:
         _check_task(GuessNumber, "task.guess_number", self)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ReasoningGymConfig:
+    """The ``reasoning_gym`` task (``inflight.trainer.tasks.reasoning_mix``): a mix of reasoning-gym datasets."""
+
+    datasets: tuple[str, ...] = ("basic_arithmetic",)
+    """reasoning-gym dataset names (``reasoning_gym.factory.DATASETS``), drawn from by weight."""
+    weights: tuple[float, ...] = ()
+    """One weight per dataset, > 0 (empty: equal weights)."""
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per dataset, its reasoning-gym config's keyword arguments: ``{basic_arithmetic = {max_terms = 3}}``."""
+    size: int = 100_000
+    """Training entries the mix is drawn from (entry i of ``seed``)."""
+    seed: int = 1
+    """The training entries' seed."""
+    eval_seed: int = 1_000_000
+    """The held-out entries' seed (``eval.prompts`` of them); training never samples a held-out question."""
+    system_prompt: str = "default"
+    """A key of ``reasoning_gym.utils.SYSTEM_PROMPTS`` (each asks for ``<answer>...</answer>``), or empty: none."""
+
+    def __post_init__(self) -> None:
+        if not self.datasets or len(set(self.datasets)) != len(self.datasets):
+            raise ValueError(f"task.reasoning_gym.datasets={list(self.datasets)} must name one dataset or more, "
+                             "each once")
+        if self.weights and len(self.weights) != len(self.datasets):
+            raise ValueError(f"task.reasoning_gym.weights={list(self.weights)} must have one weight per dataset "
+                             f"({len(self.datasets)}), or be empty")
+        if not all(math.isfinite(w) and w > 0 for w in self.weights):
+            raise ValueError(f"task.reasoning_gym.weights={list(self.weights)} must all be finite and > 0")
+        if set(self.options) - set(self.datasets):
+            raise ValueError(f"task.reasoning_gym.options names {sorted(set(self.options) - set(self.datasets))}, "
+                             f"not in task.reasoning_gym.datasets={list(self.datasets)}")
+        if self.size < 1:
+            raise ValueError(f"task.reasoning_gym.size={self.size} must be >= 1")
+        if self.seed == self.eval_seed:
+            raise ValueError(f"task.reasoning_gym.eval_seed={self.eval_seed} must differ from seed")
+
+
 def _check_task(cls: Any, where: str, cfg: Any) -> None:
     """The task's own checks, at load time, the message naming the config table."""
     try:
@@ -214,7 +251,7 @@ class EpisodeConfig:
             raise ValueError(f"task.episode.failure_reward={self.failure_reward} must be a finite number")
 
 
-BUILTIN = ("repeat_digit", "arithmetic", "jsonl", "dataset", "calculator", "guess_number")
+BUILTIN = ("repeat_digit", "arithmetic", "jsonl", "dataset", "calculator", "guess_number", "reasoning_gym")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
@@ -223,7 +260,7 @@ class TaskConfig:
     """What the policy is trained on (``trainer/tasks``)."""
 
     name: str = "repeat_digit"
-    """repeat_digit | arithmetic | jsonl | dataset | calculator | guess_number, or your own
+    """repeat_digit | arithmetic | jsonl | dataset | calculator | guess_number | reasoning_gym, or your own
     ``pkg.module:factory`` (called as ``factory(tokenizer=..., **options)``, returning a
     ``inflight.trainer.tasks.Task``)."""
     completion_tokens: int = 16
@@ -243,6 +280,8 @@ class TaskConfig:
     """calculator only (multi-turn, a tool): difficulty and reward."""
     guess_number: GuessNumberConfig = field(default_factory=GuessNumberConfig)
     """guess_number only (multi-turn, feedback): range and reward."""
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    """reasoning_gym only: the datasets, their weights and options, and the seeds."""
     options: dict[str, Any] = field(default_factory=dict)
     """A ``module:factory`` task only: keyword arguments of the factory."""
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
@@ -262,5 +301,9 @@ class TaskConfig:
         if self.name == "dataset" and not self.dataset.path:
             raise ValueError("task.name = 'dataset' needs task.dataset.path: a hub id (openai/gsm8k), a directory "
                              "written by save_to_disk, or a data file")
+        if self.name == "reasoning_gym":
+            from inflight.trainer.tasks.reasoning_mix import check_dataset_names
+
+            check_dataset_names(self.reasoning_gym.datasets)
         if not 0 <= self.digit_credit <= 1:
             raise ValueError(f"task.digit_credit={self.digit_credit} must be in [0, 1]")
