@@ -3,8 +3,10 @@ by the scoring processes, which build the task from the engine's ``sys.path``.""
 
 from __future__ import annotations
 
+import os
 import random
 import time
+from pathlib import Path
 
 from inflight.trainer.tasks.base import Prompt
 from inflight.trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
@@ -16,7 +18,8 @@ class Echo(EpisodeTask):
     """``turns`` turns: each reply is answered ``obs <i>`` (as a tool; the second as raw token
     ids, ``observation_ids``, of `` ids 2 ``); the last earns the number of characters the
     policy wrote. A prompt's ``meta["fault"]`` makes every turn of
-    its episodes raise, hang, answer garbage or run out of memory."""
+    its episodes raise, hang, answer garbage or run out of memory; ``one_hangs``: the first
+    turn to create the file ``meta["marker"]`` hangs, every other one raises once it exists."""
 
     def __init__(self, tokenizer, turns: int, prompt_chars: int) -> None:  # noqa: ANN001
         self.tokenizer, self.turns, self.prompt_chars = tokenizer, turns, prompt_chars
@@ -33,6 +36,8 @@ class Echo(EpisodeTask):
             raise RuntimeError("the tool crashed")
         if fault == "hang":
             time.sleep(3600)
+        if fault == "one_hangs":
+            _one_hangs(Path(episode.prompt.meta["marker"]))
         if fault == "garbage":
             return {"observation": 42}  # type: ignore[return-value]
         if fault == "memory":
@@ -47,6 +52,15 @@ class Echo(EpisodeTask):
     def eval_prompts(self, n: int) -> list[Prompt]:
         rng = random.Random(7)
         return [self.sample(rng) for _ in range(n)]
+
+
+def _one_hangs(marker: Path) -> None:
+    """Hang if this call creates ``marker`` first; else raise (it exists)."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        raise RuntimeError("the other episode's tool hangs") from None
+    time.sleep(3600)
 
 
 def make(tokenizer, turns: int = 3, prompt_chars: int = 300) -> Echo:  # noqa: ANN001

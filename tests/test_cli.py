@@ -15,8 +15,8 @@ from inflight.trainer import cli
 from inflight.trainer.config_files import CONFIG_DIR, config_names, find_config, load_config, parse_override
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGED = ["demo", "fleet_cpu", "gpu_hf_model", "smollm2_calculator_cpu", "smollm2_cpu", "smollm2_guess_cpu",
-            "smollm2_lora_cpu"]
+PACKAGED = ["demo", "fleet_cpu", "gpu_hf_model", "smollm2_calculator_cpu", "smollm2_calculator_native_cpu", "smollm2_cpu",
+            "smollm2_guess_cpu", "smollm2_lora_cpu", "smollm2_reasoning_gym_cpu"]
 
 
 def test_packaged_configs_are_found_by_name_and_all_load() -> None:
@@ -39,8 +39,9 @@ def test_a_path_still_works(tmp_path: Path) -> None:
 
 def test_an_unknown_name_lists_the_packaged_ones() -> None:
     with pytest.raises(FileNotFoundError, match=r"config 'dmeo': no packaged config of that name; packaged: "
-                                                 r"demo, fleet_cpu, gpu_hf_model, smollm2_calculator_cpu, smollm2_cpu, "
-                                                 r"smollm2_guess_cpu, smollm2_lora_cpu"):
+                                                 r"demo, fleet_cpu, gpu_hf_model, smollm2_calculator_cpu, "
+                                                 r"smollm2_calculator_native_cpu, smollm2_cpu, smollm2_guess_cpu, "
+                                                 r"smollm2_lora_cpu, smollm2_reasoning_gym_cpu"):
         find_config("dmeo")
 
 

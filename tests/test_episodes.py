@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -293,8 +294,8 @@ def test_episodes_span_commits_and_replay_from_their_tags(engine) -> None:
         spans.append(len({v for v, o in zip(s.versions, s.observation) if not o}))
     assert max(spans) == 3, spans  # an episode sampled by v0, v1 and v2: it spans both commits
     c = d.rollout.counts
-    assert c == {"started": 4, "finished": 4, "failed": 0, "dropped": 0, "shipped": 4, "groups_failed": 0,
-                 "resumed": 0}, c
+    assert c == {"started": 4, "finished": 4, "failed": 0, "dropped": 0, "shipped": 4, "groups_scored": 2,
+                 "groups_failed": 0, "resumed": 0, "turns_cancelled": 0}, c
 
 
 def _text(rng) -> str:
@@ -323,7 +324,10 @@ def test_a_faulty_environment_fails_its_episode_and_the_ledger_balances(engine, 
     log = caplog.text
     for error in ("Echo.turn raised RuntimeError: the tool crashed", f"timeout_s={ENV_TIMEOUT_S:g}", "not a Turn",
                   "Echo.turn ran out of memory (MemoryError) under the worker's cap of memory_mb=3072 MiB"):
-        assert "task tests.episode_envs:make failed to score group f-" in log and error in log, error
+        line = next((r.getMessage() for r in caplog.records if r.name == "inflight.rollout" and error in r.getMessage()), "")
+        assert re.match(r"rollout: task tests\.episode_envs:make: episode f-\w+\.[01] \(turn 1\) failed \(prompt '.*'\): "
+                        r".*; its group is dropped \(\d+ failed so far, \d+ scored\)", line), line
+    assert "Traceback (most recent call last)" in log and 'raise RuntimeError("the tool crashed")' in log
     # with on_failure = "reward", a failed episode trains with failure_reward
     d = Driver(engine, episode={"on_failure": "reward", "failure_reward": -1.0}, scoring={"timeout_s": 30.0})
     try:
@@ -334,6 +338,35 @@ def test_a_faulty_environment_fails_its_episode_and_the_ledger_balances(engine, 
     (g,) = d.groups
     assert [s.reward for s in g.samples] == [-1.0, -1.0] and d.rollout.counts["failed"] == 2
     assert g.engine_ledger["episodes_shipped"] == 2 and g.engine_ledger["groups_failed"] == 0
+
+
+def test_a_hung_tool_holds_one_worker_and_its_dropped_group_turn_is_cancelled(engine, tmp_path, caplog) -> None:
+    """One scoring worker to start with: one episode's tool hangs (no timeout the test could
+    reach), its group's other episode fails, which drops the group. The hung turn is
+    cancelled (its worker killed) and counted; three other groups, started with it, finish on
+    the workers the pool grew for them; the failure is one log line naming the task, the
+    episode and the error, the environment's traceback after it."""
+    caplog.set_level(logging.INFO, logger="inflight.rollout")
+    d = Driver(engine, scoring={"workers": 1, "max_workers": 3, "timeout_s": 3600.0})
+    rng = __import__("random").Random(3)
+    try:
+        d.start("h", Prompt(_text(rng), meta={"fault": "one_hangs", "marker": str(tmp_path / "hung")}))
+        for gid in ("ok1", "ok2", "ok3"):
+            d.start(gid, Prompt(_text(rng)))
+        d.run()  # every group finished or failed
+        wait_until(lambda: d.rollout.collect() == [] and d.rollout.counts["turns_cancelled"] == 1,
+                   "the hung turn's cancellation to come back")
+        counts, pool = dict(d.rollout.counts), dict(d.rollout.pool.counts)
+    finally:
+        d.rollout.close()
+    assert sorted(g.group_id for g in d.groups) == ["ok1", "ok2", "ok3"]
+    assert counts == {"started": 8, "finished": 6, "failed": 1, "dropped": 1, "shipped": 6, "groups_scored": 3,
+                      "groups_failed": 1, "resumed": 0, "turns_cancelled": 1}, counts
+    assert pool["cancelled"] == 1 and pool["timeouts"] == 0 and pool["grown"] >= 1, pool
+    [line] = [r.getMessage() for r in caplog.records if "the other episode's tool hangs" in r.getMessage()]
+    assert re.match(r"rollout: task tests\.episode_envs:make: episode h\.[01] \(turn 1\) failed \(prompt '.*'\): "
+                    r"Echo\.turn raised RuntimeError: the other episode's tool hangs; its group is dropped "
+                    r"\(1 failed so far, \d+ scored\)\nTraceback \(most recent call last\):", line), line
 
 
 @pytest.mark.parametrize("on_restart", ["resume", "drop"])

@@ -155,6 +155,7 @@ def pool():
     ({"timeout_s": math.nan}, "timeout_s=nan"), ({"timeout_s": "5"}, "timeout_s='5'"),
     ({"memory_mb": 10}, "memory_mb=10"), ({"start_timeout_s": -1}, "start_timeout_s=-1"),
     ({"make_task": 42}, "make_task=42"), ({"make_task": lambda: Scripted()}, "cannot be pickled"),
+    ({"workers": 2, "max_workers": 1}, "max_workers=1 must be an int >= workers=2"),
 ])
 def test_settings_are_validated_naming_the_bad_value(kwargs: dict, named: str) -> None:
     kwargs = {"make_task": Scripted, **kwargs}
@@ -436,3 +437,59 @@ def test_a_reasoning_gym_mix_scores_in_the_engine_pool_as_called_directly(tmp_pa
     for key, (prompts, completions) in groups.items():
         assert got[key] == Scored(key, task.score(prompts, completions), "")
         assert got[key].rewards[0] == 1.0 and got[key].rewards[2] == 0.0
+
+
+# -- growth and cancelling -------------------------------------------------------------------
+def test_a_hung_call_holds_one_worker_and_the_others_run_on_a_grown_one(tmp_path: Path) -> None:
+    """One worker, room for two: a call that hangs (an environment's tool, past any timeout
+    the test waits for) holds its worker; the calls after it run on a second worker started
+    for them, all of them before the hung one ends. Cancelling it kills its worker (and the
+    verifier's child) and counts it cancelled, not failed."""
+    with ScoringPool(functools.partial(Scripted), workers=1, max_workers=2, timeout_s=HANG_S, memory_mb=None) as pool:
+        assert pool.wait_ready(HANG_S)
+        [first] = pool.pids()
+        pool.submit("stuck", *group("hang", str(tmp_path / "sleeper")))
+        wait_until(lambda: (tmp_path / "sleeper").exists(), "the hung call to start its child")
+        keys = [f"after{i}" for i in range(6)]
+        for key in keys:
+            pool.submit(key, *group())
+        got = collect(pool, keys)  # "stuck" coming back among them fails collect: it must still hang
+        assert all(s == Scored(s.key, GOOD, "") for s in got.values())
+        assert pool.counts["grown"] == 1 and len(pool.pids()) == 2 and first in pool.pids()
+        pool.cancel(["stuck", "after0", "never-submitted"], "group g was dropped")  # only "stuck" is pending
+        [stuck] = collect(pool, ["stuck"]).values()
+        assert stuck.rewards is None and stuck.cancelled and stuck.error == (
+            f"key 'stuck': cancelled while it ran (group g was dropped); its worker (pid {first}) was killed and replaced")
+        wait_until(lambda: gone(first) and gone(int((tmp_path / "sleeper").read_text())),
+                   "the cancelled call's worker and its child to be gone")
+        pool.submit("next", *group())
+        assert collect(pool, ["next"])["next"] == Scored("next", GOOD, "")
+        assert {k: pool.counts[k] for k in ("cancelled", "failed", "timeouts", "scored", "grown")} == {
+            "cancelled": 1, "failed": 0, "timeouts": 0, "scored": 7, "grown": 1}
+        assert len(pool.pids()) == 2  # the replacement took the slot; nothing grew past max_workers
+
+
+def test_cancel_takes_queued_calls_out_before_they_run(tmp_path: Path) -> None:
+    with ScoringPool(functools.partial(Scripted), workers=1, timeout_s=HANG_S, memory_mb=None) as pool:
+        assert pool.wait_ready(HANG_S)
+        gate = tmp_path / "gate"
+        pool.submit("blocker", *group("wait", str(gate)))
+        pool.submit("queued1", *group("raise"))  # would fail if it ran: cancelled, it is not run
+        pool.submit("queued2", *group())
+        pool.cancel(["queued1"], "group q was dropped")
+        got = collect(pool, ["queued1"])
+        assert got["queued1"] == Scored("queued1", None, "key 'queued1': cancelled before it ran (group q was dropped)",
+                                        cancelled=True)
+        gate.touch()
+        got = collect(pool, ["blocker", "queued2"])
+        assert list(got) == ["blocker", "queued2"] and all(s.rewards == GOOD for s in got.values())
+        assert pool.counts["cancelled"] == 1 and pool.counts["failed"] == 0 and pool.counts["grown"] == 0
+        assert pool.pending() == 0
+
+
+def test_a_raising_task_sends_its_traceback_for_the_engine_log(pool: ScoringPool) -> None:
+    pool.submit("tb", *group("raise"))
+    got = collect(pool, ["tb"])["tb"]
+    assert got.error == "key 'tb': Scripted.score raised ValueError: no verdict for this completion"
+    assert got.trace.startswith("Traceback (most recent call last):") and 'raise ValueError("no verdict' in got.trace
+    assert got.trace.rstrip().endswith("ValueError: no verdict for this completion\nsecond line of the message")

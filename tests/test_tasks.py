@@ -401,6 +401,19 @@ def test_reasoning_gym_rewards_are_its_own_not_a_number_match(tiny_tok) -> None:
     assert [m["role"] for m in p.messages] == ["system", "user"] and p.messages[1]["content"] == p.meta["entry"]["question"]
     assert chat_tok.decode(encode_prompt(chat_tok, p, "auto")).count(p.meta["entry"]["question"]) == 1
     assert build_task(cfg, tokenizer=tiny_tok).sample(random.Random(1)).text.endswith(p.meta["entry"]["question"])
+    # worked examples: reasoning-gym entries (none of them the problem) answered in tags, before it
+    shots = build_task(config_from_dict({"task": {"name": "reasoning_gym", "reasoning_gym": {
+        "datasets": ["spell_backward"], "examples": 2}}}), tokenizer=chat_tok).sample(random.Random(1))
+    roles = [m["role"] for m in shots.messages]
+    assert roles == ["system", "user", "assistant", "user", "assistant", "user"], roles
+    assert shots.messages[-1]["content"] == p.meta["entry"]["question"] and shots.messages[1:3] != shots.messages[3:5]
+    for question, reply in (shots.messages[1:3], shots.messages[3:5]):
+        assert question["content"] != p.meta["entry"]["question"]
+        word = reply["content"].removeprefix("<answer>").removesuffix("</answer>")
+        assert _reasoning_gym_reference(reply["content"], {**p.meta["entry"], "answer": word}) == 1.0
+        assert question["content"].count(word[::-1]) >= 1  # the example's answer is its own question's
+    with pytest.raises(ValueError, match=r"examples=1: worked examples are chat turns"):
+        build_task(config_from_dict({"task": {"name": "reasoning_gym", "reasoning_gym": {"examples": 1}}}), None)
     word = p.answer
     texts = [f"<answer>{word}</answer>", f"<answer>{word[::-1]}</answer>" if word != word[::-1] else "<answer>x</answer>"]
     assert task.score([p] * 2, [_done(t) for t in texts]) == [1.0, _reasoning_gym_reference(texts[1], p.meta["entry"])]

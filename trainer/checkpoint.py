@@ -42,6 +42,8 @@ class TrainerState:
     pending: list[RolloutGroup]
     cuda_rng: list[torch.Tensor] = field(default_factory=lambda: _cuda_rng_now())
     """One state per visible GPU, taken when the state is built (none without CUDA)."""
+    ledger: dict = field(default_factory=dict)
+    """The trainer's side of the rollout ledger (``inflight.trainer.metrics.RolloutLedger.state``)."""
 
 
 def _cuda_rng_now() -> list[torch.Tensor]:
@@ -101,6 +103,7 @@ def save_checkpoint(path: Path, model, tokenizer, optimizer: torch.optim.Optimiz
         "torch_rng": _b64(state.torch_rng),
         "cuda_rng": [_b64(t) for t in state.cuda_rng],
         "buffer_stats": state.buffer_stats,
+        "ledger": state.ledger,
     }))
     (tmp / "pending.msgpack").write_bytes(msgspec.msgpack.encode([encode(g) for g in state.pending]))
     recover(path)
@@ -124,7 +127,8 @@ def load_state(path: Path) -> TrainerState:
         return tuple(as_tuple(i) for i in x) if isinstance(x, list) else x
 
     return TrainerState(raw["step"], raw["version"], as_tuple(raw["python_rng"]), _unb64(raw["torch_rng"]),
-                        raw["buffer_stats"], pending, [_unb64(s) for s in raw.get("cuda_rng", [])])
+                        raw["buffer_stats"], pending, [_unb64(s) for s in raw.get("cuda_rng", [])],
+                        raw.get("ledger", {}))
 
 
 def restore_rng(state: TrainerState) -> None:

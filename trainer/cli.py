@@ -25,6 +25,7 @@ BENCHES = {
     "sparse": "sparse updates on real RL steps: bytes against dense, the encodings compared, CPU cost",
     "e2e": "the training loop end to end: in-flight vs native pause+update vs batch-boundary, interleaved rounds",
     "scoring": "decoding while a slow verifier scores: in the scoring processes vs inline",
+    "hung_tool": "what a hung tool costs the other episodes' environment turns",
     "profile_staging": "one update's staging time, phase by phase and thread by thread",
     "staging_memory": "what an engine's staging costs in resident memory vs what it accounts",
     "trainer_push": "what a push costs the trainer: resident memory, optimizer step time",

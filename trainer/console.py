@@ -157,8 +157,9 @@ class Interrupt:
 
 class BarText:
     """The training bar's text after the step counts: mean reward and samples trained per wall
-    second over the last ``window`` steps, and the last row's mean lag and engine stall (the
-    commit of the push that landed last; "-" before the first)."""
+    second over the last ``window`` steps, the last row's mean lag and engine stall (the
+    commit of the push that landed last; "-" before the first), and the failed groups and
+    episodes so far once there are any."""
 
     def __init__(self, group_size: int, window: int = 20) -> None:
         self.group_size = group_size
@@ -171,5 +172,7 @@ class BarText:
         self.marks.append((time.perf_counter(), self.marks[-1][1] + len(row["group_ids"]) * self.group_size))
         (t0, n0), (t1, n1) = self.marks[0], self.marks[-1]
         stall = row.get("stall_ms")
+        failed = row.get("rollout_groups_failed", 0) + row.get("rollout_episodes_failed", 0)
         return (f"reward {sum(self.rewards) / len(self.rewards):.2f} lag {row['lag_mean']:.1f} "
-                f"stall {'-' if stall is None else f'{stall:.1f}ms'} {(n1 - n0) / max(t1 - t0, 1e-9):.1f} samples/s")
+                f"stall {'-' if stall is None else f'{stall:.1f}ms'} {(n1 - n0) / max(t1 - t0, 1e-9):.1f} samples/s"
+                + (f" failed {failed}" if failed else ""))

@@ -52,6 +52,7 @@ from inflight.trainer.config_files import add_config_arguments, load_config
 from inflight.trainer.console import log_to_file, quiet_libraries
 from inflight.trainer.engine_env import engine_environment
 from inflight.trainer.rollout_scoring import GroupScorer, ScoringFailed
+from inflight.trainer.tasks.tool_calls import use_chat_template
 
 log = logging.getLogger("inflight.rollout")
 
@@ -98,7 +99,7 @@ class RolloutLoop:
         self.engine_id = f"e{engine_index}"
         self.llm_engine = llm.llm_engine
         self.coordinator = coordinator_of(llm)
-        self.tokenizer = llm.get_tokenizer()
+        self.tokenizer = use_chat_template(llm.get_tokenizer(), cfg.task.chat_template)
         self.task = build_task(cfg, self.tokenizer)
         self.rng = random.Random(cfg.run.seed * 1000 + rank)
         self.episodic = is_episodic(self.task)  # one request per turn of each episode (``inflight.trainer.episode_rollout``)
@@ -114,7 +115,8 @@ class RolloutLoop:
                 cfg, model_dir, self.engine_id, sampling_of(self.params), self.tokenizer, self._add_turn, self._abort,
                 journal=Path(cfg.run.out_dir) / f"episodes-{self.engine_id}.journal")
         else:
-            self.scorer = GroupScorer(cfg, model_dir, self.engine_id, sampling_of(self.params))
+            self.scorer = GroupScorer(cfg, model_dir, self.engine_id, sampling_of(self.params),
+                                      ledger_path=Path(cfg.run.out_dir) / f"ledger-{self.engine_id}.json")
         self.scorer.on_report = self._report  # the trainer shows scoring failures, and stops on a fatal one
         self._turn_params: dict[int, Any] = {}
         self.prompts: dict[str, Any] = {}

@@ -33,6 +33,7 @@ from inflight.protocol import RolloutGroup, RolloutSample, Sampling
 from inflight.trainer.episode_journal import EpisodeJournal
 from inflight.trainer.rollout_scoring import GroupScorer
 from inflight.trainer.tasks.episode import ObservationRenderer, Transcript, Turn
+from inflight.trainer.tasks.tool_calls import ToolCallParser
 
 log = logging.getLogger("inflight.rollout")
 
@@ -59,25 +60,29 @@ class EpisodeRollout(GroupScorer):
 
     def __init__(self, cfg: Any, model_dir: str, engine_id: str, sampling: Sampling, tokenizer: Any,
                  add_request: AddRequest, abort: AbortRequests, journal: Path | None = None) -> None:
-        super().__init__(cfg, model_dir, engine_id, sampling)
+        super().__init__(cfg, model_dir, engine_id, sampling)  # no ledger file: the journal holds the ledger
         if cfg.loss.routing_replay:
             raise ValueError(f"task.name={cfg.task.name!r} is a multi-turn task: loss.routing_replay does not "
                              "cover the environment's tokens between turns (set loss.routing_replay=false)")
         self.episode_cfg = cfg.task.episode
         self.renderer = ObservationRenderer(tokenizer, cfg.task.chat)
+        self.tool_calls = ToolCallParser(cfg.task.tool_parser, tokenizer) if cfg.task.tool_parser else None
+        """Reads each reply's tool calls into ``EpisodeView.tool_calls`` (``task.tool_parser``)."""
         self.add_request, self.abort = add_request, abort
         self.max_model_len = cfg.engine.max_model_len
         self.groups: dict[str, EpisodeGroup] = {}
-        self.counts = {"started": 0, "finished": 0, "failed": 0, "dropped": 0, "shipped": 0, "groups_failed": 0,
-                       "resumed": 0}
+        self.counts = {"started": 0, "finished": 0, "failed": 0, "dropped": 0, "shipped": 0, "groups_scored": 0,
+                       "groups_failed": 0, "resumed": 0, "turns_cancelled": 0}
         """The episode ledger, over every process of this engine index: started = running +
         finished + failed + dropped; ``shipped``: the episodes of the groups that went to the
         queue (finished ones, and failed ones under on_failure = "reward"); ``resumed``: those
-        an earlier process left running that this one took on."""
+        an earlier process left running that this one took on; ``turns_cancelled``: environment
+        turns of dropped groups taken out of the scoring processes, queued or running."""
         self.journal = EpisodeJournal(journal) if journal is not None else None
         self._recovered = self.journal.read() if self.journal is not None else None
         if self._recovered is not None:
             self.counts.update(self._recovered.counts)  # the ledger goes on across the engine's processes
+        self.scored, self.failed = self.counts["groups_scored"], self.counts["failed"]
 
     # -- what the rollout loop calls ---------------------------------------------------------
     def resume(self) -> None:
@@ -138,6 +143,7 @@ class EpisodeRollout(GroupScorer):
         episode = group.episodes[k]
         episode.add_reply(t.text, t.token_ids, t.logprobs, t.versions, t.finish_reason or "",
                           sum(">" in s for s in t.labels))
+        episode.tool_calls = self.tool_calls.parse(t.text) if self.tool_calls is not None else ()
         self._record(gid)
         self.pool.submit_turn(out.request_id, episode.view(last=self._last(episode)))
 
@@ -148,9 +154,10 @@ class EpisodeRollout(GroupScorer):
             gid, k, _ = _split(s.key)
             group = self.groups.get(gid)
             if group is None or group.failed:
+                self.counts["turns_cancelled"] += s.cancelled
                 continue
             if s.turn is None:
-                self._fail(gid, k, s.error)
+                self._fail(gid, k, s.error, s.trace)
             elif s.turn.done:
                 group.episodes[k].end(s.turn)
                 self._episode_done(gid, k, "finished")
@@ -208,19 +215,24 @@ class EpisodeRollout(GroupScorer):
             return
         self._next_turn(gid, k)
 
-    def _fail(self, gid: str, k: int, error: str) -> None:
+    def _fail(self, gid: str, k: int, error: str, trace: str = "") -> None:
         group = self.groups[gid]
         self._episode_done(gid, k, "failed")
         self.failed += 1
         self.failed_in_a_row += 1
         if self.episode_cfg.on_failure == "reward":
             group.episodes[k].reward = self.episode_cfg.failure_reward
+            then = f"the episode gets task.episode.failure_reward={self.episode_cfg.failure_reward:g}"
         else:
             group.failed = error
             self.counts["groups_failed"] += 1
-        self._report(f"{gid}.{k}", group.prompt, error)  # raises ScoringFailed past the limit
-        if group.failed:
-            self._drop(gid, "", count=False)
+            then = "its group is dropped"
+        try:
+            self._report(f"{gid}.{k}", group.prompt, error, what=f"episode {gid}.{k} (turn {group.episodes[k].turns})",
+                         then=then, trace=trace)  # raises ScoringFailed past the limit
+        finally:
+            if group.failed:
+                self._drop(gid, "", count=False)
 
     def _episode_done(self, gid: str, k: int, how: str) -> None:
         group = self.groups[gid]
@@ -233,6 +245,8 @@ class EpisodeRollout(GroupScorer):
         if group.decoding:
             self.abort(sorted(group.decoding))
         running = [k for k, done in enumerate(group.done) if not done]
+        self.pool.cancel([f"{gid}.{k}.{group.episodes[k].turns - 1}" for k in running if group.episodes[k].turns],
+                         f"group {gid} was dropped")  # counted as their results come back
         self.counts["dropped"] += len(running)
         if self.journal is not None:
             self.journal.leave(gid, self.counts)
@@ -242,6 +256,7 @@ class EpisodeRollout(GroupScorer):
     def _finish(self, gid: str) -> RolloutGroup:
         group = self.groups.pop(gid)
         self.scored += 1
+        self.counts["groups_scored"] = self.scored
         self.failed_in_a_row = 0
         self.counts["shipped"] += len(group.episodes)
         if self.journal is not None:
@@ -252,8 +267,7 @@ class EpisodeRollout(GroupScorer):
 
     def ledger(self) -> dict[str, int]:
         c = self.counts
-        return {"groups_scored": self.scored, "groups_failed": c["groups_failed"],
-                **{f"episodes_{k}": v for k, v in c.items() if k != "groups_failed"}}
+        return {k if k.startswith(("groups_", "turns_")) else f"episodes_{k}": v for k, v in c.items()}
 
 
 def _split(key: str) -> tuple[str, int, int]:

@@ -49,11 +49,29 @@ class MetricsLog:
 
 class RolloutLedger:
     """The engines' rollout totals (``RolloutGroup.engine_ledger``, the latest of each engine,
-    summed) beside what the trainer trained on: ``rollout/`` metrics of every step."""
+    summed) beside what the trainer trained on: ``rollout/`` metrics of every step.
 
-    def __init__(self) -> None:
-        self.latest: dict[str, dict[str, int]] = {}
-        self.groups_trained = self.episodes_trained = 0
+    Every total goes on across a resume: the engines keep theirs in the run directory
+    (``ledger-e<i>.json``, the episode journals), this side's are in the checkpoint
+    (``state``), and so is how many groups the queue carried before (``queue_base``)."""
+
+    def __init__(self, resumed: Any = None) -> None:
+        """``resumed``: the ``TrainerState`` a resumed run starts from (its ``ledger``), or None."""
+        state = resumed.ledger if resumed is not None else {}
+        self.latest: dict[str, dict[str, int]] = {e: dict(v) for e, v in state.get("latest", {}).items()}
+        self.groups_trained = int(state.get("groups_trained", 0))
+        self.episodes_trained = int(state.get("episodes_trained", 0))
+        self.queue_base: dict[str, int] = dict(state.get("queue", {"put": 0, "read": 0}))
+
+    def state(self, queue: Any) -> dict:
+        """What a checkpoint keeps; ``queue``: the run's ``RolloutQueue``."""
+        return {"latest": self.latest, "groups_trained": self.groups_trained,
+                "episodes_trained": self.episodes_trained, "queue": self.queue_totals(queue)}
+
+    def queue_totals(self, queue: Any) -> dict[str, int]:
+        """Slots claimed ("put") and read on the queue, over every process of the run."""
+        return {"put": self.queue_base["put"] + queue.store.add("tail", 0),
+                "read": self.queue_base["read"] + queue.store.add("head", 0)}
 
     def update(self, groups: list) -> dict[str, Any]:
         for g in groups:

@@ -27,6 +27,7 @@ from inflight.trainer.loss import Batch, collate, compute_loss, micro_batches, p
 from inflight.trainer.metrics import ess_warning
 from inflight.trainer.optim import learning_rate
 from inflight.trainer.routing_replay import RoutingReplay, collate_routing
+from inflight.trainer.tasks.tool_calls import use_chat_template
 
 log = logging.getLogger("inflight.train")
 
@@ -55,7 +56,7 @@ class Policy:
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
         if self.accelerator.device.type == "cpu":
             torch.set_num_threads(1)  # leave the other core(s) to the engine
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = use_chat_template(AutoTokenizer.from_pretrained(str(model_dir)), cfg.task.chat_template)
         self.lora = adapter_dir is not None
         if adapter_dir is not None:  # only the adapter trains; its directory is also the checkpoint's
             model, state_dir = load_trainable(model_dir, adapter_dir), adapter_dir
@@ -161,9 +162,10 @@ class Policy:
             loss, metrics = compute_loss(logp_all, entropy_all, batch, version=version, cfg=cfg.loss, ref_logp=ref_all)
         return float(loss), {**metrics, **self.replay.stats()}, batch
 
-    def save(self, path: Path, step: int, version: int, buffer: RolloutBuffer) -> None:
-        """A checkpoint: weights, optimizer, RNG, and the rollout groups admitted but not yet trained on."""
+    def save(self, path: Path, step: int, version: int, buffer: RolloutBuffer, ledger: dict | None = None) -> None:
+        """A checkpoint: weights, optimizer, RNG, the rollout groups admitted but not yet trained
+        on, and the trainer's side of the rollout ledger."""
         buffer.drain(version)  # queued groups live in this process's store: keep them with the checkpoint
         save_checkpoint(path, self.unwrapped, self.tokenizer, self.optimizer, TrainerState(
             step=step, version=version, python_rng=random.getstate(), torch_rng=torch.get_rng_state(),
-            buffer_stats=buffer.stats(), pending=list(buffer.pending)))
+            buffer_stats=buffer.stats(), pending=list(buffer.pending), ledger=dict(ledger or {})))

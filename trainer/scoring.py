@@ -34,7 +34,15 @@ Ordering invariants.
    returned, always, and ``pending()`` counts the difference.
 4. A result that reaches the pipe is read before the worker's death or deadline is acted
    on: a call that answers at its deadline counts as answered.
-5. A worker that cannot start (it dies, or does not report ready within
+5. Growth: once the oldest call has waited ``GROW_AFTER_S`` with no worker idle, and more
+   calls wait than workers are starting, one more worker starts, up to ``max_workers`` (a
+   hung environment holds one worker, not the others' calls, past that second; a killed
+   worker's replacement, still starting, counts as one).
+   Workers are not retired; a killed one's replacement keeps its slot.
+6. ``cancel`` takes keys out: a queued call leaves the queue, a running one's worker is
+   killed and replaced; either becomes an error result that says ``cancelled``, counted in
+   ``counts["cancelled"]`` (not ``failed``), so invariant 3 holds.
+7. A worker that cannot start (it dies, or does not report ready within
    ``start_timeout_s``) is down; it is restarted only while calls wait, at once when no
    other worker is alive, else at most every 30 s; and each such failure with no worker
    alive fails the oldest waiting call: a broken task costs one call per restart, never a
@@ -66,6 +74,11 @@ __all__ = ["ScoringPool", "Scored", "check_rewards", "engine_task", "engine_task
 
 log = logging.getLogger("inflight.scoring")
 
+GROW_AFTER_S = 1.0
+"""How long the oldest call waits, every worker busy, before the pool starts one more: a slow
+or hung call holds the queue that long; calls that queue for milliseconds behind fast ones
+(a burst of groups) start nothing."""
+
 
 class ScoringPool:
     """``Task.score`` in ``workers`` processes of their own, off the engine's critical path
@@ -74,20 +87,24 @@ class ScoringPool:
     ``make_task``: a picklable factory (a module-level function, or ``functools.partial`` of
     one), called once in each worker. ``timeout_s``: the most one call may take; its worker
     is then killed and replaced. ``memory_mb``: each worker's address-space cap (None: none).
-    ``start_timeout_s``: how long a worker may take to import and build its task."""
+    ``start_timeout_s``: how long a worker may take to import and build its task.
+    ``max_workers``: the most workers it grows to while calls wait (None: ``workers``)."""
 
     def __init__(self, make_task: Callable[[], Task], workers: int = 1, timeout_s: float = 30.0,
-                 memory_mb: int | None = 2048, *, start_timeout_s: float = 300.0) -> None:
-        check_settings(make_task, workers, timeout_s, memory_mb, start_timeout_s)
+                 memory_mb: int | None = 2048, *, start_timeout_s: float = 300.0, max_workers: int | None = None) -> None:
+        check_settings(make_task, workers, timeout_s, memory_mb, start_timeout_s, max_workers)
         self.make_task, self.workers, self.timeout_s = make_task, workers, float(timeout_s)
+        self.max_workers = workers if max_workers is None else max_workers
         self.memory_mb, self.start_timeout_s = memory_mb, float(start_timeout_s)
-        self.counts = {"submitted": 0, "scored": 0, "failed": 0, "timeouts": 0, "deaths": 0}
+        self.counts = {"submitted": 0, "scored": 0, "failed": 0, "timeouts": 0, "deaths": 0, "cancelled": 0,
+                       "grown": 0}
         """Running totals (read them for metrics; written by the pool only)."""
         self._boot = pickle.dumps((memory_mb, os.getpid(), pickle.dumps(make_task)))
         self._lock = threading.Lock()
-        self._queue: deque[tuple[str, bytes]] = deque()
+        self._queue: deque[tuple[str, bytes, float]] = deque()  # (key, pickled call, when it was queued)
         self._results: deque[Scored] = deque()
         self._outstanding: set[str] = set()
+        self._cancel: dict[str, str] = {}  # running keys to cancel (the collector kills their workers) -> why
         self._closed, self._broken = False, ""
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -133,7 +150,7 @@ class ScoringPool:
         with self._lock:
             refused = self._broken or ("the scoring pool was closed before it was scored" if self._closed else "")
             if not refused:
-                self._queue.append((key, data))
+                self._queue.append((key, data, time.monotonic()))
                 self._wake()
         if refused:
             self._finish(key, None, f"key {key!r}: {refused}")
@@ -148,6 +165,22 @@ class ScoringPool:
         with self._lock:
             self._outstanding.difference_update(s.key for s in out)
         return out
+
+    def cancel(self, keys: Sequence[str], why: str) -> None:
+        """Take ``keys`` out (invariant 6): queued ones at once, running ones by the collector.
+        Keys not pending are ignored, and one whose answer comes first keeps it: the results
+        that come back with ``Scored.cancelled`` are what was cancelled."""
+        wanted = set(keys)
+        with self._lock:
+            wanted &= self._outstanding
+            queued = [item[0] for item in self._queue if item[0] in wanted]
+            if queued:
+                self._queue = deque(item for item in self._queue if item[0] not in wanted)
+            for key in wanted - set(queued):
+                self._cancel[key] = why
+            self._wake()
+        for key in queued:
+            self._finish(key, None, f"key {key!r}: cancelled before it ran ({why})", cancelled=True)
 
     def pending(self) -> int:
         """Keys submitted and not yet returned by ``poll``."""
@@ -221,6 +254,7 @@ class ScoringPool:
                     if self._workers[slot] is w and w.state != "down" and self._has_exited(w, ready):
                         self._exited(w)
                 self._check_deadlines()
+                self._cancel_running()
         except Exception as e:  # a bug of the pool's own: fail what it holds, loudly, rather than hang
             log.exception("scoring pool: the collector thread failed")
             self._broken = f"the scoring pool's collector failed ({type(e).__name__}: {first_line(e)})"
@@ -238,14 +272,15 @@ class ScoringPool:
         return w.exit_fd in ready if w.exit_fd is not None else w.proc.poll() is not None
 
     def _wait_s(self) -> float:
-        """Until the nearest deadline, at most ``WAKE_S``."""
+        """Until the nearest deadline (or the time to grow), at most ``WAKE_S``."""
         soonest = min([w.deadline for w in self._workers if w.state == "busy"]
-                      + [w.started + self.start_timeout_s for w in self._workers if w.state == "starting"],
-                      default=math.inf)
+                      + [w.started + self.start_timeout_s for w in self._workers if w.state == "starting"]
+                      + [self._grow_due() or math.inf], default=math.inf)
         return max(0.0, min(WAKE_S, soonest - time.monotonic()))
 
     def _dispatch(self) -> None:
-        """Restart a down worker if calls wait (invariant 5); send queued calls to idle workers."""
+        """Restart a down worker if calls wait (invariant 7); send queued calls to idle workers;
+        grow while calls still wait (invariant 5)."""
         if self._queue:
             live = any(w.state in LIVE for w in self._workers)
             for w in self._workers:
@@ -258,12 +293,59 @@ class ScoringPool:
             with self._lock:
                 if not self._queue:
                     return
-                key, data = self._queue.popleft()
+                key, data, _ = self._queue.popleft()
             w.state, w.key, w.deadline = "busy", key, time.monotonic() + self.timeout_s
             try:
                 w.conn.send((key, data))
             except (OSError, ValueError):
                 pass  # it died since it reported idle: its exit fails the call with its exit code
+        self._grow()
+
+    def _grow(self) -> None:
+        """One more worker once the oldest call has waited ``GROW_AFTER_S`` with none idle, while
+        more calls wait than workers are starting (invariant 5)."""
+        due = self._grow_due()
+        if not due or due > time.monotonic():
+            return
+        if len(self._queue) <= sum(w.state == "starting" for w in self._workers):
+            return
+        try:
+            self._workers.append(self._spawn(len(self._workers)))
+        except Exception as e:  # no process could start: the workers there are go on
+            log.error("scoring pool: could not start worker %d of max_workers=%d (%s: %s)", len(self._workers) + 1,
+                      self.max_workers, type(e).__name__, first_line(e))
+            self.max_workers = len(self._workers)
+            return
+        self.counts["grown"] += 1
+        log.info("scoring pool: every worker busy with calls waiting; worker %d of max_workers=%d started",
+                 len(self._workers), self.max_workers)
+
+    def _grow_due(self) -> float:
+        """When the pool may grow next (monotonic seconds); 0: not while nothing waits, a worker is
+        idle, or it is at ``max_workers``."""
+        with self._lock:
+            oldest = self._queue[0][2] if self._queue else 0.0
+        if not oldest or len(self._workers) >= self.max_workers or any(w.state == "idle" for w in self._workers):
+            return 0.0
+        return oldest + GROW_AFTER_S
+
+    def _cancel_running(self) -> None:
+        """Kill and replace the workers running a cancelled key (invariant 6)."""
+        with self._lock:
+            if not self._cancel:
+                return
+            cancel, self._cancel = self._cancel, {}
+        for slot in range(len(self._workers)):
+            w = self._workers[slot]
+            if w.state == "busy" and w.key in cancel:
+                self._read(w)  # an answer already sent counts
+                if self._workers[slot] is w and w.state == "busy":
+                    key = w.key
+                    w.kill()
+                    w.reap(JOIN_S)
+                    self._finish(key, None, f"key {key!r}: cancelled while it ran ({cancel[key]}); its worker "
+                                            f"(pid {w.pid}) was killed and replaced", cancelled=True)
+                    self._replace(w)
 
     def _read(self, w: WorkerProcess) -> None:
         if not self._drain(w):
@@ -284,7 +366,7 @@ class ScoringPool:
             if w.error:
                 log.error("scoring worker %d: %s; every call fails with it", w.pid, w.error)
         elif message[0] == "result" and w.state == "busy" and message[1] == w.key:
-            self._finish(message[1], message[2], message[3])
+            self._finish(message[1], message[2], message[3], trace=message[4])
             w.state, w.key, w.deadline = "idle", "", math.inf
         else:
             log.warning("scoring worker %d (%s) sent %r unexpectedly", w.pid, w.state, message[:2])
@@ -334,7 +416,7 @@ class ScoringPool:
         self._replace(w)
 
     def _start_failed(self, w: WorkerProcess, why: str) -> None:
-        """Invariant 5: down until calls wait; the oldest waiting call fails if no worker is alive."""
+        """Invariant 7: down until calls wait; the oldest waiting call fails if no worker is alive."""
         log.error("scoring pool: %s", why)
         w.reap(JOIN_S)
         w.release()
@@ -359,16 +441,17 @@ class ScoringPool:
         return WorkerProcess.start(slot, self._boot)
 
     # -- shared by the collector and close ---------------------------------------------------
-    def _finish(self, key: str, result: list[float] | Turn | None, error: str) -> None:
+    def _finish(self, key: str, result: list[float] | Turn | None, error: str, *, trace: str = "",
+                cancelled: bool = False) -> None:
         with self._lock:  # never called holding it
-            self.counts["scored" if result is not None else "failed"] += 1
+            self.counts["scored" if result is not None else "cancelled" if cancelled else "failed"] += 1
         turn = result if isinstance(result, Turn) else None
-        self._results.append(Scored(key, None if turn is not None else result, error, turn))
+        self._results.append(Scored(key, None if turn is not None else result, error, turn, trace, cancelled))
 
     def _fail_all(self, reason: str) -> None:
         """Every call queued or running becomes an error result (invariant 3)."""
         with self._lock:
-            queued = [key for key, _ in self._queue]
+            queued = [item[0] for item in self._queue]
             self._queue.clear()
         running = []
         for w in self._workers:

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -45,6 +46,8 @@ log = logging.getLogger("inflight.scoring")
 WAKE_S = 0.05
 """The longest the collector blocks before it looks at deadlines again."""
 JOIN_S = 2.0
+TRACE_CHARS = 4000
+"""The most of a task's traceback a result carries (its end: the frames that raised)."""
 """How long a stopped or killed worker gets to exit before it is killed (again)."""
 
 
@@ -57,6 +60,10 @@ class Scored(msgspec.Struct, frozen=True):
     error: str = ""
     turn: Any = None
     """A ``inflight.trainer.tasks.episode.Turn``."""
+    trace: str = ""
+    """The task's traceback, when ``error`` is an exception it raised (for the engine's log)."""
+    cancelled: bool = False
+    """``ScoringPool.cancel`` took it out, queued or running."""
 
     @property
     def ok(self) -> bool:
@@ -98,7 +105,8 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
-def check_settings(make_task: Any, workers: Any, timeout_s: Any, memory_mb: Any, start_timeout_s: Any) -> None:
+def check_settings(make_task: Any, workers: Any, timeout_s: Any, memory_mb: Any, start_timeout_s: Any,
+                   max_workers: Any = None) -> None:
     """ValueError naming the first bad setting."""
     if not callable(make_task):
         raise ValueError(f"make_task={make_task!r} is not callable (a factory returning a Task)")
@@ -109,6 +117,9 @@ def check_settings(make_task: Any, workers: Any, timeout_s: Any, memory_mb: Any,
                          f"{first_line(e)}): use a module-level function, or functools.partial of one") from None
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers={workers!r} must be an int >= 1")
+    if max_workers is not None and (isinstance(max_workers, bool) or not isinstance(max_workers, int)
+                                    or max_workers < workers):
+        raise ValueError(f"max_workers={max_workers!r} must be an int >= workers={workers}")
     for name, value in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{name}={value!r} must be a finite number of seconds > 0")
@@ -155,8 +166,8 @@ def _worker_main(conn: Connection, boot: bytes) -> None:
         if message is None:
             return
         key, data = message
-        result, error = _score(task, build_error, key, data, memory_mb)
-        conn.send(("result", key, result, error))
+        result, error, trace = _score(task, build_error, key, data, memory_mb)
+        conn.send(("result", key, result, error, trace))
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -185,15 +196,15 @@ async def _awaited(awaitable: Any) -> Any:
 
 
 def _score(task: Task | None, build_error: str, key: str, data: bytes,
-           memory_mb: int | None) -> tuple[list[float] | Turn | None, str]:
-    """One call, ``("score", prompts, completions)`` or ``("turn", episode)``; every failure an
-    error string that names the key."""
+           memory_mb: int | None) -> tuple[list[float] | Turn | None, str, str]:
+    """One call, ``("score", prompts, completions)`` or ``("turn", episode)``: (its result,
+    or an error string that names the key; the task's traceback when it raised)."""
     if task is None:
-        return None, f"key {key!r}: {build_error}"
+        return None, f"key {key!r}: {build_error}", ""
     try:
         kind, *args = pickle.loads(data)
     except Exception as e:
-        return None, f"key {key!r}: the worker could not unpickle the call ({type(e).__name__}: {first_line(e)})"
+        return None, f"key {key!r}: the worker could not unpickle the call ({type(e).__name__}: {first_line(e)})", ""
     method = f"{type(task).__name__}.{kind}"
     try:
         if kind == "turn" and not callable(getattr(task, "turn", None)):
@@ -203,13 +214,13 @@ def _score(task: Task | None, build_error: str, key: str, data: bytes,
             out = asyncio.run(_awaited(out))
     except MemoryError:
         cap = "no memory_mb cap" if memory_mb is None else f"the worker's cap of memory_mb={memory_mb} MiB"
-        return None, f"key {key!r}: {method} ran out of memory (MemoryError) under {cap}"
+        return None, f"key {key!r}: {method} ran out of memory (MemoryError) under {cap}", ""
     except (Exception, asyncio.CancelledError) as e:
-        return None, f"key {key!r}: {method} raised {type(e).__name__}: {first_line(e)}"
+        return None, f"key {key!r}: {method} raised {type(e).__name__}: {first_line(e)}", traceback.format_exc()[-TRACE_CHARS:]
     try:
-        return (check_turn(out, last=args[0].last) if kind == "turn" else check_rewards(out, len(args[1]))), ""
+        return (check_turn(out, last=args[0].last) if kind == "turn" else check_rewards(out, len(args[1]))), "", ""
     except ValueError as e:
-        return None, f"key {key!r}: {method} returned {e}"
+        return None, f"key {key!r}: {method} returned {e}", ""
 
 
 # -- the engine's side -------------------------------------------------------------------------
@@ -220,7 +231,7 @@ LIVE: tuple[WorkerState, ...] = ("starting", "idle", "busy")
 @dataclass(eq=False)
 class WorkerProcess:
     """One slot's process, as the collector sees it. ``down``: it could not start (``error``
-    says why); it is restarted when calls wait (invariant 5)."""
+    says why); it is restarted when calls wait (``inflight.trainer.scoring`` invariant 7)."""
 
     slot: int
     proc: subprocess.Popen[bytes]
@@ -333,7 +344,9 @@ def engine_task(cfg: TrainConfig, model_dir: str) -> Task:
     if cfg.task.name not in ("arithmetic", "jsonl"):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        from inflight.trainer.tasks.tool_calls import use_chat_template
+
+        tokenizer = use_chat_template(AutoTokenizer.from_pretrained(str(model_dir)), cfg.task.chat_template)
     return build_task(cfg, tokenizer)
 
 

@@ -35,6 +35,7 @@ from inflight.trainer.fleet import EngineLost, Fleet, place, visible_gpus
 from inflight.trainer.metrics import MetricsLog, RolloutLedger, plot_run, summarize
 from inflight.trainer.trackers import check_trackers, open_trackers
 from inflight.trainer.models import resolve_model
+from inflight.trainer.tasks.tool_calls import use_chat_template
 from inflight.trainer.policy import Policy, StepResult
 from inflight.trainer.tasks import build_task
 from inflight.trainer.tasks.base import Task, encode_prompt
@@ -77,7 +78,7 @@ def train(cfg: TrainConfig) -> dict:
 
     # -- 4. the loop: batch, loss, step, push, metrics, checkpoint -----------------------------------
     done = resumed.step if resumed else 0  # optimizer steps taken
-    bar_text, ledger, interrupt = BarText(cfg.rollout.group_size), RolloutLedger(), Interrupt()  # Ctrl-C: see below
+    bar_text, ledger, interrupt = BarText(cfg.rollout.group_size), RolloutLedger(resumed), Interrupt()  # Ctrl-C: below
     try:
         for done in (bar := tqdm(range(done + 1, cfg.run.steps + 1), desc="train", initial=done, total=cfg.run.steps,
                                  dynamic_ncols=True)):  # done: the optimizer steps taken once this one is
@@ -91,7 +92,7 @@ def train(cfg: TrainConfig) -> dict:
                                   **ledger.update(groups), **evaluation}, groups)  # and the samples, to samples.jsonl
             bar.set_postfix_str(bar_text(row), refresh=False)
             if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0:
-                policy.save(ckpt_dir, done, version, buffer)
+                policy.save(ckpt_dir, done, version, buffer, ledger.state(queue))
                 fleet.restart_from(ckpt_dir, version)
             if interrupt.asked:  # Ctrl-C: stop after a whole step, its push landed; leave everything below behind
                 version = sync.land(version)
@@ -104,8 +105,8 @@ def train(cfg: TrainConfig) -> dict:
         metrics.close()  # the experiment trackers' files, finished
 
     # -- 5. what we leave behind ---------------------------------------------------------------------
-    policy.save(ckpt_dir, done, version, buffer)
-    return _summary(out, metrics, queue, buffer, fleet, interrupted=done < cfg.run.steps)
+    policy.save(ckpt_dir, done, version, buffer, ledger.state(queue))
+    return _summary(out, metrics, ledger.queue_totals(queue), buffer, fleet, interrupted=done < cfg.run.steps)
 
 
 class SetupError(ValueError):
@@ -119,7 +120,7 @@ def _task_before_engines(cfg: TrainConfig, model_dir: Path) -> Task:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = use_chat_template(AutoTokenizer.from_pretrained(str(model_dir)), cfg.task.chat_template)
         task = build_task(cfg, tokenizer)
         rng = random.Random(cfg.run.seed)
         longest = max(len(encode_prompt(tokenizer, task.sample(rng), cfg.task.chat)) for _ in range(16))
@@ -149,8 +150,8 @@ def _policy_on_disk(cfg: TrainConfig, out: Path, ckpt_dir: Path) -> tuple[Traine
     # a crash between the renames of a checkpoint swap leaves only ``checkpoint.old``: resume from it
     resumed = load_state(ckpt_dir) if cfg.run.resume and (recover(ckpt_dir) or (ckpt_dir / "state.json").exists()) else None
     _check_resume(cfg, out, ckpt_dir, resumed)
-    if resumed is None:  # an earlier run's episodes in flight (inflight.trainer.episode_journal) are not this run's
-        for journal in out.glob("episodes-*.journal"):
+    if resumed is None:  # an earlier run's episodes in flight (inflight.trainer.episode_journal) and engine
+        for journal in [*out.glob("episodes-*.journal"), *out.glob("ledger-*.json")]:  # ledgers are not this run's
             journal.unlink()
     if cfg.model.lora.enabled:
         base = _base_model(cfg, out)
@@ -212,16 +213,23 @@ def _row(done: int, version: int, result: StepResult, groups: list, t0: float, s
     return row
 
 
-def _summary(out: Path, metrics: MetricsLog, queue: RolloutQueue, buffer: RolloutBuffer, fleet: Fleet, *,
+def _summary(out: Path, metrics: MetricsLog, queue: dict[str, int], buffer: RolloutBuffer, fleet: Fleet, *,
              interrupted: bool) -> dict:
     plot_run(metrics.rows, out / "training.png", title=out.name)
     summary = summarize(metrics.rows)
     # the queue's ledger: every slot claimed ("put") was read, and each read is accounted for
-    summary["queue"] = {"put": queue.store.add("tail", 0), "read": queue.store.add("head", 0), **buffer.stats()}
+    summary["queue"] = {**queue, **buffer.stats()}  # over every process of the run (a resume goes on)
+    summary["rollout"] = _rollout_totals(metrics.rows)  # scored, failed, dropped, cancelled: every engine's
     summary["engine_events"] = fleet.events
     summary["interrupted"] = interrupted  # stopped by Ctrl-C before run.steps
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _rollout_totals(rows: list[dict]) -> dict[str, int]:
+    """The engines' rollout ledger at the last step that had one (``rollout_*`` of its row)."""
+    last = next((r for r in reversed(rows) if "rollout_groups_trained" in r), {})
+    return {k.removeprefix("rollout_"): v for k, v in last.items() if k.startswith("rollout_")}
 
 
 def _hybrid_fraction(groups: list) -> float:
@@ -268,6 +276,12 @@ def report(cfg: TrainConfig, summary: dict) -> None:
     if "eval_accuracy_first" in summary:
         print(f"eval (greedy, {summary['eval_prompts']} held-out prompts): accuracy {summary['eval_accuracy_first']:.3f} "
               f"-> {summary['eval_accuracy_last']:.3f}")
+    r = summary.get("rollout", {})
+    if r.get("groups_failed") or r.get("episodes_dropped") or r.get("turns_cancelled"):
+        print(f"rollout: {r.get('groups_scored', 0)} groups scored, {r.get('groups_failed', 0)} failed"
+              + (f"; episodes {r['episodes_failed']} failed, {r['episodes_dropped']} dropped, {r['turns_cancelled']} "
+                 "environment turns cancelled" if "episodes_failed" in r else "")
+              + f" (each failure, with its traceback, is in {cfg.run.out_dir}/engine*.log)")
     print(f"outputs: {cfg.run.out_dir} (metrics.jsonl, samples.jsonl, training.png, summary.json, checkpoint/)")
     print(json.dumps({"run": cfg.run.name, **summary}))
 

@@ -61,7 +61,7 @@ def build_task(train_cfg: TrainConfig, tokenizer: Any) -> Task:
     if cfg.name == "reasoning_gym":
         r = cfg.reasoning_gym
         return ReasoningGymTask(datasets=r.datasets, weights=r.weights, options=r.options, size=r.size, seed=r.seed,
-                                eval_seed=r.eval_seed, system_prompt=r.system_prompt,
+                                eval_seed=r.eval_seed, system_prompt=r.system_prompt, examples=r.examples,
                                 chat=uses_chat(tokenizer, cfg.chat), eval_size=eval_size)
     task = load_factory(cfg.name)(tokenizer=tokenizer, **cfg.options)
     if not isinstance(task, Task) and not all(callable(getattr(task, m, None)) for m in ("sample", "score", "eval_prompts")):

@@ -33,6 +33,9 @@ class Prompt:
     """Chat turns ``{"role": ..., "content": ...}``."""
     meta: Mapping[str, Any] = field(default_factory=dict)
     """Anything else a verifier needs."""
+    tools: tuple[Mapping[str, Any], ...] = ()
+    """JSON schemas of the tools the model may call (``inflight.trainer.tasks.tool_calls``),
+    given to the chat template as ``tools=``."""
 
     def __post_init__(self) -> None:
         if not self.text and not self.messages:
@@ -92,8 +95,12 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, chat: ChatMode) -> list[int]:
     """
     if uses_chat(tokenizer, chat):
         messages = [dict(m) for m in prompt.messages] or [{"role": "user", "content": prompt.text}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=[dict(t) for t in prompt.tools] or None, tokenize=False,
+                                             add_generation_prompt=True)
         return list(tokenizer(text, add_special_tokens=False).input_ids)
+    if prompt.tools:
+        raise ValueError(f"prompt {prompt.display!r} offers tools but the model has no chat template (or task.chat = "
+                         "'off'): tools reach the model through the template's tools= (task.chat_template)")
     if prompt.messages:
         raise ValueError(f"prompt {prompt.display!r} has chat messages but the model has no chat template "
                          "(or task.chat = 'off'): give it text instead")

@@ -58,6 +58,7 @@ from collections.abc import Callable, Sequence
 
 from inflight.trainer.tasks.base import Prompt, lone_number
 from inflight.trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
+from inflight.trainer.tasks.tool_calls import ToolBox
 
 EVAL_SEED = 0xCA1C_E7A1
 DEMO_SEED = 0xCA1C_DE70
@@ -65,6 +66,10 @@ OPS = ("+", "-", "*")
 TEMPLATE = ("What is {expr}? You have a calculator: write `calc: <expression>` on a line and you will get its "
             "value. When you know the result, write `answer: <number>`.")
 REMINDER = "Write `calc: <expression>` to use the calculator, or `answer: <number>` to give the result."
+NATIVE_TEMPLATE = ("What is {expr}? Use the calculator tool to compute it. When you know the result, write "
+                   "`answer: <number>`.")
+NATIVE_REMINDER = "Call the calculator tool, or write `answer: <number>` to give the result."
+FORMATS = ("text", "native")
 
 _CALC = re.compile(r"^[\s`*>]*calc\s*:(.*)$", re.IGNORECASE | re.MULTILINE)
 _ANSWER = re.compile(r"^[\s`*>]*answer\s*:(.*)$", re.IGNORECASE | re.MULTILINE)
@@ -160,7 +165,9 @@ def clean_expression(text: str) -> str:
 
 
 def _check_settings(digits: int, ops: Sequence[str], max_result_digits: int, max_expression_chars: int,
-                    tool_credit: float, template: str, examples: int) -> None:
+                    tool_credit: float, template: str, examples: int, call_format: str) -> None:
+    if call_format not in FORMATS:
+        raise ValueError(f"calculator: format={call_format!r} must be one of {list(FORMATS)}")
     if type(digits) is not int or not 1 <= digits <= 9:
         raise ValueError(f"calculator: digits={digits} must be in 1..9")
     if not ops or set(ops) - set(OPS):
@@ -187,8 +194,12 @@ def _check_settings(digits: int, ops: Sequence[str], max_result_digits: int, max
 class Calculator(EpisodeTask):
     def __init__(self, *, digits: int = 2, ops: Sequence[str] = ("*",), max_result_digits: int = 30,
                  max_expression_chars: int = 100, tool_credit: float = 0.2, template: str = TEMPLATE,
-                 examples: int = 1, eval_size: int = 0) -> None:
-        _check_settings(digits, ops, max_result_digits, max_expression_chars, tool_credit, template, examples)
+                 examples: int = 1, format: str = "text", eval_size: int = 0) -> None:  # noqa: A002  the config's name
+        if format == "native" and template == TEMPLATE:
+            template = NATIVE_TEMPLATE
+        _check_settings(digits, ops, max_result_digits, max_expression_chars, tool_credit, template, examples, format)
+        self.native = format == "native"
+        self.tools = ToolBox([self.calculator]) if self.native else None
         self.lo, self.hi = (0 if digits == 1 else 10 ** (digits - 1)), 10 ** digits - 1
         self.ops, self.template, self.tool_credit = tuple(ops), template, float(tool_credit)
         self.max_result_digits, self.max_expression_chars = max_result_digits, max_expression_chars
@@ -199,7 +210,7 @@ class Calculator(EpisodeTask):
                              f"less the {examples} examples)")
         demos = self._draw_distinct(random.Random(DEMO_SEED), examples, set())
         self._demo = tuple(message for expr, value in demos for message in (
-            {"role": "user", "content": template.format(expr=expr)}, {"role": "assistant", "content": f"calc: {expr}"},
+            {"role": "user", "content": template.format(expr=expr)}, self._demo_call(expr),
             {"role": "tool", "content": value}, {"role": "assistant", "content": f"answer: {value}"}))
         self._eval = [self._prompt(*problem) for problem in
                       self._draw_distinct(random.Random(EVAL_SEED), eval_size, {expr for expr, _ in demos})]
@@ -218,10 +229,18 @@ class Calculator(EpisodeTask):
                 seen.setdefault(expr, value)
         return list(seen.items())
 
+    def _demo_call(self, expr: str) -> dict:
+        """A worked example's call: a ``calc:`` line, or a native call the template renders."""
+        if not self.native:
+            return {"role": "assistant", "content": f"calc: {expr}"}
+        return {"role": "assistant", "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": expr}}}]}
+
     def _prompt(self, expr: str, value: str) -> Prompt:
         text = self.template.format(expr=expr)
-        messages = (*self._demo, {"role": "user", "content": text}) if self._demo else ()
-        return Prompt(text, value, messages=messages, meta={"expr": expr})
+        messages = (*self._demo, {"role": "user", "content": text}) if self._demo or self.native else ()
+        return Prompt(text, value, messages=messages, meta={"expr": expr},
+                      tools=self.tools.schemas if self.tools is not None else ())
 
     def sample(self, rng: random.Random) -> Prompt:
         while True:
@@ -233,6 +252,14 @@ class Calculator(EpisodeTask):
         if n > len(self._eval):
             raise ValueError(f"calculator: {n} eval prompts asked, {len(self._eval)} held out (eval_size)")
         return self._eval[:n]
+
+    def calculator(self, expression: str) -> str:
+        """Evaluates an arithmetic expression and returns its value.
+
+        Args:
+            expression: Numbers joined by + - * / // % and parentheses, e.g. 47 * 29.
+        """
+        return self.calculate(expression)
 
     def calculate(self, expression: str) -> str:
         """What the calculator prints for an expression: its value, or ``error: ...``."""
@@ -248,6 +275,8 @@ class Calculator(EpisodeTask):
         return Turn(done=True, reward=self.tool_credit if calls > 0 else 0.0)
 
     def turn(self, episode: EpisodeView) -> Turn:
+        if self.native:
+            return self._native_turn(episode)
         calls = int(episode.state.get("calls", 0))
         reply = episode.reply
         call, line = _CALC.search(reply), _ANSWER.search(reply)
@@ -260,3 +289,19 @@ class Calculator(EpisodeTask):
         if observation is None:
             return Turn(observation=REMINDER, role="user")
         return Turn(observation=observation, role="tool", state={**episode.state, "calls": calls})
+
+    def _native_turn(self, episode: EpisodeView) -> Turn:
+        """Native calls (``EpisodeView.tool_calls``): each answered by a ``role: tool`` message;
+        a reply without one is read for ``answer:`` as in the text format."""
+        calls = int(episode.state.get("calls", 0))
+        line = _ANSWER.search(episode.reply)
+        answer = lone_number(line.group(1)) if line else None
+        assert self.tools is not None
+        results = [self.tools.run(call) for call in episode.tool_calls]
+        calls += sum(not (r.startswith("error") or r.startswith('{"error"')) for r in results)
+        if (answer is not None and not results) or episode.last:
+            return self._end(episode.prompt, answer, calls)
+        if not results:
+            return Turn(observation=NATIVE_REMINDER, role="user")
+        return Turn(messages=tuple({"role": "tool", "content": r} for r in results),
+                    state={**episode.state, "calls": calls})

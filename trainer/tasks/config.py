@@ -15,6 +15,7 @@ from inflight.trainer.tasks.calculator import Calculator
 from inflight.trainer.tasks.guess_number import TEMPLATE as GUESS_TEMPLATE
 from inflight.trainer.tasks.guess_number import GuessNumber
 from inflight.trainer.tasks.jsonl import Match
+from inflight.trainer.tasks.tool_calls import chat_template_text
 
 @dataclass(frozen=True, kw_only=True)
 class ArithmeticConfig:
@@ -117,6 +118,10 @@ class CalculatorConfig:
     examples: int = 1
     """Worked episodes (a call, the tool's value, the answer) as chat turns before the problem;
     0 with ``task.chat = "off"``."""
+    format: Literal["text", "native"] = "text"
+    """text: the policy writes ``calc: <expression>`` lines. native: the calculator is a tool in
+    the model's own tool-call format (the template's ``tools=``; calls read by ``task.tool_parser``;
+    results as ``role: tool`` messages); the default template becomes "... Use the calculator tool ..."."""
 
     def __post_init__(self) -> None:
         _check_task(Calculator, "task.calculator", self)
@@ -165,6 +170,9 @@ class ReasoningGymConfig:
     """The held-out entries' seed (``eval.prompts`` of them); training never samples a held-out question."""
     system_prompt: str = "default"
     """A key of ``reasoning_gym.utils.SYSTEM_PROMPTS`` (each asks for ``<answer>...</answer>``), or empty: none."""
+    examples: int = 0
+    """Worked examples before the problem, as chat turns: entries of the mix (from ``eval_seed``
+    + 7919) asked and answered ``<answer>...</answer>``. A small model may answer in tags only with them."""
 
     def __post_init__(self) -> None:
         if not self.datasets or len(set(self.datasets)) != len(self.datasets):
@@ -180,6 +188,8 @@ class ReasoningGymConfig:
                              f"not in task.reasoning_gym.datasets={list(self.datasets)}")
         if self.size < 1:
             raise ValueError(f"task.reasoning_gym.size={self.size} must be >= 1")
+        if self.examples < 0:
+            raise ValueError(f"task.reasoning_gym.examples={self.examples} must be >= 0")
         if self.seed == self.eval_seed:
             raise ValueError(f"task.reasoning_gym.eval_seed={self.eval_seed} must differ from seed")
 
@@ -198,7 +208,11 @@ class ScoringConfig:
     (``inflight.trainer.scoring``), so a slow verifier never stops decoding."""
 
     workers: int = 1
-    """Scoring processes per engine; groups are scored in parallel across them."""
+    """Scoring processes per engine at the start; groups (and episode turns) are scored in
+    parallel across them."""
+    max_workers: int = 4
+    """The most scoring processes per engine: while a call waits and every process is busy
+    (a slow verifier, a tool that hangs until ``timeout_s``), one more starts, up to this."""
     timeout_s: float = 60.0
     """The longest one group's scoring may take; its worker (and whatever it started) is
     then killed and replaced, and the group fails."""
@@ -213,6 +227,9 @@ class ScoringConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"task.scoring.workers={self.workers} must be >= 1")
+        if self.max_workers < self.workers:
+            raise ValueError(f"task.scoring.max_workers={self.max_workers} must be >= task.scoring.workers="
+                             f"{self.workers}")
         if not 0 < self.timeout_s < float("inf"):
             raise ValueError(f"task.scoring.timeout_s={self.timeout_s} must be a number of seconds > 0")
         if self.memory_mb is not None and self.memory_mb < 256:
@@ -284,6 +301,15 @@ class TaskConfig:
     """reasoning_gym only: the datasets, their weights and options, and the seeds."""
     options: dict[str, Any] = field(default_factory=dict)
     """A ``module:factory`` task only: keyword arguments of the factory."""
+    tool_parser: str = ""
+    """vLLM's tool parser that reads the tool calls in each reply of a multi-turn task into
+    ``EpisodeView.tool_calls`` (``hermes``: ChatML, Qwen, Hermes; ``pythonic``; any name in vLLM's
+    ``ToolParserManager``); empty: none."""
+    chat_template: str = ""
+    """The chat template in place of the tokenizer's, wherever the task's prompts and
+    observations are rendered (and in the checkpoint's tokenizer): ``chatml_tools`` (shipped:
+    ChatML with Hermes tool calls, for chat models whose template has no tools, such as
+    SmolLM2) or a Jinja file; empty: the tokenizer's own."""
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     """Where and how long rewards (and an episode's environment turns) are computed."""
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
@@ -305,5 +331,10 @@ class TaskConfig:
             from inflight.trainer.tasks.reasoning_mix import check_dataset_names
 
             check_dataset_names(self.reasoning_gym.datasets)
+        if self.chat_template:
+            chat_template_text(self.chat_template)  # shipped, or a file that exists
+        if self.name == "calculator" and self.calculator.format == "native" and not self.tool_parser:
+            raise ValueError("task.calculator.format = 'native' needs task.tool_parser (hermes for ChatML models, "
+                             "with task.chat_template = 'chatml_tools' when the model's own template has no tools)")
         if not 0 <= self.digit_credit <= 1:
             raise ValueError(f"task.digit_credit={self.digit_credit} must be in [0, 1]")

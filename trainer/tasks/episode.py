@@ -49,6 +49,9 @@ class Turn:
     ``EpisodeView.observations`` and logs (empty: the ids decoded)."""
     role: str = "tool"
     """The observation's chat role: ``tool`` (a tool's output) or ``user`` (feedback)."""
+    messages: tuple[Mapping[str, str], ...] = ()
+    """Several messages in place of ``observation``/``role`` (one ``role: tool`` message per
+    tool call: ``{"role", "content"}``), rendered one after the other."""
     done: bool = False
     """The episode ends here, with ``reward``."""
     reward: float | None = None
@@ -59,6 +62,12 @@ class Turn:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"Turn.role={self.role!r} must be one of {list(ROLES)}")
+        for m in self.messages:
+            if not isinstance(m, Mapping) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise ValueError(f"Turn.messages holds {m!r}: each a {{'role': one of {list(ROLES)}, 'content': str}}")
+        if self.messages and self.observation_ids is not None:
+            raise ValueError("Turn: give messages or observation_ids, not both")
+        object.__setattr__(self, "messages", tuple({"role": m["role"], "content": m["content"]} for m in self.messages))
         if self.observation_ids is not None:
             ids = tuple(self.observation_ids)
             if not all(type(i) is int and i >= 0 for i in ids):
@@ -86,6 +95,9 @@ class EpisodeView:
     """The last reply's: ``stop`` (the model ended its turn) or ``length`` (cut at ``task.completion_tokens``)."""
     last: bool = False
     """The episode may take no more turns (``task.episode.max_turns``): answer with ``done``."""
+    tool_calls: tuple[Mapping[str, Any], ...] = ()
+    """The last reply's tool calls, ``{"name", "arguments"}``, as vLLM's tool parser read them
+    (``task.tool_parser``; empty without one, or when the reply calls nothing)."""
 
     @property
     def reply(self) -> str:
@@ -142,9 +154,9 @@ class ObservationRenderer:
     def _render(self, messages: list[dict], generation: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
 
-    def message_text(self, role: str, content: str) -> str:
-        """The template's text for one message followed by the generation prompt."""
-        full = self._render(self._messages + [{"role": role, "content": content}], generation=True)
+    def message_text(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The template's text for ``messages`` followed by the generation prompt."""
+        full = self._render(self._messages + [dict(m) for m in messages], generation=True)
         if not full.startswith(self._head):
             raise ValueError("the chat template renders earlier messages differently once another follows; "
                              "set task.chat = 'off' and render observations yourself")
@@ -159,17 +171,19 @@ class ObservationRenderer:
                                  f"tokenizer's {vocab} ids")
             return list(turn.observation_ids)
         if not self.chat:
-            return list(self.tokenizer(turn.observation, add_special_tokens=False).input_ids)
+            return list(self.tokenizer(self.text(turn), add_special_tokens=False).input_ids)
         closing = self.closing
         if finish_reason == "stop" and reply_ids:
             stop_text = self.tokenizer.decode([reply_ids[-1]])
             if closing.startswith(stop_text):
                 closing = closing[len(stop_text):]
-        text = closing + self.message_text(turn.role, turn.observation)
+        text = closing + self.message_text(turn.messages or [{"role": turn.role, "content": turn.observation}])
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def text(self, turn: Turn) -> str:
-        """The observation as ``EpisodeView.observations`` shows it."""
+        """The observation as ``EpisodeView.observations`` shows it (messages: their contents, a line each)."""
+        if turn.messages:
+            return "\n".join(m["content"] for m in turn.messages)
         if turn.observation or turn.observation_ids is None:
             return turn.observation
         return self.tokenizer.decode(list(turn.observation_ids))
@@ -191,6 +205,8 @@ class Transcript:
     finish_reason: str = ""
     hybrid_tokens: int = 0
     reward: float | None = None
+    tool_calls: tuple[Mapping[str, Any], ...] = ()
+    """The last reply's tool calls (``EpisodeView.tool_calls``)."""
 
     @property
     def turns(self) -> int:
@@ -217,7 +233,8 @@ class Transcript:
 
     def view(self, *, last: bool) -> EpisodeView:
         return EpisodeView(prompt=self.prompt, replies=tuple(self.replies), observations=tuple(self.observations),
-                           state=dict(self.state), finish_reason=self.finish_reason, last=last)
+                           state=dict(self.state), finish_reason=self.finish_reason, last=last,
+                           tool_calls=self.tool_calls)
 
     def add_observation(self, turn: Turn, ids: Sequence[int], text: str) -> None:
         """The environment's tokens (``ids``, shown as ``text``): no log-prob, the version of

@@ -12,7 +12,7 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +20,7 @@ import torch
 
 from inflight.trainer.tasks.base import ChatMode, Completion, Prompt, Task, encode_prompt, model_stop_ids
 from inflight.trainer.tasks.episode import ObservationRenderer, Transcript, check_turn, is_episodic
+from inflight.trainer.tasks.tool_calls import ToolCallParser
 
 if TYPE_CHECKING:
     from inflight.trainer.config import TrainConfig
@@ -65,9 +66,10 @@ def _run_turn(task: Any, view: Any) -> Any:
 
 def greedy_episodes(model: Any, tokenizer: Any, task: Any, prompts: Sequence[Prompt], *, chat: ChatMode,
                     max_new_tokens: int, stop_ids: Sequence[int], max_turns: int, max_tokens: int, max_model_len: int,
-                    pad: int) -> tuple[list[float], list[str]]:
+                    pad: int, tool_calls: Callable[[str], tuple] | None = None) -> tuple[list[float], list[str]]:
     """Greedy multi-turn episodes (``EpisodeTask``), the environment called in this process:
-    each episode's reward (0 where the environment failed, logged) and transcript."""
+    each episode's reward (0 where the environment failed, logged) and transcript.
+    ``tool_calls``: a reply's calls (``ToolCallParser.parse``), as the engine reads them."""
     episodes = [Transcript(p, encode_prompt(tokenizer, p, chat)) for p in prompts]
     renderer = ObservationRenderer(tokenizer, chat)
     active = list(range(len(episodes)))
@@ -82,6 +84,7 @@ def greedy_episodes(model: Any, tokenizer: Any, task: Any, prompts: Sequence[Pro
                 c = Completion(tokenizer.decode(c.token_ids[:room], skip_special_tokens=True), c.token_ids[:room],
                                "length")
             e.add_reply(c.text, c.token_ids, [0.0] * len(c.token_ids), [0] * len(c.token_ids), c.finish_reason)
+            e.tool_calls = tool_calls(c.text) if tool_calls is not None else ()
             last = e.turns >= max_turns or e.room(max_tokens, max_model_len) < 1  # the engine's rule
             try:
                 turn = _run_turn(task, e.view(last=last))
@@ -112,7 +115,8 @@ def greedy_episodes(model: Any, tokenizer: Any, task: Any, prompts: Sequence[Pro
 @torch.no_grad()
 def greedy_eval(model: Any, tokenizer: Any, task: Task, prompts: Sequence[Prompt], *, chat: ChatMode,
                 max_new_tokens: int, stop_ids: Sequence[int], batch_size: int = 16, max_turns: int = 1,
-                max_tokens: int = 1 << 30, max_model_len: int = 1 << 30) -> dict[str, Any]:
+                max_tokens: int = 1 << 30, max_model_len: int = 1 << 30,
+                tool_calls: Callable[[str], tuple] | None = None) -> dict[str, Any]:
     """``eval_accuracy`` (share of prompts the task counts as solved), ``eval_reward`` (mean),
     ``eval_prompts`` (how many) and ``eval_examples`` (the first three, for the log). A
     multi-turn task (``EpisodeTask``) plays whole episodes of at most ``max_turns`` turns."""
@@ -127,7 +131,7 @@ def greedy_eval(model: Any, tokenizer: Any, task: Task, prompts: Sequence[Prompt
             if is_episodic(task):
                 got, shown = greedy_episodes(model, tokenizer, task, batch, chat=chat, max_new_tokens=max_new_tokens,
                                              stop_ids=stop_ids, max_turns=max_turns, max_tokens=max_tokens,
-                                             max_model_len=max_model_len, pad=pad)
+                                             max_model_len=max_model_len, pad=pad, tool_calls=tool_calls)
             else:
                 completions = _generate(model, tokenizer, [encode_prompt(tokenizer, p, chat) for p in batch], pad=pad,
                                         max_new_tokens=max_new_tokens, stop_ids=stop_ids)
@@ -153,6 +157,7 @@ class Evaluator:
         self.max_model_len = cfg.engine.max_model_len
         self.prompts = task.eval_prompts(cfg.eval.prompts)
         self.stop_ids = model_stop_ids(model_dir, tokenizer)
+        self.tool_calls = ToolCallParser(cfg.task.tool_parser, tokenizer).parse if cfg.task.tool_parser else None
 
     def due(self, step: int) -> bool:
         """After optimizer step ``step`` (1-based): every ``every`` steps, and after the last."""
@@ -162,5 +167,5 @@ class Evaluator:
         t0 = time.perf_counter()
         result = greedy_eval(model, self.tokenizer, self.task, self.prompts, chat=self.chat,
                              max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, max_turns=self.max_turns,
-                             max_tokens=self.max_tokens, max_model_len=self.max_model_len)
+                             max_tokens=self.max_tokens, max_model_len=self.max_model_len, tool_calls=self.tool_calls)
         return {**result, "eval_ms": 1e3 * (time.perf_counter() - t0)}

@@ -8,7 +8,8 @@ the text inside the completion's last ``<answer>...</answer>`` (reasoning-gym's
 
 Training entries come from ``seed``, the held-out ones from ``eval_seed``. reasoning-gym seeds
 entry ``i`` with ``seed + i``, so two seeds share entries: a training entry whose question is
-held out is never sampled. Each prompt carries its entry in ``Prompt.meta["entry"]``, so a
+held out is never sampled, nor is one of the worked examples (``examples``: entries of
+``eval_seed + 7919`` asked and answered before the problem). Each prompt carries its entry in ``Prompt.meta["entry"]``, so a
 scoring process needs nothing but the prompt. Install with ``pip install 'inflight[reasoning_gym]'``.
 """
 
@@ -56,13 +57,17 @@ def composite(names: Sequence[str], weights: Sequence[float], options: Mapping[s
                          f"{dict(options)}: {type(e).__name__}: {e}") from None
 
 
+EXAMPLES_SEED = 7_919
+"""The worked examples' entries come from ``eval_seed + EXAMPLES_SEED``."""
+
+
 class ReasoningGymTask(Task):
     """Prompts, held-out set and reward from reasoning-gym (see the module docstring)."""
 
     def __init__(self, *, datasets: Sequence[str], weights: Sequence[float] = (),
                  options: Mapping[str, Mapping[str, Any]] | None = None, size: int = 100_000, seed: int = 1,
-                 eval_seed: int = 1_000_000, system_prompt: str = "default", chat: bool = True,
-                 eval_size: int = 0) -> None:
+                 eval_seed: int = 1_000_000, system_prompt: str = "default", examples: int = 0,
+                 chat: bool = True, eval_size: int = 0) -> None:
         rg = _reasoning_gym()
         from reasoning_gym.utils import SYSTEM_PROMPTS
 
@@ -72,9 +77,16 @@ class ReasoningGymTask(Task):
         self.system = SYSTEM_PROMPTS[system_prompt] if system_prompt else ""
         self.chat = chat
         self.train = composite(datasets, weights, options or {}, size=size, seed=seed)
+        shots = composite(datasets, weights, options or {}, size=max(examples, 1), seed=eval_seed + EXAMPLES_SEED)
+        self.examples = [shots[i] for i in range(examples)]
+        if examples and not chat:
+            raise ValueError(f"task.reasoning_gym.examples={examples}: worked examples are chat turns; the model has "
+                             "no chat template (or task.chat = 'off'): set examples = 0")
         self.held_out = [self.to_prompt(e) for e in
                          composite(datasets, weights, options or {}, size=max(eval_size, 1), seed=eval_seed)][:eval_size]
         self.held_questions = {p.meta["entry"]["question"] for p in self.held_out}
+        self.unsampled = self.held_questions | {e["question"] for e in self.examples}
+        """Never a training prompt: the held-out questions, and the worked examples' (answered in the prompt)."""
         self._extract = rg.utils.extract_answer
 
     def to_prompt(self, entry: Mapping[str, Any]) -> Prompt:
@@ -83,19 +95,22 @@ class ReasoningGymTask(Task):
         if not self.chat:
             return Prompt(text=f"{self.system}\n\n{question}" if self.system else question,
                           answer=str(entry["answer"]), meta={"entry": entry})
-        turns = ({"role": "system", "content": self.system},) if self.system else ()
+        turns: tuple[dict[str, str], ...] = ({"role": "system", "content": self.system},) if self.system else ()
+        for shot in self.examples:
+            turns += ({"role": "user", "content": shot["question"]},
+                      {"role": "assistant", "content": f"<answer>{shot['answer']}</answer>"})
         return Prompt(messages=(*turns, {"role": "user", "content": question}), answer=str(entry["answer"]),
                       meta={"entry": entry})
 
     def sample(self, rng: random.Random) -> Prompt:
-        """A random training entry; a held-out one gives way to the next entry that is not."""
+        """A random training entry; a held-out one (or an example's) gives way to the next that is not."""
         start = rng.randrange(self.train.size)
         for step in range(self.train.size):
             entry = self.train[(start + step) % self.train.size]
-            if entry["question"] not in self.held_questions:
+            if entry["question"] not in self.unsampled:
                 return self.to_prompt(entry)
         raise ValueError(f"task.reasoning_gym: every one of the {self.train.size} training entries is a held-out "
-                         "question (a larger task.reasoning_gym.size, or fewer eval.prompts)")
+                         "question or an example (a larger task.reasoning_gym.size, or fewer eval.prompts)")
 
     def eval_prompts(self, n: int) -> list[Prompt]:
         return self.held_out[:n]
