@@ -274,7 +274,8 @@ def test_ctrl_c_saves_a_checkpoint_the_plot_and_the_summary_and_resume_goes_on(t
         list(range(1, done + 3))
     # the ledger goes on across the resume, as one uninterrupted run's would: groups trained
     # count every group of every row, the engine's totals never go back, the queue's reads
-    # cover every group admitted (both runs')
+    # cover every group admitted, in both runs (a new run's queue starts at 0: without the
+    # checkpoint's totals, reads would fall short of the buffer's admitted count)
     rows, summary = _rows(out), json.loads((out / "summary.json").read_text())
     trained = [r["rollout_groups_trained"] for r in rows]
     assert trained == [sum(len(r["group_ids"]) for r in rows[:i + 1]) for i in range(len(rows))], trained
@@ -282,7 +283,7 @@ def test_ctrl_c_saves_a_checkpoint_the_plot_and_the_summary_and_resume_goes_on(t
     assert scored == sorted(scored) and scored[-1] >= trained[-1], scored
     assert summary["rollout"]["groups_trained"] == trained[-1] and summary["rollout"]["groups_scored"] == scored[-1]
     queue = summary["queue"]
-    assert queue["put"] == queue["read"] >= queue["admitted"] + queue["dropped_stale"] >= trained[-1], queue
+    assert queue["put"] >= queue["read"] >= queue["admitted"] >= trained[-1], queue  # stale ones were admitted
     code, console, _ = Run(out, "--config", "demo", "--set", "run.resume=true", "--set", f"run.steps={done + 2}").finish()
     assert code == 1 and console.strip().splitlines()[-1].endswith(
         f"is at step {done + 2}, and run.steps={done + 2}: nothing left to train (raise run.steps to go on)"), console
