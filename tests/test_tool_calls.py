@@ -180,3 +180,23 @@ def test_the_documented_tool_task_runs_as_written() -> None:
     turn = task.turn(EpisodeView(prompt, ("<tool_call>...</tool_call>",), (), tool_calls=(call,)))
     assert turn.messages == ({"role": "tool", "content": "4828.032"},)
     assert task.turn(EpisodeView(prompt, ("", "It is 4828.032 m."), ("4828.032",))) == Turn(done=True, reward=1.0)
+
+
+def test_the_engine_process_renders_with_the_task_template(tiny_qwen) -> None:
+    """vLLM's tokenizer routes ``apply_chat_template`` to copies it made at load (its
+    ``TokenizerPool``), so a ``task.chat_template`` set on it later would render nothing; the
+    engine process renders with ``task_tokenizer``'s own copy instead."""
+    from transformers import AutoTokenizer
+    from vllm.tokenizers.hf import get_cached_tokenizer, maybe_make_thread_pool
+
+    from inflight.trainer.tasks.tool_calls import task_tokenizer, use_chat_template
+
+    vllm_tok = maybe_make_thread_pool(get_cached_tokenizer(AutoTokenizer.from_pretrained(str(tiny_qwen))))
+    assert task_tokenizer(tiny_qwen, "", vllm_tok) is vllm_tok  # no template of the task's: vLLM's own
+    messages = [{"role": "user", "content": "What is 2 * 3?"}]
+    tools = ToolBox([convert]).schemas
+    with pytest.raises(ValueError, match="chat_template is not set"):  # the pitfall: set, but not used
+        use_chat_template(vllm_tok, "chatml_tools").apply_chat_template(messages, tools=list(tools), tokenize=False)
+    tok = task_tokenizer(tiny_qwen, "chatml_tools", vllm_tok)
+    text = tok.apply_chat_template(messages, tools=list(tools), tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nYou can call functions.") and '"name": "convert"' in text

@@ -52,7 +52,7 @@ from inflight.trainer.config_files import add_config_arguments, load_config
 from inflight.trainer.console import log_to_file, quiet_libraries
 from inflight.trainer.engine_env import engine_environment
 from inflight.trainer.rollout_scoring import GroupScorer, ScoringFailed
-from inflight.trainer.tasks.tool_calls import use_chat_template
+from inflight.trainer.tasks.tool_calls import task_tokenizer
 
 log = logging.getLogger("inflight.rollout")
 
@@ -99,7 +99,7 @@ class RolloutLoop:
         self.engine_id = f"e{engine_index}"
         self.llm_engine = llm.llm_engine
         self.coordinator = coordinator_of(llm)
-        self.tokenizer = use_chat_template(llm.get_tokenizer(), cfg.task.chat_template)
+        self.tokenizer = task_tokenizer(model_dir, cfg.task.chat_template, llm.get_tokenizer())
         self.task = build_task(cfg, self.tokenizer)
         self.rng = random.Random(cfg.run.seed * 1000 + rank)
         self.episodic = is_episodic(self.task)  # one request per turn of each episode (``inflight.trainer.episode_rollout``)

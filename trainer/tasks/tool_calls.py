@@ -132,3 +132,15 @@ def use_chat_template(tokenizer: Any, name_or_path: str) -> Any:
     if name_or_path and tokenizer is not None:
         tokenizer.chat_template = chat_template_text(name_or_path)
     return tokenizer
+
+
+def task_tokenizer(model_dir: Any, chat_template: str, engine_tokenizer: Any = None) -> Any:
+    """The tokenizer an engine process renders the task with: vLLM's own (``engine_tokenizer``),
+    or with ``task.chat_template`` one loaded from ``model_dir`` with that template. vLLM 0.32's
+    tokenizer (``TokenizerPool``) routes ``apply_chat_template`` to copies made when it loaded,
+    which a template set on it later never reaches."""
+    if not chat_template and engine_tokenizer is not None:
+        return engine_tokenizer
+    from transformers import AutoTokenizer
+
+    return use_chat_template(AutoTokenizer.from_pretrained(str(model_dir)), chat_template)
