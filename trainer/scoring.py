@@ -34,10 +34,10 @@ Ordering invariants.
    returned, always, and ``pending()`` counts the difference.
 4. A result that reaches the pipe is read before the worker's death or deadline is acted
    on: a call that answers at its deadline counts as answered.
-5. Growth: once the oldest call has waited ``GROW_AFTER_S`` with no worker idle, and more
-   calls wait than workers are starting, one more worker starts, up to ``max_workers`` (a
-   hung environment holds one worker, not the others' calls, past that second; a killed
-   worker's replacement, still starting, counts as one).
+5. Growth: once the oldest call has waited ``GROW_AFTER_S`` with every worker busy, one more
+   worker starts, up to ``max_workers`` (a hung environment holds one worker, not the others'
+   calls, past that second). Never while a worker starts: at the pool's start, or while a
+   killed worker's replacement builds its task, the calls wait for it.
    Workers are not retired; a killed one's replacement keeps its slot.
 6. ``cancel`` takes keys out: a queued call leaves the queue, a running one's worker is
    killed and replaced; either becomes an error result that says ``cancelled``, counted in
@@ -302,12 +302,10 @@ class ScoringPool:
         self._grow()
 
     def _grow(self) -> None:
-        """One more worker once the oldest call has waited ``GROW_AFTER_S`` with none idle, while
-        more calls wait than workers are starting (invariant 5)."""
+        """One more worker once the oldest call has waited ``GROW_AFTER_S`` with every worker
+        busy (invariant 5)."""
         due = self._grow_due()
         if not due or due > time.monotonic():
-            return
-        if len(self._queue) <= sum(w.state == "starting" for w in self._workers):
             return
         try:
             self._workers.append(self._spawn(len(self._workers)))
@@ -322,11 +320,11 @@ class ScoringPool:
 
     def _grow_due(self) -> float:
         """When the pool may grow next (monotonic seconds); 0: not while nothing waits, a worker is
-        idle, or it is at ``max_workers``."""
+        not busy, or it is at ``max_workers``."""
         with self._lock:
             oldest = self._queue[0][2] if self._queue else 0.0
-        if not oldest or len(self._workers) >= self.max_workers or any(w.state == "idle" for w in self._workers):
-            return 0.0
+        if not oldest or len(self._workers) >= self.max_workers or any(w.state != "busy" for w in self._workers):
+            return 0.0  # an idle or starting worker takes the call soon; a down one is restarted for it
         return oldest + GROW_AFTER_S
 
     def _cancel_running(self) -> None:
