@@ -34,10 +34,11 @@ Ordering invariants.
    returned, always, and ``pending()`` counts the difference.
 4. A result that reaches the pipe is read before the worker's death or deadline is acted
    on: a call that answers at its deadline counts as answered.
-5. Growth: once the oldest call has waited ``GROW_AFTER_S`` with every worker busy, one more
-   worker starts, up to ``max_workers`` (a hung environment holds one worker, not the others'
-   calls, past that second). Never while a worker starts: at the pool's start, or while a
-   killed worker's replacement builds its task, the calls wait for it.
+5. Growth: while calls wait and every worker is busy, one more worker starts, up to
+   ``max_workers``, once a call has run, or the oldest has waited, ``GROW_AFTER_S`` (a hung
+   environment holds one worker, not the others' calls, past that second). Never while a
+   worker starts: at the pool's start, or while a killed worker's replacement builds its
+   task, the calls wait for it.
    Workers are not retired; a killed one's replacement keeps its slot.
 6. ``cancel`` takes keys out: a queued call leaves the queue, a running one's worker is
    killed and replaced; either becomes an error result that says ``cancelled``, counted in
@@ -75,9 +76,9 @@ __all__ = ["ScoringPool", "Scored", "check_rewards", "engine_task", "engine_task
 log = logging.getLogger("inflight.scoring")
 
 GROW_AFTER_S = 1.0
-"""How long the oldest call waits, every worker busy, before the pool starts one more: a slow
-or hung call holds the queue that long; calls that queue for milliseconds behind fast ones
-(a burst of groups) start nothing."""
+"""How long a call runs (or the oldest waits), calls waiting and every worker busy, before the
+pool starts one more: a slow or hung call holds the queue that long; fast calls queued
+behind fast ones (a burst of groups) start nothing."""
 
 
 class ScoringPool:
@@ -325,7 +326,8 @@ class ScoringPool:
             oldest = self._queue[0][2] if self._queue else 0.0
         if not oldest or len(self._workers) >= self.max_workers or any(w.state != "busy" for w in self._workers):
             return 0.0  # an idle or starting worker takes the call soon; a down one is restarted for it
-        return oldest + GROW_AFTER_S
+        longest = min(w.deadline - self.timeout_s for w in self._workers)  # the call running longest: sent then
+        return min(oldest, longest) + GROW_AFTER_S
 
     def _cancel_running(self) -> None:
         """Kill and replace the workers running a cancelled key (invariant 6)."""
