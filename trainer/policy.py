@@ -162,10 +162,11 @@ class Policy:
             loss, metrics = compute_loss(logp_all, entropy_all, batch, version=version, cfg=cfg.loss, ref_logp=ref_all)
         return float(loss), {**metrics, **self.replay.stats()}, batch
 
-    def save(self, path: Path, step: int, version: int, buffer: RolloutBuffer, ledger: dict | None = None) -> None:
+    def save(self, path: Path, step: int, version: int, buffer: RolloutBuffer,
+             ledger: Callable[[], dict] | None = None) -> None:
         """A checkpoint: weights, optimizer, RNG, the rollout groups admitted but not yet trained
         on, and the trainer's side of the rollout ledger."""
         buffer.drain(version)  # queued groups live in this process's store: keep them with the checkpoint
         save_checkpoint(path, self.unwrapped, self.tokenizer, self.optimizer, TrainerState(
             step=step, version=version, python_rng=random.getstate(), torch_rng=torch.get_rng_state(),
-            buffer_stats=buffer.stats(), pending=list(buffer.pending), ledger=dict(ledger or {})))
+            buffer_stats=buffer.stats(), pending=list(buffer.pending), ledger=ledger() if ledger else {}))

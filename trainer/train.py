@@ -92,7 +92,7 @@ def train(cfg: TrainConfig) -> dict:
                                   **ledger.update(groups), **evaluation}, groups)  # and the samples, to samples.jsonl
             bar.set_postfix_str(bar_text(row), refresh=False)
             if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0:
-                policy.save(ckpt_dir, done, version, buffer, ledger.state(queue))
+                policy.save(ckpt_dir, done, version, buffer, lambda: ledger.state(queue))
                 fleet.restart_from(ckpt_dir, version)
             if interrupt.asked:  # Ctrl-C: stop after a whole step, its push landed; leave everything below behind
                 version = sync.land(version)
@@ -105,7 +105,7 @@ def train(cfg: TrainConfig) -> dict:
         metrics.close()  # the experiment trackers' files, finished
 
     # -- 5. what we leave behind ---------------------------------------------------------------------
-    policy.save(ckpt_dir, done, version, buffer, ledger.state(queue))
+    policy.save(ckpt_dir, done, version, buffer, lambda: ledger.state(queue))
     return _summary(out, metrics, ledger.queue_totals(queue), buffer, fleet, interrupted=done < cfg.run.steps)
 
 
