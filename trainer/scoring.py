@@ -340,12 +340,7 @@ class ScoringPool:
             if w.state == "busy" and w.key in cancel:
                 self._read(w)  # an answer already sent counts
                 if self._workers[slot] is w and w.state == "busy":
-                    key = w.key
-                    w.kill()
-                    w.reap(JOIN_S)
-                    self._finish(key, None, f"key {key!r}: cancelled while it ran ({cancel[key]}); its worker "
-                                            f"(pid {w.pid}) was killed and replaced", cancelled=True)
-                    self._replace(w)
+                    self._kill_call(w, f"cancelled while it ran ({cancel[w.key]})", cancelled=True)
 
     def _read(self, w: WorkerProcess) -> None:
         if not self._drain(w):
@@ -387,14 +382,18 @@ class ScoringPool:
                                           f"start_timeout_s={self.start_timeout_s:g} s")
 
     def _timed_out(self, w: WorkerProcess) -> None:
+        self.counts["timeouts"] += 1
+        log.warning("scoring: key %r ran past timeout_s=%g s; worker %d killed and replaced",
+                    w.key, self.timeout_s, w.pid)
+        self._kill_call(w, f"scoring timed out after timeout_s={self.timeout_s:g} s")
+
+    def _kill_call(self, w: WorkerProcess, why: str, *, cancelled: bool = False) -> None:
+        """End ``w``'s call with ``why``: its worker (and what it started) killed, then replaced."""
         key = w.key
         w.kill()
         w.reap(JOIN_S)
-        self.counts["timeouts"] += 1
-        log.warning("scoring: key %r ran past timeout_s=%g s; worker %d killed and replaced",
-                    key, self.timeout_s, w.pid)
-        self._finish(key, None, f"key {key!r}: scoring timed out after timeout_s={self.timeout_s:g} s; "
-                                f"its worker (pid {w.pid}) was killed and replaced")
+        self._finish(key, None, f"key {key!r}: {why}; its worker (pid {w.pid}) was killed and replaced",
+                     cancelled=cancelled)
         self._replace(w)
 
     def _exited(self, w: WorkerProcess) -> None:
