@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from inflight.bench.run_record import run_record
-from inflight.trainer.scoring import ScoringPool
+from inflight.trainer.rollout.scoring_pool import ScoringPool
 from inflight.trainer.tasks.base import Completion, Prompt, Task
 
 

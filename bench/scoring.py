@@ -11,12 +11,12 @@ group is scored by a verifier that sleeps ``--sleep-s`` seconds per group (``Slo
 the ``repeat_digit`` reward after the sleep). Modes:
 
 1. ``instant``: the same verifier without the sleep, in the scoring processes
-   (``inflight.trainer.rollout_scoring.GroupScorer``, ``--workers`` of them), the ceiling;
+   (``inflight.trainer.rollout.group_scorer.GroupScorer``, ``--workers`` of them), the ceiling;
 2. ``pool``: the sleeping verifier in the scoring processes: the loop submits a finished
    group and steps on; a new group starts while fewer than G decode and fewer than G wait
    for their rewards (the training loop's admission, ``EngineLoop._start_inflight``);
 3. ``inline``: the sleeping verifier called between two engine steps, as the engine process
-   scored before ``inflight.trainer.rollout_scoring``: every sequence waits for it.
+   scored before ``inflight.trainer.rollout.group_scorer``: every sequence waits for it.
 
 Each mode runs in ``--rounds`` chunks of ``--steps / --rounds`` timed engine steps on the same
 engine, the order of the modes rotated each round, after an untimed warm-up chunk per mode;
@@ -76,7 +76,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from inflight.trainer.tasks import Completion, encode_prompt  # noqa: E402
-from inflight.trainer.tasks.digits import RepeatDigit  # noqa: E402
+from inflight.trainer.envs.digits import RepeatDigit  # noqa: E402
 
 GROUP = 8
 MODES = ("instant", "pool", "inline")
@@ -317,8 +317,8 @@ def main() -> None:
     from inflight.bench.placement import engine_env
     from inflight.engine.config import engine_kwargs
     from inflight.trainer.config_files import config_from_dict
-    from inflight.trainer.engine_process import sampling_of
-    from inflight.trainer.rollout_scoring import GroupScorer
+    from inflight.trainer.rollout.engine_process import sampling_of
+    from inflight.trainer.rollout.group_scorer import GroupScorer
 
     wall0 = time.perf_counter()
     model_dir = str(model_dir_of(args))

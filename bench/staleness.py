@@ -59,7 +59,7 @@ def evaluate(model_dir: Path, completion_tokens: int, digit_credit: float, sampl
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from inflight.trainer.tasks.digits import RepeatDigit
+    from inflight.trainer.envs.digits import RepeatDigit
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()

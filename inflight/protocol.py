@@ -415,14 +415,14 @@ class RolloutGroup(Wire, tag="group"):
     group_id: Annotated[str, Meta(min_length=1)]
     samples: tuple[RolloutSample, ...]
     engine_id: str = ""
-    """Which engine of the fleet sampled it (``inflight.trainer.engine_process``: ``e<index>``)."""
+    """Which engine of the fleet sampled it (``inflight.trainer.rollout.engine_process``: ``e<index>``)."""
     sampling: Sampling | None = None
     """How it was sampled (None: not reported); the trainer refuses groups whose distribution
     it cannot reproduce (``inflight.rollout_queue.check_group``)."""
     engine_ledger: dict[str, int] = {}
     """The engine's rollout totals when it shipped this group: groups scored and failed, and
     for a multi-turn task its episodes started, finished, failed, dropped and shipped
-    (``inflight.trainer.episode_rollout.EpisodeRollout.counts``). Empty: not reported."""
+    (``inflight.trainer.rollout.episode_rollout.EpisodeRollout.counts``). Empty: not reported."""
 
     def __post_init__(self) -> None:
         for s in self.samples:

@@ -129,6 +129,6 @@ def test_the_consumer_version_reaches_producers_and_stray_bytes_read_as_unknown(
     (0, 9, 5, False),      # the engine is 4 versions behind: even an empty queue is too late
 ])
 def test_an_engine_starts_a_group_only_if_it_is_trained_within_max_lag(ahead, trainer, live, ok) -> None:
-    from inflight.trainer.engine_process import may_start_group
+    from inflight.trainer.rollout.engine_process import may_start_group
 
     assert may_start_group(ahead=ahead, trainer_version=trainer, live_version=live, groups_per_step=4, max_lag=3) is ok

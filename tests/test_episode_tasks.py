@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from inflight.trainer.tasks.base import Completion, Prompt
-from inflight.trainer.tasks.calculator import TEMPLATE, CalcError, Calculator, safe_eval
+from inflight.trainer.envs.calculator import TEMPLATE, CalcError, Calculator, safe_eval
 from inflight.trainer.tasks.episode import EpisodeView, Turn
-from inflight.trainer.tasks.guess_number import GuessNumber
+from inflight.trainer.envs.guess_number import GuessNumber
 
 
 def _view(prompt: Prompt, *replies: str, state: dict | None = None, last: bool = False) -> EpisodeView:

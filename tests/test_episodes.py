@@ -1,4 +1,4 @@
-"""Multi-turn episodes (``inflight.trainer.tasks.episode``, ``inflight.trainer.episode_rollout``).
+"""Multi-turn episodes (``inflight.trainer.tasks.episode``, ``inflight.trainer.rollout.episode_rollout``).
 
 - Observation tokens render as the chat template continues the conversation, and receive
   no gradient: the loss, its entropy term and every correction see the policy's tokens only.
@@ -147,7 +147,7 @@ class Driver:
     """An engine of this process stepped from the test thread, episodes driven by an ``EpisodeRollout``."""
 
     def __init__(self, engine: dict, journal: Path | None = None, **task: Any) -> None:
-        from inflight.trainer.episode_rollout import EpisodeRollout
+        from inflight.trainer.rollout.episode_rollout import EpisodeRollout
 
         self.llm, self.model_dir = engine["llm"], engine["model_dir"]
         cfg = config_from_dict({

@@ -212,7 +212,7 @@ def _group(gid: str, sampling: Sampling | None, **sample) -> RolloutGroup:
 def test_queue_refuses_groups_sampled_from_a_distribution_the_trainer_does_not_score() -> None:
     from vllm import SamplingParams
 
-    from inflight.trainer.engine_process import sampling_of
+    from inflight.trainer.rollout.engine_process import sampling_of
 
     assert sampling_of(SamplingParams(temperature=0.7)).transforms() == []
     assert sampling_of(SamplingParams(top_k=20, top_p=0.8)).transforms() == ["top_k=20", "top_p=0.8"]

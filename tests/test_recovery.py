@@ -27,7 +27,7 @@ from inflight.protocol import RolloutGroup, RolloutSample
 from inflight.transport.group_config import GroupConfig
 from tests.helpers import (WAIT_S, check_ledger, metrics_rows, pending_ids, run_config, train_beside, wait_rows,
                            wait_until)
-from inflight.trainer.episode_journal import peek
+from inflight.trainer.rollout.episode_journal import peek
 from inflight.trainer.train import train
 
 
@@ -97,7 +97,7 @@ def test_resume_continues_without_repeating_or_dropping_groups(tmp_path, monkeyp
     import inflight.trainer.policy as policy_module
 
     out = tmp_path / "run"
-    # a loose max lag lets the engine run ahead of the trainer (inflight.trainer.engine_process.may_start_group)
+    # a loose max lag lets the engine run ahead of the trainer (inflight.trainer.rollout.engine_process.may_start_group)
     first = run_config(out, steps=3, transport={"port": port}, loss={"max_lag": 8})
     forward, calls = policy_module.policy_logprobs, []
 

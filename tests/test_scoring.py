@@ -1,4 +1,4 @@
-"""The scoring pool (``inflight.trainer.scoring``): rewards off the engine's critical path.
+"""The scoring pool (``inflight.trainer.rollout.scoring_pool``): rewards off the engine's critical path.
 
 Every test waits on results (``collect``) with a deadline that only fails a hang. The tasks
 the spawned workers build live in this module (``tests`` is a package, and a spawned
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from inflight.trainer.scoring import ScoringPool
-from inflight.trainer.scoring_worker import Scored, check_rewards, engine_task_factory
+from inflight.trainer.rollout.scoring_pool import ScoringPool
+from inflight.trainer.rollout.scoring_worker import Scored, check_rewards, engine_task_factory
 from inflight.trainer.tasks import Arithmetic, Completion, Prompt, Task
 
 HANG_S = 600.0

@@ -13,7 +13,8 @@ import pytest
 from inflight.trainer.config_files import config_from_dict
 from inflight.trainer.tasks import Calculator, encode_prompt
 from inflight.trainer.tasks.episode import EpisodeView, ObservationRenderer, Turn
-from inflight.trainer.tasks.tool_calls import ToolBox, ToolCallParser, ToolFailed, chat_template_text, tool_schema
+from inflight.trainer.tasks.tool_calls import (ToolBox, ToolCallParser, ToolError, ToolFailed, ToolResult,
+                                               chat_template_text, tool_schema)
 
 
 def convert(value: float, unit: str = "km") -> float:
@@ -23,6 +24,8 @@ def convert(value: float, unit: str = "km") -> float:
         value: The distance.
         unit: Its unit, km or mi.
     """
+    if unit not in ("km", "mi"):
+        raise ToolError(f"no unit {unit!r}; km or mi")
     return value * {"km": 1000.0, "mi": 1609.344}[unit]
 
 
@@ -52,14 +55,17 @@ def test_a_function_is_a_tool_and_the_policys_mistakes_are_its_results() -> None
     fn = box.schemas[0]["function"]
     assert fn["name"] == "convert" and fn["parameters"]["required"] == ["value"]
     assert fn["parameters"]["properties"]["unit"] == {"type": "string", "description": "Its unit, km or mi."}
-    assert box.run({"name": "convert", "arguments": {"value": 2, "unit": "mi"}}) == "3218.688"
-    # the policy's mistakes: results it reads
-    assert json.loads(box.run({"name": "convrt", "arguments": {}})) == {
+    assert box.run({"name": "convert", "arguments": {"value": 2, "unit": "mi"}}) == ToolResult("3218.688", ok=True)
+    # the policy's mistakes: results it reads, not ok
+    for arguments, error in (({"value": 2, "unit": "ly"}, "convert: no unit 'ly'; km or mi"),
+                             ({"unit": "km"}, "convert: missing a required argument: 'value'"),
+                             ("2 km", "convert: arguments must be a JSON object, not str")):
+        result = box.run({"name": "convert", "arguments": arguments})
+        assert not result.ok and json.loads(result.content) == {"error": error}
+        assert result.message == {"role": "tool", "content": result.content}
+    result = box.run({"name": "convrt", "arguments": {}})
+    assert not result.ok and json.loads(result.content) == {
         "error": "no tool named 'convrt'; the tools are ['broken', 'convert', 'opaque']"}
-    assert json.loads(box.run({"name": "convert", "arguments": {"unit": "km"}})) == {
-        "error": "convert: missing a required argument: 'value'"}
-    assert json.loads(box.run({"name": "convert", "arguments": "2 km"})) == {
-        "error": "convert: arguments must be a JSON object, not str"}
     # the tool's own failures: the turn fails, naming the tool
     with pytest.raises(ToolFailed, match=r"^tool 'broken' raised KeyError: 'no such table'$"):
         box.run({"name": "broken", "arguments": {"x": 1}})
@@ -136,7 +142,8 @@ def test_native_calculator_turns() -> None:
     expr = p.meta["expr"]
     two = task.turn(view("", [{"name": "calculator", "arguments": {"expression": expr}},
                               {"name": "calculator", "arguments": {"expression": "1/0"}}]))
-    assert two.messages == ({"role": "tool", "content": p.answer}, {"role": "tool", "content": "error: division by zero"})
+    assert two.messages == ({"role": "tool", "content": p.answer},
+                            {"role": "tool", "content": '{"error": "calculator: division by zero"}'})
     assert two.state == {"calls": 1}  # an error is not a well-formed call
     wrong = task.turn(view("", [{"name": "calc", "arguments": {"expression": expr}}]))
     assert json.loads(wrong.messages[0]["content"])["error"].startswith("no tool named 'calc'") and wrong.state == {"calls": 0}

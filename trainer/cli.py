@@ -43,7 +43,7 @@ def _train(argv: list[str]) -> None:
 
 
 def _engine(argv: list[str]) -> None:
-    from inflight.trainer.engine_process import main
+    from inflight.trainer.rollout.engine_process import main
 
     main(argv, prog="inflight engine")
 

@@ -199,7 +199,7 @@ class EngineConfig:
     """The vLLM engine process."""
 
     spawn: bool = True
-    """Start the engines from the trainer. False: start each yourself with ``python -m inflight.trainer.engine_process``."""
+    """Start the engines from the trainer. False: start each yourself with ``python -m inflight.trainer.rollout.engine_process``."""
     count: int = 1
     """Engines in the fleet. Each samples its own groups into the one rollout queue."""
     tensor_parallel_size: int = 1
@@ -276,7 +276,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         # an in-flight engine samples with a version the trainer has already moved past, and
-        # starts only groups that will be within loss.max_lag (inflight.trainer.engine_process.may_start_group):
+        # starts only groups that will be within loss.max_lag (inflight.trainer.rollout.engine_process.may_start_group):
         # with 0 it would never start one
         if self.rollout.mode == "inflight" and self.loss.max_lag < 1:
             raise ValueError(f"loss.max_lag={self.loss.max_lag} with rollout.mode='inflight': in-flight samples lag "

@@ -50,7 +50,7 @@ from inflight.transport.pusher import PushConfig
 from inflight.transport.sources import Weights
 from inflight.trainer.config import TrainConfig
 from inflight.trainer.console import engine_log, last_error, log_tail
-from inflight.trainer.engine_process import run_engine
+from inflight.trainer.rollout.engine_process import run_engine
 
 log = logging.getLogger("inflight.supervisor")
 

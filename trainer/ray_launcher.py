@@ -1,7 +1,7 @@
 """The fleet's engines as Ray actors (``engine.launcher = "ray"``), for clusters where Ray
 places the jobs.
 
-Each engine is one actor running ``inflight.trainer.engine_process.run_engine``, the same function a
+Each engine is one actor running ``inflight.trainer.rollout.engine_process.run_engine``, the same function a
 spawned process runs, in a placement group of its own: one bundle of ``engine.ray_cpus`` CPUs
 and, where the cluster has GPUs, one GPU per tensor parallel worker (Ray sets the actor's
 ``CUDA_VISIBLE_DEVICES``; a TP engine starts its workers with vLLM's ``mp`` executor inside
@@ -26,7 +26,7 @@ from typing import Any
 
 from inflight.trainer.config import TrainConfig
 from inflight.trainer.console import engine_log, log_tail
-from inflight.trainer.engine_process import run_engine
+from inflight.trainer.rollout.engine_process import run_engine
 
 log = logging.getLogger("inflight.supervisor")
 

@@ -60,7 +60,7 @@ def collate_routing(groups: Sequence[RolloutGroup], input_ids: torch.Tensor, com
     missing = [s.sample_id for s in samples if not s.routing]
     if missing:
         raise ValueError(f"loss.routing_replay=true but samples {missing[:3]} carry no routing: the engine must "
-                         "record it (InflightConfig(record_routing=True); inflight.trainer.engine_process does when replay is on)")
+                         "record it (InflightConfig(record_routing=True); inflight.trainer.rollout.engine_process does when replay is on)")
     shapes = {(s.routing_layers, s.routing_k) for s in samples}
     if len(shapes) != 1:
         raise ValueError(f"samples of one batch carry routing of different shapes {sorted(shapes)}")

@@ -146,11 +146,11 @@ def _run_dir(cfg: TrainConfig) -> tuple[Path, Path]:
 def _policy_on_disk(cfg: TrainConfig, out: Path, ckpt_dir: Path) -> tuple[TrainerState | None, Path, Path | None, int]:
     """(the resumed state or None, the model directory the engines load, the adapter directory
     of a LoRA run, their version). A LoRA run's base never moves; its checkpoint holds the adapter.
-    A run that does not resume clears the episode journals an earlier run left (``inflight.trainer.episode_journal``)."""
+    A run that does not resume clears the episode journals an earlier run left (``inflight.trainer.rollout.episode_journal``)."""
     # a crash between the renames of a checkpoint swap leaves only ``checkpoint.old``: resume from it
     resumed = load_state(ckpt_dir) if cfg.run.resume and (recover(ckpt_dir) or (ckpt_dir / "state.json").exists()) else None
     _check_resume(cfg, out, ckpt_dir, resumed)
-    if resumed is None:  # an earlier run's episodes in flight (inflight.trainer.episode_journal) and engine
+    if resumed is None:  # an earlier run's episodes in flight (inflight.trainer.rollout.episode_journal) and engine
         for journal in [*out.glob("episodes-*.journal"), *out.glob("ledger-*.json")]:  # ledgers are not this run's
             journal.unlink()
     if cfg.model.lora.enabled:

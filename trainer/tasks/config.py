@@ -10,11 +10,11 @@ from typing import Any, Literal
 
 from inflight.settings import check_choices
 from inflight.trainer.tasks.base import ChatMode
-from inflight.trainer.tasks.calculator import TEMPLATE as CALCULATOR_TEMPLATE
-from inflight.trainer.tasks.calculator import Calculator
-from inflight.trainer.tasks.guess_number import TEMPLATE as GUESS_TEMPLATE
-from inflight.trainer.tasks.guess_number import GuessNumber
-from inflight.trainer.tasks.jsonl import Match
+from inflight.trainer.envs.calculator import TEMPLATE as CALCULATOR_TEMPLATE
+from inflight.trainer.envs.calculator import Calculator
+from inflight.trainer.envs.guess_number import TEMPLATE as GUESS_TEMPLATE
+from inflight.trainer.envs.guess_number import GuessNumber
+from inflight.trainer.envs.jsonl import Match
 from inflight.trainer.tasks.tool_calls import chat_template_text
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +46,7 @@ class JsonlConfig:
     """The ``jsonl`` task's data: one ``{"prompt"|"messages": ..., "answer": ...}`` per line."""
 
     path: str = ""
-    """Training prompts (empty: the sample file ``trainer/tasks/data/sample_gsm.jsonl``)."""
+    """Training prompts (empty: the sample file ``trainer/envs/data/sample_gsm.jsonl``)."""
     eval_path: str = ""
     """Held-out prompts for evaluation (empty: the last ``eval.prompts`` records of ``path``)."""
     match: Match = "number"
@@ -66,7 +66,7 @@ class JsonlConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DatasetConfig:
-    """The ``dataset`` task's data: a Hugging Face ``datasets`` dataset (``inflight.trainer.tasks.hf_dataset``)."""
+    """The ``dataset`` task's data: a Hugging Face ``datasets`` dataset (``inflight.trainer.envs.hf_dataset``)."""
 
     path: str = ""
     """A hub id (``openai/gsm8k``), a directory written by ``save_to_disk``, or a data file
@@ -101,7 +101,7 @@ class DatasetConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CalculatorConfig:
-    """The ``calculator`` task (``inflight.trainer.tasks.calculator``): arithmetic with a calculator tool."""
+    """The ``calculator`` task (``inflight.trainer.envs.calculator``): arithmetic with a calculator tool."""
 
     digits: int = 2
     """Digits of each of the two operands (1: 0-9)."""
@@ -129,7 +129,7 @@ class CalculatorConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class GuessNumberConfig:
-    """The ``guess_number`` task (``inflight.trainer.tasks.guess_number``): a secret number, higher/lower feedback."""
+    """The ``guess_number`` task (``inflight.trainer.envs.guess_number``): a secret number, higher/lower feedback."""
 
     lo: int = 1
     """The smallest secret."""
@@ -154,7 +154,7 @@ class GuessNumberConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ReasoningGymConfig:
-    """The ``reasoning_gym`` task (``inflight.trainer.tasks.reasoning_mix``): a mix of reasoning-gym datasets."""
+    """The ``reasoning_gym`` task (``inflight.trainer.envs.reasoning_mix``): a mix of reasoning-gym datasets."""
 
     datasets: tuple[str, ...] = ("basic_arithmetic",)
     """reasoning-gym dataset names (``reasoning_gym.factory.DATASETS``), drawn from by weight."""
@@ -205,7 +205,7 @@ def _check_task(cls: Any, where: str, cfg: Any) -> None:
 @dataclass(frozen=True, kw_only=True)
 class ScoringConfig:
     """Where rewards are computed: ``task.score`` in worker processes of the engine
-    (``inflight.trainer.scoring``), so a slow verifier never stops decoding."""
+    (``inflight.trainer.rollout.scoring_pool``), so a slow verifier never stops decoding."""
 
     workers: int = 1
     """Scoring processes per engine at the start; groups (and episode turns) are scored in
@@ -257,7 +257,7 @@ class EpisodeConfig:
     """Episodes in flight when their engine process stopped (restarted by the trainer, a
     crash, the end of a run that ``run.resume`` continues): resume them where they were
     (their tokens and tags kept; the next turn sampled by whatever version is live), or
-    drop them. Counted either way (``inflight.trainer.episode_journal``)."""
+    drop them. Counted either way (``inflight.trainer.rollout.episode_journal``)."""
     def __post_init__(self) -> None:
         check_choices(self, "task.episode")
         if self.max_turns < 1:
@@ -328,7 +328,7 @@ class TaskConfig:
             raise ValueError("task.name = 'dataset' needs task.dataset.path: a hub id (openai/gsm8k), a directory "
                              "written by save_to_disk, or a data file")
         if self.name == "reasoning_gym":
-            from inflight.trainer.tasks.reasoning_mix import check_dataset_names
+            from inflight.trainer.envs.reasoning_mix import check_dataset_names
 
             check_dataset_names(self.reasoning_gym.datasets)
         if self.chat_template:

@@ -4,7 +4,7 @@ An ``EpisodeTask`` opens an episode with a ``Prompt`` (``sample``, as any task) 
 answers every turn of the policy with a ``Turn``: an observation (a tool's output, a game's
 feedback) that the policy reads before its next turn, or the end of the episode with its
 reward. ``turn`` may be a coroutine. It runs in the engine's scoring processes
-(``inflight.trainer.scoring``), each call under ``task.scoring``'s timeout and memory cap, so an
+(``inflight.trainer.rollout.scoring_pool``), each call under ``task.scoring``'s timeout and memory cap, so an
 episode waiting on a tool never holds up decoding nor another episode.
 
 An episode is one token sequence (``Transcript``)::

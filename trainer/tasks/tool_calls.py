@@ -21,6 +21,7 @@ import inspect
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 CHATML_TOOLS = "chatml_tools"
@@ -43,6 +44,26 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
                          "needs type hints and a docstring with an Args: section describing each argument") from None
 
 
+class ToolError(Exception):
+    """Raise it in a tool for a mistake of the policy's (an expression that does not parse, a
+    unit it does not know): the policy reads ``{"error": message}`` and the episode goes on."""
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """One call's result as the policy reads it."""
+
+    content: str
+    """The tool's string as is, anything else as JSON; a mistake of the policy's as ``{"error": ...}``."""
+    ok: bool
+    """False for a mistake of the policy's: no such tool, arguments that do not bind, a ``ToolError``."""
+
+    @property
+    def message(self) -> dict[str, str]:
+        """The ``role: tool`` message that answers the call (``Turn.messages``)."""
+        return {"role": "tool", "content": self.content}
+
+
 class ToolBox:
     """Tools by name: their schemas for the template, and ``run`` for the policy's calls."""
 
@@ -52,30 +73,35 @@ class ToolBox:
             raise ValueError(f"tools: two tools share a name ({[fn.__name__ for fn in functions]})")
         self.schemas = tuple(tool_schema(fn) for fn in functions)
 
-    def run(self, call: Mapping[str, Any]) -> str:
-        """One call ``{"name", "arguments"}``: the result as the policy reads it (a string as
-        is, anything else as JSON); the policy's mistakes as ``{"error": ...}``; ``ToolFailed``
-        when the tool itself fails."""
+    def run(self, call: Mapping[str, Any]) -> ToolResult:
+        """One call ``{"name", "arguments"}``. The policy's mistakes are results (``ok`` False);
+        ``ToolFailed`` when the tool itself fails (raises, or returns what JSON cannot hold)."""
         name, arguments = call.get("name"), call.get("arguments")
         fn = self.functions.get(name) if isinstance(name, str) else None
         if fn is None:
-            return json.dumps({"error": f"no tool named {name!r}; the tools are {sorted(self.functions)}"})
+            return _mistake(f"no tool named {name!r}; the tools are {sorted(self.functions)}")
         if not isinstance(arguments, Mapping):
-            return json.dumps({"error": f"{name}: arguments must be a JSON object, not {type(arguments).__name__}"})
+            return _mistake(f"{name}: arguments must be a JSON object, not {type(arguments).__name__}")
         try:
             inspect.signature(fn).bind(**arguments)
         except TypeError as e:
-            return json.dumps({"error": f"{name}: {e}"})
+            return _mistake(f"{name}: {e}")
         try:
             result = fn(**arguments)
+        except ToolError as e:
+            return _mistake(f"{name}: {e}")
         except Exception as e:
             raise ToolFailed(f"tool {name!r} raised {type(e).__name__}: {e}") from e
         if isinstance(result, str):
-            return result
+            return ToolResult(result, ok=True)
         try:
-            return json.dumps(result)
+            return ToolResult(json.dumps(result), ok=True)
         except (TypeError, ValueError) as e:
             raise ToolFailed(f"tool {name!r} returned {type(result).__name__}, which JSON cannot hold ({e})") from None
+
+
+def _mistake(error: str) -> ToolResult:
+    return ToolResult(json.dumps({"error": error}), ok=False)
 
 
 class ToolCallParser:

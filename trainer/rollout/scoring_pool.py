@@ -8,7 +8,7 @@ would stop every sequence on the engine meanwhile::
         scored.key, scored.rewards, scored.turn, scored.error
 
 Design. Each worker is a fresh interpreter in a process group of its own
-(``inflight.trainer.scoring_worker``). One thread, the collector, does everything else: it sends a
+(``inflight.trainer.rollout.scoring_worker``). One thread, the collector, does everything else: it sends a
 queued call to an idle worker, waits on the workers' pipes and pidfds (and a wake-up pipe
 that ``submit`` writes to) for at most 50 ms at a time, reads results, watches deadlines.
 A call that outlives ``timeout_s`` gets its worker's process group SIGKILLed (the
@@ -66,7 +66,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
-from inflight.trainer.scoring_worker import (JOIN_S, LIVE, WAKE_S, Scored, WorkerProcess, check_rewards, check_settings,
+from inflight.trainer.rollout.scoring_worker import (JOIN_S, LIVE, WAKE_S, Scored, WorkerProcess, check_rewards, check_settings,
                                     describe_exit, engine_task, engine_task_factory, first_line)
 from inflight.trainer.tasks.base import Completion, Prompt, Task
 from inflight.trainer.tasks.episode import EpisodeView, Turn

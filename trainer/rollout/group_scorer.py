@@ -3,7 +3,7 @@
 The engine process's rollout loop hands every finished request (one group of ``n``
 completions) to ``GroupScorer.submit`` and, every turn of its loop, takes back the groups
 whose rewards came in (``collect``). Rewards are computed by ``task.score`` in
-``inflight.trainer.scoring.ScoringPool``'s worker processes (``task.scoring``): a slow verifier never
+``inflight.trainer.rollout.scoring_pool.ScoringPool``'s worker processes (``task.scoring``): a slow verifier never
 stops decoding, and one that raises, hangs past ``timeout_s``, exceeds its memory cap or
 returns a reward that is not a finite number fails its group alone. A failed group is
 logged (every failure, one line with the task, the group and the error, the task's
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from inflight.protocol import EngineReport, RolloutGroup, RolloutSample, Sampling
-from inflight.trainer.scoring import ScoringPool
-from inflight.trainer.scoring_worker import engine_task_factory
+from inflight.trainer.rollout.scoring_pool import ScoringPool
+from inflight.trainer.rollout.scoring_worker import engine_task_factory
 
 log = logging.getLogger("inflight.rollout")
 

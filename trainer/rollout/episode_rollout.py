@@ -1,7 +1,7 @@
 """Multi-turn episodes on the in-flight engine: one request per turn, the environment off the engine thread.
 
 The engine process's rollout loop drives an ``EpisodeTask`` through ``EpisodeRollout``
-(in place of ``inflight.trainer.rollout_scoring.GroupScorer``, whose interface it keeps)::
+(in place of ``inflight.trainer.rollout.group_scorer.GroupScorer``, whose interface it keeps)::
 
     start_group(gid, prompt, ids) --> K episodes, each a request "gid.k.0" (n = 1, the same
                                       prompt: the prefix cache prefills it once)
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling
-from inflight.trainer.episode_journal import EpisodeJournal
-from inflight.trainer.rollout_scoring import GroupScorer
+from inflight.trainer.rollout.episode_journal import EpisodeJournal
+from inflight.trainer.rollout.group_scorer import GroupScorer
 from inflight.trainer.tasks.episode import ObservationRenderer, Transcript, Turn
 from inflight.trainer.tasks.tool_calls import ToolCallParser
 

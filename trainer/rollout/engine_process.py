@@ -1,14 +1,14 @@
 """The engine process: keep GRPO groups decoding, tag every token, ship finished groups.
 
     inflight engine --config CONFIG --model-dir DIR --host TRAINER --port PORT [--engine-id 0] [--set KEY=VALUE ...]
-    (or: python -m inflight.trainer.engine_process ...)
+    (or: python -m inflight.trainer.rollout.engine_process ...)
 
 (the trainer starts ``engine.count`` of them itself unless ``engine.spawn = false``; engine i
 forms a weight group of its own with the trainer (``GroupConfig.for_engine``), its workers
 ranks 1 .. ``tensor_parallel_size`` there, and tags its groups ``e<i>``). It drives vLLM's
 ``LLMEngine`` step by step with ``in_flight_groups`` requests of ``n = group_size``
 samples in flight; whenever one finishes, its completions go to the task's scoring
-processes (``inflight.trainer.rollout_scoring``: decoding never waits for a verifier), and once
+processes (``inflight.trainer.rollout.group_scorer``: decoding never waits for a verifier), and once
 scored, with their behaviour log-probs and per-token versions, become a ``RolloutGroup`` on
 the rollout queue; a new prompt takes its place, unless that group would be older than
 ``loss.max_lag`` by the time the trainer reaches it (the trainer publishes its version on
@@ -50,8 +50,8 @@ from inflight.transport.group_config import GroupConfig
 from inflight.trainer.config import TrainConfig, group_config, inflight_config
 from inflight.trainer.config_files import add_config_arguments, load_config
 from inflight.trainer.console import log_to_file, quiet_libraries
-from inflight.trainer.engine_env import engine_environment
-from inflight.trainer.rollout_scoring import GroupScorer, ScoringFailed
+from inflight.trainer.rollout.engine_env import engine_environment
+from inflight.trainer.rollout.group_scorer import GroupScorer, ScoringFailed
 from inflight.trainer.tasks.tool_calls import task_tokenizer
 
 log = logging.getLogger("inflight.rollout")
@@ -90,7 +90,7 @@ class RolloutLoop:
         from vllm.sampling_params import RequestOutputKind
 
         from inflight.engine.client import coordinator_of
-        from inflight.trainer.episode_rollout import EpisodeRollout
+        from inflight.trainer.rollout.episode_rollout import EpisodeRollout
         from inflight.trainer.tasks import build_task, model_stop_ids
         from inflight.trainer.tasks.episode import is_episodic
 
@@ -102,7 +102,7 @@ class RolloutLoop:
         self.tokenizer = task_tokenizer(model_dir, cfg.task.chat_template, llm.get_tokenizer())
         self.task = build_task(cfg, self.tokenizer)
         self.rng = random.Random(cfg.run.seed * 1000 + rank)
-        self.episodic = is_episodic(self.task)  # one request per turn of each episode (``inflight.trainer.episode_rollout``)
+        self.episodic = is_episodic(self.task)  # one request per turn of each episode (``inflight.trainer.rollout.episode_rollout``)
         # a chat model ends its turn with a token only its generation config may name (<|im_end|>)
         self.params = SamplingParams(n=1 if self.episodic else cfg.rollout.group_size,
                                      temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
@@ -366,7 +366,7 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
         loop.scorer.wait_ready()  # a task its scoring processes cannot build fails here, with its own error
         if not loop.wait_for_version(wait_for_version):
             return
-        if loop.episodic:  # episodes an earlier process of this engine left running (inflight.trainer.episode_journal)
+        if loop.episodic:  # episodes an earlier process of this engine left running (inflight.trainer.rollout.episode_journal)
             loop.scorer.resume()  # type: ignore[attr-defined]
         if cfg.rollout.mode == "batch":
             loop.run_batch(next_version)
@@ -432,7 +432,7 @@ def may_start_group(*, ahead: int, trainer_version: int | None, live_version: in
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    """``inflight engine`` (``prog``) and ``python -m inflight.trainer.engine_process``."""
+    """``inflight engine`` (``prog``) and ``python -m inflight.trainer.rollout.engine_process``."""
     ap = argparse.ArgumentParser(prog=prog, description="inflight engine process (vLLM + in-flight worker)")
     add_config_arguments(ap)  # the trainer's config and --set overrides: both sides must read the same settings
     ap.add_argument("--model-dir", required=True, help="the model directory to serve (the trainer's model.path)")

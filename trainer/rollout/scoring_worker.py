@@ -1,4 +1,4 @@
-"""The worker side of ``inflight.trainer.scoring``: what runs in a scoring process, and the engine's
+"""The worker side of ``inflight.trainer.rollout.scoring_pool``: what runs in a scoring process, and the engine's
 handle on one.
 
 Design. ``workers`` processes, each a fresh interpreter (``sys.executable -c``, the
@@ -133,7 +133,7 @@ import sys
 from multiprocessing.connection import Connection
 conn = Connection({fd})
 sys.path[:], boot = conn.recv()
-from inflight.trainer.scoring_worker import _worker_main
+from inflight.trainer.rollout.scoring_worker import _worker_main
 _worker_main(conn, boot)
 """
 """What a worker's fresh interpreter runs: the engine's ``sys.path`` first, then the loop."""
@@ -231,7 +231,7 @@ LIVE: tuple[WorkerState, ...] = ("starting", "idle", "busy")
 @dataclass(eq=False)
 class WorkerProcess:
     """One slot's process, as the collector sees it. ``down``: it could not start (``error``
-    says why); it is restarted when calls wait (``inflight.trainer.scoring`` invariant 7)."""
+    says why); it is restarted when calls wait (``inflight.trainer.rollout.scoring_pool`` invariant 7)."""
 
     slot: int
     proc: subprocess.Popen[bytes]

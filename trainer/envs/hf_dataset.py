@@ -4,7 +4,7 @@
 with ``subset = "main"``), a directory written by ``Dataset.save_to_disk``, or a data file
 (``.json``, ``.jsonl``, ``.csv``, ``.parquet``); ``split`` the training split and
 ``eval_split`` the held-out one (empty: the last ``eval.prompts`` rows of ``split``). Each row
-becomes a record as in the ``jsonl`` task (``inflight.trainer.tasks.jsonl``): ``prompt_field`` (or
+becomes a record as in the ``jsonl`` task (``inflight.trainer.envs.jsonl``): ``prompt_field`` (or
 ``messages_field``, a list of ``{"role", "content"}``) and ``answer_field``; the other
 columns travel in ``Prompt.meta``. The reward is the ``jsonl`` task's: ``match`` (the final
 number, GSM8K's ``#### N`` style, or an exact match) or a ``reward`` function.
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from inflight.trainer.tasks.base import Prompt
-from inflight.trainer.tasks.jsonl import Match, RecordsTask, to_prompt
+from inflight.trainer.envs.jsonl import Match, RecordsTask, to_prompt
 
 DATA_FILES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 """Data-file suffixes ``path`` may name, and the ``datasets`` builder that reads each."""

@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 
 from inflight.trainer.tasks.base import Prompt, lone_number
 from inflight.trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
-from inflight.trainer.tasks.tool_calls import ToolBox
+from inflight.trainer.tasks.tool_calls import ToolBox, ToolError
 
 EVAL_SEED = 0xCA1C_E7A1
 DEMO_SEED = 0xCA1C_DE70
@@ -259,7 +259,11 @@ class Calculator(EpisodeTask):
         Args:
             expression: Numbers joined by + - * / // % and parentheses, e.g. 47 * 29.
         """
-        return self.calculate(expression)
+        try:
+            return show(safe_eval(clean_expression(expression), max_digits=self.max_result_digits,
+                                  max_chars=self.max_expression_chars))
+        except CalcError as e:
+            raise ToolError(str(e).removeprefix("error: ")) from None
 
     def calculate(self, expression: str) -> str:
         """What the calculator prints for an expression: its value, or ``error: ...``."""
@@ -298,10 +302,10 @@ class Calculator(EpisodeTask):
         answer = lone_number(line.group(1)) if line else None
         assert self.tools is not None
         results = [self.tools.run(call) for call in episode.tool_calls]
-        calls += sum(not (r.startswith("error") or r.startswith('{"error"')) for r in results)
+        calls += sum(r.ok for r in results)
         if (answer is not None and not results) or episode.last:
             return self._end(episode.prompt, answer, calls)
         if not results:
             return Turn(observation=NATIVE_REMINDER, role="user")
-        return Turn(messages=tuple({"role": "tool", "content": r} for r in results),
+        return Turn(messages=tuple(r.message for r in results),
                     state={**episode.state, "calls": calls})
