@@ -11,12 +11,12 @@ group is scored by a verifier that sleeps ``--sleep-s`` seconds per group (``Slo
 the ``repeat_digit`` reward after the sleep). Modes:
 
 1. ``instant``: the same verifier without the sleep, in the scoring processes
-   (``inflight.trainer.rollout.group_scorer.GroupScorer``, ``--workers`` of them), the ceiling;
+   (``inflight.trainer.rollout.episode_rollout.EpisodeRollout``, ``--workers`` of them), the ceiling;
 2. ``pool``: the sleeping verifier in the scoring processes: the loop submits a finished
    group and steps on; a new group starts while fewer than G decode and fewer than G wait
    for their rewards (the training loop's admission, ``EngineLoop._start_inflight``);
 3. ``inline``: the sleeping verifier called between two engine steps, as the engine process
-   scored before ``inflight.trainer.rollout.group_scorer``: every sequence waits for it.
+   scored before ``inflight.trainer.rollout.episode_rollout``: every sequence waits for it.
 
 Each mode runs in ``--rounds`` chunks of ``--steps / --rounds`` timed engine steps on the same
 engine, the order of the modes rotated each round, after an untimed warm-up chunk per mode;
@@ -186,16 +186,29 @@ class Loop:
         prompt = self.task.sample(self.rng)
         rid = f"{self.mode}-{self.started}"
         self.started += 1
-        self.prompts[rid] = prompt
         ids = encode_prompt(self.llm.get_tokenizer(), prompt, "auto")
+        if self.scorer is None:
+            self._add(rid, prompt, ids, params)
+        else:  # the rollout driver names the request, and asks for it with this group's params
+            self.scorer.add_request = lambda rid, prompt, ids, max_tokens, n: self._add(rid, prompt, ids, params)
+            self.scorer.start_group(rid, prompt, ids)
+
+    def _add(self, rid: str, prompt: Any, ids: list[int], params: Any) -> None:
+        self.prompts[rid] = prompt
         self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, params)
+
+    def _abort(self, rids: list[str]) -> None:
+        self.llm.llm_engine.abort_request(rids)
+        for rid in rids:
+            self.prompts.pop(rid, None)
 
     def _drain(self) -> None:
         """Abort what this mode has decoding, so the next chunk starts on an empty engine."""
         engine = self.llm.llm_engine
-        for rid in list(self.prompts):
-            engine.abort_request([rid])
-        self.prompts.clear()
+        if self.scorer is not None:
+            self.scorer.abort = self._abort
+            self.scorer.drop_decoding("the chunk ended")
+        self._abort(list(self.prompts))
         while engine.has_unfinished_requests():
             engine.step()
 
@@ -318,7 +331,7 @@ def main() -> None:
     from inflight.engine.config import engine_kwargs
     from inflight.trainer.config_files import config_from_dict
     from inflight.trainer.rollout.engine_process import sampling_of
-    from inflight.trainer.rollout.group_scorer import GroupScorer
+    from inflight.trainer.rollout.episode_rollout import EpisodeRollout
 
     wall0 = time.perf_counter()
     model_dir = str(model_dir_of(args))
@@ -331,11 +344,12 @@ def main() -> None:
     params = SamplingParams(n=GROUP, temperature=1.0, max_tokens=args.completion_tokens, ignore_eos=True, logprobs=0,
                             output_kind=RequestOutputKind.FINAL_ONLY)
 
-    def scorer(sleep_s: float) -> GroupScorer:
-        cfg = config_from_dict({"task": {"name": "inflight.bench.scoring:make", "completion_tokens": args.completion_tokens,
+    def scorer(sleep_s: float) -> EpisodeRollout:
+        cfg = config_from_dict({"rollout": {"group_size": GROUP}, "task": {"name": "inflight.bench.scoring:make", "completion_tokens": args.completion_tokens,
                                          "options": {"completion_tokens": args.completion_tokens, "sleep_s": sleep_s},
                                          "scoring": {"workers": args.workers, "timeout_s": 10 * args.sleep_s + 30}}})
-        s = GroupScorer(cfg, model_dir, "e0", sampling_of(params))
+        s = EpisodeRollout(cfg, model_dir, "e0", sampling_of(params), llm.get_tokenizer(), add_request=None,
+                           abort=None, episodic=False)  # type: ignore[arg-type]  # set by each Loop
         s.wait_ready()
         return s
     task = make(llm.get_tokenizer(), args.completion_tokens, args.sleep_s)

@@ -8,8 +8,8 @@ import random
 import time
 from pathlib import Path
 
-from inflight.trainer.tasks.base import Prompt
-from inflight.trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
+from inflight.trainer.tasks.base import EpisodeView, Prompt, Task, Turn
+from inflight.trainer.tasks.episode import EpisodeTask
 
 WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "it")
 
@@ -65,3 +65,18 @@ def _one_hangs(marker: Path) -> None:
 
 def make(tokenizer, turns: int = 3, prompt_chars: int = 300) -> Echo:  # noqa: ANN001
     return Echo(tokenizer, turns, prompt_chars)
+
+
+class Distinct(Task):
+    """A single-turn task: each completion earns its number of distinct tokens, plus a thousandth
+    per completion scored in the same call (so a group's rewards show it was scored at once)."""
+
+    def sample(self, rng: random.Random) -> Prompt:
+        return Prompt(" ".join(rng.choice(WORDS) for _ in range(60)))
+
+    def score(self, prompts, completions) -> list[float]:  # noqa: ANN001
+        return [len(set(c.token_ids)) + len(completions) / 1000 for c in completions]
+
+
+def make_single(tokenizer) -> Distinct:  # noqa: ANN001
+    return Distinct()

@@ -10,9 +10,8 @@ import sys
 
 import pytest
 
-from inflight.trainer.tasks.base import Completion, Prompt
+from inflight.trainer.tasks.base import Completion, EpisodeView, Prompt, Turn
 from inflight.trainer.envs.calculator import TEMPLATE, CalcError, Calculator, safe_eval
-from inflight.trainer.tasks.episode import EpisodeView, Turn
 from inflight.trainer.envs.guess_number import GuessNumber
 
 
@@ -223,9 +222,28 @@ def test_calculator_settings_are_checked(kwargs: dict, message: str) -> None:
         Calculator(**kwargs)
 
 
-def test_episode_tasks_have_no_single_turn_score() -> None:
-    with pytest.raises(TypeError, match="Calculator is an EpisodeTask"):
+def test_a_single_turn_task_is_a_one_turn_episode_and_a_task_answers_one_way() -> None:
+    """A task defines score() or turn(): a single-turn task's episode ends at its one reply,
+    rewarded by its own score(); an episode task's turn() is its own; a task with neither is
+    refused when its class is made."""
+    from inflight.trainer.tasks import Arithmetic, EpisodeView, Task
+    from inflight.trainer.tasks.base import is_episodic
+
+    task = Arithmetic(digits=2)
+    prompt = task.sample(random.Random(3))
+    for reply in (prompt.answer, str(int(prompt.answer) + 1), "no number"):
+        view = EpisodeView(prompt=prompt, replies=(reply,), observations=(), finish_reason="stop", reply_ids=(5, 6))
+        turn = task.turn(view)
+        assert turn.done and turn.reward == task.score([prompt], [Completion(reply, [5, 6], "stop")])[0]
+    assert [turn.reward for turn in (task.turn(EpisodeView(prompt=prompt, replies=(r,), observations=()))
+                                     for r in (prompt.answer, "x"))] == [1.0, 0.0]
+    assert not is_episodic(task) and is_episodic(Calculator())
+    with pytest.raises(NotImplementedError, match=r"^Calculator defines turn\(\), not score\(\)"):
         Calculator().score([Prompt("q", "1")], [Completion("1", [])])
+    with pytest.raises(TypeError, match=r"^Neither defines neither score\(\) \(a single-turn task\) nor turn\(\)"):
+        class Neither(Task):
+            def sample(self, rng):
+                return Prompt("q", "1")
 
 
 # ---- guess_number ----

@@ -37,8 +37,8 @@ from tests.engine_harness import Reference, perturbed, replay, stop_engine
 from tests.helpers import WAIT_S, wait_until
 from inflight.trainer.loss_config import LossConfig
 from inflight.trainer.config_files import config_from_dict
-from inflight.trainer.tasks.base import Prompt
-from inflight.trainer.tasks.episode import ObservationRenderer, Turn
+from inflight.trainer.tasks.base import Prompt, Turn
+from inflight.trainer.tasks.episode import ObservationRenderer
 
 EXACT = 1e-4
 ENV_TIMEOUT_S = 10.0
@@ -146,7 +146,7 @@ def test_observation_tokens_receive_no_gradient(tiny_llama) -> None:
 class Driver:
     """An engine of this process stepped from the test thread, episodes driven by an ``EpisodeRollout``."""
 
-    def __init__(self, engine: dict, journal: Path | None = None, **task: Any) -> None:
+    def __init__(self, engine: dict, journal: Path | None = None, episodic: bool = True, **task: Any) -> None:
         from inflight.trainer.rollout.episode_rollout import EpisodeRollout
 
         self.llm, self.model_dir = engine["llm"], engine["model_dir"]
@@ -160,14 +160,14 @@ class Driver:
         self.steps = 0
         self.groups: list[RolloutGroup] = []
         self.rollout = EpisodeRollout(cfg, str(self.model_dir), "e0", Sampling(), self.llm.get_tokenizer(),
-                                      self._add, self._abort, journal=journal)
+                                      self._add, self._abort, episodic=episodic, journal=journal)
         self.rollout.wait_ready()
 
-    def _add(self, rid: str, prompt: Any, ids: list[int], max_tokens: int) -> None:
+    def _add(self, rid: str, prompt: Any, ids: list[int], max_tokens: int, n: int) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True,
+        sp = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True,
                             output_kind=RequestOutputKind.FINAL_ONLY)
         self.requests[rid] = prompt
         self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, sp)
@@ -367,6 +367,52 @@ def test_a_hung_tool_holds_one_worker_and_its_dropped_group_turn_is_cancelled(en
     assert re.match(r"rollout: task tests\.episode_envs:make: episode h\.[01] \(turn 1\) failed \(prompt '.*'\): "
                     r"Echo\.turn raised RuntimeError: the other episode's tool hangs; its group is dropped "
                     r"\(1 failed so far, \d+ scored\)\nTraceback \(most recent call last\):", line), line
+
+
+def test_a_single_turn_group_is_one_request_scored_at_once_and_resumed_from_its_journal(engine, tmp_path) -> None:
+    """A single-turn task's group is a one-turn episode each: one request of n = K, its K
+    replies scored by one ``Task.score`` call, tagged across a commit. When the engine
+    process stops, the next one scores again a group whose replies came back (nothing sampled
+    again) and samples anew one that was decoding."""
+    journal = tmp_path / "episodes-e0.journal"
+    d = Driver(engine, journal, episodic=False, name="tests.episode_envs:make_single", options={})
+    d.rollout.resume()
+    rng = __import__("random").Random(5)
+    d.start("s1", Prompt(_text(rng)))
+    d.run(until=lambda: d.steps == 2)
+    d.start("s2", Prompt(_text(rng)))
+    assert sorted(d.requests) == ["s1.*.0", "s2.*.0"]  # a request per group, each of n = K
+    d.run(until=lambda: "s1.*.0" not in d.requests)
+    sampled = [list(e.token_ids) for e in d.rollout.groups["s1"].episodes]
+    assert all(len(ids) == 6 for ids in sampled) and not any(d.rollout.groups["s2"].episodes[k].token_ids for k in (0, 1))
+    d._abort(list(d.requests))  # the process dies with s1's scoring call and s2's request
+    d.rollout.pool.close()
+    d.rollout.journal.close()
+
+    d2 = Driver(engine, journal, episodic=False, name="tests.episode_envs:make_single", options={})
+    version, pushes = max(engine["versions"]) + 1, []
+    try:
+        d2.rollout.resume()
+        assert sorted(d2.requests) == ["s2.*.0"]  # s1 is being scored again, from its journaled replies
+        d2.run(on_step=lambda: pushes or pushes.append(_push_until_pending(engine, version)))
+    finally:
+        d2.rollout.close()
+    pushes[0].join(WAIT_S)
+    c = d2.rollout.counts
+    assert c == {"started": 4, "finished": 4, "failed": 0, "dropped": 0, "shipped": 4, "groups_scored": 2,
+                 "groups_failed": 0, "resumed": 4, "turns_cancelled": 0}, c
+    groups = {g.group_id: g for g in d2.groups}
+    assert sorted(groups) == ["s1", "s2"] and [s.token_ids for s in groups["s1"].samples] == sampled
+    ref = Reference(engine["model_dir"], "float32")
+    weights = lambda label: engine["versions"][int(label)]  # noqa: E731
+    spans = set()
+    for s in (s for g in groups.values() for s in g.samples):
+        assert s.reward == len(set(s.token_ids)) + 2 / 1000 and s.observation == [] and len(s.token_ids) == 6
+        labels = [str(v) for v in s.versions]
+        want = replay(ref, weights, s.prompt_ids, s.token_ids, labels, labels[0])
+        assert float((torch.tensor(s.logprobs, dtype=torch.float64) - want).abs().max()) < EXACT, s.sample_id
+        spans.add(tuple(sorted(set(labels))))
+    assert any(len(span) == 2 for span in spans), spans  # s2 was sampled across the commit
 
 
 @pytest.mark.parametrize("on_restart", ["resume", "drop"])

@@ -12,7 +12,8 @@ import pytest
 
 from inflight.trainer.config_files import config_from_dict
 from inflight.trainer.tasks import Calculator, encode_prompt
-from inflight.trainer.tasks.episode import EpisodeView, ObservationRenderer, Turn
+from inflight.trainer.tasks.base import EpisodeView, Turn
+from inflight.trainer.tasks.episode import ObservationRenderer
 from inflight.trainer.tasks.tool_calls import (ToolBox, ToolCallParser, ToolError, ToolFailed, ToolResult,
                                                chat_template_text, tool_schema)
 

@@ -148,7 +148,7 @@ def make(tokenizer, marks):
 
 
 def test_a_verifier_that_raises_returns_nan_or_hangs_fails_its_group_and_the_run_goes_on(tmp_path, monkeypatch) -> None:
-    """Scoring runs in the engine's scoring processes (``inflight.trainer.rollout.group_scorer``): each fault
+    """Scoring runs in the engine's scoring processes (``inflight.trainer.rollout.episode_rollout``): each fault
     fails its group alone, named in the engine's log with the task and the group; the engine
     decodes on and the run reaches its last step."""
     (tmp_path / "faulty_task_39.py").write_text(FAULTY_TASK)

@@ -52,7 +52,7 @@ class RolloutLedger:
     summed) beside what the trainer trained on: ``rollout/`` metrics of every step.
 
     Every total goes on across a resume: the engines keep theirs in the run directory
-    (``ledger-e<i>.json``, the episode journals), this side's are in the checkpoint
+    (the episode journals, ``episodes-e<i>.journal``), this side's are in the checkpoint
     (``state``), and so is how many groups the queue carried before (``queue_base``)."""
 
     def __init__(self, resumed: Any = None) -> None:

@@ -8,7 +8,7 @@ forms a weight group of its own with the trainer (``GroupConfig.for_engine``), i
 ranks 1 .. ``tensor_parallel_size`` there, and tags its groups ``e<i>``). It drives vLLM's
 ``LLMEngine`` step by step with ``in_flight_groups`` requests of ``n = group_size``
 samples in flight; whenever one finishes, its completions go to the task's scoring
-processes (``inflight.trainer.rollout.group_scorer``: decoding never waits for a verifier), and once
+processes (``inflight.trainer.rollout.episode_rollout``: decoding never waits for a verifier), and once
 scored, with their behaviour log-probs and per-token versions, become a ``RolloutGroup`` on
 the rollout queue; a new prompt takes its place, unless that group would be older than
 ``loss.max_lag`` by the time the trainer reaches it (the trainer publishes its version on
@@ -51,7 +51,7 @@ from inflight.trainer.config import TrainConfig, group_config, inflight_config
 from inflight.trainer.config_files import add_config_arguments, load_config
 from inflight.trainer.console import log_to_file, quiet_libraries
 from inflight.trainer.rollout.engine_env import engine_environment
-from inflight.trainer.rollout.group_scorer import GroupScorer, ScoringFailed
+from inflight.trainer.rollout.failure_log import ScoringFailed
 from inflight.trainer.tasks.tool_calls import task_tokenizer
 
 log = logging.getLogger("inflight.rollout")
@@ -92,7 +92,7 @@ class RolloutLoop:
         from inflight.engine.client import coordinator_of
         from inflight.trainer.rollout.episode_rollout import EpisodeRollout
         from inflight.trainer.tasks import build_task, model_stop_ids
-        from inflight.trainer.tasks.episode import is_episodic
+        from inflight.trainer.tasks.base import is_episodic
 
         self.cfg, self.llm, self.group, self.parent_pid = cfg, llm, group, parent_pid
         self.lora_request = lora_request  # an adapter engine: every request names the policy adapter
@@ -102,23 +102,17 @@ class RolloutLoop:
         self.tokenizer = task_tokenizer(model_dir, cfg.task.chat_template, llm.get_tokenizer())
         self.task = build_task(cfg, self.tokenizer)
         self.rng = random.Random(cfg.run.seed * 1000 + rank)
-        self.episodic = is_episodic(self.task)  # one request per turn of each episode (``inflight.trainer.rollout.episode_rollout``)
         # a chat model ends its turn with a token only its generation config may name (<|im_end|>)
-        self.params = SamplingParams(n=1 if self.episodic else cfg.rollout.group_size,
-                                     temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
+        self.params = SamplingParams(n=1, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
                                      top_p=cfg.rollout.top_p, max_tokens=cfg.task.completion_tokens,
                                      logprobs=0, stop_token_ids=model_stop_ids(model_dir, self.tokenizer),
                                      output_kind=RequestOutputKind.FINAL_ONLY)
         self.queue = RolloutQueue(group.connect("rollout"), cfg.rollout.queue_capacity)
-        if self.episodic:
-            self.scorer: GroupScorer = EpisodeRollout(
-                cfg, model_dir, self.engine_id, sampling_of(self.params), self.tokenizer, self._add_turn, self._abort,
-                journal=Path(cfg.run.out_dir) / f"episodes-{self.engine_id}.journal")
-        else:
-            self.scorer = GroupScorer(cfg, model_dir, self.engine_id, sampling_of(self.params),
-                                      ledger_path=Path(cfg.run.out_dir) / f"ledger-{self.engine_id}.json")
-        self.scorer.on_report = self._report  # the trainer shows scoring failures, and stops on a fatal one
-        self._turn_params: dict[int, Any] = {}
+        self.episodes = EpisodeRollout(cfg, model_dir, self.engine_id, sampling_of(self.params), self.tokenizer,
+                                     self._add_turn, self._abort, episodic=is_episodic(self.task),
+                                     journal=Path(cfg.run.out_dir) / f"episodes-{self.engine_id}.journal")
+        self.episodes.on_report = self._report  # the trainer shows scoring failures, and stops on a fatal one
+        self._turn_params: dict[tuple[int, int], Any] = {}
         self.prompts: dict[str, Any] = {}
         self.backlog: deque[RolloutGroup] = deque()
         self.counter = 0
@@ -151,14 +145,14 @@ class RolloutLoop:
     def _start_inflight(self) -> bool | None:
         # as many groups decoding as configured, and at most as many more waiting for their rewards
         cap = self.cfg.rollout.in_flight_groups
-        while self.scorer.decoding(self.prompts) < cap and len(self.scorer) < cap and self._room_to_start():
+        while self.episodes.decoding() < cap and len(self.episodes) < cap and self._room_to_start():
             self._add_group()
         if not self.prompts:  # the trainer is loss.max_lag behind: idle (an idle engine commits without steps)
             return None if self._held() else False
         return True
 
     def _start_batch(self) -> bool | None:
-        if not self.prompts and len(self.scorer):  # the batch's last groups are being scored
+        if not self.prompts and len(self.episodes):  # the batch's last groups are being scored
             return None if self._held() else False
         if not self.prompts:  # the last batch is shipped: wait, idle, for the next version
             if not self.wait_for_version(self._next_version):
@@ -174,7 +168,7 @@ class RolloutLoop:
         while True:
             if self.native is not None:
                 self._native_update()
-            self.backlog.extend(self.scorer.collect())
+            self.backlog.extend(self.episodes.collect())
             if not self._ship_backlog():
                 return
             if self.backlog:
@@ -213,7 +207,7 @@ class RolloutLoop:
         """One engine step; finished groups go to the backlog. False once the trainer asked to stop."""
         for out in self.llm_engine.step():
             if out.finished and out.request_id in self.prompts:  # scored in the scorer's processes
-                self.scorer.submit(out, self.prompts.pop(out.request_id))
+                self.episodes.submit(out, self.prompts.pop(out.request_id))
         self.steps += 1
         if self.steps % 16 == 0 and self.stop_requested():
             log.info("rollout: the trainer asked to stop after %d engine steps", self.steps)
@@ -229,20 +223,17 @@ class RolloutLoop:
         # token ids, not text: the chat template already holds the special tokens (the engine's own
         # tokenization would add a BOS in front of it), and evaluation encodes the same way
         ids = encode_prompt(self.tokenizer, prompt, self.cfg.task.chat)
-        if self.episodic:
-            self.scorer.start_group(rid, prompt, ids)  # type: ignore[attr-defined]  # turns come back via _add_turn
-            return
-        self.prompts[rid] = prompt
-        self._add_request(rid, ids, self.params)
+        self.episodes.start_group(rid, prompt, ids)  # its turns come back via _add_turn
 
-    def _add_turn(self, rid: str, prompt: Any, ids: list[int], max_tokens: int) -> None:
-        """One turn of an episode: a request of n = 1 that continues the episode's token ids."""
+    def _add_turn(self, rid: str, prompt: Any, ids: list[int], max_tokens: int, n: int) -> None:
+        """One turn of a group's episodes: a request that continues their token ids, ``n`` samples of it."""
         from vllm import SamplingParams
 
-        if max_tokens not in self._turn_params:
-            self._turn_params[max_tokens] = SamplingParams(**{**_fields(self.params), "max_tokens": max_tokens})
+        if (max_tokens, n) not in self._turn_params:
+            self._turn_params[max_tokens, n] = SamplingParams(**{**_fields(self.params), "max_tokens": max_tokens,
+                                                                 "n": n})
         self.prompts[rid] = prompt
-        self._add_request(rid, ids, self._turn_params[max_tokens])
+        self._add_request(rid, ids, self._turn_params[max_tokens, n])
 
     def _add_request(self, rid: str, ids: list[int], params: Any) -> None:
         """Add one request; in pause mode salted with the live version (vLLM does not invalidate
@@ -293,7 +284,7 @@ class RolloutLoop:
     def _room_to_start(self) -> bool:
         try:  # groups ahead of a new one: queued, or decoding on each engine of the fleet (the
             # others' share estimated as this one's)
-            in_flight = self.scorer.decoding(self.prompts) + len(self.scorer)
+            in_flight = self.episodes.decoding() + len(self.episodes)
             ahead = self.queue.depth() + in_flight * self.cfg.engine.count
             trainer = self.queue.consumer_version()
         except (RuntimeError, TransportError):  # the trainer's store is gone: hold for the next trainer
@@ -363,11 +354,10 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
                        lora_request=policy_lora(config) if adapter else None)
     next_version = max(initial_version, wait_for_version)  # batch mode: the version the next batch is sampled with
     try:
-        loop.scorer.wait_ready()  # a task its scoring processes cannot build fails here, with its own error
+        loop.episodes.wait_ready()  # a task its scoring processes cannot build fails here, with its own error
         if not loop.wait_for_version(wait_for_version):
             return
-        if loop.episodic:  # episodes an earlier process of this engine left running (inflight.trainer.rollout.episode_journal)
-            loop.scorer.resume()  # type: ignore[attr-defined]
+        loop.episodes.resume()  # episodes an earlier process of this engine left running (its journal)
         if cfg.rollout.mode == "batch":
             loop.run_batch(next_version)
         elif cfg.rollout.mode == "pause":
@@ -378,7 +368,7 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
         while not loop.stop_requested():
             time.sleep(0.1)
     finally:
-        loop.scorer.close()
+        loop.episodes.close()
 
 
 def _join_native(llm: Any, group: GroupConfig) -> None:

@@ -1,13 +1,16 @@
-"""Multi-turn episodes on the in-flight engine: one request per turn, the environment off the engine thread.
+"""The rollout driver: every task's episodes on the in-flight engine, the environment off its thread.
 
-The engine process's rollout loop drives an ``EpisodeTask`` through ``EpisodeRollout``
-(in place of ``inflight.trainer.rollout.group_scorer.GroupScorer``, whose interface it keeps)::
+An episode is a prompt and the policy's replies. A single-turn task's episode is one reply,
+scored by ``Task.score``; an ``EpisodeTask``'s environment answers each reply (``turn``) until
+it ends. The engine process's rollout loop drives both through ``EpisodeRollout``::
 
-    start_group(gid, prompt, ids) --> K episodes, each a request "gid.k.0" (n = 1, the same
-                                      prompt: the prefix cache prefills it once)
+    start_group(gid, prompt, ids) --> K episodes: one request of n = K ("gid.*.0", single-turn),
+                                      or a request "gid.k.0" each (n = 1, the same prompt: the
+                                      prefix cache prefills it once)
     engine step: turn finished    --> submit(out): reply tokens, tags and log-probs appended
-                                      to its Transcript; EpisodeTask.turn queued in the
-                                      scoring processes (timeout, memory cap); decoding goes on
+                                      to its Transcript; the environment asked in the scoring
+                                      processes (timeout, memory cap): Task.score for the
+                                      group's K replies at once, or EpisodeTask.turn; decoding goes on
     collect(), every loop turn    --> observation: its tokens appended (masked), request
                                       "gid.k.<turn+1>" continues the episode's token ids
                                   --> done: the episode's reward; once all K are done, the
@@ -18,7 +21,8 @@ The engine process's rollout loop drives an ``EpisodeTask`` through ``EpisodeRol
 
 Every token keeps the version that sampled it; an episode spans as many commits as happen
 while it runs (its tools included). ``counts`` is the episode ledger: every episode started
-is, at any moment, exactly one of running, finished, failed or dropped.
+is, at any moment, exactly one of running, finished, failed or dropped; the journal keeps
+it, and the episodes in flight, across the engine's processes.
 """
 
 from __future__ import annotations
@@ -29,17 +33,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from inflight.protocol import RolloutGroup, RolloutSample, Sampling
+from inflight.protocol import EngineReport, RolloutGroup, RolloutSample, Sampling
 from inflight.trainer.rollout.episode_journal import EpisodeJournal
-from inflight.trainer.rollout.group_scorer import GroupScorer
-from inflight.trainer.tasks.episode import ObservationRenderer, Transcript, Turn
+from inflight.trainer.rollout.failure_log import FailureLog
+from inflight.trainer.rollout.scoring_pool import ScoringPool
+from inflight.trainer.rollout.scoring_worker import engine_task_factory
+from inflight.trainer.tasks.base import Completion, Turn
+from inflight.trainer.tasks.episode import ObservationRenderer, Transcript
 from inflight.trainer.tasks.tool_calls import ToolCallParser
 
 log = logging.getLogger("inflight.rollout")
 
-AddRequest = Callable[[str, Any, list[int], int], None]
-"""``(request_id, prompt, token_ids, max_tokens)``: start one turn on the engine."""
+AddRequest = Callable[[str, Any, list[int], int, int], None]
+"""``(request_id, prompt, token_ids, max_tokens, n)``: start one turn on the engine (n samples of it)."""
 AbortRequests = Callable[[list[str]], None]
+ALL = "*"
+"""The episode index of a single-turn group's one request and scoring call: all K episodes."""
 
 
 @dataclass
@@ -53,19 +62,26 @@ class EpisodeGroup:
     """Request ids of its turns on the engine now."""
     failed: str = ""
     """The first failure of an episode, when it drops the group."""
+    one_turn: bool = False
+    """A single-turn task's group: one request of n = K, scored at once."""
 
 
-class EpisodeRollout(GroupScorer):
+class EpisodeRollout:
     """One engine's episodes: turns in, environment calls out, finished groups back."""
 
     def __init__(self, cfg: Any, model_dir: str, engine_id: str, sampling: Sampling, tokenizer: Any,
-                 add_request: AddRequest, abort: AbortRequests, journal: Path | None = None) -> None:
-        super().__init__(cfg, model_dir, engine_id, sampling)  # no ledger file: the journal holds the ledger
-        if cfg.loss.routing_replay:
+                 add_request: AddRequest, abort: AbortRequests, *, episodic: bool,
+                 journal: Path | None = None) -> None:
+        if episodic and cfg.loss.routing_replay:
             raise ValueError(f"task.name={cfg.task.name!r} is a multi-turn task: loss.routing_replay does not "
                              "cover the environment's tokens between turns (set loss.routing_replay=false)")
+        s = cfg.task.scoring
+        self.cfg, self.engine_id, self.sampling, self.episodic = cfg, engine_id, sampling, episodic
+        self.pool = ScoringPool(engine_task_factory(cfg, model_dir), workers=s.workers, timeout_s=s.timeout_s,
+                                memory_mb=s.memory_mb, max_workers=s.max_workers)
+        self.failures = FailureLog(cfg, engine_id)
         self.episode_cfg = cfg.task.episode
-        self.renderer = ObservationRenderer(tokenizer, cfg.task.chat)
+        self.renderer = ObservationRenderer(tokenizer, cfg.task.chat) if episodic else None
         self.tool_calls = ToolCallParser(cfg.task.tool_parser, tokenizer) if cfg.task.tool_parser else None
         """Reads each reply's tool calls into ``EpisodeView.tool_calls`` (``task.tool_parser``)."""
         self.add_request, self.abort = add_request, abort
@@ -82,9 +98,20 @@ class EpisodeRollout(GroupScorer):
         self._recovered = self.journal.read() if self.journal is not None else None
         if self._recovered is not None:
             self.counts.update(self._recovered.counts)  # the ledger goes on across the engine's processes
-        self.scored, self.failed = self.counts["groups_scored"], self.counts["failed"]
+
+    @property
+    def on_report(self) -> Callable[[EngineReport], object]:
+        return self.failures.on_report
+
+    @on_report.setter
+    def on_report(self, sink: Callable[[EngineReport], object]) -> None:
+        self.failures.on_report = sink
 
     # -- what the rollout loop calls ---------------------------------------------------------
+    def wait_ready(self) -> None:
+        """Fail now, with the task's own error, if no scoring process can build the task."""
+        self.pool.wait_ready()
+
     def resume(self) -> None:
         """Take on the episodes an earlier process of this engine left in its journal
         (``task.episode.on_restart``); call once the engine takes requests."""
@@ -102,28 +129,41 @@ class EpisodeRollout(GroupScorer):
             group.decoding = set()
             self.groups[gid] = group
             self.counts["resumed"] += len(running)
-            for k in running:
-                e = group.episodes[k]
-                if e.turns > len(e.observations):  # its environment's answer was lost with the process: ask again
-                    self.pool.submit_turn(f"{gid}.{k}.{e.turns - 1}", e.view(last=self._last(e)))
-                else:
-                    self._next_turn(gid, k)
+            self._resume_group(gid, group, running)
         if recovered.groups:
             log.info("rollout: %d groups from the journal (%s); ledger %s", len(recovered.groups),
                      self.episode_cfg.on_restart, self.counts)
 
+    def _resume_group(self, gid: str, group: EpisodeGroup, running: list[int]) -> None:
+        if group.one_turn:
+            if all(e.turns for e in group.episodes):  # sampled: its scoring was lost with the process
+                self._score_group(gid)
+            else:
+                self._start_one_turn(gid)
+            return
+        for k in running:
+            e = group.episodes[k]
+            if e.turns > len(e.observations):  # its environment's answer was lost with the process: ask again
+                self.pool.submit_turn(f"{gid}.{k}.{e.turns - 1}", e.view(last=self._last(e)))
+            else:
+                self._next_turn(gid, k)
+
     def start_group(self, gid: str, prompt: Any, ids: list[int]) -> None:
         """K episodes of ``prompt`` (token ids ``ids``), their first turns on the engine."""
         k = self.cfg.rollout.group_size
-        group = EpisodeGroup(prompt, [Transcript(prompt, list(ids)) for _ in range(k)], [False] * k)
+        group = EpisodeGroup(prompt, [Transcript(prompt, list(ids)) for _ in range(k)], [False] * k,
+                             one_turn=not self.episodic)
         self.groups[gid] = group
         self.counts["started"] += k
-        for i in range(k):
-            self._next_turn(gid, i)
+        if group.one_turn:
+            self._start_one_turn(gid)
+        else:
+            for i in range(k):
+                self._next_turn(gid, i)
         self._record(gid)
 
-    def decoding(self, requests: dict) -> int:
-        """Groups with a turn on the engine (``requests`` holds one per episode decoding)."""
+    def decoding(self) -> int:
+        """Groups with a turn on the engine."""
         return sum(1 for g in self.groups.values() if g.decoding)
 
     def __len__(self) -> int:
@@ -131,21 +171,30 @@ class EpisodeRollout(GroupScorer):
         return sum(1 for g in self.groups.values() if not g.decoding)
 
     def submit(self, out: Any, prompt: Any) -> None:
-        """A finished turn: its reply joins the transcript; the environment is asked for the next step."""
+        """A finished turn: its replies join the transcripts; the environment is asked for the next step."""
         from inflight.engine.client import tagged
 
-        gid, k, turn = _split(out.request_id)
+        gid, k, _ = _split(out.request_id)
         group = self.groups[gid]
         group.decoding.discard(out.request_id)
         if group.failed:  # the group is dropped: its other turns end here
             return
-        t = tagged(out.outputs[0])
-        episode = group.episodes[k]
-        episode.add_reply(t.text, t.token_ids, t.logprobs, t.versions, t.finish_reason or "",
-                          sum(">" in s for s in t.labels))
-        episode.tool_calls = self.tool_calls.parse(t.text) if self.tool_calls is not None else ()
+        for i, completion in enumerate(out.outputs):
+            t = tagged(completion)
+            episode = group.episodes[i if k is None else k]
+            episode.add_reply(t.text, t.token_ids, t.logprobs, t.versions, t.finish_reason or "",
+                              sum(">" in s for s in t.labels))
+            episode.tool_calls = self.tool_calls.parse(t.text) if self.tool_calls is not None else ()
+            if k is None and self.cfg.loss.routing_replay:
+                from inflight.engine.routing import routing_fields
+
+                episode.routing_fields = routing_fields(completion)
         self._record(gid)
-        self.pool.submit_turn(out.request_id, episode.view(last=self._last(episode)))
+        if k is None:
+            self._score_group(gid)
+        else:
+            episode = group.episodes[k]
+            self.pool.submit_turn(out.request_id, episode.view(last=self._last(episode)))
 
     def collect(self) -> list[RolloutGroup]:
         """Apply the environment's answers that came back (never waits); the groups finished."""
@@ -156,11 +205,12 @@ class EpisodeRollout(GroupScorer):
             if group is None or group.failed:
                 self.counts["turns_cancelled"] += s.cancelled
                 continue
-            if s.turn is None:
+            if k is None:
+                self._scored(gid, s.rewards, s.error, s.trace)
+            elif s.turn is None:
                 self._fail(gid, k, s.error, s.trace)
             elif s.turn.done:
-                group.episodes[k].end(s.turn)
-                self._episode_done(gid, k, "finished")
+                self._end(gid, k, s.turn)
             else:
                 self._observe(gid, k, s.turn)
             if gid in self.groups and all(self.groups[gid].done):
@@ -168,6 +218,11 @@ class EpisodeRollout(GroupScorer):
             elif gid in self.groups:
                 self._record(gid)
         return finished
+
+    def drop_decoding(self, why: str) -> None:
+        """Drop every group with a turn on the engine (its requests aborted; counted)."""
+        for gid in [gid for gid, g in self.groups.items() if g.decoding]:
+            self._drop(gid, why)
 
     def close(self) -> None:
         """Stop the environment's processes. The episodes still running stay in the journal
@@ -177,7 +232,12 @@ class EpisodeRollout(GroupScorer):
                 self._drop(gid, "the engine process is stopping")
         else:
             self.journal.close()
-        super().close()
+        self.pool.close()
+
+    def ledger(self) -> dict[str, int]:
+        """The ledger as ``RolloutGroup.engine_ledger`` carries it."""
+        c = self.counts
+        return {k if k.startswith(("groups_", "turns_")) else f"episodes_{k}": v for k, v in c.items()}
 
     # -- turns -------------------------------------------------------------------------------
     def _record(self, gid: str) -> None:
@@ -192,15 +252,39 @@ class EpisodeRollout(GroupScorer):
         """Tokens the episode's next turn may sample: its budget and the engine's context."""
         return episode.room(self.episode_cfg.max_tokens, self.max_model_len)
 
+    def _start_one_turn(self, gid: str) -> None:
+        group = self.groups[gid]
+        rid = f"{gid}.{ALL}.0"
+        group.decoding.add(rid)
+        self.add_request(rid, group.prompt, list(group.episodes[0].prompt_ids), self.cfg.task.completion_tokens,
+                         len(group.episodes))
+
+    def _score_group(self, gid: str) -> None:
+        """A single-turn group's K replies to ``Task.score`` at once."""
+        group = self.groups[gid]
+        self.pool.submit(f"{gid}.{ALL}.0", [group.prompt] * len(group.episodes),
+                         [Completion(e.text(), e.token_ids, e.finish_reason) for e in group.episodes])
+
+    def _scored(self, gid: str, rewards: list[float] | None, error: str, trace: str) -> None:
+        group = self.groups[gid]
+        if rewards is None:
+            for k in range(len(group.episodes)):
+                self._episode_done(gid, k, "failed")
+            self._failed(gid, None, error, trace)
+            return
+        for k, reward in enumerate(rewards):
+            self._end(gid, k, Turn(done=True, reward=reward))
+
     def _next_turn(self, gid: str, k: int) -> None:
         episode = self.groups[gid].episodes[k]
         rid = f"{gid}.{k}.{episode.turns}"
         self.groups[gid].decoding.add(rid)
-        self.add_request(rid, episode.prompt, episode.context_ids(), min(self.cfg.task.completion_tokens,
-                                                                         self._room(episode)))
+        self.add_request(rid, episode.prompt, episode.context_ids(),
+                         min(self.cfg.task.completion_tokens, self._room(episode)), 1)
 
     def _observe(self, gid: str, k: int, turn: Turn) -> None:
         episode = self.groups[gid].episodes[k]
+        assert self.renderer is not None
         try:
             ids = self.renderer.ids(turn, episode.token_ids, episode.finish_reason)
             text = self.renderer.text(turn)
@@ -215,22 +299,33 @@ class EpisodeRollout(GroupScorer):
             return
         self._next_turn(gid, k)
 
+    def _end(self, gid: str, k: int, turn: Turn) -> None:
+        self.groups[gid].episodes[k].end(turn)
+        self._episode_done(gid, k, "finished")
+        self.failures.success()
+
     def _fail(self, gid: str, k: int, error: str, trace: str = "") -> None:
-        group = self.groups[gid]
         self._episode_done(gid, k, "failed")
-        self.failed += 1
-        self.failed_in_a_row += 1
+        self._failed(gid, k, error, trace)
+
+    def _failed(self, gid: str, k: int | None, error: str, trace: str) -> None:
+        """Episode ``k`` (None: every episode of a single-turn group) failed: rewarded
+        ``failure_reward`` or its group dropped (``task.episode.on_failure``), and reported."""
+        group = self.groups[gid]
+        failed = range(len(group.episodes)) if k is None else [k]
         if self.episode_cfg.on_failure == "reward":
-            group.episodes[k].reward = self.episode_cfg.failure_reward
+            for i in failed:
+                group.episodes[i].reward = self.episode_cfg.failure_reward
             then = f"the episode gets task.episode.failure_reward={self.episode_cfg.failure_reward:g}"
         else:
             group.failed = error
             self.counts["groups_failed"] += 1
-            then = "its group is dropped"
+            then = "its group is dropped" if k is not None else "the group is dropped"
+        what = gid if k is None else f"episode {gid}.{k} (turn {group.episodes[k].turns})"
+        so_far = f"{self.counts['failed']} failed so far, {self.counts['groups_scored']} scored"
         try:
-            self._report(f"{gid}.{k}", group.prompt, error, what=f"episode {gid}.{k} (turn {group.episodes[k].turns})",
-                         then=then, trace=trace)  # raises ScoringFailed past the limit
-        finally:
+            self.failures.report(error, group.prompt, what=what, then=then, trace=trace, so_far=so_far)
+        finally:  # report raises ScoringFailed past the limit
             if group.failed:
                 self._drop(gid, "", count=False)
 
@@ -245,8 +340,11 @@ class EpisodeRollout(GroupScorer):
         if group.decoding:
             self.abort(sorted(group.decoding))
         running = [k for k, done in enumerate(group.done) if not done]
-        self.pool.cancel([f"{gid}.{k}.{group.episodes[k].turns - 1}" for k in running if group.episodes[k].turns],
-                         f"group {gid} was dropped")  # counted as their results come back
+        if group.one_turn:
+            self.pool.cancel([f"{gid}.{ALL}.0"], f"group {gid} was dropped")
+        else:
+            self.pool.cancel([f"{gid}.{k}.{group.episodes[k].turns - 1}" for k in running
+                              if group.episodes[k].turns], f"group {gid} was dropped")  # counted as they come back
         self.counts["dropped"] += len(running)
         if self.journal is not None:
             self.journal.leave(gid, self.counts)
@@ -255,9 +353,7 @@ class EpisodeRollout(GroupScorer):
 
     def _finish(self, gid: str) -> RolloutGroup:
         group = self.groups.pop(gid)
-        self.scored += 1
-        self.counts["groups_scored"] = self.scored
-        self.failed_in_a_row = 0
+        self.counts["groups_scored"] += 1
         self.counts["shipped"] += len(group.episodes)
         if self.journal is not None:
             self.journal.leave(gid, self.counts)
@@ -265,19 +361,17 @@ class EpisodeRollout(GroupScorer):
         return RolloutGroup(group_id=gid, samples=samples, engine_id=self.engine_id, sampling=self.sampling,
                             engine_ledger=self.ledger())
 
-    def ledger(self) -> dict[str, int]:
-        c = self.counts
-        return {k if k.startswith(("groups_", "turns_")) else f"episodes_{k}": v for k, v in c.items()}
 
-
-def _split(key: str) -> tuple[str, int, int]:
-    """``"<group id>.<episode>.<turn>"`` -> its parts (group ids hold dots themselves)."""
+def _split(key: str) -> tuple[str, int | None, int]:
+    """``"<group id>.<episode>.<turn>"`` -> its parts (group ids hold dots themselves); the
+    episode ``*`` (every episode of a single-turn group) -> None."""
     gid, k, turn = key.rsplit(".", 2)
-    return gid, int(k), int(turn)
+    return gid, None if k == ALL else int(k), int(turn)
 
 
 def _sample(gid: str, k: int, e: Transcript) -> RolloutSample:
     return RolloutSample(sample_id=f"{gid}-{k}", group_id=gid, prompt_ids=list(e.prompt_ids), token_ids=e.token_ids,
                          logprobs=e.logprobs, versions=e.versions, reward=float(e.reward or 0.0),
                          hybrid_tokens=e.hybrid_tokens, finish_reason=e.finish_reason,
-                         prompt_text=e.prompt.display, completion_text=e.text(), observation=e.observation)
+                         prompt_text=e.prompt.display, completion_text=e.text(),
+                         observation=e.observation if any(e.observation) else [], **e.routing_fields)

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from inflight.trainer.tasks.base import Task
-from inflight.trainer.tasks.episode import Turn, check_turn
+from inflight.trainer.tasks.base import Task, Turn
+from inflight.trainer.tasks.episode import check_turn
 
 if TYPE_CHECKING:
     from inflight.trainer.config import TrainConfig
@@ -207,9 +207,7 @@ def _score(task: Task | None, build_error: str, key: str, data: bytes,
         return None, f"key {key!r}: the worker could not unpickle the call ({type(e).__name__}: {first_line(e)})", ""
     method = f"{type(task).__name__}.{kind}"
     try:
-        if kind == "turn" and not callable(getattr(task, "turn", None)):
-            raise TypeError(f"{type(task).__name__} has no turn(): it is not an EpisodeTask")
-        out = task.turn(*args) if kind == "turn" else task.score(*args)  # type: ignore[attr-defined]
+        out = task.turn(*args) if kind == "turn" else task.score(*args)
         if inspect.isawaitable(out):
             out = asyncio.run(_awaited(out))
     except MemoryError:

@@ -20,16 +20,16 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from inflight.trainer.envs.arithmetic import Arithmetic
-from inflight.trainer.tasks.base import (Completion, Prompt, Task, encode_prompt, final_number, load_factory, model_stop_ids, stop_token_ids,
-                                uses_chat)
 from inflight.trainer.envs.calculator import Calculator
-from inflight.trainer.tasks.config import BUILTIN  # the task names: one home, beside the config that checks them
 from inflight.trainer.envs.digits import RepeatDigit
-from inflight.trainer.tasks.episode import EpisodeTask, EpisodeView, Turn
 from inflight.trainer.envs.guess_number import GuessNumber
 from inflight.trainer.envs.hf_dataset import DatasetTask
 from inflight.trainer.envs.jsonl import SAMPLE, JsonlFormatError, JsonlTask, load_jsonl
 from inflight.trainer.envs.reasoning_mix import ReasoningGymTask
+from inflight.trainer.tasks.base import (Completion, EpisodeView, Prompt, Task, Turn, encode_prompt, final_number,
+                                         load_factory, model_stop_ids, stop_token_ids, uses_chat)
+from inflight.trainer.tasks.config import BUILTIN  # the task names: one home, beside the config that checks them
+from inflight.trainer.tasks.episode import EpisodeTask
 
 if TYPE_CHECKING:
     from inflight.trainer.config import TrainConfig

@@ -11,11 +11,12 @@ so what is evaluated is exactly what is trained.
 from __future__ import annotations
 
 import importlib
+import math
 import random
 import re
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -57,16 +58,103 @@ class Completion:
     """``stop`` (end-of-sequence) or ``length`` (hit ``task.completion_tokens``)."""
 
 
+ROLES = ("user", "tool")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """The environment's answer to one turn of the policy."""
+
+    observation: str = ""
+    """What the policy reads before its next turn (ignored when ``done``), rendered by the chat template."""
+    observation_ids: Sequence[int] | None = None
+    """The observation as token ids, appended exactly as given instead of rendering ``observation``
+    (so they carry any turn markers themselves); ``observation`` is then only its text for
+    ``EpisodeView.observations`` and logs (empty: the ids decoded)."""
+    role: str = "tool"
+    """The observation's chat role: ``tool`` (a tool's output) or ``user`` (feedback)."""
+    messages: tuple[Mapping[str, str], ...] = ()
+    """Several messages in place of ``observation``/``role`` (one ``role: tool`` message per
+    tool call: ``{"role", "content"}``), rendered one after the other."""
+    done: bool = False
+    """The episode ends here, with ``reward``."""
+    reward: float | None = None
+    """The episode's reward: a finite number when ``done``, None before."""
+    state: Mapping[str, Any] | None = None
+    """Replaces the episode's state for the next turn (None: keep it). Must pickle."""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"Turn.role={self.role!r} must be one of {list(ROLES)}")
+        for m in self.messages:
+            if not isinstance(m, Mapping) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise ValueError(f"Turn.messages holds {m!r}: each a {{'role': one of {list(ROLES)}, 'content': str}}")
+        if self.messages and self.observation_ids is not None:
+            raise ValueError("Turn: give messages or observation_ids, not both")
+        object.__setattr__(self, "messages", tuple({"role": m["role"], "content": m["content"]} for m in self.messages))
+        if self.observation_ids is not None:
+            ids = tuple(self.observation_ids)
+            if not all(type(i) is int and i >= 0 for i in ids):
+                bad = next(i for i in ids if type(i) is not int or i < 0)
+                raise ValueError(f"Turn.observation_ids holds {bad!r}: token ids are non-negative ints")
+            object.__setattr__(self, "observation_ids", ids)
+        if self.done:
+            if self.reward is None or isinstance(self.reward, bool) or not math.isfinite(float(self.reward)):
+                raise ValueError(f"Turn(done=True) needs a finite reward, not {self.reward!r}")
+        elif self.reward is not None:
+            raise ValueError(f"Turn.reward={self.reward!r} before the episode is done: give it with done=True")
+
+
+@dataclass(frozen=True)
+class EpisodeView:
+    """An episode as its environment sees it when the policy ends a turn."""
+
+    prompt: Prompt
+    replies: tuple[str, ...]
+    """The policy's turns so far, decoded; the last is the one to answer."""
+    observations: tuple[str, ...]
+    """What the environment answered to each earlier reply (one fewer than ``replies``)."""
+    state: Mapping[str, Any] = field(default_factory=dict)
+    finish_reason: str = ""
+    """The last reply's: ``stop`` (the model ended its turn) or ``length`` (cut at ``task.completion_tokens``)."""
+    last: bool = False
+    """The episode may take no more turns (``task.episode.max_turns``): answer with ``done``."""
+    reply_ids: tuple[int, ...] = ()
+    """The last reply's token ids, as sampled."""
+    tool_calls: tuple[Mapping[str, Any], ...] = ()
+    """The last reply's tool calls, ``{"name", "arguments"}``, as vLLM's tool parser read them
+    (``task.tool_parser``; empty without one, or when the reply calls nothing)."""
+
+    @property
+    def reply(self) -> str:
+        return self.replies[-1]
+
+
 class Task(ABC):
-    """Subclass this for a task of your own (``task.name = "module:factory"``)."""
+    """Subclass this for a task of your own (``task.name = "module:factory"``). A task answers
+    the policy's replies in one of two ways: ``score`` (a single-turn task: every episode is
+    one reply, its reward) or ``turn`` (``EpisodeTask``: the environment answers each reply
+    until the episode ends). A concrete task defines one of them."""
 
     @abstractmethod
     def sample(self, rng: random.Random) -> Prompt:
         """A training prompt. Must never return one of ``eval_prompts``' prompts."""
 
-    @abstractmethod
     def score(self, prompts: Sequence[Prompt], completions: Sequence[Completion]) -> list[float]:
         """One reward per (prompt, completion) pair, in order. Called once per GRPO group."""
+        raise NotImplementedError(f"{type(self).__name__} defines turn(), not score(): its episodes take turns")
+
+    def turn(self, episode: EpisodeView) -> Turn | Awaitable[Turn]:
+        """The environment's answer to ``episode.reply``. A single-turn task's episode is one
+        reply: it ends here, rewarded by ``score``."""
+        completion = Completion(episode.reply, episode.reply_ids, episode.finish_reason)
+        return Turn(done=True, reward=float(self.score([episode.prompt], [completion])[0]))
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        abstract = any(getattr(getattr(cls, name, None), "__isabstractmethod__", False) for name in ("sample", "turn"))
+        if not abstract and cls.score is Task.score and cls.turn is Task.turn:
+            raise TypeError(f"{cls.__name__} defines neither score() (a single-turn task) nor turn() (an EpisodeTask)")
 
     def eval_prompts(self, n: int) -> list[Prompt]:
         """The fixed held-out set greedy evaluation runs on (the same list on every call).
@@ -77,6 +165,11 @@ class Task(ABC):
     def correct(self, reward: float) -> bool:
         """Whether a reward counts as a solved problem for the accuracy figure."""
         return reward >= 1.0
+
+
+def is_episodic(task: Any) -> bool:
+    """Whether ``task``'s episodes take turns (it defines ``turn``); else each is one reply, scored."""
+    return type(task).turn is not Task.turn
 
 
 ChatMode = Literal["auto", "off"]

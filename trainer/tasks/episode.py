@@ -32,77 +32,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from inflight.trainer.tasks.base import ChatMode, Completion, Prompt, Task, uses_chat
-
-ROLES = ("user", "tool")
-
-
-@dataclass(frozen=True)
-class Turn:
-    """The environment's answer to one turn of the policy."""
-
-    observation: str = ""
-    """What the policy reads before its next turn (ignored when ``done``), rendered by the chat template."""
-    observation_ids: Sequence[int] | None = None
-    """The observation as token ids, appended exactly as given instead of rendering ``observation``
-    (so they carry any turn markers themselves); ``observation`` is then only its text for
-    ``EpisodeView.observations`` and logs (empty: the ids decoded)."""
-    role: str = "tool"
-    """The observation's chat role: ``tool`` (a tool's output) or ``user`` (feedback)."""
-    messages: tuple[Mapping[str, str], ...] = ()
-    """Several messages in place of ``observation``/``role`` (one ``role: tool`` message per
-    tool call: ``{"role", "content"}``), rendered one after the other."""
-    done: bool = False
-    """The episode ends here, with ``reward``."""
-    reward: float | None = None
-    """The episode's reward: a finite number when ``done``, None before."""
-    state: Mapping[str, Any] | None = None
-    """Replaces the episode's state for the next turn (None: keep it). Must pickle."""
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"Turn.role={self.role!r} must be one of {list(ROLES)}")
-        for m in self.messages:
-            if not isinstance(m, Mapping) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise ValueError(f"Turn.messages holds {m!r}: each a {{'role': one of {list(ROLES)}, 'content': str}}")
-        if self.messages and self.observation_ids is not None:
-            raise ValueError("Turn: give messages or observation_ids, not both")
-        object.__setattr__(self, "messages", tuple({"role": m["role"], "content": m["content"]} for m in self.messages))
-        if self.observation_ids is not None:
-            ids = tuple(self.observation_ids)
-            if not all(type(i) is int and i >= 0 for i in ids):
-                bad = next(i for i in ids if type(i) is not int or i < 0)
-                raise ValueError(f"Turn.observation_ids holds {bad!r}: token ids are non-negative ints")
-            object.__setattr__(self, "observation_ids", ids)
-        if self.done:
-            if self.reward is None or isinstance(self.reward, bool) or not math.isfinite(float(self.reward)):
-                raise ValueError(f"Turn(done=True) needs a finite reward, not {self.reward!r}")
-        elif self.reward is not None:
-            raise ValueError(f"Turn.reward={self.reward!r} before the episode is done: give it with done=True")
-
-
-@dataclass(frozen=True)
-class EpisodeView:
-    """An episode as its environment sees it when the policy ends a turn."""
-
-    prompt: Prompt
-    replies: tuple[str, ...]
-    """The policy's turns so far, decoded; the last is the one to answer."""
-    observations: tuple[str, ...]
-    """What the environment answered to each earlier reply (one fewer than ``replies``)."""
-    state: Mapping[str, Any] = field(default_factory=dict)
-    finish_reason: str = ""
-    """The last reply's: ``stop`` (the model ended its turn) or ``length`` (cut at ``task.completion_tokens``)."""
-    last: bool = False
-    """The episode may take no more turns (``task.episode.max_turns``): answer with ``done``."""
-    tool_calls: tuple[Mapping[str, Any], ...] = ()
-    """The last reply's tool calls, ``{"name", "arguments"}``, as vLLM's tool parser read them
-    (``task.tool_parser``; empty without one, or when the reply calls nothing)."""
-
-    @property
-    def reply(self) -> str:
-        return self.replies[-1]
-
+from inflight.trainer.tasks.base import ChatMode, EpisodeView, Prompt, Task, Turn, uses_chat
 
 class EpisodeTask(Task):
     """Subclass this for a multi-turn task: ``sample`` opens an episode, ``turn`` answers it."""
@@ -113,13 +43,6 @@ class EpisodeTask(Task):
         ``episode.last``. Runs in a scoring process: raise, hang or run out of memory and the
         episode fails, never the engine."""
 
-    def score(self, prompts: Sequence[Prompt], completions: Sequence[Completion]) -> list[float]:
-        """Single-turn scoring has no meaning for an episode: its reward comes from ``turn``."""
-        raise TypeError(f"{type(self).__name__} is an EpisodeTask: its rewards come from turn(), not score()")
-
-
-def is_episodic(task: Any) -> bool:
-    return isinstance(task, EpisodeTask)
 
 
 def check_turn(out: Any, *, last: bool) -> Turn:
@@ -207,6 +130,10 @@ class Transcript:
     reward: float | None = None
     tool_calls: tuple[Mapping[str, Any], ...] = ()
     """The last reply's tool calls (``EpisodeView.tool_calls``)."""
+    reply_start: int = 0
+    """Where the last reply begins in ``token_ids``."""
+    routing_fields: Mapping[str, Any] = field(default_factory=dict)
+    """A one-turn episode's routed experts (``loss.routing_replay``: ``RolloutSample``'s routing fields)."""
 
     @property
     def turns(self) -> int:
@@ -224,6 +151,7 @@ class Transcript:
     def add_reply(self, text: str, token_ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
                   finish_reason: str, hybrid_tokens: int = 0) -> None:
         self.replies.append(text)
+        self.reply_start = len(self.token_ids)
         self.token_ids += token_ids
         self.logprobs += logprobs
         self.versions += versions
@@ -234,7 +162,7 @@ class Transcript:
     def view(self, *, last: bool) -> EpisodeView:
         return EpisodeView(prompt=self.prompt, replies=tuple(self.replies), observations=tuple(self.observations),
                            state=dict(self.state), finish_reason=self.finish_reason, last=last,
-                           tool_calls=self.tool_calls)
+                           reply_ids=tuple(self.token_ids[self.reply_start:]), tool_calls=self.tool_calls)
 
     def add_observation(self, turn: Turn, ids: Sequence[int], text: str) -> None:
         """The environment's tokens (``ids``, shown as ``text``): no log-prob, the version of
