@@ -48,7 +48,9 @@ class FailureLog:
             self.on_report(EngineReport(engine_id=self.engine_id, message=line))
         limit = self.cfg.task.scoring.max_failed_in_a_row
         if self.in_a_row >= limit:
-            message = (f"task {task}: {limit} failures in a row (task.scoring.max_failed_in_a_row); the last, "
-                       f"{what if what.startswith('episode') else f'group {what}'}: {error}")
+            episode = what.startswith("episode")
+            message = (f"task {task}: " + (f"{limit} episodes failed in a row" if episode else
+                                             f"scoring failed for {limit} groups in a row")
+                       + f" (task.scoring.max_failed_in_a_row); the last, {what if episode else f'group {what}'}: {error}")
             self.on_report(EngineReport(engine_id=self.engine_id, message=message, fatal=True))
             raise ScoringFailed(message)

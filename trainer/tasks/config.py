@@ -240,7 +240,8 @@ class ScoringConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class EpisodeConfig:
-    """Multi-turn tasks (``inflight.trainer.tasks.episode.EpisodeTask``): how episodes run and fail."""
+    """How episodes run and fail: an ``EpisodeTask``'s, and a single-turn task's one-turn ones
+    (``on_failure``, ``on_restart``)."""
 
     max_turns: int = 4
     """The policy's turns per episode at most; the environment ends the episode on the last."""
@@ -248,8 +249,8 @@ class EpisodeConfig:
     """An episode's tokens after its prompt (the policy's and the environment's) at most; an
     episode that would grow past it takes its last turn early."""
     on_failure: Literal["drop_group", "reward"] = "drop_group"
-    """What a failed episode (its environment raised, hung, or answered garbage) costs its
-    group. drop_group: the group is dropped (counted). reward: the episode keeps its tokens
+    """What a failed episode (its environment or verifier raised, hung, or answered garbage)
+    costs its group. drop_group: the group is dropped (counted). reward: the episode keeps its tokens
     and gets ``failure_reward``, and the group trains."""
     failure_reward: float = 0.0
     """on_failure = "reward": the failed episode's reward."""
