@@ -18,7 +18,8 @@ class Echo(EpisodeTask):
     """``turns`` turns: each reply is answered ``obs <i>`` (as a tool; the second as raw token
     ids, ``observation_ids``, of `` ids 2 ``); the last earns the number of characters the
     policy wrote. A prompt's ``meta["fault"]`` makes every turn of
-    its episodes raise, hang, answer garbage or run out of memory; ``one_hangs``: the first
+    its episodes raise, hang, answer garbage or run out of memory; ``overlong``: the first
+    observation is 300 words long; ``one_hangs``: the first
     turn to create the file ``meta["marker"]`` hangs, every other one raises once it exists."""
 
     def __init__(self, tokenizer, turns: int, prompt_chars: int) -> None:  # noqa: ANN001
@@ -42,6 +43,8 @@ class Echo(EpisodeTask):
             return {"observation": 42}  # type: ignore[return-value]
         if fault == "memory":
             return Turn(observation=str(len(bytearray(64 << 30))))
+        if fault == "overlong" and len(episode.replies) == 1:  # past the server's context: its next turn is refused
+            return Turn(observation=" obs" * 300)
         if episode.last or len(episode.replies) >= self.turns:
             return Turn(done=True, reward=float(sum(len(r) for r in episode.replies)))
         n = len(episode.replies)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import requests
@@ -21,7 +22,8 @@ from inflight.trainer.transfer_trainer import InflightTrainerInitInfo, update_in
 from inflight.transport.pusher import PushConfig
 from inflight.versions import boundaries, labels_from_spans, tags_from_spans
 from tests.engine_harness import Reference, perturbed, replay, serve_process
-from tests.helpers import wait_until
+from inflight.protocol import Sampling
+from tests.helpers import WAIT_S, wait_until
 
 BACKEND_FLAGS = ["--weight-transfer-config", '{"backend": "inflight"}', "--enable-scale-out", "--max-model-len", "1024",
                  "--trust-request-chat-template"]  # the tiny tokenizer has no chat template: a request brings one
@@ -95,6 +97,118 @@ def group_port(hold_port):
 def server(tiny_qwen, tmp_path_factory):
     with serve_process(tiny_qwen, tmp_path_factory.mktemp("rl_api_serve"), BACKEND_FLAGS) as base:
         yield base
+
+
+def _episodes(cfg, model_dir, tok, add, abort, prompts: dict, finished) -> tuple[dict, dict]:
+    """``prompts`` (group id -> Prompt) as episodes through ``EpisodeRollout``; ``finished()``
+    returns the turns that ended, ``(request id, replies or None, error)``. Returns the samples
+    by id and the ledger."""
+    from inflight.trainer.rollout.episode_rollout import EpisodeRollout
+    from inflight.trainer.tasks import encode_prompt
+
+    rollout = EpisodeRollout(cfg, str(model_dir), "e0", Sampling(), tok, add, abort, episodic=True)
+    samples, deadline = {}, time.monotonic() + WAIT_S  # renewed whenever a turn ends: a bound for a hang
+    try:
+        rollout.wait_ready()
+        for gid, prompt in prompts.items():
+            rollout.start_group(gid, prompt, encode_prompt(tok, prompt, "auto"))
+        while rollout.groups:
+            assert time.monotonic() < deadline, f"waited {WAIT_S:.0f} s for a turn (groups {sorted(rollout.groups)})"
+            for rid, replies, error in finished():
+                deadline = time.monotonic() + WAIT_S
+                rollout.submit_turn(rid, replies) if replies is not None else rollout.fail_turn(rid, error)
+            for group in rollout.collect():
+                samples.update({s.sample_id: s for s in group.samples})
+            time.sleep(0.002)
+    finally:
+        rollout.close()
+    return samples, rollout.counts
+
+
+def test_episodes_over_the_server_sample_what_they_sample_in_process(server, tiny_qwen, group_port, hold_port,
+                                                                     caplog) -> None:
+    """The same episodes (``tests.episode_envs``: 3 turns, the environment's tokens between
+    them) run as clients of the engine's server (``ServerTurns``: each turn one
+    ``/inference/v1/generate`` request of the episode's token ids) and in-process (an engine
+    stepped here), each request seeded from its id: the samples are the same tokens, and
+    the same log-probs and version tags. A turn the server refuses (an observation past its
+    context) fails its episode alone, named by its request; its group is dropped, the other
+    trains, and the ledger balances. Runs first in this module: the server serves version 0,
+    once a trainer has joined (before, its tokens are labelled vLLM's "default": refused)."""
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.sampling_params import RequestOutputKind
+
+    from inflight.engine.client import start_inflight, tagged
+    from inflight.engine.config import InflightConfig, engine_kwargs
+    from inflight.trainer.config_files import config_from_dict
+    from inflight.trainer.rollout.server_turns import ServerTurns, request_seed
+    from inflight.trainer.tasks import Prompt
+    from inflight.transport.group_config import GroupConfig
+    from inflight.transport.pusher import WeightPusher
+    from tests.engine_harness import stop_engine
+
+    cfg = config_from_dict({"task": {"name": "tests.episode_envs:make", "completion_tokens": 6, "options": {"turns": 3},
+                                     "episode": {"max_tokens": 4000}},  # the server, not the driver, refuses "overlong"
+                            "rollout": {"group_size": 2}, "engine": {"max_model_len": 4096}})
+    rng = __import__("random").Random(11)
+    words = lambda: " ".join(rng.choice(["the", "cat", "sat", "on", "a", "mat"]) for _ in range(40))  # noqa: E731
+    prompts = {"g0": Prompt(words()), "g1": Prompt(words())}
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(str(tiny_qwen))
+
+    info = InflightTrainerInitInfo(rank=0, port=group_port, push=PushConfig(dtype="float32"), timeout_s=60.0)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(server),
+                                                        source=load_file(str(tiny_qwen / "model.safetensors")))
+    turns = ServerTurns(server, {"temperature": 1.0, "ignore_eos": True}, run_seed=0)
+    try:
+        remote, remote_counts = _episodes(cfg, tiny_qwen, tok, turns.add_request, turns.abort, prompts,
+                                          turns.finished)
+        faulty, faulty_counts = _episodes(cfg, tiny_qwen, tok, turns.add_request, turns.abort,
+                                          {"f0": Prompt(words(), meta={"fault": "overlong"}), "f1": Prompt(words())},
+                                          turns.finished)
+    finally:
+        turns.close()
+        trainer.shutdown()
+
+    llm = LLM(str(tiny_qwen), enforce_eager=True, dtype="float32", seed=0, max_model_len=1024, **engine_kwargs())
+    group = GroupConfig(port=hold_port(), world_size=2, timeout_s=120)
+    start_inflight(llm, InflightConfig(group=group))
+    pusher = WeightPusher(group, PushConfig(dtype="float32"))
+    done: list = []
+
+    def add(rid, prompt, ids, max_tokens, n) -> None:  # noqa: ANN001
+        params = SamplingParams(n=n, temperature=1.0, ignore_eos=True, max_tokens=max_tokens, logprobs=0,
+                                seed=request_seed(0, rid), output_kind=RequestOutputKind.FINAL_ONLY)
+        llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, params)
+
+    def finished() -> list:
+        if llm.llm_engine.has_unfinished_requests():
+            done.extend((o.request_id, [tagged(c) for c in o.outputs], "") for o in llm.llm_engine.step() if o.finished)
+        out = list(done)
+        done.clear()
+        return out
+    try:
+        local, local_counts = _episodes(cfg, tiny_qwen, tok, add, llm.llm_engine.abort_request, prompts, finished)
+    finally:
+        pusher.close()
+        stop_engine(llm)
+
+    assert sorted(remote) == sorted(local) == ["g0-0", "g0-1", "g1-0", "g1-1"]
+    for sid in remote:
+        r, s = remote[sid], local[sid]
+        assert r.token_ids == s.token_ids and r.observation == s.observation and r.versions == s.versions, sid
+        assert sum(not o for o in r.observation) == 18 and r.reward == s.reward, sid
+        assert float(torch.tensor(r.logprobs).sub(torch.tensor(s.logprobs)).abs().max()) < 1e-5, sid
+    assert remote_counts == local_counts == {"started": 4, "finished": 4, "failed": 0, "dropped": 0, "shipped": 4,
+                                             "groups_scored": 2, "groups_failed": 0, "resumed": 0,
+                                             "turns_cancelled": 0}
+    assert sorted(faulty) == ["f1-0", "f1-1"], sorted(faulty)
+    c = faulty_counts
+    assert c["started"] == 4 == c["finished"] + c["failed"] + c["dropped"] and c["groups_failed"] == 1, c
+    failure = [r.getMessage() for r in caplog.records if "episode f0." in r.getMessage()]
+    assert len(failure) == 1 and "(turn 1) failed" in failure[0] and "/inference/v1/generate failed" in failure[0] \
+        and "HTTP 400" in failure[0], failure
 
 
 class ProgressAfterStart:

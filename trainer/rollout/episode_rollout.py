@@ -171,30 +171,54 @@ class EpisodeRollout:
         return sum(1 for g in self.groups.values() if not g.decoding)
 
     def submit(self, out: Any, prompt: Any) -> None:
-        """A finished turn: its replies join the transcripts; the environment is asked for the next step."""
+        """A finished request of the in-process engine (a vLLM ``RequestOutput``): ``submit_turn``."""
         from inflight.engine.client import tagged
 
-        gid, k, _ = _split(out.request_id)
+        routing = None
+        if self.cfg.loss.routing_replay:
+            from inflight.engine.routing import routing_fields
+
+            routing = [routing_fields(c) for c in out.outputs]
+        self.submit_turn(out.request_id, [tagged(c) for c in out.outputs], routing)
+
+    def submit_turn(self, request_id: str, completions: list[Any], routing: list[dict] | None = None) -> None:
+        """A finished turn, from the engine or its server: its replies (``TaggedCompletion``s, one
+        per episode of a single-turn group) join the transcripts; the environment is asked next."""
+        gid, k, _ = _split(request_id)
         group = self.groups[gid]
-        group.decoding.discard(out.request_id)
+        group.decoding.discard(request_id)
         if group.failed:  # the group is dropped: its other turns end here
             return
-        for i, completion in enumerate(out.outputs):
-            t = tagged(completion)
+        for i, t in enumerate(completions):
             episode = group.episodes[i if k is None else k]
             episode.add_reply(t.text, t.token_ids, t.logprobs, t.versions, t.finish_reason or "",
                               sum(">" in s for s in t.labels))
             episode.tool_calls = self.tool_calls.parse(t.text) if self.tool_calls is not None else ()
-            if k is None and self.cfg.loss.routing_replay:
-                from inflight.engine.routing import routing_fields
-
-                episode.routing_fields = routing_fields(completion)
+            if k is None and routing is not None:
+                episode.routing_fields = routing[i]
         self._record(gid)
         if k is None:
             self._score_group(gid)
         else:
             episode = group.episodes[k]
-            self.pool.submit_turn(out.request_id, episode.view(last=self._last(episode)))
+            self.pool.submit_turn(request_id, episode.view(last=self._last(episode)))
+
+    def fail_turn(self, request_id: str, error: str) -> None:
+        """A turn the engine's server could not sample (the request failed, the server went
+        away): its episode fails (a single-turn group: all of it), named by ``error``."""
+        gid, k, _ = _split(request_id)
+        group = self.groups.get(gid)
+        if group is None:
+            return
+        group.decoding.discard(request_id)
+        if group.failed:
+            return
+        if k is None:
+            for i in range(len(group.episodes)):
+                self._episode_done(gid, i, "failed")
+            self._failed(gid, None, error, "")
+        else:
+            self._fail(gid, k, error)
 
     def collect(self) -> list[RolloutGroup]:
         """Apply the environment's answers that came back (never waits); the groups finished."""
