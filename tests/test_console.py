@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tests.helpers import metrics_rows, wait_until
 from inflight.trainer.config_files import config_from_dict
-from inflight.trainer.console import OncePerMessage, log_tail, log_to_file
+from inflight.trainer.console import BarText, OncePerMessage, log_tail, log_to_file
 from inflight.trainer.fleet import Fleet, Placement
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,3 +97,12 @@ def test_a_log_tail_is_the_last_lines_with_a_bar_at_its_last_redraw(tmp_path) ->
     log.write_text("".join(f"line {i}\n" for i in range(30)) + "Loading: 0%\rLoading: 100%\n")
     assert log_tail(log, 3).splitlines() == ["    line 28", "    line 29", "    Loading: 100%"]
 
+
+
+def test_the_bar_counts_each_failed_episode_once() -> None:
+    """A group that failed is its episodes that failed (the ledger counts both): the bar says
+    how many episodes, not their sum with the groups."""
+    bar = BarText(group_size=4)
+    row = {"reward_mean": 0.5, "group_ids": ["a"], "lag_mean": 0.0, "stall_ms": 1.0}
+    assert "failed" not in bar({**row, "rollout_groups_failed": 0, "rollout_episodes_failed": 0})
+    assert bar({**row, "rollout_groups_failed": 1, "rollout_episodes_failed": 4}).endswith(" failed 4")
