@@ -260,18 +260,20 @@ class Calculator(EpisodeTask):
             expression: Numbers joined by + - * / // % and parentheses, e.g. 47 * 29.
         """
         try:
-            return show(safe_eval(clean_expression(expression), max_digits=self.max_result_digits,
-                                  max_chars=self.max_expression_chars))
+            return self._value(expression)
         except CalcError as e:
             raise ToolError(str(e).removeprefix("error: ")) from None
 
     def calculate(self, expression: str) -> str:
         """What the calculator prints for an expression: its value, or ``error: ...``."""
         try:
-            return show(safe_eval(clean_expression(expression), max_digits=self.max_result_digits,
-                                  max_chars=self.max_expression_chars))
+            return self._value(expression)
         except CalcError as e:
             return str(e)
+
+    def _value(self, expression: str) -> str:
+        return show(safe_eval(clean_expression(expression), max_digits=self.max_result_digits,
+                              max_chars=self.max_expression_chars))
 
     def _end(self, prompt: Prompt, answer: str | None, calls: int) -> Turn:
         if answer is not None and answer == prompt.answer:

@@ -109,8 +109,8 @@ class RolloutLoop:
                                      output_kind=RequestOutputKind.FINAL_ONLY)
         self.queue = RolloutQueue(group.connect("rollout"), cfg.rollout.queue_capacity)
         self.episodes = EpisodeRollout(cfg, model_dir, self.engine_id, sampling_of(self.params), self.tokenizer,
-                                     self._add_turn, self._abort, episodic=is_episodic(self.task),
-                                     journal=Path(cfg.run.out_dir) / f"episodes-{self.engine_id}.journal")
+                                       self._add_turn, self._abort, episodic=is_episodic(self.task),
+                                       journal=Path(cfg.run.out_dir) / f"episodes-{self.engine_id}.journal")
         self.episodes.on_report = self._report  # the trainer shows scoring failures, and stops on a fatal one
         self._turn_params: dict[tuple[int, int], Any] = {}
         self.prompts: dict[str, Any] = {}

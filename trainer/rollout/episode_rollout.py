@@ -214,9 +214,7 @@ class EpisodeRollout:
         if group.failed:
             return
         if k is None:
-            for i in range(len(group.episodes)):
-                self._episode_done(gid, i, "failed")
-            self._failed(gid, None, error, "")
+            self._fail_group(gid, error)
         else:
             self._fail(gid, k, error)
 
@@ -278,7 +276,7 @@ class EpisodeRollout:
 
     def _start_one_turn(self, gid: str) -> None:
         group = self.groups[gid]
-        rid = f"{gid}.{ALL}.0"
+        rid = _group_key(gid)
         group.decoding.add(rid)
         self.add_request(rid, group.prompt, list(group.episodes[0].prompt_ids), self.cfg.task.completion_tokens,
                          len(group.episodes))
@@ -286,15 +284,12 @@ class EpisodeRollout:
     def _score_group(self, gid: str) -> None:
         """A single-turn group's K replies to ``Task.score`` at once."""
         group = self.groups[gid]
-        self.pool.submit(f"{gid}.{ALL}.0", [group.prompt] * len(group.episodes),
+        self.pool.submit(_group_key(gid), [group.prompt] * len(group.episodes),
                          [Completion(e.text(), e.token_ids, e.finish_reason) for e in group.episodes])
 
     def _scored(self, gid: str, rewards: list[float] | None, error: str, trace: str) -> None:
-        group = self.groups[gid]
         if rewards is None:
-            for k in range(len(group.episodes)):
-                self._episode_done(gid, k, "failed")
-            self._failed(gid, None, error, trace)
+            self._fail_group(gid, error, trace)
             return
         for k, reward in enumerate(rewards):
             self._end(gid, k, Turn(done=True, reward=reward))
@@ -332,6 +327,12 @@ class EpisodeRollout:
         self._episode_done(gid, k, "failed")
         self._failed(gid, k, error, trace)
 
+    def _fail_group(self, gid: str, error: str, trace: str = "") -> None:
+        """A single-turn group's one request or scoring call failed: every episode of it."""
+        for k in range(len(self.groups[gid].episodes)):
+            self._episode_done(gid, k, "failed")
+        self._failed(gid, None, error, trace)
+
     def _failed(self, gid: str, k: int | None, error: str, trace: str) -> None:
         """Episode ``k`` (None: every episode of a single-turn group) failed: rewarded
         ``failure_reward`` or its group dropped (``task.episode.on_failure``), and reported."""
@@ -345,10 +346,11 @@ class EpisodeRollout:
             group.failed = error
             self.counts["groups_failed"] += 1
             then = "its group is dropped" if k is not None else "the group is dropped"
-        what = gid if k is None else f"episode {gid}.{k} (turn {group.episodes[k].turns})"
+        episode = "" if k is None else f"{gid}.{k} (turn {group.episodes[k].turns})"
         so_far = f"{self.counts['failed']} failed so far, {self.counts['groups_scored']} scored"
         try:
-            self.failures.report(error, group.prompt, what=what, then=then, trace=trace, so_far=so_far)
+            self.failures.report(error, group.prompt, group=gid, episode=episode, then=then, trace=trace,
+                                 so_far=so_far)
         finally:  # report raises ScoringFailed past the limit
             if group.failed:
                 self._drop(gid, "", count=False)
@@ -365,7 +367,7 @@ class EpisodeRollout:
             self.abort(sorted(group.decoding))
         running = [k for k, done in enumerate(group.done) if not done]
         if group.one_turn:
-            self.pool.cancel([f"{gid}.{ALL}.0"], f"group {gid} was dropped")
+            self.pool.cancel([_group_key(gid)], f"group {gid} was dropped")
         else:
             self.pool.cancel([f"{gid}.{k}.{group.episodes[k].turns - 1}" for k in running
                               if group.episodes[k].turns], f"group {gid} was dropped")  # counted as they come back
@@ -384,6 +386,11 @@ class EpisodeRollout:
         samples = tuple(_sample(gid, k, e) for k, e in enumerate(group.episodes))
         return RolloutGroup(group_id=gid, samples=samples, engine_id=self.engine_id, sampling=self.sampling,
                             engine_ledger=self.ledger())
+
+
+def _group_key(gid: str) -> str:
+    """A single-turn group's request id, and its scoring call's key."""
+    return f"{gid}.{ALL}.0"
 
 
 def _split(key: str) -> tuple[str, int | None, int]:

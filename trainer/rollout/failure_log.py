@@ -31,16 +31,17 @@ class FailureLog:
     def success(self) -> None:
         self.in_a_row = 0
 
-    def report(self, error: str, prompt: Any, *, what: str, then: str, trace: str = "", so_far: str = "") -> None:
-        """One failure: a line in the engine's log naming the task, ``what`` failed (an episode
-        and its turn; a group id alone: the scoring of that group) and the error, the task's
+    def report(self, error: str, prompt: Any, *, group: str, episode: str = "", then: str, trace: str = "",
+               so_far: str = "") -> None:
+        """One failure: a line in the engine's log naming the task, what failed (``episode``, as
+        "<group>.<k> (turn N)"; without one, the scoring of ``group``) and the error, the task's
         traceback after it; the first of each kind also to the trainer's console. Past
         ``max_failed_in_a_row`` in a row, a fatal report and ``ScoringFailed``."""
         self.in_a_row += 1
-        error = re.sub(r"^key '[^']*': ", "", error)  # the pool's key is named by ``what``
+        error = re.sub(r"^key '[^']*': ", "", error)  # the pool's key is named below
         kind = " ".join(error.split()[:3])  # "Faulty.score raised ValueError:"
         task = self.cfg.task.name
-        said = f"task {task}: {what} failed" if what.startswith("episode") else f"task {task} failed to score group {what}"
+        said = f"task {task}: episode {episode} failed" if episode else f"task {task} failed to score group {group}"
         line = f"{said} (prompt {prompt.display[:80]!r}): {error}; {then}"
         log.warning("rollout: %s (%s)%s", line, so_far, f"\n{trace.rstrip()}" if trace else "")
         if kind not in self._kinds:
@@ -48,9 +49,9 @@ class FailureLog:
             self.on_report(EngineReport(engine_id=self.engine_id, message=line))
         limit = self.cfg.task.scoring.max_failed_in_a_row
         if self.in_a_row >= limit:
-            episode = what.startswith("episode")
             message = (f"task {task}: " + (f"{limit} episodes failed in a row" if episode else
                                              f"scoring failed for {limit} groups in a row")
-                       + f" (task.scoring.max_failed_in_a_row); the last, {what if episode else f'group {what}'}: {error}")
+                       + f" (task.scoring.max_failed_in_a_row); the last, "
+                       + (f"episode {episode}" if episode else f"group {group}") + f": {error}")
             self.on_report(EngineReport(engine_id=self.engine_id, message=message, fatal=True))
             raise ScoringFailed(message)

@@ -21,8 +21,8 @@ import asyncio
 import threading
 import zlib
 from collections import deque
-from types import SimpleNamespace
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 from inflight.engine.client import TaggedCompletion
@@ -40,8 +40,7 @@ class ServerTurns:
 
     ``sampling``: the vLLM ``sampling_params`` every request shares (temperature, top_k, top_p,
     stop_token_ids, ...); each request adds its ``n``, ``max_tokens``, ``seed`` and ``logprobs``.
-    ``timeout_s``: the most one request may
-    take before its turn fails."""
+    ``timeout_s``: the most one request may take before its turn fails."""
 
     def __init__(self, base_url: str, sampling: Mapping[str, Any], *, run_seed: int = 0,
                  api_key: str | None = None, timeout_s: float = 600.0) -> None:
@@ -85,12 +84,10 @@ class ServerTurns:
             out.append(self._done.popleft())
         return out
 
-    def running(self) -> int:
-        with self._lock:
-            return len(self._running)
-
     def close(self) -> None:
-        self.abort(list(self._running))
+        with self._lock:
+            running = list(self._running)
+        self.abort(running)
         asyncio.run_coroutine_threadsafe(self._http.aclose(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
