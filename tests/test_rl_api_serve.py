@@ -125,6 +125,21 @@ def _episodes(cfg, model_dir, tok, add, abort, prompts: dict, finished) -> tuple
     return samples, rollout.counts
 
 
+def _late(request_id: str, finished):  # noqa: ANN001, ANN202
+    """``finished``, holding back the turn ``request_id`` until a turn fails, then giving both
+    at once, the failure first: a reply that arrives after its group was dropped."""
+    held: list = []
+
+    def late() -> list:
+        out = finished()
+        held.extend(t for t in out if t[0] == request_id)
+        out = [t for t in out if t[0] != request_id]
+        if held and any(t[1] is None for t in out):
+            out, held[:] = out + held, []
+        return out
+    return late
+
+
 def test_episodes_over_the_server_sample_what_they_sample_in_process(server, tiny_qwen, group_port, hold_port,
                                                                      caplog) -> None:
     """The same episodes (``tests.episode_envs``: 3 turns, the environment's tokens between
@@ -132,8 +147,8 @@ def test_episodes_over_the_server_sample_what_they_sample_in_process(server, tin
     ``/inference/v1/generate`` request of the episode's token ids) and in-process (an engine
     stepped here), each request seeded from its id: the samples are the same tokens, and
     the same log-probs and version tags. A turn the server refuses (an observation past its
-    context) fails its episode alone, named by its request; its group is dropped, the other
-    trains, and the ledger balances. Runs first in this module: the server serves version 0,
+    context) fails its episode alone, named by its request; its group is dropped (a reply of it
+    that comes back later is dropped too), the other trains, and the ledger balances. Runs first in this module: the server serves version 0,
     once a trainer has joined (before, its tokens are labelled vLLM's "default": refused)."""
     from vllm import LLM, SamplingParams
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
@@ -166,7 +181,7 @@ def test_episodes_over_the_server_sample_what_they_sample_in_process(server, tin
                                           turns.finished)
         faulty, faulty_counts = _episodes(cfg, tiny_qwen, tok, turns.add_request, turns.abort,
                                           {"f0": Prompt(words(), meta={"fault": "overlong"}), "f1": Prompt(words())},
-                                          turns.finished)
+                                          _late("f0.0.0", turns.finished))
     finally:
         turns.close()
         trainer.shutdown()
@@ -206,6 +221,7 @@ def test_episodes_over_the_server_sample_what_they_sample_in_process(server, tin
     assert sorted(faulty) == ["f1-0", "f1-1"], sorted(faulty)
     c = faulty_counts
     assert c["started"] == 4 == c["finished"] + c["failed"] + c["dropped"] and c["groups_failed"] == 1, c
+    assert c["failed"] == 1 and c["dropped"] == 1, c  # f0.1 failed, f0.0's held reply came back to no group
     failure = [r.getMessage() for r in caplog.records if "episode f0." in r.getMessage()]
     assert len(failure) == 1 and "(turn 1) failed" in failure[0] and "/inference/v1/generate failed" in failure[0] \
         and "HTTP 400" in failure[0], failure

@@ -185,7 +185,9 @@ class EpisodeRollout:
         """A finished turn, from the engine or its server: its replies (``TaggedCompletion``s, one
         per episode of a single-turn group) join the transcripts; the environment is asked next."""
         gid, k, _ = _split(request_id)
-        group = self.groups[gid]
+        group = self.groups.get(gid)
+        if group is None:  # dropped while this turn was on its way back (an abort came too late)
+            return
         group.decoding.discard(request_id)
         if group.failed:  # the group is dropped: its other turns end here
             return

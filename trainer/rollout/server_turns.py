@@ -69,8 +69,12 @@ class ServerTurns:
 
     def abort(self, request_ids: list[str]) -> None:
         """Cancel turns (``EpisodeRollout``'s ``AbortRequests``): their results never come back."""
+        cancel = set(request_ids)
         with self._lock:
             futures = [self._running.pop(rid) for rid in request_ids if rid in self._running]
+            ended = [d for d in self._done if d[0] in cancel]  # ended, not yet read: never read
+            for d in ended:
+                self._done.remove(d)
         for future in futures:
             future.cancel()
         if futures:
@@ -79,9 +83,9 @@ class ServerTurns:
     def finished(self) -> list[tuple[str, list[TaggedCompletion] | None, str]]:
         """The turns that ended since the last call: ``(request id, its replies, "")``, or
         ``(request id, None, why it failed)``; never waits."""
-        out = []
-        while self._done:
-            out.append(self._done.popleft())
+        with self._lock:
+            out = list(self._done)
+            self._done.clear()
         return out
 
     def close(self) -> None:
