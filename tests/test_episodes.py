@@ -20,23 +20,21 @@ import gc
 import logging
 import re
 import threading
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from inflight.engine.client import coordinator_of, start_inflight
+from inflight.engine.client import start_inflight
 from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling, decode_group, encode
 from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
-from tests.engine_harness import Reference, perturbed, replay, stop_engine
+from tests.engine_harness import Reference, replay, stop_engine
+from tests.episode_driver import Driver, policy_runs, push_until_pending
 from tests.helpers import WAIT_S, wait_until
 from inflight.trainer.loss_config import LossConfig
-from inflight.trainer.config_files import config_from_dict
 from inflight.trainer.tasks.base import Prompt, Turn
 from inflight.trainer.tasks.episode import ObservationRenderer
 
@@ -143,66 +141,6 @@ def test_observation_tokens_receive_no_gradient(tiny_llama) -> None:
 
 
 # -- a real engine ---------------------------------------------------------------------------------
-class Driver:
-    """An engine of this process stepped from the test thread, episodes driven by an ``EpisodeRollout``."""
-
-    def __init__(self, engine: dict, journal: Path | None = None, episodic: bool = True, **task: Any) -> None:
-        from inflight.trainer.rollout.episode_rollout import EpisodeRollout
-
-        self.llm, self.model_dir = engine["llm"], engine["model_dir"]
-        cfg = config_from_dict({
-            "task": {"name": "tests.episode_envs:make", "completion_tokens": 6, "options": {"turns": 3},
-                     **task},
-            "rollout": {"group_size": 2}, "engine": {"max_model_len": 1024}})
-        self.cfg = cfg
-        self.requests: dict[str, Any] = {}
-        self.texts: dict[str, str] = {}  # each turn's reply, as the environment read it
-        self.steps = 0
-        self.groups: list[RolloutGroup] = []
-        self.rollout = EpisodeRollout(cfg, str(self.model_dir), "e0", Sampling(), self.llm.get_tokenizer(),
-                                      self._add, self._abort, episodic=episodic, journal=journal)
-        self.rollout.wait_ready()
-
-    def _add(self, rid: str, prompt: Any, ids: list[int], max_tokens: int, n: int) -> None:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        sp = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
-        self.requests[rid] = prompt
-        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, sp)
-
-    def _abort(self, rids: list[str]) -> None:
-        self.llm.llm_engine.abort_request(rids)
-        for rid in rids:
-            self.requests.pop(rid, None)
-
-    def start(self, gid: str, prompt: Prompt) -> None:
-        from inflight.trainer.tasks.base import encode_prompt
-
-        self.rollout.start_group(gid, prompt, encode_prompt(self.llm.get_tokenizer(), prompt, "auto"))
-
-    def run(self, on_step=lambda: None, until=lambda: False) -> None:
-        """Until every group started has finished or failed (or ``until()``); ``on_step``
-        after each engine step."""
-        deadline = time.monotonic() + WAIT_S  # renewed at each engine step: a bound for a hang
-        while self.rollout.groups and not until():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"waited {WAIT_S:.0f} s for the episodes' next engine step or environment answer "
-                                     f"(groups left: {sorted(self.rollout.groups)})")
-            self.groups += self.rollout.collect()
-            if not self.llm.llm_engine.has_unfinished_requests():
-                time.sleep(0.005)  # every live episode waits on its environment
-                continue
-            deadline = time.monotonic() + WAIT_S
-            for out in self.llm.llm_engine.step():
-                if out.finished and out.request_id in self.requests:
-                    self.texts[out.request_id] = out.outputs[0].text
-                    self.rollout.submit(out, self.requests.pop(out.request_id))
-            self.steps += 1
-            on_step()
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_llama, hold_port):
     from vllm import LLM
@@ -219,36 +157,6 @@ def engine(tiny_llama, hold_port):
     gc.collect()
 
 
-def _push_until_pending(engine: dict, version: int) -> threading.Thread:
-    """Push ``version`` from a trainer thread; return once its commit waits for the next step."""
-    engine["versions"][version] = perturbed(engine["versions"][0], seed=500 + version)
-    errors: list[BaseException] = []
-
-    def push() -> None:
-        try:
-            engine["pusher"].push(version, engine["versions"][version])
-        except BaseException as e:  # noqa: BLE001  re-raised by the test
-            errors.append(e)
-    thread = threading.Thread(target=push, daemon=True)
-    thread.start()
-    wait_until(lambda: coordinator_of(engine["llm"]).commit_pending() or errors, f"v{version} to be pending",
-               poll_s=0.002)
-    assert not errors, errors
-    return thread
-
-
-def _turns(s: RolloutSample) -> list[tuple[int, int]]:
-    """``[start, end)`` of each run of policy tokens."""
-    runs, start = [], None
-    for i, obs in enumerate(s.observation + [True]):
-        if not obs and start is None:
-            start = i
-        elif obs and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
-
-
 def test_episodes_span_commits_and_replay_from_their_tags(engine) -> None:
     d = Driver(engine)
     pushes: list[threading.Thread] = []
@@ -256,7 +164,7 @@ def test_episodes_span_commits_and_replay_from_their_tags(engine) -> None:
     def on_step() -> None:  # v1 in the episodes' first turn; v2 once a third turn is decoding
         third = any(rid.endswith(".2") for rid in d.requests)
         if (d.steps == 3 and not pushes) or (third and len(pushes) == 1):
-            pushes.append(_push_until_pending(engine, len(pushes) + 1))
+            pushes.append(push_until_pending(engine, len(pushes) + 1))
     try:
         rng = __import__("random").Random(1)
         for gid in ("a", "b"):
@@ -273,7 +181,7 @@ def test_episodes_span_commits_and_replay_from_their_tags(engine) -> None:
     spans = []
     tok = engine["llm"].get_tokenizer()
     for s in (s for g in d.groups for s in g.samples):
-        runs = _turns(s)
+        runs = policy_runs(s)
         assert len(runs) == 3 and all(b - a == 6 for a, b in runs), runs
         for j, ((_, b), (a, _)) in enumerate(zip(runs, runs[1:])):  # the environment's answers, as rendered
             want = (f" obs {j + 1} " if j != 1 else  # the second given as token ids, taken as they are
@@ -394,7 +302,7 @@ def test_a_single_turn_group_is_one_request_scored_at_once_and_resumed_from_its_
     try:
         d2.rollout.resume()
         assert sorted(d2.requests) == ["s2.*.0"]  # s1 is being scored again, from its journaled replies
-        d2.run(on_step=lambda: pushes or pushes.append(_push_until_pending(engine, version)))
+        d2.run(on_step=lambda: pushes or pushes.append(push_until_pending(engine, version)))
     finally:
         d2.rollout.close()
     pushes[0].join(WAIT_S)
@@ -451,8 +359,8 @@ def test_episodes_in_flight_when_their_engine_process_stops_are_resumed_or_dropp
     weights = lambda label: engine["versions"][int(label)]  # noqa: E731
     for s in (s for g in d2.groups for s in g.samples):
         assert s.token_ids[: len(before[s.sample_id])] == before[s.sample_id]  # nothing sampled before was lost
-        assert len(_turns(s)) == 3
-        for a, b in _turns(s):
+        assert len(policy_runs(s)) == 3
+        for a, b in policy_runs(s):
             context, labels = s.prompt_ids + s.token_ids[:a], [str(v) for v in s.versions[a:b]]
             want = replay(ref, weights, context, s.token_ids[a:b], labels, labels[0])
             assert float((torch.tensor(s.logprobs[a:b], dtype=torch.float64) - want).abs().max()) < EXACT

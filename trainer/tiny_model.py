@@ -18,6 +18,9 @@ import torch
 from inflight.settings import check_choices
 
 SPECIAL_TOKENS = ("<unk>", "<|endoftext|>", "<|pad|>")
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+               "<think>", "</think>")
+"""A chat model's added tokens (``TinyModelConfig.chat``): ChatML's and Hermes tool calls'."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +52,10 @@ class TinyModelConfig:
     """qwen3_moe only: experts each token is routed to (top-k)."""
     moe_intermediate_size: int = 128
     """qwen3_moe only: width of each expert's MLP."""
+    chat: bool = False
+    """A chat model: ChatML's and Hermes tool calls' special tokens (``CHAT_TOKENS``) in the
+    tokenizer, and the ChatML tool template (``trainer/tasks/data/chatml_tools.jinja``) as its
+    chat template."""
 
     def __post_init__(self) -> None:
         check_choices(self, "model.tiny")
@@ -71,8 +78,9 @@ class TinyModelConfig:
 
 
 
-def train_tokenizer(corpus: Iterable[str], out_dir: str | Path, vocab_size: int = 300) -> int:
-    """Train a byte-level BPE on ``corpus``, save it as a HF fast tokenizer; return its size."""
+def train_tokenizer(corpus: Iterable[str], out_dir: str | Path, vocab_size: int = 300, *, chat: bool = False) -> int:
+    """Train a byte-level BPE on ``corpus``, save it as a HF fast tokenizer; return its size.
+    ``chat``: with ``CHAT_TOKENS`` and the ChatML tool template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -80,11 +88,13 @@ def train_tokenizer(corpus: Iterable[str], out_dir: str | Path, vocab_size: int 
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS + (CHAT_TOKENS if chat else ())),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|endoftext|>", pad_token="<|pad|>")
+    if chat:
+        fast.chat_template = (Path(__file__).parent / "tasks" / "data" / "chatml_tools.jinja").read_text()
     fast.save_pretrained(str(out_dir))
     return len(fast)
 
@@ -103,7 +113,7 @@ def build_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    train_tokenizer(corpus, out, vocab_size)
+    train_tokenizer(corpus, out, vocab_size, chat=config.chat)
     tok = AutoTokenizer.from_pretrained(str(out))
     common = dict(
         vocab_size=len(tok), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
@@ -124,6 +134,10 @@ def build_tiny_model(
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     model.to(dtype).save_pretrained(str(out), safe_serialization=True)
+    if config.chat:  # a chat turn ends at <|im_end|>: the generation config names it, as chat models' do
+        from transformers import GenerationConfig
+
+        GenerationConfig(eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]).save_pretrained(str(out))
     return out
 
 

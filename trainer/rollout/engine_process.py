@@ -222,7 +222,7 @@ class RolloutLoop:
         self.counter += 1
         # token ids, not text: the chat template already holds the special tokens (the engine's own
         # tokenization would add a BOS in front of it), and evaluation encodes the same way
-        ids = encode_prompt(self.tokenizer, prompt, self.cfg.task.chat)
+        ids = None if self.task.renders_prompt else encode_prompt(self.tokenizer, prompt, self.cfg.task.chat)
         self.episodes.start_group(rid, prompt, ids)  # its turns come back via _add_turn
 
     def _add_turn(self, rid: str, prompt: Any, ids: list[int], max_tokens: int, n: int) -> None:

@@ -77,8 +77,13 @@ class EpisodeRollout:
                              "cover the environment's tokens between turns (set loss.routing_replay=false)")
         s = cfg.task.scoring
         self.cfg, self.engine_id, self.sampling, self.episodic = cfg, engine_id, sampling, episodic
-        self.pool = ScoringPool(engine_task_factory(cfg, model_dir), workers=s.workers, timeout_s=s.timeout_s,
-                                memory_mb=s.memory_mb, max_workers=s.max_workers)
+        if cfg.task.name == "verifiers":  # the environment runs its own loop: each model call is a turn
+            from inflight.trainer.rollout.verifiers_turns import VerifiersTurns
+
+            self.pool: Any = VerifiersTurns(cfg, tokenizer, engine_id)
+        else:
+            self.pool = ScoringPool(engine_task_factory(cfg, model_dir), workers=s.workers, timeout_s=s.timeout_s,
+                                    memory_mb=s.memory_mb, max_workers=s.max_workers)
         self.failures = FailureLog(cfg, engine_id)
         self.episode_cfg = cfg.task.episode
         self.renderer = ObservationRenderer(tokenizer, cfg.task.chat) if episodic else None
@@ -120,7 +125,7 @@ class EpisodeRollout:
             return
         for gid, group in recovered.groups.items():
             running = [k for k, done in enumerate(group.done) if not done]
-            if self.episode_cfg.on_restart == "drop":
+            if self.episode_cfg.on_restart == "drop" or not getattr(self.pool, "resumable", True):
                 self.counts["dropped"] += len(running)
                 self.journal.leave(gid, self.counts)
                 log.warning("rollout: group %s dropped on restart with %d episodes running (task.episode.on_restart)",
@@ -148,10 +153,11 @@ class EpisodeRollout:
             else:
                 self._next_turn(gid, k)
 
-    def start_group(self, gid: str, prompt: Any, ids: list[int]) -> None:
-        """K episodes of ``prompt`` (token ids ``ids``), their first turns on the engine."""
+    def start_group(self, gid: str, prompt: Any, ids: list[int] | None) -> None:
+        """K episodes of ``prompt`` (token ids ``ids``), their first turns on the engine. With
+        ``ids`` None (``Task.renders_prompt``) the environment gives each episode's opening ids first."""
         k = self.cfg.rollout.group_size
-        group = EpisodeGroup(prompt, [Transcript(prompt, list(ids)) for _ in range(k)], [False] * k,
+        group = EpisodeGroup(prompt, [Transcript(prompt, list(ids or ())) for _ in range(k)], [False] * k,
                              one_turn=not self.episodic)
         self.groups[gid] = group
         self.counts["started"] += k
@@ -159,7 +165,7 @@ class EpisodeRollout:
             self._start_one_turn(gid)
         else:
             for i in range(k):
-                self._next_turn(gid, i)
+                self._next_turn(gid, i) if ids is not None else self.pool.open(f"{gid}.{i}", prompt)
         self._record(gid)
 
     def decoding(self) -> int:
@@ -231,6 +237,9 @@ class EpisodeRollout:
                 continue
             if k is None:
                 self._scored(gid, s.rewards, s.error, s.trace)
+            elif s.turn is not None and not group.episodes[k].prompt_ids:  # the environment's opening prompt
+                group.episodes[k].prompt_ids = list(s.turn.observation_ids or ())
+                self._next_turn(gid, k)
             elif s.turn is None:
                 self._fail(gid, k, s.error, s.trace)
             elif s.turn.done:
@@ -371,8 +380,8 @@ class EpisodeRollout:
         if group.one_turn:
             self.pool.cancel([_group_key(gid)], f"group {gid} was dropped")
         else:
-            self.pool.cancel([f"{gid}.{k}.{group.episodes[k].turns - 1}" for k in running
-                              if group.episodes[k].turns], f"group {gid} was dropped")  # counted as they come back
+            self.pool.cancel([f"{gid}.{k}.{group.episodes[k].turns - 1}" for k in running],
+                             f"group {gid} was dropped")  # counted as they come back
         self.counts["dropped"] += len(running)
         if self.journal is not None:
             self.journal.leave(gid, self.counts)

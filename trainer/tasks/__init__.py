@@ -63,6 +63,10 @@ def build_task(train_cfg: TrainConfig, tokenizer: Any) -> Task:
         return ReasoningGymTask(datasets=r.datasets, weights=r.weights, options=r.options, size=r.size, seed=r.seed,
                                 eval_seed=r.eval_seed, system_prompt=r.system_prompt, examples=r.examples,
                                 chat=uses_chat(tokenizer, cfg.chat), eval_size=eval_size)
+    if cfg.name == "verifiers":
+        from inflight.trainer.envs.verifiers_env import VerifiersTask
+
+        return VerifiersTask(train_cfg)
     task = load_factory(cfg.name)(tokenizer=tokenizer, **cfg.options)
     if not isinstance(task, Task) and not all(callable(getattr(task, m, None)) for m in ("sample", "score", "eval_prompts")):
         raise TypeError(f"task.name={cfg.name!r} returned {type(task).__name__}, not a inflight.trainer.tasks.Task "

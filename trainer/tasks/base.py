@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,8 @@ class EpisodeView:
     """The episode may take no more turns (``task.episode.max_turns``): answer with ``done``."""
     reply_ids: tuple[int, ...] = ()
     """The last reply's token ids, as sampled."""
+    reply_logprobs: tuple[float, ...] = ()
+    """Their log-probs under the policy that sampled them."""
     tool_calls: tuple[Mapping[str, Any], ...] = ()
     """The last reply's tool calls, ``{"name", "arguments"}``, as vLLM's tool parser read them
     (``task.tool_parser``; empty without one, or when the reply calls nothing)."""
@@ -135,6 +137,10 @@ class Task(ABC):
     the policy's replies in one of two ways: ``score`` (a single-turn task: every episode is
     one reply, its reward) or ``turn`` (``EpisodeTask``: the environment answers each reply
     until the episode ends). A concrete task defines one of them."""
+
+    renders_prompt: ClassVar[bool] = False
+    """The environment renders each episode's opening prompt itself (a verifiers harness): the
+    rollout asks it for the first turn's token ids instead of encoding ``sample``'s prompt."""
 
     @abstractmethod
     def sample(self, rng: random.Random) -> Prompt:

@@ -269,7 +269,30 @@ class EpisodeConfig:
             raise ValueError(f"task.episode.failure_reward={self.failure_reward} must be a finite number")
 
 
-BUILTIN = ("repeat_digit", "arithmetic", "jsonl", "dataset", "calculator", "guess_number", "reasoning_gym")
+@dataclass(frozen=True, kw_only=True)
+class VerifiersConfig:
+    """The ``verifiers`` task (``inflight.trainer.envs.verifiers_env``): a verifiers 0.4
+    environment (``task.env_id``), its model calls sampled by the engine."""
+
+    renderer: str = "qwen3"
+    """The ``renderers`` renderer (its config ``name``: ``qwen3`` for ChatML with Hermes tool
+    calls, ``llama-3``, ``glm-5``, ...) that turns each model call into token ids and bridges
+    each turn from the last one's ids."""
+    renderer_options: dict[str, Any] = field(default_factory=dict)
+    """The renderer config's other fields (``default``, the model's own chat template: its
+    ``tool_parser``, e.g. ``{tool_parser = "qwen3"}``)."""
+    taskset: dict[str, Any] = field(default_factory=dict)
+    """The taskset's own config (``vf.TasksetConfig`` fields), besides its ``id``."""
+
+    def __post_init__(self) -> None:
+        if not self.renderer:
+            raise ValueError("task.verifiers.renderer must name a renderers config (e.g. 'qwen3')")
+        if "id" in self.taskset:
+            raise ValueError(f"task.verifiers.taskset.id={self.taskset['id']!r}: the taskset is task.env_id")
+
+
+BUILTIN = ("repeat_digit", "arithmetic", "jsonl", "dataset", "calculator", "guess_number", "reasoning_gym",
+           "verifiers")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
@@ -278,7 +301,7 @@ class TaskConfig:
     """What the policy is trained on (``trainer/tasks``)."""
 
     name: str = "repeat_digit"
-    """repeat_digit | arithmetic | jsonl | dataset | calculator | guess_number | reasoning_gym, or your own
+    """repeat_digit | arithmetic | jsonl | dataset | calculator | guess_number | reasoning_gym | verifiers, or your own
     ``pkg.module:factory`` (called as ``factory(tokenizer=..., **options)``, returning a
     ``inflight.trainer.tasks.Task``)."""
     completion_tokens: int = 16
@@ -300,6 +323,11 @@ class TaskConfig:
     """guess_number only (multi-turn, feedback): range and reward."""
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
     """reasoning_gym only: the datasets, their weights and options, and the seeds."""
+    env_id: str = ""
+    """verifiers only: the environment's taskset, a module whose ``__all__`` names one
+    ``vf.Taskset`` (verifiers' ``taskset.id``)."""
+    verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)
+    """verifiers only: the renderer and the taskset's config."""
     options: dict[str, Any] = field(default_factory=dict)
     """A ``module:factory`` task only: keyword arguments of the factory."""
     tool_parser: str = ""
@@ -332,6 +360,10 @@ class TaskConfig:
             from inflight.trainer.envs.reasoning_mix import check_dataset_names
 
             check_dataset_names(self.reasoning_gym.datasets)
+        if self.name == "verifiers" and not self.env_id:
+            raise ValueError("task.name = 'verifiers' needs task.env_id: the taskset's module (verifiers' taskset.id)")
+        if self.env_id and self.name != "verifiers":
+            raise ValueError(f"task.env_id={self.env_id!r}: only task.name = 'verifiers' takes an environment id")
         if self.chat_template:
             chat_template_text(self.chat_template)  # shipped, or a file that exists
         if self.name == "calculator" and self.calculator.format == "native" and not self.tool_parser:

@@ -162,7 +162,8 @@ class Transcript:
     def view(self, *, last: bool) -> EpisodeView:
         return EpisodeView(prompt=self.prompt, replies=tuple(self.replies), observations=tuple(self.observations),
                            state=dict(self.state), finish_reason=self.finish_reason, last=last,
-                           reply_ids=tuple(self.token_ids[self.reply_start:]), tool_calls=self.tool_calls)
+                           reply_ids=tuple(self.token_ids[self.reply_start:]),
+                           reply_logprobs=tuple(self.logprobs[self.reply_start:]), tool_calls=self.tool_calls)
 
     def add_observation(self, turn: Turn, ids: Sequence[int], text: str) -> None:
         """The environment's tokens (``ids``, shown as ``text``): no log-prob, the version of

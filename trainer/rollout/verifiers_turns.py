@@ -1,0 +1,357 @@
+"""A verifiers 0.4 environment's episodes, as ``EpisodeRollout``'s environment side.
+
+A verifiers environment owns its loop: its harness calls the model, runs the tools and asks
+the rubric for the reward. Here it runs unchanged on an event loop of its own (a thread of
+the engine process), and every model call of it (``vf.Client.get_response``) becomes one
+turn of an in-flight episode::
+
+    open(gid.k)               -> the harness renders its first prompt: Scored(gid.k.-1,
+                                 Turn(observation_ids=prompt)): the episode's prompt ids
+    submit_turn(gid.k.t, view)-> the reply (tagged tokens, sampled by the engine) goes back to
+                                 the harness as the model's answer; its next call gives
+                                 Scored(gid.k.t, Turn(observation_ids=the new tokens)), or
+                                 the episode ends: Scored(gid.k.t, Turn(done, reward))
+
+Invariants. Turn t+1's prompt ids begin with turn t's prompt and reply ids exactly (the
+renderer bridges from them); a prompt that does not is refused by name (re-tokenization
+drift), and so fails its episode. A rollout that ends with an error (its rubric raised, a
+tool server failed) fails its episode, named by the environment, the error and its
+traceback. One ``Scored`` answers each ``open`` and each ``submit_turn``. The harness's
+coroutines do not survive their process: episodes of an earlier process are not resumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import verifiers.v1 as vf
+from renderers.base import ToolCallParseStatus
+from verifiers.v1.clients.train import (
+    _is_valid_incremental_tail,
+    response_from_generate,
+    serialize_completion,
+    tool_to_wire,
+)
+from verifiers.v1.dialects import ChatDialect
+from verifiers.v1.dialects.chat import message_to_wire
+from verifiers.v1.errors import ProviderError
+
+from inflight.trainer.rollout.scoring_worker import Scored
+from inflight.trainer.tasks.base import EpisodeView, Prompt, Turn
+
+log = logging.getLogger("inflight.rollout")
+
+SCHEME = "inflight://"
+"""The base URL of a verifiers ``TrainClientConfig`` whose model calls an engine of this process takes."""
+_CLIENTS: dict[str, Any] = {}
+"""Base URL -> the ``vf.Client`` that answers it (``route_model_calls``)."""
+
+
+def route_model_calls() -> None:
+    """Let a ``TrainClientConfig(base_url="inflight://...")`` resolve to this process's client
+    for that URL. verifiers 0.4.0's interception server builds each model client with the
+    name ``resolve_client`` of ``verifiers.v1.interception.server``; this wraps that name
+    once (idempotent), and every other config resolves as before."""
+    import verifiers.v1.interception.server as server
+
+    resolve = server.resolve_client
+    if getattr(resolve, "inflight_route", False):
+        return
+
+    def resolve_client(config: Any) -> Any:
+        url = str(getattr(config, "base_url", "") or "")
+        return _CLIENTS[url] if url.startswith(SCHEME) else resolve(config)
+
+    resolve_client.inflight_route = True  # type: ignore[attr-defined]
+    server.resolve_client = resolve_client
+
+
+class RetokenizationDrift(ValueError):
+    """A turn's prompt ids do not begin with the episode's token ids so far."""
+
+
+@dataclass
+class _Episode:
+    key: str
+    """``"<gid>.<k>"``."""
+    context: list[int] | None = None
+    """The last turn's prompt and reply ids: the next prompt must begin with them."""
+    turn: int = -1
+    """The turn whose answer the environment owes (-1: the opening prompt)."""
+    reply: asyncio.Future | None = None
+    running: asyncio.Future | Any = None
+    failure: str = ""
+    waits_on_engine: bool = False
+    rollout: Any = None
+    """The rollout's task (verifiers' ``run_slot``)."""
+    deadline: Any = None
+    """The ``asyncio.TimerHandle`` of the environment's wait (``timeout_s``)."""
+    traces: list = field(default_factory=list)
+    spent: bool = False
+    """The driver took the last turn (``EpisodeView.last``): a further model call is refused."""
+
+
+class VerifiersTurns:
+    """The environment side of ``EpisodeRollout`` for ``task.name = "verifiers"``: the same
+    surface as ``ScoringPool`` (``submit_turn``, ``poll``, ``cancel``, ``close``), and ``open``."""
+
+    resumable = False
+
+    def __init__(self, cfg: Any, tokenizer: Any, engine_id: str) -> None:
+        from inflight.trainer.envs.verifiers_env import env_config, make_renderer
+
+        route_model_calls()
+        _share_sys_path()
+        self.env_id, self.timeout_s = cfg.task.env_id, cfg.task.scoring.timeout_s
+        self.env = vf.load_environment(vf.resolve_env_config(env_config(cfg)))
+        self.tasks = list(self.env.taskset)
+        v = cfg.task.verifiers
+        self.renderer = make_renderer(tokenizer, v.renderer, v.renderer_options)
+        self.url = f"{SCHEME}{engine_id}-{id(self):x}"
+        _CLIENTS[self.url] = EngineClient(self)
+        self.ctx = vf.ModelContext(model="policy", client=vf.TrainClientConfig(base_url=self.url),
+                                   sampling=vf.SamplingConfig())
+        self.episodes: dict[str, _Episode] = {}
+        self._by_trace: dict[str, _Episode] = {}
+        self._done: deque[Scored] = deque()
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="inflight-verifiers", daemon=True)
+        self._thread.start()
+        self._ready = threading.Event()
+        self._stop = asyncio.run_coroutine_threadsafe(self._make_event(), self._loop).result()
+        self._serving = asyncio.run_coroutine_threadsafe(self._serve(), self._loop)
+
+    # -- EpisodeRollout's side (the engine process's thread) -------------------------------
+    def wait_ready(self, timeout_s: float = 120.0) -> bool:
+        """The environment serves (its shared tool servers up), or its own error raised here."""
+        for _ in range(max(1, int(timeout_s / 0.05))):
+            if self._ready.wait(0.05):
+                return True
+            if self._serving.done():
+                self._serving.result()  # raises the environment's own error
+                raise RuntimeError(f"verifiers environment {self.env_id!r} stopped serving before it started")
+        raise TimeoutError(f"verifiers environment {self.env_id!r} did not start serving in {timeout_s:g} s")
+
+    def open(self, key: str, prompt: Prompt) -> None:
+        """Start episode ``key`` (``"<gid>.<k>"``) of taskset row ``prompt.meta["row"]``."""
+        episode = _Episode(key)
+        with self._lock:
+            self.episodes[key] = episode
+        task = self.tasks[int(prompt.meta["row"])]
+        episode.running = asyncio.run_coroutine_threadsafe(self._run(episode, task), self._loop)
+
+    def submit_turn(self, key: str, view: EpisodeView) -> None:
+        """Turn ``key``'s reply (``view.reply_ids``, ``view.reply_logprobs``) goes to the harness."""
+        with self._lock:
+            episode = self.episodes.get(key.rsplit(".", 1)[0])
+        if episode is None:  # cancelled meanwhile
+            return
+        episode.waits_on_engine = False
+        reply = (list(view.reply_ids), list(view.reply_logprobs), view.finish_reason, view.last)
+        self._loop.call_soon_threadsafe(self._reply, episode, reply)
+
+    def poll(self) -> list[Scored]:
+        with self._lock:
+            out = list(self._done)
+            self._done.clear()
+        return out
+
+    def cancel(self, keys: Sequence[str], why: str) -> None:
+        """Stop the episodes of ``keys`` (``"<gid>.<k>.<turn>"``); one waiting on its environment
+        (not on the engine) comes back ``cancelled``."""
+        for key in keys:
+            with self._lock:
+                episode = self.episodes.pop(key.rsplit(".", 1)[0], None)
+                if episode is not None and not episode.waits_on_engine:
+                    self._done.append(Scored(key, None, why, cancelled=True))
+            if episode is not None:
+                episode.running.cancel()
+
+    def pending(self) -> int:
+        return sum(not e.waits_on_engine for e in self.episodes.values())
+
+    def close(self) -> None:
+        for episode in list(self.episodes.values()):
+            episode.running.cancel()
+        self._loop.call_soon_threadsafe(self._stop.set)
+        try:
+            self._serving.result(timeout=60)
+        except Exception as e:  # noqa: BLE001  closing: the environment's teardown error is only logged
+            log.warning("rollout: verifiers environment %r stopped with %s: %s", self.env_id, type(e).__name__, e)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        _CLIENTS.pop(self.url, None)
+
+    # -- on the event loop ------------------------------------------------------------------
+    async def _make_event(self) -> asyncio.Event:
+        return asyncio.Event()
+
+    async def _serve(self) -> None:
+        async with self.env.serving():
+            self._ready.set()
+            await self._stop.wait()
+
+    async def _run(self, episode: _Episode, task: Any) -> None:
+        """One rollout of ``task``; its end (reward or failure) answers the last turn. Each answer
+        of the environment to a reply takes at most ``timeout_s`` (its opening, which starts its
+        tool servers, is bounded by verifiers' own ``timeout``)."""
+        def minted(trace: Any) -> None:
+            self._by_trace[trace.id] = episode
+            episode.traces.append(trace.id)
+
+        episode.rollout = asyncio.ensure_future(self.env.run_slot(self.env.slots(task, 1)[0], self.ctx,
+                                                                  on_trace=minted))
+        try:
+            reward, error, trace = _outcome(await episode.rollout, self.env_id)
+        except asyncio.CancelledError:
+            if not episode.failure:  # cancelled by EpisodeRollout: nothing to answer
+                episode.rollout.cancel()
+                raise
+            reward, error, trace = None, "", ""
+        except Exception as e:  # noqa: BLE001  the environment's failure is its episode's
+            import traceback
+
+            reward, error, trace = None, f"verifiers environment {self.env_id!r}: {type(e).__name__}: {e}", \
+                traceback.format_exc()
+        finally:
+            self._unwatch(episode)
+            for trace_id in episode.traces:
+                self._by_trace.pop(trace_id, None)
+        if episode.failure:  # refused or timed out here (drift, the budget, a hang): named by us
+            error, trace, reward = episode.failure, "", None
+        turn = Turn(done=True, reward=reward) if reward is not None else None
+        self._answer(episode, Scored(f"{episode.key}.{episode.turn}", None, error, turn=turn, trace=trace))
+
+    def _watch(self, episode: _Episode) -> None:
+        """The environment has the episode now: it answers within ``timeout_s`` or the episode fails."""
+        self._unwatch(episode)
+        episode.deadline = self._loop.call_later(self.timeout_s, self._timed_out, episode)
+
+    def _unwatch(self, episode: _Episode) -> None:
+        if episode.deadline is not None:
+            episode.deadline.cancel()
+            episode.deadline = None
+
+    def _timed_out(self, episode: _Episode) -> None:
+        episode.failure = (f"verifiers environment {self.env_id!r}: its answer to turn {episode.turn} took longer "
+                           f"than task.scoring.timeout_s={self.timeout_s:g} (a tool or the rubric hung)")
+        episode.rollout.cancel()
+
+    def _reply(self, episode: _Episode, reply: tuple) -> None:
+        """The engine's reply reaches the harness; the environment has the episode again."""
+        self._watch(episode)
+        _resolve(episode.reply, reply)
+
+    def _answer(self, episode: _Episode, scored: Scored) -> None:
+        episode.waits_on_engine = scored.turn is not None and not scored.turn.done
+        with self._lock:
+            if self.episodes.get(episode.key) is episode:
+                self._done.append(scored)
+                if scored.turn is None or scored.turn.done:
+                    del self.episodes[episode.key]
+
+    async def model_call(self, session_id: str | None, prompt_ids: list[int]) -> tuple[list[int], list[float], str]:
+        """One model call of the rollout ``session_id``: the prompt goes to the engine as the
+        episode's next turn; returns the reply's ids, log-probs and finish reason."""
+        episode = self._by_trace.get(session_id or "")
+        if episode is None:
+            raise RuntimeError(f"a model call of an unknown rollout ({session_id!r})")
+        if episode.spent:  # a 4xx: the harness stops, the rubric scores what there is
+            raise ProviderError("the episode's turns or tokens are spent (task.episode)", status_code=400)
+        context = episode.context or []
+        if prompt_ids[:len(context)] != context:
+            at = next((i for i, (a, b) in enumerate(zip(prompt_ids, context, strict=False)) if a != b),
+                      min(len(prompt_ids), len(context)))
+            episode.failure = (f"verifiers environment {self.env_id!r}: re-tokenization drift at turn "
+                               f"{episode.turn + 1}: its prompt ids differ from the episode's token ids at "
+                               f"position {at} of {len(context)} (the renderer did not bridge from them)")
+            raise RetokenizationDrift(episode.failure)
+        episode.reply = asyncio.get_running_loop().create_future()
+        self._unwatch(episode)  # the engine has it now
+        self._answer(episode, Scored(f"{episode.key}.{episode.turn}", None,
+                                     turn=Turn(observation_ids=list(prompt_ids[len(context):]))))
+        ids, logprobs, finish_reason, last = await episode.reply
+        episode.turn += 1
+        episode.context, episode.spent = list(prompt_ids) + ids, last
+        return ids, logprobs, finish_reason
+
+
+def _share_sys_path() -> None:
+    """The environment's tool servers (``python -m`` of a toolset's module, in a directory of
+    their own) import what this process imports: its own directories on ``sys.path`` (the
+    working directory, a config file's) go into ``PYTHONPATH``."""
+    import os
+    import sys
+
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    own = [os.path.realpath(p or ".") for p in sys.path]
+    own = [p for p in own if os.path.isdir(p) and not any(p.startswith(x + os.sep) or p == x for x in prefixes)]
+    current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(current + own))
+
+
+def _resolve(future: asyncio.Future | None, value: Any) -> None:
+    if future is not None and not future.done():
+        future.set_result(value)
+
+
+def _outcome(episode: Any, env_id: str) -> tuple[float | None, str, str]:
+    """A finished verifiers ``Episode`` -> (reward, error, traceback)."""
+    errors = list(episode.errors) + [e for t in episode.traces for e in t.errors]
+    if errors:
+        e = errors[0]
+        return None, f"verifiers environment {env_id!r}: {e.type}: {e.message}", e.traceback or ""
+    if not episode.traces:
+        return None, f"verifiers environment {env_id!r}: the episode ran no agent", ""
+    reward = episode.traces[0].reward
+    if reward is None:
+        return None, f"verifiers environment {env_id!r}: its rubric gave no reward", ""
+    return float(reward), "", ""
+
+
+class EngineClient(vf.Client):
+    """The ``vf.Client`` of ``VerifiersTurns``: renders each model call to token ids (bridging
+    from the episode's last turn, as verifiers' ``TrainClient`` does) and samples it as the
+    episode's next turn."""
+
+    def __init__(self, turns: VerifiersTurns) -> None:
+        self.turns, self.renderer = turns, turns.renderer
+
+    async def get_response(self, dialect: Any, body: dict, sampling: Any, session_id: str | None = None,
+                           turn: Any = None, headers: Any = None) -> Any:
+        if not isinstance(dialect, ChatDialect):
+            raise NotImplementedError(f"{type(dialect).__name__}: only chat completions are rendered")
+        if turn is not None:
+            prompt, tools = turn.prompt, turn.tools
+        else:
+            request = dialect.parse_request(body)
+            prompt, tools = request.messages, request.tools
+        wire_tools = [tool_to_wire(t) for t in tools] if tools else None
+        rendered, bridged_turn = None, None
+        tail = [message_to_wire(m) for m in turn.tail] if turn is not None else []
+        previous = turn.previous_renderer_token_ids() if turn is not None and _is_valid_incremental_tail(tail) \
+            else None
+        if previous is not None:
+            rendered = self.renderer.bridge_to_next_turn(previous[0], previous[1], tail, tools=wire_tools)
+            bridged_turn = turn if rendered is not None else None
+        if rendered is None:
+            rendered = self.renderer.render([message_to_wire(m) for m in prompt], tools=wire_tools,
+                                            add_generation_prompt=True)
+        prompt_ids = list(rendered.token_ids)
+        ids, logprobs, finish = await self.turns.model_call(session_id, prompt_ids)
+        parsed = self.renderer.parse_response(ids, prompt_ids=prompt_ids, tools=wire_tools)
+        if finish == "stop" and any(c.status == ToolCallParseStatus.OK for c in parsed.tool_calls):
+            finish = "tool_calls"
+        result = {"prompt_ids": prompt_ids, "completion_ids": ids, "completion_logprobs": logprobs,
+                  "content": parsed.content, "reasoning_content": parsed.reasoning_content,
+                  "tool_calls": parsed.tool_calls, "finish_reason": finish, "prompt_attribution": rendered}
+        response = response_from_generate(result, body["model"], bridged_turn)
+        response.raw = serialize_completion(response, body["model"])
+        return response
