@@ -3,17 +3,46 @@ and the pushes that land commits in the middle of its episodes (by engine steps 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from inflight.engine.client import coordinator_of
+from inflight.engine.client import coordinator_of, start_inflight
+from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling
 from inflight.trainer.config_files import config_from_dict
 from inflight.trainer.tasks.base import Prompt
-from tests.engine_harness import perturbed
+from inflight.transport.group_config import GroupConfig
+from inflight.transport.pusher import PushConfig, WeightPusher
+from tests.engine_harness import perturbed, stop_engine
 from tests.helpers import WAIT_S, wait_until
+
+
+@contextlib.contextmanager
+def engine_with_pusher(model_dir: Path, port: int, max_model_len: int) -> Iterator[dict]:
+    """An in-flight engine of this process (fp32) and a trainer's pusher on one group: the
+    ``engine`` a ``Driver`` and ``push_until_pending`` take (``versions``: the weights of each
+    version pushed, the first ones the model's)."""
+    from safetensors.torch import load_file
+    from vllm import LLM
+
+    llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", seed=0, max_model_len=max_model_len,
+              **engine_kwargs())
+    group = GroupConfig(port=port, world_size=2, timeout_s=120)
+    start_inflight(llm, InflightConfig(group=group))
+    pusher = WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25))
+    try:
+        yield {"llm": llm, "model_dir": model_dir, "pusher": pusher,
+               "versions": {0: load_file(str(Path(model_dir) / "model.safetensors"))}}
+    finally:
+        pusher.close()
+        stop_engine(llm)
+        del llm
+        gc.collect()
 
 
 class Driver:

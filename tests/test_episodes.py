@@ -16,23 +16,16 @@ Commits are driven by engine steps and events, never by wall-clock time.
 
 from __future__ import annotations
 
-import gc
 import logging
 import re
 import threading
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from inflight.engine.client import start_inflight
-from inflight.engine.config import InflightConfig, engine_kwargs
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling, decode_group, encode
-from inflight.transport.group_config import GroupConfig
-from inflight.transport.pusher import PushConfig, WeightPusher
-from tests.engine_harness import Reference, replay, stop_engine
-from tests.episode_driver import Driver, policy_runs, push_until_pending
+from tests.engine_harness import Reference, replay
+from tests.episode_driver import Driver, engine_with_pusher, policy_runs, push_until_pending
 from tests.helpers import WAIT_S, wait_until
 from inflight.trainer.loss_config import LossConfig
 from inflight.trainer.tasks.base import Prompt, Turn
@@ -143,18 +136,8 @@ def test_observation_tokens_receive_no_gradient(tiny_llama) -> None:
 # -- a real engine ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(tiny_llama, hold_port):
-    from vllm import LLM
-
-    llm = LLM(str(tiny_llama), enforce_eager=True, dtype="float32", seed=0, max_model_len=1024, **engine_kwargs())
-    group = GroupConfig(port=hold_port(), world_size=2, timeout_s=120)
-    start_inflight(llm, InflightConfig(group=group))
-    pusher = WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25))
-    yield {"llm": llm, "model_dir": tiny_llama, "pusher": pusher,
-           "versions": {0: load_file(str(Path(tiny_llama) / "model.safetensors"))}}
-    pusher.close()
-    stop_engine(llm)
-    del llm
-    gc.collect()
+    with engine_with_pusher(tiny_llama, hold_port(), 1024) as engine:
+        yield engine
 
 
 def test_episodes_span_commits_and_replay_from_their_tags(engine) -> None:

@@ -21,7 +21,6 @@ prompt, runs the tools and bridges each turn from the token ids before it.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import time
@@ -29,14 +28,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from inflight.engine.client import start_inflight
-from inflight.engine.config import InflightConfig, engine_kwargs
-from inflight.transport.group_config import GroupConfig
-from inflight.transport.pusher import PushConfig, WeightPusher
-from tests.engine_harness import Reference, replay, stop_engine
-from tests.episode_driver import Driver, policy_runs, push_until_pending
+from tests.engine_harness import Reference, replay
+from tests.episode_driver import Driver, engine_with_pusher, policy_runs, push_until_pending
 from tests.helpers import WAIT_S
 
 pytest.importorskip("verifiers")
@@ -135,19 +129,8 @@ def taught(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(taught, hold_port):
-    from vllm import LLM
-
-    model_dir = taught["model_dir"]
-    llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", seed=0, max_model_len=2048, **engine_kwargs())
-    group = GroupConfig(port=hold_port(), world_size=2, timeout_s=120)
-    start_inflight(llm, InflightConfig(group=group))
-    pusher = WeightPusher(group, PushConfig(dtype="float32", bucket_mb=0.25))
-    yield {"llm": llm, "model_dir": model_dir, "pusher": pusher,
-           "versions": {0: load_file(str(Path(model_dir) / "model.safetensors"))}}
-    pusher.close()
-    stop_engine(llm)
-    del llm
-    gc.collect()
+    with engine_with_pusher(taught["model_dir"], hold_port(), 2048) as engine:
+        yield engine
 
 
 def test_a_verifiers_environment_runs_in_flight_and_replays_from_its_tags(engine, taught, caplog) -> None:
