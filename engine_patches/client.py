@@ -16,7 +16,7 @@ import msgspec
 
 from inflight.engine.config import InflightConfig
 from inflight.engine.rpc import StartReport, WorkerStatus, as_result
-from inflight.versions import labels_from_spans, tags_from_spans
+from inflight.versions import tags_and_labels, tags_from_spans
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,9 @@ def _sampled_logprobs(completion: Any) -> list[float]:
 def tagged(completion: Any) -> TaggedCompletion:
     """Tokens, behaviour log-probs and version tags of a *finished* ``CompletionOutput``."""
     tokens = list(completion.token_ids)
-    return TaggedCompletion(tokens, _sampled_logprobs(completion), tags_from_spans(completion.weight_versions, len(tokens)),
-                            completion.finish_reason, completion.text,
-                            labels_from_spans(completion.weight_versions, len(tokens)))
+    versions, labels = tags_and_labels(completion.weight_versions, len(tokens))
+    return TaggedCompletion(tokens, _sampled_logprobs(completion), versions, completion.finish_reason, completion.text,
+                            labels)
 
 
 def _report(reports: list[Any]) -> StartReport:

@@ -46,10 +46,15 @@ def labels_from_spans(spans: Iterable[Span] | None, num_tokens: int) -> list[str
 def tags_from_spans(spans: Iterable[Span] | None, num_tokens: int) -> list[int]:
     """One integer version per output token: the version, or for a hybrid the oldest version
     any of its groups holds (the lag of a hybrid token counts from it)."""
+    return tags_and_labels(spans, num_tokens)[0]
+
+
+def tags_and_labels(spans: Iterable[Span] | None, num_tokens: int) -> tuple[list[int], list[str]]:
+    """``tags_from_spans`` and ``labels_from_spans`` of the same spans, read once."""
     labels = labels_from_spans(spans, num_tokens)
     cache: dict[str, int] = {}
     try:
-        return [cache[s] if s in cache else cache.setdefault(s, parse_label(s).oldest) for s in labels]
+        return [cache[s] if s in cache else cache.setdefault(s, parse_label(s).oldest) for s in labels], labels
     except LabelError as e:
         raise VersionTagError(str(e)) from None
 

@@ -15,7 +15,7 @@ import re
 import pytest
 
 from inflight.layer_groups import Hybrid, LabelError, LayerGroups, hybrid_fraction, layer_groups, parse_label
-from inflight.versions import VersionTagError, labels_from_spans, tags_from_spans
+from inflight.versions import VersionTagError, labels_from_spans, tags_and_labels, tags_from_spans
 
 NAMES = ["lm_head.weight", "model.norm.weight", "model.embed_tokens.weight", "model.layers.10.mlp.up_proj.weight",
          "model.layers.9.self_attn.q_proj.weight", "model.layers.9.input_layernorm.weight"]
@@ -53,6 +53,7 @@ def test_tags_of_hybrid_tokens_are_their_oldest_version() -> None:
     spans = [Span("5", 0, 2), Span("5>6:1", 2, 3), Span("5>6:3>7:1", 3, 5), Span("7", 5, 6)]
     assert labels_from_spans(spans, 6) == ["5", "5", "5>6:1", "5>6:3>7:1", "5>6:3>7:1", "7"]
     assert tags_from_spans(spans, 6) == [5, 5, 5, 5, 5, 7]
+    assert tags_and_labels(spans, 6) == (tags_from_spans(spans, 6), labels_from_spans(spans, 6))
     assert hybrid_fraction(labels_from_spans(spans, 6)) == 0.5
     with pytest.raises(VersionTagError, match="neither a version nor a hybrid"):
         tags_from_spans([Span("v5", 0, 1)], 1)

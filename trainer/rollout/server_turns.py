@@ -26,7 +26,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from inflight.engine.client import TaggedCompletion
-from inflight.versions import VersionTagError, labels_from_spans, tags_from_spans
+from inflight.versions import VersionTagError, tags_and_labels
 
 
 def request_seed(run_seed: int, request_id: str) -> int:
@@ -134,7 +134,7 @@ class ServerTurns:
         spans = [SimpleNamespace(version=str(s["version"]), start=int(s["start"]), end=int(s["end"]))
                  for s in choice.get("weight_versions") or []]
         try:
-            versions, labels = tags_from_spans(spans, len(tokens)), labels_from_spans(spans, len(tokens))
+            versions, labels = tags_and_labels(spans, len(tokens))
         except VersionTagError as e:
             raise ValueError(f"version spans: {e} (is the server an in-flight engine's?)") from None
         return TaggedCompletion(tokens, [float(c["logprob"]) for c in content], versions, choice.get("finish_reason"),
