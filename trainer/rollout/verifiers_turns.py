@@ -107,7 +107,7 @@ class VerifiersTurns:
         from inflight.trainer.envs.verifiers_env import env_config, make_renderer
 
         route_model_calls()
-        _share_sys_path()
+        self._pythonpath = _share_sys_path()
         self.env_id, self.timeout_s = cfg.task.env_id, cfg.task.scoring.timeout_s
         self.env = vf.load_environment(vf.resolve_env_config(env_config(cfg)))
         self.tasks = list(self.env.taskset)
@@ -188,6 +188,12 @@ class VerifiersTurns:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
         _CLIENTS.pop(self.url, None)
+        import os
+
+        if self._pythonpath is None:  # the process's environment as it was (a later subprocess sees no change)
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = self._pythonpath
 
     # -- on the event loop ------------------------------------------------------------------
     async def _make_event(self) -> asyncio.Event:
@@ -283,18 +289,21 @@ class VerifiersTurns:
         return ids, logprobs, finish_reason
 
 
-def _share_sys_path() -> None:
+def _share_sys_path() -> str | None:
     """The environment's tool servers (``python -m`` of a toolset's module, in a directory of
     their own) import what this process imports: its own directories on ``sys.path`` (the
-    working directory, a config file's) go into ``PYTHONPATH``."""
+    working directory, a config file's) go into ``PYTHONPATH`` until ``close``. Returns its
+    value before (None: unset)."""
     import os
     import sys
 
     prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
     own = [os.path.realpath(p or ".") for p in sys.path]
     own = [p for p in own if os.path.isdir(p) and not any(p.startswith(x + os.sep) or p == x for x in prefixes)]
-    current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    before = os.environ.get("PYTHONPATH")
+    current = [p for p in (before or "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(current + own))
+    return before
 
 
 def _resolve(future: asyncio.Future | None, value: Any) -> None:
