@@ -361,3 +361,99 @@ def test_openai_endpoints_return_version_spans(server, tiny_qwen) -> None:
         "chat_template": CHAT_TEMPLATE}).json()
     assert "choices" in chat, chat
     assert chat["choices"][0]["weight_versions"] == [{"version": live, "start": 0, "end": 4}], chat
+
+
+HARNESS_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>\n{{ m['content'] }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}<assistant>\n{% endif %}")
+"""A chat template whose renderings of a growing conversation extend each other."""
+
+
+def _unmerged_chars(tok) -> list[int]:  # noqa: ANN001
+    """Ids of printable ASCII characters no BPE merge of the tiny tokenizer touches: a reply of
+    them detokenizes and tokenizes back to the same ids, so an honest harness never drifts."""
+    model = json.loads(tok.backend_tokenizer.to_str())["model"]
+    merged = {ch for m in model["merges"] for part in (m.split(" ") if isinstance(m, str) else m) for ch in part}
+    chars = [c for c in "!#$%&()*+,-./:;=?@[]^_{|}~ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in merged and c in model["vocab"]]
+    assert len(chars) >= 6, chars
+    return [model["vocab"][c] for c in chars]
+
+
+def test_openai_harness_episode_is_one_tagged_sample(server, tiny_qwen, group_port) -> None:
+    """An agent harness on the ``openai`` SDK, changed only in its http client
+    (``ChatTranscript.http_client``), plays 3 turns on ``/v1/chat/completions``; a trainer commits
+    a new version between turns. The transcript is one sample: the first prompt, each reply
+    tagged with the version the server's spans name, and the rendered user turns between them
+    masked. A transformers replay of each reply at its version matches the behaviour log-probs
+    (a replay one version off does not). A harness that edits an earlier reply is refused at
+    its next call, HTTP 400 naming the turn and the position; so are streaming and n > 1."""
+    import openai
+    from transformers import AutoTokenizer
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from inflight.trainer.rollout.chat_transcript import ChatTranscript
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_qwen))
+    allowed = _unmerged_chars(tok)
+    base = load_file(str(tiny_qwen / "model.safetensors"))
+    states = {}
+    info = InflightTrainerInitInfo(rank=0, port=group_port, push=PushConfig(dtype="float32"), timeout_s=60.0)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(server), source=base)
+    transcript, edited = ChatTranscript("harness"), ChatTranscript("editor")
+    chat = openai.OpenAI(base_url=server + "/v1", api_key="-", http_client=transcript.http_client())
+    editor = openai.OpenAI(base_url=server + "/v1", api_key="-", http_client=edited.http_client())
+    ask = {"model": str(tiny_qwen), "max_tokens": 6, "temperature": 1.0,
+           "extra_body": {"chat_template": HARNESS_TEMPLATE, "allowed_token_ids": allowed, "ignore_eos": True}}
+    messages = [{"role": "user", "content": "count the cats"}]
+    try:
+        trainer.send_weights()  # the base weights: what each turn is sampled by is known
+        for turn in range(3):
+            states[trainer.version] = trainer.source
+            reply = chat.chat.completions.create(messages=messages, seed=turn, **ask).choices[0].message.content
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"and now {turn}"}]
+            trainer.source = perturbed(base, seed=400 + turn, scale=0.02)
+            trainer.send_weights()
+        first = editor.chat.completions.create(messages=messages[:1], seed=9, **ask).choices[0].message.content
+        changed = first[:-1] + ("#" if first[-1] != "#" else "%")
+        with pytest.raises(openai.BadRequestError, match="re-tokenization drift at turn 1") as drift:
+            editor.chat.completions.create(messages=[*messages[:1], {"role": "assistant", "content": changed},
+                                                     messages[2]], seed=10, **ask)
+        for refused, why in (({"stream": True}, "stream=True"), ({"n": 2}, "n=2")):
+            client = openai.OpenAI(base_url=server + "/v1", api_key="-", http_client=ChatTranscript().http_client())
+            with pytest.raises(openai.BadRequestError, match=why):
+                client.chat.completions.create(messages=messages[:1], **ask, **refused)
+    finally:
+        trainer.shutdown()
+    p0 = edited.calls[0]
+    assert f"position {len(p0.prompt_ids) + len(p0.reply.token_ids) - 1} of " in str(drift.value), drift.value
+    assert edited.failure and len(edited.calls) == 1
+    with pytest.raises(ValueError, match="editor failed, no sample: .*re-tokenization drift"):
+        edited.sample(sample_id="e-0", group_id="e", reward=0.0)
+
+    sample = transcript.sample(sample_id="h-0", group_id="h", reward=1.0)
+    calls = transcript.calls
+    render = lambda msgs: tok.encode(__import__("jinja2").Template(HARNESS_TEMPLATE).render(  # noqa: E731
+        messages=msgs, add_generation_prompt=True))
+    assert sample.prompt_ids == calls[0].prompt_ids == render(messages[:1])
+    observed = [tok.encode(f"\n<user>\nand now {t}\n<assistant>\n") for t in range(2)]
+    assert sample.token_ids == calls[0].reply.token_ids + observed[0] + calls[1].reply.token_ids + observed[1] \
+        + calls[2].reply.token_ids
+    assert sample.observation == [False] * 6 + [True] * len(observed[0]) + [False] * 6 + [True] * len(observed[1]) \
+        + [False] * 6
+    versions = sorted(states)
+    assert [set(c.reply.versions) for c in calls] == [{v} for v in versions], [c.reply.labels for c in calls]
+    assert sample.versions[6:6 + len(observed[0])] == [versions[0]] * len(observed[0])
+    ref, mask = Reference(tiny_qwen, "float32"), torch.full((len(tok),), float("-inf"), dtype=torch.float64)
+    mask[allowed] = 0.0
+
+    def replayed(call, version: int) -> torch.Tensor:  # noqa: ANN001
+        ref.load(states[version])
+        with torch.no_grad():
+            logits = ref.model(torch.tensor([call.prompt_ids + call.reply.token_ids])).logits[0].double()
+        rows = logits[len(call.prompt_ids) - 1:-1] + mask
+        return torch.log_softmax(rows, -1).gather(-1, torch.tensor(call.reply.token_ids)[:, None])[:, 0]
+    for k, call in enumerate(calls):
+        got = torch.tensor(call.reply.logprobs, dtype=torch.float64)
+        torch.testing.assert_close(got, replayed(call, versions[k]), atol=1e-4, rtol=0)
+        other = versions[k - 1] if k else versions[1]
+        assert (got - replayed(call, other)).abs().max() > 1e-3, k

@@ -122,20 +122,27 @@ class ServerTurns:
         choices = sorted(payload.get("choices") or [], key=lambda c: c["index"])
         if len(choices) != n:
             raise ValueError(f"{len(choices)} choices for n={n}")
-        return [self._tagged(c) for c in choices]
+        return [tagged_choice(c) for c in choices]
 
-    def _tagged(self, choice: Mapping[str, Any]) -> TaggedCompletion:
-        if choice.get("finish_reason") == "abort":
-            raise ValueError("the server aborted the request")
-        tokens = list(choice.get("token_ids") or [])
-        content = (choice.get("logprobs") or {}).get("content") or []
-        if len(content) != len(tokens):
-            raise ValueError(f"{len(tokens)} tokens but {len(content)} log-probs")
-        spans = [SimpleNamespace(version=str(s["version"]), start=int(s["start"]), end=int(s["end"]))
-                 for s in choice.get("weight_versions") or []]
-        try:
-            versions, labels = tags_and_labels(spans, len(tokens))
-        except VersionTagError as e:
-            raise ValueError(f"version spans: {e} (is the server an in-flight engine's?)") from None
-        return TaggedCompletion(tokens, [float(c["logprob"]) for c in content], versions, choice.get("finish_reason"),
-                                choice["text"], labels)
+
+
+def tagged_choice(choice: Mapping[str, Any]) -> TaggedCompletion:
+    """One choice of an in-flight engine's server (``/inference/v1/generate``, or the OpenAI
+    endpoints with ``return_token_ids`` and ``logprobs``) as a ``TaggedCompletion``: its token
+    ids, the sampled tokens' log-probs and the tags of its ``weight_versions`` spans.
+    ValueError where they disagree or the server aborted it."""
+    if choice.get("finish_reason") == "abort":
+        raise ValueError("the server aborted the request")
+    tokens = list(choice.get("token_ids") or [])
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if len(content) != len(tokens):
+        raise ValueError(f"{len(tokens)} tokens but {len(content)} log-probs")
+    spans = [SimpleNamespace(version=str(s["version"]), start=int(s["start"]), end=int(s["end"]))
+             for s in choice.get("weight_versions") or []]
+    try:
+        versions, labels = tags_and_labels(spans, len(tokens))
+    except VersionTagError as e:
+        raise ValueError(f"version spans: {e} (is the server an in-flight engine's?)") from None
+    text = choice["text"] if "text" in choice else (choice.get("message") or {}).get("content") or ""
+    return TaggedCompletion(tokens, [float(c["logprob"]) for c in content], versions, choice.get("finish_reason"),
+                            text, labels)

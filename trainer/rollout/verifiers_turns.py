@@ -44,6 +44,7 @@ from verifiers.v1.errors import ProviderError
 
 from inflight.trainer.rollout.scoring_worker import Scored
 from inflight.trainer.tasks.base import EpisodeView, Prompt, Turn
+from inflight.trainer.tasks.episode import RetokenizationDrift, drift_position
 
 log = logging.getLogger("inflight.rollout")
 
@@ -70,10 +71,6 @@ def route_model_calls() -> None:
 
     resolve_client.inflight_route = True  # type: ignore[attr-defined]
     server.resolve_client = resolve_client
-
-
-class RetokenizationDrift(ValueError):
-    """A turn's prompt ids do not begin with the episode's token ids so far."""
 
 
 @dataclass
@@ -272,9 +269,7 @@ class VerifiersTurns:
         if episode.spent:  # a 4xx: the harness stops, the rubric scores what there is
             raise ProviderError("the episode's turns or tokens are spent (task.episode)", status_code=400)
         context = episode.context or []
-        if prompt_ids[:len(context)] != context:
-            at = next((i for i, (a, b) in enumerate(zip(prompt_ids, context, strict=False)) if a != b),
-                      min(len(prompt_ids), len(context)))
+        if (at := drift_position(prompt_ids, context)) is not None:
             episode.failure = (f"verifiers environment {self.env_id!r}: re-tokenization drift at turn "
                                f"{episode.turn + 1}: its prompt ids differ from the episode's token ids at "
                                f"position {at} of {len(context)} (the renderer did not bridge from them)")

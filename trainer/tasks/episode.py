@@ -45,6 +45,19 @@ class EpisodeTask(Task):
 
 
 
+class RetokenizationDrift(ValueError):
+    """A turn's prompt ids do not begin with the episode's token ids so far."""
+
+
+def drift_position(prompt_ids: Sequence[int], context: Sequence[int]) -> int | None:
+    """Where ``prompt_ids`` first leaves ``context`` (the episode's prompt and every reply and
+    observation so far), or None where it begins with it exactly."""
+    if list(prompt_ids[:len(context)]) == list(context):
+        return None
+    return next((i for i, (a, b) in enumerate(zip(prompt_ids, context, strict=False)) if a != b),
+                min(len(prompt_ids), len(context)))
+
+
 def check_turn(out: Any, *, last: bool) -> Turn:
     """``out`` as a ``Turn``; ValueError naming what is wrong otherwise (a turn that must end
     and does not is wrong)."""
