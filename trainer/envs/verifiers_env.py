@@ -10,6 +10,7 @@ is a turn that the engine samples, tagged with versions.
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any, ClassVar
 
@@ -25,6 +26,38 @@ def env_config(cfg: Any) -> dict[str, Any]:
     return {"taskset": {"id": plugin_id(cfg.task.env_id), **cfg.task.verifiers.taskset},
             "agent": {"harness": {"id": plugin_id(HARNESS)}, "runtime": {"type": "subprocess"},
                       "max_turns": cfg.task.episode.max_turns}}
+
+
+_LOADED: dict[str, Any] = {}
+"""Environments loaded for their rows and not yet taken by a harness, by config."""
+
+
+def load_environment(cfg: Any) -> Any:
+    """The environment of ``cfg``, kept for ``take_environment``; ValueError naming
+    ``task.env_id`` where verifiers cannot load it."""
+    import verifiers.v1 as vf
+
+    try:
+        env = vf.load_environment(vf.resolve_env_config(env_config(cfg)))
+    except Exception as e:  # an import error, a bad taskset config: named, with the id
+        raise ValueError(f"task.env_id={cfg.task.env_id!r}: verifiers cannot load it ({type(e).__name__}: {e})") \
+            from e
+    _LOADED[_key(cfg)] = env
+    return env
+
+
+def take_environment(cfg: Any) -> Any:
+    """The environment ``load_environment`` loaded for ``cfg`` in this process (the engine
+    process's task drew its rows from it), or a new one; each is served by one harness."""
+    env = _LOADED.pop(_key(cfg), None)
+    if env is None:
+        load_environment(cfg)
+        env = _LOADED.pop(_key(cfg))
+    return env
+
+
+def _key(cfg: Any) -> str:
+    return json.dumps(env_config(cfg), sort_keys=True, default=repr)
 
 
 def plugin_id(module: str) -> str:
@@ -61,14 +94,8 @@ class VerifiersTask(EpisodeTask):
     renders_prompt: ClassVar[bool] = True
 
     def __init__(self, cfg: Any) -> None:
-        import verifiers.v1 as vf
-
         self.env_id = cfg.task.env_id
-        try:
-            env = vf.load_environment(vf.resolve_env_config(env_config(cfg)))
-        except Exception as e:  # an import error, a bad taskset config: named, with the id
-            raise ValueError(f"task.env_id={self.env_id!r}: verifiers cannot load it ({type(e).__name__}: {e})") \
-                from e
+        env = load_environment(cfg)
         self.prompts = [Prompt(_text(t.data), meta={"row": i}) for i, t in enumerate(env.taskset)]
         if not self.prompts:
             raise ValueError(f"task.env_id={self.env_id!r}: its taskset has no rows")

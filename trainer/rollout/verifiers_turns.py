@@ -101,12 +101,12 @@ class VerifiersTurns:
     resumable = False
 
     def __init__(self, cfg: Any, tokenizer: Any, engine_id: str) -> None:
-        from inflight.trainer.envs.verifiers_env import env_config, make_renderer
+        from inflight.trainer.envs.verifiers_env import make_renderer, take_environment
 
         route_model_calls()
         self._pythonpath = _share_sys_path()
         self.env_id, self.timeout_s = cfg.task.env_id, cfg.task.scoring.timeout_s
-        self.env = vf.load_environment(vf.resolve_env_config(env_config(cfg)))
+        self.env = take_environment(cfg)
         self.tasks = list(self.env.taskset)
         v = cfg.task.verifiers
         self.renderer = make_renderer(tokenizer, v.renderer, v.renderer_options)
