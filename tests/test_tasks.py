@@ -442,3 +442,26 @@ def test_a_reasoning_gym_option_its_dataset_refuses_stops_the_build(tiny_tok) ->
     with pytest.raises(ValueError, match=r"system_prompt='socratic' is not one of \['DeepSeekZero', "):
         build_task(config_from_dict({"task": {"name": "reasoning_gym", "reasoning_gym": {"system_prompt": "socratic"}}}),
                    tokenizer=None)
+
+
+def test_the_documented_learning_runs_are_the_committed_ones() -> None:
+    """Each SmolLM2 learning run that docs/training.md quotes is a line of
+    ``bench/results/learning.jsonl`` (its per-step series), and the quote is that line's."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "training.md").read_text()
+    runs = [json.loads(line) for line in (root / "bench" / "results" / "learning.jsonl").read_text().splitlines()]
+    quoted = 0
+    for run in runs:
+        evals = run["evals"]
+        line = (f"{run['run']}: sampled reward, first 20% of steps {run['reward_first_20pct']:.3f} -> last 20% "
+                f"{run['reward_last_20pct']:.3f}")
+        if evals:
+            line += (f"; greedy accuracy on {evals[0]['prompts']} held-out prompts "
+                     + " / ".join(f"{e['accuracy']:.3f}" for e in evals) + " at steps "
+                     + " / ".join(str(e["step"]) for e in evals))
+        assert len(run["steps"]) >= 10 and run["start"] < run["end"], run["run"]
+        quoted += line in doc
+    assert quoted == len(runs), f"{len(runs) - quoted} of the committed runs are not quoted as recorded"
