@@ -35,14 +35,7 @@ _LOADED: dict[str, Any] = {}
 def load_environment(cfg: Any) -> Any:
     """The environment of ``cfg``, kept for ``take_environment``; ValueError naming
     ``task.env_id`` where verifiers cannot load it."""
-    import verifiers.v1 as vf
-
-    try:
-        env = vf.load_environment(vf.resolve_env_config(env_config(cfg)))
-    except Exception as e:  # an import error, a bad taskset config: named, with the id
-        raise ValueError(f"task.env_id={cfg.task.env_id!r}: verifiers cannot load it ({type(e).__name__}: {e})") \
-            from e
-    _LOADED[_key(cfg)] = env
+    env = _LOADED[_key(cfg)] = _load(cfg)
     return env
 
 
@@ -50,10 +43,17 @@ def take_environment(cfg: Any) -> Any:
     """The environment ``load_environment`` loaded for ``cfg`` in this process (the engine
     process's task drew its rows from it), or a new one; each is served by one harness."""
     env = _LOADED.pop(_key(cfg), None)
-    if env is None:
-        load_environment(cfg)
-        env = _LOADED.pop(_key(cfg))
-    return env
+    return env if env is not None else _load(cfg)
+
+
+def _load(cfg: Any) -> Any:
+    import verifiers.v1 as vf
+
+    try:
+        return vf.load_environment(vf.resolve_env_config(env_config(cfg)))
+    except Exception as e:  # an import error, a bad taskset config: named, with the id
+        raise ValueError(f"task.env_id={cfg.task.env_id!r}: verifiers cannot load it ({type(e).__name__}: {e})") \
+            from e
 
 
 def _key(cfg: Any) -> str:

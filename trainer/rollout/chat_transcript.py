@@ -130,14 +130,15 @@ class ChatTranscript:
         return httpx.Response(400, json={"error": {"message": why, "type": "BadRequestError", "code": 400}})
 
 
-def _request_body(request: httpx.Request) -> dict[str, Any] | None:
-    """The JSON body of a chat completion request, or None for any other request."""
+def _outgoing(transcript: ChatTranscript, request: httpx.Request) -> httpx.Request | httpx.Response | None:
+    """What a transport sends for ``request``: None (not a chat completion: as it is), the
+    chat request as ``ChatTranscript.outgoing`` rewrites it, or the transcript's refusal."""
     if request.method != "POST" or not request.url.path.endswith(CHAT_PATH):
         return None
-    return json.loads(request.content or b"{}")
-
-
-def _rebuilt(request: httpx.Request, body: dict[str, Any]) -> httpx.Request:
+    try:
+        body = transcript.outgoing(json.loads(request.content or b"{}"))
+    except ValueError as e:
+        return transcript.refused(f"{transcript.name}: {e}")
     headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
     return httpx.Request(request.method, request.url, headers=headers, json=body, extensions=request.extensions)
 
@@ -147,14 +148,12 @@ class _Recording(httpx.BaseTransport):
         self.transcript, self.inner = transcript, inner
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        body = _request_body(request)
-        if body is None:
+        outgoing = _outgoing(self.transcript, request)
+        if isinstance(outgoing, httpx.Response):
+            return outgoing
+        if outgoing is None:
             return self.inner.handle_request(request)
-        try:
-            request = _rebuilt(request, self.transcript.outgoing(body))
-        except ValueError as e:
-            return self.transcript.refused(f"{self.transcript.name}: {e}")
-        response = self.inner.handle_request(request)
+        response = self.inner.handle_request(outgoing)
         response.read()
         return _recorded(self.transcript, response)
 
@@ -167,14 +166,12 @@ class _AsyncRecording(httpx.AsyncBaseTransport):
         self.transcript, self.inner = transcript, inner
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        body = _request_body(request)
-        if body is None:
+        outgoing = _outgoing(self.transcript, request)
+        if isinstance(outgoing, httpx.Response):
+            return outgoing
+        if outgoing is None:
             return await self.inner.handle_async_request(request)
-        try:
-            request = _rebuilt(request, self.transcript.outgoing(body))
-        except ValueError as e:
-            return self.transcript.refused(f"{self.transcript.name}: {e}")
-        response = await self.inner.handle_async_request(request)
+        response = await self.inner.handle_async_request(outgoing)
         await response.aread()
         return _recorded(self.transcript, response)
 

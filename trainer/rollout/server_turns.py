@@ -125,7 +125,6 @@ class ServerTurns:
         return [tagged_choice(c) for c in choices]
 
 
-
 def tagged_choice(choice: Mapping[str, Any]) -> TaggedCompletion:
     """One choice of an in-flight engine's server (``/inference/v1/generate``, or the OpenAI
     endpoints with ``return_token_ids`` and ``logprobs``) as a ``TaggedCompletion``: its token
