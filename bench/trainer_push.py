@@ -2,6 +2,7 @@
 and its optimizer step's time (the step waits only until the push has read the parameters).
 
     python -m inflight.bench.trainer_push [--model smollm2|DIR] [--bucket-mb 16] [--pushes 3] [--steps 3]
+    python -m inflight.bench.trainer_push --nproc 2: the trainer on 2 ranks (``inflight.bench.trainer_ranks``)
 
 The trainer (a transformers model, fp32, in a child process so its memory is its own) pushes
 to one receiving worker (``inflight.transport.peer``, another process).
@@ -173,7 +174,12 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=16.0)
     ap.add_argument("--pushes", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per timing mode (0: memory only)")
+    ap.add_argument("--nproc", type=int, default=1, help="N > 1: the trainer on N ranks (inflight.bench.trainer_ranks)")
     args = ap.parse_args()
+    if args.nproc > 1:
+        from inflight.bench.trainer_ranks import main as on_ranks
+
+        return on_ranks(["--model", args.model, "--nproc", str(args.nproc), "--steps", str(max(args.steps, 1))])
     from inflight.trainer.models import resolve_model
 
     load = os.getloadavg()[0]

@@ -6,6 +6,7 @@ channel's types. No pickle on the wire. Channels:
 - frames (trainer -> workers, in-band on the data plane): ``BucketHeader`` + bytes, or one ``Abort``
 - replies (each worker -> trainer, on the store): ``Accepted`` | ``Staged`` | ``Rejected`` | ``Committed``
 - rollouts (engine -> trainer, the rollout queue): ``RolloutGroup`` of ``RolloutSample``; ``EngineReport``
+- trainer ranks (rank 0 <-> the others, ``inflight.trainer.ranks``): ``TrainerSetup`` | ``TrainerOrder`` | ``TrainerSave`` | ``TrainerStop``; ``TrainerPart``
 (inside one engine, its workers and its commit coordinator talk on the engine channel:
 ``inflight.engine.coordinator``)
 
@@ -450,6 +451,57 @@ class Roster(Wire, tag="roster"):
     """Every member sent a shard plan: frames go to each worker alone, each its own bytes."""
 
 
+class TrainerSetup(Wire, tag="trainer_setup"):
+    """Trainer rank 0 -> every other rank, once: where the policy the ranks shard is, so each
+    loads the same weights (``inflight.trainer.ranks``)."""
+
+    model_dir: Annotated[str, Meta(min_length=1)]
+    reference_dir: str = ""
+    """``loss.kl_coef``'s reference model ("": ``model_dir``)."""
+    resume: bool = False
+    """Every rank loads its share of the optimizer state from ``model_dir``'s checkpoint."""
+
+
+class TrainerOrder(Wire, tag="trainer_order"):
+    """Rank 0 -> rank r, once per optimizer step: r's whole groups of the batch, and what the
+    step needs of the rest of it."""
+
+    step: Annotated[int, Meta(ge=0)]
+    """The optimizer step (0 for the first)."""
+    version: int
+    """The trainer's version the loss scores against."""
+    groups: tuple[RolloutGroup, ...]
+    n_tokens: Annotated[float, Meta(gt=0)]
+    """The whole batch's real completion tokens: every rank's loss divides by it."""
+    passes: Annotated[int, Meta(ge=1)] = 1
+    """Forward and backward passes (micro-batches): the same on every rank, whose FSDP
+    collectives pair up pass by pass."""
+
+
+class TrainerSave(Wire, tag="trainer_save"):
+    """Rank 0 -> every other rank: write your share of the optimizer state into ``path`` (one
+    ``torch.distributed.checkpoint``, written by all ranks at once)."""
+
+    path: Annotated[str, Meta(min_length=1)]
+
+
+class TrainerStop(Wire, tag="trainer_stop"):
+    """Rank 0 -> every other rank: the run is over (``reason`` says why); leave."""
+
+    reason: str = ""
+
+
+class TrainerPart(Wire, tag="trainer_part"):
+    """Rank r -> rank 0, once per step: r's rows of the batch's log-probs, entropies and
+    reference log-probs, float32 bytes (rows x cols), for the whole batch's metrics."""
+
+    rows: Annotated[int, Meta(ge=0)]
+    cols: Annotated[int, Meta(ge=0)]
+    logp: bytes
+    entropy: bytes
+    ref: bytes = b""
+
+
 ControlMessage = Union[UpdateAnnounce, ForEachRank, Commit, Abort, Shutdown, Roster]
 FrameMessage = Union[BucketHeader, Abort]
 ReplyMessage = Union[Joined, Accepted, Staged, Rejected, Committed, Left]
@@ -479,3 +531,6 @@ decode_reply: Callable[[bytes | memoryview], ReplyMessage] = decoder(ReplyMessag
 decode_sample: Callable[[bytes | memoryview], RolloutSample] = decoder(RolloutSample, "rollout sample")
 decode_group: Callable[[bytes | memoryview], RolloutGroup] = decoder(RolloutGroup, "rollout group")
 decode_report: Callable[[bytes | memoryview], EngineReport] = decoder(EngineReport, "engine report")
+decode_trainer: Callable[[bytes | memoryview], TrainerSetup | TrainerOrder | TrainerSave | TrainerStop] = decoder(
+    Union[TrainerSetup, TrainerOrder, TrainerSave, TrainerStop], "trainer order")
+decode_trainer_part: Callable[[bytes | memoryview], TrainerPart] = decoder(TrainerPart, "trainer part")

@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from inflight.protocol import decode_group
+from inflight.protocol import RolloutGroup, RolloutSample, decode_group
 from inflight.transport.group import WeightGroup
 from inflight.transport.group_config import GroupConfig
 from inflight.transport.layout import TensorSchema
@@ -297,3 +297,23 @@ def form_pair(port: int, timeout_s: float = 10.0,
     worker = WeightGroup(config, 1, join_timeout_s=60.0, stop=stop)
     t.join(60)
     return trainers[0], worker
+
+
+def random_groups(g: torch.Generator, n_groups: int, size: int) -> list[RolloutGroup]:
+    """Groups of awkward lengths: prompts of 2-9 tokens, completions of 1-12, some tokens the
+    environment's (observation), tags of versions 0-2, random behaviour log-probs and rewards."""
+    groups = []
+    for gi in range(n_groups):
+        samples = []
+        for si in range(size):
+            p, t = int(torch.randint(2, 10, (1,), generator=g)), int(torch.randint(1, 13, (1,), generator=g))
+            obs = [bool(x) for x in (torch.rand(t, generator=g) < 0.25).tolist()]
+            obs[0] = False
+            samples.append(RolloutSample(
+                sample_id=f"g{gi}-{si}", group_id=f"g{gi}", prompt_ids=torch.randint(3, 250, (p,), generator=g).tolist(),
+                token_ids=torch.randint(3, 250, (t,), generator=g).tolist(),
+                logprobs=[0.0 if o else float(x) for o, x in zip(obs, -torch.rand(t, generator=g) * 4)],
+                versions=sorted(torch.randint(0, 3, (t,), generator=g).tolist()),
+                reward=float(torch.rand(1, generator=g)), observation=obs))
+        groups.append(RolloutGroup(group_id=f"g{gi}", samples=tuple(samples)))
+    return groups

@@ -11,6 +11,7 @@ from inflight.protocol import RolloutGroup, RolloutSample, Sampling
 from inflight.kernels.tis_loss import tis_loss
 from inflight.trainer.loss_config import LossConfig, ObjectiveConfig
 from inflight.trainer.loss import Batch, collate, compute_loss, grpo_advantages, policy_logprobs
+from tests.helpers import random_groups
 
 
 def test_grpo_advantages_by_hand() -> None:
@@ -155,26 +156,6 @@ def test_left_padding_does_not_change_the_policy(tiny_qwen) -> None:
             torch.testing.assert_close(logp[i, : len(s.token_ids)], alone, atol=2e-6, rtol=0)
 
 
-def _random_groups(g: torch.Generator, n_groups: int, size: int) -> list[RolloutGroup]:
-    """Groups of awkward lengths: prompts of 2-9 tokens, completions of 1-12, some tokens the
-    environment's (observation), tags of versions 0-2, random behaviour log-probs and rewards."""
-    groups = []
-    for gi in range(n_groups):
-        samples = []
-        for si in range(size):
-            p, t = int(torch.randint(2, 10, (1,), generator=g)), int(torch.randint(1, 13, (1,), generator=g))
-            obs = [bool(x) for x in (torch.rand(t, generator=g) < 0.25).tolist()]
-            obs[0] = False
-            samples.append(RolloutSample(
-                sample_id=f"g{gi}-{si}", group_id=f"g{gi}", prompt_ids=torch.randint(3, 250, (p,), generator=g).tolist(),
-                token_ids=torch.randint(3, 250, (t,), generator=g).tolist(),
-                logprobs=[0.0 if o else float(x) for o, x in zip(obs, -torch.rand(t, generator=g) * 4)],
-                versions=sorted(torch.randint(0, 3, (t,), generator=g).tolist()),
-                reward=float(torch.rand(1, generator=g)), observation=obs))
-        groups.append(RolloutGroup(group_id=f"g{gi}", samples=tuple(samples)))
-    return groups
-
-
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_micro_batches_accumulate_the_one_batch_gradient(tiny_llama, level: str) -> None:
     """``optim.micro_batches = 4`` (splitting GRPO groups, each micro-batch trimmed to its own
@@ -192,7 +173,7 @@ def test_micro_batches_accumulate_the_one_batch_gradient(tiny_llama, level: str)
                             "loss": {"entropy_coef": 0.01, "level": level, "max_lag": 1}})
     try:
         policy = Policy(cfg, Path(tiny_llama), None)
-        groups = _random_groups(torch.Generator().manual_seed(3), 3, 5)
+        groups = random_groups(torch.Generator().manual_seed(3), 3, 5)
         runs = []
         for n in (1, 4):
             policy.cfg = replace(cfg, optim=replace(cfg.optim, micro_batches=n))
@@ -236,7 +217,7 @@ def test_the_kl_penalty_against_a_direct_computation(tiny_llama, micro: int) -> 
         with torch.no_grad():  # the policy has moved away from its first weights
             for p in policy.unwrapped.parameters():
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
-        groups = _random_groups(torch.Generator().manual_seed(5), 3, 5)
+        groups = random_groups(torch.Generator().manual_seed(5), 3, 5)
         loss, metrics, _ = policy.accumulate(groups, version=2)
         got = {k: p.grad.clone() for k, p in policy.unwrapped.named_parameters()}
         policy.optimizer.zero_grad(set_to_none=True)

@@ -38,7 +38,7 @@ def test_training_run_end_to_end(tmp_path) -> None:
     assert any(int(lag) > 0 for r in rows for lag in r["lag_hist"])
     state = json.loads((out / "checkpoint" / "state.json").read_text())
     assert state["step"] == 6 and state["version"] == 6
-    for name in ("model.safetensors", "optimizer.pt", "pending.msgpack", "tokenizer.json"):
+    for name in ("model.safetensors", "optimizer/.metadata", "pending.msgpack", "tokenizer.json"):
         assert (out / "checkpoint" / name).exists(), name
     assert (out / "training.png").stat().st_size > 10_000
     assert json.loads((out / "summary.json").read_text()) == summary

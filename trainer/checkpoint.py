@@ -4,7 +4,8 @@
 - the model (``save_pretrained``: safetensors + config + tokenizer; in a LoRA run, the adapter: PEFT's
   ``adapter_config.json`` and ``adapter_model.safetensors``), which is also what a
   restarted engine loads, so engine and trainer resume on the same weights;
-- ``optimizer.pt``: the optimizer's state dict (a local file, not the wire);
+- ``optimizer/``: the optimizer's state as a ``torch.distributed.checkpoint``, each trainer rank
+  writing its shard, readable by any number of ranks (``save_optimizer``, ``load_optimizer``);
 - ``state.json``: step, policy version, python/torch/CUDA RNG states, rollout-buffer counters;
 - ``pending.msgpack``: rollout groups admitted but not yet trained on, as wire bytes.
 
@@ -23,6 +24,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,14 +90,42 @@ def recover(path: Path) -> bool:
     return False
 
 
-def save_checkpoint(path: Path, model, tokenizer, optimizer: torch.optim.Optimizer, state: TrainerState) -> None:
+def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """The optimizer's state in ``path``, a ``torch.distributed.checkpoint``: called by every
+    trainer rank at once (each writes its shard), or by the one process of a run without ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(path))
+
+
+def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
+    """The optimizer state of ``checkpoint`` (``save_optimizer``'s, written by any number of
+    ranks) into ``optimizer``, resharded to this run's ranks; an older checkpoint's
+    ``optimizer.pt`` is read as it was written, by one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / "optimizer").is_dir() and (checkpoint / "optimizer.pt").exists():
+        optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
+        return
+    state = get_optimizer_state_dict(model, optimizer)
+    dcp.load({"optimizer": state}, checkpoint_id=str(checkpoint / "optimizer"))
+    set_optimizer_state_dict(model, optimizer, state)
+
+
+def save_checkpoint(path: Path, model, tokenizer, write_optimizer: Callable[[Path], None], state: TrainerState) -> None:
+    """``model`` (a Hugging Face model, or a PEFT adapter) and ``tokenizer`` saved, the optimizer
+    written by ``write_optimizer(directory)`` (``save_optimizer``, on every rank), then ``state``:
+    the whole swapped into ``path`` at once."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(str(tmp), safe_serialization=True)
     tokenizer.save_pretrained(str(tmp))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    write_optimizer(tmp / "optimizer")
     (tmp / "state.json").write_text(json.dumps({
         "step": state.step,
         "version": state.version,

@@ -17,15 +17,16 @@ from typing import Any
 
 import torch
 
-from inflight.protocol import RolloutGroup, Sampling
+from inflight.protocol import RolloutGroup, Sampling, TrainerOrder, TrainerPart, TrainerSave, TrainerSetup, decode_trainer_part
 from inflight.rollout_queue import RolloutBuffer
 from inflight.transport.sources import named_weights
 from inflight.trainer.adapter import adapter_weights, load_trainable
-from inflight.trainer.checkpoint import TrainerState, restore_rng, save_checkpoint
+from inflight.trainer.checkpoint import TrainerState, load_optimizer, restore_rng, save_checkpoint, save_optimizer
 from inflight.trainer.config import TrainConfig
 from inflight.trainer.loss import Batch, collate, compute_loss, micro_batches, policy_logprobs
 from inflight.trainer.metrics import ess_warning
 from inflight.trainer.optim import learning_rate
+from inflight.trainer.ranks import GatheredWeights, TrainerRanks, decode_floats
 from inflight.trainer.routing_replay import RoutingReplay, collate_routing
 from inflight.trainer.tasks.tool_calls import use_chat_template
 
@@ -43,19 +44,28 @@ class StepResult:
 
 
 class Policy:
-    """The policy under training (accelerate), its optimizer and tokenizer."""
+    """The policy under training, its optimizer and tokenizer; with ``ranks``, one rank's shard
+    of them (``inflight.trainer.ranks``: rank 0 orders each step, the others ``follow``)."""
 
     def __init__(self, cfg: TrainConfig, model_dir: Path, resumed: TrainerState | None,
-                 adapter_dir: Path | None = None, reference_dir: Path | None = None) -> None:
+                 adapter_dir: Path | None = None, reference_dir: Path | None = None, *,
+                 ranks: TrainerRanks | None = None, resume: bool | None = None) -> None:
         """``reference_dir``: the run's first weights, ``loss.kl_coef``'s reference (default
-        ``model_dir``; a LoRA run's reference is its base with the adapter off)."""
-        from accelerate import Accelerator
+        ``model_dir``; a LoRA run's reference is its base with the adapter off). ``resume``: load
+        the optimizer from ``model_dir``'s checkpoint (default: whether ``resumed`` is given)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.cfg = cfg
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
-        if self.accelerator.device.type == "cpu":
+        self.cfg, self.ranks, self.model_dir = cfg, ranks, model_dir
+        self.device = ranks.device if ranks else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cpu":
             torch.set_num_threads(1)  # leave the other core(s) to the engine
+        resume = resumed is not None if resume is None else resume
+        if ranks is not None:
+            _check_ranks(cfg, ranks, adapter_dir)
+            if ranks.rank == 0:
+                for r in range(1, ranks.world):
+                    ranks.send(TrainerSetup(model_dir=str(model_dir), resume=resume,
+                                            reference_dir=str(reference_dir or "")), r)
         self.tokenizer = use_chat_template(AutoTokenizer.from_pretrained(str(model_dir)), cfg.task.chat_template)
         self.lora = adapter_dir is not None
         if adapter_dir is not None:  # only the adapter trains; its directory is also the checkpoint's
@@ -63,18 +73,27 @@ class Policy:
         else:
             model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)  # fp32 master weights
             state_dir = model_dir
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
-                                      betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
-        if resumed is not None:
-            optimizer.load_state_dict(torch.load(state_dir / "optimizer.pt", weights_only=True))
-            restore_rng(resumed)
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
-        self.replay = RoutingReplay(self.unwrapped, enabled=cfg.loss.routing_replay)
-        self.flat_steps = 0  # steps in a row whose every group's samples scored alike (zero advantages)
+        self.model = model.to(self.device)
         self.reference = None  # loss.kl_coef's frozen reference model (a LoRA run's: the base, adapter off)
         if cfg.loss.kl_coef and not self.lora:
             self.reference = AutoModelForCausalLM.from_pretrained(str(reference_dir or model_dir), dtype=torch.float32)
-            self.reference.to(self.accelerator.device).eval().requires_grad_(False)
+            self.reference.to(self.device).eval().requires_grad_(False)
+        self.gathered: GatheredWeights | None = None
+        if ranks is not None:
+            ranks.shard(self.model)
+            if self.reference is not None:
+                ranks.shard(self.reference)
+            self.gathered = GatheredWeights(ranks, named_weights(self.model))
+            self.gathered.gather(0)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.optim.lr,
+                                           betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
+        if resume:
+            load_optimizer(self.model, self.optimizer, state_dir)
+        if resumed is not None:
+            restore_rng(resumed)
+        self.replay = RoutingReplay(self.model, enabled=cfg.loss.routing_replay)
+        self.flat_steps = 0  # steps in a row whose every group's samples scored alike (zero advantages)
+        self._eval_model: torch.nn.Module | None = None
 
     @torch.no_grad()
     def reference_logprobs(self, batch: Batch) -> torch.Tensor | None:
@@ -90,19 +109,44 @@ class Policy:
 
     @property
     def unwrapped(self) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(self.model)
+        """The model, for a caller that runs it alone: with ranks, an unsharded copy on rank 0
+        (``model_for_eval``)."""
+        return self.model if self.ranks is None else self.model_for_eval()
+
+    def model_for_eval(self) -> torch.nn.Module:
+        """Rank 0's unsharded model with the weights of the last step (built once, then loaded
+        from ``GatheredWeights``' copy): what evaluations run and the checkpoint saves."""
+        if self.gathered is None:
+            return self.model
+        if self._eval_model is None:
+            from transformers import AutoModelForCausalLM
+
+            self._eval_model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+            self._eval_model.to(self.device).eval().requires_grad_(False)
+        with torch.no_grad():
+            own = named_weights(self._eval_model)
+            for name, t in self.gathered.copy.items():
+                own[name].copy_(t)
+        return self._eval_model
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The tensors a push sends, by checkpoint name (``named_weights``); in a LoRA run the
-        adapter's, by the names PEFT saves (``inflight.trainer.adapter``)."""
-        return adapter_weights(self.unwrapped) if self.lora else named_weights(self.unwrapped)
+        adapter's, by the names PEFT saves (``inflight.trainer.adapter``); with ranks, rank 0's
+        host copy of the last step's (``GatheredWeights``)."""
+        if self.gathered is not None:
+            return self.gathered.copy
+        return adapter_weights(self.model) if self.lora else named_weights(self.model)
 
     def step(self, groups: list[RolloutGroup], version: int, step: int, *,
              before_write: Callable[[], object] = lambda: None) -> StepResult:
         """One optimizer step on ``groups``, scored against the trainer's ``version``.
-        ``before_write`` runs right before the optimizer writes the parameters: a push in
-        flight reads them until then (``WeightPusher.wait_reads``)."""
-        loss, metrics, batch = self.accumulate(groups, version)
+        ``before_write`` runs right before the weights a push reads are written: the
+        parameters (a push in flight reads them until then: ``WeightPusher.wait_reads``), or
+        with ranks rank 0's gathered copy."""
+        if self.ranks is None:
+            loss, metrics, batch = self.accumulate(groups, version)
+        else:
+            loss, metrics, batch = self._accumulate_on_ranks(groups, version, step)
         if (warning := ess_warning(metrics, self.cfg.loss.ess_warn)) is not None:
             log.warning("step %d: %s", step + 1, warning)
         metrics["groups_without_signal"] = flat = sum(len({s.reward for s in g.samples}) == 1 for g in groups)
@@ -112,16 +156,50 @@ class Policy:
             log.warning("step %d: every group's samples scored alike (rewards %s): %s (what the policy samples, and "
                         "its rewards: samples.jsonl)", step + 1, rewards, "no learning signal in this batch"
                         if self.flat_steps == 1 else f"still no learning signal, {self.flat_steps} steps in a row")
-        clip = self.cfg.optim.grad_clip
-        grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), clip)) if clip else 0.0
+        grad_norm = self._clip()
+        metrics["lr"] = self._set_lr(step)
+        if self.gathered is None:
+            before_write()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.gathered is not None:
+            before_write()
+            self.gathered.gather(step + 1)
+        return StepResult(loss, grad_norm, batch, metrics)
+
+    def follow(self, order: TrainerOrder) -> None:
+        """A following rank's part of rank 0's step ``order``: its groups' gradients, its rows'
+        log-probs sent to rank 0, the optimizer step on its shard, the gather."""
+        assert self.ranks is not None and self.gathered is not None
+        batch = collate(order.groups, self.tokenizer.pad_token_id, self.cfg.loss.normalize_std)
+        logp, entropy, ref = self._backward(batch, order.version, order.n_tokens, order.passes)
+        rows, cols = logp.shape
+        self.ranks.send(TrainerPart(rows=rows, cols=cols, logp=_raw(logp), entropy=_raw(entropy),
+                                    ref=b"" if ref is None else _raw(ref)), 0)
+        self._clip()
+        self._set_lr(order.step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.gathered.gather(order.step + 1)
+
+    def _set_lr(self, step: int) -> float:
         lr = learning_rate(self.cfg, step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        metrics["lr"] = lr
-        before_write()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss, grad_norm, batch, metrics)
+        return lr
+
+    def _clip(self) -> float:
+        """The gradients' global norm (over every rank's shard), then the gradients clipped to
+        ``optim.grad_clip`` (0: the norm is not computed, and 0 reported)."""
+        clip = self.cfg.optim.grad_clip
+        if not clip:
+            return 0.0
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if hasattr(norm, "full_tensor"):  # sharded gradients: the norm of the whole
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+        return float(norm)
 
     def accumulate(self, groups: list[RolloutGroup], version: int) -> tuple[float, dict[str, Any], Batch]:
         """The gradient of the step's loss on ``groups``, accumulated into the parameters'
@@ -131,42 +209,104 @@ class Policy:
         cfg = self.cfg
         batch = collate(groups, self.tokenizer.pad_token_id, cfg.loss.normalize_std)
         routing = collate_routing(groups, batch.input_ids, batch.completion_ids.shape[1]) if self.replay.enabled else None
-        parts = micro_batches(batch, min(cfg.optim.micro_batches, batch.input_ids.shape[0]))
-        device = self.accelerator.device
-        if len(parts) == 1:  # one pass: the loss and its metrics at once
-            batch = batch.to(device)
+        passes = min(cfg.optim.micro_batches, batch.input_ids.shape[0])
+        if passes == 1:  # one pass: the loss and its metrics at once
+            batch = batch.to(self.device)
             with self.replay.replaying(routing):
                 logp, entropy = policy_logprobs(self.model, batch, cfg.rollout.sampling())
             loss, metrics = compute_loss(logp, entropy, batch, version=version, cfg=cfg.loss,
                                          ref_logp=self.reference_logprobs(batch))
-            self.accelerator.backward(loss)
+            loss.backward()
             return float(loss.detach()), {**metrics, **self.replay.stats()}, batch
         n_tokens = float((batch.completion_mask > 0).sum().clamp(min=1))
+        logp_all, entropy_all, ref_all = self._backward(batch, version, n_tokens, passes, routing)
+        with torch.no_grad():  # the whole batch's loss and metrics, from the micro-batches' log-probs
+            loss, metrics = compute_loss(logp_all, entropy_all, batch, version=version, cfg=cfg.loss, ref_logp=ref_all)
+        return float(loss), {**metrics, **self.replay.stats()}, batch
+
+    def _backward(self, batch: Batch, version: int, n_tokens: float, passes: int, routing: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Backward of ``batch``'s share of a loss over ``n_tokens`` tokens, in ``passes``
+        micro-batches; the batch's (B, T) log-probs, entropies and reference log-probs, on the host."""
+        cfg = self.cfg
         logp_all, entropy_all = torch.zeros_like(batch.behaviour_logp), torch.zeros_like(batch.behaviour_logp)
         ref_all = torch.zeros_like(batch.behaviour_logp) if cfg.loss.kl_coef else None
-        for rows, micro in parts:
-            micro, t = micro.to(device), micro.completion_ids.shape[1]
+        width = batch.input_ids.shape[1] - batch.completion_ids.shape[1]
+        for rows, micro in micro_batches(batch, passes):
+            micro, t = micro.to(self.device), micro.completion_ids.shape[1]
             p = micro.input_ids.shape[1] - t  # the micro-batch's columns of the whole batch's routing
-            width = batch.input_ids.shape[1] - batch.completion_ids.shape[1]
             part_routing = None if routing is None else routing[rows, width - p: width + t]
             with self.replay.replaying(part_routing):
                 logp, entropy = policy_logprobs(self.model, micro, cfg.rollout.sampling())
             ref = self.reference_logprobs(micro)
             part, _ = compute_loss(logp, entropy, micro, version=version, cfg=cfg.loss, n_tokens=n_tokens,
                                    ref_logp=ref, with_metrics=False)
-            self.accelerator.backward(part)
+            part.backward()
             logp_all[rows, :t], entropy_all[rows, :t] = logp.detach().cpu(), entropy.detach().cpu()
             if ref_all is not None:
                 ref_all[rows, :t] = ref.cpu()
-        with torch.no_grad():  # the whole batch's loss and metrics, from the micro-batches' log-probs
+        return logp_all, entropy_all, ref_all
+
+    def _accumulate_on_ranks(self, groups: list[RolloutGroup], version: int, step: int
+                             ) -> tuple[float, dict[str, Any], Batch]:
+        """Rank 0's ``accumulate``: each rank its whole groups (``TrainerRanks.rows``), every
+        loss over the whole batch's tokens; the whole batch's loss and metrics from every
+        rank's log-probs."""
+        ranks, cfg = self.ranks, self.cfg
+        assert ranks is not None
+        batch = collate(groups, self.tokenizer.pad_token_id, cfg.loss.normalize_std)
+        n_tokens = float((batch.completion_mask > 0).sum().clamp(min=1))
+        parts = ranks.rows(groups)
+        passes = max(1, min(cfg.optim.micro_batches, *(sum(len(g.samples) for g in p) for p in parts)))
+        for r in range(1, ranks.world):
+            ranks.send(TrainerOrder(step=step, version=version, groups=tuple(parts[r]), n_tokens=n_tokens,
+                                    passes=passes), r)
+        mine = collate(parts[0], self.tokenizer.pad_token_id, cfg.loss.normalize_std)
+        shares = [self._backward(mine, version, n_tokens, passes)]
+        for r in range(1, ranks.world):
+            part = decode_trainer_part(ranks.receive_bytes(r))
+            shares.append((decode_floats(part.logp, part.rows, part.cols), decode_floats(part.entropy, part.rows, part.cols),
+                           decode_floats(part.ref, part.rows, part.cols) if part.ref else None))
+        logp_all, entropy_all = torch.zeros_like(batch.behaviour_logp), torch.zeros_like(batch.behaviour_logp)
+        ref_all = torch.zeros_like(batch.behaviour_logp) if cfg.loss.kl_coef else None
+        start = 0
+        for logp, entropy, ref in shares:
+            rows, t = slice(start, start + logp.shape[0]), logp.shape[1]
+            logp_all[rows, :t], entropy_all[rows, :t] = logp, entropy
+            if ref_all is not None and ref is not None:
+                ref_all[rows, :t] = ref
+            start = rows.stop
+        with torch.no_grad():
             loss, metrics = compute_loss(logp_all, entropy_all, batch, version=version, cfg=cfg.loss, ref_logp=ref_all)
-        return float(loss), {**metrics, **self.replay.stats()}, batch
+        return float(loss), metrics, batch
 
     def save(self, path: Path, step: int, version: int, buffer: RolloutBuffer,
              ledger: Callable[[], dict] | None = None) -> None:
         """A checkpoint: weights, optimizer, RNG, the rollout groups admitted but not yet trained
         on, and the trainer's side of the rollout ledger."""
         buffer.drain(version)  # queued groups live in this process's store: keep them with the checkpoint
-        save_checkpoint(path, self.unwrapped, self.tokenizer, self.optimizer, TrainerState(
+        save_checkpoint(path, self.unwrapped, self.tokenizer, self.write_optimizer, TrainerState(
             step=step, version=version, python_rng=random.getstate(), torch_rng=torch.get_rng_state(),
             buffer_stats=buffer.stats(), pending=list(buffer.pending), ledger=ledger() if ledger else {}))
+
+    def write_optimizer(self, directory: Path) -> None:
+        """The optimizer's state into ``directory``, every rank its shard (rank 0 tells the others)."""
+        if self.ranks is not None and self.ranks.rank == 0:
+            for r in range(1, self.ranks.world):
+                self.ranks.send(TrainerSave(path=str(directory)), r)
+        save_optimizer(self.model, self.optimizer, directory)
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.to(torch.float32).contiguous().numpy().tobytes()
+
+
+def _check_ranks(cfg: TrainConfig, ranks: TrainerRanks, adapter_dir: Path | None) -> None:
+    """What a run on several trainer ranks cannot do yet, refused by name before any model loads."""
+    if adapter_dir is not None:
+        raise ValueError(f"model.lora on {ranks.world} trainer ranks: a LoRA policy trains on one rank (drop --nproc)")
+    if cfg.loss.routing_replay:
+        raise ValueError(f"loss.routing_replay on {ranks.world} trainer ranks: routing replay runs on one rank")
+    if cfg.rollout.groups_per_step < ranks.world:
+        raise ValueError(f"rollout.groups_per_step={cfg.rollout.groups_per_step} on {ranks.world} trainer ranks: each rank "
+                         "trains on whole groups, so a batch needs at least one group per rank")

@@ -5,7 +5,8 @@
 One story, top to bottom:
 1. the policy on disk: a Hugging Face model, or a freshly built tiny one;
 2. the engine process (vLLM + the in-flight worker) starts decoding groups of samples;
-3. the trainer (accelerate) forms a torch.distributed weight group with each engine;
+3. the trainer (one process, or rank 0 of N: ``inflight.trainer.ranks``) forms a
+   torch.distributed weight group with each engine;
 4. each step: a batch of groups from the rollout queue (stale ones dropped), a per-token
    truncated-importance-weighted loss, an optimizer step, and an in-flight push of the new
    weights, which the engine commits between two decode steps while it keeps sampling;
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from inflight.protocol import ProtocolError, TrainerOrder, TrainerSave, TrainerSetup, TrainerStop
 from inflight.rollout_queue import RolloutBuffer, RolloutQueue
 from inflight.transport.store import reserve_port
 from inflight.trainer.checkpoint import TrainerState, load_state, recover
@@ -37,6 +39,7 @@ from inflight.trainer.trackers import check_trackers, open_trackers
 from inflight.trainer.models import resolve_model
 from inflight.trainer.tasks.tool_calls import use_chat_template
 from inflight.trainer.policy import Policy, StepResult
+from inflight.trainer.ranks import TrainerRanks, launch_ranks
 from inflight.trainer.tasks import build_task
 from inflight.trainer.tasks.base import Task, encode_prompt
 from inflight.trainer.tasks.evaluate import Evaluator
@@ -47,7 +50,7 @@ from inflight.trainer.weight_sync import TaskFailed, WeightSync
 log = logging.getLogger("inflight.train")
 
 
-def train(cfg: TrainConfig) -> dict:
+def train(cfg: TrainConfig, ranks: TrainerRanks | None = None) -> dict:  # ranks: this is rank 0 (follow_rank_0)
     quiet_libraries()  # one bar on the console, each warning once; the engines write to files in the run dir
     out, ckpt_dir = _run_dir(cfg)
 
@@ -60,7 +63,7 @@ def train(cfg: TrainConfig) -> dict:
     fleet.start(wait_for_version=version)
 
     # -- 3. the trainer, a weight group per engine on the store it hosts, the rollout queue there -----
-    policy = Policy(cfg, model_dir, resumed, adapter_dir,  # loss.kl_coef's reference: the run's first weights
+    policy = Policy(cfg, model_dir, resumed, adapter_dir, ranks=ranks,  # loss.kl_coef's reference: the first weights
                     reference_dir=_base_model(cfg, out) if resumed and cfg.loss.kl_coef else None)
     pusher = fleet.connect(group_config(cfg, port=port, backend=placement.backend), push_config(cfg))
     queue = RolloutQueue(pusher.sub_store("rollout"), cfg.rollout.queue_capacity,
@@ -246,20 +249,53 @@ def _versions_by_engine(groups: list) -> dict[str, list[int]]:
     return {e: sorted(vs) for e, vs in sorted(seen.items())}
 
 
+def follow_rank_0(cfg: TrainConfig, ranks: TrainerRanks) -> None:
+    """A trainer rank other than 0: load the policy rank 0 names, then take its orders (a step,
+    a checkpoint) until it says stop."""
+    setup = ranks.receive()
+    if isinstance(setup, TrainerStop):
+        return
+    if not isinstance(setup, TrainerSetup):
+        raise ProtocolError(f"trainer rank {ranks.rank}: expected the setup, got {type(setup).__name__}")
+    policy = Policy(cfg, Path(setup.model_dir), None, reference_dir=Path(setup.reference_dir) if setup.reference_dir
+                    else None, ranks=ranks, resume=setup.resume)
+    while not isinstance(order := ranks.receive(), TrainerStop):
+        if isinstance(order, TrainerSave):
+            policy.write_optimizer(Path(order.path))
+        elif isinstance(order, TrainerOrder):
+            policy.follow(order)
+        else:
+            raise ProtocolError(f"trainer rank {ranks.rank}: unexpected {type(order).__name__}")
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    """``inflight train`` (``prog``) and ``python -m inflight.trainer.train``: train, then print the summary."""
+    """``inflight train`` (``prog``) and ``python -m inflight.trainer.train``: train, then print
+    the summary. ``--nproc N`` runs N trainer ranks here (``launch_ranks``); under ``torchrun``
+    each process is one rank."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     add_config_arguments(ap)
+    ap.add_argument("--nproc", type=int, default=1, metavar="N",
+                    help="trainer ranks on this machine (FSDP2), launched by torch's elastic agent")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except (ValueError, OSError) as e:  # a usage error: the message names the bad key, value or file
         ap.error(str(e))
+    if args.nproc < 1:
+        ap.error(f"--nproc={args.nproc} must be >= 1")
+    if args.nproc > 1:
+        sys.exit(launch_ranks(args.nproc, [a for a in (argv if argv is not None else sys.argv[1:])], ap.prog))
     logging.basicConfig(level=logging.WARNING)
+    ranks = TrainerRanks.from_env()
     try:
-        summary = train(cfg)
+        if ranks is not None and ranks.rank != 0:
+            return follow_rank_0(cfg, ranks)
+        summary = train(cfg, ranks)
     except (EngineLost, SetupError, TaskFailed) as e:  # an engine's own error is above, in its log's last lines
         sys.exit(f"{ap.prog}: error: {e}")
+    finally:
+        if ranks is not None:
+            ranks.stop()
     report(cfg, summary)
     if summary["interrupted"]:
         print(f"{ap.prog}: stopped by Ctrl-C after step {summary['steps']} of {cfg.run.steps}; go on with "

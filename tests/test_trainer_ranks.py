@@ -1,0 +1,263 @@
+"""The trainer on two ranks (FSDP2 over gloo, fp32, CPU) takes the steps one process takes.
+
+Each parity case feeds the same rollout groups to a one-process ``Policy`` and to rank 0 of
+two (``TrainerRanks``, the other rank in ``follow_rank_0``, as ``inflight train --nproc 2``
+runs them): per step, the loss, the gradient norm and every tensor a push sends agree within
+1e-5. A checkpoint written by either resumes on the other: the optimizer state is a
+``torch.distributed.checkpoint`` resharded on load.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from inflight.protocol import RolloutGroup
+from inflight.transport.store import release_port, reserve_port
+from tests.helpers import random_groups
+
+STEPS = 5
+SETTINGS = {
+    "plain": {},
+    "micro_batches": {"optim": {"micro_batches": 3}},
+    "kl": {"loss": {"kl_coef": 0.05}},
+}
+
+
+def _groups(step: int) -> list[RolloutGroup]:
+    """Step ``step``'s batch: 4 groups of 3 (``random_groups``)."""
+    return random_groups(torch.Generator().manual_seed(100 + step), 4, 3)
+
+
+def _config(model_dir: str, setting: dict):
+    from inflight.trainer.config_files import config_from_dict
+
+    base = {"model": {"path": model_dir}, "rollout": {"group_size": 3, "groups_per_step": 4},
+            "loss": {"max_lag": 2}, "optim": {}}  # optim.lr: the default, 1e-3
+    for key, values in setting.items():
+        base[key] = {**base[key], **values}
+    return config_from_dict(base)
+
+
+def _steps(policy, first: int, last: int) -> list[dict]:
+    """Steps ``first`` .. ``last - 1``: each one's loss, gradient norm and pushed tensors."""
+    out = []
+    for step in range(first, last):
+        result = policy.step(_groups(step), version=2, step=step)
+        out.append({"loss": result.loss, "grad_norm": result.grad_norm,
+                    "weights": {k: v.clone() for k, v in policy.weights().items()}})
+    return out
+
+
+def _save(policy, path: Path, step: int) -> None:
+    from inflight.rollout_queue import RolloutBuffer, RolloutQueue
+    from torch.distributed import HashStore
+
+    policy.save(path, step, 2, RolloutBuffer(RolloutQueue(HashStore(), capacity=4), admit_lag=2))
+
+
+def _rank(rank: int, port: int, model_dir: str, setting: dict, plan: tuple, out: str) -> None:
+    """One of two trainer ranks: rank 0 runs ``plan`` = (resume from, first step, last step,
+    checkpoint to) and saves what it saw to ``out``; rank 1 follows."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from inflight.trainer.policy import Policy
+    from inflight.trainer.ranks import TrainerRanks
+    from inflight.trainer.train import follow_rank_0
+
+    cfg = _config(model_dir, setting)
+    ranks = TrainerRanks.from_env()
+    try:
+        if rank:
+            return follow_rank_0(cfg, ranks)
+        resume_from, first, last, save_to = plan
+        policy = Policy(cfg, Path(resume_from or model_dir), None, ranks=ranks, resume=resume_from is not None)
+        seen = _steps(policy, first, last)
+        if save_to:
+            _save(policy, Path(save_to), last)
+        torch.save(seen, out)
+    finally:
+        ranks.stop()
+
+
+def _two_ranks(model_dir: Path, setting: dict, plan: tuple, out: Path) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    port = reserve_port()
+    release_port("127.0.0.1", port)  # rank 0's rendezvous store listens there
+    procs = [ctx.Process(target=_rank, args=(r, port, str(model_dir), setting, plan, str(out))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    while (running := [p.sentinel for p in procs if p.exitcode is None]) and not any(p.exitcode for p in procs):
+        mp.connection.wait(running)
+    for p in procs:  # one rank failed: the other would wait for it
+        if p.exitcode is None:
+            p.kill()
+        p.join()
+    assert [p.exitcode for p in procs] == [0, 0]
+    return torch.load(out, weights_only=True)
+
+
+def _one_process(model_dir: Path, setting: dict, plan: tuple) -> list[dict]:
+    from inflight.trainer.policy import Policy
+
+    threads = torch.get_num_threads()
+    resume_from, first, last, save_to = plan
+    try:
+        policy = Policy(_config(str(model_dir), setting), Path(resume_from or model_dir), None,
+                        resume=resume_from is not None)
+        seen = _steps(policy, first, last)
+        if save_to:
+            _save(policy, Path(save_to), last)
+    finally:
+        torch.set_num_threads(threads)
+    return seen
+
+
+def _assert_same(one: list[dict], two: list[dict]) -> None:
+    assert len(one) == len(two)
+    for step, (a, b) in enumerate(zip(one, two)):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (step, a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-5 * max(1.0, a["grad_norm"]), step
+        assert a["weights"].keys() == b["weights"].keys()
+        worst = max(float((a["weights"][k] - b["weights"][k]).abs().max()) for k in a["weights"])
+        assert worst < 1e-5, (step, worst)
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_two_ranks_take_the_steps_of_one_process(tiny_llama, tmp_path, name: str) -> None:
+    setting = SETTINGS[name]
+    one = _one_process(tiny_llama, setting, (None, 0, STEPS, None))
+    two = _two_ranks(tiny_llama, setting, (None, 0, STEPS, None), tmp_path / "two.pt")
+    _assert_same(one, two)
+    # the steps moved the weights, and the loss and gradients were not degenerate
+    first, last = one[0]["weights"], one[-1]["weights"]
+    assert all(float((first[k] - last[k]).abs().max()) > 1e-4 for k in first if "norm" not in k)
+    assert all(r["grad_norm"] > 0 and r["loss"] != 0 for r in one)
+
+
+@pytest.mark.parametrize("saved_on", [1, 2])
+def test_a_checkpoint_resumes_on_another_number_of_ranks(tiny_llama, tmp_path, saved_on: int) -> None:
+    """3 steps on ``saved_on`` ranks, a checkpoint; 2 more on the other number, from it: the
+    same 2 steps as an uninterrupted one-process run (Adam's moments came through)."""
+    whole = _one_process(tiny_llama, {}, (None, 0, 5, None))
+    ckpt = tmp_path / "checkpoint"
+    if saved_on == 1:
+        _one_process(tiny_llama, {}, (None, 0, 3, str(ckpt)))
+        rest = _two_ranks(tiny_llama, {}, (str(ckpt), 3, 5, None), tmp_path / "rest.pt")
+    else:
+        _two_ranks(tiny_llama, {}, (None, 0, 3, str(ckpt)), tmp_path / "first.pt")
+        rest = _one_process(tiny_llama, {}, (str(ckpt), 3, 5, None))
+    assert (ckpt / "model.safetensors").exists() and (ckpt / "optimizer" / ".metadata").exists()
+    _assert_same(whole[3:], rest)
+
+
+def _rank_pid(agent: int, rank: int) -> int | None:
+    """The pid of trainer rank ``rank`` under the launcher process ``agent`` (by its ``RANK``)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
+            ancestors = _ancestors(int(proc.name))
+        except (OSError, ValueError):
+            continue
+        if agent in ancestors and env.get("RANK") == str(rank) and "TORCHELASTIC_RUN_ID" in env \
+                and b"inflight.trainer.train" in (proc / "cmdline").read_bytes():
+            return int(proc.name)
+    return None
+
+
+def _ancestors(pid: int) -> list[int]:
+    out = []
+    while pid > 1:
+        pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        out.append(pid)
+    return out
+
+
+def test_a_two_rank_run_pushes_in_flight_and_stops_when_a_rank_dies(tmp_path) -> None:
+    """``inflight train --config demo --nproc 2``: steps land as pushes the engine commits
+    while it samples; SIGKILL of trainer rank 1 then stops the run with one line naming it,
+    and leaves no trainer or engine process behind."""
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    sets = [f"run.out_dir={out}", "run.steps=500", "rollout.group_size=4", "rollout.groups_per_step=2",
+            "rollout.in_flight_groups=4", "rollout.queue_capacity=4", "task.completion_tokens=16"]
+    run = subprocess.Popen([str(Path(sys.executable).parent / "inflight"), "train", "--config", "demo", "--nproc", "2",
+                            *[a for s in sets for a in ("--set", s)]],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        rows: list[dict] = []
+        while len(rows) < 4:  # four steps done, each pushed (the engine decodes all along)
+            assert run.poll() is None, run.stderr.read()[-3000:]
+            time.sleep(0.5)
+            metrics = out / "metrics.jsonl"
+            rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        assert [r["version"] for r in rows[:4]] == [1, 2, 3, 4]
+        assert [v for r in rows for v, _ in r["pushes_landed"]][:3] == [1, 2, 3]
+        assert all(r["grad_norm"] > 0 for r in rows)
+        engine = int((out / "engine0.pid").read_text())
+        rank0, rank1 = _rank_pid(run.pid, 0), _rank_pid(run.pid, 1)
+        assert rank0 and rank1
+        os.kill(rank1, 9)
+        t0 = time.monotonic()
+        code = run.wait(timeout=300)
+        took = time.monotonic() - t0
+        err = run.stderr.read()
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, 9)
+    print(f"rank 1 killed: the run stopped in {took:.1f} s")
+    assert code != 0
+    assert "trainer rank 1 of 2 failed first (signal SIGKILL)" in err, err[-3000:]
+    assert took < 60, took  # measured: docs/LOG.md
+    for pid in (rank0, engine):  # the engine sees its trainer gone and ends by itself
+        for _ in range(600):
+            if not Path(f"/proc/{pid}").exists() or "Z" in (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]):
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"process {pid} outlived the run")
+
+
+def test_ranks_get_whole_groups_balanced_by_tokens() -> None:
+    from inflight.trainer.ranks import TrainerRanks
+
+    groups = [g for step in range(3) for g in _groups(step)][:10]
+    size = {g.group_id: sum(len(s.prompt_ids) + len(s.token_ids) for s in g.samples) for g in groups}
+    for world in (2, 3, 10):
+        parts = TrainerRanks(rank=0, world=world, device=torch.device("cpu"), mesh=None, orders=None,
+                             gathers=None).rows(groups)
+        assert [g for p in parts for g in p] == groups and all(parts), world  # contiguous, whole, none empty
+        loads = [sum(size[g.group_id] for g in p) for p in parts]
+        assert max(loads) - sum(loads) / world <= max(size.values()), (world, loads)
+    with pytest.raises(ValueError, match="11 trainer ranks"):
+        TrainerRanks(rank=0, world=11, device=torch.device("cpu"), mesh=None, orders=None, gathers=None).rows(groups)
+
+
+def test_the_documented_memory_figures_are_a_committed_run() -> None:
+    """docs/training.md's table of bytes per rank quotes a run in bench/results/trainer_ranks.jsonl,
+    and that run's sharded bytes per rank at 2 ranks are at most 0.55x of one rank's."""
+    root = Path(__file__).resolve().parent.parent
+    runs = [json.loads(line) for line in (root / "bench" / "results" / "trainer_ranks.jsonl").read_text().splitlines()]
+    docs = (root / "docs" / "training.md").read_text()
+    mib = float(1 << 20)
+
+    def quoted(run: dict) -> bool:
+        return all(f"| {n} | {r['param_bytes'] / mib:.0f} MiB | {r['grad_bytes'] / mib:.0f} MiB | "
+                   f"{r['optimizer_bytes'] / mib:.0f} MiB | {run['held_ratio'] if n > 1 else 1:.2f}x | "
+                   f"{r['rss_bytes'] / mib:.0f} MiB" in docs for n, r in ((1, run["one"]), (run["nproc"], run["many"])))
+
+    run = next((r for r in runs if r["model"] == "smollm2" and quoted(r)), None)
+    assert run is not None, "docs/training.md's memory table matches no committed run"
+    assert run["held_ratio"] <= 0.55 and run["nproc"] == 2
+    assert run["command"].startswith("python -m inflight.bench.trainer_ranks") and run["git"] and run["started"]

@@ -1,0 +1,222 @@
+"""The trainer's ranks: one training run over N torch.distributed processes (FSDP2).
+
+Launched by ``torchrun`` (or ``accelerate launch``, Slurm: anything that sets ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``), or by ``inflight train --nproc N``,
+which runs torch's own elastic agent (``launch_ranks``). Rank 0 is the trainer of a
+one-process run: it starts the engines, reads the rollout queue, pushes and writes the
+metrics; every other rank follows its orders (``inflight.trainer.train.follow_rank_0``).
+
+Invariants:
+- the policy, its gradients, its optimizer state and the KL reference are sharded
+  (``fully_shard`` per decoder layer, then the root), and each gradient is a sum over ranks:
+  every rank's loss is already divided by the whole batch's tokens, so N ranks take the
+  step one process would (``shard``);
+- every rank gets whole groups of each batch (``rows``), contiguous in the batch's order;
+- orders travel as protocol messages (``inflight.protocol``: msgpack, no pickle) on a gloo
+  group of their own, never interleaved with FSDP's collectives, which run on the mesh;
+- after each step every rank gathers the new weights through a ``ShardedSource`` (each
+  tensor once) into rank 0's host copy (``GatheredWeights``): pushes, evaluations and the
+  Hugging Face checkpoint read it, so no push ever has to call the other ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from inflight.protocol import RolloutGroup, TrainerStop, Wire, decode_trainer, encode
+from inflight.transport.sources import ShardedSource
+
+ORDER_TIMEOUT = timedelta(hours=6)
+"""How long a following rank waits for rank 0's next order: rank 0 may wait on engine starts
+and rollouts for long. A rank that dies is seen at once (its sockets close), and the launcher
+stops the others."""
+
+
+@dataclass
+class TrainerRanks:
+    """This process's place among the trainer's ranks, and the groups they talk on."""
+
+    rank: int
+    world: int
+    device: torch.device
+    mesh: object
+    """The 1-D device mesh FSDP shards over (``torch.distributed.device_mesh.DeviceMesh``)."""
+    orders: dist.ProcessGroup
+    """Gloo: rank 0's orders and the followers' replies."""
+    gathers: dist.ProcessGroup
+    """Gloo: ``GatheredWeights``' gathers."""
+
+    @classmethod
+    def from_env(cls) -> TrainerRanks | None:
+        """The ranks of a run launched with ``WORLD_SIZE`` > 1 (the process group formed here);
+        None for a one-process run."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        cuda = torch.cuda.is_available()
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if cuda:
+            torch.cuda.set_device(local)
+        device = torch.device("cuda", local) if cuda else torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+        mesh = init_device_mesh(device.type, (world,))
+        return cls(rank=dist.get_rank(), world=world, device=device, mesh=mesh,
+                   orders=dist.new_group(backend="gloo", timeout=ORDER_TIMEOUT),
+                   gathers=dist.new_group(backend="gloo"))
+
+    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` sharded in place: each decoder layer (``_no_split_modules``) its own FSDP
+        unit, then the root; gradients summed over ranks, not averaged."""
+        from torch.distributed.fsdp import fully_shard
+
+        layers = set(getattr(model, "_no_split_modules", None) or ())
+        units = [m for m in model.modules() if type(m).__name__ in layers]
+        if not units:
+            raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules): cannot "
+                             "shard it layer by layer")
+        for unit in units:
+            fully_shard(unit, mesh=self.mesh)
+        fully_shard(model, mesh=self.mesh)
+        for unit in [*units, model]:
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+        return model
+
+    def rows(self, groups: list[RolloutGroup]) -> list[list[RolloutGroup]]:
+        """``groups`` cut into ``world`` contiguous runs of whole groups, balanced by their tokens
+        (prompt and completion), each at least one (``groups`` holds at least one per rank)."""
+        if len(groups) < self.world:
+            raise ValueError(f"{len(groups)} groups for {self.world} trainer ranks: each rank needs a whole group")
+        sizes = [sum(len(s.prompt_ids) + len(s.token_ids) for s in g.samples) for g in groups]
+        total, parts, start = sum(sizes), [], 0
+        for r in range(1, self.world):
+            goal, end, run = total * r / self.world, start, sum(sizes[:start])
+            while end < len(groups) - (self.world - r) and (end == start or run + sizes[end] / 2 <= goal):
+                run, end = run + sizes[end], end + 1
+            parts.append(groups[start:end])
+            start = end
+        return [*parts, groups[start:]]
+
+    def send(self, message: Wire, rank: int, timeout: timedelta | None = None) -> None:
+        """One protocol message to ``rank`` (waiting at most ``timeout`` for it to be taken)."""
+        data = encode(message)
+        for t in (torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(bytearray(data), dtype=torch.uint8)):
+            work = dist.isend(t, rank, group=self.orders)
+            if timeout is None:
+                work.wait()
+            elif not work.wait(timeout):
+                raise TimeoutError(f"trainer rank {rank} did not take a message within {timeout}")
+
+    def receive_bytes(self, rank: int = 0) -> bytes:
+        """The next message's bytes from ``rank``."""
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, rank, group=self.orders)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(data, rank, group=self.orders)
+        return data.numpy().tobytes()
+
+    def receive(self) -> Wire:
+        """Rank 0's next order (``TrainerSetup``, ``TrainerOrder``, ``TrainerStop``)."""
+        return decode_trainer(self.receive_bytes(0))
+
+    def stop(self, reason: str = "") -> None:
+        """Rank 0 tells the others to leave (``TrainerStop``); every rank leaves the process
+        group. Idempotent; a broken group (a rank died) is left as it is."""
+        if not dist.is_initialized():
+            return
+        if self.rank == 0:
+            for r in range(1, self.world):
+                try:
+                    self.send(TrainerStop(reason=reason), r, timeout=timedelta(seconds=5))
+                except Exception:  # gone, or waiting in a collective: rank 0's exit breaks it, the launcher ends it
+                    return
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a rank already died: nothing to tell the others
+            pass
+
+
+class GatheredWeights:
+    """Rank 0's host copy of the sharded policy's weights, by checkpoint name, refreshed after
+    each optimizer step by every rank at once (``gather``), through a ``ShardedSource``."""
+
+    def __init__(self, ranks: TrainerRanks, named: dict[str, torch.Tensor]) -> None:
+        self.ranks = ranks
+        self.source = ShardedSource(named, ranks.gathers)
+        self.copy: dict[str, torch.Tensor] = {}
+        self.version = -1
+        self.seconds: list[float] = []
+        """Rank 0: how long each gather took."""
+
+    @torch.no_grad()
+    def gather(self, version: int) -> None:
+        """Every rank calls this after the same optimizer step: rank 0's ``copy`` becomes the
+        weights of ``version`` (fp32 on the host), each tensor gathered once."""
+        if self.ranks.rank != 0:
+            self.source.follow(version)
+            return
+        names, start = list(self.source.named), time.perf_counter()
+        self.source.begin(version, names)
+        try:
+            for name in names:
+                full = self.source.take(name)
+                held = self.copy.get(name)
+                if held is None or held.shape != full.shape:
+                    self.copy[name] = held = torch.empty(full.shape, dtype=full.dtype, device="cpu")
+                held.copy_(full)
+                self.source.drop(name)
+        finally:
+            self.source.finish(version)
+        self.version = version
+        self.seconds.append(time.perf_counter() - start)
+
+
+def launch_ranks(n: int, argv: list[str], prog: str) -> int | str:
+    """``inflight train --nproc N``: N ranks of ``python -m inflight.trainer.train`` (``argv``
+    without ``--nproc``) on this machine, under torch's elastic agent (``torchrun --standalone
+    --max-restarts 0``): one rank that fails stops the others. Returns 0, or the line naming the
+    rank that failed first."""
+    import sys
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    args = _without_nproc(argv)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2, start_method="spawn")
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", "inflight.trainer.train", *args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        return f"{prog}: error: trainer rank {rank} of {n} failed first ({how}); the others were stopped"
+    return 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def decode_floats(data: bytes, rows: int, cols: int) -> torch.Tensor:
+    """A (rows, cols) float32 tensor from its bytes (``TrainerPart``)."""
+    if len(data) != 4 * rows * cols:
+        raise ValueError(f"{len(data)} bytes for a {rows}x{cols} float32 tensor")
+    return torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(rows, cols).clone()
