@@ -181,27 +181,43 @@ def _ancestors(pid: int) -> list[int]:
     return out
 
 
+SMALL_DEMO = ["rollout.group_size=4", "rollout.groups_per_step=2", "rollout.in_flight_groups=4",
+              "rollout.queue_capacity=4", "task.completion_tokens=16"]
+
+
+def _train(out: Path, nproc: int, *sets: str):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([str(Path(sys.executable).parent / "inflight"), "train", "--config", "demo",
+                             "--nproc", str(nproc), *[a for s in (f"run.out_dir={out}", *SMALL_DEMO, *sets)
+                                                      for a in ("--set", s)]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _rows_when(run, out: Path, n: int) -> list[dict]:
+    """metrics.jsonl once it has ``n`` rows (the run still going)."""
+    import time
+
+    rows: list[dict] = []
+    while len(rows) < n:
+        assert run.poll() is None, run.stderr.read()[-3000:]
+        time.sleep(0.5)
+        metrics = out / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return rows
+
+
 def test_a_two_rank_run_pushes_in_flight_and_stops_when_a_rank_dies(tmp_path) -> None:
     """``inflight train --config demo --nproc 2``: steps land as pushes the engine commits
     while it samples; SIGKILL of trainer rank 1 then stops the run with one line naming it,
     and leaves no trainer or engine process behind."""
-    import subprocess
-    import sys
     import time
 
     out = tmp_path / "run"
-    sets = [f"run.out_dir={out}", "run.steps=500", "rollout.group_size=4", "rollout.groups_per_step=2",
-            "rollout.in_flight_groups=4", "rollout.queue_capacity=4", "task.completion_tokens=16"]
-    run = subprocess.Popen([str(Path(sys.executable).parent / "inflight"), "train", "--config", "demo", "--nproc", "2",
-                            *[a for s in sets for a in ("--set", s)]],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    run = _train(out, 2, "run.steps=500")
     try:
-        rows: list[dict] = []
-        while len(rows) < 4:  # four steps done, each pushed (the engine decodes all along)
-            assert run.poll() is None, run.stderr.read()[-3000:]
-            time.sleep(0.5)
-            metrics = out / "metrics.jsonl"
-            rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        rows = _rows_when(run, out, 4)  # four steps done, each pushed (the engine decodes all along)
         assert [r["version"] for r in rows[:4]] == [1, 2, 3, 4]
         assert [v for r in rows for v, _ in r["pushes_landed"]][:3] == [1, 2, 3]
         assert all(r["grad_norm"] > 0 for r in rows)
@@ -227,6 +243,35 @@ def test_a_two_rank_run_pushes_in_flight_and_stops_when_a_rank_dies(tmp_path) ->
             time.sleep(0.1)
         else:
             raise AssertionError(f"process {pid} outlived the run")
+
+
+def test_ctrl_c_on_two_ranks_then_a_resume_on_one(tmp_path) -> None:
+    """Ctrl-C (SIGINT to ``inflight train --nproc 2``) stops after a whole step with a
+    checkpoint; ``run.resume`` on one rank goes on from it: the next steps, Adam's step count
+    continued from the sharded optimizer state."""
+    import signal
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / "run"
+    run = _train(out, 2, "run.steps=500")
+    try:
+        _rows_when(run, out, 3)
+        run.send_signal(signal.SIGINT)
+        code, err = run.wait(timeout=600), run.stderr.read()
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, 9)
+    assert code == 130 and "stopped by Ctrl-C after step" in err, err[-3000:]
+    stopped = json.loads((out / "checkpoint" / "state.json").read_text())["step"]
+    assert stopped >= 3
+    resumed = _train(out, 1, "run.resume=true", f"run.steps={stopped + 2}")
+    assert resumed.wait(timeout=600) == 0, resumed.stderr.read()[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, stopped + 3))
+    dcp_to_torch_save(out / "checkpoint" / "optimizer", tmp_path / "optimizer.pt")
+    state = torch.load(tmp_path / "optimizer.pt", weights_only=True)["optimizer"]["state"]
+    assert {float(s["step"]) for s in state.values()} == {float(stopped + 2)}
 
 
 def test_ranks_get_whole_groups_balanced_by_tokens() -> None:

@@ -38,6 +38,11 @@ and rollouts for long. A rank that dies is seen at once (its sockets close), and
 stops the others."""
 
 
+STOP_TIMEOUT_S = 300
+"""After a Ctrl-C, how long ``launch_ranks`` lets the ranks stop on their own (rank 0 ends its
+step, lands its push and writes the checkpoint) before it kills them."""
+
+
 @dataclass
 class TrainerRanks:
     """This process's place among the trainer's ranks, and the groups they talk on."""
@@ -185,19 +190,26 @@ def launch_ranks(n: int, argv: list[str], prog: str) -> int | str:
     without ``--nproc``) on this machine, under torch's elastic agent (``torchrun --standalone
     --max-restarts 0``): one rank that fails stops the others. Returns 0, or the line naming the
     rank that failed first."""
+    import signal
     import sys
     import uuid
 
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     args = _without_nproc(argv)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2, start_method="spawn")
+                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2, start_method="spawn",
+                          shutdown_timeout=STOP_TIMEOUT_S)
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "inflight.trainer.train", *args)
+    except SignalException as e:  # Ctrl-C: the agent passed it on to the ranks; rank 0 said where it stopped
+        return 130 if e.sigval == signal.SIGINT else f"{prog}: stopped by {e.sigval.name}"
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
+        if rank == 0 and failure.exitcode == 130:  # rank 0 stopped after a Ctrl-C, and said so
+            return 130
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         return f"{prog}: error: trainer rank {rank} of {n} failed first ({how}); the others were stopped"
     return 0

@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -289,6 +290,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ranks = TrainerRanks.from_env()
     try:
         if ranks is not None and ranks.rank != 0:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to act on: it stops the others
             return follow_rank_0(cfg, ranks)
         summary = train(cfg, ranks)
     except (EngineLost, SetupError, TaskFailed) as e:  # an engine's own error is above, in its log's last lines
