@@ -13,6 +13,7 @@ import json
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,47 @@ def test_a_two_rank_run_pushes_in_flight_and_stops_when_a_rank_dies(tmp_path) ->
             time.sleep(0.1)
         else:
             raise AssertionError(f"process {pid} outlived the run")
+
+
+def _gone(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_hung_rank_stops_the_run_naming_it(tmp_path) -> None:
+    """Trainer rank 1 stopped (SIGSTOP, as a hang looks from outside): rank 0 stops the run
+    once ``run.rank_timeout_s`` passes in a step, its error naming rank 1."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    run = _train(out, 2, "run.steps=500", "run.rank_timeout_s=10")
+    rank1 = None
+    try:
+        _rows_when(run, out, 3)
+        rank0, rank1 = _rank_pid(run.pid, 0), _rank_pid(run.pid, 1)
+        assert rank0 and rank1
+        os.kill(rank1, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while not _gone(rank0) and time.monotonic() - t0 < 600:
+            time.sleep(0.2)
+        took = time.monotonic() - t0
+        os.kill(rank1, signal.SIGCONT)  # the launcher's stop can act on it now
+        code, err = run.wait(timeout=300), run.stderr.read()
+    finally:
+        if rank1 and not _gone(rank1):
+            os.kill(rank1, signal.SIGCONT)
+        if run.poll() is None:
+            os.killpg(run.pid, 9)
+    print(f"rank 1 stopped: rank 0 gave up {took:.1f} s later")
+    # rank 1 named: by the order it did not take, or the barrier after a collective it left hanging
+    assert code != 0 and re.search(r"inflight train: error: (trainer rank 1 did not|step \d+: .*Ranks? 1 failed to pass "
+                                   r"monitoredBarrier).*run\.rank_timeout_s", err), err[-3000:]
+    assert "inflight train: error: trainer rank 0 of 2 stopped the run" in err
+    assert took < 120, took  # the timeout, after the step in progress and the wait for its rollouts
 
 
 def test_ctrl_c_on_two_ranks_then_a_resume_on_one(tmp_path) -> None:

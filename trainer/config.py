@@ -44,9 +44,15 @@ class RunConfig:
     and any of ``tensorboard``, ``wandb``, ``trackio``, each its extra (docs/training.md, *Experiment trackers*)."""
     project: str = "inflight"
     """The W&B / Trackio project the run is logged under (its name there: ``name``)."""
+    rank_timeout_s: float = 300.0
+    """With several trainer ranks (``--nproc``, ``torchrun``): how long a rank waits for another
+    within a step (a collective, an order, a rank's share of the batch) before the run stops,
+    naming the rank that did not answer. A rank that dies is seen at once; this catches one that hangs."""
 
     def __post_init__(self) -> None:
         check_choices(self, "run")
+        if not self.rank_timeout_s > 0:
+            raise ValueError(f"run.rank_timeout_s={self.rank_timeout_s} must be > 0")
         if not self.out_dir:
             object.__setattr__(self, "out_dir", f"runs/{self.name}")
         # jsonl always: the plot, the summary and a resumed run read metrics.jsonl

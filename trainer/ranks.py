@@ -22,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,6 +37,10 @@ ORDER_TIMEOUT = timedelta(hours=6)
 """How long a following rank waits for rank 0's next order: rank 0 may wait on engine starts
 and rollouts for long. A rank that dies is seen at once (its sockets close), and the launcher
 stops the others."""
+
+
+class RankLost(RuntimeError):
+    """Another trainer rank did not answer in time, or is gone: the run stops, naming it."""
 
 
 STOP_TIMEOUT_S = 300
@@ -56,11 +61,17 @@ class TrainerRanks:
     """Gloo: rank 0's orders and the followers' replies."""
     gathers: dist.ProcessGroup
     """Gloo: ``GatheredWeights``' gathers."""
+    checks: dist.ProcessGroup | None = None
+    """Gloo: the monitored barriers that name a rank which does not answer (``check_in``,
+    ``lost``), on a group of their own that no timed-out collective has closed."""
+
+    timeout: timedelta = timedelta(minutes=5)
+    """How long a rank waits for another within a step (``run.rank_timeout_s``)."""
 
     @classmethod
-    def from_env(cls) -> TrainerRanks | None:
-        """The ranks of a run launched with ``WORLD_SIZE`` > 1 (the process group formed here);
-        None for a one-process run."""
+    def from_env(cls, timeout_s: float = 300.0) -> TrainerRanks | None:
+        """The ranks of a run launched with ``WORLD_SIZE`` > 1 (the process group formed here,
+        its collectives failing after ``timeout_s``); None for a one-process run."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return None
@@ -71,12 +82,14 @@ class TrainerRanks:
         if cuda:
             torch.cuda.set_device(local)
         device = torch.device("cuda", local) if cuda else torch.device("cpu")
+        timeout = timedelta(seconds=timeout_s)
         if not dist.is_initialized():
-            dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+            dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timeout)
         mesh = init_device_mesh(device.type, (world,))
         return cls(rank=dist.get_rank(), world=world, device=device, mesh=mesh,
                    orders=dist.new_group(backend="gloo", timeout=ORDER_TIMEOUT),
-                   gathers=dist.new_group(backend="gloo"))
+                   gathers=dist.new_group(backend="gloo", timeout=timeout),
+                   checks=dist.new_group(backend="gloo", timeout=timeout), timeout=timeout)
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` sharded in place: each decoder layer (``_no_split_modules``) its own FSDP
@@ -112,26 +125,34 @@ class TrainerRanks:
         return [*parts, groups[start:]]
 
     def send(self, message: Wire, rank: int, timeout: timedelta | None = None) -> None:
-        """One protocol message to ``rank`` (waiting at most ``timeout`` for it to be taken)."""
+        """One protocol message to ``rank``, taken within ``timeout`` (default ``self.timeout``)
+        or ``RankLost``."""
         data = encode(message)
         for t in (torch.tensor([len(data)], dtype=torch.int64), torch.frombuffer(bytearray(data), dtype=torch.uint8)):
-            work = dist.isend(t, rank, group=self.orders)
-            if timeout is None:
-                work.wait()
-            elif not work.wait(timeout):
-                raise TimeoutError(f"trainer rank {rank} did not take a message within {timeout}")
+            self._wait(dist.isend(t, rank, group=self.orders), rank, timeout, f"take a {type(message).__name__}")
 
-    def receive_bytes(self, rank: int = 0) -> bytes:
-        """The next message's bytes from ``rank``."""
+    def receive_bytes(self, rank: int, timeout: timedelta | None = None) -> bytes:
+        """The next message's bytes from ``rank``, within ``timeout`` (default ``self.timeout``)
+        or ``RankLost``."""
         size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, rank, group=self.orders)
+        self._wait(dist.irecv(size, rank, group=self.orders), rank, timeout, "send its message")
         data = torch.empty(int(size), dtype=torch.uint8)
-        dist.recv(data, rank, group=self.orders)
+        self._wait(dist.irecv(data, rank, group=self.orders), rank, timeout, "send its message")
         return data.numpy().tobytes()
 
     def receive(self) -> Wire:
-        """Rank 0's next order (``TrainerSetup``, ``TrainerOrder``, ``TrainerStop``)."""
-        return decode_trainer(self.receive_bytes(0))
+        """Rank 0's next order (``TrainerSetup``, ``TrainerOrder``, ``TrainerSave``,
+        ``TrainerStop``): waited for as long as rank 0 waits for rollouts (``ORDER_TIMEOUT``)."""
+        return decode_trainer(self.receive_bytes(0, ORDER_TIMEOUT))
+
+    def check_in(self, step: int) -> None:
+        """Every rank, at the start of optimizer step ``step``: rank 0 names each rank that did
+        not come within ``self.timeout`` (gloo's monitored barrier), before any collective of
+        the step could hang on it."""
+        try:
+            dist.monitored_barrier(group=self.checks, timeout=self.timeout, wait_all_ranks=True)
+        except Exception as e:
+            raise RankLost(f"step {step + 1}: {_first_line(e)} (hung or gone; run.rank_timeout_s)") from None
 
     def stop(self, reason: str = "") -> None:
         """Rank 0 tells the others to leave (``TrainerStop``); every rank leaves the process
@@ -148,6 +169,35 @@ class TrainerRanks:
             dist.destroy_process_group()
         except Exception:  # a rank already died: nothing to tell the others
             pass
+
+    def lost(self, step: int, error: BaseException) -> RankLost:
+        """What a collective of step ``step`` that failed (``error``) says: the ranks that do not
+        come to a monitored barrier within a few seconds are named (hung or gone)."""
+        try:
+            dist.monitored_barrier(group=self.checks, timeout=timedelta(seconds=5), wait_all_ranks=True)
+            who = "every rank answered after it"
+        except Exception as e:
+            who = _first_line(e)
+        return RankLost(f"step {step + 1}: a collective of the trainer's ranks failed ({_first_line(error)}); {who} "
+                        f"(hung or gone; run.rank_timeout_s)")
+
+    def _wait(self, work, rank: int, timeout: timedelta | None, what: str) -> None:
+        setting = "; run.rank_timeout_s" if timeout is None else ""
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            done = work.wait(timeout)
+        except Exception as e:  # gloo: a timeout, or the peer's sockets closed (it died)
+            done, why = False, ": " + _first_line(e)
+        else:
+            why = ""
+        if done is False:
+            raise RankLost(f"trainer rank {rank} did not {what} within {timeout.total_seconds():.0f} s "
+                           f"(hung or gone{setting}){why}")
+
+
+def _first_line(e: BaseException) -> str:
+    """An error's first line without gloo's source location (``[.../unbound_buffer.cc:129] ...``)."""
+    return re.sub(r"^(\[[^\]]*\]\s*:?\s*)+", "", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
 
 
 class GatheredWeights:
@@ -199,6 +249,7 @@ def launch_ranks(n: int, argv: list[str], prog: str) -> int | str:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     args = _without_nproc(argv)
+    os.environ["INFLIGHT_PROG"] = prog  # the ranks' errors name the command the user ran
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2, start_method="spawn",
                           shutdown_timeout=STOP_TIMEOUT_S)
@@ -210,6 +261,8 @@ def launch_ranks(n: int, argv: list[str], prog: str) -> int | str:
         rank, failure = e.get_first_failure()
         if rank == 0 and failure.exitcode == 130:  # rank 0 stopped after a Ctrl-C, and said so
             return 130
+        if rank == 0 and failure.exitcode == 1:  # rank 0 stopped the run; its error, above, says why
+            return f"{prog}: error: trainer rank 0 of {n} stopped the run (its error is above); the others were stopped"
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         return f"{prog}: error: trainer rank {rank} of {n} failed first ({how}); the others were stopped"
     return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import signal
 import sys
@@ -40,7 +41,7 @@ from inflight.trainer.trackers import check_trackers, open_trackers
 from inflight.trainer.models import resolve_model
 from inflight.trainer.tasks.tool_calls import use_chat_template
 from inflight.trainer.policy import Policy, StepResult
-from inflight.trainer.ranks import TrainerRanks, launch_ranks
+from inflight.trainer.ranks import RankLost, TrainerRanks, launch_ranks
 from inflight.trainer.tasks import build_task
 from inflight.trainer.tasks.base import Task, encode_prompt
 from inflight.trainer.tasks.evaluate import Evaluator
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """``inflight train`` (``prog``) and ``python -m inflight.trainer.train``: train, then print
     the summary. ``--nproc N`` runs N trainer ranks here (``launch_ranks``); under ``torchrun``
     each process is one rank."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog or os.environ.get("INFLIGHT_PROG"), description=__doc__.splitlines()[0])
     add_config_arguments(ap)
     ap.add_argument("--nproc", type=int, default=1, metavar="N",
                     help="trainer ranks on this machine (FSDP2), launched by torch's elastic agent")
@@ -287,13 +288,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if args.nproc > 1:
         sys.exit(launch_ranks(args.nproc, [a for a in (argv if argv is not None else sys.argv[1:])], ap.prog))
     logging.basicConfig(level=logging.WARNING)
-    ranks = TrainerRanks.from_env()
+    ranks = TrainerRanks.from_env(cfg.run.rank_timeout_s)
     try:
         if ranks is not None and ranks.rank != 0:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to act on: it stops the others
             return follow_rank_0(cfg, ranks)
         summary = train(cfg, ranks)
-    except (EngineLost, SetupError, TaskFailed) as e:  # an engine's own error is above, in its log's last lines
+    except (EngineLost, SetupError, TaskFailed, RankLost) as e:  # an engine's own error: above, in its log
         sys.exit(f"{ap.prog}: error: {e}")
     finally:
         if ranks is not None:
