@@ -26,7 +26,7 @@ from inflight.trainer.config import TrainConfig
 from inflight.trainer.loss import Batch, collate, compute_loss, micro_batches, policy_logprobs
 from inflight.trainer.metrics import ess_warning
 from inflight.trainer.optim import learning_rate
-from inflight.trainer.ranks import GatheredWeights, RankLost, TrainerRanks, decode_floats
+from inflight.trainer.ranks import GatheredWeights, TrainerRanks, decode_floats
 from inflight.trainer.routing_replay import RoutingReplay, collate_routing
 from inflight.trainer.tasks.tool_calls import use_chat_template
 
@@ -143,14 +143,10 @@ class Policy:
         ``before_write`` runs right before the weights a push reads are written: the
         parameters (a push in flight reads them until then: ``WeightPusher.wait_reads``), or
         with ranks rank 0's gathered copy."""
-        try:
+        if self.ranks is None:
             return self._step(groups, version, step, before_write)
-        except RankLost:
-            raise
-        except RuntimeError as e:  # with ranks, gloo's: a collective timed out, or a rank's sockets closed
-            if self.ranks is None:
-                raise
-            raise self.ranks.lost(step, e) from e
+        with self.ranks.naming_the_lost(step):
+            return self._step(groups, version, step, before_write)
 
     def _step(self, groups: list[RolloutGroup], version: int, step: int, before_write: Callable[[], object]
               ) -> StepResult:
@@ -182,12 +178,8 @@ class Policy:
         """A following rank's part of rank 0's step ``order``: its groups' gradients, its rows'
         log-probs sent to rank 0, the optimizer step on its shard, the gather."""
         assert self.ranks is not None
-        try:
+        with self.ranks.naming_the_lost(order.step):
             self._follow(order)
-        except RankLost:
-            raise
-        except RuntimeError as e:  # gloo: a collective timed out, or a rank's sockets closed
-            raise self.ranks.lost(order.step, e) from e
 
     def _follow(self, order: TrainerOrder) -> None:
         assert self.ranks is not None and self.gathered is not None

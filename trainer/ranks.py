@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -170,6 +172,17 @@ class TrainerRanks:
         except Exception:  # a rank already died: nothing to tell the others
             pass
 
+    @contextmanager
+    def naming_the_lost(self, step: int) -> Iterator[None]:
+        """Step ``step`` of this rank: a collective that fails in it (gloo: a timeout, or a rank's
+        sockets closed) becomes ``lost``'s ``RankLost``, naming the ranks that do not answer."""
+        try:
+            yield
+        except RankLost:
+            raise
+        except RuntimeError as e:
+            raise self.lost(step, e) from e
+
     def lost(self, step: int, error: BaseException) -> RankLost:
         """What a collective of step ``step`` that failed (``error``) says: the ranks that do not
         come to a monitored barrier within a few seconds are named (hung or gone)."""
@@ -208,7 +221,6 @@ class GatheredWeights:
         self.ranks = ranks
         self.source = ShardedSource(named, ranks.gathers)
         self.copy: dict[str, torch.Tensor] = {}
-        self.version = -1
         self.seconds: list[float] = []
         """Rank 0: how long each gather took."""
 
@@ -231,7 +243,6 @@ class GatheredWeights:
                 self.source.drop(name)
         finally:
             self.source.finish(version)
-        self.version = version
         self.seconds.append(time.perf_counter() - start)
 
 
