@@ -348,3 +348,14 @@ def test_the_documented_memory_figures_are_a_committed_run() -> None:
     assert run is not None, "docs/training.md's memory table matches no committed run"
     assert run["held_ratio"] <= 0.55 and run["nproc"] == 2
     assert run["command"].startswith("python -m inflight.bench.trainer_ranks") and run["git"] and run["started"]
+
+
+def test_what_several_ranks_cannot_do_is_refused_by_name(tiny_llama) -> None:
+    from inflight.trainer.policy import check_ranks
+
+    check_ranks(_config(str(tiny_llama), {"rollout": {"groups_per_step": 1}}), 1)  # one rank: nothing refused
+    for setting, name in (({"model": {"lora": {"rank": 4}}}, "model.lora"),
+                          ({"loss": {"routing_replay": True}}, "loss.routing_replay"),
+                          ({"rollout": {"groups_per_step": 1}}, "rollout.groups_per_step=1")):
+        with pytest.raises(ValueError, match=rf"^{re.escape(name)}.* on 2 trainer ranks"):
+            check_ranks(_config(str(tiny_llama), setting), 2)

@@ -61,7 +61,7 @@ class Policy:
             torch.set_num_threads(1)  # leave the other core(s) to the engine
         resume = resumed is not None if resume is None else resume
         if ranks is not None:
-            _check_ranks(cfg, ranks, adapter_dir)
+            check_ranks(cfg, ranks.world)
             if ranks.rank == 0:
                 for r in range(1, ranks.world):
                     ranks.send(TrainerSetup(model_dir=str(model_dir), resume=resume,
@@ -315,12 +315,15 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.to(torch.float32).contiguous().numpy().tobytes()
 
 
-def _check_ranks(cfg: TrainConfig, ranks: TrainerRanks, adapter_dir: Path | None) -> None:
-    """What a run on several trainer ranks cannot do yet, refused by name before any model loads."""
-    if adapter_dir is not None:
-        raise ValueError(f"model.lora on {ranks.world} trainer ranks: a LoRA policy trains on one rank (drop --nproc)")
+def check_ranks(cfg: TrainConfig, world: int) -> None:
+    """What a run on ``world`` trainer ranks cannot do yet, refused by name (``ValueError``)
+    before any engine starts or model loads; one rank is refused nothing."""
+    if world == 1:
+        return
+    if cfg.model.lora.enabled:
+        raise ValueError(f"model.lora on {world} trainer ranks: a LoRA policy trains on one rank (drop --nproc)")
     if cfg.loss.routing_replay:
-        raise ValueError(f"loss.routing_replay on {ranks.world} trainer ranks: routing replay runs on one rank")
-    if cfg.rollout.groups_per_step < ranks.world:
-        raise ValueError(f"rollout.groups_per_step={cfg.rollout.groups_per_step} on {ranks.world} trainer ranks: each rank "
+        raise ValueError(f"loss.routing_replay on {world} trainer ranks: routing replay runs on one rank")
+    if cfg.rollout.groups_per_step < world:
+        raise ValueError(f"rollout.groups_per_step={cfg.rollout.groups_per_step} on {world} trainer ranks: each rank "
                          "trains on whole groups, so a batch needs at least one group per rank")

@@ -40,7 +40,7 @@ from inflight.trainer.metrics import MetricsLog, RolloutLedger, plot_run, summar
 from inflight.trainer.trackers import check_trackers, open_trackers
 from inflight.trainer.models import resolve_model
 from inflight.trainer.tasks.tool_calls import use_chat_template
-from inflight.trainer.policy import Policy, StepResult
+from inflight.trainer.policy import Policy, StepResult, check_ranks
 from inflight.trainer.ranks import RankLost, TrainerRanks, launch_ranks
 from inflight.trainer.tasks import build_task
 from inflight.trainer.tasks.base import Task, encode_prompt
@@ -289,6 +289,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         sys.exit(launch_ranks(args.nproc, [a for a in (argv if argv is not None else sys.argv[1:])], ap.prog))
     logging.basicConfig(level=logging.WARNING)
     ranks = TrainerRanks.from_env(cfg.run.rank_timeout_s)
+    try:
+        check_ranks(cfg, ranks.world if ranks else 1)  # before any engine starts: every rank says it
+    except ValueError as e:
+        ranks.stop()  # type: ignore[union-attr]  (one rank refuses nothing)
+        sys.exit(f"{ap.prog}: error: {e}")
     try:
         if ranks is not None and ranks.rank != 0:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to act on: it stops the others
