@@ -113,11 +113,14 @@ from inflight.trainer.tasks import build_task, Task
 
 class Faulty(Task):
     """repeat_digit, except that its scoring raises once, returns NaN once and hangs once (each
-    fault marked by a file in ``marks``: a replaced scoring process does not repeat it)."""
+    fault marked by a file in ``marks``: a replaced scoring process does not repeat it). Every
+    call after the hang waits until the engine's log names its timeout (an event: the pool's
+    kill), so the run cannot reach its last step before the hang is named."""
 
-    def __init__(self, tokenizer, marks):
+    def __init__(self, tokenizer, marks, log):
         from inflight.trainer.envs.digits import RepeatDigit
         self.inner, self.marks = RepeatDigit(tokenizer, 24, 0.5), pathlib.Path(marks)
+        self.log = pathlib.Path(log)
 
     def sample(self, rng):
         return self.inner.sample(rng)
@@ -139,11 +142,13 @@ class Faulty(Task):
             return [math.nan] * len(completions)
         if self._first("hang"):
             time.sleep(3600)
+        while "timeout_s=5" not in self.log.read_text():
+            time.sleep(0.01)
         return self.inner.score(prompts, completions)
 
 
-def make(tokenizer, marks):
-    return Faulty(tokenizer, marks)
+def make(tokenizer, marks, log):
+    return Faulty(tokenizer, marks, log)
 '''
 
 
@@ -156,7 +161,8 @@ def test_a_verifier_that_raises_returns_nan_or_hangs_fails_its_group_and_the_run
     (tmp_path / "marks").mkdir()
     cfg = config_from_dict({**SMALL, "run": {**SMALL["run"], "steps": 4, "out_dir": str(tmp_path / "run")},
                             "task": {**SMALL["task"], "name": "faulty_task_39:make",
-                                     "options": {"marks": str(tmp_path / "marks")},
+                                     "options": {"marks": str(tmp_path / "marks"),
+                                                 "log": str(tmp_path / "run" / "engine0.log")},
                                      "scoring": {"timeout_s": 5.0}}})
     train(cfg)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
