@@ -11,7 +11,8 @@ after the last backward and its optimizer step, the bytes of the tensors it hold
 parameters' local shards, their gradients, the optimizer's state (``exp_avg``,
 ``exp_avg_sq``, ``step``). Rank 0 also times ``GatheredWeights.gather`` (every tensor
 gathered once over gloo into its host copy: the trainer's side of a push) and reports the
-copy's bytes. The resident set of each rank is reported beside the counts. One JSON line is
+copy's bytes. The resident set of each rank is reported beside the counts, now and at its
+peak (a following rank builds the model on the meta device and never holds all of it). One JSON line is
 appended to ``bench/results/trainer_ranks.jsonl`` (command, start, git revision, load).
 """
 
@@ -61,18 +62,26 @@ def _rank(rank: int, world: int, port: int, model_dir: str, steps: int, out) -> 
     ranks = TrainerRanks.from_env()
     if ranks is not None and rank:
         follow_rank_0(cfg, ranks)
+        out.send({"rank": rank, "rss_bytes": _rss(), "peak_rss_bytes": _peak_rss()})
         ranks.stop()
         return
     policy = Policy(cfg, Path(model_dir), None, ranks=ranks)
     for step in range(steps):
         policy.step(_groups(step, policy.tokenizer.vocab_size), version=0, step=step)
-    report = {**_held(policy), "rss_bytes": _rss()}
+    report = {"rank": 0, **_held(policy), "rss_bytes": _rss(), "peak_rss_bytes": _peak_rss()}
     if policy.gathered is not None:
         report["push_copy_bytes"] = sum(t.numel() * t.element_size() for t in policy.gathered.copy.values())
         report["gather_s"] = policy.gathered.seconds
     out.send(report)
     if ranks is not None:
         ranks.stop("done")
+
+
+def _peak_rss() -> int:
+    """This process's largest resident set so far (a rank that loads the whole model shows it)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _groups(step: int, vocab: int) -> list:
@@ -94,7 +103,8 @@ def _rss() -> int:
 
 
 def measure(model_dir: Path, world: int, steps: int) -> dict:
-    """One run on ``world`` ranks (fresh processes); rank 0's report."""
+    """One run on ``world`` ranks (fresh processes): rank 0's report, the others' resident sets
+    under ``followers``."""
     from inflight.transport.store import release_port, reserve_port
 
     ctx = mp.get_context("spawn")
@@ -105,9 +115,13 @@ def measure(model_dir: Path, world: int, steps: int) -> dict:
     for p in procs:
         p.start()
     try:
-        if not receive.poll(1800):
-            raise RuntimeError(f"no report from {world} ranks in 30 min")
-        return receive.recv()
+        reports = {}
+        while len(reports) < world:
+            if not receive.poll(1800):
+                raise RuntimeError(f"reports from {sorted(reports)} of {world} ranks in 30 min")
+            report = receive.recv()
+            reports[report.pop("rank")] = report
+        return {**reports[0], "followers": [reports[r] for r in range(1, world)]}
     finally:
         for p in procs:
             p.join(120)
@@ -138,6 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     for n, r in ((1, one), (args.nproc, many)):
         print(f"| {n} | {r['param_bytes'] / MiB:.0f} | {r['grad_bytes'] / MiB:.0f} | {r['optimizer_bytes'] / MiB:.0f} "
               f"| {r['rss_bytes'] / MiB:.0f} |")
+    print(f"peak resident MiB: one rank {one['peak_rss_bytes'] / MiB:.0f}; of {args.nproc}, rank 0 "
+          f"{many['peak_rss_bytes'] / MiB:.0f}, the others " + " ".join(f"{f['peak_rss_bytes'] / MiB:.0f}"
+                                                                     for f in many["followers"]))
     print(f"held per rank at {args.nproc} ranks: {ratio:.3f}x of one; gather into rank 0's push copy "
           f"({many['push_copy_bytes'] / MiB:.0f} MiB): median {row['gather_s_median']:.2f} s per step")
     RESULTS.parent.mkdir(exist_ok=True)

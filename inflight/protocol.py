@@ -458,6 +458,8 @@ class TrainerSetup(Wire, tag="trainer_setup"):
     model_dir: Annotated[str, Meta(min_length=1)]
     reference_dir: str = ""
     """``loss.kl_coef``'s reference model ("": ``model_dir``)."""
+    adapter_dir: str = ""
+    """A LoRA run's adapter, trained on ``model_dir`` as its frozen base ("": no adapter)."""
     resume: bool = False
     """Every rank loads its share of the optimizer state from ``model_dir``'s checkpoint."""
 

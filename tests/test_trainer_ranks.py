@@ -28,7 +28,13 @@ SETTINGS = {
     "plain": {},
     "micro_batches": {"optim": {"micro_batches": 3}},
     "kl": {"loss": {"kl_coef": 0.05}},
+    "lora": {"model": {"lora": {"rank": 4, "alpha": 8.0}}, "loss": {"kl_coef": 0.05}},
 }
+"""Each is ``_config``'s base with these sections merged in; ``lora``: an adapter trains on a
+frozen base (``Policy``'s ``adapter_dir``), its KL reference the base with the adapter off."""
+MODELS = {"kl": "tiny_qwen", "lora": "tiny_qwen"}
+"""The model each setting trains (default ``tiny_llama``, an untied LM head): ``tiny_qwen`` has
+tied embeddings and qkv biases, one tensor under two names when rank 0 fills the others'."""
 
 
 def _groups(step: int) -> list[RolloutGroup]:
@@ -63,7 +69,7 @@ def _save(policy, path: Path, step: int) -> None:
     policy.save(path, step, 2, RolloutBuffer(RolloutQueue(HashStore(), capacity=4), admit_lag=2))
 
 
-def _rank(rank: int, port: int, model_dir: str, setting: dict, plan: tuple, out: str) -> None:
+def _rank(rank: int, port: int, model_dir: str, setting: dict, plan: tuple, out: str, adapter: str | None) -> None:
     """One of two trainer ranks: rank 0 runs ``plan`` = (resume from, first step, last step,
     checkpoint to) and saves what it saw to ``out``; rank 1 follows."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
@@ -78,7 +84,8 @@ def _rank(rank: int, port: int, model_dir: str, setting: dict, plan: tuple, out:
         if rank:
             return follow_rank_0(cfg, ranks)
         resume_from, first, last, save_to = plan
-        policy = Policy(cfg, Path(resume_from or model_dir), None, ranks=ranks, resume=resume_from is not None)
+        policy = Policy(cfg, Path(resume_from or model_dir), None, Path(adapter) if adapter else None, ranks=ranks,
+                        resume=resume_from is not None)
         seen = _steps(policy, first, last)
         if save_to:
             _save(policy, Path(save_to), last)
@@ -87,11 +94,12 @@ def _rank(rank: int, port: int, model_dir: str, setting: dict, plan: tuple, out:
         ranks.stop()
 
 
-def _two_ranks(model_dir: Path, setting: dict, plan: tuple, out: Path) -> list[dict]:
+def _two_ranks(model_dir: Path, setting: dict, plan: tuple, out: Path, adapter: Path | None = None) -> list[dict]:
     ctx = mp.get_context("spawn")
     port = reserve_port()
     release_port("127.0.0.1", port)  # rank 0's rendezvous store listens there
-    procs = [ctx.Process(target=_rank, args=(r, port, str(model_dir), setting, plan, str(out))) for r in (0, 1)]
+    procs = [ctx.Process(target=_rank, args=(r, port, str(model_dir), setting, plan, str(out),
+                                                    adapter and str(adapter))) for r in (0, 1)]
     for p in procs:
         p.start()
     while (running := [p.sentinel for p in procs if p.exitcode is None]) and not any(p.exitcode for p in procs):
@@ -104,13 +112,13 @@ def _two_ranks(model_dir: Path, setting: dict, plan: tuple, out: Path) -> list[d
     return torch.load(out, weights_only=True)
 
 
-def _one_process(model_dir: Path, setting: dict, plan: tuple) -> list[dict]:
+def _one_process(model_dir: Path, setting: dict, plan: tuple, adapter: Path | None = None) -> list[dict]:
     from inflight.trainer.policy import Policy
 
     threads = torch.get_num_threads()
     resume_from, first, last, save_to = plan
     try:
-        policy = Policy(_config(str(model_dir), setting), Path(resume_from or model_dir), None,
+        policy = Policy(_config(str(model_dir), setting), Path(resume_from or model_dir), None, adapter,
                         resume=resume_from is not None)
         seen = _steps(policy, first, last)
         if save_to:
@@ -131,11 +139,18 @@ def _assert_same(one: list[dict], two: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
-def test_two_ranks_take_the_steps_of_one_process(tiny_llama, tmp_path, name: str) -> None:
+def test_two_ranks_take_the_steps_of_one_process(request, tmp_path, name: str) -> None:
+    from inflight.trainer.adapter import write_first_adapter
+
+    tiny_llama = request.getfixturevalue(MODELS.get(name, "tiny_llama"))  # the model of this setting
     setting = SETTINGS[name]
-    one = _one_process(tiny_llama, setting, (None, 0, STEPS, None))
-    two = _two_ranks(tiny_llama, setting, (None, 0, STEPS, None), tmp_path / "two.pt")
+    lora = _config(str(tiny_llama), setting).model.lora
+    adapter = write_first_adapter(tiny_llama, lora, tmp_path / "adapter", seed=0) if lora.enabled else None
+    one = _one_process(tiny_llama, setting, (None, 0, STEPS, None), adapter)
+    two = _two_ranks(tiny_llama, setting, (None, 0, STEPS, None), tmp_path / "two.pt", adapter)
     _assert_same(one, two)
+    if lora.enabled:  # what a push sends: the adapter alone, by PEFT's names
+        assert one[0]["weights"] and all("lora_A" in k or "lora_B" in k for k in one[0]["weights"])
     # the steps moved the weights, and the loss and gradients were not degenerate
     first, last = one[0]["weights"], one[-1]["weights"]
     assert all(float((first[k] - last[k]).abs().max()) > 1e-4 for k in first if "norm" not in k)
@@ -216,7 +231,7 @@ def test_a_two_rank_run_pushes_in_flight_and_stops_when_a_rank_dies(tmp_path) ->
     import time
 
     out = tmp_path / "run"
-    run = _train(out, 2, "run.steps=500")
+    run = _train(out, 2, "run.steps=500", "engine.commit_unit=layer")  # layer-granular pushes from the ranks
     try:
         rows = _rows_when(run, out, 4)  # four steps done, each pushed (the engine decodes all along)
         assert [r["version"] for r in rows[:4]] == [1, 2, 3, 4]
@@ -261,10 +276,11 @@ def test_a_hung_rank_stops_the_run_naming_it(tmp_path) -> None:
     import time
 
     out = tmp_path / "run"
-    run = _train(out, 2, "run.steps=500", "run.rank_timeout_s=10")
+    run = _train(out, 2, "run.steps=500", "run.rank_timeout_s=10", "transport.encoding=sparse")
     rank1 = None
     try:
-        _rows_when(run, out, 3)
+        rows = _rows_when(run, out, 3)  # sparse pushes from the ranks' copy land as dense ones do
+        assert [v for r in rows for v, _ in r["pushes_landed"]][:2] == [1, 2]
         rank0, rank1 = _rank_pid(run.pid, 0), _rank_pid(run.pid, 1)
         assert rank0 and rank1
         os.kill(rank1, signal.SIGSTOP)
@@ -287,16 +303,23 @@ def test_a_hung_rank_stops_the_run_naming_it(tmp_path) -> None:
     assert took < 120, took  # the timeout, after the step in progress and the wait for its rollouts
 
 
-def test_ctrl_c_on_two_ranks_then_a_resume_on_one(tmp_path) -> None:
-    """Ctrl-C (SIGINT to ``inflight train --nproc 2``) stops after a whole step with a
-    checkpoint; ``run.resume`` on one rank goes on from it: the next steps, Adam's step count
-    continued from the sharded optimizer state."""
+LORA = ["model.lora.rank=8", "model.lora.alpha=16.0", 'model.lora.target_modules=["q_proj", "v_proj", "up_proj"]',
+        "optim.lr=3e-3"]
+
+
+def test_ctrl_c_on_two_lora_ranks_then_a_resume_on_one(tmp_path) -> None:
+    """A LoRA run on two ranks: each push carries the adapter alone, gathered from the ranks
+    (what it holds is the one-process adapter: the parity test's ``lora`` case). Ctrl-C (SIGINT to ``inflight
+    train --nproc 2``) stops after a whole step with a checkpoint (the adapter); ``run.resume``
+    on one rank goes on from it: the next steps, Adam's step count continued from the sharded
+    optimizer state."""
     import signal
 
+    from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = tmp_path / "run"
-    run = _train(out, 2, "run.steps=500")
+    run = _train(out, 2, "run.steps=500", *LORA)
     try:
         _rows_when(run, out, 3)
         run.send_signal(signal.SIGINT)
@@ -307,13 +330,43 @@ def test_ctrl_c_on_two_ranks_then_a_resume_on_one(tmp_path) -> None:
     assert code == 130 and "stopped by Ctrl-C after step" in err, err[-3000:]
     stopped = json.loads((out / "checkpoint" / "state.json").read_text())["step"]
     assert stopped >= 3
-    resumed = _train(out, 1, "run.resume=true", f"run.steps={stopped + 2}")
+    ckpt = out / "checkpoint"
+    adapter = load_file(str(ckpt / "adapter_model.safetensors"))
+    assert not (ckpt / "model.safetensors").exists() and {k.split(".")[-3] for k in adapter} == {"q_proj", "v_proj",
+                                                                                               "up_proj"}
+    assert any(float(t.abs().max()) > 0 for k, t in adapter.items() if "lora_B" in k)  # the adapter trained
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    adapter_mb = sum(t.numel() * 4 for t in adapter.values()) / 2**20
+    assert rows and all(r["push_mb"] == pytest.approx(adapter_mb, rel=1e-9) for r in rows if "push_mb" in r)
+    assert [v for r in rows for v, _ in r["pushes_landed"]][:2] == [1, 2]
+    resumed = _train(out, 1, "run.resume=true", f"run.steps={stopped + 2}", *LORA)
     assert resumed.wait(timeout=600) == 0, resumed.stderr.read()[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, stopped + 3))
+    assert set(load_file(str(ckpt / "adapter_model.safetensors"))) == set(adapter)
     dcp_to_torch_save(out / "checkpoint" / "optimizer", tmp_path / "optimizer.pt")
     state = torch.load(tmp_path / "optimizer.pt", weights_only=True)["optimizer"]["state"]
     assert {float(s["step"]) for s in state.values()} == {float(stopped + 2)}
+
+
+def test_accelerate_launch_starts_the_same_ranks(tmp_path) -> None:
+    """``accelerate launch --multi_gpu --num_processes 2 -m inflight.trainer.train``: torchrun
+    under accelerate (on CPU too: accelerate's ``--cpu`` runs one process unless given mpirun),
+    so the two processes are the trainer's two ranks and each writes its optimizer shard."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    sets = [a for s in (f"run.out_dir={out}", *SMALL_DEMO, "run.steps=2") for a in ("--set", s)]
+    done = subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes",
+                           "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m",
+                           "inflight.trainer.train", "--config", "demo", *sets],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["pushed_version"] == 2
+    assert sorted(p.name for p in (out / "checkpoint" / "optimizer").glob("*.distcp")) == ["__0_0.distcp",
+                                                                                        "__1_0.distcp"]
 
 
 def test_ranks_get_whole_groups_balanced_by_tokens() -> None:
@@ -354,8 +407,8 @@ def test_what_several_ranks_cannot_do_is_refused_by_name(tiny_llama) -> None:
     from inflight.trainer.policy import check_ranks
 
     check_ranks(_config(str(tiny_llama), {"rollout": {"groups_per_step": 1}}), 1)  # one rank: nothing refused
-    for setting, name in (({"model": {"lora": {"rank": 4}}}, "model.lora"),
-                          ({"loss": {"routing_replay": True}}, "loss.routing_replay"),
+    check_ranks(_config(str(tiny_llama), SETTINGS["lora"]), 2)  # an adapter trains on ranks
+    for setting, name in (({"loss": {"routing_replay": True}}, "loss.routing_replay"),
                           ({"rollout": {"groups_per_step": 1}}, "rollout.groups_per_step=1")):
         with pytest.raises(ValueError, match=rf"^{re.escape(name)}.* on 2 trainer ranks"):
             check_ranks(_config(str(tiny_llama), setting), 2)

@@ -82,6 +82,18 @@ def load_trainable(base_dir: Path, adapter_dir: Path) -> Any:
     return PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
 
 
+def empty_trainable(base_dir: Path, adapter_dir: Path) -> Any:
+    """``load_trainable``'s model on the meta device, nothing read but the two configs: a
+    following trainer rank's, whose shards come from rank 0 (``TrainerRanks.fill_from_rank_0``)."""
+    from peft import PeftConfig, get_peft_model
+
+    from inflight.trainer.models import empty_model
+
+    config = PeftConfig.from_pretrained(str(adapter_dir))
+    config.inference_mode = False
+    return get_peft_model(empty_model(base_dir), config)
+
+
 def adapter_weights(model: Any) -> dict[str, torch.Tensor]:
     """The adapter's tensors under the names PEFT saves them (no copy: the live parameters)."""
     from peft import get_peft_model_state_dict

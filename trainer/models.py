@@ -118,3 +118,13 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model.generation_config = loaded.generation_config
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+
+
+def empty_model(model_dir: Path):
+    """The fp32 model of ``model_dir``'s config on the meta device: no memory, no weights read
+    (a following trainer rank's, filled by ``TrainerRanks.fill_from_rank_0``)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)), dtype=torch.float32)

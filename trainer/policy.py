@@ -20,11 +20,12 @@ import torch
 from inflight.protocol import RolloutGroup, Sampling, TrainerOrder, TrainerPart, TrainerSave, TrainerSetup, decode_trainer_part
 from inflight.rollout_queue import RolloutBuffer
 from inflight.transport.sources import named_weights
-from inflight.trainer.adapter import adapter_weights, load_trainable
+from inflight.trainer.adapter import adapter_weights, empty_trainable, load_trainable
 from inflight.trainer.checkpoint import TrainerState, load_optimizer, restore_rng, save_checkpoint, save_optimizer
 from inflight.trainer.config import TrainConfig
 from inflight.trainer.loss import Batch, collate, compute_loss, micro_batches, policy_logprobs
 from inflight.trainer.metrics import ess_warning
+from inflight.trainer.models import empty_model
 from inflight.trainer.optim import learning_rate
 from inflight.trainer.ranks import GatheredWeights, TrainerRanks, decode_floats
 from inflight.trainer.routing_replay import RoutingReplay, collate_routing
@@ -53,7 +54,7 @@ class Policy:
         """``reference_dir``: the run's first weights, ``loss.kl_coef``'s reference (default
         ``model_dir``; a LoRA run's reference is its base with the adapter off). ``resume``: load
         the optimizer from ``model_dir``'s checkpoint (default: whether ``resumed`` is given)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.cfg, self.ranks, self.model_dir = cfg, ranks, model_dir
         self.device = ranks.device if ranks else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -64,26 +65,16 @@ class Policy:
             check_ranks(cfg, ranks.world)
             if ranks.rank == 0:
                 for r in range(1, ranks.world):
-                    ranks.send(TrainerSetup(model_dir=str(model_dir), resume=resume,
+                    ranks.send(TrainerSetup(model_dir=str(model_dir), resume=resume, adapter_dir=str(adapter_dir or ""),
                                             reference_dir=str(reference_dir or "")), r)
         self.tokenizer = use_chat_template(AutoTokenizer.from_pretrained(str(model_dir)), cfg.task.chat_template)
-        self.lora = adapter_dir is not None
-        if adapter_dir is not None:  # only the adapter trains; its directory is also the checkpoint's
-            model, state_dir = load_trainable(model_dir, adapter_dir), adapter_dir
-        else:
-            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)  # fp32 master weights
-            state_dir = model_dir
-        self.model = model.to(self.device)
-        self.reference = None  # loss.kl_coef's frozen reference model (a LoRA run's: the base, adapter off)
-        if cfg.loss.kl_coef and not self.lora:
-            self.reference = AutoModelForCausalLM.from_pretrained(str(reference_dir or model_dir), dtype=torch.float32)
-            self.reference.to(self.device).eval().requires_grad_(False)
+        self.lora, self.adapter_dir = adapter_dir is not None, adapter_dir
+        state_dir = adapter_dir or model_dir  # a LoRA run's checkpoint is its adapter's directory
+        # loss.kl_coef's frozen reference model (a LoRA run's: the base, adapter off)
+        self.model, self.reference = self._placed(self._load(model_dir, adapter_dir, reference_dir))
         self.gathered: GatheredWeights | None = None
         if ranks is not None:
-            ranks.shard(self.model)
-            if self.reference is not None:
-                ranks.shard(self.reference)
-            self.gathered = GatheredWeights(ranks, named_weights(self.model))
+            self.gathered = GatheredWeights(ranks, adapter_weights(self.model) if self.lora else named_weights(self.model))
             self.gathered.gather(0)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.optim.lr,
                                            betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
@@ -95,6 +86,38 @@ class Policy:
         self.flat_steps = 0  # steps in a row whose every group's samples scored alike (zero advantages)
         self._eval_model: torch.nn.Module | None = None
 
+    def _load(self, model_dir: Path, adapter_dir: Path | None, reference_dir: Path | None) -> list[torch.nn.Module]:
+        """The policy (fp32 master weights; with ``adapter_dir`` only the adapter trains) and the
+        KL reference (if any), on the host; a following rank's on the meta device, no weights read."""
+        from transformers import AutoModelForCausalLM
+
+        empty = self.ranks is not None and self.ranks.rank != 0
+        if adapter_dir is not None:
+            models = [empty_trainable(model_dir, adapter_dir) if empty else load_trainable(model_dir, adapter_dir)]
+        else:
+            models = [empty_model(model_dir) if empty else
+                      AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)]
+        if self.cfg.loss.kl_coef and adapter_dir is None:
+            where = reference_dir or model_dir
+            models.append(empty_model(where) if empty else AutoModelForCausalLM.from_pretrained(str(where),
+                                                                                               dtype=torch.float32))
+            models[-1].eval().requires_grad_(False)
+        return models
+
+    def _placed(self, models: list[torch.nn.Module]) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+        """``_load``'s models on this process's device: with ranks, sharded layer by layer
+        before any leaves the host (FSDP moves each unit's shards), then every rank's shards
+        filled from rank 0's weights."""
+        for model in models:
+            if self.ranks is None:
+                model.to(self.device)
+                continue
+            full = model.state_dict() if self.ranks.rank == 0 else None
+            self.ranks.shard(model)
+            self.ranks.fill_from_rank_0(model, full)
+            del full
+        return models[0], models[1] if len(models) > 1 else None
+
     @torch.no_grad()
     def reference_logprobs(self, batch: Batch) -> torch.Tensor | None:
         """The reference policy's log-probs of ``batch``'s tokens (None without ``loss.kl_coef``),
@@ -102,8 +125,8 @@ class Policy:
         if not self.cfg.loss.kl_coef:
             return None
         unfiltered = Sampling(temperature=self.cfg.rollout.temperature)
-        if self.reference is None:  # LoRA: the base is the model with its adapter off
-            with self.unwrapped.disable_adapter():
+        if self.reference is None:  # LoRA: the base is the model with its adapter off (on every rank)
+            with self.model.disable_adapter():
                 return policy_logprobs(self.model, batch, unfiltered)[0]
         return policy_logprobs(self.reference, batch, unfiltered)[0]
 
@@ -121,10 +144,11 @@ class Policy:
         if self._eval_model is None:
             from transformers import AutoModelForCausalLM
 
-            self._eval_model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+            self._eval_model = (load_trainable(self.model_dir, self.adapter_dir) if self.adapter_dir is not None else
+                                AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32))
             self._eval_model.to(self.device).eval().requires_grad_(False)
         with torch.no_grad():
-            own = named_weights(self._eval_model)
+            own = adapter_weights(self._eval_model) if self.lora else named_weights(self._eval_model)
             for name, t in self.gathered.copy.items():
                 own[name].copy_(t)
         return self._eval_model
@@ -320,8 +344,6 @@ def check_ranks(cfg: TrainConfig, world: int) -> None:
     before any engine starts or model loads; one rank is refused nothing."""
     if world == 1:
         return
-    if cfg.model.lora.enabled:
-        raise ValueError(f"model.lora on {world} trainer ranks: a LoRA policy trains on one rank (drop --nproc)")
     if cfg.loss.routing_replay:
         raise ValueError(f"loss.routing_replay on {world} trainer ranks: routing replay runs on one rank")
     if cfg.rollout.groups_per_step < world:

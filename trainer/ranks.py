@@ -111,6 +111,22 @@ class TrainerRanks:
             unit.set_force_sum_reduction_for_comms(True)
         return model
 
+    def fill_from_rank_0(self, model: torch.nn.Module, full: dict[str, torch.Tensor] | None) -> None:
+        """Every rank, after ``shard``: each rank's shards of rank 0's ``full`` state dict (its
+        unsharded tensors, on the host; None on the others, whose model was built on the meta
+        device and is allocated here), and rank 0's buffers (a buffer a state dict leaves out,
+        such as rotary frequencies, is the same on every rank). No rank but 0 ever holds
+        the whole model."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if self.rank != 0:
+            model.to_empty(device=self.device)
+        set_model_state_dict(model, full if self.rank == 0 else {},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        with torch.no_grad():
+            for buffer in model.buffers():
+                dist.broadcast(buffer, 0)
+
     def rows(self, groups: list[RolloutGroup]) -> list[list[RolloutGroup]]:
         """``groups`` cut into ``world`` contiguous runs of whole groups, balanced by their tokens
         (prompt and completion), each at least one (``groups`` holds at least one per rank)."""

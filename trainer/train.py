@@ -259,8 +259,9 @@ def follow_rank_0(cfg: TrainConfig, ranks: TrainerRanks) -> None:
         return
     if not isinstance(setup, TrainerSetup):
         raise ProtocolError(f"trainer rank {ranks.rank}: expected the setup, got {type(setup).__name__}")
-    policy = Policy(cfg, Path(setup.model_dir), None, reference_dir=Path(setup.reference_dir) if setup.reference_dir
-                    else None, ranks=ranks, resume=setup.resume)
+    policy = Policy(cfg, Path(setup.model_dir), None, Path(setup.adapter_dir) if setup.adapter_dir else None,
+                    reference_dir=Path(setup.reference_dir) if setup.reference_dir else None, ranks=ranks,
+                    resume=setup.resume)
     while not isinstance(order := ranks.receive(), TrainerStop):
         if isinstance(order, TrainerSave):
             policy.write_optimizer(Path(order.path))
