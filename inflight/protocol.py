@@ -502,6 +502,10 @@ class TrainerPart(Wire, tag="trainer_part"):
     logp: bytes
     entropy: bytes
     ref: bytes = b""
+    routing_rows: NonNeg = 0
+    """Routing replay (``loss.routing_replay``): the (token, MoE layer) rows r replayed, and
+    those where r's router would have chosen other experts than the engine did."""
+    routing_differ: NonNeg = 0
 
 
 ControlMessage = Union[UpdateAnnounce, ForEachRank, Commit, Abort, Shutdown, Roster]

@@ -237,3 +237,25 @@ def test_a_follower_gets_a_clear_error_when_rank_0_dies_mid_push(tiny_llama) -> 
         trainer.close()
         peer.kill()
         peer.join(30)
+
+
+def test_a_model_fused_at_load_is_refused_by_name(tiny_moe) -> None:
+    """transformers fuses a MoE's experts at load: the checkpoint form's split experts would be
+    copies made once, stale after the first step, so ``ShardedSource(module)`` refuses it,
+    naming what to pass instead (before it touches any process group)."""
+    from transformers import AutoModelForCausalLM
+
+    from inflight.transport.sources import ShardedSource, checkpoint_form, named_weights
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_moe), dtype=torch.float32)
+    live = {n: p.detach() for n, p in model.named_parameters()}
+    assert any(".experts.0." in n for n in named_weights(model)) and not any(".experts.0." in n for n in live)
+    with pytest.raises(ValueError, match=r"checkpoint form differs .* stale after the first optimizer step"):
+        ShardedSource(model, None)  # type: ignore[arg-type]
+    # what GatheredWeights does instead: the live tensors, in checkpoint form when read, see a step
+    copies = named_weights(model)
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "experts" in n).add_(1.0)
+    fresh, moved = checkpoint_form(model, live), named_weights(model)
+    assert fresh.keys() == moved.keys() and all(torch.equal(fresh[k], moved[k]) for k in moved)
+    assert any(not torch.equal(copies[k], moved[k]) for k in moved if ".experts." in k)  # the copies went stale

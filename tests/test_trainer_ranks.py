@@ -29,17 +29,34 @@ SETTINGS = {
     "micro_batches": {"optim": {"micro_batches": 3}},
     "kl": {"loss": {"kl_coef": 0.05}},
     "lora": {"model": {"lora": {"rank": 4, "alpha": 8.0}}, "loss": {"kl_coef": 0.05}},
+    # lr 1e-4: Adam's first step moves a weight by lr * g / (|g| + eps), so where a gradient is
+    # near eps, rounding-level differences between the two sums move it by a share of lr
+    # (at 1e-3, 1.3e-5 in one of the MoE's k_proj elements)
+    "routing_replay": {"loss": {"routing_replay": True}, "optim": {"micro_batches": 2, "lr": 1e-4}},
 }
 """Each is ``_config``'s base with these sections merged in; ``lora``: an adapter trains on a
 frozen base (``Policy``'s ``adapter_dir``), its KL reference the base with the adapter off."""
-MODELS = {"kl": "tiny_qwen", "lora": "tiny_qwen"}
+MODELS = {"kl": "tiny_qwen", "lora": "tiny_qwen", "routing_replay": "tiny_moe"}
 """The model each setting trains (default ``tiny_llama``, an untied LM head): ``tiny_qwen`` has
 tied embeddings and qkv biases, one tensor under two names when rank 0 fills the others'."""
 
 
-def _groups(step: int) -> list[RolloutGroup]:
-    """Step ``step``'s batch: 4 groups of 3 (``random_groups``)."""
-    return random_groups(torch.Generator().manual_seed(100 + step), 4, 3)
+def _groups(step: int, routers: int = 0) -> list[RolloutGroup]:
+    """Step ``step``'s batch: 4 groups of 3 (``random_groups``); with ``routers`` MoE layers,
+    each token's recorded routing: 2 distinct experts of 4 in each, at random."""
+    import msgspec
+
+    groups = random_groups(torch.Generator().manual_seed(100 + step), 4, 3)
+    if not routers:
+        return groups
+    g = torch.Generator().manual_seed(200 + step)
+
+    def routed(s):
+        experts = torch.rand(len(s.token_ids), routers, 4, generator=g).argsort(-1)[..., :2]
+        return msgspec.structs.replace(s, routing=experts.to(torch.int16).numpy().tobytes(), routing_layers=routers,
+                                       routing_k=2)
+
+    return [RolloutGroup(group_id=gr.group_id, samples=tuple(routed(s) for s in gr.samples)) for gr in groups]
 
 
 def _config(model_dir: str, setting: dict):
@@ -48,7 +65,7 @@ def _config(model_dir: str, setting: dict):
     base = {"model": {"path": model_dir}, "rollout": {"group_size": 3, "groups_per_step": 4},
             "loss": {"max_lag": 2}, "optim": {}}  # optim.lr: the default, 1e-3
     for key, values in setting.items():
-        base[key] = {**base[key], **values}
+        base[key] = {**base.get(key, {}), **values}
     return config_from_dict(base)
 
 
@@ -56,8 +73,9 @@ def _steps(policy, first: int, last: int) -> list[dict]:
     """Steps ``first`` .. ``last - 1``: each one's loss, gradient norm and pushed tensors."""
     out = []
     for step in range(first, last):
-        result = policy.step(_groups(step), version=2, step=step)
-        out.append({"loss": result.loss, "grad_norm": result.grad_norm,
+        result = policy.step(_groups(step, len(policy.replay.routers)), version=2, step=step)
+        out.append({"loss": result.loss, "grad_norm": result.grad_norm, "routing": policy.replay.enabled and
+                    (result.metrics["routing_replayed_rows"], result.metrics["routing_mismatch"]),
                     "weights": {k: v.clone() for k, v in policy.weights().items()}})
     return out
 
@@ -69,10 +87,12 @@ def _save(policy, path: Path, step: int) -> None:
     policy.save(path, step, 2, RolloutBuffer(RolloutQueue(HashStore(), capacity=4), admit_lag=2))
 
 
-def _rank(rank: int, port: int, model_dir: str, setting: dict, plan: tuple, out: str, adapter: str | None) -> None:
-    """One of two trainer ranks: rank 0 runs ``plan`` = (resume from, first step, last step,
-    checkpoint to) and saves what it saw to ``out``; rank 1 follows."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+def _rank(rank: int, port: int, model_dir: str, setting: dict, plan: tuple, out: str, adapter: str | None,
+          world: int) -> None:
+    """One of ``world`` trainer ranks: rank 0 runs ``plan`` = (resume from, first step, last
+    step, checkpoint to) and saves what it saw to ``out``; the others follow. A world of 1 is
+    a one-process run (a process group of its own only if ``optim.compute_dtype`` needs one)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from inflight.trainer.policy import Policy
     from inflight.trainer.ranks import TrainerRanks
@@ -91,15 +111,17 @@ def _rank(rank: int, port: int, model_dir: str, setting: dict, plan: tuple, out:
             _save(policy, Path(save_to), last)
         torch.save(seen, out)
     finally:
-        ranks.stop()
+        if ranks is not None:
+            ranks.stop()
 
 
-def _two_ranks(model_dir: Path, setting: dict, plan: tuple, out: Path, adapter: Path | None = None) -> list[dict]:
+def _two_ranks(model_dir: Path, setting: dict, plan: tuple, out: Path, adapter: Path | None = None, *,
+               world: int = 2) -> list[dict]:
     ctx = mp.get_context("spawn")
     port = reserve_port()
     release_port("127.0.0.1", port)  # rank 0's rendezvous store listens there
     procs = [ctx.Process(target=_rank, args=(r, port, str(model_dir), setting, plan, str(out),
-                                                    adapter and str(adapter))) for r in (0, 1)]
+                                             adapter and str(adapter), world)) for r in range(world)]
     for p in procs:
         p.start()
     while (running := [p.sentinel for p in procs if p.exitcode is None]) and not any(p.exitcode for p in procs):
@@ -108,7 +130,7 @@ def _two_ranks(model_dir: Path, setting: dict, plan: tuple, out: Path, adapter: 
         if p.exitcode is None:
             p.kill()
         p.join()
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert [p.exitcode for p in procs] == [0] * world
     return torch.load(out, weights_only=True)
 
 
@@ -132,10 +154,11 @@ def _assert_same(one: list[dict], two: list[dict]) -> None:
     assert len(one) == len(two)
     for step, (a, b) in enumerate(zip(one, two)):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (step, a["loss"], b["loss"])
+        assert a["routing"] == b["routing"], (step, a["routing"], b["routing"])  # every rank's replays counted
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-5 * max(1.0, a["grad_norm"]), step
         assert a["weights"].keys() == b["weights"].keys()
         worst = max(float((a["weights"][k] - b["weights"][k]).abs().max()) for k in a["weights"])
-        assert worst < 1e-5, (step, worst)
+        assert worst < 1e-5, (step, worst, sorted(((a["weights"][k] - b["weights"][k]).abs().max().item(), k) for k in a["weights"])[-4:])
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
@@ -149,12 +172,97 @@ def test_two_ranks_take_the_steps_of_one_process(request, tmp_path, name: str) -
     one = _one_process(tiny_llama, setting, (None, 0, STEPS, None), adapter)
     two = _two_ranks(tiny_llama, setting, (None, 0, STEPS, None), tmp_path / "two.pt", adapter)
     _assert_same(one, two)
+    if name == "routing_replay":  # the replay ran, and changed what the routers chose
+        assert all(r["routing"][0] > 0 and r["routing"][1] > 0.3 for r in one), [r["routing"] for r in one]
     if lora.enabled:  # what a push sends: the adapter alone, by PEFT's names
         assert one[0]["weights"] and all("lora_A" in k or "lora_B" in k for k in one[0]["weights"])
     # the steps moved the weights, and the loss and gradients were not degenerate
     first, last = one[0]["weights"], one[-1]["weights"]
     assert all(float((first[k] - last[k]).abs().max()) > 1e-4 for k in first if "norm" not in k)
     assert all(r["grad_norm"] > 0 and r["loss"] != 0 for r in one)
+
+
+def test_bf16_compute_on_one_rank_and_two(tiny_qwen, tmp_path) -> None:
+    """``optim.compute_dtype = "bfloat16"``: FSDP2's mixed precision on one rank and on two
+    take the same steps within bf16's rounding, and differ from fp32 compute by more than it;
+    the master weights and every push stay fp32."""
+    bf16 = {"optim": {"compute_dtype": "bfloat16"}}
+    fp32 = _one_process(tiny_qwen, {}, (None, 0, STEPS, None))
+    one = _two_ranks(tiny_qwen, bf16, (None, 0, STEPS, None), tmp_path / "one.pt", world=1)
+    two = _two_ranks(tiny_qwen, bf16, (None, 0, STEPS, None), tmp_path / "two.pt")
+
+    def worst(a: dict, b: dict) -> float:
+        return max(float((a["weights"][k] - b["weights"][k]).abs().max()) for k in a["weights"])
+
+    # step 1, from the same weights: bf16 on 1 rank and on 2 compute the same forward (the same
+    # bf16 parameters) and gradients within their fp32 sums' rounding (measured 9e-6 of the
+    # norm); fp32 compute differs by more (measured 1.3e-5 in the loss, 1.2e-3 of the norm)
+    a, b, c = one[0], two[0], fp32[0]
+    assert abs(a["loss"] - b["loss"]) < 1e-6 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * c["grad_norm"]
+    assert abs(a["loss"] - c["loss"]) > 5e-6 and abs(a["grad_norm"] - c["grad_norm"]) > 5e-4 * c["grad_norm"]
+    # then Adam turns rounding into steps of up to lr (1e-3) each: 5 steps stay within bf16's reach
+    assert all(abs(x["loss"] - y["loss"]) < 1e-3 for x, y in zip(one, two))
+    assert max(float((one[-1]["weights"][k] - two[-1]["weights"][k]).abs().max()) for k in one[-1]["weights"]) < 1e-2
+    assert all(t.dtype == torch.float32 for r in one + two for t in r["weights"].values())
+
+
+def _rank_killed_mid_gather(rank: int, port: int, model_dir: str, out: str) -> None:
+    """Rank 0 takes steps until it fails; rank 1 is SIGKILLed (by itself) in step 2's gather
+    into rank 0's push copy, 3 tensors in. Rank 0 saves its error and how long it took."""
+    import signal
+    import time
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from inflight.trainer.policy import Policy
+    from inflight.trainer.ranks import RankLost, TrainerRanks
+    from inflight.trainer.train import follow_rank_0
+    from inflight.transport.sources import ShardedSource
+
+    cfg = _config(model_dir, {"run": {"rank_timeout_s": 30.0}})
+    ranks = TrainerRanks.from_env(cfg.run.rank_timeout_s)
+    if rank:
+        gather, taken = ShardedSource._gather, []
+
+        def dying(self, name):  # noqa: ANN001
+            taken.append(name)
+            if self._version == 2 and len(taken) > 2 * len(self.named) + 3:  # v0 and v1 whole, then 3 of v2
+                os.kill(os.getpid(), signal.SIGKILL)
+            return gather(self, name)
+
+        ShardedSource._gather = dying
+        return follow_rank_0(cfg, ranks)
+    policy = Policy(cfg, Path(model_dir), None, ranks=ranks)
+    policy.step(_groups(0), version=2, step=0)
+    t0 = time.monotonic()
+    try:
+        policy.step(_groups(1), version=2, step=1)
+    except RankLost as e:
+        torch.save({"error": str(e), "seconds": time.monotonic() - t0}, out)
+
+
+def test_a_rank_killed_in_the_gather_is_named_within_seconds(tiny_llama, tmp_path) -> None:
+    """SIGKILL of rank 1 in the middle of the ranks' part of a push (the gather of the step's
+    weights into rank 0's copy): rank 0's step fails with ``RankLost`` naming rank 1 within
+    seconds, not at ``run.rank_timeout_s`` (the run then stops without a checkpoint of the
+    half-gathered copy: ``train`` saves only after whole steps)."""
+    ctx = mp.get_context("spawn")
+    port = reserve_port()
+    release_port("127.0.0.1", port)
+    out = tmp_path / "lost.pt"
+    procs = [ctx.Process(target=_rank_killed_mid_gather, args=(r, port, str(tiny_llama), str(out))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        if p.exitcode is None:
+            p.kill()
+    assert procs[1].exitcode == -9 and procs[0].exitcode == 0
+    lost = torch.load(out, weights_only=True)
+    print(f"rank 1 killed mid-gather: rank 0 named it {lost['seconds']:.1f} s into the step")
+    assert re.search(r"^step 2: a collective of the trainer's ranks failed \(.*\); trainer rank 1 did not answer",
+                     lost["error"]), lost["error"]
+    assert lost["seconds"] < 15, lost
 
 
 @pytest.mark.parametrize("saved_on", [1, 2])
@@ -357,7 +465,8 @@ def test_accelerate_launch_starts_the_same_ranks(tmp_path) -> None:
     import sys
 
     out = tmp_path / "run"
-    sets = [a for s in (f"run.out_dir={out}", *SMALL_DEMO, "run.steps=2") for a in ("--set", s)]
+    sets = [a for s in (f"run.out_dir={out}", *SMALL_DEMO, "run.steps=2", "optim.compute_dtype=bfloat16")
+            for a in ("--set", s)]  # and with bf16 compute, end to end
     done = subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes",
                            "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m",
                            "inflight.trainer.train", "--config", "demo", *sets],
@@ -407,8 +516,8 @@ def test_what_several_ranks_cannot_do_is_refused_by_name(tiny_llama) -> None:
     from inflight.trainer.policy import check_ranks
 
     check_ranks(_config(str(tiny_llama), {"rollout": {"groups_per_step": 1}}), 1)  # one rank: nothing refused
-    check_ranks(_config(str(tiny_llama), SETTINGS["lora"]), 2)  # an adapter trains on ranks
-    for setting, name in (({"loss": {"routing_replay": True}}, "loss.routing_replay"),
-                          ({"rollout": {"groups_per_step": 1}}, "rollout.groups_per_step=1")):
+    for setting in (SETTINGS["lora"], SETTINGS["routing_replay"]):  # an adapter, routing replay: on ranks
+        check_ranks(_config(str(tiny_llama), setting), 2)
+    for setting, name in (({"rollout": {"groups_per_step": 1}}, "rollout.groups_per_step=1"),):
         with pytest.raises(ValueError, match=rf"^{re.escape(name)}.* on 2 trainer ranks"):
             check_ranks(_config(str(tiny_llama), setting), 2)

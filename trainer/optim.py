@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from inflight.protocol import ModelDtype
 from inflight.settings import check_choices
 
 
@@ -36,6 +37,11 @@ class OptimConfig:
     micro-batches of consecutive rows, each trimmed to its own padding, their gradients
     accumulated (the loss normalized by the whole batch's tokens, so the step equals one
     pass). Peak memory falls with it: logits are (samples, tokens, vocabulary)."""
+    compute_dtype: ModelDtype = "float32"
+    """What the forward and backward passes compute in. ``bfloat16``: FSDP2's mixed precision
+    (``MixedPrecisionPolicy``) on every rank, one included: each layer's parameters are
+    gathered in bf16 for its passes and its gradients reduced in fp32; the master weights,
+    AdamW's moments and every push stay fp32, and the logits come out in fp32."""
 
     def __post_init__(self) -> None:
         check_choices(self, "optim")

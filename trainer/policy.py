@@ -19,7 +19,7 @@ import torch
 
 from inflight.protocol import RolloutGroup, Sampling, TrainerOrder, TrainerPart, TrainerSave, TrainerSetup, decode_trainer_part
 from inflight.rollout_queue import RolloutBuffer
-from inflight.transport.sources import named_weights
+from inflight.transport.sources import checkpoint_form, named_weights
 from inflight.trainer.adapter import adapter_weights, empty_trainable, load_trainable
 from inflight.trainer.checkpoint import TrainerState, load_optimizer, restore_rng, save_checkpoint, save_optimizer
 from inflight.trainer.config import TrainConfig
@@ -56,6 +56,8 @@ class Policy:
         the optimizer from ``model_dir``'s checkpoint (default: whether ``resumed`` is given)."""
         from transformers import AutoTokenizer
 
+        if ranks is None and cfg.optim.compute_dtype != "float32":  # mixed precision is FSDP2's, on one rank too
+            ranks = TrainerRanks.from_env(cfg.run.rank_timeout_s, alone=True)
         self.cfg, self.ranks, self.model_dir = cfg, ranks, model_dir
         self.device = ranks.device if ranks else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cpu":
@@ -74,7 +76,7 @@ class Policy:
         self.model, self.reference = self._placed(self._load(model_dir, adapter_dir, reference_dir))
         self.gathered: GatheredWeights | None = None
         if ranks is not None:
-            self.gathered = GatheredWeights(ranks, adapter_weights(self.model) if self.lora else named_weights(self.model))
+            self.gathered = GatheredWeights(ranks, self._live())
             self.gathered.gather(0)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.optim.lr,
                                            betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
@@ -113,7 +115,7 @@ class Policy:
                 model.to(self.device)
                 continue
             full = model.state_dict() if self.ranks.rank == 0 else None
-            self.ranks.shard(model)
+            self.ranks.shard(model, self.cfg.optim.compute_dtype)
             self.ranks.fill_from_rank_0(model, full)
             del full
         return models[0], models[1] if len(models) > 1 else None
@@ -148,17 +150,23 @@ class Policy:
                                 AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32))
             self._eval_model.to(self.device).eval().requires_grad_(False)
         with torch.no_grad():
-            own = adapter_weights(self._eval_model) if self.lora else named_weights(self._eval_model)
+            own = self._live(self._eval_model)
             for name, t in self.gathered.copy.items():
                 own[name].copy_(t)
         return self._eval_model
 
+    def _live(self, model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The trained tensors of ``model`` (default the policy) as they live in it: a LoRA
+        run's adapter by PEFT's names, else the parameters by their in-memory names."""
+        model = self.model if model is None else model
+        return adapter_weights(model) if self.lora else {n: p.detach() for n, p in model.named_parameters()}
+
     def weights(self) -> dict[str, torch.Tensor]:
         """The tensors a push sends, by checkpoint name (``named_weights``); in a LoRA run the
-        adapter's, by the names PEFT saves (``inflight.trainer.adapter``); with ranks, rank 0's
-        host copy of the last step's (``GatheredWeights``)."""
+        adapter's, by the names PEFT saves (``inflight.trainer.adapter``); with ranks, from rank
+        0's host copy of the last step's (``GatheredWeights``), in checkpoint form."""
         if self.gathered is not None:
-            return self.gathered.copy
+            return self.gathered.copy if self.lora else checkpoint_form(self.model, self.gathered.copy)
         return adapter_weights(self.model) if self.lora else named_weights(self.model)
 
     def step(self, groups: list[RolloutGroup], version: int, step: int, *,
@@ -208,11 +216,15 @@ class Policy:
     def _follow(self, order: TrainerOrder) -> None:
         assert self.ranks is not None and self.gathered is not None
         self.ranks.check_in(order.step)
-        batch = collate(order.groups, self.tokenizer.pad_token_id, self.cfg.loss.normalize_std)
-        logp, entropy, ref = self._backward(batch, order.version, order.n_tokens, order.passes)
-        rows, cols = logp.shape
+        groups = list(order.groups)
+        batch = collate(groups, self.tokenizer.pad_token_id, self.cfg.loss.normalize_std)
+        self.replay.reset()
+        logp, entropy, ref = self._backward(batch, order.version, order.n_tokens, order.passes,
+                                            self._routing(groups, batch))
+        (rows, cols), (routed, differ) = logp.shape, self.replay.counts()
         self.ranks.send(TrainerPart(rows=rows, cols=cols, logp=_raw(logp), entropy=_raw(entropy),
-                                    ref=b"" if ref is None else _raw(ref)), 0)
+                                    ref=b"" if ref is None else _raw(ref), routing_rows=routed,
+                                    routing_differ=differ), 0)
         self._clip()
         self._set_lr(order.step)
         self.optimizer.step()
@@ -245,8 +257,9 @@ class Policy:
         whole batch's metrics and the batch."""
         cfg = self.cfg
         batch = collate(groups, self.tokenizer.pad_token_id, cfg.loss.normalize_std)
-        routing = collate_routing(groups, batch.input_ids, batch.completion_ids.shape[1]) if self.replay.enabled else None
+        routing = self._routing(groups, batch)
         passes = min(cfg.optim.micro_batches, batch.input_ids.shape[0])
+        self.replay.reset()
         if passes == 1:  # one pass: the loss and its metrics at once
             batch = batch.to(self.device)
             with self.replay.replaying(routing):
@@ -284,6 +297,12 @@ class Policy:
                 ref_all[rows, :t] = ref.cpu()
         return logp_all, entropy_all, ref_all
 
+    def _routing(self, groups: list[RolloutGroup], batch: Batch) -> torch.Tensor | None:
+        """``groups``' recorded routing, collated like ``batch`` (None without routing replay)."""
+        if not self.replay.enabled:
+            return None
+        return collate_routing(groups, batch.input_ids, batch.completion_ids.shape[1])
+
     def _accumulate_on_ranks(self, groups: list[RolloutGroup], version: int, step: int
                              ) -> tuple[float, dict[str, Any], Batch]:
         """Rank 0's ``accumulate``: each rank its whole groups (``TrainerRanks.rows``), every
@@ -300,9 +319,12 @@ class Policy:
                                     passes=passes), r)
         ranks.check_in(step)
         mine = collate(parts[0], self.tokenizer.pad_token_id, cfg.loss.normalize_std)
-        shares = [self._backward(mine, version, n_tokens, passes)]
+        self.replay.reset()
+        shares = [self._backward(mine, version, n_tokens, passes, self._routing(parts[0], mine))]
+        routed = (0, 0)  # the other ranks' routing replay counts
         for r in range(1, ranks.world):
             part = decode_trainer_part(ranks.receive_bytes(r))
+            routed = (routed[0] + part.routing_rows, routed[1] + part.routing_differ)
             shares.append((decode_floats(part.logp, part.rows, part.cols), decode_floats(part.entropy, part.rows, part.cols),
                            decode_floats(part.ref, part.rows, part.cols) if part.ref else None))
         logp_all, entropy_all = torch.zeros_like(batch.behaviour_logp), torch.zeros_like(batch.behaviour_logp)
@@ -316,7 +338,7 @@ class Policy:
             start = rows.stop
         with torch.no_grad():
             loss, metrics = compute_loss(logp_all, entropy_all, batch, version=version, cfg=cfg.loss, ref_logp=ref_all)
-        return float(loss), metrics, batch
+        return float(loss), {**metrics, **self.replay.stats(routed)}, batch
 
     def save(self, path: Path, step: int, version: int, buffer: RolloutBuffer,
              ledger: Callable[[], dict] | None = None) -> None:
@@ -344,8 +366,6 @@ def check_ranks(cfg: TrainConfig, world: int) -> None:
     before any engine starts or model loads; one rank is refused nothing."""
     if world == 1:
         return
-    if cfg.loss.routing_replay:
-        raise ValueError(f"loss.routing_replay on {world} trainer ranks: routing replay runs on one rank")
     if cfg.rollout.groups_per_step < world:
         raise ValueError(f"rollout.groups_per_step={cfg.rollout.groups_per_step} on {world} trainer ranks: each rank "
                          "trains on whole groups, so a batch needs at least one group per rank")

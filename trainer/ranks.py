@@ -71,11 +71,12 @@ class TrainerRanks:
     """How long a rank waits for another within a step (``run.rank_timeout_s``)."""
 
     @classmethod
-    def from_env(cls, timeout_s: float = 300.0) -> TrainerRanks | None:
+    def from_env(cls, timeout_s: float = 300.0, *, alone: bool = False) -> TrainerRanks | None:
         """The ranks of a run launched with ``WORLD_SIZE`` > 1 (the process group formed here,
-        its collectives failing after ``timeout_s``); None for a one-process run."""
+        its collectives failing after ``timeout_s``); None for a one-process run, unless
+        ``alone``: then a group of this process alone (FSDP2 on one rank: ``optim.compute_dtype``)."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world <= 1:
+        if world <= 1 and not alone:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -86,26 +87,36 @@ class TrainerRanks:
         device = torch.device("cuda", local) if cuda else torch.device("cpu")
         timeout = timedelta(seconds=timeout_s)
         if not dist.is_initialized():
-            dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timeout)
+            store = dist.HashStore() if world <= 1 else None  # alone: no rendezvous
+            dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timeout, store=store,
+                                    **({"rank": 0, "world_size": 1} if store is not None else {}))
+        world = dist.get_world_size()
         mesh = init_device_mesh(device.type, (world,))
         return cls(rank=dist.get_rank(), world=world, device=device, mesh=mesh,
                    orders=dist.new_group(backend="gloo", timeout=ORDER_TIMEOUT),
                    gathers=dist.new_group(backend="gloo", timeout=timeout),
                    checks=dist.new_group(backend="gloo", timeout=timeout), timeout=timeout)
 
-    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+    def shard(self, model: torch.nn.Module, compute_dtype: str = "float32") -> torch.nn.Module:
         """``model`` sharded in place: each decoder layer (``_no_split_modules``) its own FSDP
-        unit, then the root; gradients summed over ranks, not averaged."""
-        from torch.distributed.fsdp import fully_shard
+        unit, then the root; gradients summed over ranks, not averaged. ``compute_dtype``
+        ``bfloat16``: parameters gathered in bf16, gradients reduced and outputs returned in fp32."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         layers = set(getattr(model, "_no_split_modules", None) or ())
         units = [m for m in model.modules() if type(m).__name__ in layers]
         if not units:
             raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules): cannot "
                              "shard it layer by layer")
+        layer, root = {}, {}
+        if compute_dtype != "float32":  # the layers pass bf16 on; the root returns fp32 logits
+            dtype = getattr(torch, compute_dtype)
+            layer = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
+            root = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                                                      output_dtype=torch.float32)}
         for unit in units:
-            fully_shard(unit, mesh=self.mesh)
-        fully_shard(model, mesh=self.mesh)
+            fully_shard(unit, mesh=self.mesh, **layer)
+        fully_shard(model, mesh=self.mesh, **root)
         for unit in [*units, model]:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
@@ -201,14 +212,33 @@ class TrainerRanks:
 
     def lost(self, step: int, error: BaseException) -> RankLost:
         """What a collective of step ``step`` that failed (``error``) says: the ranks that do not
-        come to a monitored barrier within a few seconds are named (hung or gone)."""
+        come to a monitored barrier within a few seconds are named (hung or gone). A rank that
+        died closes its sockets, which fails the barrier at once without naming it: every
+        live rank also says it is alive in the process group's store, and rank 0 names the
+        ranks that did not."""
+        store = dist.distributed_c10d._get_default_store()
+        if self.rank:
+            store.set(f"inflight/alive/{step}/{self.rank}", "1")
         try:
             dist.monitored_barrier(group=self.checks, timeout=timedelta(seconds=5), wait_all_ranks=True)
             who = "every rank answered after it"
         except Exception as e:
             who = _first_line(e)
+            silent = self._silent(store, step) if self.rank == 0 else []
+            if silent:
+                who = f"trainer rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not answer ({who})"
         return RankLost(f"step {step + 1}: a collective of the trainer's ranks failed ({_first_line(error)}); {who} "
                         f"(hung or gone; run.rank_timeout_s)")
+
+    def _silent(self, store, step: int, wait_s: float = 5.0) -> list[int]:
+        """The ranks that did not say they are alive (``lost``) within ``wait_s``."""
+        deadline, silent = time.monotonic() + wait_s, []
+        for r in range(1, self.world):
+            try:
+                store.wait([f"inflight/alive/{step}/{r}"], timedelta(seconds=max(0.1, deadline - time.monotonic())))
+            except Exception:  # not there in time
+                silent.append(r)
+        return silent
 
     def _wait(self, work, rank: int, timeout: timedelta | None, what: str) -> None:
         setting = "; run.rank_timeout_s" if timeout is None else ""
@@ -230,8 +260,9 @@ def _first_line(e: BaseException) -> str:
 
 
 class GatheredWeights:
-    """Rank 0's host copy of the sharded policy's weights, by checkpoint name, refreshed after
-    each optimizer step by every rank at once (``gather``), through a ``ShardedSource``."""
+    """Rank 0's host copy of the sharded policy's live tensors ``named`` (by the names it was
+    given: a module's in-memory ones, so a tensor fused in memory stays one), refreshed
+    after each optimizer step by every rank at once (``gather``), through a ``ShardedSource``."""
 
     def __init__(self, ranks: TrainerRanks, named: dict[str, torch.Tensor]) -> None:
         self.ranks = ranks

@@ -93,7 +93,6 @@ class RoutingReplay:
         if routing.shape[2] != len(self.routers):
             raise ValueError(f"routing covers {routing.shape[2]} MoE layers, the model has {len(self.routers)}")
         self._routing = routing
-        self._counts.zero_()
         hooks = [r.register_forward_hook(partial(self._replay, layer)) for layer, r in enumerate(self.routers)]
         try:
             yield
@@ -102,10 +101,21 @@ class RoutingReplay:
                 h.remove()
             self._routing = None
 
-    def stats(self) -> dict[str, float]:
-        """Over the last ``replaying``: the fraction of replayed (token, layer) rows where the
-        trainer's router would have chosen another set of experts than the engine did."""
+    def reset(self) -> None:
+        """Start counting anew (``stats``): at the start of each optimizer step."""
+        self._counts.zero_()
+
+    def counts(self) -> tuple[int, int]:
+        """Since ``reset``: the replayed (token, layer) rows, and those where the trainer's
+        router would have chosen another set of experts than the engine did."""
         rows, differ, _ = self._counts.tolist()
+        return rows, differ
+
+    def stats(self, more: tuple[int, int] = (0, 0)) -> dict[str, float]:
+        """Over every ``replaying`` since ``reset``, plus ``more`` (other ranks' ``counts``): the
+        rows replayed, and the fraction where the trainer's router would have chosen another
+        set of experts than the engine did."""
+        rows, differ = (a + b for a, b in zip(self.counts(), more))
         return {"routing_replayed_rows": rows, "routing_mismatch": differ / rows if rows else 0.0} if self.enabled else {}
 
     def _replay(self, layer: int, router: torch.nn.Module, args: Any, output: Any) -> tuple[torch.Tensor, ...]:

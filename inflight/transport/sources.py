@@ -49,7 +49,13 @@ def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     checkpoint has ``experts.{e}.gate_proj.weight`` ...). transformers' own
     ``revert_weight_conversion``, the step ``save_pretrained`` applies, undoes that for every
     architecture it knows; the split experts are copies (one expert each, made once here)."""
-    named = {name: p.detach() for name, p in model.named_parameters()}
+    return checkpoint_form(model, {name: p.detach() for name, p in model.named_parameters()})
+
+
+def checkpoint_form(model: torch.nn.Module, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``model``'s in-memory tensors ``named`` (its ``named_parameters`` names, gathered or
+    not) by checkpoint name and layout (``named_weights``): a tensor transformers fused at
+    load comes back split, as copies; any other is ``named``'s own."""
     try:
         from transformers import PreTrainedModel
         from transformers.core_model_loading import revert_weight_conversion
@@ -102,6 +108,12 @@ class ShardedSource:
         named = named_weights(weights) if isinstance(weights, torch.nn.Module) else dict(weights)
         if not named:
             raise ValueError("ShardedSource of no tensors")
+        if isinstance(weights, torch.nn.Module) and set(named) != {n for n, _ in weights.named_parameters()}:
+            raise ValueError(f"ShardedSource({type(weights).__name__}): its checkpoint form differs from its modules' "
+                             "(transformers fused weights at load, e.g. MoE experts), so its split tensors would be "
+                             "copies made once, stale after the first optimizer step: pass its live tensors "
+                             "({n: p.detach() for n, p in model.named_parameters()}) and convert each gathered "
+                             "tensor set with checkpoint_form (inflight.trainer.ranks.GatheredWeights does)")
         check_gather_backend(str(dist.get_backend(group)))
         self.group = group
         self.rank = dist.get_rank(group)
