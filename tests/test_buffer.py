@@ -45,10 +45,18 @@ def test_a_full_queue_holds_the_producer_back(store) -> None:
     q.put(_group("b", [0]))
     with pytest.raises(TimeoutError, match="queue full"):
         q.put(_group("c", [0]), timeout_s=0.3)
-    done = threading.Event()
+    done, saw_full, room = threading.Event(), threading.Event(), q._room
+
+    def watched_room():  # the producer's look for room, seen from the test: an event, not a sleep
+        found = room()
+        if found is None:
+            saw_full.set()
+        return found
+
+    q._room = watched_room
     threading.Thread(target=lambda: (q.put(_group("c", [0]), timeout_s=10), done.set())).start()
-    time.sleep(0.2)
-    assert not done.is_set()
+    assert saw_full.wait(5)  # the producer found the queue full ...
+    assert not done.is_set()  # ... and waits
     q.get(timeout_s=5)  # the consumer frees one slot ...
     assert done.wait(5)  # ... and the producer goes on
     assert q.depth() == 2

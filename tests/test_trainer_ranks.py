@@ -267,18 +267,18 @@ def test_a_rank_killed_in_the_gather_is_named_within_seconds(tiny_llama, tmp_pat
 
 @pytest.mark.parametrize("saved_on", [1, 2])
 def test_a_checkpoint_resumes_on_another_number_of_ranks(tiny_llama, tmp_path, saved_on: int) -> None:
-    """3 steps on ``saved_on`` ranks, a checkpoint; 2 more on the other number, from it: the
-    same 2 steps as an uninterrupted one-process run (Adam's moments came through)."""
-    whole = _one_process(tiny_llama, {}, (None, 0, 5, None))
+    """10 steps on ``saved_on`` ranks, a checkpoint; 3 more on the other number, from it: the
+    same 3 steps as an uninterrupted one-process run (Adam's moments came through)."""
+    whole = _one_process(tiny_llama, {}, (None, 0, 13, None))
     ckpt = tmp_path / "checkpoint"
     if saved_on == 1:
-        _one_process(tiny_llama, {}, (None, 0, 3, str(ckpt)))
-        rest = _two_ranks(tiny_llama, {}, (str(ckpt), 3, 5, None), tmp_path / "rest.pt")
+        _one_process(tiny_llama, {}, (None, 0, 10, str(ckpt)))
+        rest = _two_ranks(tiny_llama, {}, (str(ckpt), 10, 13, None), tmp_path / "rest.pt")
     else:
-        _two_ranks(tiny_llama, {}, (None, 0, 3, str(ckpt)), tmp_path / "first.pt")
-        rest = _one_process(tiny_llama, {}, (str(ckpt), 3, 5, None))
+        _two_ranks(tiny_llama, {}, (None, 0, 10, str(ckpt)), tmp_path / "first.pt")
+        rest = _one_process(tiny_llama, {}, (str(ckpt), 10, 13, None))
     assert (ckpt / "model.safetensors").exists() and (ckpt / "optimizer" / ".metadata").exists()
-    _assert_same(whole[3:], rest)
+    _assert_same(whole[10:], rest)
 
 
 def _rank_pid(agent: int, rank: int) -> int | None:

@@ -30,6 +30,7 @@ BENCHES = {
     "staging_memory": "what an engine's staging costs in resident memory vs what it accounts",
     "trainer_push": "what a push costs the trainer: resident memory, optimizer step time (--nproc N: on N ranks)",
     "trainer_ranks": "N trainer ranks against one: bytes held per rank, the gather into rank 0's push copy",
+    "trainer_ranks_e2e": "inflight train on N ranks against one, alternated: reward per step, versions per sample",
     "kernels": "the Triton kernels vs their references",
     "staleness": "the staleness study",
     "scale": "GPU fleets at scale, on paper: in-flight vs pause vs batch-boundary",
