@@ -243,7 +243,9 @@ def _ratio_check(rate: str, inflight: dict, native: dict, none: dict, predicted:
 
 
 def record(logs: list[Path], out: Path = RUNS) -> dict:
-    """Each log's last ``{"bench": "inflight", ...}`` line, with the command that made it, into ``out``."""
+    """Each log's last ``{"bench": "inflight", ...}`` line, with the command that made it,
+    appended to ``out``'s runs: a rate's earlier runs stay (each is judged), and a log
+    already recorded is refused."""
     data = json.loads(out.read_text()) if out.exists() else {"runs": []}
     for log in logs:
         line = next(x for x in reversed(log.read_text().splitlines()) if x.startswith('{"bench": "inflight"'))
@@ -255,7 +257,9 @@ def record(logs: list[Path], out: Path = RUNS) -> dict:
         s = SETTINGS[rate]
         if (run["steps"], run["rounds"], run["rows"][0]["every"]) != (s["steps"], s["rounds"], s["every"]):
             raise SystemExit(f"{log}: not the committed settings of {rate} ({command(rate)})")
-        data["runs"] = [r for r in data["runs"] if (r.get("link") or "loopback") != rate] + [run]
+        if any(r.get("log") == log.name for r in data["runs"]):
+            raise SystemExit(f"{log}: already recorded in {out} (runs are appended, never replaced)")
+        data["runs"].append(run)
     out.write_text(json.dumps(data, indent=1) + "\n")
     return data
 

@@ -578,3 +578,28 @@ def test_the_shape_rule_reads_what_vllm_loaders_read_at_tp2(tp2_plans) -> None:
         assert _boxes(a, rank, as_col=("vocab",)) != real  # the vocabulary split without its 64-row padding: wrong
     assert sum(plan_bytes(make_plan({n: (tuple(b), tuple(c)) for n, b, c in shards}, []), schema).total
                for shards, _ in plans) == link_bytes(a, 2, 4)
+
+
+def test_a_rate_keeps_every_recorded_run(tmp_path) -> None:
+    """``record`` appends: a second run at a rate stays beside the first (each is judged), and
+    a log recorded twice is refused; a run with other settings than the rate's is refused."""
+    from inflight.bench.scale_replay import SETTINGS, record
+
+    s = SETTINGS["loopback"]
+
+    def log(name: str, every: int = s["every"]) -> Path:
+        path = tmp_path / name
+        run = {"bench": "inflight", "steps": s["steps"], "rounds": s["rounds"], "rows": [{"every": every, "mode": "none"}]}
+        path.write_text("a line of the run's own output\n" + json.dumps(run) + "\n")
+        return path
+
+    out = tmp_path / "runs.json"
+    record([log("first.log")], out)
+    data = record([log("second.log")], out)
+    assert [r["log"] for r in data["runs"]] == ["first.log", "second.log"]
+    assert json.loads(out.read_text()) == data
+    with pytest.raises(SystemExit, match="already recorded"):
+        record([log("first.log")], out)
+    with pytest.raises(SystemExit, match="not the committed settings"):
+        record([log("third.log", every=s["every"] + 1)], out)
+    assert [r["log"] for r in json.loads(out.read_text())["runs"]] == ["first.log", "second.log"]
