@@ -49,15 +49,17 @@ PUSHES = {"10gbit": (24, 6), "1gbit": (64, 5), "100mbit": (400, 3)}
 the pushes."""
 
 
-def link_part(mb: int = 64) -> dict:
-    """Achieved bytes/s of one TCP stream over each shaped link."""
-    from inflight.bench.slow_link import achieved_bytes_per_s, slow_link
+def link_part(seconds: float = 1.0) -> dict:
+    """Achieved bytes/s of one TCP stream over each shaped link, a second's worth of bytes at
+    each rate (``slow_link.bytes_to_measure``)."""
+    from inflight.bench.slow_link import achieved_bytes_per_s, bytes_to_measure, slow_link
 
-    out = {}
+    out, sent = {}, {}
     for i, rate in enumerate(RATES):
         with slow_link(rate, index=i) as link:
-            out[rate] = round(achieved_bytes_per_s(link, mb << 20))
-    return {"achieved_Bps": out, "mb_sent": mb}
+            sent[rate] = bytes_to_measure(link, seconds) >> 20
+            out[rate] = round(achieved_bytes_per_s(link, sent[rate] << 20))
+    return {"achieved_Bps": out, "mb_sent": sent}
 
 
 def replayed_context(steps: int, concurrency: int = 32, seed: int = 0) -> tuple[list[int], list[int]]:

@@ -19,15 +19,21 @@ def test_rates_read_as_tc_writes_them() -> None:
 
 
 @needs_netns
-def test_the_link_carries_bytes_no_faster_than_its_rate_and_leaves_nothing() -> None:
-    """16 MiB at 100 Mbit/s (1.3 s): the shaping caps the rate. The clock starts when the first
-    chunk is read and that chunk is not counted, so a receiver that wakes late can only make
-    it slower, and only the cap is asserted (the 125 KB burst adds under 1%)."""
+@pytest.mark.parametrize("rate", ["10gbit", "1gbit", "100mbit"])
+def test_the_link_carries_bytes_at_its_rate_and_leaves_nothing(rate: str) -> None:
+    """A second's worth of bytes at each rate the benchmarks shape (``bytes_to_measure``): the
+    achieved rate is at most 5% above the cap. The clock starts when the first chunk is read
+    and that chunk is not counted, so a receiver that wakes late can only make it slower, and
+    only the cap is asserted (a busy machine may read less; the tbf burst adds under 1%).
+    Measured here 0.965-0.977 of the cap; 64 MiB at 10 Gbit/s once read 1.08 (socket
+    buffers taken for rate)."""
+    from inflight.bench.slow_link import bytes_to_measure
+
     assert not leftovers(os.getpid())
-    with slow_link("100mbit") as link:
+    with slow_link(rate) as link:
         assert leftovers(os.getpid()), "the link was not built"
-        bps = achieved_bytes_per_s(link, 16 * 2**20)
-    assert 0 < bps <= 1.02 * link.rate_bps / 8, bps
+        bps = achieved_bytes_per_s(link, bytes_to_measure(link))
+    assert 0 < bps <= 1.05 * link.rate_bps / 8, (rate, bps / (link.rate_bps / 8))
     assert not leftovers(os.getpid())
 
 
