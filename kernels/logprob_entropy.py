@@ -125,10 +125,11 @@ def _torch_forward(z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torc
         # H = log s - sum e d / s: terms of the entropy's size, never of max|z|'s (as the kernel);
         # e d is 0 where d = -inf (0 * -inf is nan)
         t = e.mul_(d.clamp_(min=torch.finfo(torch.float32).min)).sum(-1)
-        l = m[:, 0] + s.log()
+        log_s = s.log()
+        l = m[:, 0] + log_s
         lse[i:i + step] = l
         logp[i:i + step] = zc.gather(-1, y[i:i + step, None])[:, 0] - l
-        ent[i:i + step] = s.log() - t / s
+        ent[i:i + step] = log_s - t / s
     return logp, ent, lse
 
 

@@ -87,13 +87,18 @@ def _save(policy, path: Path, step: int) -> None:
     policy.save(path, step, 2, RolloutBuffer(RolloutQueue(HashStore(), capacity=4), admit_lag=2))
 
 
+def _join(rank: int, world: int, port: int) -> None:
+    """This spawned process is trainer rank ``rank`` of ``world``, rank 0's store on ``port``."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+
 def _rank(rank: int, port: int, model_dir: str, setting: dict, plan: tuple, out: str, adapter: str | None,
           world: int) -> None:
     """One of ``world`` trainer ranks: rank 0 runs ``plan`` = (resume from, first step, last
     step, checkpoint to) and saves what it saw to ``out``; the others follow. A world of 1 is
     a one-process run (a process group of its own only if ``optim.compute_dtype`` needs one)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    _join(rank, world, port)
     from inflight.trainer.policy import Policy
     from inflight.trainer.ranks import TrainerRanks
     from inflight.trainer.train import follow_rank_0
@@ -115,8 +120,9 @@ def _rank(rank: int, port: int, model_dir: str, setting: dict, plan: tuple, out:
             ranks.stop()
 
 
-def _two_ranks(model_dir: Path, setting: dict, plan: tuple, out: Path, adapter: Path | None = None, *,
+def _on_ranks(model_dir: Path, setting: dict, plan: tuple, out: Path, adapter: Path | None = None, *,
                world: int = 2) -> list[dict]:
+    """Rank 0 of ``world`` spawned ranks runs ``plan`` (``_rank``); what it saw."""
     ctx = mp.get_context("spawn")
     port = reserve_port()
     release_port("127.0.0.1", port)  # rank 0's rendezvous store listens there
@@ -157,20 +163,20 @@ def _assert_same(one: list[dict], two: list[dict]) -> None:
         assert a["routing"] == b["routing"], (step, a["routing"], b["routing"])  # every rank's replays counted
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-5 * max(1.0, a["grad_norm"]), step
         assert a["weights"].keys() == b["weights"].keys()
-        worst = max(float((a["weights"][k] - b["weights"][k]).abs().max()) for k in a["weights"])
-        assert worst < 1e-5, (step, worst, sorted(((a["weights"][k] - b["weights"][k]).abs().max().item(), k) for k in a["weights"])[-4:])
+        diffs = sorted((float((a["weights"][k] - b["weights"][k]).abs().max()), k) for k in a["weights"])
+        assert diffs[-1][0] < 1e-5, (step, diffs[-4:])  # the worst tensors, named
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_two_ranks_take_the_steps_of_one_process(request, tmp_path, name: str) -> None:
     from inflight.trainer.adapter import write_first_adapter
 
-    tiny_llama = request.getfixturevalue(MODELS.get(name, "tiny_llama"))  # the model of this setting
+    model_dir = request.getfixturevalue(MODELS.get(name, "tiny_llama"))  # the model of this setting
     setting = SETTINGS[name]
-    lora = _config(str(tiny_llama), setting).model.lora
-    adapter = write_first_adapter(tiny_llama, lora, tmp_path / "adapter", seed=0) if lora.enabled else None
-    one = _one_process(tiny_llama, setting, (None, 0, STEPS, None), adapter)
-    two = _two_ranks(tiny_llama, setting, (None, 0, STEPS, None), tmp_path / "two.pt", adapter)
+    lora = _config(str(model_dir), setting).model.lora
+    adapter = write_first_adapter(model_dir, lora, tmp_path / "adapter", seed=0) if lora.enabled else None
+    one = _one_process(model_dir, setting, (None, 0, STEPS, None), adapter)
+    two = _on_ranks(model_dir, setting, (None, 0, STEPS, None), tmp_path / "two.pt", adapter)
     _assert_same(one, two)
     if name == "routing_replay":  # the replay ran, and changed what the routers chose
         assert all(r["routing"][0] > 0 and r["routing"][1] > 0.3 for r in one), [r["routing"] for r in one]
@@ -188,8 +194,8 @@ def test_bf16_compute_on_one_rank_and_two(tiny_qwen, tmp_path) -> None:
     the master weights and every push stay fp32."""
     bf16 = {"optim": {"compute_dtype": "bfloat16"}}
     fp32 = _one_process(tiny_qwen, {}, (None, 0, STEPS, None))
-    one = _two_ranks(tiny_qwen, bf16, (None, 0, STEPS, None), tmp_path / "one.pt", world=1)
-    two = _two_ranks(tiny_qwen, bf16, (None, 0, STEPS, None), tmp_path / "two.pt")
+    one = _on_ranks(tiny_qwen, bf16, (None, 0, STEPS, None), tmp_path / "one.pt", world=1)
+    two = _on_ranks(tiny_qwen, bf16, (None, 0, STEPS, None), tmp_path / "two.pt")
 
     def worst(a: dict, b: dict) -> float:
         return max(float((a["weights"][k] - b["weights"][k]).abs().max()) for k in a["weights"])
@@ -212,8 +218,7 @@ def _rank_killed_mid_gather(rank: int, port: int, model_dir: str, out: str) -> N
     import signal
     import time
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    _join(rank, 2, port)
     from inflight.trainer.policy import Policy
     from inflight.trainer.ranks import RankLost, TrainerRanks
     from inflight.trainer.train import follow_rank_0
@@ -273,9 +278,9 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tiny_llama, tmp_path, s
     ckpt = tmp_path / "checkpoint"
     if saved_on == 1:
         _one_process(tiny_llama, {}, (None, 0, 10, str(ckpt)))
-        rest = _two_ranks(tiny_llama, {}, (str(ckpt), 10, 13, None), tmp_path / "rest.pt")
+        rest = _on_ranks(tiny_llama, {}, (str(ckpt), 10, 13, None), tmp_path / "rest.pt")
     else:
-        _two_ranks(tiny_llama, {}, (None, 0, 10, str(ckpt)), tmp_path / "first.pt")
+        _on_ranks(tiny_llama, {}, (None, 0, 10, str(ckpt)), tmp_path / "first.pt")
         rest = _one_process(tiny_llama, {}, (str(ckpt), 10, 13, None))
     assert (ckpt / "model.safetensors").exists() and (ckpt / "optimizer" / ".metadata").exists()
     _assert_same(whole[10:], rest)

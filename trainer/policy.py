@@ -91,19 +91,10 @@ class Policy:
     def _load(self, model_dir: Path, adapter_dir: Path | None, reference_dir: Path | None) -> list[torch.nn.Module]:
         """The policy (fp32 master weights; with ``adapter_dir`` only the adapter trains) and the
         KL reference (if any), on the host; a following rank's on the meta device, no weights read."""
-        from transformers import AutoModelForCausalLM
-
         empty = self.ranks is not None and self.ranks.rank != 0
-        if adapter_dir is not None:
-            models = [empty_trainable(model_dir, adapter_dir) if empty else load_trainable(model_dir, adapter_dir)]
-        else:
-            models = [empty_model(model_dir) if empty else
-                      AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)]
+        models = [_model(model_dir, adapter_dir, empty=empty)]
         if self.cfg.loss.kl_coef and adapter_dir is None:
-            where = reference_dir or model_dir
-            models.append(empty_model(where) if empty else AutoModelForCausalLM.from_pretrained(str(where),
-                                                                                               dtype=torch.float32))
-            models[-1].eval().requires_grad_(False)
+            models.append(_model(reference_dir or model_dir, None, empty=empty).eval().requires_grad_(False))
         return models
 
     def _placed(self, models: list[torch.nn.Module]) -> tuple[torch.nn.Module, torch.nn.Module | None]:
@@ -144,10 +135,7 @@ class Policy:
         if self.gathered is None:
             return self.model
         if self._eval_model is None:
-            from transformers import AutoModelForCausalLM
-
-            self._eval_model = (load_trainable(self.model_dir, self.adapter_dir) if self.adapter_dir is not None else
-                                AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32))
+            self._eval_model = _model(self.model_dir, self.adapter_dir, empty=False)
             self._eval_model.to(self.device).eval().requires_grad_(False)
         with torch.no_grad():
             own = self._live(self._eval_model)
@@ -357,13 +345,25 @@ class Policy:
         save_optimizer(self.model, self.optimizer, directory)
 
 
+def _model(model_dir: Path, adapter_dir: Path | None, *, empty: bool) -> torch.nn.Module:
+    """``model_dir``'s model in fp32 (master weights), with ``adapter_dir``'s adapter the only
+    trainable part; ``empty``: on the meta device, no weights read."""
+    if adapter_dir is not None:
+        return empty_trainable(model_dir, adapter_dir) if empty else load_trainable(model_dir, adapter_dir)
+    if empty:
+        return empty_model(model_dir)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+
+
 def _raw(t: torch.Tensor) -> bytes:
     return t.to(torch.float32).contiguous().numpy().tobytes()
 
 
 def check_ranks(cfg: TrainConfig, world: int) -> None:
-    """What a run on ``world`` trainer ranks cannot do yet, refused by name (``ValueError``)
-    before any engine starts or model loads; one rank is refused nothing."""
+    """What a run on ``world`` trainer ranks needs, refused by name (``ValueError``) before
+    any engine starts or model loads; one rank is refused nothing."""
     if world == 1:
         return
     if cfg.rollout.groups_per_step < world:
