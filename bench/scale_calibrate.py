@@ -25,7 +25,8 @@ Parts (each under 6 minutes; run them one at a time, never beside another heavy 
   push's cue until its commit against those between a commit and the next cue.
 
 Writes one JSON file with each part's figures and, in ``runs``, every run that made them (its
-command, date and load); a part not run keeps the file's earlier figures.
+command, date and load); a part not run keeps the file's earlier figures, and an earlier run
+whose figures of a part were replaced names that part in its ``superseded``.
 """
 
 from __future__ import annotations
@@ -202,13 +203,17 @@ def push_part(step: dict, rates: tuple[str, ...] = RATES) -> dict:
     return {"by_rate": out}
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="inflight bench scale calibrate", description=__doc__.splitlines()[0])
     ap.add_argument("--parts", nargs="+", default=["link", "engine", "push"], choices=["link", "engine", "push"])
     ap.add_argument("--push-rates", nargs="+", default=list(RATES), choices=RATES,
                     help="push: the links to measure (the others keep the file's figures)")
     ap.add_argument("--out", type=Path, default=OUT)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     data = json.loads(args.out.read_text()) if args.out.exists() else {}
     load = [round(os.getloadavg()[0], 1)]
     if "link" in args.parts:
@@ -231,6 +236,10 @@ def main(argv: list[str] | None = None) -> None:
     load.append(round(os.getloadavg()[0], 1))
     stamp = {"command": "python -m inflight.bench.scale calibrate " + " ".join(sys.argv[1:] if argv is None else argv),
              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load_1m": load}
-    data.setdefault("runs", []).append(stamp | {"parts": args.parts})  # every run whose figures the file holds
+    for run in data.setdefault("runs", []):  # each earlier run whose figures of a part this one replaced says so
+        replaced = [p for p in args.parts if p in run["parts"] and p not in run.get("superseded", [])]
+        if replaced:
+            run["superseded"] = run.get("superseded", []) + replaced
+    data["runs"].append(stamp | {"parts": args.parts})  # every run whose figures the file holds (or held)
     args.out.write_text(json.dumps(data, indent=1) + "\n")
     print(json.dumps(data))

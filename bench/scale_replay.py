@@ -29,10 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+
+from inflight.bench.run_record import run_record
 
 HERE = Path(__file__).resolve().parent
 CALIBRATION, PREDICTIONS, RUNS = HERE / "scale_calibration.json", HERE / "scale_predictions.json", HERE / "scale_slow_link_runs.json"
@@ -46,10 +49,34 @@ SETTINGS = {
     "loopback": {"every": 16, "steps": 384, "rounds": 4},
 }
 MODES = ("inflight", "native", "native@inflight")
-# The band, fixed before the judged runs: a predicted loss per update passes within REL of the
-# measured one, plus DRIFT of the update period's decode time (steps per update x none's mean
-# step): two runs of one mode on this shared machine differ by about 1-2% of a step's time.
-REL, DRIFT = 0.15, 0.02
+# The band of each judged quantity is the spread of a rate's runs (the farthest from their
+# median), never narrower than its floor: a count's grain (one step per update, one skipped cue
+# per round), one decode step for the staging time (the grain at which the replay places
+# events), and for the decode lost per update LOST_FLOOR of the update period's decode (two
+# runs of none on this machine differ by about 1% of their walls).
+FLOORS = {"steps_per_update": 1.0, "skipped_per_round": 1.0, "stage_ms": 1.0, "lost_ms_per_update": 0.0}
+LOST_FLOOR = 0.01
+# The checks these predictions are expected to miss, each with its cause: declared with the
+# predictions (written into their JSON), before the runs they are judged on.
+_FIRST_STAGE = ("the calibration's first staging of a chunk, 2.64 s, plus a bucket's share is longer than 16 "
+                "steps, so the replay skips the cue after it (24 steps per update, median staging 1.75 s); the "
+                "run recorded before these predictions staged its first push in time (19.2, 1.45 s)")
+_NATIVE_FIRST = ("native@inflight's chunks follow native's, so their first update sets up little, and the "
+                 "calibration pools the first updates after in-flight and after native (the replay gives both "
+                 "one figure): the run before these predictions measured 1869 ms at 10 Gbit/s, 2121 over loopback")
+EXPECTED_MISSES = {
+    "1gbit/inflight": ("each set of predictions has given in-flight 31-54 ms per update at 1 Gbit/s, and the "
+                       "runs lost 134-257: a cost of staging over this link that the push part's slowdown (1.2%) "
+                       "does not hold; its cadence and staging time are predicted"),
+    "loopback/inflight": _FIRST_STAGE,
+    "10gbit/inflight": _FIRST_STAGE,
+    "loopback/native@inflight": _NATIVE_FIRST,
+    "10gbit/native@inflight": _NATIVE_FIRST,
+    "10gbit/native": "2417 ms predicted, 2272 measured before: 6%, beyond two runs' usual spread",
+    "100mbit/inflight": ("the replay's chunk tail is 3 steps per update shorter than the recorded run's (337 "
+                         "steps per update, against 340), beyond the one-step grain"),
+    "100mbit/native@inflight": "46001 ms predicted, 44920 measured before: 2.4%, beyond two runs' usual spread",
+}
 
 
 def command(rate: str) -> str:
@@ -137,17 +164,21 @@ def native_chunk(p: Params, every: int, steps: int) -> tuple[float, int, int]:
     return sum(p.step(k, m) for k, m in zip(ctx, new)) + stalls, steps, len(due)
 
 
-def inflight_chunk(p: Params, every: int, steps: int) -> tuple[float, int, int]:
-    """(wall, steps, updates) of an in-flight chunk (``Bench.run``'s loop and its tail)."""
+def inflight_chunk(p: Params, every: int, steps: int) -> tuple[float, int, int, int]:
+    """(wall, steps, updates, skipped cues) of an in-flight chunk (``Bench.run``'s loop and its
+    tail): a cue due while the last push is staging or not yet seen landed is skipped."""
     ctx, new = chunk_context(steps + 4000)
-    t, i, updates = 0.0, 0, 0
+    t, i, updates, skipped = 0.0, 0, 0, 0
     staged_at = seen_after = None  # staging ends; the step index after which the driver sees it landed
     while i < steps or staged_at is not None or seen_after is not None:
         if seen_after is not None and i > seen_after:
             seen_after = None  # landed: the driver's poll before this step saw it
-        if i < steps and i > 0 and i % every == 0 and staged_at is None and seen_after is None:
-            start = t
-            staged_at = t + p.pre_s + (p.stage_s if updates else p.first_stage_s)
+        if i < steps and i > 0 and i % every == 0:
+            if staged_at is None and seen_after is None:
+                start = t
+                staged_at = t + p.pre_s + (p.stage_s if updates else p.first_stage_s)
+            else:
+                skipped += 1
         dt = p.step(ctx[i], new[i])
         if staged_at is not None and t >= staged_at:  # the commit holds this boundary
             dt += p.commit_s
@@ -157,18 +188,19 @@ def inflight_chunk(p: Params, every: int, steps: int) -> tuple[float, int, int]:
             dt += p.slowdown * max(busy, 0.0)
         t += dt
         i += 1
-    return t, i, updates
+    return t, i, updates, skipped
 
 
 def predict_rate(cal: dict, rate: str) -> dict:
-    """Each mode's decode time lost per update (ms), its updates and steps, for ``rate``'s settings."""
+    """Each mode's decode time lost per update (ms), its updates and steps, for ``rate``'s
+    settings; in-flight's also its steps per update, skipped cues and median staging time."""
     p, s = params(cal, rate), SETTINGS[rate]
     chunk, rounds, every = s["steps"] // s["rounds"], s["rounds"], s["every"]
     none_wall, none_steps = none_chunk(p, chunk)
     rate_tok = none_steps / none_wall  # per request slot: every step yields one token per slot
     inf = inflight_chunk(p, every, chunk)
     achieved = (inf[1] - 1) // inf[2] if inf[2] else every
-    runs = {"inflight": inf, "native": native_chunk(p, every, chunk),
+    runs = {"inflight": inf[:3], "native": native_chunk(p, every, chunk),
             "native@inflight": native_chunk(p, achieved, inf[1]) if achieved > every else None}
     ceiling = {"inflight": rate_tok, "native": rate_tok, "native@inflight": rate_tok}
     if inf[1] != chunk:  # bench.inflight's none@inflight: none over in-flight's steps
@@ -181,65 +213,112 @@ def predict_rate(cal: dict, rate: str) -> dict:
         wall, steps, updates = r
         out[mode] = {"lost_ms_per_update": round(1e3 * (wall - steps / ceiling[mode]) / updates, 1),
                      "updates": rounds * updates, "steps": rounds * steps}
+    if "inflight" in out:
+        stages = [p.first_stage_s] * rounds + [p.stage_s] * (rounds * (inf[2] - 1))
+        out["inflight"].update(steps_per_update=round(inf[1] / inf[2], 1), skipped_per_round=inf[3],
+                               stage_ms=round(1e3 * statistics.median(stages), 1))
     out["none_step_ms"] = round(1e3 * none_wall / none_steps, 2)
     return out
 
 
 def predict(cal: dict) -> dict:
-    """Every judged run's predictions, with the band and the parameters used."""
+    """Every judged run's predictions, with the band's floors and the parameters used."""
     preds = {}
     for rate in SETTINGS:
         if rate == "loopback" or rate in cal["link"]["achieved_Bps"]:
             preds[rate] = {"command": command(rate), "params": vars(params(cal, rate)), "modes": predict_rate(cal, rate)}
-            m = preds[rate]["modes"]
-            ref = m.get("native@inflight", m.get("native"))
-            if ref and "inflight" in m:
-                m["ratio_inflight_native"] = round(m["inflight"]["lost_ms_per_update"] / ref["lost_ms_per_update"], 4)
-    return {"band": {"rel": REL, "drift": DRIFT}, "predictions": preds}
+    return {"band": {"floors": FLOORS, "lost_floor_of_period": LOST_FLOOR}, "expected_misses": EXPECTED_MISSES,
+            "predictions": preds}
 
 
-def allowed(measured: dict, none_row: dict, rel: float = REL, drift: float = DRIFT) -> float:
-    """The band around a measured row's loss per update, ms: ``rel`` of it plus ``drift`` of the
-    decode time of its update period at none's mean step."""
-    none_step_ms = 1e3 * none_row["wall_s"] / none_row["steps"]
-    return rel * abs(measured["lost_ms_per_update"]) + drift * measured["steps"] / measured["updates"] * none_step_ms
+def measured(run: dict, mode: str) -> dict[str, float] | None:
+    """What one recorded run measured of ``mode``, per judged quantity (None: it did not update)."""
+    row = next((r for r in run["rows"] if r["mode"] == mode), None)
+    if row is None or not row["updates"]:
+        return None
+    got = {"lost_ms_per_update": row["lost_ms_per_update"]}
+    if mode == "inflight":
+        got.update(steps_per_update=row["steps_per_update"], skipped_per_round=row["skipped"] / run["rounds"],
+                   stage_ms=row["stage_ms"])
+    return got
 
 
-def judge(preds: dict, runs: list[dict]) -> list[dict]:
-    """One check per predicted mode of every recorded run (none left out), and the ratio."""
-    out = []
-    band = preds["band"]
+def band(values: list[float], floor: float) -> tuple[float, float]:
+    """(median, half-width) of one quantity over a rate's runs: the farthest run from the
+    median, or ``floor`` if the runs agree more closely than that."""
+    mid = statistics.median(values)
+    return mid, max(floor, max(abs(v - mid) for v in values))
+
+
+def judged_runs(preds: dict, runs: list[dict]) -> dict[str, list[dict]]:
+    """The runs each rate is judged on: those started after the predictions were written (a
+    run made before them is kept in the record, never judged by them; ``written`` None: all)."""
+    out: dict[str, list[dict]] = {}
     for run in runs:
-        rate = run.get("link") or "loopback"
-        want = preds["predictions"][rate]["modes"]
-        rows = {r["mode"]: r for r in run["rows"]}
-        for mode in MODES:
-            if mode not in want and mode not in rows:
-                continue
-            got, exp = rows.get(mode), want.get(mode)
-            if got is None or exp is None or not got["updates"]:
-                out.append({"rate": rate, "mode": mode, "ok": False, "why": "predicted or measured, not both"})
-                continue
-            err = exp["lost_ms_per_update"] - got["lost_ms_per_update"]
-            lim = allowed(got, rows["none"], band["rel"], band["drift"])
-            out.append({"rate": rate, "mode": mode, "measured": got["lost_ms_per_update"],
-                        "predicted": exp["lost_ms_per_update"], "error_ms": round(err, 1),
-                        "error": round(err / got["lost_ms_per_update"], 3), "band_ms": round(lim, 1), "ok": abs(err) <= lim})
-        ref = "native@inflight" if "native@inflight" in rows else "native"
-        if "ratio_inflight_native" in want and rows.get(ref, {}).get("updates") and rows.get("inflight", {}).get("updates"):
-            out.append(_ratio_check(rate, rows["inflight"], rows[ref], rows["none"], want["ratio_inflight_native"], band))
+        if preds["written"] is None or run.get("started", "") > preds["written"]:
+            out.setdefault(run.get("link") or "loopback", []).append(run)
     return out
 
 
-def _ratio_check(rate: str, inflight: dict, native: dict, none: dict, predicted: float, band: dict) -> dict:
-    """In-flight's loss over native's (at in-flight's cadence where it fell behind): the
-    predicted ratio must lie within what the two rows' bands allow, (in - b_in) / (nat + b_nat)
-    .. (in + b_in) / (nat - b_nat)."""
-    m_in, m_nat = inflight["lost_ms_per_update"], native["lost_ms_per_update"]
-    b_in, b_nat = (allowed(r, none, band["rel"], band["drift"]) for r in (inflight, native))
-    lo, hi = (m_in - b_in) / (m_nat + b_nat), (m_in + b_in) / max(m_nat - b_nat, 1e-9)
-    return {"rate": rate, "mode": "inflight/native", "measured": round(m_in / m_nat, 4), "predicted": predicted,
-            "error": round(predicted / (m_in / m_nat) - 1, 3), "band": [round(lo, 4), round(hi, 4)], "ok": lo <= predicted <= hi}
+def judge(preds: dict, runs: list[dict]) -> list[dict]:
+    """One check per predicted mode of every rate with judged runs: each quantity the replay
+    resolves (in-flight: steps per update, skipped cues per round, median staging, decode lost
+    per update; native: decode lost per update) within its band around the runs' median. A
+    check passes only if every quantity does."""
+    out = []
+    for rate, rate_runs in judged_runs(preds, runs).items():
+        want = preds["predictions"][rate]["modes"]
+        none = [next(r for r in run["rows"] if r["mode"] == "none") for run in rate_runs]
+        step_ms = statistics.median(1e3 * r["wall_s"] / r["steps"] for r in none)
+        for mode in MODES:
+            got = [m for m in (measured(run, mode) for run in rate_runs) if m is not None]
+            if mode not in want and not got:
+                continue
+            if mode not in want or len(got) != len(rate_runs):
+                out.append({"rate": rate, "mode": mode, "runs": len(rate_runs), "ok": False,
+                            "why": "predicted or measured, not both"})
+                continue
+            out.append(_check(rate, mode, want[mode], got, step_ms))
+    return out
+
+
+def _check(rate: str, mode: str, want: dict, got: list[dict], step_ms: float) -> dict:
+    quantities = {}
+    for q in got[0]:
+        floor = FLOORS[q] * step_ms if q == "stage_ms" else FLOORS[q]
+        if q == "lost_ms_per_update":
+            floor = LOST_FLOOR * statistics.median(g.get("steps_per_update") or want["steps"] / want["updates"]
+                                                   for g in got) * step_ms
+        mid, half = band([g[q] for g in got], floor)
+        quantities[q] = {"measured": [g[q] for g in got], "median": round(mid, 1), "predicted": want[q],
+                         "band": round(half, 1), "ok": abs(want[q] - mid) <= half}
+    return {"rate": rate, "mode": mode, "runs": len(got), "quantities": quantities,
+            "ok": all(v["ok"] for v in quantities.values())}
+
+
+def validation_table(preds: dict, runs: list[dict]) -> str:
+    """The judge's outcome as docs/performance.md shows it: one row per judged quantity, each
+    check's misses marked expected (declared with the predictions) or not, and the rates with
+    no run yet after the predictions."""
+    checks, declared = judge(preds, runs), preds["expected_misses"]
+    lines = ["| rate, mode | runs | quantity | predicted | measured: median +- band (runs) | within |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for c in checks:
+        for q, v in c.get("quantities", {"-": None}).items():
+            if v is None:
+                lines.append(f"| {c['rate']}, {c['mode']} | {c['runs']} | - | - | {c['why']} | **no** |")
+                continue
+            runs_s = ", ".join(f"{x:g}" for x in v["measured"])
+            lines.append(f"| {c['rate']}, {c['mode']} | {c['runs']} | {q} | {v['predicted']:g} | "
+                         f"{v['median']:g} +- {v['band']:g} ({runs_s}) | {'yes' if v['ok'] else '**no**'} |")
+    missed = [f"{c['rate']}/{c['mode']}" for c in checks if not c["ok"]]
+    pending = [r for r in preds["predictions"] if r not in {c["rate"] for c in checks}]
+    lines += ["", f"{len(checks) - len(missed)} of {len(checks)} checks within their bands. Missed as declared: "
+              f"{', '.join(m for m in missed if m in declared) or 'none'}. Missed, not declared: "
+              f"{', '.join(m for m in missed if m not in declared) or 'none'}. Declared, but passed: "
+              f"{', '.join(m for m in declared if m not in missed and m.split('/')[0] not in pending) or 'none'}. "
+              f"Rates with no run after the predictions: {', '.join(pending) or 'none'}."]
+    return "\n".join(lines)
 
 
 def record(logs: list[Path], out: Path = RUNS) -> dict:
@@ -275,8 +354,8 @@ def main(argv: list[str]) -> None:
         print(f"{RUNS}: {[r.get('link') or 'loopback' for r in data['runs']]}")
         return
     out = predict(json.loads(args.calibration.read_text()))
-    out["command"] = "python -m inflight.bench.scale predict"
-    out["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    out.update(run_record("scale", ["predict"]))
+    out["written"] = out.pop("started")
     PREDICTIONS.write_text(json.dumps(out, indent=1) + "\n")
     json.dump(out, sys.stdout, indent=1)
     print()
