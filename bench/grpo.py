@@ -5,15 +5,20 @@ turning it off, salting requests by version, or resetting it after each update. 
 
     python -m inflight.bench.grpo [--model smollm2|DIR | --size S] [--prompt-tokens 256 1024] [--completion-tokens 64 256]
                          [--every 16] [--groups-in-flight 4] [--steps 768] [--rounds 3] [--placement split]
+                         [--listener-core trainer|engine]
+                         [--workload fresh | system --system-tokens S | multi-turn --turns N --tool-tokens R]
 
-The workload is GRPO's: groups of ``GROUP`` (8) requests sharing one prompt of ``P`` random
-tokens (``--prompt-tokens``), each sampling exactly ``T`` tokens (``--completion-tokens``,
-``ignore_eos``, temperature 1). ``--groups-in-flight`` groups run at once, a whole group
-admitted as soon as one finishes; every group has a fresh prompt, so the prefix cache can
-help only among a group's 8 siblings (a 1024-token prompt is computed once and shared 7
-times, in whole KV blocks: 128 tokens on CPU). Each chunk opens with an untimed ramp of T
-steps that admits its first groups T / groups steps apart, so groups finish, and the next
-ones prefill, at staggered steps as in a steady stream; the timed steps follow. A trainer
+The workload is GRPO's: groups of ``GROUP`` (8) requests sharing one prompt, each turn sampling
+exactly ``T`` tokens (``--completion-tokens``, ``ignore_eos``, temperature 1). What the prompt
+holds is ``--workload`` (``inflight.bench.grpo_workloads``): a fresh prompt of ``P`` random
+tokens per group (``--prompt-tokens``; the prefix cache can help only among a group's 8
+siblings: a 1024-token prompt is computed once and shared 7 times, in whole KV blocks of 128
+tokens on CPU), one system prompt shared by every group before a fresh P-token question, or
+multi-turn episodes whose histories grow. ``--groups-in-flight`` groups run at once, a whole
+group admitted as soon as one finishes its last turn. Each chunk opens with an untimed ramp of
+one group's life (turns x T steps) that admits its first groups evenly over it, so groups
+finish, and the next ones prefill, at staggered steps as in a steady stream; the timed steps
+follow. A trainer
 process (``inflight.bench.inflight_trainer``; nice 19, one thread; on its own core with
 ``--placement split``, ``inflight.bench.placement``) holds the weights and sends an update when
 cued every ``cadence`` engine steps. Modes, per (P, T, every):
@@ -47,9 +52,12 @@ the round before), so each pays for about as many updates over as many steps
 (``steps_per_update``). A chunk with a push still staging at its end steps on until it
 lands. The second engine starts from the first one's last cadence.
 
-Columns: ``inflight.bench.grpo_figures``. Targets (README): with 1024-token prompts and an update every
-16 steps, ``inflight``'s tokens/s >= 0.95 x ``none``'s and >= both native modes'. Prints a
-table, the targets' check and one JSON line.
+Columns: ``inflight.bench.grpo_figures``. Targets (README), ``fresh``: with 1024-token prompts
+and an update every 16 steps, ``inflight``'s tokens/s >= 0.95 x ``none``'s and >= both native
+modes'. Goal on ``system`` and ``multi-turn``: in-flight's tokens/s >= 1.1 x native-salt's, by
+the rounds' median. ``--listener-core engine`` puts in-flight's listener on the engine's core,
+where native's receive runs. Prints a table, the checks and one JSON line, also appended to
+``bench/results/grpo.jsonl`` with the command, its start and the git revision.
 """
 
 from __future__ import annotations
@@ -73,10 +81,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from inflight.bench.paired import per_round, row  # noqa: E402
 from inflight.bench.inflight_trainer import trainer  # noqa: E402
 from inflight.trainer.native_update import native_update  # noqa: E402
-from inflight.bench.grpo_figures import (GROUP, achieved_cadence, group_prompt, positions, ramp, report,  # noqa: E402
-                               rotate)
-from inflight.bench.placement import PLACEMENTS, Placement, engine_env, pin_trainer  # noqa: E402
+from inflight.bench.grpo_figures import GROUP, achieved_cadence, positions, ramp, report, rotate  # noqa: E402
+from inflight.bench.grpo_workloads import KINDS, Workload  # noqa: E402
+from inflight.bench.placement import ENGINE_CORE, PLACEMENTS, Placement, engine_env, pin_trainer  # noqa: E402
+from inflight.bench.run_record import run_record  # noqa: E402
 
+RESULTS = Path(__file__).resolve().parent / "results" / "grpo.jsonl"
 ENGINES = {  # engine -> (prefix caching, Bench.run's mode -> row label)
     "cache": (True, {"none": "none", "inflight": "inflight", "native-salt": "native-salt",
                      "native-reset": "native-reset"}),
@@ -133,13 +143,16 @@ class PrefillCounter:
 
 
 class Stream:
-    """One chunk's stream of groups on ``bench``'s engine: admits whole groups (a fresh prompt
-    each, salted by version in ``native-salt``), steps, counts generated tokens and times steps."""
+    """One chunk's stream of groups on ``bench``'s engine: admits whole groups (their first
+    turn's prompt from ``bench.workload``; in ``native-salt`` every request salted by the version
+    live at its admission), admits an episode's next turn when a turn finishes, steps, counts
+    generated tokens and times steps. A group stays in flight until its last turn finishes."""
 
     def __init__(self, bench: GRPOBench, mode: str) -> None:
         self.bench, self.mode, self.params = bench, mode, bench.sampling(bench.shape[1])
-        self.active: dict[str, int] = {}  # request id -> group
-        self.left: dict[int, int] = {}  # group -> its requests unfinished
+        self.active: dict[str, tuple[int, int, int, list[int]]] = {}  # request id -> group, episode, turn, prompt
+        self.sampled: dict[str, list[int]] = {}  # request id -> its tokens so far
+        self.left: dict[int, int] = {}  # group -> its episodes unfinished
         self.restart_clock()
 
     def restart_clock(self) -> None:  # the ramp's steps are not timed
@@ -150,21 +163,34 @@ class Stream:
         b = self.bench
         while len(self.left) < groups:
             g, b.next_group = b.next_group, b.next_group + 1
-            request: dict[str, Any] = {"prompt_token_ids": group_prompt(b.seed, g, b.shape[0], b.vocab)}
-            if self.mode == "native-salt":
-                request["cache_salt"] = f"v{b.version}"
+            prompt = b.workload.first_prompt(b.seed, g, b.shape[0], b.vocab)
             for j in range(GROUP):
-                b.llm.llm_engine.add_request(f"{self.mode}-{g}-{j}", request, self.params)
-                self.active[f"{self.mode}-{g}-{j}"] = g
+                self.add(g, j, 0, prompt)
             self.left[g] = GROUP
 
+    def add(self, group: int, episode: int, turn: int, prompt: list[int]) -> None:
+        request: dict[str, Any] = {"prompt_token_ids": prompt}
+        if self.mode == "native-salt":
+            request["cache_salt"] = f"v{self.bench.version}"
+        rid = f"{self.mode}-{group}-{episode}-{turn}"
+        self.bench.llm.llm_engine.add_request(rid, request, self.params)
+        self.active[rid], self.sampled[rid] = (group, episode, turn, prompt), []
+
     def step(self) -> None:
-        for out in self.bench.llm.llm_engine.step():
-            self.tokens += len(out.outputs[0].token_ids)
-            if out.finished:
-                g = self.active.pop(out.request_id)
-                self.left[g] -= 1
-                self.left = {k: n for k, n in self.left.items() if n}
+        b = self.bench
+        for out in b.llm.llm_engine.step():
+            delta = out.outputs[0].token_ids
+            self.tokens += len(delta)
+            self.sampled[out.request_id] += delta
+            if not out.finished:
+                continue
+            g, j, turn, prompt = self.active.pop(out.request_id)
+            nxt = b.workload.next_prompt(b.seed, g, j, turn, prompt, self.sampled.pop(out.request_id), b.vocab)
+            if nxt is not None:
+                self.add(g, j, turn + 1, nxt)
+                continue
+            self.left[g] -= 1
+            self.left = {k: n for k, n in self.left.items() if n}
         self.times.append(time.perf_counter())
 
 
@@ -173,7 +199,7 @@ class GRPOBench:
     gives ``inflight.bench.paired``'s chunks. Set ``shape`` = (P, T) before running."""
 
     def __init__(self, model_dir: Path, caching: bool, groups: int, max_len: int, seed: int, listener_nice: int,
-                 placement: Placement) -> None:
+                 placement: Placement, workload: Workload, listener_core: str = "trainer") -> None:
         from safetensors.torch import load_file
         from vllm import LLM
 
@@ -181,11 +207,13 @@ class GRPOBench:
         from inflight.engine.client import coordinator_of, start_inflight
         from inflight.engine.config import InflightConfig, engine_kwargs
 
-        self.groups, self.seed, self.version, self.next_group = groups, seed, 0, 0
+        self.groups, self.seed, self.version, self.next_group, self.workload = groups, seed, 0, 0, workload
         self.vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         self.native_info = update_info(load_file(str(model_dir / "model.safetensors")))
         register()  # the native baseline's transfer engine, in this process (EngineCore runs here)
         listener_cpus = engine_env(placement)
+        if placement == "split" and listener_core == "engine":  # where native's receive runs: the engine's thread
+            listener_cpus = (ENGINE_CORE,)
         self.llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", max_model_len=max_len, seed=seed,
                        max_num_seqs=GROUP * groups, weight_transfer_config={"backend": "inflight_gloo"},
                        **engine_kwargs(enable_prefix_caching=caching))
@@ -230,8 +258,9 @@ class GRPOBench:
     def run(self, mode: str, every: int, steps: int) -> dict:
         """``steps`` engine steps of ``mode`` on a fresh stream of groups (``self.shape``),
         after an untimed ramp of one completion's length that admits the first groups."""
-        stream, admit_at = Stream(self, mode), ramp(self.groups, self.shape[1])
-        for i in range(self.shape[1]):
+        span = self.workload.turns * self.shape[1]  # a group's life in decode steps
+        stream, admit_at = Stream(self, mode), ramp(self.groups, span)
+        for i in range(span):
             stream.fill(sum(a <= i for a in admit_at))
             stream.step()
         stream.restart_clock()
@@ -335,6 +364,7 @@ def bench_engine(bench: GRPOBench, engine: str, model: str, shapes: list[tuple[i
                          "T": completion, "every": every, "cadence": used if mode != "none" else None,
                          "group": f"P{prompt}/T{completion}/every{every}",
                          "prefilled": totals["prompt_computed"] + totals["recomputed"],
+                         "round_tok_s": [round(c["tokens"] / c["wall_s"], 1) for c in cs],
                          "reset_ms": round(statistics.median(resets), 2) if resets else None})
     return rows
 
@@ -353,7 +383,7 @@ def model_dir_of(args: argparse.Namespace, work: Path, max_len: int) -> tuple[Pa
     return build_tiny_model(work / args.size, default_corpus(), config), f"tiny-{args.size}"
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a model directory, hub id or 'smollm2' (trainer/models.py)")
     ap.add_argument("--size", default="S", choices=["S", "M", "L"],
@@ -369,28 +399,47 @@ def parse() -> argparse.Namespace:
                     help="cache: none, inflight, native-salt, native-reset; nocache: none, inflight-nocache")
     ap.add_argument("--listener-nice", type=int, default=19, help="InflightConfig.listener_nice, as inflight.bench.inflight's")
     ap.add_argument("--placement", choices=PLACEMENTS, default="split", help="inflight.bench.placement: where the threads run")
+    ap.add_argument("--listener-core", choices=["trainer", "engine"], default="trainer",
+                    help="--placement split: the in-flight listener on the trainer's core, or on the engine's, "
+                         "where native's receive runs")
+    ap.add_argument("--workload", choices=KINDS, default="fresh", help="inflight.bench.grpo_workloads: what the groups hold")
+    ap.add_argument("--system-tokens", type=int, default=0, help="--workload system: the shared system prompt's tokens")
+    ap.add_argument("--turns", type=int, default=1, help="--workload multi-turn: turns per episode")
+    ap.add_argument("--tool-tokens", type=int, default=0, help="--workload multi-turn: each tool answer's tokens")
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.listener_core == "engine" and args.placement != "split":
+        ap.error("--listener-core engine: only with --placement split (shared places no thread)")
+    try:
+        args.workload_spec = Workload(kind=args.workload, system_tokens=args.system_tokens, turns=args.turns,
+                                      tool_tokens=args.tool_tokens)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
 
 
-def main() -> None:
-    args = parse()
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    record = run_record("grpo", argv)
     load, t0 = [round(os.getloadavg()[0], 2)], time.perf_counter()
     shapes = [(p, t, e) for p in args.prompt_tokens for t in args.completion_tokens for e in args.every]
-    max_len = max(args.prompt_tokens) + max(args.completion_tokens) + 8
+    max_len = args.workload_spec.max_len(max(args.prompt_tokens), max(args.completion_tokens)) + 8
     rows: list[dict] = []
     cadences: dict[tuple[int, int, int], int] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, model = model_dir_of(args, Path(tmp), max_len)
         for engine in args.engines:  # the prefix-caching flag is fixed when an engine starts: an engine each
             bench = GRPOBench(model_dir, ENGINES[engine][0], args.groups_in_flight, max_len, args.seed,
-                              args.listener_nice, args.placement)
+                              args.listener_nice, args.placement, args.workload_spec, args.listener_core)
             rows += bench_engine(bench, engine, model, shapes, cadences, args.steps, args.rounds)
             bench.close()
             del bench
             gc.collect()
     load.append(round(os.getloadavg()[0], 2))
-    report(rows, args, model, load, time.perf_counter() - t0)
+    line = report(rows, args, model, load, time.perf_counter() - t0, record)
+    RESULTS.parent.mkdir(exist_ok=True)
+    with RESULTS.open("a") as f:  # appended, never replaced
+        f.write(line + "\n")
 
 
 if __name__ == "__main__":

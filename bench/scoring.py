@@ -1,14 +1,15 @@
 """Decoding while a slow verifier scores: rewards in the engine's scoring processes vs inline.
 
-    python -m inflight.bench.scoring [--model smollm2|DIR | --size S] [--sleep-s 2] [--workers G]
+    python -m inflight.bench.scoring [--model smollm2|DIR | --size S] [--sleep-s 2] [--verifier sleep|cpu] [--workers G]
                             [--groups-in-flight 4] [--completion-tokens 64] [--steps 576] [--rounds 18]
                             [--placement split] [--out runs/scoring] [--png docs/scoring.png]
 
 One in-process engine samples GRPO groups (``n = 8``, a fresh prompt each, exactly
 T = ``--completion-tokens`` tokens, temperature 1) with G = ``--groups-in-flight`` groups
 decoding, refilled as they finish, as the training loop's engine process does. Each finished
-group is scored by a verifier that sleeps ``--sleep-s`` seconds per group (``SlowVerifier``:
-the ``repeat_digit`` reward after the sleep). Modes:
+group is scored by a verifier that takes ``--sleep-s`` seconds per group (``SlowVerifier``: the
+``repeat_digit`` reward after it), asleep, or with ``--verifier cpu`` computing on the scoring
+processes' cores. Modes:
 
 1. ``instant``: the same verifier without the sleep, in the scoring processes
    (``inflight.trainer.rollout.episode_rollout.EpisodeRollout``, ``--workers`` of them), the ceiling;
@@ -50,8 +51,11 @@ Reports per mode: tok/s and its ratio to ``instant``'s; each round's, its ratio 
 round's ``instant`` and their median (a round's modes run within a minute of each other: the
 ratio other jobs on the machine disturb least); the median step; the groups scored; the most
 groups waiting for rewards at once and how long admission waited for them. The verifier
-keeps up when its throughput, ``--workers`` / ``--sleep-s`` groups per second, covers the
-engine's group rate (``instant``'s tok/s / (8 T)); the output says whether it did.
+keeps up when its throughput, ``--workers`` / ``--sleep-s`` groups per second (a CPU-bound
+one: at most as many workers as the scoring processes have cores), covers the engine's group
+rate (``instant``'s tok/s / (8 T)); the output gives their ratio. For a verifier near capacity,
+pick ``--sleep-s`` from an earlier run's group rate. The JSON line is also appended to
+``bench/results/scoring.jsonl`` with the command, its start and the git revision.
 ``--workers`` defaults to G, as many as admission lets wait. Writes ``results.json`` under
 ``--out`` and the figure ``--png`` (tok/s per mode, its ratio to ``instant``; tokens over
 each timed chunk's seconds, per round and mode).
@@ -80,23 +84,45 @@ from inflight.trainer.envs.digits import RepeatDigit  # noqa: E402
 
 GROUP = 8
 MODES = ("instant", "pool", "inline")
+RESULTS = Path(__file__).resolve().parent / "results" / "scoring.jsonl"
 
 
 class SlowVerifier(RepeatDigit):
-    """``repeat_digit``, its ``score`` taking ``sleep_s`` seconds a group (a sandbox, a judge)."""
+    """``repeat_digit``, its ``score`` taking ``sleep_s`` seconds a group: asleep (a sandbox or a
+    judge elsewhere), or with ``cpu`` computing for ``sleep_s`` seconds of this process's CPU
+    time (a checker on the scoring host's cores, which contends with what else runs there)."""
 
-    def __init__(self, tokenizer: Any, completion_tokens: int, sleep_s: float) -> None:
+    def __init__(self, tokenizer: Any, completion_tokens: int, sleep_s: float, cpu: bool = False) -> None:
         super().__init__(tokenizer, completion_tokens)
-        self.sleep_s = sleep_s
+        self.sleep_s, self.cpu = sleep_s, cpu
 
     def score(self, prompts, completions):  # noqa: ANN001, ANN201  (Task's signature)
-        time.sleep(self.sleep_s)
+        if self.cpu:
+            burn_cpu(self.sleep_s)
+        else:
+            time.sleep(self.sleep_s)
         return super().score(prompts, completions)
 
 
-def make(tokenizer: Any, completion_tokens: int, sleep_s: float) -> SlowVerifier:
+def burn_cpu(seconds: float) -> int:
+    """Compute until this process has used ``seconds`` more CPU time; returns the rounds run."""
+    end, x, rounds = time.process_time() + seconds, 1, 0
+    while time.process_time() < end:
+        for _ in range(2000):
+            x = (x * 1103515245 + 12345) & 0x7FFFFFFF
+        rounds += 1
+    return rounds
+
+
+def make(tokenizer: Any, completion_tokens: int, sleep_s: float, cpu: bool = False) -> SlowVerifier:
     """``task.name = "inflight.bench.scoring:make"``."""
-    return SlowVerifier(tokenizer, completion_tokens, sleep_s)
+    return SlowVerifier(tokenizer, completion_tokens, sleep_s, cpu)
+
+
+def verifier_rate(workers: int, sleep_s: float, cpu: bool, scoring_cores: int) -> float:
+    """Groups per second the verifier scores at most: each worker one group per ``sleep_s``; a
+    CPU-bound one no more workers at once than the cores the scoring processes have."""
+    return (min(workers, scoring_cores) if cpu else workers) / sleep_s
 
 
 class StepTokens:
@@ -308,6 +334,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--model", default="smollm2", help="a model directory, hub id or 'smollm2' (trainer/models.py)")
     ap.add_argument("--size", default=None, choices=["S", "M", "L"], help="a tiny model instead of --model (smoke)")
     ap.add_argument("--sleep-s", type=float, default=2.0, help="the verifier's time per group")
+    ap.add_argument("--verifier", choices=["sleep", "cpu"], default="sleep",
+                    help="sleep: the time asleep; cpu: the time computing, on the scoring processes' cores")
     ap.add_argument("--workers", type=int, default=None, help="task.scoring.workers (default: --groups-in-flight)")
     ap.add_argument("--groups-in-flight", type=int, default=4)
     ap.add_argument("--completion-tokens", type=int, default=64)
@@ -324,6 +352,9 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
+    from inflight.bench.run_record import run_record
+
+    record = run_record("scoring")
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -346,13 +377,14 @@ def main() -> None:
 
     def scorer(sleep_s: float) -> EpisodeRollout:
         cfg = config_from_dict({"rollout": {"group_size": GROUP}, "task": {"name": "inflight.bench.scoring:make", "completion_tokens": args.completion_tokens,
-                                         "options": {"completion_tokens": args.completion_tokens, "sleep_s": sleep_s},
+                                         "options": {"completion_tokens": args.completion_tokens, "sleep_s": sleep_s,
+                                                     "cpu": args.verifier == "cpu"},
                                          "scoring": {"workers": args.workers, "timeout_s": 10 * args.sleep_s + 30}}})
         s = EpisodeRollout(cfg, model_dir, "e0", sampling_of(params), llm.get_tokenizer(), add_request=None,
                            abort=None, episodic=False)  # type: ignore[arg-type]  # set by each Loop
         s.wait_ready()
         return s
-    task = make(llm.get_tokenizer(), args.completion_tokens, args.sleep_s)
+    task = make(llm.get_tokenizer(), args.completion_tokens, args.sleep_s, args.verifier == "cpu")
     scorers = started_on(cpus, lambda: {"instant": scorer(0.0), "pool": scorer(args.sleep_s)})
     loops = {m: Loop(llm, m, params, args.groups_in_flight, scorers.get(m), task, counter) for m in MODES}
     for m in MODES:  # untimed: the engine's first steps and each pool's first calls
@@ -377,9 +409,10 @@ def main() -> None:
     rows = rows_of(totals, loops)
     model = f"tiny-{args.size}" if args.size else Path(model_dir).name
     group_rate = rows[0]["tok_s"] / (GROUP * args.completion_tokens)
-    verifier_rate = args.workers / args.sleep_s
-    covered = verifier_rate >= group_rate
-    print(f"{model}: verifier {args.sleep_s} s per group, {args.workers} scoring workers, {args.groups_in_flight} "
+    scoring_cores = len(cpus) if cpus else (os.cpu_count() or 1)  # split: the trainer's core; shared: every core
+    capacity = verifier_rate(args.workers, args.sleep_s, args.verifier == "cpu", scoring_cores)
+    covered = capacity >= group_rate
+    print(f"{model}: verifier {args.sleep_s} s per group ({args.verifier}), {args.workers} scoring workers, {args.groups_in_flight} "
           f"groups of {GROUP} x {args.completion_tokens} tokens, {args.steps // args.rounds} timed steps per mode "
           f"in each of {args.rounds} rounds, placement {args.placement}; load average (1 min) at the start, "
           f"after each round: {load}")
@@ -390,13 +423,13 @@ def main() -> None:
               f"ratios {row['median_round_vs_instant']:.3f}), {row['groups_scored']} groups scored{waits}; the "
               f"median step {row['median_step_ms']} ms, the wave's untimed step {row['wave_step_s']} s\n"
               f"           rounds: {row['rounds_tok_s']} tok/s, {row['rounds_vs_instant']} of instant")
-    print(f"verifier throughput {verifier_rate:.2f} groups/s ({args.workers} workers / {args.sleep_s} s) "
-          + (f"covers the engine's {group_rate:.2f} groups/s" if covered else
-             f"does NOT cover the engine's {group_rate:.2f} groups/s: admission waits for the verifier "
-             f"(raise --workers to {int(group_rate * args.sleep_s) + 1} or more)"))
-    result = {"bench": "scoring", **vars(args), "model": model, "group": GROUP, "load_1m": load,
-              "group_rate": round(group_rate, 3), "verifier_rate": round(verifier_rate, 3),
-              "verifier_covers": covered, "wall_s": round(time.perf_counter() - wall0, 1), "rows": rows,
+    print(f"verifier throughput {capacity:.2f} groups/s ({args.workers} workers / {args.sleep_s} s, {args.verifier}"
+          f"{f' on {scoring_cores} cores' if args.verifier == 'cpu' else ''}), {capacity / group_rate:.2f}x "
+          + (f"the engine's {group_rate:.2f} groups/s" if covered else
+             f"the engine's {group_rate:.2f} groups/s: admission waits for the verifier"))
+    result = {"bench": "scoring", **record, **vars(args), "model": model, "group": GROUP, "load_1m": load,
+              "group_rate": round(group_rate, 3), "verifier_rate": round(capacity, 3),
+              "capacity_over_rate": round(capacity / group_rate, 3), "verifier_covers": covered, "wall_s": round(time.perf_counter() - wall0, 1), "rows": rows,
               "traces": {m: [c["trace"] for c in cs] for m, cs in totals.items()}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -405,7 +438,11 @@ def main() -> None:
         plot(rows, totals, f"{model}: verifier {args.sleep_s:g} s per group, {args.workers} workers, "
              f"{args.groups_in_flight} x {GROUP} x {args.completion_tokens} tokens in flight, {args.placement} "
              f"cores; load {min(load)}-{max(load)}", Path(args.png))
-    print(json.dumps({k: v for k, v in result.items() if k != "traces"}))
+    line = json.dumps({k: v for k, v in result.items() if k != "traces"})
+    print(line)
+    RESULTS.parent.mkdir(exist_ok=True)
+    with RESULTS.open("a") as f:  # appended, never replaced
+        f.write(line + "\n")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,17 @@ scheduled chunk computes, the cadence in-flight achieves, and the figures of eac
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from inflight.bench.grpo_figures import (achieved_cadence, against_cache, checks, group_prompt, positions, prefill_figures, ramp,
-                        rotate)
+from inflight.bench.grpo_figures import (achieved_cadence, against_cache, against_native, checks, positions, prefill_figures,
+                                         ramp, rotate, workload_checks)
+from inflight.bench.grpo_workloads import Workload, random_tokens
+
+
+def group_prompt(seed: int, index: int, length: int, vocab: int) -> list[int]:
+    return Workload().first_prompt(seed, index, length, vocab)
 
 
 def test_every_group_has_a_fresh_prompt_the_same_in_every_mode() -> None:
@@ -106,3 +113,71 @@ def test_the_targets_at_1024_and_every_16() -> None:
     rows[1]["vs_none"] = 0.94
     assert not checks(rows)[0]["vs_none_pass"]
     assert not checks(rows[:3])[0]["vs_native_pass"]  # a native mode missing: not shown to be beaten
+
+
+def test_a_shared_system_prompt_precedes_every_groups_fresh_question() -> None:
+    w = Workload(kind="system", system_tokens=2048)
+    a, b = w.first_prompt(0, 3, 32, 49152), w.first_prompt(0, 4, 32, 49152)
+    assert len(a) == 2048 + 32 and a[:2048] == b[:2048] == random_tokens("0/system", 2048, 49152)
+    assert a[2048:] == group_prompt(0, 3, 32, 49152) != b[2048:]
+    assert w.next_prompt(0, 3, 0, 0, a, [5, 6], 49152) is None  # one turn
+    assert w.max_len(32, 64) == 2048 + 32 + 64
+
+
+def test_a_multi_turn_history_grows_by_the_sampled_tokens_and_a_tool_answer() -> None:
+    w = Workload(kind="multi-turn", turns=3, tool_tokens=16)
+    first = w.first_prompt(1, 2, 64, 49152)
+    second = w.next_prompt(1, 2, 5, 0, first, [7, 8, 9], 49152)
+    assert second[:67] == first + [7, 8, 9] and len(second) == 64 + 3 + 16
+    assert second[67:] == random_tokens("1/2/5/0/tool", 16, 49152)
+    assert second[67:] != w.next_prompt(1, 2, 6, 0, first, [7, 8, 9], 49152)[67:]  # each episode its own answers
+    third = w.next_prompt(1, 2, 5, 1, second, [1], 49152)
+    assert third[:len(second) + 1] == second + [1] and len(third) == len(second) + 1 + 16
+    assert w.next_prompt(1, 2, 5, 2, third, [4], 49152) is None  # the third turn was the last
+    assert w.max_len(64, 10) == 64 + 3 * 10 + 2 * 16
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"kind": "chat"}, "workload 'chat' is not one of"),
+    ({"kind": "system"}, "system_tokens=0"),
+    ({"kind": "fresh", "system_tokens": 8}, "system_tokens=8"),
+    ({"kind": "multi-turn", "turns": 1, "tool_tokens": 8}, "turns=1"),
+    ({"kind": "multi-turn", "turns": 3}, "tool_tokens=0"),
+    ({"kind": "system", "system_tokens": 8, "turns": 2}, "turns=2"),
+])
+def test_a_bad_workload_is_named(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Workload(**kwargs)
+
+
+def test_the_cli_builds_the_workload_and_refuses_what_does_not_fit(capsys: pytest.CaptureFixture) -> None:
+    saved = dict(os.environ)
+    from inflight.bench.grpo import parse  # it sets the engine's environment defaults: not for the tests after
+
+    os.environ.clear()
+    os.environ.update(saved)
+    args = parse(["--workload", "multi-turn", "--turns", "4", "--tool-tokens", "32", "--listener-core", "engine"])
+    assert args.workload_spec == Workload(kind="multi-turn", turns=4, tool_tokens=32)
+    for bad in (["--workload", "system"], ["--placement", "shared", "--listener-core", "engine"]):
+        with pytest.raises(SystemExit):
+            parse(bad)
+    assert "system_tokens=0" in capsys.readouterr().err
+
+
+def test_in_flight_against_native_salt_round_by_round() -> None:
+    """Each round's tokens/s over native-salt's of the same round: the median and the spread;
+    the goal is on the median."""
+    def r(mode: str, tok_s: float, rounds: list[float], engine: str = "cache", hit: float = 0.5) -> dict:
+        return {"engine": engine, "mode": mode, "group": "P32/T64/every16", "tok_s": tok_s, "round_tok_s": rounds,
+                "hit_rate": hit}
+    rows = [r("none", 120.0, [120.0] * 3), r("inflight", 110.0, [110.0, 90.0, 130.0], hit=0.9),
+            r("native-salt", 100.0, [100.0, 100.0, 100.0], hit=0.4), r("native-reset", 50.0, [40.0, 50.0, 60.0])]
+    against_native(rows)
+    assert (rows[1]["vs_native_salt"], rows[1]["vs_native_salt_median"], rows[1]["vs_native_salt_spread"]) == \
+        (1.1, 1.1, [0.9, 1.3])
+    assert rows[3]["vs_native_salt_median"] == 0.5 and rows[0]["vs_native_salt"] is None
+    (goal,) = workload_checks(rows, "system")
+    assert goal["pass"] and (goal["hit_rate"], goal["native_salt_hit_rate"]) == (0.9, 0.4)
+    rows[1]["round_tok_s"] = [110.0, 90.0, 109.0]
+    against_native(rows)
+    assert not workload_checks(rows, "multi-turn")[0]["pass"] and workload_checks(rows, "fresh") == []
