@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from inflight.trainer.config_files import config_from_dict, load_config
+from inflight.trainer.metrics import after_first_commit
 from inflight.trainer.train import train
 
 SMALL = {
@@ -36,6 +37,13 @@ def test_training_run_end_to_end(tmp_path) -> None:
     # tokens came from several versions, some samples from more than one
     assert summary["max_versions_per_sample"] >= 2
     assert any(int(lag) > 0 for r in rows for lag in r["lag_hist"])
+    # step 1 trained on samples decoded before any push: none spans; the share from the first
+    # step a commit reached is over the steps from there on
+    newest = [max(v for vs in r["versions_by_engine"].values() for v in vs) for r in rows]
+    first = next(i for i, v in enumerate(newest) if v > 0)
+    assert first >= 1 and rows[0]["frac_multi_version"] == 0.0
+    assert summary["frac_samples_multi_version_after_first_commit"] == pytest.approx(
+        sum(r["frac_multi_version"] for r in rows[first:]) / len(rows[first:]))
     state = json.loads((out / "checkpoint" / "state.json").read_text())
     assert state["step"] == 6 and state["version"] == 6
     for name in ("model.safetensors", "optimizer/.metadata", "pending.msgpack", "tokenizer.json"):
@@ -204,3 +212,16 @@ def test_a_multi_turn_task_trains_on_whole_episodes(tmp_path) -> None:
     # the environment's answers, the second given as token ids, read back as text in the transcript
     assert all(e["completion"].count("[ obs 1 ]") == e["completion"].count("[ ids 2 ]") == 1
                for e in evals[-1]["eval_examples"]), evals[-1]["eval_examples"]
+
+
+def test_the_steps_before_a_commit_reached_are_left_out_of_the_spanning_share() -> None:
+    """By hand, and on a resumed run (its first version is not 1): the steps whose samples carry
+    only versions from before the run's first push are left out, and none after them."""
+    def row(version: int, tags: list[int]) -> dict:
+        return {"version": version, "versions_by_engine": {"e0": tags}}
+
+    rows = [row(1, [0]), row(2, [0]), row(3, [0, 1]), row(4, [0]), row(5, [2, 3])]
+    assert after_first_commit(rows) == rows[2:]  # step 4 (tags [0]) stays: a commit had reached the engine
+    resumed = [row(11, [9, 10]), row(12, [10]), row(13, [10, 11])]
+    assert after_first_commit(resumed) == resumed[2:]
+    assert after_first_commit([row(1, [0])]) == [] and after_first_commit([]) == []

@@ -100,10 +100,20 @@ def _train_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if "reward_mean" in r]
 
 
+def after_first_commit(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps from the first whose samples carry a version this run pushed: the steps before
+    it trained only on samples decoded before any of its commits, which cannot span versions."""
+    start = rows[0]["version"] - 1 if rows else 0
+    first = next((i for i, r in enumerate(rows) if max(v for vs in r["versions_by_engine"].values() for v in vs) > start),
+                 len(rows))
+    return rows[first:]
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Reward of the first vs the last 20% of steps, multi-version samples, stall per update,
-    mean ESS, steps under ``loss.ess_warn``, mean fraction of tokens masked; with evaluation
-    on, the first and last greedy accuracy and reward on the held-out prompts."""
+    """Reward of the first vs the last 20% of steps, multi-version samples (over every step,
+    and from the first step a commit of this run reached), stall per update, mean ESS, steps
+    under ``loss.ess_warn``, mean fraction of tokens masked; with evaluation on, the first and
+    last greedy accuracy and reward on the held-out prompts."""
     evals = [r for r in rows if "eval_accuracy" in r]
     rows = _train_rows(rows)
     n = len(rows)
@@ -114,6 +124,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "reward_first_20pct": _mean([r["reward_mean"] for r in rows[:k]]),
         "reward_last_20pct": _mean([r["reward_mean"] for r in rows[-k:]]),
         "frac_samples_multi_version": _mean([r["frac_multi_version"] for r in rows]),
+        "frac_samples_multi_version_after_first_commit": _mean([r["frac_multi_version"] for r in after_first_commit(rows)]),
         "max_versions_per_sample": max((r.get("max_versions_per_sample", 1) for r in rows), default=1),
         "hybrid_token_frac": _mean([r.get("hybrid_token_frac", 0.0) for r in rows]),
         "stall_ms_mean": _mean(stalls),

@@ -316,7 +316,8 @@ def report(cfg: TrainConfig, summary: dict) -> None:
     """What a person reads after a run, then the summary as one JSON line for scripts."""
     print(f"reward: first 20% {summary['reward_first_20pct']:.3f} -> last 20% {summary['reward_last_20pct']:.3f}; "
           f"samples spanning >1 version: {100 * summary['frac_samples_multi_version']:.1f}% "
-          f"(max {summary['max_versions_per_sample']} versions in one sample); "
+          f"({100 * summary['frac_samples_multi_version_after_first_commit']:.1f}% from the first step a commit reached; "
+          f"max {summary['max_versions_per_sample']} versions in one sample); "
           f"engine stall per update: {summary['stall_ms_mean']:.1f} ms mean")
     if "eval_accuracy_first" in summary:
         print(f"eval (greedy, {summary['eval_prompts']} held-out prompts): accuracy {summary['eval_accuracy_first']:.3f} "
