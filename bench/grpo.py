@@ -407,6 +407,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--turns", type=int, default=1, help="--workload multi-turn: turns per episode")
     ap.add_argument("--tool-tokens", type=int, default=0, help="--workload multi-turn: each tool answer's tokens")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--results", default=str(RESULTS), help="the JSONL file the run's line is appended to ('' for none)")
     args = ap.parse_args(argv)
     if args.listener_core == "engine" and args.placement != "split":
         ap.error("--listener-core engine: only with --placement split (shared places no thread)")
@@ -437,9 +438,9 @@ def main(argv: list[str] | None = None) -> None:
             gc.collect()
     load.append(round(os.getloadavg()[0], 2))
     line = report(rows, args, model, load, time.perf_counter() - t0, record)
-    RESULTS.parent.mkdir(exist_ok=True)
-    with RESULTS.open("a") as f:  # appended, never replaced
-        f.write(line + "\n")
+    if args.results:
+        with Path(args.results).open("a") as f:  # appended, never replaced
+            f.write(line + "\n")
 
 
 if __name__ == "__main__":

@@ -344,6 +344,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--placement", choices=["split", "shared"], default="split",
                     help="inflight.bench.placement: the engine on one core, the scoring processes on the other; or shared")
     ap.add_argument("--out", default="runs/scoring", help="results.json goes here")
+    ap.add_argument("--results", default=str(RESULTS), help="the JSONL file the run's line is appended to ('' for none)")
     ap.add_argument("--png", default="docs/scoring.png", help="the figure ('' for none)")
     args = ap.parse_args()
     args.workers = args.workers or args.groups_in_flight
@@ -440,9 +441,9 @@ def main() -> None:
              f"cores; load {min(load)}-{max(load)}", Path(args.png))
     line = json.dumps({k: v for k, v in result.items() if k != "traces"})
     print(line)
-    RESULTS.parent.mkdir(exist_ok=True)
-    with RESULTS.open("a") as f:  # appended, never replaced
-        f.write(line + "\n")
+    if args.results:
+        with Path(args.results).open("a") as f:  # appended, never replaced
+            f.write(line + "\n")
 
 
 if __name__ == "__main__":
