@@ -58,7 +58,8 @@ class Harness:
     """``LLM`` (in-process engine) + ``WeightPusher`` (rank 0) on one gloo group."""
 
     def __init__(self, model_dir: Path, dtype: str, port: int, commit: str = "auto", timeout_s: float = 60.0,
-                 keep_rollback: bool = True, keep_base: bool = False, **engine_overrides: object) -> None:
+                 keep_rollback: bool = True, keep_base: bool = False, commit_unit: str = "model",
+                 **engine_overrides: object) -> None:
         from vllm import LLM
 
         self.model_dir = Path(model_dir)
@@ -67,8 +68,8 @@ class Harness:
                        **engine_kwargs(**engine_overrides))
         self.group = GroupConfig(port=port, world_size=2, timeout_s=timeout_s)
         try:
-            self.start_report = start_inflight(self.llm, InflightConfig(group=self.group, commit=commit,  # type: ignore[arg-type]
-                                                                        keep_rollback=keep_rollback, keep_base=keep_base))
+            self.start_report = start_inflight(self.llm, InflightConfig(  # type: ignore[arg-type]
+                group=self.group, commit=commit, keep_rollback=keep_rollback, keep_base=keep_base, commit_unit=commit_unit))
             self.pusher = WeightPusher(self.group, PushConfig(dtype=dtype, bucket_mb=0.25))
         except BaseException:
             # Tear the engine down now (e.g. the pusher could not host the group's store):
