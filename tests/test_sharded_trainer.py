@@ -239,19 +239,25 @@ def test_a_follower_gets_a_clear_error_when_rank_0_dies_mid_push(tiny_llama) -> 
         peer.join(30)
 
 
-def test_a_model_fused_at_load_is_refused_by_name(tiny_moe) -> None:
+def test_a_model_fused_at_load_is_refused_by_name(tiny_moe, tiny_qwen) -> None:
     """transformers fuses a MoE's experts at load: the checkpoint form's split experts would be
     copies made once, stale after the first step, so ``ShardedSource(module)`` refuses it,
-    naming what to pass instead (before it touches any process group)."""
+    naming them and what to pass instead (before it touches any process group). What it
+    checks is memory, not names: each tensor must live in a parameter or buffer (a tied
+    embedding's lm_head does)."""
     from transformers import AutoModelForCausalLM
 
-    from inflight.transport.sources import ShardedSource, checkpoint_form, named_weights
+    from inflight.transport.sources import ShardedSource, _copies, checkpoint_form, named_weights
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_moe), dtype=torch.float32)
     live = {n: p.detach() for n, p in model.named_parameters()}
     assert any(".experts.0." in n for n in named_weights(model)) and not any(".experts.0." in n for n in live)
-    with pytest.raises(ValueError, match=r"checkpoint form differs .* stale after the first optimizer step"):
+    with pytest.raises(ValueError, match=r"checkpoint form differs .*\.experts\.0\..* stale after the first optimizer step"):
         ShardedSource(model, None)  # type: ignore[arg-type]
+    plain = AutoModelForCausalLM.from_pretrained(str(tiny_qwen), dtype=torch.float32)  # tied embeddings
+    tied = {"lm_head.weight": plain.lm_head.weight.detach()}  # the embedding's memory
+    assert _copies(plain, {**named_weights(plain), **tied}) == []
+    assert _copies(plain, {**named_weights(plain), "extra": torch.zeros(2)}) == ["extra"]
     # what GatheredWeights does instead: the live tensors, in checkpoint form when read, see a step
     copies = named_weights(model)
     with torch.no_grad():

@@ -114,6 +114,9 @@ def _rank(rank: int, port: int, model_dir: str, setting: dict, plan: tuple, out:
         seen = _steps(policy, first, last)
         if save_to:
             _save(policy, Path(save_to), last)
+        policy.close()
+        if ranks is None:  # the process group a one-process policy formed for bf16 compute: left
+            assert not torch.distributed.is_initialized()
         torch.save(seen, out)
     finally:
         if ranks is not None:
@@ -243,14 +246,20 @@ def _rank_killed_mid_gather(rank: int, port: int, model_dir: str, out: str) -> N
     try:
         policy.step(_groups(1), version=2, step=1)
     except RankLost as e:
-        torch.save({"error": str(e), "seconds": time.monotonic() - t0}, out)
+        seconds = time.monotonic() - t0
+        try:
+            policy.weights()
+            refused = ""
+        except RuntimeError as r:  # the copy is half-written: no push or save reads it
+            refused = str(r)
+        torch.save({"error": str(e), "seconds": seconds, "refused": refused}, out)
 
 
 def test_a_rank_killed_in_the_gather_is_named_within_seconds(tiny_llama, tmp_path) -> None:
     """SIGKILL of rank 1 in the middle of the ranks' part of a push (the gather of the step's
     weights into rank 0's copy): rank 0's step fails with ``RankLost`` naming rank 1 within
-    seconds, not at ``run.rank_timeout_s`` (the run then stops without a checkpoint of the
-    half-gathered copy: ``train`` saves only after whole steps)."""
+    seconds, not at ``run.rank_timeout_s``; the half-gathered copy is refused to any push or
+    save that would read it (``train`` saves only after whole steps besides)."""
     ctx = mp.get_context("spawn")
     port = reserve_port()
     release_port("127.0.0.1", port)
@@ -268,6 +277,7 @@ def test_a_rank_killed_in_the_gather_is_named_within_seconds(tiny_llama, tmp_pat
     assert re.search(r"^step 2: a collective of the trainer's ranks failed \(.*\); trainer rank 1 did not answer",
                      lost["error"]), lost["error"]
     assert lost["seconds"] < 15, lost
+    assert "half-written: the gather of version 2 did not finish" in lost["refused"], lost
 
 
 @pytest.mark.parametrize("saved_on", [1, 2])

@@ -56,7 +56,8 @@ class Policy:
         the optimizer from ``model_dir``'s checkpoint (default: whether ``resumed`` is given)."""
         from transformers import AutoTokenizer
 
-        if ranks is None and cfg.optim.compute_dtype != "float32":  # mixed precision is FSDP2's, on one rank too
+        self.formed_ranks = ranks is None and cfg.optim.compute_dtype != "float32"
+        if self.formed_ranks:  # mixed precision is FSDP2's, on one rank too
             ranks = TrainerRanks.from_env(cfg.run.rank_timeout_s, alone=True)
         self.cfg, self.ranks, self.model_dir = cfg, ranks, model_dir
         self.device = ranks.device if ranks else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -139,7 +140,7 @@ class Policy:
             self._eval_model.to(self.device).eval().requires_grad_(False)
         with torch.no_grad():
             own = self._live(self._eval_model)
-            for name, t in self.gathered.copy.items():
+            for name, t in self.gathered.whole().items():
                 own[name].copy_(t)
         return self._eval_model
 
@@ -154,7 +155,8 @@ class Policy:
         adapter's, by the names PEFT saves (``inflight.trainer.adapter``); with ranks, from rank
         0's host copy of the last step's (``GatheredWeights``), in checkpoint form."""
         if self.gathered is not None:
-            return self.gathered.copy if self.lora else checkpoint_form(self.model, self.gathered.copy)
+            copy = self.gathered.whole()
+            return copy if self.lora else checkpoint_form(self.model, copy)
         return adapter_weights(self.model) if self.lora else named_weights(self.model)
 
     def step(self, groups: list[RolloutGroup], version: int, step: int, *,
@@ -194,6 +196,12 @@ class Policy:
             self.gathered.gather(step + 1)
         return StepResult(loss, grad_norm, batch, metrics)
 
+    def close(self) -> None:
+        """Leave the process group this policy formed for itself (bf16 compute on one rank); a
+        group it was given is its caller's to leave."""
+        if self.formed_ranks and self.ranks is not None:
+            self.ranks.stop()
+
     def follow(self, order: TrainerOrder) -> None:
         """A following rank's part of rank 0's step ``order``: its groups' gradients, its rows'
         log-probs sent to rank 0, the optimizer step on its shard, the gather."""
@@ -206,9 +214,8 @@ class Policy:
         self.ranks.check_in(order.step)
         groups = list(order.groups)
         batch = collate(groups, self.tokenizer.pad_token_id, self.cfg.loss.normalize_std)
-        self.replay.reset()
         logp, entropy, ref = self._backward(batch, order.version, order.n_tokens, order.passes,
-                                            self._routing(groups, batch))
+                                            self._step_routing(groups, batch))
         (rows, cols), (routed, differ) = logp.shape, self.replay.counts()
         self.ranks.send(TrainerPart(rows=rows, cols=cols, logp=_raw(logp), entropy=_raw(entropy),
                                     ref=b"" if ref is None else _raw(ref), routing_rows=routed,
@@ -245,9 +252,8 @@ class Policy:
         whole batch's metrics and the batch."""
         cfg = self.cfg
         batch = collate(groups, self.tokenizer.pad_token_id, cfg.loss.normalize_std)
-        routing = self._routing(groups, batch)
+        routing = self._step_routing(groups, batch)
         passes = min(cfg.optim.micro_batches, batch.input_ids.shape[0])
-        self.replay.reset()
         if passes == 1:  # one pass: the loss and its metrics at once
             batch = batch.to(self.device)
             with self.replay.replaying(routing):
@@ -285,8 +291,10 @@ class Policy:
                 ref_all[rows, :t] = ref.cpu()
         return logp_all, entropy_all, ref_all
 
-    def _routing(self, groups: list[RolloutGroup], batch: Batch) -> torch.Tensor | None:
-        """``groups``' recorded routing, collated like ``batch`` (None without routing replay)."""
+    def _step_routing(self, groups: list[RolloutGroup], batch: Batch) -> torch.Tensor | None:
+        """``groups``' recorded routing, collated like ``batch`` (None without routing replay),
+        for one step's gradient on this rank: the replay's counts start over here, once a step."""
+        self.replay.reset()
         if not self.replay.enabled:
             return None
         return collate_routing(groups, batch.input_ids, batch.completion_ids.shape[1])
@@ -307,8 +315,7 @@ class Policy:
                                     passes=passes), r)
         ranks.check_in(step)
         mine = collate(parts[0], self.tokenizer.pad_token_id, cfg.loss.normalize_std)
-        self.replay.reset()
-        shares = [self._backward(mine, version, n_tokens, passes, self._routing(parts[0], mine))]
+        shares = [self._backward(mine, version, n_tokens, passes, self._step_routing(parts[0], mine))]
         routed = (0, 0)  # the other ranks' routing replay counts
         for r in range(1, ranks.world):
             part = decode_trainer_part(ranks.receive_bytes(r))

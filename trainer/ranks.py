@@ -268,6 +268,10 @@ class GatheredWeights:
         self.ranks = ranks
         self.source = ShardedSource(named, ranks.gathers)
         self.copy: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+        """Rank 0: the version ``copy`` holds whole; None while a gather fills it, and after one failed."""
+        self.failed: int | None = None
+        """Rank 0: the version whose gather failed, leaving ``copy`` half-written."""
         self.seconds: list[float] = []
         """Rank 0: how long each gather took."""
 
@@ -279,6 +283,7 @@ class GatheredWeights:
             self.source.follow(version)
             return
         names, start = list(self.source.named), time.perf_counter()
+        self.version, self.failed = None, version  # until every tensor is in
         self.source.begin(version, names)
         try:
             for name in names:
@@ -290,7 +295,16 @@ class GatheredWeights:
                 self.source.drop(name)
         finally:
             self.source.finish(version)
+        self.version, self.failed = version, None
         self.seconds.append(time.perf_counter() - start)
+
+    def whole(self) -> dict[str, torch.Tensor]:
+        """Rank 0's ``copy``, refused while it is not one version's whole (its gather failed
+        part way: some tensors new, some old)."""
+        if self.version is None:
+            raise RuntimeError(f"rank 0's copy of the weights is half-written: the gather of version "
+                               f"{self.failed} did not finish, so no push or save may read it")
+        return self.copy
 
 
 def launch_ranks(n: int, argv: list[str], prog: str) -> int | str:

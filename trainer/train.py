@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -110,7 +111,7 @@ def train(cfg: TrainConfig, ranks: TrainerRanks | None = None) -> dict:  # ranks
         metrics.close()  # the experiment trackers' files, finished
 
     # -- 5. what we leave behind ---------------------------------------------------------------------
-    policy.save(ckpt_dir, done, version, buffer, lambda: ledger.state(queue))
+    _save_last(policy, ckpt_dir, done, version, buffer, lambda: ledger.state(queue))
     return _summary(out, metrics, ledger.queue_totals(queue), buffer, fleet, interrupted=done < cfg.run.steps)
 
 
@@ -135,6 +136,15 @@ def _task_before_engines(cfg: TrainConfig, model_dir: Path) -> Task:
         raise SetupError(f"task {cfg.task.name!r}: a prompt of {longest} tokens and task.completion_tokens="
                          f"{cfg.task.completion_tokens} exceed engine.max_model_len={cfg.engine.max_model_len}")
     return task
+
+
+def _save_last(policy: Policy, *save: Any) -> None:
+    """The run's last checkpoint (``Policy.save``'s arguments); then the policy leaves the
+    process group it formed for itself (bf16 compute on one rank), saved or not."""
+    try:
+        policy.save(*save)
+    finally:
+        policy.close()
 
 
 def _run_dir(cfg: TrainConfig) -> tuple[Path, Path]:

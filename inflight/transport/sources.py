@@ -99,6 +99,19 @@ def _is_dtensor(t: object) -> bool:
     return isinstance(t, DTensor)
 
 
+def _memory(t: torch.Tensor) -> int:
+    """The address of the storage holding ``t`` (a DTensor: its local shard's)."""
+    local = t._local_tensor if _is_dtensor(t) else t
+    return local.untyped_storage().data_ptr()
+
+
+def _copies(module: torch.nn.Module, named: Mapping[str, torch.Tensor]) -> list[str]:
+    """The tensors of ``named`` (``module``'s checkpoint form) that live in none of its
+    parameters' or buffers' memory: copies, which an optimizer step leaves behind."""
+    live = {_memory(t) for t in (*module.parameters(), *module.buffers())}
+    return [n for n, t in named.items() if t.device.type != "meta" and _memory(t) not in live]
+
+
 class ShardedSource:
     """A module (or mapping) whose tensors may be DTensors on a 1-D device mesh, read by rank 0's
     pusher one gathered tensor at a time. Plain tensors are taken as replicated (rank 0 reads
@@ -108,10 +121,11 @@ class ShardedSource:
         named = named_weights(weights) if isinstance(weights, torch.nn.Module) else dict(weights)
         if not named:
             raise ValueError("ShardedSource of no tensors")
-        if isinstance(weights, torch.nn.Module) and set(named) != {n for n, _ in weights.named_parameters()}:
+        if isinstance(weights, torch.nn.Module) and (copies := _copies(weights, named)):
             raise ValueError(f"ShardedSource({type(weights).__name__}): its checkpoint form differs from its modules' "
-                             "(transformers fused weights at load, e.g. MoE experts), so its split tensors would be "
-                             "copies made once, stale after the first optimizer step: pass its live tensors "
+                             f"({', '.join(copies[:3])}{' ...' if len(copies) > 3 else ''} hold no parameter's "
+                             "memory: transformers converted weights at load, e.g. fused MoE experts), so they would "
+                             "be copies made once, stale after the first optimizer step: pass its live tensors "
                              "({n: p.detach() for n, p in model.named_parameters()}) and convert each gathered "
                              "tensor set with checkpoint_form (inflight.trainer.ranks.GatheredWeights does)")
         check_gather_backend(str(dist.get_backend(group)))
