@@ -54,10 +54,33 @@ def _scale(rows: dict) -> tuple[list[str], list[str]]:
     return [f"**{len(preds['expected_misses'])} of {checks} checks are declared misses**"], ["inflight bench scale"]
 
 
+def _suite(rows: dict) -> tuple[list[str], list[str]]:
+    """The last fresh-clone ``make test`` recorded (``bench/results/suite.jsonl``)."""
+    runs = [json.loads(x) for x in (ROOT / "bench" / "results" / "suite.jsonl").read_text().splitlines()]
+    run = [r for r in runs if r["clone"] == "fresh"][-1]
+    return [f"{run['passed']} passed, {run['failed']} failed, {run['skipped']} `gpu`",
+            f"{round(run['wall_s'] / 60)} min ({round(run['tests_s'] / 60)} min of tests)"], [run["command"]]
+
+
+def _grpo_system(rows: dict) -> tuple[list[str], list[str]]:
+    """The last ``bench.grpo --workload system`` run with the listener on the trainer's core
+    (``bench/results/grpo.jsonl``)."""
+    runs = [json.loads(x) for x in (ROOT / "bench" / "results" / "grpo.jsonl").read_text().splitlines()]
+    run = [r for r in runs if r["workload"] == "system" and r["listener_core"] == "trainer"][-1]
+    mode = {r["mode"]: r for r in run["rows"] if r["engine"] == "cache"}
+    inf, salt, reset = mode["inflight"], mode["native-salt"], mode["native-reset"]
+    lo, hi = inf["vs_native_salt_spread"]
+    return [f"**{inf['vs_native_salt_median']}x**", f"median of {run['rounds']} rounds, rounds {lo}-{hi}",
+            f"cache hit rate {inf['hit_rate']} vs {salt['hit_rate']}", f"{reset['vs_native_salt_median']}x native-salt",
+            f"{inf['vs_none']}x the tokens/s of no updates (native-salt {salt['vs_none']}x)"], [cli(run["command"])]
+
+
 SOURCES: dict[str, Callable[[dict], tuple[list[str], list[str]]]] = {
     "decode time lost per update over emulated links (network namespace, `tbf`), SmolLM2-135M fp32, split cores, "
     "same cadence": _links,
     "GPU fleets at scale (a model, not a GPU run)": _scale,
+    "GRPO groups of 8 sharing a 2048-token system prompt (32-token questions, 64 sampled), an update every 16 steps, "
+    "prefix caching on": _grpo_system,
 }
 """Row -> what its figure cell must quote from its JSON, and the commands its command cell
 must start with (one of)."""
@@ -84,3 +107,11 @@ def test_the_links_rows_quotes_would_catch_a_changed_figure() -> None:
     quotes, _ = SOURCES[what](rows)
     altered = rows[what]["figure"].replace("186.1 vs", "186.2 vs")
     assert altered != rows[what]["figure"] and not all(q in altered for q in quotes)
+
+
+def test_a_suite_run_is_read_from_pytests_last_line() -> None:
+    from inflight.bench.suite_record import summary
+
+    assert summary("...\n=== 844 passed, 56 skipped, 3 warnings in 2437.12s (0:40:37) ===\n") == \
+        {"passed": 844, "failed": 0, "skipped": 56, "tests_s": 2437.12}
+    assert summary("1 failed, 754 passed, 2 skipped in 100.5s")["failed"] == 1
