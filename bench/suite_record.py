@@ -1,7 +1,7 @@
 """Record one ``make test`` run, for the README's suite row: its pytest summary, its wall time,
 the revision it ran and the load, appended to ``bench/results/suite.jsonl``.
 
-    python -m inflight.bench.suite_record LOG --started 2026-11-30T14:45:00Z --wall-s 2550 --clone fresh [--load 1.2 2.0]
+    python -m inflight.bench.suite_record LOG --started 2026-11-30T14:45:00Z --wall-s 2550 --clone fresh [--load 1.2 2.0] [--git REV]
 
 ``LOG`` is the run's output; its last line is pytest's summary (``N passed, M skipped ... in S s``).
 """
@@ -33,8 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wall-s", type=float, required=True, help="make test's wall time, install included")
     ap.add_argument("--clone", choices=["fresh", "worktree"], required=True)
     ap.add_argument("--load", type=float, nargs="*", default=[], help="load averages seen during the run")
+    ap.add_argument("--git", default=None, help="the revision the run tested (default: this checkout's)")
     args = ap.parse_args(argv)
-    row = {"command": "make test", "started": args.started, "git": git_revision(), "clone": args.clone,
+    row = {"command": "make test", "started": args.started, "git": args.git or git_revision(), "clone": args.clone,
            **summary(args.log.read_text()), "wall_s": args.wall_s, "load": args.load}
     with RESULTS.open("a") as f:  # appended, never replaced
         f.write(json.dumps(row) + "\n")
