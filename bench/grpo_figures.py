@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 
 from inflight.bench.inflight_report import compare

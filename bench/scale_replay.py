@@ -285,10 +285,13 @@ def judge(preds: dict, runs: list[dict]) -> list[dict]:
 def _check(rate: str, mode: str, want: dict, got: list[dict], step_ms: float) -> dict:
     quantities = {}
     for q in got[0]:
-        floor = FLOORS[q] * step_ms if q == "stage_ms" else FLOORS[q]
-        if q == "lost_ms_per_update":
+        if q == "lost_ms_per_update":  # LOST_FLOOR of the update period's decode
             floor = LOST_FLOOR * statistics.median(g.get("steps_per_update") or want["steps"] / want["updates"]
                                                    for g in got) * step_ms
+        elif q == "stage_ms":  # decode steps
+            floor = FLOORS[q] * step_ms
+        else:
+            floor = FLOORS[q]
         mid, half = band([g[q] for g in got], floor)
         quantities[q] = {"measured": [g[q] for g in got], "median": round(mid, 1), "predicted": want[q],
                          "band": round(half, 1), "ok": abs(want[q] - mid) <= half}

@@ -430,7 +430,8 @@ def main() -> None:
              f"the engine's {group_rate:.2f} groups/s: admission waits for the verifier"))
     result = {"bench": "scoring", **record, **vars(args), "model": model, "group": GROUP, "load_1m": load,
               "group_rate": round(group_rate, 3), "verifier_rate": round(capacity, 3),
-              "capacity_over_rate": round(capacity / group_rate, 3), "verifier_covers": covered, "wall_s": round(time.perf_counter() - wall0, 1), "rows": rows,
+              "capacity_over_rate": round(capacity / group_rate, 3), "verifier_covers": covered,
+              "wall_s": round(time.perf_counter() - wall0, 1), "rows": rows,
               "traces": {m: [c["trace"] for c in cs] for m, cs in totals.items()}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
