@@ -34,6 +34,7 @@ BENCHES = {
     "kernels": "the Triton kernels vs their references",
     "staleness": "the staleness study",
     "scale": "GPU fleets at scale, on paper: in-flight vs pause vs batch-boundary",
+    "suite_record": "record one make test run (its summary, wall time, revision) for the README's suite row",
 }
 """The ``bench`` modules that are programs (the others are their parts)."""
 
