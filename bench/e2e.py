@@ -27,7 +27,8 @@ config) and ``smollm2-system`` (SmolLM2-135M-Instruct, ``inflight prepare-model 
 groups of 8, every prompt at least ``--prompt-tokens`` long, a long shared preamble of
 instructions before each problem, so a prefix cache has most of every prompt to reuse).
 Writes ``bench_e2e.json`` (the command line, start time, git revision, load averages, every
-run and the summary) and ``bench_e2e.png`` in ``--out``; prints a table and one JSON line.
+run and the summary) and ``bench_e2e.png`` in ``--out``, appends all but the runs to
+``bench/results/e2e.jsonl`` (``--results``); prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from inflight.bench.placement import PLACEMENTS, Placement, pinned_processes
-from inflight.bench.run_record import run_record
+from inflight.bench.run_record import add_results_option, append_result, run_record
 
 MODES = ("inflight", "pause", "batch")
 WORKLOADS = ("tiny", "smollm2-system")
@@ -242,6 +243,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY.PATH=VALUE",
                     help="a config override for every run (as inflight train --set)")
     ap.add_argument("--out", default="runs/bench")
+    add_results_option(ap, "e2e")
     return ap.parse_args(argv)
 
 
@@ -262,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
               "steps": args.steps, "rounds": args.rounds, "max_lag": args.max_lag, "overrides": args.overrides,
               "summary": summary, "rows": rows}
     (out / "bench_e2e.json").write_text(json.dumps(record, indent=1))
+    append_result(args.results, {k: v for k, v in record.items() if k != "rows"})  # the summary; rows stay in --out
     plot_e2e(rows, out / "bench_e2e.png")
     print(json.dumps({k: v for k, v in record.items() if k != "rows"}))
 

@@ -84,9 +84,8 @@ from inflight.trainer.native_update import native_update  # noqa: E402
 from inflight.bench.grpo_figures import GROUP, achieved_cadence, positions, ramp, report, rotate  # noqa: E402
 from inflight.bench.grpo_workloads import KINDS, Workload  # noqa: E402
 from inflight.bench.placement import ENGINE_CORE, PLACEMENTS, Placement, engine_env, pin_trainer  # noqa: E402
-from inflight.bench.run_record import run_record  # noqa: E402
+from inflight.bench.run_record import add_results_option, append_result, run_record  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "grpo.jsonl"
 ENGINES = {  # engine -> (prefix caching, Bench.run's mode -> row label)
     "cache": (True, {"none": "none", "inflight": "inflight", "native-salt": "native-salt",
                      "native-reset": "native-reset"}),
@@ -407,7 +406,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--turns", type=int, default=1, help="--workload multi-turn: turns per episode")
     ap.add_argument("--tool-tokens", type=int, default=0, help="--workload multi-turn: each tool answer's tokens")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--results", default=str(RESULTS), help="the JSONL file the run's line is appended to ('' for none)")
+    add_results_option(ap, "grpo")
     args = ap.parse_args(argv)
     if args.listener_core == "engine" and args.placement != "split":
         ap.error("--listener-core engine: only with --placement split (shared places no thread)")
@@ -438,9 +437,7 @@ def main(argv: list[str] | None = None) -> None:
             gc.collect()
     load.append(round(os.getloadavg()[0], 2))
     line = report(rows, args, model, load, time.perf_counter() - t0, record)
-    if args.results:
-        with Path(args.results).open("a") as f:  # appended, never replaced
-            f.write(line + "\n")
+    append_result(args.results, line)
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ def checks(rows: list[dict]) -> list[dict]:
 
 
 def report(rows: list[dict], args: argparse.Namespace, model: str, load: list[float], wall_s: float,
-           record: dict) -> str:
+           record: dict) -> dict:
     """Print the table and the checks; returns the run's JSON line (``record`` first)."""
     compare(rows)
     against_cache(rows)
@@ -182,8 +182,8 @@ def report(rows: list[dict], args: argparse.Namespace, model: str, load: list[fl
             print(f"note: {r['group']}: in-flight got an update per {r['steps_per_update']} steps, the native modes "
                   f"one per {native['steps_per_update']}: its staging was slower than the cadence it was asked for")
     settings = {k: v for k, v in vars(args).items() if k != "workload_spec"}
-    line = json.dumps({"bench": "grpo", **record, "device": "cpu", **settings, "model": model, "group": GROUP,
-                       "load_1m": load, "wall_s": round(wall_s, 1), "checks": targets, "goals": goals,
-                       "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]})
-    print(line)
+    line = {"bench": "grpo", **record, "device": "cpu", **settings, "model": model, "group": GROUP,
+            "load_1m": load, "wall_s": round(wall_s, 1), "checks": targets, "goals": goals,
+            "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]}
+    print(json.dumps(line))
     return line

@@ -12,7 +12,8 @@ GIL, or on the peer (the bytes not there yet). Two conditions:
 - decoding: the engine decodes ``--concurrency`` requests while the update stages (what a
   deployment sees: the listener shares the GIL and the cores with decode).
 
-Prints one table per condition and one JSON line. Nothing here changes what is measured:
+Prints one table per condition and one JSON line, which it appends to
+``bench/results/profile_staging.jsonl`` (``--results``). Nothing here changes what is measured:
 the wrappers call the real methods.
 """
 
@@ -31,6 +32,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from inflight.bench.inflight import Bench
+from inflight.bench.run_record import add_results_option, append_result, run_record
 
 PHASES = [  # (owner, attribute, phase name); missing attributes are skipped (older or newer code)
     ("inflight.transport.listener:UpdateListener", "_on_announce", "staging total (announce to Staged)"),
@@ -131,7 +133,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=96, help="decode steps between updates (decoding condition)")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--no-load-plan", action="store_true", help="without the load plan: vLLM's loaders into fresh shadows")
+    add_results_option(ap, "profile_staging")
     args = ap.parse_args()
+    run = run_record("profile_staging")  # the command, its start and the git revision
     if args.no_load_plan:
         from inflight.engine.commit.swap import SwapStrategy
 
@@ -139,7 +143,7 @@ def main() -> None:
     rec = Recorder()
     order = install(rec)
     load = os.getloadavg()[0]
-    result: dict = {"bench": "profile_staging", "model": args.model, "load_plan": not args.no_load_plan,
+    result: dict = {"bench": "profile_staging", **run, "updates": args.updates, "model": args.model, "load_plan": not args.no_load_plan,
                     "load_1m": round(load, 2)}
     with tempfile.TemporaryDirectory() as tmp:
         bench = Bench(args.model, Path(tmp), args.concurrency, seed=0, listener_nice=19)
@@ -186,6 +190,7 @@ def main() -> None:
           f"({trainer['engine_minor_faults'] * resource.getpagesize() / 2**20:.0f} MiB first touched)")
     show(f"engine decoding {args.concurrency} requests ({result['decoding_updates']} updates)", result["decoding"], order)
     print(json.dumps(result))
+    append_result(args.results, result)
 
 
 if __name__ == "__main__":

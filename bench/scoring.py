@@ -79,12 +79,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from inflight.bench.run_record import add_results_option, append_result, run_record  # noqa: E402
 from inflight.trainer.tasks import Completion, encode_prompt  # noqa: E402
 from inflight.trainer.envs.digits import RepeatDigit  # noqa: E402
 
 GROUP = 8
 MODES = ("instant", "pool", "inline")
-RESULTS = Path(__file__).resolve().parent / "results" / "scoring.jsonl"
 
 
 class SlowVerifier(RepeatDigit):
@@ -344,7 +344,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--placement", choices=["split", "shared"], default="split",
                     help="inflight.bench.placement: the engine on one core, the scoring processes on the other; or shared")
     ap.add_argument("--out", default="runs/scoring", help="results.json goes here")
-    ap.add_argument("--results", default=str(RESULTS), help="the JSONL file the run's line is appended to ('' for none)")
+    add_results_option(ap, "scoring")
     ap.add_argument("--png", default="docs/scoring.png", help="the figure ('' for none)")
     args = ap.parse_args()
     args.workers = args.workers or args.groups_in_flight
@@ -353,8 +353,6 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    from inflight.bench.run_record import run_record
-
     record = run_record("scoring")
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -440,11 +438,9 @@ def main() -> None:
         plot(rows, totals, f"{model}: verifier {args.sleep_s:g} s per group, {args.workers} workers, "
              f"{args.groups_in_flight} x {GROUP} x {args.completion_tokens} tokens in flight, {args.placement} "
              f"cores; load {min(load)}-{max(load)}", Path(args.png))
-    line = json.dumps({k: v for k, v in result.items() if k != "traces"})
-    print(line)
-    if args.results:
-        with Path(args.results).open("a") as f:  # appended, never replaced
-            f.write(line + "\n")
+    line = {k: v for k, v in result.items() if k != "traces"}
+    print(json.dumps(line))
+    append_result(args.results, line)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ first: bytes, and one core's time to encode on the trainer and to rebuild on the
 - xor against the base compressed by zlib (level 1) and by zstd level 3; the rebuild
   decompresses and xors back.
 
-Prints a markdown table and one JSON line.
+Prints a markdown table and one JSON line, which it appends to ``bench/results/sparse.jsonl``
+(``--results``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from inflight.bench.run_record import add_results_option, append_result, run_record
 from inflight.protocol import BucketSpec, UpdateAnnounce
 from inflight.transport.delta import DeltaDecoder, DeltaEncoder
 from inflight.transport.layout import dtype_name, plan_tensors, tensor_views
@@ -55,7 +57,13 @@ def run_summary(run: Path) -> dict:
     return {"pushes": len(pushes), "sparse": len(sparse), "dense_mb": round(sparse[0]["dense_mb"], 2),
             "sent_mb": stats("sent_mb"), "changed_frac": stats("changed_frac"), "encode_ms": stats("encode_ms"),
             "sent_over_dense": round(sum(r["sent_mb"] for r in sparse) / sum(r["dense_mb"] for r in sparse), 4),
-            "first_step": sparse[0].get("step"), "last_step": sparse[-1].get("step")}
+            "first_step": sparse[0].get("step"), "last_step": sparse[-1].get("step"), "config": _settings(run)}
+
+
+def _settings(run: Path) -> dict:
+    """The run's model, transport and run tables (its ``config.json``), so its command can be checked."""
+    cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
+    return {k: cfg.get(k) for k in ("model", "transport", "run")}
 
 
 def load(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -147,8 +155,9 @@ def main() -> None:
     ap.add_argument("--before", type=Path, help="version k: a save_pretrained directory")
     ap.add_argument("--after", type=Path, help="version k + 1")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the engine's dtype")
+    add_results_option(ap, "sparse")
     args = ap.parse_args()
-    out: dict = {"bench": "sparse"}
+    out: dict = {"bench": "sparse", **run_record("sparse")}
     if args.run:
         out["run"] = run_summary(args.run)
         print(f"\n{args.run}: {json.dumps(out['run'])}")
@@ -160,9 +169,10 @@ def main() -> None:
         for r in rows:
             print(f"| {r['encoding']} | {r['bytes'] / 1e6:.2f} | {r['of_dense']:.3f} | {r['encode_ms']} | {r['decode_ms']} |")
         out["encodings"] = rows
-    if len(out) == 1:
+    if "run" not in out and "encodings" not in out:
         ap.error("give --run, or --before and --after")
     print(json.dumps(out))
+    append_result(args.results, out)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ an eval at the end: the mean reward of greedy completions of the ten prompts ``r
 temperature 1, both from the final checkpoint with Hugging Face ``generate``.
 
 Prints a table (time and samples until the 10-step moving mean of the reward reaches 0.45,
-among others), then one JSON line; writes docs/staleness.png and runs/staleness/results.json.
+among others), then one JSON line, which it appends to ``bench/results/staleness.jsonl``
+(``--results``); writes docs/staleness.png and runs/staleness/results.json.
 ``--replot`` rebuilds the table and the PNG from results.json without training.
 """
 
@@ -25,6 +26,8 @@ import time
 import tomllib
 from pathlib import Path
 from typing import Any
+
+from inflight.bench.run_record import add_results_option, append_result, run_record
 
 ROOT = Path(__file__).resolve().parents[1]
 TIS = {"objective": "reinforce", "truncation": 2.0}
@@ -174,7 +177,9 @@ def main() -> None:
     ap.add_argument("--png", default=str(ROOT / "docs" / "staleness.png"))
     ap.add_argument("--lr", type=float, default=None, help="override optim.lr for every run (a harsher setting)")
     ap.add_argument("--replot", action="store_true", help="no training: table and PNG from OUT/results.json")
+    add_results_option(ap, "staleness")
     args = ap.parse_args()
+    run = run_record("staleness")  # the command, its start and the git revision
     from inflight.trainer.config_files import find_config
 
     with open(find_config(args.config), "rb") as f:
@@ -196,9 +201,11 @@ def main() -> None:
     print("|" + "---|" * len(COLS))
     for r in results:
         print("| " + " | ".join(str(r[c]) for c in COLS) + " |")
-    print(json.dumps({"bench": "staleness", "steps": results[0]["steps"] if results else 0, "seed": args.seed,
-                      "target": TARGET, "rows": [{k: r[k] for k in COLS + ["total_s", "mode", "max_lag", "objective"]}
-                                                 for r in results]}))
+    line = {"bench": "staleness", **run, "config": args.config, "lr": args.lr,
+            "steps": results[0]["steps"] if results else 0, "seed": args.seed, "target": TARGET,
+            "rows": [{k: r[k] for k in COLS + ["total_s", "mode", "max_lag", "objective"]} for r in results]}
+    print(json.dumps(line))
+    append_result("" if args.replot else args.results, line)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ as many with a push of the previous version in flight, as the training loop runs
 ``push_async`` lays the update out and returns, forward and backward run while the buckets go
 out, ``wait_reads`` holds the optimizer until the last bucket is packed. Beside them, the same
 run times what a push that snapshots first (one flat copy of the model, checksummed bucket by
-bucket, before the call returns) blocks the trainer for. Prints tables and one JSON line.
+bucket, before the call returns) blocks the trainer for. Prints tables and one JSON line,
+which it appends to ``bench/results/trainer_push.jsonl`` (``--results``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import statistics
 import threading
 import time
 from pathlib import Path
+
+from inflight.bench.run_record import add_results_option, append_result, run_record
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -175,6 +178,7 @@ def main() -> None:
     ap.add_argument("--pushes", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per timing mode (0: memory only)")
     ap.add_argument("--nproc", type=int, default=1, help="N > 1: the trainer on N ranks (inflight.bench.trainer_ranks)")
+    add_results_option(ap, "trainer_push")
     args = ap.parse_args()
     if args.nproc > 1:
         from inflight.bench.trainer_ranks import main as on_ranks
@@ -182,6 +186,7 @@ def main() -> None:
         return on_ranks(["--model", args.model, "--nproc", str(args.nproc), "--steps", str(max(args.steps, 1))])
     from inflight.trainer.models import resolve_model
 
+    run = run_record("trainer_push")  # the command, its start and the git revision
     load = os.getloadavg()[0]
     report = measure(resolve_model(args.model), args.bucket_mb, args.pushes, args.steps)
     print(f"model {report['model_mib']:.0f} MiB fp32, buckets of {report['bucket_mib']:.0f} MiB, "
@@ -196,6 +201,8 @@ def main() -> None:
         print(f"| {s['step_alone_s']:.2f} | {s['step_with_push_s']:.2f} | {s['read_wait_s']:.2f} "
               f"| {s['push_async_return_s']:.3f} | {s['snapshot_s']:.2f} |")
     print(json.dumps(report))
+    append_result(args.results, {"bench": "trainer_push", **run, "load_1m": [round(load, 2), round(os.getloadavg()[0], 2)],
+                                 "bucket_mb": args.bucket_mb, **report})
 
 
 if __name__ == "__main__":

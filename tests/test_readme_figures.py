@@ -75,6 +75,113 @@ def _grpo_system(rows: dict) -> tuple[list[str], list[str]]:
             f"{inf['vs_none']}x the tokens/s of no updates (native-salt {salt['vs_none']}x)"], [cli(run["command"])]
 
 
+def _results(bench: str) -> list[dict]:
+    """``bench/results/<bench>.jsonl``, a run per line."""
+    return [json.loads(x) for x in (ROOT / "bench" / "results" / f"{bench}.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _train(config: str) -> dict:
+    """The last ``bench.train_record`` run of a packaged config, without overrides."""
+    return [r for r in _results("train") if r["config"] == config and not r["sets"]][-1]
+
+
+def _demo(rows: dict) -> tuple[list[str], list[str]]:
+    """``make demo`` (``inflight train --config demo``) as ``bench.train_record`` ran it."""
+    run = _train("demo")
+    s = run["summary"]
+    return [f"{s['steps']} steps", f"reward {s['reward_first_20pct']:.3f} -> {s['reward_last_20pct']:.3f}",
+            f"{100 * s['frac_samples_multi_version']:.1f}% of samples span >1 version",
+            f"engine stall {s['stall_ms_mean']:.1f} ms per update", f"{round(run['wall_s'])} s"], ["make demo", run["train"]]
+
+
+def _smollm2(rows: dict) -> tuple[list[str], list[str]]:
+    """``inflight train --config smollm2_cpu`` as ``bench.train_record`` ran it."""
+    run = _train("smollm2_cpu")
+    s = run["summary"]
+    return [f"{s['steps']} steps", f"sampled reward {s['reward_first_20pct']:.3f} -> {s['reward_last_20pct']:.3f}",
+            f"greedy held-out {s['eval_accuracy_first']:.3f} -> {s['eval_accuracy_last']:.3f}"], [run["train"]]
+
+
+def _fleet(rows: dict) -> tuple[list[str], list[str]]:
+    """``inflight train --config fleet_cpu`` as ``bench.train_record`` ran it."""
+    run = _train("fleet_cpu")
+    p = run["pushes"]
+    return [f"{run['summary']['steps']} steps", f"{p['on_every_engine']} of {p['landed']} pushes committed on all "
+            f"{p['engines']} engines"], [run["train"]]
+
+
+def _loopback_runs() -> list[dict]:
+    """The judged loopback runs of ``bench.scale`` (``bench/scale_slow_link_runs.json``)."""
+    from inflight.bench.scale_replay import judged_runs
+
+    preds = json.loads((ROOT / "bench" / "scale_predictions.json").read_text())
+    return judged_runs(preds, json.loads((ROOT / "bench" / "scale_slow_link_runs.json").read_text())["runs"])["loopback"]
+
+
+def _mode_median(runs: list[dict], mode: str, key: str) -> float:
+    import statistics
+
+    return statistics.median(next(r for r in run["rows"] if r["mode"] == mode)[key] for run in runs)
+
+
+def _loopback(rows: dict) -> tuple[list[str], list[str]]:
+    """Decode lost per update over loopback: the medians of the judged runs."""
+    runs = _loopback_runs()
+    inf, nat = _mode_median(runs, "inflight", "lost_ms_per_update"), _mode_median(runs, "native@inflight", "lost_ms_per_update")
+    return [f"in-flight **{inf:.1f} ms** vs vLLM native pause+update {nat:.1f} ms ({100 * inf / nat:.1f}%)",
+            f"medians of {len(runs)} runs"], sorted({cli(r["command"]) for r in runs})
+
+
+def _stall(rows: dict) -> tuple[list[str], list[str]]:
+    """The commit's own time and the stall at native's update steps, same runs."""
+    runs = _loopback_runs()
+    return [f"in-flight's commit {_mode_median(runs, 'inflight', 'commit_ms'):.2f} ms",
+            f"native {_mode_median(runs, 'native@inflight', 'stall_ms'):.0f} ms"], ["same"]
+
+
+def _sparse(rows: dict) -> tuple[list[str], list[str]]:
+    """``bench.sparse --run`` over a bf16, sparse ``smollm2_cpu`` run."""
+    line = [r for r in _results("sparse") if "run" in r][-1]
+    s = line["run"]
+    cfg = s["config"]
+    assert (cfg["model"]["dtype"], cfg["transport"]["encoding"]) == ("bfloat16", "sparse")
+    return [f"**{s['sent_mb']['mean']:.1f} MB** sent per update against {s['dense_mb']:.1f} MB dense "
+            f"({100 * s['sent_over_dense']:.2f}%; {100 * s['changed_frac']['mean']:.1f}% of the weights changed per step)",
+            f"over {s['sparse']} sparse pushes"], [f"inflight train --config smollm2_cpu --set model.dtype=bfloat16 "
+                                                   f"--set transport.encoding=sparse --set run.steps={cfg['run']['steps']}"]
+
+
+def _staging(rows: dict) -> tuple[list[str], list[str]]:
+    """One update's staging, engine idle (``bench.profile_staging``)."""
+    line = _results("profile_staging")[-1]
+    return [f"{line['idle']['staging total (announce to Staged)']['wall_ms']} ms wall",
+            f"median of {line['updates']} updates"], [cli(line["command"])]
+
+
+def _e2e(rows: dict) -> tuple[list[str], list[str]]:
+    """The training loop's samples/s, in-flight against batch-boundary (``bench.e2e``)."""
+    line = _results("e2e")[-1]
+    return [f"**{line['summary'][cores]['ratios']['inflight/batch']}x** {cores} cores" for cores in line["summary"]] + \
+        [f"{line['summary'][c]['ratios']['inflight/pause']}x against pause" for c in line["summary"]], [cli(line["command"])]
+
+
+def _staleness(rows: dict) -> tuple[list[str], list[str]]:
+    """Max lag 8 against batch RL (``bench.staleness``)."""
+    line = _results("staleness")[-1]
+    run = {r["run"]: r for r in line["rows"]}
+    lag, batch = run["lag8 TIS"], run["batch TIS"]
+    return [f"{line['target']} reward after {lag['samples_to_target']} samples vs {batch['samples_to_target']}",
+            f"steps of {lag['step_ms_median']} ms vs {batch['step_ms_median']} ms"], [cli(line["command"])]
+
+
+def _trainer_push(rows: dict) -> tuple[list[str], list[str]]:
+    """What a push costs the trainer (``bench.trainer_push``)."""
+    line = _results("trainer_push")[-1]
+    return [f"{line['max_extra_mib']:.1f} MiB resident at most during a push (buckets of {line['bucket_mib']:.0f} MiB), "
+            f"not the {line['model_mib']:.0f} MiB model", f"the optimizer waited {line['steps']['read_wait_s']:.2f} s"], \
+        [cli(line["command"])]
+
+
 SOURCES: dict[str, Callable[[dict], tuple[list[str], list[str]]]] = {
     "decode time lost per update over emulated links (network namespace, `tbf`), SmolLM2-135M fp32, split cores, "
     "same cadence": _links,
@@ -116,3 +223,21 @@ def test_a_suite_run_is_read_from_pytests_last_line() -> None:
     assert summary("...\n=== 844 passed, 56 skipped, 3 warnings in 2437.12s (0:40:37) ===\n") == \
         {"passed": 844, "failed": 0, "skipped": 56, "tests_s": 2437.12}
     assert summary("1 failed, 754 passed, 2 skipped in 100.5s")["failed"] == 1
+
+
+def test_a_training_runs_pushes_count_only_those_every_engine_committed() -> None:
+    from inflight.bench.train_record import pushes
+
+    rows = [{"pushes_landed": [[1, [1, 2]], [2, [1]]]}, {}, {"pushes_landed": [[3, [2, 1]]]}]
+    assert pushes(rows, 2) == {"engines": 2, "landed": 3, "on_every_engine": 2}
+    assert pushes(rows, 1)["on_every_engine"] == 1  # [1] alone is every engine of one
+
+
+def test_a_runs_line_is_appended_never_replacing_the_file(tmp_path: Path) -> None:
+    from inflight.bench.run_record import append_result
+
+    path = tmp_path / "x.jsonl"
+    append_result(path, {"a": 1})
+    append_result(path, {"a": 2})
+    append_result("", {"a": 3})  # '' writes nothing
+    assert [json.loads(x) for x in path.read_text().splitlines()] == [{"a": 1}, {"a": 2}]

@@ -35,6 +35,7 @@ BENCHES = {
     "staleness": "the staleness study",
     "scale": "GPU fleets at scale, on paper: in-flight vs pause vs batch-boundary",
     "suite_record": "record one make test run (its summary, wall time, revision) for the README's suite row",
+    "train_record": "record one inflight train run (its summary, pushes per engine, wall time) for the README",
 }
 """The ``bench`` modules that are programs (the others are their parts)."""
 
