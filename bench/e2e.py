@@ -75,7 +75,7 @@ def smollm2_system(min_tokens: int) -> dict[str, Any]:
 
     from inflight.trainer.models import resolve_model
     from inflight.trainer.envs.arithmetic import Arithmetic
-    from inflight.trainer.tasks.base import encode_prompt
+    from inflight.trainer.tasks.task import encode_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("smollm2")))
     rules = 8

@@ -204,7 +204,7 @@ class GRPOBench:
 
         from inflight.trainer.native_update import register, update_info
         from inflight.engine.client import coordinator_of, start_inflight
-        from inflight.engine.config import InflightConfig, engine_kwargs
+        from inflight.engine.engine_config import InflightConfig, engine_kwargs
 
         self.groups, self.seed, self.version, self.next_group, self.workload = groups, seed, 0, 0, workload
         self.vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from inflight.bench.run_record import run_record
 from inflight.trainer.rollout.scoring_pool import ScoringPool
-from inflight.trainer.tasks.base import Completion, Prompt, Task
+from inflight.trainer.tasks.task import Completion, Prompt, Task
 
 
 class ToolTask(Task):

@@ -99,7 +99,7 @@ class Bench:
                  link: SlowLink | None = None, rl_api: bool = False) -> None:
         from vllm import LLM
 
-        from inflight.engine.config import InflightConfig, engine_kwargs
+        from inflight.engine.engine_config import InflightConfig, engine_kwargs
         from inflight.engine.client import coordinator_of, start_inflight
         from safetensors.torch import load_file
 

@@ -75,7 +75,7 @@ def lora_trainer(conn: Connection, base_dir: str, adapter_dir: str, out_dir: str
     from inflight.transport.group_config import GroupConfig
     from inflight.transport.pusher import PushConfig, WeightPusher
     from inflight.transport.store import reserve_port
-    from inflight.trainer.adapter import adapter_weights, load_adapter_weights, load_trainable
+    from inflight.trainer.lora_policy import adapter_weights, load_adapter_weights, load_trainable
 
     model = load_trainable(Path(base_dir), Path(adapter_dir))
     v0 = adapter_weights(model)
@@ -116,7 +116,7 @@ class LoRABench:
         from vllm.lora.request import LoRARequest
 
         from inflight.engine.client import coordinator_of, policy_lora, start_inflight
-        from inflight.engine.config import InflightConfig, engine_kwargs
+        from inflight.engine.engine_config import InflightConfig, engine_kwargs
         from inflight.adapter import AdapterSpec
 
         self.concurrency, self.seed, self.version = concurrency, 0, 0
@@ -242,7 +242,7 @@ def checks(rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    from inflight.trainer.adapter import LoRAOptions, write_first_adapter
+    from inflight.trainer.lora_policy import LoRAOptions, write_first_adapter
     from inflight.trainer.models import resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -358,7 +358,7 @@ def main() -> None:
     from vllm.sampling_params import RequestOutputKind
 
     from inflight.bench.placement import engine_env
-    from inflight.engine.config import engine_kwargs
+    from inflight.engine.engine_config import engine_kwargs
     from inflight.trainer.config_files import config_from_dict
     from inflight.trainer.rollout.engine_process import sampling_of
     from inflight.trainer.rollout.episode_rollout import EpisodeRollout

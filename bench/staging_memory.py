@@ -44,7 +44,7 @@ def measure(model_dir: Path, commit: str, updates: int, port: int) -> dict:
     from vllm import LLM
 
     from inflight.engine.client import start_inflight
-    from inflight.engine.config import InflightConfig, engine_kwargs
+    from inflight.engine.engine_config import InflightConfig, engine_kwargs
     from inflight.transport.group_config import GroupConfig
     from inflight.transport.pusher import PushConfig, WeightPusher
 

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from inflight.engine.config import InflightConfig
+from inflight.engine.engine_config import InflightConfig
 from inflight.engine.rpc import StartReport, WorkerStatus, as_result
 from inflight.versions import tags_and_labels, tags_from_spans
 
@@ -88,7 +88,7 @@ def policy_lora(config: InflightConfig) -> Any:
     """The ``LoRARequest`` every request to an adapter engine (``InflightConfig.adapter``) names."""
     if config.adapter is None:
         raise ValueError("policy_lora: InflightConfig.adapter is None (this engine serves full-model updates)")
-    from inflight.engine.adapter import policy_request
+    from inflight.engine.adapter_engine import policy_request
 
     return policy_request(config.adapter)
 

@@ -56,7 +56,7 @@ from typing import Annotated, Any, Callable, Literal, Union
 
 from msgspec import Meta
 
-from inflight.engine.config import InflightConfig
+from inflight.engine.engine_config import InflightConfig
 from inflight.engine.rpc import EngineState, WorkerCommitResult, WorkerSettleResult, as_result
 from inflight.engine.batch_labels import BatchLabels
 from inflight.engine.prefix_cache import PrefixCacheGuard, problems as prefix_cache_problems
@@ -138,7 +138,7 @@ def check_engine(vllm_config: Any, config: InflightConfig, scheduler: Any = None
     if config.require_processed_logprobs and vllm_config.model_config.logprobs_mode != "processed_logprobs":
         problems.append(f"logprobs_mode is {vllm_config.model_config.logprobs_mode!r}, need 'processed_logprobs'")
     if config.adapter is not None:
-        from inflight.engine.adapter import engine_problems
+        from inflight.engine.adapter_engine import engine_problems
 
         problems.extend(engine_problems(vllm_config, config.adapter))
     workers = pc.world_size
@@ -149,7 +149,7 @@ def check_engine(vllm_config: Any, config: InflightConfig, scheduler: Any = None
                         f"{config.group.world_size - 1}")
     if problems:
         raise RuntimeError("inflight cannot run on this engine: " + "; ".join(problems) +
-                           ". inflight.engine.config.engine_kwargs() sets the engine options.")
+                           ". inflight.engine.engine_config.engine_kwargs() sets the engine options.")
     return workers
 
 

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from inflight.engine.commit.base import CommitStrategy, make_strategy
-from inflight.engine.commit.checkpoint import engine_schema
-from inflight.engine.config import StagingIntent
+from inflight.engine.commit.engine_checkpoint import engine_schema
+from inflight.engine.engine_config import StagingIntent
 from inflight.memory import GiB, SetAside, StagingNeed, kv_cache_after_staging, set_aside_bytes, staging_need
 from inflight.protocol import ShardPlan
 from inflight.settings import StagingPlace
@@ -74,7 +74,7 @@ def intended_need(worker: Any, intent: StagingIntent) -> StagingNeed:
     mc = worker.vllm_config.model_config
     strategy: CommitStrategy
     if intent.adapter is not None:  # the adapter's tensors and slot images, not the model
-        from inflight.engine.adapter import adapter_schema
+        from inflight.engine.adapter_engine import adapter_schema
         from inflight.engine.commit.lora_slot import LoRASlotStrategy
 
         schema = adapter_schema(worker.model_runner, intent.adapter)

@@ -43,7 +43,7 @@ def patch_engine_core() -> None:
       the other user of the batch queue, is refused at ``inflight_start``.
     - ``shutdown``: stops the coordinator and every worker's listener first (``inflight_stop``).
     - ``preprocess_add_request``: on an adapter engine (``InflightConfig.adapter``), refuses a
-      request that does not decode with the policy adapter (``inflight.engine.adapter.
+      request that does not decode with the policy adapter (``inflight.engine.adapter_engine.
       check_request``): vLLM answers the request alone with an error; the engine serves on.
     - on an engine whose weight-transfer backend is ``inflight`` (``inflight.engine.rl_api``):
       ``collective_rpc`` routes vLLM's RL API calls to the worker extension;
@@ -93,7 +93,7 @@ def _wrap_step(original_step: Any) -> Any:
 
 def _wrap_collective_rpc(original_rpc: Any) -> Any:
     from inflight.engine import rl_api
-    from inflight.engine.config import InflightConfig
+    from inflight.engine.engine_config import InflightConfig
     from inflight.engine.coordinator import ATTR, CommitCoordinator, check_engine
 
     def start(self, config: InflightConfig, timeout: Any) -> list[Any]:
@@ -154,7 +154,7 @@ def _wrap_preprocess(original_preprocess: Any) -> Any:
     def preprocess_add_request(self, request):
         coordinator = self.__dict__.get(ATTR)
         if coordinator is not None and coordinator.config.adapter is not None:
-            from inflight.engine.adapter import check_request
+            from inflight.engine.adapter_engine import check_request
 
             check_request(request.request_id, request.lora_request, coordinator.config.adapter)
         return original_preprocess(self, request)
@@ -210,7 +210,7 @@ _ENGINE_CORE_WRAPPERS = {"step": _wrap_step, "step_with_batch_queue": _wrap_step
 
 def patch_inprocess_refusals() -> None:
     """Wrap ``vllm.v1.engine.llm_engine.LLMEngine.add_request`` (vLLM 0.32.0) so that a
-    request EngineCore refuses (``inflight.engine.adapter.RequestRefused``) leaves nothing
+    request EngineCore refuses (``inflight.engine.adapter_engine.RequestRefused``) leaves nothing
     behind in the front end.
 
     ``LLMEngine.add_request`` registers a request with its output processor before it hands
@@ -225,7 +225,7 @@ def patch_inprocess_refusals() -> None:
     if getattr(original, _MARK, False):
         return
 
-    from inflight.engine.adapter import RequestRefused
+    from inflight.engine.adapter_engine import RequestRefused
 
     @functools.wraps(original)
     def add_request(self, *args, **kwargs):

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from inflight.engine.config import WORKER_EXTENSION, InflightConfig
+from inflight.engine.engine_config import WORKER_EXTENSION, InflightConfig
 from inflight.engine.transfer_engine import BACKEND, RLApiError
 
 log = logging.getLogger("inflight.rl_api")
@@ -158,7 +158,7 @@ def wire_config(core: Any, init_info: dict[str, Any]) -> InflightConfig:
     An engine's workers must share EngineCore's host."""
     from datetime import timedelta
 
-    from inflight.engine.config import PackedWireConfig, refuse_unknown
+    from inflight.engine.engine_config import PackedWireConfig, refuse_unknown
     from inflight.transport.group_config import GroupConfig
     from inflight.transport.store import host_store, reserve_port
 

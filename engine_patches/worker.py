@@ -63,8 +63,8 @@ import msgspec
 import torch
 
 from inflight.engine.commit.base import CommitStrategy, make_strategy
-from inflight.engine.commit.checkpoint import checkpoint_dir, engine_schema, read_checkpoint_into
-from inflight.engine.config import InflightConfig, PackedWireConfig
+from inflight.engine.commit.engine_checkpoint import checkpoint_dir, engine_schema, read_checkpoint_into
+from inflight.engine.engine_config import InflightConfig, PackedWireConfig
 from inflight.engine.coordinator import CommitReady, EngineCommitted, decode_engine, outcome_key
 from inflight.engine.kv_budget import SET_ASIDE_ATTR, planned_need
 from inflight.engine.packed_receiver import PackedReceiver, close_wire, join_wire
@@ -112,7 +112,7 @@ class InflightWorkerExtension:
             nccl_error_handling_once()  # on the worker's own thread, before the listener's start
         config.group.check_exposure(secret, f"inflight worker rank {rank}")
         if config.adapter is not None:  # adapter-only: the base weights never move
-            from inflight.engine.adapter import start_adapter
+            from inflight.engine.adapter_engine import start_adapter
 
             schema, strategy = start_adapter(self.model_runner, config.adapter)
         else:

@@ -32,7 +32,7 @@ _FOLDERS = {"engine": "engine_patches", "trainer": "trainer", "kernels": "kernel
 """Each subpackage's folder in a checkout of the repository."""
 
 _API = {
-    "InflightConfig": "inflight.engine.config", "engine_kwargs": "inflight.engine.config",
+    "InflightConfig": "inflight.engine.engine_config", "engine_kwargs": "inflight.engine.engine_config",
     "start_inflight": "inflight.engine.client", "start_inflight_async": "inflight.engine.client",
     "tagged": "inflight.engine.client", "stream_tagged": "inflight.engine.client",
     "inflight_status": "inflight.engine.client",

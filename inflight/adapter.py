@@ -3,7 +3,7 @@
 An adapter run keeps the base weights fixed on every engine and moves only the adapter.
 The trainer writes the first version as a PEFT directory (``adapter_config.json`` and
 ``adapter_model.safetensors``) before the engines start; each engine starts with LoRA
-enabled, one adapter slot, and that directory pinned in it (``inflight.engine.adapter``).
+enabled, one adapter slot, and that directory pinned in it (``inflight.engine.adapter_engine``).
 Every later version is the same tensors, pushed in flight like a full model's.
 
 ``adapter_config.json`` fixes, for the whole run, what the engine's slot is built for:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from inflight.engine.config import WORKER_EXTENSION, InflightConfig, engine_kwargs
+from inflight.engine.engine_config import WORKER_EXTENSION, InflightConfig, engine_kwargs
 from inflight.engine.client import inflight_status, start_inflight, stream_tagged, tagged
 from inflight.engine.rpc import WorkerStatus
 from inflight.transport.group_config import GroupConfig

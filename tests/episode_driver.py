@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from inflight.engine.client import coordinator_of, start_inflight
-from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.engine_config import InflightConfig, engine_kwargs
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling
 from inflight.trainer.config_files import config_from_dict
-from inflight.trainer.tasks.base import Prompt
+from inflight.trainer.tasks.task import Prompt
 from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
 from tests.engine_harness import perturbed, stop_engine
@@ -84,7 +84,7 @@ class Driver:
 
     def start(self, gid: str, prompt: Prompt) -> None:
         """Group ``gid`` of ``prompt``; a verifiers environment renders its opening itself."""
-        from inflight.trainer.tasks.base import encode_prompt
+        from inflight.trainer.tasks.task import encode_prompt
 
         opening = None if self.cfg.task.name == "verifiers" else encode_prompt(self.llm.get_tokenizer(), prompt, "auto")
         self.rollout.start_group(gid, prompt, opening)

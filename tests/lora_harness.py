@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 
 from inflight.engine.client import coordinator_of, policy_lora, start_inflight, tagged
-from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.engine_config import InflightConfig, engine_kwargs
 from inflight.engine.rpc import WorkerStatus, as_result
 from inflight.adapter import AdapterSpec
 from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
-from inflight.trainer.adapter import LoRAOptions, adapter_weights, load_adapter_weights
+from inflight.trainer.lora_policy import LoRAOptions, adapter_weights, load_adapter_weights
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5="]
 OPTIONS = LoRAOptions(rank=8, alpha=16.0)
@@ -148,7 +148,7 @@ def copy_plan_of(worker) -> tuple[int, int] | None:
 def index_bytes_counted(worker) -> tuple[int, int]:
     """Inside a worker: the lora commit's index bytes as the KV cache's budget counts them, before
     ``attach`` records the copy plan (a fresh strategy's bound), and as ``attach`` recorded them."""
-    from inflight.engine.adapter import adapter_schema
+    from inflight.engine.adapter_engine import adapter_schema
     from inflight.engine.commit.lora_slot import LoRASlotStrategy
 
     live = worker._inflight_target.strategy

@@ -98,7 +98,7 @@ def test_an_engine_off_loopback_without_a_secret_refuses_to_start_and_keeps_serv
     from vllm import LLM, SamplingParams
 
     from inflight.engine.client import inflight_status, start_inflight
-    from inflight.engine.config import InflightConfig, engine_kwargs
+    from inflight.engine.engine_config import InflightConfig, engine_kwargs
 
     monkeypatch.delenv(SECRET_ENV, raising=False)
     llm = LLM(str(tiny_llama), enforce_eager=True, dtype="float32", max_model_len=256, seed=0, **engine_kwargs())

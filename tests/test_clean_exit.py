@@ -33,7 +33,7 @@ from tests.helpers import WAIT_S
 ENGINE = r"""
 import gc, sys
 from vllm import LLM, SamplingParams
-from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.engine_config import InflightConfig, engine_kwargs
 from inflight.engine.client import start_inflight, tagged
 from inflight.transport.group_config import GroupConfig
 model, port = sys.argv[1], int(sys.argv[2])

@@ -56,7 +56,7 @@ def _worker_facts(worker) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from inflight.engine.commit.base import cpu_gemm_prepacking
-    from inflight.engine.commit.checkpoint import checkpoint_dir, checkpoint_schema
+    from inflight.engine.commit.engine_checkpoint import checkpoint_dir, checkpoint_schema
     from inflight.memory import update_bytes
 
     mc = worker.vllm_config.model_config
@@ -133,7 +133,7 @@ def run_copy_engine(model_dir: str, tp: int) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     from inflight.engine.client import coordinator_of, start_inflight, tagged
-    from inflight.engine.config import InflightConfig, engine_kwargs
+    from inflight.engine.engine_config import InflightConfig, engine_kwargs
     from inflight.transport.group_config import GroupConfig
     from inflight.transport.pusher import PushConfig, WeightPusher
     from inflight.transport.store import release_port, reserve_port
@@ -302,7 +302,7 @@ def test_copy_is_refused_on_a_cpu_engine_whose_gemm_prepacks(tiny_llama, port) -
 
     from inflight.engine.client import start_inflight
     from inflight.engine.commit.base import resolve_strategy
-    from inflight.engine.config import InflightConfig, engine_kwargs
+    from inflight.engine.engine_config import InflightConfig, engine_kwargs
     from inflight.transport.group_config import GroupConfig
 
     cpu = torch.device("cpu")
@@ -325,7 +325,7 @@ def test_rollback_copy_sizes_must_match_the_plan(tmp_path) -> None:
     """``read_checkpoint_into`` refuses a buffer the plan's layout does not fill exactly."""
     from safetensors.torch import save_file
 
-    from inflight.engine.commit.checkpoint import read_checkpoint_into
+    from inflight.engine.commit.engine_checkpoint import read_checkpoint_into
     from inflight.memory import update_bytes
     from inflight.shard_plan import make_plan, whole
     from inflight.transport.layout import TensorSchema

@@ -32,7 +32,7 @@ class DerivesABuffer(torch.nn.Module):
 def _refusals_of(model_dir, names: tuple[str, ...] = ()) -> list[str]:
     from vllm import LLM
 
-    from inflight.engine.config import engine_kwargs
+    from inflight.engine.engine_config import engine_kwargs
 
     llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", max_model_len=256, seed=0, **engine_kwargs())
     try:

@@ -6,7 +6,7 @@ import asyncio
 
 import torch
 
-from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.engine_config import InflightConfig, engine_kwargs
 from inflight.engine.client import inflight_status_async, start_inflight_async, tagged
 from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher

@@ -327,7 +327,7 @@ def _near_the_cut(model, batch, sampling: Sampling, margin: float = 2e-5) -> tor
 def test_misconfigured_engine_is_refused(tiny_llama, port) -> None:
     from vllm import LLM
 
-    from inflight.engine.config import WORKER_EXTENSION, InflightConfig
+    from inflight.engine.engine_config import WORKER_EXTENSION, InflightConfig
     from inflight.engine.client import start_inflight
     from inflight.transport.group_config import GroupConfig
 
@@ -348,7 +348,7 @@ def test_engines_without_a_between_steps_boundary_are_refused(tiny_llama, port) 
 
     from vllm import LLM
 
-    from inflight.engine.config import InflightConfig, engine_kwargs
+    from inflight.engine.engine_config import InflightConfig, engine_kwargs
     from inflight.engine.coordinator import check_engine
     from inflight.transport.group_config import GroupConfig
 

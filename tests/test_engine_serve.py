@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inflight.engine.config import InflightConfig
+from inflight.engine.engine_config import InflightConfig
 from inflight.engine.rpc import StartReport, WorkerStatus, as_result
 from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher

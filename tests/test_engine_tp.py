@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.engine_config import InflightConfig, engine_kwargs
 from inflight.engine.client import coordinator_of, start_inflight, tagged
 from inflight.engine.rpc import WorkerStatus, as_result
 from inflight.transport.group_config import GroupConfig

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from inflight.trainer.tasks.base import Completion, EpisodeView, Prompt, Turn
+from inflight.trainer.tasks.task import Completion, EpisodeView, Prompt, Turn
 from inflight.trainer.envs.calculator import TEMPLATE, CalcError, Calculator, safe_eval
 from inflight.trainer.envs.guess_number import GuessNumber
 
@@ -227,7 +227,7 @@ def test_a_single_turn_task_is_a_one_turn_episode_and_a_task_answers_one_way() -
     rewarded by its own score(); an episode task's turn() is its own; a task with neither is
     refused when its class is made."""
     from inflight.trainer.tasks import Arithmetic, EpisodeView, Task
-    from inflight.trainer.tasks.base import is_episodic
+    from inflight.trainer.tasks.task import is_episodic
 
     task = Arithmetic(digits=2)
     prompt = task.sample(random.Random(3))

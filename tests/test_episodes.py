@@ -28,7 +28,7 @@ from tests.engine_harness import Reference, replay
 from tests.episode_driver import Driver, engine_with_pusher, policy_runs, push_until_pending
 from tests.helpers import WAIT_S, wait_until
 from inflight.trainer.loss_config import LossConfig
-from inflight.trainer.tasks.base import Prompt, Turn
+from inflight.trainer.tasks.task import Prompt, Turn
 from inflight.trainer.tasks.episode import ObservationRenderer
 
 EXACT = 1e-4
@@ -42,7 +42,7 @@ def test_an_observation_continues_the_chat_template_exactly() -> None:
     from transformers import AutoTokenizer
 
     from inflight.trainer.models import resolve_model
-    from inflight.trainer.tasks.base import encode_prompt
+    from inflight.trainer.tasks.task import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model("smollm2")))
     r = ObservationRenderer(tok, "auto")

@@ -26,7 +26,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.engine_config import InflightConfig, engine_kwargs
 from inflight.engine.client import coordinator_of, start_inflight, tagged
 from inflight.rollout_queue import RolloutQueue
 from inflight.transport.fleet_pusher import FleetPushError, FleetPusher, collect

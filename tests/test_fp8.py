@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from inflight.engine.commit.checkpoint import checkpoint_schema
+from inflight.engine.commit.engine_checkpoint import checkpoint_schema
 from inflight.engine.commit.reload import reload_peak_bytes
 from inflight.transport.group import WeightGroup
 from inflight.transport.group_config import GroupConfig

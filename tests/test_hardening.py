@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch.distributed import HashStore, PrefixStore, TCPStore
 
-from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.engine_config import InflightConfig, engine_kwargs
 from inflight.rollout_queue import RolloutBuffer, RolloutQueue
 from inflight.protocol import RolloutGroup, RolloutSample, Sampling
 from inflight.transport.errors import TransportError

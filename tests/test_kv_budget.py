@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from inflight.engine.config import STAGING_INTENT_KEY, InflightConfig, StagingIntent, engine_kwargs
+from inflight.engine.engine_config import STAGING_INTENT_KEY, InflightConfig, StagingIntent, engine_kwargs
 from inflight.memory import (
     CUDA_MARGIN_BYTES,
     MemoryBudget,
@@ -149,7 +149,7 @@ def test_the_intent_reaches_the_worker_and_start_refuses_a_config_needing_more_t
     from vllm import LLM, SamplingParams
 
     from inflight.engine.client import start_inflight
-    from inflight.engine.commit.checkpoint import checkpoint_schema
+    from inflight.engine.commit.engine_checkpoint import checkpoint_schema
 
     group = GroupConfig(port=port, world_size=2)
     fits = InflightConfig(group=group, commit="reload", keep_rollback=False)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from inflight.engine.client import coordinator_of, inflight_status, start_inflight, tagged
 from inflight.engine.rpc import WorkerStatus, as_result
-from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.engine_config import InflightConfig, engine_kwargs
 from inflight.layer_groups import Hybrid, layer_groups, parse_label
 from inflight.memory import update_bytes
 from inflight.transport.group_config import GroupConfig

@@ -78,6 +78,27 @@ def test_no_import_cycle_among_the_project_modules() -> None:
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
+def _shared_file_names(paths: list[Path]) -> dict[str, list[str]]:
+    """File names that two or more modules carry (``__init__.py`` and ``conftest.py``, whose
+    names are the language's and pytest's, aside)."""
+    seen: dict[str, list[str]] = {}
+    for p in paths:
+        if p.name not in ("__init__.py", "conftest.py"):
+            seen.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    return {name: where for name, where in seen.items() if len(where) > 1}
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    """A file name says its module's role once: ``config.py`` in two folders is two roles under one name."""
+    paths = [*_modules().values(), *(ROOT / "tests").rglob("*.py")]
+    assert not (shared := _shared_file_names(paths)), shared
+
+
+def test_the_name_check_finds_a_shared_name() -> None:
+    paths = [ROOT / "a" / "config.py", ROOT / "b" / "config.py", ROOT / "a" / "__init__.py", ROOT / "b" / "__init__.py"]
+    assert _shared_file_names(paths) == {"config.py": ["a/config.py", "b/config.py"]}
+
+
 def test_the_cycle_check_finds_a_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None

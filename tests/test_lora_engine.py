@@ -166,9 +166,9 @@ def test_a_commit_failing_on_one_rank_is_taken_back_on_every_rank(lora: LoRAEngi
 def test_adapter_directories_the_slot_cannot_hold_are_refused_by_name(tmp_path) -> None:
     import json
 
-    from inflight.engine.config import engine_kwargs
+    from inflight.engine.engine_config import engine_kwargs
     from inflight.adapter import AdapterSpec
-    from inflight.trainer.adapter import LoRAOptions
+    from inflight.trainer.lora_policy import LoRAOptions
 
     (tmp_path / "adapter_model.safetensors").write_bytes(b"")
     config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "use_dora": True, "bias": "lora_only",
@@ -191,7 +191,7 @@ def _start_on_worker(worker, config_json: str):
 
 
 def test_an_adapter_below_its_slot_rank_is_padded_as_vllm_pads_it(tiny_llama, hold_port, tmp_path) -> None:
-    from inflight.trainer.adapter import LoRAOptions
+    from inflight.trainer.lora_policy import LoRAOptions
 
     import dataclasses
     import os

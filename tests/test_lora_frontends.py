@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from inflight.engine.client import policy_lora, start_inflight_async, tagged
-from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.engine_config import InflightConfig, engine_kwargs
 from inflight.engine.rpc import StartReport, as_result
 from inflight.adapter import AdapterSpec
 from inflight.transport.group_config import GroupConfig

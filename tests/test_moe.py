@@ -132,7 +132,7 @@ def test_a_bf16_engine_keeps_its_fp32_router_fp32_through_an_update(tiny_glm, po
     from safetensors.torch import save_file
     from vllm import LLM, SamplingParams
 
-    from inflight.engine.config import engine_kwargs
+    from inflight.engine.engine_config import engine_kwargs
     from tests.engine_harness import perturbed
 
     bias, gate = "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.gate.weight"

@@ -17,7 +17,7 @@ from tests.engine_harness import Reference, perturbed
 def test_native_pause_update_resume(tiny_llama, port) -> None:
     from vllm import LLM, SamplingParams
 
-    from inflight.engine.config import engine_kwargs
+    from inflight.engine.engine_config import engine_kwargs
 
     register()  # the benchmarks' engine, not the plugin's: registered in the process that builds the LLM
     llm = LLM(str(tiny_llama), enforce_eager=True, dtype="float32", max_model_len=256, seed=0,

@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load_file
 
 from inflight.engine.client import coordinator_of, start_inflight, tagged
-from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.engine_config import InflightConfig, engine_kwargs
 from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
 from tests.engine_harness import Reference, perturbed, replay, stop_engine

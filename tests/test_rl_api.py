@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from inflight.engine.client import coordinator_of, tagged
-from inflight.engine.config import engine_kwargs
+from inflight.engine.engine_config import engine_kwargs
 from inflight.engine.transfer_engine import RLApiError
 from inflight.trainer.transfer_trainer import InflightTrainerInitInfo, OfflineClient
 from inflight.transport.pusher import PushConfig

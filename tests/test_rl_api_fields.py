@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from inflight.adapter import AdapterSpec
-from inflight.engine.adapter import policy_request
+from inflight.engine.adapter_engine import policy_request
 from inflight.engine.client import tagged
-from inflight.engine.config import engine_kwargs
+from inflight.engine.engine_config import engine_kwargs
 from inflight.trainer.transfer_trainer import InflightTrainerInitInfo
 from inflight.transport.pusher import PushConfig
 from tests.engine_harness import Reference

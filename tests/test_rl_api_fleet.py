@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from inflight.engine.client import coordinator_of, tagged
-from inflight.engine.config import engine_kwargs
+from inflight.engine.engine_config import engine_kwargs
 from inflight.trainer.transfer_trainer import InflightTrainerInitInfo
 from inflight.transport.pusher import PushConfig
 from tests.engine_harness import Reference, perturbed, push_at_steps, replay

@@ -201,7 +201,7 @@ def ray_cluster():
 def actor(ray_cluster, tiny_qwen):
     import ray
 
-    from inflight.engine.config import engine_kwargs
+    from inflight.engine.engine_config import engine_kwargs
 
     handle = ray.remote(RLEngineActor).options(num_cpus=1, max_concurrency=8, max_restarts=0).remote(
         str(tiny_qwen), enforce_eager=True, dtype="float32", max_model_len=1024, seed=0, **engine_kwargs(rl_api=True))

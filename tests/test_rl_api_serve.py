@@ -156,7 +156,7 @@ def test_episodes_over_the_server_sample_what_they_sample_in_process(server, tin
     from vllm.sampling_params import RequestOutputKind
 
     from inflight.engine.client import start_inflight, tagged
-    from inflight.engine.config import InflightConfig, engine_kwargs
+    from inflight.engine.engine_config import InflightConfig, engine_kwargs
     from inflight.trainer.config_files import config_from_dict
     from inflight.trainer.rollout.server_turns import ServerTurns, request_seed
     from inflight.trainer.tasks import Prompt

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from inflight.engine.client import coordinator_of, tagged
-from inflight.engine.config import engine_kwargs
+from inflight.engine.engine_config import engine_kwargs
 from inflight.engine.transfer_engine import RLApiError
 from inflight.transport.packed_wire import GlooWire, chunk_plan, send_packed
 from tests.engine_harness import Reference, drive, perturbed, push_at_steps, replay

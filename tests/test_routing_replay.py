@@ -40,7 +40,7 @@ class RecordingEngine:
     def __init__(self, model_dir, dtype: str, port: int) -> None:
         from vllm import LLM
 
-        from inflight.engine.config import InflightConfig, engine_kwargs
+        from inflight.engine.engine_config import InflightConfig, engine_kwargs
         from inflight.engine.client import start_inflight
         from inflight.transport.group_config import GroupConfig
         from inflight.transport.pusher import PushConfig, WeightPusher
@@ -165,7 +165,7 @@ def test_preempted_requests_keep_exact_routing(tiny_moe, port) -> None:
     recomputes them on resume; their routing still covers each token once, as the router chose."""
     from vllm import LLM, SamplingParams
 
-    from inflight.engine.config import InflightConfig, engine_kwargs
+    from inflight.engine.engine_config import InflightConfig, engine_kwargs
     from inflight.engine.client import coordinator_of, start_inflight
     from inflight.transport.group_config import GroupConfig
     from inflight.transport.pusher import WeightPusher

@@ -565,7 +565,7 @@ def _rank_plan(worker) -> tuple[list, list]:
     """Inside an engine worker: the shard plan its commit strategy records from vLLM's loaders,
     as the in-flight worker builds it at start."""
     from inflight.engine.commit.base import make_strategy
-    from inflight.engine.commit.checkpoint import checkpoint_dir, checkpoint_schema
+    from inflight.engine.commit.engine_checkpoint import checkpoint_dir, checkpoint_schema
 
     mc = worker.vllm_config.model_config
     schema = checkpoint_schema(checkpoint_dir(mc.model, mc.revision), mc.dtype)
@@ -580,7 +580,7 @@ def tp2_plans(request):
     import vllm.envs
     from vllm import LLM
 
-    from inflight.engine.config import engine_kwargs
+    from inflight.engine.engine_config import engine_kwargs
 
     model_dir = request.getfixturevalue(request.param)
     with pytest.MonkeyPatch.context() as mp:

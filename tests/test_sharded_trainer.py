@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from inflight.engine.client import coordinator_of, start_inflight, tagged
-from inflight.engine.config import InflightConfig, engine_kwargs
+from inflight.engine.engine_config import InflightConfig, engine_kwargs
 from inflight.engine.rpc import WorkerStatus, as_result
 from inflight.transport.group_config import GroupConfig
 from tests.engine_harness import Reference, stop_engine, drive, push_at_steps

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from inflight.engine.commit.checkpoint import checkpoint_schema
+from inflight.engine.commit.engine_checkpoint import checkpoint_schema
 from inflight.memory import (
     MemoryBudget,
     StagingMemoryError,
@@ -147,7 +147,7 @@ def test_engine_reserves_at_start_and_refuses_a_budget_it_would_not_fit(tiny_qwe
     import inflight.engine.worker as worker
     from vllm import LLM, SamplingParams
 
-    from inflight.engine.config import InflightConfig, engine_kwargs
+    from inflight.engine.engine_config import InflightConfig, engine_kwargs
     from inflight.engine.client import start_inflight
     from inflight.transport.group_config import GroupConfig
 

@@ -12,7 +12,7 @@ import pytest
 
 from inflight.trainer.config_files import config_from_dict
 from inflight.trainer.tasks import Calculator, encode_prompt
-from inflight.trainer.tasks.base import EpisodeView, Turn
+from inflight.trainer.tasks.task import EpisodeView, Turn
 from inflight.trainer.tasks.episode import ObservationRenderer
 from inflight.trainer.tasks.tool_calls import (ToolBox, ToolCallParser, ToolError, ToolFailed, ToolResult,
                                                chat_template_text, tool_schema)
@@ -167,7 +167,7 @@ def test_native_tool_settings_are_checked_at_load(tmp_path) -> None:
                                      "calculator": {"format": "native"}}})
     assert cfg.task.chat_template == str(tmp_path / "t.jinja")
     with pytest.raises(ValueError, match=r"offers tools but the model has no chat template"):
-        from inflight.trainer.tasks.base import Prompt
+        from inflight.trainer.tasks.task import Prompt
 
         encode_prompt(type("T", (), {"chat_template": None})(), Prompt("q", tools=({"type": "function"},)), "auto")
 

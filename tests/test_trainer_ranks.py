@@ -172,7 +172,7 @@ def _assert_same(one: list[dict], two: list[dict]) -> None:
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_two_ranks_take_the_steps_of_one_process(request, tmp_path, name: str) -> None:
-    from inflight.trainer.adapter import write_first_adapter
+    from inflight.trainer.lora_policy import write_first_adapter
 
     model_dir = request.getfixturevalue(MODELS.get(name, "tiny_llama"))  # the model of this setting
     setting = SETTINGS[name]

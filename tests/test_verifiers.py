@@ -60,7 +60,7 @@ def _play(cfg, tok, replies: list[list[int]]) -> tuple[list[list[int]], float | 
 
 def _play_on(turns, replies: dict[str, list[list[int]]]) -> dict[str, tuple[list[list[int]], float | str]]:
     """Episodes ``key -> its replies`` (of taskset row 0) at once on ``turns``; by key, what ``_play`` returns."""
-    from inflight.trainer.tasks.base import EpisodeView, Prompt
+    from inflight.trainer.tasks.task import EpisodeView, Prompt
 
     out = {key: ([], None) for key in replies}
     for key in replies:
@@ -139,7 +139,7 @@ def engine(taught, hold_port):
 
 
 def test_a_verifiers_environment_runs_in_flight_and_replays_from_its_tags(engine, taught, caplog) -> None:
-    from inflight.trainer.tasks.base import Prompt
+    from inflight.trainer.tasks.task import Prompt
 
     tok = engine["llm"].get_tokenizer()
     d = Driver(engine, stop=[tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id], max_model_len=2048, **ENV)

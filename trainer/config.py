@@ -16,9 +16,9 @@ from inflight.trainer.loss_config import LossConfig
 from inflight.trainer.optim import OptimConfig
 from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig
-from inflight.engine.config import InflightConfig
-from inflight.trainer.tasks.config import ArithmeticConfig, JsonlConfig, TaskConfig  # noqa: F401  (sections of TrainConfig)
-from inflight.trainer.adapter import LoRAOptions
+from inflight.engine.engine_config import InflightConfig
+from inflight.trainer.tasks.task_config import ArithmeticConfig, JsonlConfig, TaskConfig  # noqa: F401  (sections of TrainConfig)
+from inflight.trainer.lora_policy import LoRAOptions
 from inflight.trainer.tiny_model import TinyModelConfig
 
 

@@ -20,7 +20,7 @@ import torch
 from inflight.protocol import RolloutGroup, Sampling, TrainerOrder, TrainerPart, TrainerSave, TrainerSetup, decode_trainer_part
 from inflight.rollout_queue import RolloutBuffer
 from inflight.transport.sources import checkpoint_form, named_weights
-from inflight.trainer.adapter import adapter_weights, empty_trainable, load_trainable
+from inflight.trainer.lora_policy import adapter_weights, empty_trainable, load_trainable
 from inflight.trainer.checkpoint import TrainerState, load_optimizer, restore_rng, save_checkpoint, save_optimizer
 from inflight.trainer.config import TrainConfig
 from inflight.trainer.loss import Batch, collate, compute_loss, micro_batches, policy_logprobs
@@ -152,7 +152,7 @@ class Policy:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The tensors a push sends, by checkpoint name (``named_weights``); in a LoRA run the
-        adapter's, by the names PEFT saves (``inflight.trainer.adapter``); with ranks, from rank
+        adapter's, by the names PEFT saves (``inflight.trainer.lora_policy``); with ranks, from rank
         0's host copy of the last step's (``GatheredWeights``), in checkpoint form."""
         if self.gathered is not None:
             copy = self.gathered.whole()

@@ -44,10 +44,10 @@ from inflight.trainer.tasks.tool_calls import use_chat_template
 from inflight.trainer.policy import Policy, StepResult, check_ranks
 from inflight.trainer.ranks import RankLost, TrainerRanks, launch_ranks
 from inflight.trainer.tasks import build_task
-from inflight.trainer.tasks.base import Task, encode_prompt
+from inflight.trainer.tasks.task import Task, encode_prompt
 from inflight.trainer.tasks.evaluate import Evaluator
 from inflight.trainer.tiny_model import build_tiny_model, default_corpus
-from inflight.trainer.adapter import write_first_adapter
+from inflight.trainer.lora_policy import write_first_adapter
 from inflight.trainer.weight_sync import TaskFailed, WeightSync
 
 log = logging.getLogger("inflight.train")

@@ -35,7 +35,7 @@ import msgspec
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
-from inflight.engine.config import InflightConfig
+from inflight.engine.engine_config import InflightConfig
 from inflight.engine.transfer_engine import BACKEND
 from inflight.transport.fleet_pusher import FleetPusher
 from inflight.transport.group_config import GroupConfig

@@ -131,7 +131,7 @@ STRATEGIES: dict[str, str] = {
 """The whole-model commit strategies by name, as ``"module:Class"``: a class is imported
 only when an engine chooses it (as vLLM's ``weight_transfer`` factory registers its
 engines), and offers ``build(model_runner, shapes, *, window)``. ``lora`` is built by
-``inflight.engine.adapter``, with the adapter's own start-up steps."""
+``inflight.engine.adapter_engine``, with the adapter's own start-up steps."""
 LAYER_STRATEGIES: dict[str, str] = {
     "swap": "inflight.engine.commit.swap:LayerSwapStrategy",
     "copy": "inflight.engine.commit.copy:LayerCopyStrategy",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from inflight.trainer.tasks.base import Completion, Prompt, Task, final_number
+from inflight.trainer.tasks.task import Completion, Prompt, Task, final_number
 
 EVAL_SEED = 0x5EED_E7A1
 OPS = ("+", "-", "*")

@@ -56,7 +56,7 @@ import random
 import re
 from collections.abc import Callable, Sequence
 
-from inflight.trainer.tasks.base import EpisodeView, Prompt, Turn, lone_number
+from inflight.trainer.tasks.task import EpisodeView, Prompt, Turn, lone_number
 from inflight.trainer.tasks.episode import EpisodeTask
 from inflight.trainer.tasks.tool_calls import ToolBox, ToolError
 

@@ -14,7 +14,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from inflight.trainer.tasks.base import Completion, Prompt, Task
+from inflight.trainer.tasks.task import Completion, Prompt, Task
 
 
 class RepeatDigit(Task):

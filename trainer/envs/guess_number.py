@@ -55,7 +55,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from inflight.trainer.tasks.base import EpisodeView, Prompt, Turn, lone_number
+from inflight.trainer.tasks.task import EpisodeView, Prompt, Turn, lone_number
 from inflight.trainer.tasks.episode import EpisodeTask
 
 EVAL_SEED = 0x6E55_E7A1

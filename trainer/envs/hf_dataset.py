@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from inflight.trainer.tasks.base import Prompt
+from inflight.trainer.tasks.task import Prompt
 from inflight.trainer.envs.jsonl import Match, RecordsTask, to_prompt
 
 DATA_FILES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}

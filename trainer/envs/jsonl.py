@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
-from inflight.trainer.tasks.base import Completion, Prompt, Task, final_number, load_factory
+from inflight.trainer.tasks.task import Completion, Prompt, Task, final_number, load_factory
 
 Match = Literal["number", "exact"]
 """number: the final number equals the answer's; exact: the stripped texts are equal."""

@@ -20,7 +20,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from inflight.trainer.tasks.base import Completion, Prompt, Task
+from inflight.trainer.tasks.task import Completion, Prompt, Task
 
 def _reasoning_gym() -> Any:
     try:

@@ -14,7 +14,7 @@ import json
 import random
 from typing import Any, ClassVar
 
-from inflight.trainer.tasks.base import EpisodeView, Prompt, Turn
+from inflight.trainer.tasks.task import EpisodeView, Prompt, Turn
 from inflight.trainer.tasks.episode import EpisodeTask
 
 HARNESS = "inflight.trainer.envs.verifiers_harness"

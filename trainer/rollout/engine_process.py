@@ -92,7 +92,7 @@ class RolloutLoop:
         from inflight.engine.client import coordinator_of
         from inflight.trainer.rollout.episode_rollout import EpisodeRollout
         from inflight.trainer.tasks import build_task, model_stop_ids
-        from inflight.trainer.tasks.base import is_episodic
+        from inflight.trainer.tasks.task import is_episodic
 
         self.cfg, self.llm, self.group, self.parent_pid = cfg, llm, group, parent_pid
         self.lora_request = lora_request  # an adapter engine: every request names the policy adapter
@@ -387,7 +387,7 @@ def _engine(cfg: TrainConfig, model_dir: str, rank: int, adapter: AdapterSpec | 
     import torch
     from vllm import LLM
 
-    from inflight.engine.config import engine_kwargs
+    from inflight.engine.engine_config import engine_kwargs
 
     extra: dict = {} if torch.cuda.is_available() else {"enforce_eager": True}
     if cfg.engine.tensor_parallel_size > 1:  # one worker process per rank (the in-process executor holds one)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from inflight.trainer.tasks.base import Task, Turn
+from inflight.trainer.tasks.task import Task, Turn
 from inflight.trainer.tasks.episode import check_turn
 
 if TYPE_CHECKING:

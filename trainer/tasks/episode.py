@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from inflight.trainer.tasks.base import ChatMode, EpisodeView, Prompt, Task, Turn, uses_chat
+from inflight.trainer.tasks.task import ChatMode, EpisodeView, Prompt, Task, Turn, uses_chat
 
 class EpisodeTask(Task):
     """Subclass this for a multi-turn task: ``sample`` opens an episode, ``turn`` answers it."""

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from inflight.settings import check_choices
-from inflight.trainer.tasks.base import ChatMode
+from inflight.trainer.tasks.task import ChatMode
 from inflight.trainer.envs.calculator import TEMPLATE as CALCULATOR_TEMPLATE
 from inflight.trainer.envs.calculator import Calculator
 from inflight.trainer.envs.guess_number import TEMPLATE as GUESS_TEMPLATE

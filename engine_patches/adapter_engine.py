@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from inflight.engine.commit.checkpoint import checkpoint_schema
+from inflight.engine.commit.engine_checkpoint import checkpoint_schema
 from inflight.engine.commit.lora_slot import LoRASlotStrategy
 from inflight.adapter import AdapterSpec
 from inflight.transport.layout import TensorSchema
