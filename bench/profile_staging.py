@@ -39,7 +39,7 @@ PHASES = [  # (owner, attribute, phase name); missing attributes are skipped (ol
     ("inflight.transport.listener:BucketReceiver", "receive", "receive (with the per-bucket work below)"),
     ("inflight.transport.listener:BucketReceiver", "_verify", "  checksums"),
     ("inflight.transport.listener", "nonfinite", "  finite check"),
-    ("inflight.transport.listener:Streamed", "verified", "  prepare during receive (per bucket)"),
+    ("inflight.transport.listener:StreamPreparer", "verified", "  prepare during receive (per bucket)"),
     ("inflight.engine.commit.swap:SwapStrategy", "prepare", "prepare after the last bucket"),
     ("inflight.engine.commit.swap:SwapStrategy", "_shadows", "  shadow parameters (fresh)"),
     ("inflight.engine.commit.swap:ShadowSets", "take", "  shadow parameters (reused)"),

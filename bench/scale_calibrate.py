@@ -94,7 +94,7 @@ def native_pack_s(model_dir: Path) -> float:
 
     from inflight.trainer.native_update import update_info
     from inflight.bench.placement import TRAINER_CORE
-    from inflight.transport.layout import pack_into, plan_tensors
+    from inflight.transport.bucket import pack_into, plan_tensors
 
     state = load_file(str(model_dir / "model.safetensors"))
     info = update_info(state)

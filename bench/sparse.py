@@ -38,7 +38,7 @@ import torch
 from inflight.bench.run_record import add_results_option, append_result, run_record
 from inflight.protocol import BucketSpec, UpdateAnnounce
 from inflight.transport.delta import DeltaDecoder, DeltaEncoder
-from inflight.transport.layout import dtype_name, plan_tensors, tensor_views
+from inflight.transport.bucket import dtype_name, plan_tensors, tensor_views
 
 import zstandard
 

@@ -86,7 +86,7 @@ def _snapshot_s(named, bucket_bytes: int) -> float:
     """What a snapshotting push blocks for: one flat copy of the model, checksummed per bucket."""
     import torch
 
-    from inflight.transport.layout import bucket_windows, checksum, pack_into, plan_tensors
+    from inflight.transport.bucket import bucket_windows, checksum, pack_into, plan_tensors
 
     t0 = time.perf_counter()
     tensors, total = plan_tensors((n, tuple(t.shape), "float32") for n, t in named.items())

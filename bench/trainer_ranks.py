@@ -47,7 +47,6 @@ def _held(policy) -> dict[str, int]:
 
 def _rank(rank: int, world: int, port: int, model_dir: str, steps: int, out) -> None:
     """One rank: load, ``steps`` optimizer steps, report (rank 0 orders, the others follow)."""
-    import torch
 
     from inflight.trainer.config_files import config_from_dict
     from inflight.trainer.policy import Policy

@@ -21,7 +21,7 @@ from typing import Any
 from inflight.engine.commit.engine_checkpoint import checkpoint_schema
 from inflight.engine.commit.lora_slot import LoRASlotStrategy
 from inflight.adapter import AdapterSpec
-from inflight.transport.layout import TensorSchema
+from inflight.transport.schema import TensorSchema
 
 
 def policy_request(spec: AdapterSpec) -> Any:

@@ -52,16 +52,26 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Callable, Literal, Union
+from typing import Any, Literal
 
-from msgspec import Meta
-
-from inflight.engine.engine_config import InflightConfig
-from inflight.engine.rpc import EngineState, WorkerCommitResult, WorkerSettleResult, as_result
 from inflight.engine.batch_labels import BatchLabels
-from inflight.engine.prefix_cache import PrefixCacheGuard, problems as prefix_cache_problems
-from inflight.protocol import ENGINE_CHANNEL, NonNeg, ProtocolError, Wire, decoder, encode
+from inflight.engine.engine_config import InflightConfig
+from inflight.engine.prefix_cache import PrefixCacheGuard
+from inflight.engine.prefix_cache import problems as prefix_cache_problems
+from inflight.engine.rpc import EngineState, as_result
+
 from inflight.layer_groups import Hybrid
+from inflight.protocol import (
+    ENGINE_CHANNEL,
+    CommitReady,
+    EngineCommitFailed,
+    EngineCommitted,
+    ProtocolError,
+    WorkerCommitResult,
+    WorkerSettleResult,
+    decode_engine,
+    encode,
+)
 from inflight.transport.errors import TransportError
 from inflight.transport.poll import poll_until
 from inflight.transport.store import store_reachable
@@ -73,46 +83,6 @@ ATTR = "_inflight_coordinator"
 
 Via = Literal["step", "idle-callback", "idle-inproc"]
 _POLL_MAX_S = 0.005
-
-
-# the engine channel's messages --------------------------------------------------------------
-
-class CommitReady(Wire, tag="commit_ready"):
-    """Worker -> its engine's coordinator: ``version`` is staged and prepared on this rank and
-    the trainer's ``Commit`` for it arrived; the coordinator commits once every rank is ready."""
-
-    rank: NonNeg
-    version: NonNeg
-    part: NonNeg = 0
-    parts: NonNeg = 0
-    refused: str = ""
-    """Layer-granular: why this rank refused group ``part`` that the other ranks may hand over."""
-
-
-class EngineCommitted(Wire, tag="engine_committed"):
-    """Coordinator -> the engine's workers: every rank made ``version`` (or its group ``part``)
-    live between engine steps ``step`` and ``step + 1``; meaning of the fields as in ``Committed``."""
-
-    version: NonNeg
-    step: NonNeg
-    commit_ms: Annotated[float, Meta(ge=0)]
-    tokens_at_commit: dict[str, NonNeg] = {}
-    part: NonNeg = 0
-    parts: NonNeg = 0
-    label: str = ""  # the engine's version label from step ``step + 1`` on
-
-
-class EngineCommitFailed(Wire, tag="engine_commit_failed"):
-    """Coordinator -> the engine's workers: ``version`` did not go live on any rank; every
-    rank that had applied it rolled back, and the label stays at ``live_version``."""
-
-    version: NonNeg
-    reason: str
-    live_version: NonNeg
-
-
-EngineMessage = Union[CommitReady, EngineCommitted, EngineCommitFailed]
-decode_engine: Callable[[bytes | memoryview], EngineMessage] = decoder(EngineMessage, "engine")
 
 
 def check_engine(vllm_config: Any, config: InflightConfig, scheduler: Any = None) -> int:
@@ -163,7 +133,7 @@ class EngineBroken(RuntimeError):
 
 
 @dataclass
-class _Pending:
+class _CommitRequest:
     version: int
     part: int = 0
     parts: int = 0  # 0: the whole model; else group ``part`` of a layer-granular update
@@ -203,7 +173,7 @@ class CommitCoordinator:
         self.prefix_cache = PrefixCacheGuard(core.scheduler)  # every commit invalidates it, in its window
         self.batch_labels = BatchLabels(core)  # async scheduling: each batch labelled by the weights it ran on
         self._busy_loop = isinstance(core, EngineCoreProc)
-        self._pending: _Pending | None = None
+        self._pending: _CommitRequest | None = None
         self._slot = threading.Lock()  # guards _pending: taken once, by whichever thread runs it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="inflight-coordinator", daemon=True)
@@ -321,7 +291,7 @@ class CommitCoordinator:
     # -- watcher thread -----------------------------------------------------------------------
     def _request(self, ready: CommitReady) -> EngineCommitted | EngineCommitFailed | None:
         """Have ``ready``'s version (or group) committed at the next step boundary; None if stopped first."""
-        pending = _Pending(ready.version, ready.part, ready.parts)
+        pending = _CommitRequest(ready.version, ready.part, ready.parts)
         with self._slot:
             self._pending = pending
         if self._busy_loop:

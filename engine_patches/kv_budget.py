@@ -43,7 +43,7 @@ from inflight.engine.engine_config import StagingIntent
 from inflight.memory import GiB, SetAside, StagingNeed, kv_cache_after_staging, set_aside_bytes, staging_need
 from inflight.protocol import ShardPlan
 from inflight.settings import StagingPlace
-from inflight.transport.layout import TensorSchema
+from inflight.transport.schema import TensorSchema
 
 log = logging.getLogger("inflight.kv_budget")
 

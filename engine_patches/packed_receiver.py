@@ -29,8 +29,10 @@ import torch
 from inflight.protocol import ShardPlan
 from inflight.staging import StagedVersion, StagingPool
 from inflight.transport.errors import TransportError
-from inflight.transport.layout import TensorSchema, plan_tensors, tensor_views
-from inflight.transport.listener import CommitFailed, CommitTarget, ListenerStats, nonfinite
+from inflight.transport.schema import TensorSchema
+from inflight.transport.bucket import plan_tensors, tensor_views
+from inflight.engine.commit.base import CommitFailed, CommitTarget
+from inflight.transport.listener import ListenerStats, nonfinite
 from inflight.transport.packed_wire import chunk_plan, nbytes_of
 
 log = logging.getLogger("inflight.packed_receiver")

@@ -274,15 +274,12 @@ def keep_cpu_async_scheduling() -> None:
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
-PLAIN_CPU_GEMM_ENV = "INFLIGHT_CPU_PLAIN_GEMM"
-"""``1``: the plugin applies ``use_plain_cpu_gemm`` in every vLLM process (read only by
-``plain_cpu_gemm_requested``)."""
-
-
 def plain_cpu_gemm_requested() -> bool:
     """Whether this process's environment asks for ``use_plain_cpu_gemm`` (the one place the
     variable is read; TP workers inherit it from the process that starts them)."""
     import os
+
+    from inflight.settings import PLAIN_CPU_GEMM_ENV
 
     return os.environ.get(PLAIN_CPU_GEMM_ENV, "") == "1"
 

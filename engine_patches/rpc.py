@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec import Struct
 
-from inflight.protocol import NonNeg
+from inflight.protocol import NonNeg, WorkerCommitResult
 
 R = TypeVar("R")
 
@@ -45,32 +45,6 @@ class StartReport(_Result):
     """(MoE layers, top-k) recorded per token, or None."""
     ranks: tuple[NonNeg, ...] = ()
     """Filled by the client: every worker's rank (one per tensor parallel rank)."""
-
-
-class WorkerCommitResult(_Result):
-    """``inflight_commit``: one worker's part of an engine's commit, on its execution thread."""
-
-    rank: NonNeg
-    version: NonNeg
-    ok: bool
-    applied: bool = False
-    """Whether the new weights went live here (to be taken back if another rank failed)."""
-    error: str = ""
-    ms: float = 0.0
-    thread: str = ""
-    main_thread: bool = False
-    execution_thread: bool | None = None
-    """Whether it ran on the thread of the worker's model steps (None: not known)."""
-
-
-class WorkerSettleResult(_Result):
-    """``inflight_confirm`` / ``inflight_rollback``: one worker kept ``version`` as its live
-    one, or took it back (or had nothing of it live)."""
-
-    rank: NonNeg
-    version: NonNeg
-    ok: bool
-    error: str = ""
 
 
 class RLCallResult(_Result):

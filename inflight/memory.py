@@ -54,9 +54,14 @@ from dataclasses import dataclass
 
 import torch
 
+from inflight.protocol import ALIGN, DTYPE_ITEMSIZE, ShardPlan
 from inflight.settings import StagingPlace
-from inflight.transport.layout import ALIGN, WSUM_TEMP_BYTES, TensorSchema
-from inflight.protocol import DTYPE_ITEMSIZE, ShardPlan
+from inflight.transport.schema import TensorSchema
+
+WSUM_CHUNK_WORDS = 1 << 22
+"""int64 words a ``wsum64`` checksum sums per step (``inflight.transport.bucket.checksum``)."""
+WSUM_TEMP_BYTES = 2 * 8 * WSUM_CHUNK_WORDS
+"""Device temporaries of one ``wsum64`` chunk (its weights and their products)."""
 
 GiB = float(1 << 30)
 CUDA_MARGIN_BYTES = 512 << 20

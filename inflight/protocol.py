@@ -7,8 +7,8 @@ channel's types. No pickle on the wire. Channels:
 - replies (each worker -> trainer, on the store): ``Accepted`` | ``Staged`` | ``Rejected`` | ``Committed``
 - rollouts (engine -> trainer, the rollout queue): ``RolloutGroup`` of ``RolloutSample``; ``EngineReport``
 - trainer ranks (rank 0 <-> the others, ``inflight.trainer.ranks``): ``TrainerSetup`` | ``TrainerOrder`` | ``TrainerSave`` | ``TrainerStop``; ``TrainerPart``
-(inside one engine, its workers and its commit coordinator talk on the engine channel:
-``inflight.engine.coordinator``)
+- engine (each worker <-> its engine's commit coordinator, on the store): ``CommitReady`` | ``EngineCommitted`` | ``EngineCommitFailed``;
+  the coordinator's ``collective_rpc`` results: ``WorkerCommitResult``, ``WorkerSettleResult``; a commit's ``CommitInfo``
 
 One update (two-phase): ``UpdateAnnounce(v)`` -> ``Accepted``/``Rejected`` from every worker
 -> each bucket's frame if all accepted, else one ``Abort`` frame -> ``Staged``/``Rejected`` ->
@@ -37,8 +37,11 @@ CastDtype = Literal[ModelDtype, "float16"]
 WireDtype = Literal[CastDtype, "float64", "float8_e4m3fn", "float8_e5m2", "int64", "int32", "int8", "uint8", "bool"]
 DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
                                   "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1}  # float8: an FP8 checkpoint's
+ALIGN = 64
+"""Every tensor's offset in an update's byte stream is a multiple of this many bytes (a cache
+line; every wire dtype's size divides it), and so is every bucket's size."""
 ChecksumAlgo = Literal["xxh3", "crc32", "wsum64"]
-"""A bucket's checksum (``inflight.transport.checksum``)."""
+"""A bucket's checksum (``inflight.transport.bucket.checksum``)."""
 CommitUnit = Literal["model", "layer"]
 """What an engine commits at once: the whole model, or one layer group (``inflight.layer_groups``)."""
 RejectCode = Literal[
@@ -343,6 +346,79 @@ class Committed(Wire, tag="committed"):
     label: str = ""  # layer-granular: the group committed and the label it left
 
 
+# the commit round trip inside one engine: its workers and its commit coordinator ----------
+# (engine channel, on the store; collective_rpc results)
+
+class CommitReady(Wire, tag="commit_ready"):
+    """Worker -> its engine's coordinator: ``version`` is staged and prepared on this rank and
+    the trainer's ``Commit`` for it arrived; the coordinator commits once every rank is ready."""
+
+    rank: NonNeg
+    version: NonNeg
+    part: NonNeg = 0
+    parts: NonNeg = 0
+    refused: str = ""
+    """Layer-granular: why this rank refused group ``part`` that the other ranks may hand over."""
+
+
+class EngineCommitted(Wire, tag="engine_committed"):
+    """Coordinator -> the engine's workers: every rank made ``version`` (or its group ``part``)
+    live between engine steps ``step`` and ``step + 1``; meaning of the fields as in ``Committed``."""
+
+    version: NonNeg
+    step: NonNeg
+    commit_ms: Annotated[float, Meta(ge=0)]
+    tokens_at_commit: dict[str, NonNeg] = {}
+    part: NonNeg = 0
+    parts: NonNeg = 0
+    label: str = ""  # the engine's version label from step ``step + 1`` on
+
+
+class EngineCommitFailed(Wire, tag="engine_commit_failed"):
+    """Coordinator -> the engine's workers: ``version`` did not go live on any rank; every
+    rank that had applied it rolled back, and the label stays at ``live_version``."""
+
+    version: NonNeg
+    reason: str
+    live_version: NonNeg
+
+
+class CommitInfo(Struct, frozen=True, forbid_unknown_fields=True):
+    """What a commit came to on one worker: the step it went live after, its stall, the tokens
+    each request had then, and the engine's label from then on (a hybrid after a layer group's)."""
+
+    step: NonNeg
+    commit_ms: Annotated[float, Meta(ge=0)]
+    tokens_at_commit: dict[str, NonNeg] = {}
+    label: str = ""
+
+
+class WorkerCommitResult(Struct, frozen=True, forbid_unknown_fields=True):
+    """``inflight_commit``: one worker's part of an engine's commit, on its execution thread."""
+
+    rank: NonNeg
+    version: NonNeg
+    ok: bool
+    applied: bool = False
+    """Whether the new weights went live here (to be taken back if another rank failed)."""
+    error: str = ""
+    ms: float = 0.0
+    thread: str = ""
+    main_thread: bool = False
+    execution_thread: bool | None = None
+    """Whether it ran on the thread of the worker's model steps (None: not known)."""
+
+
+class WorkerSettleResult(Struct, frozen=True, forbid_unknown_fields=True):
+    """``inflight_confirm`` / ``inflight_rollback``: one worker kept ``version`` as its live
+    one, or took it back (or had nothing of it live)."""
+
+    rank: NonNeg
+    version: NonNeg
+    ok: bool
+    error: str = ""
+
+
 class RolloutSample(Wire, tag="sample"):
     """One completion with its per-token behaviour log-probs and policy-version tags."""
 
@@ -511,6 +587,7 @@ class TrainerPart(Wire, tag="trainer_part"):
 ControlMessage = Union[UpdateAnnounce, ForEachRank, Commit, Abort, Shutdown, Roster]
 FrameMessage = Union[BucketHeader, Abort]
 ReplyMessage = Union[Joined, Accepted, Staged, Rejected, Committed, Left]
+EngineMessage = Union[CommitReady, EngineCommitted, EngineCommitFailed]
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -534,9 +611,11 @@ def decoder(types: Any, channel: str) -> Callable[[bytes | memoryview], Any]:
 decode_control: Callable[[bytes | memoryview], ControlMessage] = decoder(ControlMessage, "control")
 decode_frame: Callable[[bytes | memoryview], FrameMessage] = decoder(FrameMessage, "frame")
 decode_reply: Callable[[bytes | memoryview], ReplyMessage] = decoder(ReplyMessage, "reply")
+decode_engine: Callable[[bytes | memoryview], EngineMessage] = decoder(EngineMessage, "engine")
 decode_sample: Callable[[bytes | memoryview], RolloutSample] = decoder(RolloutSample, "rollout sample")
 decode_group: Callable[[bytes | memoryview], RolloutGroup] = decoder(RolloutGroup, "rollout group")
 decode_report: Callable[[bytes | memoryview], EngineReport] = decoder(EngineReport, "engine report")
 decode_trainer: Callable[[bytes | memoryview], TrainerSetup | TrainerOrder | TrainerSave | TrainerStop] = decoder(
     Union[TrainerSetup, TrainerOrder, TrainerSave, TrainerStop], "trainer order")
 decode_trainer_part: Callable[[bytes | memoryview], TrainerPart] = decoder(TrainerPart, "trainer part")
+

@@ -92,3 +92,8 @@ def check_choices(obj: Any, where: str) -> None:
                 raise ValueError(f"{where}.{name}={tuple(value)!r}: {v!r} is not one of {listed}")
             if value.count(v) > 1:
                 raise ValueError(f"{where}.{name}={tuple(value)!r} names {v!r} twice")
+
+
+PLAIN_CPU_GEMM_ENV = "INFLIGHT_CPU_PLAIN_GEMM"
+"""``1``: vLLM's CPU linears keep their weights, unpacked, in every vLLM process (the plugin applies
+``inflight.engine.patch.use_plain_cpu_gemm``), which the ``copy`` commit needs on CPU."""

@@ -203,7 +203,7 @@ def test_a_forged_bucket_with_a_valid_checksum_is_refused_and_the_engine_keeps_s
         words[i] += a * (2 * j + 1)
         words[j] -= a * (2 * i + 1)
         forged = words.view(torch.uint8)
-        from inflight.transport.layout import checksum
+        from inflight.transport.bucket import checksum
 
         assert checksum(forged, "wsum64") == checksum(data, "wsum64") and not torch.equal(forged, data)
         return header, forged if header.index == 1 else data

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from datetime import timedelta
 
 import msgspec

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 
-from inflight.engine.patch import PLAIN_CPU_GEMM_ENV
+from inflight.settings import PLAIN_CPU_GEMM_ENV
 from tests.engine_harness import Reference, perturbed
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5="]
@@ -328,7 +328,7 @@ def test_rollback_copy_sizes_must_match_the_plan(tmp_path) -> None:
     from inflight.engine.commit.engine_checkpoint import read_checkpoint_into
     from inflight.memory import update_bytes
     from inflight.shard_plan import make_plan, whole
-    from inflight.transport.layout import TensorSchema
+    from inflight.transport.schema import TensorSchema
 
     full = {"a": torch.arange(48, dtype=torch.float32).view(8, 6), "b": torch.arange(6, dtype=torch.float32)}
     save_file(full, str(tmp_path / "model.safetensors"))

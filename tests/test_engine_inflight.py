@@ -83,7 +83,7 @@ def _small_step(master: dict[str, torch.Tensor], seed: int) -> None:
 
 def _held_digests(h: Harness) -> dict[str, int]:
     """The xxh3 of each tensor of the live version's bytes the engine keeps (its sparse base)."""
-    from inflight.transport.layout import checksum
+    from inflight.transport.bucket import checksum
 
     def digests(worker) -> dict[str, int]:
         base = worker._inflight_pool.base_for()
@@ -96,7 +96,7 @@ def test_ten_sparse_pushes_equal_transformers_and_a_dense_push(harness: Harness)
     """Ten sparse updates in a row: the engine's bytes are, bit for bit, the trainer's weights
     cast as a dense push casts them; its outputs equal transformers' (fp32) and, bit for bit,
     its outputs after a dense push of the same weights (bf16 and fp32)."""
-    from inflight.transport.layout import checksum
+    from inflight.transport.bucket import checksum
     from inflight.transport.pusher import PushConfig
 
     h = harness

@@ -163,7 +163,7 @@ def test_each_rank_reports_what_its_loaders_read_and_the_two_tile_every_split_te
     tile it); the rest (norms) is read whole by both; no fallback on Llama."""
     from inflight.memory import update_bytes
     from inflight.shard_plan import check_plan, plan_bytes
-    from inflight.transport.layout import TensorSchema
+    from inflight.transport.schema import TensorSchema
 
     schema = {n: (tuple(t.shape), "float32") for n, t in tp.base.items()}
     plans = {r: tp.pusher.group.hellos[r].plan for r in (1, 2)}

@@ -191,7 +191,7 @@ def test_stalled_trainer_is_dropped_and_a_restarted_one_rejoins(harness: Harness
 def _killed_trainer(group: GroupConfig, version: int, state: dict, ready, early: bool) -> None:
     """A trainer that dies (SIGKILL, no goodbye) in the middle of a bucket of a transfer, its
     header sent and its bytes not: bucket 1 (early) or the bucket before the last (late)."""
-    from inflight.transport.layout import plan_tensors
+    from inflight.transport.bucket import plan_tensors
 
     config = PushConfig(dtype="float32", bucket_mb=0.25)
     _, total = plan_tensors((n, tuple(t.shape), "float32") for n, t in state.items())

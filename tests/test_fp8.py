@@ -16,7 +16,7 @@ from inflight.engine.commit.engine_checkpoint import checkpoint_schema
 from inflight.engine.commit.reload import reload_peak_bytes
 from inflight.transport.group import WeightGroup
 from inflight.transport.group_config import GroupConfig
-from inflight.transport.layout import TensorSchema
+from inflight.transport.schema import TensorSchema
 from inflight.transport.listener import UpdateListener
 from inflight.transport.pusher import PushConfig, WeightPusher
 from tests.helpers import ListenerPair

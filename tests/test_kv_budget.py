@@ -28,7 +28,7 @@ from inflight.memory import (
     update_bytes,
 )
 from inflight.transport.group_config import GroupConfig
-from inflight.transport.layout import WSUM_TEMP_BYTES
+from inflight.memory import WSUM_TEMP_BYTES
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -30,7 +30,7 @@ from inflight.layer_groups import Hybrid, layer_groups, parse_label
 from inflight.memory import update_bytes
 from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import LayerPushIncomplete
-from inflight.transport.layout import TensorSchema
+from inflight.transport.schema import TensorSchema
 from inflight.transport.pusher import PushConfig, WeightPusher
 from tests.engine_harness import Reference, check_fresh, check_warm, llm_sample, perturbed, push_at_steps, replay, stop_engine
 from tests.helpers import tampering

@@ -203,7 +203,7 @@ class Transposing(Unforeseen):
 
 def test_building_a_commit_never_fails_bare(caplog) -> None:
     from inflight.engine.commit.base import make_strategy
-    from inflight.transport.layout import TensorSchema
+    from inflight.transport.schema import TensorSchema
 
     schema = TensorSchema({"w": ((2, 2), "float32")})
     with pytest.raises(RuntimeError, match=r"building the swap commit for Unforeseen failed: TypeError"):

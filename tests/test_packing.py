@@ -1,4 +1,4 @@
-"""Streaming pack (``inflight.transport.layout``) against the flat reference (``pack_into``):
+"""Streaming pack (``inflight.transport.bucket``) against the flat reference (``pack_into``):
 every window of every bucket size is byte-identical to the same window of the whole-update
 copy, on awkward shapes (non-contiguous, boxes of a shard plan, casts, 0-d and empty
 tensors), and each tensor is taken once per stream in the order ``first_use_order`` says."""
@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inflight.transport.layout import ALIGN, bucket_windows, pack_into, plan_tensors
-from inflight.transport.layout import MappingSource, WindowFiller, aligned_bucket_bytes, copy_elements, first_use_order
+from inflight.protocol import ALIGN
+from inflight.transport.bucket import bucket_windows, pack_into, plan_tensors
+from inflight.transport.bucket import MappingSource, WindowFiller, aligned_bucket_bytes, copy_elements, first_use_order
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from inflight import protocol as P
-from inflight.transport.layout import bucket_windows, plan_tensors
+from inflight.transport.bucket import bucket_windows, plan_tensors
 
 
 def _announce(**over) -> P.UpdateAnnounce:

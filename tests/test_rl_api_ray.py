@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from vllm import LLM
 
 from inflight.engine.client import coordinator_of, tagged
-from inflight.trainer.transfer_trainer import InflightTrainerInitInfo, clients_of
+from inflight.trainer.transfer_trainer import InflightTrainerInitInfo
 from inflight.transport.pusher import PushConfig
 from inflight.versions import boundaries, is_monotone
 from tests.engine_harness import Reference, perturbed, replay

@@ -278,7 +278,7 @@ def test_a_packed_chunk_lands_whole_even_where_a_tensor_starts_unaligned(hold_po
     offset a float32 view cannot take. The receiver lands every tensor of such a chunk, cast
     to its staging dtype, over a real gloo pair."""
     from inflight.engine.packed_receiver import PackedReceiver, WireUpdate
-    from inflight.transport.layout import TensorSchema
+    from inflight.transport.schema import TensorSchema
 
     sent = {"a": torch.arange(3, dtype=torch.float32).to(torch.bfloat16), "b": torch.randn(5),
             "c": torch.randn(2, 3).to(torch.bfloat16), "d": torch.arange(7, dtype=torch.int64)}

@@ -114,7 +114,8 @@ def test_an_announce_is_checked_against_the_workers_own_plan() -> None:
     """A point-to-point announce must follow the plan this worker sent: its digest, and for
     every tensor exactly the box the plan names; boxes without a plan are refused too."""
     from inflight.protocol import UpdateAnnounce
-    from inflight.transport.layout import TensorSchema, plan_tensors
+    from inflight.transport.schema import TensorSchema
+    from inflight.transport.bucket import plan_tensors
 
     schema = TensorSchema({"a": ((8, 4), "float32"), "b": ((4,), "float32")})
     plan = make_plan({"a": ((4, 0), (4, 4)), "b": whole((4,))}, [])

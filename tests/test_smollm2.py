@@ -95,7 +95,7 @@ def test_layer_commits_stage_two_groups_and_match_transformers(smollm2: Path, po
     from inflight.engine.client import tagged
     from inflight.layer_groups import Hybrid
     from inflight.memory import update_bytes
-    from inflight.transport.layout import TensorSchema
+    from inflight.transport.schema import TensorSchema
     from tests.engine_harness import Reference, push_at_steps
     from tests.test_layer_commit import LayerEngine
 

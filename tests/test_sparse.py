@@ -18,7 +18,8 @@ from inflight.staging import StagingPool
 from inflight.transport.delta import INDEX, VALUES, XOR, DeltaEncoder
 from inflight.transport.group import WeightGroup
 from inflight.transport.group_config import GroupConfig
-from inflight.transport.layout import TensorSchema, plan_tensors
+from inflight.transport.schema import TensorSchema
+from inflight.transport.bucket import plan_tensors
 from inflight.transport.listener import UpdateListener
 from inflight.transport.peer import DictTarget
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher

@@ -22,7 +22,8 @@ from inflight.memory import (
     update_bytes,
 )
 from inflight.staging import StagingPool, copy_into, ordered_commit, ready_event
-from inflight.transport.layout import WSUM_TEMP_BYTES, plan_tensors
+from inflight.memory import WSUM_TEMP_BYTES
+from inflight.transport.bucket import plan_tensors
 
 GiB = 1 << 30
 MiB = 1 << 20

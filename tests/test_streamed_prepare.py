@@ -21,8 +21,8 @@ import torch
 
 from inflight.engine.commit.swap import Dependencies
 from inflight.protocol import BucketSpec
-from inflight.transport.layout import completed_by_bucket, plan_tensors
-from inflight.transport.layout import TensorSchema
+from inflight.transport.bucket import completed_by_bucket, plan_tensors
+from inflight.transport.schema import TensorSchema
 from inflight.transport.peer import DictTarget
 from inflight.transport.pusher import PushRejected
 from tests.helpers import ListenerPair, state_dict_of

@@ -15,13 +15,14 @@ import torch
 from safetensors.torch import load_file
 
 from inflight.protocol import BucketHeader
-from inflight.transport.listener import BucketReceiver
-from inflight.transport.pusher import BucketSender
+from inflight.transport.bucket import BucketReceiver
+from inflight.transport.bucket import BucketSender
 from inflight.transport.errors import TransportError, TransportTimeout
 from inflight.transport.group import WeightGroup
 from inflight.transport.group_config import GroupConfig
-from inflight.transport.layout import ALIGN, bucket_windows, checksum, pack_into, plan_tensors, tensor_views
-from inflight.transport.layout import TensorSchema
+from inflight.protocol import ALIGN
+from inflight.transport.bucket import bucket_windows, checksum, pack_into, plan_tensors, tensor_views
+from inflight.transport.schema import TensorSchema
 from inflight.transport.listener import UpdateListener
 from inflight.transport.peer import run_peer
 from inflight.transport.pusher import PushConfig, PushRejected, WeightPusher

@@ -34,7 +34,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 
 from inflight.transport.group import WeightGroup
 from inflight.transport.group_config import GroupConfig
-from inflight.transport.layout import plan_tensors, tensor_views
+from inflight.transport.bucket import plan_tensors, tensor_views
 
 BACKEND = "inflight_gloo"
 GROUP_NAME = "native"
@@ -124,7 +124,7 @@ def native_update(core: Any, llm: Any, conn: Any, version: int, info: dict) -> N
 
 def update_info(named: dict[str, torch.Tensor]) -> dict:
     """What ``update_weights`` needs to know before the bytes arrive (same order as ``broadcast_state``)."""
-    from inflight.transport.layout import dtype_name
+    from inflight.transport.bucket import dtype_name
 
     return {"names": list(named), "dtype_names": [dtype_name(t.dtype) for t in named.values()],
             "shapes": [list(t.shape) for t in named.values()]}
@@ -132,7 +132,7 @@ def update_info(named: dict[str, torch.Tensor]) -> dict:
 
 def pack_state(named: dict[str, torch.Tensor]) -> torch.Tensor:
     """The whole state as one flat byte tensor, in ``update_info``'s order."""
-    from inflight.transport.layout import pack_into
+    from inflight.transport.bucket import pack_into
 
     info = update_info(named)
     specs, total = plan_tensors(zip(info["names"], info["shapes"], info["dtype_names"]))

@@ -39,7 +39,7 @@ from inflight.engine.engine_config import InflightConfig
 from inflight.engine.transfer_engine import BACKEND
 from inflight.transport.fleet_pusher import FleetPusher
 from inflight.transport.group_config import GroupConfig
-from inflight.transport.layout import dtype_name
+from inflight.transport.bucket import dtype_name
 from inflight.transport.pusher import PushConfig, PushResult, WeightPusher
 from inflight.transport.sources import ShardedSource, weights_of
 

@@ -30,15 +30,72 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
-
 from inflight.engine.commit.loaders import LoaderMapError, Shapes, copy_refusals
-from inflight.engine.patch import PLAIN_CPU_GEMM_ENV
-from inflight.protocol import ShardPlan
-from inflight.protocol import CommitUnit
-from inflight.settings import CommitChoice, CommitStrategyName as Resolved
-from inflight.transport.layout import TensorSchema, torch_dtype
+
+from inflight.protocol import CommitInfo, CommitUnit, ShardPlan
+from inflight.settings import PLAIN_CPU_GEMM_ENV, CommitChoice
+from inflight.settings import CommitStrategyName as Resolved
+from inflight.staging import StagedVersion, StagingPool
+from inflight.transport.bucket import torch_dtype
+from inflight.transport.schema import TensorSchema
 
 log = logging.getLogger("inflight.commit")
+
+class CommitFailed(RuntimeError):
+    """The commit did not take; the target already restored the previous weights."""
+
+
+class CommitTarget(Protocol):
+    """What the listener commits into: an engine worker, or a plain dict in tests."""
+
+    @property
+    def live_version(self) -> int: ...
+
+    def steps(self) -> int:
+        """Engine steps run so far (monotone), to measure decoding during a transfer."""
+        ...
+
+    def prepare(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """Do everything the commit can do ahead of time (off the critical path); live weights
+        stay untouched. Raising refuses the update."""
+        ...
+
+    def prepare_part(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """Called during the receive with each bucket's newly complete tensors (verified and
+        finite, each once), so the target can do their share of ``prepare`` while later
+        buckets are on the wire; ``prepare`` follows with every tensor. Raising refuses the
+        update, like ``prepare``."""
+        ...
+
+    def discard(self) -> None:
+        """Drop what ``prepare`` built (the update was aborted or superseded)."""
+        ...
+
+    def commit(self, version: int, staged: StagedVersion, pool: StagingPool) -> CommitInfo:
+        """Make ``staged.views`` live at a step boundary; on failure restore the previous
+        weights and raise ``CommitFailed``. ``staged`` is the target's from the call on: it
+        gives its buffer back to ``pool`` once nothing needs it."""
+        ...
+
+    def leave(self) -> None:
+        """Called on the trainer's ``Shutdown`` before the worker answers it: release whatever
+        else of the worker's holds the trainer's store (the engine's coordinator)."""
+        ...
+
+    def begin_commit(self, version: int, staged: StagedVersion, pool: StagingPool, part: int = 0,
+                     parts: int = 0) -> Any:
+        """Layer-granular updates: hand group ``part`` over for the engine to commit at its next
+        step boundary without waiting (``UpdateListener._on_layer_announce``); returns a handle."""
+        ...
+
+    def finish_commit(self, pending: Any) -> CommitInfo:
+        """The outcome of a ``begin_commit``; ``CommitFailed`` if it did not go live."""
+        ...
+
+    def refuse_commit(self, version: int, part: int, parts: int, reason: str) -> None:
+        """Layer-granular: this rank refused group ``part`` that the other ranks may hand over."""
+        ...
+
 
 class CommitStrategy(Protocol):
     """One engine worker's way of making a prepared version live."""

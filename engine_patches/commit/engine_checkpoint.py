@@ -2,7 +2,7 @@
 engine loaded, as the rollback copy of a first commit.
 
 Staged tensors carry Hugging Face checkpoint names (``...q_proj.weight``) and shapes, so
-the schema an update is checked against (``inflight.transport.layout.TensorSchema``) is
+the schema an update is checked against (``inflight.transport.bucket.TensorSchema``) is
 read from the checkpoint the engine loaded, float tensors in the engine's dtype. The same
 files are read once more at start into the rollback buffer (``read_checkpoint_into``; with
 a shard plan only this rank's boxes), so that no rollback reads the disk inside the engine's
@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from inflight.protocol import ShardPlan
-from inflight.transport.layout import TensorSchema, dtype_name, plan_tensors, tensor_views, torch_dtype
+from inflight.transport.schema import TensorSchema
+from inflight.transport.bucket import dtype_name, plan_tensors, tensor_views, torch_dtype
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
                        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",

@@ -41,7 +41,7 @@ from inflight.engine.commit.lora_plan import SlotPlan
 from inflight.adapter import AdapterSpec
 from inflight.memory import update_bytes
 from inflight.protocol import ShardPlan
-from inflight.transport.layout import TensorSchema
+from inflight.transport.schema import TensorSchema
 
 log = logging.getLogger("inflight")
 

@@ -1,8 +1,8 @@
 """Worker side of a weight update: a state machine that stages while the engine decodes.
 
 ``UpdateListener.run`` is the body of one background thread per engine worker. It reads
-control messages in order, lands buckets in a staging buffer (``BucketReceiver``), checks and
-prepares each tensor as its bucket verifies (``Streamed``), and hands a complete, verified
+control messages in order, lands buckets in a staging buffer (``inflight.transport.bucket``),
+checks and prepares each tensor as its bucket verifies (``StreamPreparer``), and hands a complete, verified
 version to a ``CommitTarget``, which swaps it in at a step boundary.
 
 Ordering invariants:
@@ -19,14 +19,6 @@ Ordering invariants:
   listener of the group's next generation can still roll back to the live version;
 - on ``Shutdown`` the worker lets go of the trainer's store before it answers ``Left``
   (``leave``), so the trainer can close its store without a peer's read failing.
-
-The data plane (``BucketReceiver.receive``): a receiver consumes exactly as many buckets as
-announced, each of the size its header declares, even when one is bad (it then lands over
-the refused update's own bytes), so the group stays in lockstep and the caller gets one
-``UpdateRejected`` at the end; or it stops at an ``Abort`` frame, which the sender sends in
-place of a header and follows with nothing (the update was refused elsewhere, or its source
-failed mid-stream). Each bucket's checksum and MAC come in its header, checked against the
-bytes that landed.
 
 Layer-granular updates (``UpdateListener._on_layer_announce``): one announce per layer group,
 each group committed by the engine as soon as it is staged and verified on every rank.
@@ -54,114 +46,46 @@ Ordering invariants of the layer path:
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from inflight.auth import bucket_mac
-from inflight.memory import BucketWindows
+from inflight.engine.commit.base import CommitFailed, CommitTarget
 from inflight.protocol import (
     Abort,
     Accepted,
     AuthError,
-    BucketHeader,
-    BucketSpec,
     Commit,
     Committed,
     Left,
     ProtocolError,
-    Rejected,
     RejectCode,
+    Rejected,
     ShardPlan,
     Shutdown,
     Staged,
     UpdateAnnounce,
 )
 from inflight.staging import StagedVersion, StagingPool
+from inflight.transport.bucket import BucketReceiver, completed_by_bucket, tensor_views
 from inflight.transport.delta import DeltaDecoder, base_mismatch, result_announce
-from inflight.transport.errors import TransportError, UpdateRejected, member
+from inflight.transport.errors import TransportError, UpdateRejected
 from inflight.transport.group import Phase, WeightGroup, WorkerControl
-from inflight.transport.layout import FRAME_BYTES, TensorSchema, checksum, completed_by_bucket, mac_context, tensor_views, unframe
+from inflight.transport.schema import TensorSchema
 
-__all__ = ["BucketReceiver", "CommitFailed", "CommitInfo", "CommitTarget", "ListenerStats", "Streamed", "UpdateListener",
+__all__ = ["BucketReceiver", "CommitFailed", "CommitInfo", "CommitTarget", "ListenerStats", "StreamPreparer", "UpdateListener",
            "nonfinite"]
 
 log = logging.getLogger("inflight.listener")
 
 
-@dataclass(frozen=True)
-class CommitInfo:
-    step: int
-    commit_ms: float
-    tokens_at_commit: dict[str, int] = field(default_factory=dict)
-    label: str = ""
-    """The engine's version label after the commit (a hybrid after a layer group's)."""
-
-
-class CommitFailed(RuntimeError):
-    """The commit did not take; the target already restored the previous weights."""
-
-
-class CommitTarget(Protocol):
-    """What the listener commits into: an engine worker, or a plain dict in tests."""
-
-    @property
-    def live_version(self) -> int: ...
-
-    def steps(self) -> int:
-        """Engine steps run so far (monotone), to measure decoding during a transfer."""
-        ...
-
-    def prepare(self, version: int, weights: dict[str, torch.Tensor]) -> None:
-        """Do everything the commit can do ahead of time (off the critical path); live weights
-        stay untouched. Raising refuses the update."""
-        ...
-
-    def prepare_part(self, version: int, weights: dict[str, torch.Tensor]) -> None:
-        """Called during the receive with each bucket's newly complete tensors (verified and
-        finite, each once), so the target can do their share of ``prepare`` while later
-        buckets are on the wire; ``prepare`` follows with every tensor. Raising refuses the
-        update, like ``prepare``."""
-        ...
-
-    def discard(self) -> None:
-        """Drop what ``prepare`` built (the update was aborted or superseded)."""
-        ...
-
-    def commit(self, version: int, staged: StagedVersion, pool: StagingPool) -> CommitInfo:
-        """Make ``staged.views`` live at a step boundary; on failure restore the previous
-        weights and raise ``CommitFailed``. ``staged`` is the target's from the call on: it
-        gives its buffer back to ``pool`` once nothing needs it."""
-        ...
-
-    def leave(self) -> None:
-        """Called on the trainer's ``Shutdown`` before the worker answers it: release whatever
-        else of the worker's holds the trainer's store (the engine's coordinator)."""
-        ...
-
-    def begin_commit(self, version: int, staged: StagedVersion, pool: StagingPool, part: int = 0,
-                     parts: int = 0) -> Any:
-        """Layer-granular updates: hand group ``part`` over for the engine to commit at its next
-        step boundary without waiting (``UpdateListener._on_layer_announce``); returns a handle."""
-        ...
-
-    def finish_commit(self, pending: Any) -> CommitInfo:
-        """The outcome of a ``begin_commit``; ``CommitFailed`` if it did not go live."""
-        ...
-
-    def refuse_commit(self, version: int, part: int, parts: int, reason: str) -> None:
-        """Layer-granular: this rank refused group ``part`` that the other ranks may hand over."""
-        ...
-
-
-class Streamed:
+class StreamPreparer:
     """One update's checks and preparation, bucket by bucket as the receive verifies them.
 
     Each tensor is handled once, when the bucket holding its last byte has passed its
@@ -245,180 +169,6 @@ def nonfinite(named: Mapping[str, torch.Tensor]) -> str | None:
     return next((name for name, t in floats if not bool(torch.isfinite(t).all())), None)
 
 
-class BucketReceiver:
-    """A worker: receives announced buckets into caller-provided flat storage."""
-
-    def __init__(self, group: WeightGroup, windows: BucketWindows | None = None) -> None:
-        self.group = group
-        # two header frames: the next bucket's header is posted while this bucket's bytes arrive
-        self._frames = [torch.zeros(FRAME_BYTES, dtype=torch.uint8, device=group.device) for _ in range(2)]
-        # reserved at the worker's start (``inflight.memory``), or allocated on need (tests, peers)
-        self.windows = windows
-        # host staging on a device data plane: buckets land here (NCCL writes device memory
-        # only), are verified, then copied to the host destination; two, like the frames
-        self._landing: list[torch.Tensor] = [] if windows is None else windows.landing
-
-    def fits(self, announce: UpdateAnnounce) -> str | None:
-        """Why this receiver cannot land ``announce``'s buckets in what it reserved, or None."""
-        w = self.windows
-        if w is None or announce.bucket_bytes <= w.bucket_bytes:
-            return None
-        return (f"v{announce.version} comes in buckets of {announce.bucket_bytes} B, larger than the {w.bucket_bytes} B "
-                "this worker reserved (InflightConfig.max_bucket_mb; the trainer's bucket_mb must not exceed it)")
-
-    def _landing_for(self, index: int, nbytes: int, bucket_bytes: int) -> torch.Tensor:
-        if not self._landing or self._landing[0].numel() < bucket_bytes:  # sized once per bucket size
-            self._landing = [torch.empty(bucket_bytes, dtype=torch.uint8, device=self.group.device) for _ in range(2)]
-        return self._landing[index % 2][:nbytes]
-
-    def _refused_window(self, dest: torch.Tensor, nbytes: int, announce: UpdateAnnounce) -> torch.Tensor:
-        """Where a bucket of a refused update lands so the group stays in step: the update's
-        own staging buffer (nothing reads it again: feeding stopped at the first error), so
-        no scratch memory is ever needed. A bucket larger than the whole buffer means the
-        sender is not speaking this protocol."""
-        if nbytes > dest.numel():
-            raise TransportError(f"{member(self.group.rank)}: a bucket of v{announce.version} declares {nbytes} B, more "
-                                 f"than the whole update ({announce.total_bytes} B); the data plane is out of step")
-        return dest[:nbytes]
-
-    def receive(
-        self,
-        announce: UpdateAnnounce,
-        dest: torch.Tensor,
-        *,
-        on_bucket: Callable[[int], None] | None = None,
-        on_verified: Callable[[int], None] | None = None,
-        timeout_s: float | None = None,
-    ) -> None:
-        """Fill ``dest[:total_bytes]`` with the update; raise ``UpdateRejected`` if any bucket is bad.
-
-        ``on_bucket(i)`` runs when bucket i has landed; ``on_verified(i)`` once buckets 0..i
-        all passed their checksums (in order, never after a bad one), while bucket i + 1 is
-        already on the wire: work done there overlaps the transfer. Neither may raise.
-
-        ``dest`` lives on the data plane's device, or in host memory while the data plane is
-        on CUDA (host staging): each bucket then lands on the device and is copied to the
-        host once its checksum matched. Transport failures (timeouts, a dead peer) raise ``TransportError`` instead: the
-        group is then out of step and must be rebuilt.
-        """
-        if dest.dtype != torch.uint8 or dest.dim() != 1 or dest.numel() < announce.total_bytes:
-            raise ValueError(f"dest must be a 1-D uint8 tensor of >= {announce.total_bytes} bytes")
-        to_host = dest.device.type == "cpu" and self.group.device.type == "cuda"
-        if dest.device != self.group.device and not to_host:
-            raise ValueError(f"dest on {dest.device}, group data plane on {self.group.device}")
-        v = announce.version
-        first_error: UpdateRejected | None = None
-        landed: tuple[BucketSpec, BucketHeader, torch.Tensor] | None = None  # received, not yet verified
-        n = len(announce.buckets)
-        next_header = self.group.start_frame(self._frames[0], what=f"header of bucket 0 of v{v}")
-        for spec in announce.buckets:
-            self.group.wait(next_header, timeout_s)
-            header, error = self._header(spec, announce)
-            nbytes = spec.nbytes if header is None else header.nbytes
-            first_error = first_error or error
-            good = first_error is None
-            if to_host:
-                window = self._landing_for(spec.index, nbytes, announce.bucket_bytes)
-            elif good:
-                window = dest[spec.offset: spec.offset + nbytes]
-            else:  # the update is refused: its bytes are garbage from here on, and land over its own
-                window = self._refused_window(dest, nbytes, announce)
-            pending = self.group.start_frame(window, what=f"bucket {spec.index}/{n} of v{v}")
-            if spec.index + 1 < n:
-                next_header = self.group.start_frame(
-                    self._frames[(spec.index + 1) % 2], what=f"header of bucket {spec.index + 1} of v{v}"
-                )
-            if landed is not None:  # verify the previous bucket while this one is on the wire
-                first_error = first_error or self._settle(landed, announce, dest if to_host else None, on_verified)
-            self.group.wait(pending, timeout_s)
-            landed = (spec, header, window) if good and header is not None else None
-            if on_bucket is not None:
-                on_bucket(spec.index)
-        if landed is not None:
-            first_error = first_error or self._settle(landed, announce, dest if to_host else None, on_verified)
-        if first_error is not None:
-            raise first_error
-
-    def _header(self, spec: BucketSpec, announce: UpdateAnnounce) -> tuple[BucketHeader | None, UpdateRejected | None]:
-        """Bucket ``spec``'s header as it landed, None where unreadable, and the refusal it earns.
-        An ``Abort`` in its place raises ``UpdateRejected``; a declared size above
-        ``bucket_bytes`` raises ``TransportError``: the sender is not speaking this protocol,
-        there is no safe place to land the bucket, and the group must be rebuilt."""
-        v = announce.version
-        header: BucketHeader | None = None
-        try:
-            frame = unframe(self._frames[spec.index % 2])
-        except ProtocolError as e:
-            error: UpdateRejected | None = UpdateRejected("bad_message", f"bucket {spec.index}: {e}")
-        else:
-            if isinstance(frame, Abort):  # called off: refused elsewhere, or its source failed mid-stream
-                raise UpdateRejected("aborted", f"v{v} aborted by the trainer before bucket {spec.index}: {frame.reason}")
-            header = frame
-            error = self._check_header(header, spec, v)
-        nbytes = spec.nbytes if header is None else header.nbytes
-        if nbytes > announce.bucket_bytes:
-            raise TransportError(f"{member(self.group.rank)}: bucket {spec.index} of v{v} declares {nbytes} B > "
-                                 f"bucket_bytes {announce.bucket_bytes}; the data plane is out of step")
-        return header, error
-
-    def _settle(self, landed: tuple[BucketSpec, BucketHeader, torch.Tensor], announce: UpdateAnnounce,
-                host: torch.Tensor | None, on_verified: Callable[[int], None] | None) -> UpdateRejected | None:
-        """Verify the bucket that landed last; with host staging, copy it to the host once it
-        verified (synchronously: its landing slot is reused two buckets later); then
-        ``on_verified``. Returns its refusal, or None."""
-        spec, header, window = landed
-        error = self._verify(header, window, announce) or self._authenticate(header, window, announce.version)
-        if error is None and host is not None:
-            host[spec.offset: spec.offset + spec.nbytes].copy_(window)
-        if error is None and on_verified is not None:
-            on_verified(spec.index)
-        return error
-
-    @staticmethod
-    def _verify(header: BucketHeader, window: torch.Tensor, announce: UpdateAnnounce) -> UpdateRejected | None:
-        if checksum(window, announce.checksum_algo) == header.checksum:
-            return None
-        return UpdateRejected("checksum", f"bucket {header.index} of v{announce.version}: {announce.checksum_algo} mismatch")
-
-    def _authenticate(self, header: BucketHeader, window: torch.Tensor, version: int) -> UpdateRejected | None:
-        """With a secret, the bucket's bytes must carry the trainer's MAC (a valid checksum is not
-        proof: anyone who reaches the data plane can match a linear one)."""
-        secret = self.group.secret
-        if secret is None:
-            return None
-        if window.device.type != "cpu" and self.windows is not None and self.windows.mac_host is not None:
-            window = self.windows.mac_host[:window.numel()].copy_(window)  # the reserved host copy, not a new one
-        rank = self.group.rank if self.group.point_to_point else None
-        if hmac.compare_digest(header.mac, bucket_mac(secret, mac_context(self.group, version, header.index, rank), window)):
-            return None
-        return UpdateRejected("unauthenticated", f"bucket {header.index} of v{version}: its bytes do not carry the "
-                                                 "trainer's MAC (forged or altered in transit; INFLIGHT_SECRET)")
-
-    def receive_abort(self, version: int, timeout_s: float | None = None) -> None:
-        """Join the single abort frame that follows an announce this worker refused."""
-        self.group.wait(self.group.start_frame(self._frames[0], what=f"abort frame of v{version}"), timeout_s)
-        try:
-            frame = unframe(self._frames[0])
-        except ProtocolError as e:
-            raise TransportError(f"{member(self.group.rank)}: expected the abort frame of v{version}: {e}") from None
-        if not isinstance(frame, Abort):
-            raise TransportError(f"{member(self.group.rank)}: refused v{version} but the trainer sent buckets anyway")
-
-    @staticmethod
-    def _check_header(header: BucketHeader, spec: BucketSpec, version: int) -> UpdateRejected | None:
-        if header.version != version:
-            return UpdateRejected("bucket_order", f"bucket header says v{header.version}, update is v{version}")
-        if header.index != spec.index:
-            return UpdateRejected(
-                "bucket_order", f"expected bucket {spec.index} of v{version}, got bucket {header.index} (duplicate or out of order)"
-            )
-        if header.nbytes < spec.nbytes:
-            return UpdateRejected("short_bucket", f"bucket {spec.index} of v{version}: {header.nbytes} B, announced {spec.nbytes} B")
-        if header.offset != spec.offset or header.nbytes != spec.nbytes:
-            return UpdateRejected("bad_layout", f"bucket {spec.index} of v{version}: header does not match the announce")
-        return None
-
-
 @dataclass
 class ListenerStats:
     """Counters of one worker, kept across the group generations it serves."""
@@ -441,7 +191,7 @@ class ListenerStats:
 
 
 @dataclass
-class _Handed:
+class _Handoff:
     """A group handed to the engine whose outcome this rank has not read yet."""
 
     seq: int
@@ -476,7 +226,7 @@ class UpdateListener:
         self._layer_version = -1
         self._next_part = 0
         self._layer_failed = ""
-        self._handed: deque[_Handed] = deque()
+        self._handed: deque[_Handoff] = deque()
         """Groups handed to the engine whose outcome this rank has not read yet."""
         self.stats = stats if stats is not None else ListenerStats()
         self.trainer_left = False
@@ -575,7 +325,7 @@ class UpdateListener:
         and raises (half received: the bytes are unused)."""
         first_step: list[int] = []
         decoder = None if rebuild is None else DeltaDecoder(a, flat, rebuild[0], rebuild[1])
-        stream = Streamed(self.target, a, flat, self.check_finite, decoder)
+        stream = StreamPreparer(self.target, a, flat, self.check_finite, decoder)
         error: UpdateRejected | None
         try:
             self.receiver.receive(a, flat, on_bucket=lambda i: first_step.append(self.target.steps()) if i == 0 else None,
@@ -670,7 +420,7 @@ class UpdateListener:
             self._refuse_layer(seq, a, UpdateRejected("incomplete", f"group {a.part - 1} of v{a.version} did not commit"))
             return
         pending = self.target.begin_commit(a.version, staged, self.pool, a.part, a.parts)
-        self._handed.append(_Handed(seq, a, pending, staged.first_bucket_step))
+        self._handed.append(_Handoff(seq, a, pending, staged.first_bucket_step))
         self._next_part = a.part + 1
         if self._next_part == a.parts:
             self._settle_layers(keep=0)  # the last group: the update ends with every outcome relayed

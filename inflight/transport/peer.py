@@ -15,8 +15,9 @@ import torch
 from inflight.staging import StagedVersion, StagingPool
 from inflight.transport.group import WeightGroup
 from inflight.transport.group_config import GroupConfig
-from inflight.transport.layout import TensorSchema
-from inflight.transport.listener import CommitInfo, UpdateListener
+from inflight.transport.schema import TensorSchema
+from inflight.protocol import CommitInfo
+from inflight.transport.listener import UpdateListener
 
 
 class DictTarget:

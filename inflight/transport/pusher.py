@@ -1,7 +1,7 @@
 """Trainer side of a weight update: ``WeightPusher.push(version, named_tensors)``, the whole
-model at once or one layer group at a time; the ``BucketSender`` that streams its buckets; the
-``ReadFence`` between a push's reads and the optimizer's writes; and what a push laid out
-(``LaidOut``) and came to (``PushResult``, ``PushRejected``, ``LayerPushIncomplete``).
+model at once or one layer group at a time, whose buckets ``inflight.transport.bucket``
+streams; the ``ReadFence`` between a push's reads and the optimizer's writes; and what a push
+laid out (``UpdateLayout``) and came to (``PushResult``, ``PushRejected``, ``LayerPushIncomplete``).
 
 Ordering invariants (rank 0 is the only writer, so it alone decides the sequence):
 1. ``announce`` before any bucket; buckets only when *every* worker accepted, otherwise a
@@ -10,20 +10,6 @@ Ordering invariants (rank 0 is the only writer, so it alone decides the sequence
    engines never end up on different versions because one of them saw a bad bucket;
 3. ``push`` returns after every worker replied ``Committed``: from then on every token the
    engines sample is tagged with the new version.
-
-The data plane (``BucketSender``): ``lay_out`` / ``lay_out_each`` give the announces without reading
-a byte; ``send_each`` then packs each bucket from a ``Source`` of the caller's tensors as it
-goes out (``inflight.transport.layout``). The sender keeps no update between the two: the
-caller hands the announces and their source to ``send_each``.
-- buckets go round-robin over the destinations (bucket 0 of each, then bucket 1, ...), at
-  most two in flight per destination: bucket i is packed into the buffer bucket i - 2 used,
-  after that send completed, so the trainer holds two buckets per destination;
-- every read of the caller's tensors happens before ``on_read_done`` runs (it runs once the
-  last bucket is packed, before the last sends complete): from then on the caller may write
-  its parameters (``optimizer.step``) while the update is still on the wire;
-- a source that fails mid-stream sends every destination with buckets left an ``Abort`` frame
-  in place of its next header, and nothing after it: the receivers stop in step, and the
-  pusher can go on with the group.
 
 A layer-granular update (engines with ``commit_unit="layer"``, ``WeightPusher._push_layers``)
 of version v goes out as one announce per layer group, in the commit order both sides derive
@@ -61,7 +47,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -70,13 +56,10 @@ import msgspec
 import torch
 from torch.distributed import TCPStore
 
-from inflight.auth import bucket_mac
 from inflight.layer_groups import layer_groups
 from inflight.protocol import (
     Abort,
     Accepted,
-    BucketHeader,
-    ChecksumAlgo,
     Commit,
     Committed,
     Left,
@@ -88,218 +71,35 @@ from inflight.protocol import (
     Staged,
     UpdateAnnounce,
 )
-from inflight.settings import ChecksumChoice, PushDtype, PushEncoding, SparseCodecChoice, check_choices
-from inflight.shard_plan import check_digest, inside
+from inflight.settings import (
+    ChecksumChoice,
+    PushDtype,
+    PushEncoding,
+    SparseCodecChoice,
+    check_choices,
+)
+from inflight.shard_plan import check_digest
+from inflight.transport.bucket import (
+    BucketSender,
+    SendStats,
+    aligned_bucket_bytes,
+    dtype_name,
+    first_use_order,
+    wire_dtypes,
+)
 from inflight.transport.delta import DeltaEncoder, Encoded
 from inflight.transport.errors import TransportError, member
 from inflight.transport.group import TrainerControl, WeightGroup
 from inflight.transport.group_config import GroupConfig
-from inflight.transport.layout import (ALIGN, MappingSource, Source, WindowFiller, aligned_bucket_bytes, bucket_specs, checksum,
-                                       dtype_name, first_use_order, frame, mac_context, plan_tensors)
 from inflight.transport.sources import ShardedSource, SourceError, Weights, weights_of
 from inflight.transport.store import wait_key
-
-
-@dataclass(frozen=True)
-class SendStats:
-    version: int
-    nbytes: int
-    """The update's bytes: once for a broadcast, each worker's own summed for point-to-point."""
-    buckets: int
-    pack_s: float
-    """Time spent filling, checksumming and sealing buckets (inside ``send_s``)."""
-    send_s: float
-    read_s: float = 0.0
-    """From the first bucket until the last one was packed: how long the caller's tensors were read."""
-    delivered_bytes: int = 0
-    """The bytes the workers received: a broadcast's once per member (a tensor parallel
-    engine without shard plans gets the whole update on each of its T workers)."""
-    dense_bytes: int = 0
-    """What the update laid out dense would be: ``nbytes`` unless it went sparse."""
-    changed_frac: float | None = None
-    """A sparse update: the fraction of elements that changed against its base (None: dense)."""
-    encode_s: float = 0.0
-    """A sparse update: the trainer's time to encode it against its base."""
-
-    def __add__(self, other: SendStats) -> SendStats:
-        return SendStats(version=self.version, nbytes=self.nbytes + other.nbytes, buckets=self.buckets + other.buckets,
-                         pack_s=self.pack_s + other.pack_s, send_s=self.send_s + other.send_s,
-                         read_s=self.read_s + other.read_s, delivered_bytes=self.delivered_bytes + other.delivered_bytes,
-                         dense_bytes=self.dense_bytes + other.dense_bytes)
-
-
-# A fault-injection seam for tests and drills: may replace a bucket's header and bytes. It is a
-# sender's private hook (``BucketSender._tamper``, set by ``tests/helpers.py``'s ``tampering``),
-# never an argument of a push.
-Tamper = Callable[[BucketHeader, torch.Tensor], tuple[BucketHeader, torch.Tensor]]
 
 log = logging.getLogger("inflight.pusher")
 
 
 
-def _wire_dtypes(named: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
-                 dtypes: Mapping[str, str] | None) -> dict[str, str]:
-    """Each tensor's wire dtype: ``dtypes``' for the names it holds, else ``dtype`` (None: the tensor's own)."""
-    return {name: (dtypes or {}).get(name) or dtype_name(dtype or t.dtype) for name, t in named.items()}
-
-class BucketSender:
-    """Rank 0: two bucket buffers per destination, reused across versions."""
-
-    def __init__(self, group: WeightGroup, *, bucket_bytes: int, checksum_algo: ChecksumAlgo) -> None:
-        if group.rank != 0:
-            raise ValueError("only rank 0 sends weights")
-        if bucket_bytes <= 0 or bucket_bytes % ALIGN:
-            raise ValueError(f"bucket_bytes={bucket_bytes} must be a positive multiple of {ALIGN} "
-                             "(bucket boundaries fall between elements)")
-        self.group = group
-        self.bucket_bytes = bucket_bytes
-        self.checksum_algo = checksum_algo
-        self._buffers: dict[int | None, list[torch.Tensor]] = {}
-        self._tamper: Tamper | None = None  # the fault-injection seam: runs on each bucket before it is sent
-
-    def lay_out(self, version: int, named: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
-             dtypes: Mapping[str, str] | None = None) -> UpdateAnnounce:
-        """Lay ``named`` out (cast to ``dtype`` if given; ``dtypes``: the wire dtype of the
-        tensors the engine keeps in a dtype of their own, ``Joined.wire_dtypes``) and describe
-        it from names, shapes and dtypes alone; nothing is read until ``send``."""
-        wire = _wire_dtypes(named, dtype, dtypes)
-        tensors, total = plan_tensors((name, tuple(t.shape), wire[name]) for name, t in named.items())
-        return UpdateAnnounce(version=version, total_bytes=total, bucket_bytes=self.bucket_bytes,
-                              checksum_algo=self.checksum_algo, tensors=tensors, buckets=bucket_specs(total, self.bucket_bytes))
-
-    def lay_out_each(self, version: int, named: Mapping[str, torch.Tensor], plans: Mapping[int, ShardPlan | None],
-                  dtype: torch.dtype | None = None, dtypes: Mapping[str, str] | None = None) -> dict[int, UpdateAnnounce]:
-        """For each worker, lay out the boxes of ``named`` its shard plan asks for (in the
-        update's tensor order), or the whole of ``named`` for a worker without a plan (``lay_out``):
-        one announce per worker, nothing read until ``send_each``."""
-        wire = _wire_dtypes(named, dtype, dtypes)
-        out = {}
-        for rank, plan in plans.items():
-            if plan is None:
-                out[rank] = self.lay_out(version, named, dtype, dtypes)
-                continue
-            boxes = {s.name: (s.start, s.length) for s in plan.shards}
-            # a tensor the plan has no box for that fits goes whole (start ()): the worker refuses
-            # the update naming it, as it would a broadcast one
-            fit = {n: b for n, b in boxes.items() if n in named and inside(*b, named[n].shape)}
-            tensors, total = plan_tensors(((n, fit[n][1] if n in fit else tuple(t.shape), wire[n]) for n, t in named.items()),
-                                          starts={n: fit[n][0] if n in fit else () for n in named})
-            out[rank] = UpdateAnnounce(version=version, total_bytes=total, bucket_bytes=self.bucket_bytes,
-                                       checksum_algo=self.checksum_algo, tensors=tensors,
-                                       buckets=bucket_specs(total, self.bucket_bytes), plan_digest=plan.digest)
-        return out
-
-    def send(self, announce: UpdateAnnounce, source: Source | Mapping[str, torch.Tensor]) -> SendStats:
-        """Broadcast every bucket of ``announce`` (``lay_out``) read from ``source``; returns when all
-        broadcasts completed."""
-        return self.send_each({None: announce}, source)
-
-    def send_each(self, announces: Mapping[int | None, UpdateAnnounce], source: Source | Mapping[str, torch.Tensor], *,
-                  on_read_done: Callable[[], None] | None = None) -> SendStats:
-        """Pack, from ``source`` (a ``Source``, or the tensors by name), and send every bucket of
-        ``{None: announce}`` (``lay_out``: broadcast) or ``{rank: announce}`` (``lay_out_each``: each
-        worker its own), round-robin, at most two buckets in flight per destination. Raises
-        ``SourceError`` (after aborting the stream) if reading the tensors fails."""
-        t0 = time.perf_counter()
-        if isinstance(source, Mapping):
-            source = MappingSource(source)
-        fillers = {r: WindowFiller(a.tensors, source) for r, a in announces.items()}
-        in_flight: dict[int | None, list[list[tuple]]] = {r: [] for r in announces}
-        sent = dict.fromkeys(announces, 0)
-        pack_s, read_s = 0.0, 0.0
-        try:
-            for i in range(max((len(a.buckets) for a in announces.values()), default=0)):
-                for rank, announce in announces.items():
-                    if i >= len(announce.buckets):
-                        continue
-                    while len(in_flight[rank]) >= 2:  # bucket i reuses bucket i - 2's buffer
-                        for p in in_flight[rank].pop(0):
-                            self.group.wait(p)
-                    tp = time.perf_counter()
-                    header, data = self._pack_bucket(rank, announce, i, fillers[rank])
-                    pack_s += time.perf_counter() - tp
-                    if self._tamper is not None:
-                        header, data = self._tamper(header, data)
-                    in_flight[rank].append(self._post_bucket(rank, header, data, len(announce.buckets)))
-                    sent[rank] = i + 1
-            read_s = time.perf_counter() - t0
-        except _SourceFailed as e:
-            self._abort_rest(announces, sent, in_flight, str(e.__cause__))
-            raise SourceError(f"v{e.version}: {e}") from e.__cause__
-        finally:
-            for filler in fillers.values():
-                filler.close()
-            if on_read_done is not None:
-                on_read_done()
-        for pending in in_flight.values():
-            for pair in pending:
-                for p in pair:
-                    self.group.wait(p)
-        first = next(iter(announces.values()))
-        delivered = sum(a.total_bytes * (len(self.group.roster) if r is None else 1) for r, a in announces.items())
-        return SendStats(first.version, sum(a.total_bytes for a in announces.values()),
-                         sum(len(a.buckets) for a in announces.values()), pack_s, time.perf_counter() - t0, read_s,
-                         delivered)
-
-    def _pack_bucket(self, rank: int | None, announce: UpdateAnnounce, i: int,
-                     filler: WindowFiller) -> tuple[BucketHeader, torch.Tensor]:
-        b = announce.buckets[i]
-        buffers = self._buffers.get(rank)
-        if buffers is None or buffers[0].numel() < self.bucket_bytes:
-            buffers = self._buffers[rank] = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.group.device)
-                                             for _ in range(2)]
-        data = buffers[i % 2][:b.nbytes]
-        try:
-            filler.fill(data, b.offset, last=i == len(announce.buckets) - 1)
-        except Exception as e:
-            to = "" if rank is None else f" for rank {rank}"
-            raise _SourceFailed(announce.version, f"reading the tensors of bucket {i}{to} failed: {e}") from e
-        mac = b""
-        if self.group.secret is not None:
-            mac = bucket_mac(self.group.secret, mac_context(self.group, announce.version, i, rank), data)
-        return BucketHeader(version=announce.version, index=i, offset=b.offset, nbytes=b.nbytes,
-                            checksum=checksum(data, self.checksum_algo), mac=mac), data
-
-    def _post_bucket(self, rank: int | None, header: BucketHeader, data: torch.Tensor, n: int) -> list[tuple]:
-        to, v = ("" if rank is None else f" to rank {rank}"), header.version
-        return [self._post(frame(header, self.group.device), rank, f"header of bucket {header.index} of v{v}{to}"),
-                self._post(data, rank, f"bucket {header.index}/{n} of v{v}{to} ({data.numel()} B)")]
-
-    def _abort_rest(self, announces: Mapping[int | None, UpdateAnnounce], sent: Mapping[int | None, int],
-                    in_flight: Mapping[int | None, list[list[tuple]]], reason: str) -> None:
-        """End the stream of every destination that still expects buckets with an ``Abort`` frame."""
-        for rank, announce in announces.items():
-            if sent[rank] < len(announce.buckets):
-                version = announce.version
-                in_flight[rank].append([self._post(frame(Abort(version=version, reason=reason[:120]), self.group.device),
-                                                   rank, f"abort frame of v{version}")])
-        for pending in in_flight.values():
-            for pair in pending:
-                for p in pair:
-                    self.group.wait(p)
-
-    def _post(self, tensor: torch.Tensor, rank: int | None, what: str) -> tuple:
-        if rank is None:
-            return self.group.start_broadcast(tensor, what=what)
-        return self.group.start_send(tensor, rank, what=what)
-
-    def send_abort(self, version: int, reason: str) -> None:
-        """The single ``Abort`` frame that replaces the buckets of a refused update: broadcast,
-        or sent to each worker in a point-to-point generation."""
-        data = frame(Abort(version=version, reason=reason[:120]), self.group.device)
-        ranks = list(self.group.roster) if self.group.point_to_point else [None]
-        for pending in [self._post(data, r, f"abort frame of v{version}") for r in ranks]:
-            self.group.wait(pending)
-
-
-class _SourceFailed(Exception):
-    def __init__(self, version: int, message: str) -> None:
-        super().__init__(message)
-        self.version = version
-
-
 @dataclass(frozen=True)
-class LaidOut:
+class UpdateLayout:
     """An update laid out: ``{None: announce}`` (broadcast) or ``{rank: announce}`` (each worker
     its own), and what its buckets are read from: the caller's tensors by name, or a sharded
     source that gathers them."""
@@ -566,7 +366,7 @@ class WeightPusher:
         self._atexit = lambda: (p := ref()) is not None and p.close("trainer process exiting")
         atexit.register(self._atexit)
 
-    def _lay_out(self, version: int, weights: Weights) -> LaidOut:
+    def _lay_out(self, version: int, weights: Weights) -> UpdateLayout:
         """Lay the update out: one announce for every worker (broadcast), or, in a generation
         whose members all sent shard plans, one per worker with its boxes only
         (``inflight.shard_plan``). Reads no tensor: buckets are packed as they are sent."""
@@ -591,8 +391,8 @@ class WeightPusher:
                 raise ValueError("a ShardedSource gathers in one push's order: push it to whole-model engines "
                                  "(commit_unit='model'), or push plain tensors to layer-granular ones")
             groups = tuple(split(named, lambda subset: self._announces(version, subset, kept)))
-            return LaidOut(groups[0], source, groups)
-        return LaidOut(self._announces(version, named, kept), source)
+            return UpdateLayout(groups[0], source, groups)
+        return UpdateLayout(self._announces(version, named, kept), source)
 
     def _kept(self) -> dict[str, str]:
         """The tensors the engines keep in a wire dtype of their own (fp32 of a bf16 engine)."""
@@ -608,12 +408,12 @@ class WeightPusher:
         return dict(self.sender.lay_out_each(version, subset, plans, self._dtype, kept))
 
     def _lay_out_sparse(self, version: int, named: Mapping[str, torch.Tensor], kept: Mapping[str, str],
-                        plans: Mapping[int, ShardPlan | None]) -> LaidOut | None:
+                        plans: Mapping[int, ShardPlan | None]) -> UpdateLayout | None:
         """``encoding="sparse"``: record the version's wire bytes (the last read of the caller's
         tensors), then encode them against the version every member serves, where each keeps
         its bytes and takes whole tensors; None: send the recorded bytes dense."""
         assert self.deltas is not None
-        wire = _wire_dtypes(named, self._dtype, kept)
+        wire = wire_dtypes(named, self._dtype, kept)
         dense = self.deltas.record(version, named, wire)
         live = set(self.engine_versions.values())
         if len(live) != 1 or not all(h.keeps_base for h in self.group.hellos.values()):
@@ -628,9 +428,9 @@ class WeightPusher:
             return None
         announce = msgspec.structs.replace(self.sender.lay_out(version, encoded.wire), delta=encoded.delta)
         if not self.group.point_to_point:
-            return LaidOut({None: announce}, encoded.wire, encoded=encoded, dense=dense)
+            return UpdateLayout({None: announce}, encoded.wire, encoded=encoded, dense=dense)
         each = {r: announce if plan is None else following(announce, plan) for r, plan in plans.items()}
-        return LaidOut(each, encoded.wire, encoded=encoded, dense=dense)  # type: ignore[arg-type]
+        return UpdateLayout(each, encoded.wire, encoded=encoded, dense=dense)  # type: ignore[arg-type]
 
     def send(self, version: int, weights: Weights) -> tuple[SendStats, dict[int, Staged]]:
         """Phase 1: announce, stream the buckets, and collect ``Staged`` from every worker."""
@@ -641,7 +441,7 @@ class WeightPusher:
         with self._reads.reading():
             return self._send_laid_out(laid)
 
-    def _send_laid_out(self, laid: LaidOut) -> tuple[SendStats, dict[int, Staged]]:
+    def _send_laid_out(self, laid: UpdateLayout) -> tuple[SendStats, dict[int, Staged]]:
         """Send ``laid``; a sparse update a worker refuses for want of its base goes again dense."""
         try:
             return self._send_once(laid)
@@ -650,9 +450,9 @@ class WeightPusher:
                 raise
             log.info("v%d: %s; sending it dense", laid.version, e)
             dense = laid.dense
-            return self._send_once(LaidOut(self._announces(laid.version, dense, self._kept()), dense, dense=dense))
+            return self._send_once(UpdateLayout(self._announces(laid.version, dense, self._kept()), dense, dense=dense))
 
-    def _send_once(self, laid: LaidOut) -> tuple[SendStats, dict[int, Staged]]:
+    def _send_once(self, laid: UpdateLayout) -> tuple[SendStats, dict[int, Staged]]:
         version = laid.version
         try:
             seq = self.control.post(laid.announces[None]) if None in laid.announces else self.control.post_each(laid.announces)  # type: ignore[arg-type]
@@ -674,7 +474,7 @@ class WeightPusher:
             raise PushRejected(version, "staging", bad)
         return stats, staged  # type: ignore[return-value]
 
-    def _stream(self, laid: LaidOut) -> SendStats:
+    def _stream(self, laid: UpdateLayout) -> SendStats:
         """The buckets of an accepted update; a source that fails mid-stream drops it everywhere."""
         version, announces = laid.version, laid.announces
         try:
@@ -714,11 +514,11 @@ class WeightPusher:
         """Every worker of this generation commits one layer group at a time (``commit_unit="layer"``)."""
         return bool(self.group.hellos) and all(h.commit_unit == "layer" for h in self.group.hellos.values())
 
-    def _push_laid_out(self, laid: LaidOut) -> PushResult:
+    def _push_laid_out(self, laid: UpdateLayout) -> PushResult:
         with self._reads.reading():  # on CUDA, on the push's own stream (``ReadFence``)
             return self._push_reading(laid)
 
-    def _push_reading(self, laid: LaidOut) -> PushResult:
+    def _push_reading(self, laid: UpdateLayout) -> PushResult:
         if laid.groups:
             return self._push_layers(laid)
         t0 = time.perf_counter()
@@ -728,7 +528,7 @@ class WeightPusher:
         self._landed = laid.version
         return PushResult(laid.version, stats, staged, commits, t1 - t0, time.perf_counter() - t1)
 
-    def _push_layers(self, laid: LaidOut) -> PushResult:
+    def _push_layers(self, laid: UpdateLayout) -> PushResult:
         """Send every group of ``laid`` (a layer-granular update) and collect each engine rank's
         outcome for each."""
         version, parts = laid.version, len(laid.groups)
@@ -779,7 +579,7 @@ class WeightPusher:
         """
         return self.push_laid_out(self.lay_out(version, weights))
 
-    def lay_out(self, version: int, weights: Weights) -> LaidOut:
+    def lay_out(self, version: int, weights: Weights) -> UpdateLayout:
         """The first half of ``push_async``: wait for the push in flight (one update at a time:
         its bucket buffers are in use), then check and lay out ``version`` (``_lay_out``). Bad
         input raises here, before anything is sent."""
@@ -787,7 +587,7 @@ class WeightPusher:
             self._in_flight.exception()  # wait; its owner reads the outcome
         return self._lay_out(version, weights)
 
-    def push_laid_out(self, laid: LaidOut) -> Future[PushResult]:
+    def push_laid_out(self, laid: UpdateLayout) -> Future[PushResult]:
         """The second half of ``push_async``: send and commit what the last ``lay_out`` laid out."""
         self._reads.begin()
         self._in_flight = self._background.submit(self._push_laid_out, laid)

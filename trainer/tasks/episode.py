@@ -26,7 +26,6 @@ replacement of a worker that hung.
 
 from __future__ import annotations
 
-import math
 from abc import abstractmethod
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
