@@ -73,8 +73,8 @@ def smollm2_system(min_tokens: int) -> dict[str, Any]:
 
     from transformers import AutoTokenizer
 
-    from inflight.trainer.models import resolve_model
     from inflight.trainer.envs.arithmetic import Arithmetic
+    from inflight.trainer.models import resolve_model
     from inflight.trainer.tasks.task import encode_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("smollm2")))

@@ -1,5 +1,5 @@
 """The GRPO bench's arithmetic (``inflight.bench.grpo``), pure and tested apart
-(``tests/test_bench_grpo.py``): where its groups start and what they hold, the cadence
+(``tests/unit/test_bench_grpo.py``): where its groups start and what they hold, the cadence
 in-flight achieves, the figures of every row against the ``none`` it is compared with, the
 README's targets, and the report.
 
@@ -44,7 +44,7 @@ COLS = ["P", "T", "engine", "mode", "cadence", "updates", "steps_per_update", "t
         "reset_ms", "commit_ms"]
 
 
-# -- the workload and its arithmetic (pure; tests/test_bench_grpo.py) --------------------------
+# -- the workload and its arithmetic (pure; tests/unit/test_bench_grpo.py) --------------------------
 def ramp(groups: int, completion: int) -> list[int]:
     """The step at which each of a chunk's first ``groups`` groups is admitted: spread over one
     completion's length, so groups finish (and the next ones prefill) at staggered steps."""

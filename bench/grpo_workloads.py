@@ -12,7 +12,7 @@
   prefills its history again.
 
 Every mode of a run sees the same prompts, system prompts and tool answers for a seed (the
-sampled tokens differ). Pure: ``tests/test_bench_grpo.py``.
+sampled tokens differ). Pure: ``tests/unit/test_bench_grpo.py``.
 """
 
 from __future__ import annotations

@@ -71,11 +71,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from inflight.bench.inflight_report import COLS, compare, plot  # noqa: E402
 from inflight.bench.inflight_trainer import trainer  # noqa: E402
-from inflight.trainer.native_update import native_update  # noqa: E402
 from inflight.bench.paired import RequestStream  # noqa: E402
-from inflight.bench.run_record import run_record  # noqa: E402
 from inflight.bench.placement import PLACEMENTS, Placement, engine_env, pin_trainer  # noqa: E402
+from inflight.bench.run_record import run_record  # noqa: E402
 from inflight.bench.slow_link import slow_link  # noqa: E402
+from inflight.trainer.native_update import native_update  # noqa: E402
 from inflight.trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus  # noqa: E402
 
 if TYPE_CHECKING:
@@ -97,12 +97,11 @@ class Bench:
     def __init__(self, size: str, work: Path, concurrency: int, seed: int, listener_nice: int,
                  record_routing: bool = False, commit_unit: CommitUnit = "model", placement: Placement = "shared",
                  link: SlowLink | None = None, rl_api: bool = False) -> None:
+        from safetensors.torch import load_file
         from vllm import LLM
 
-        from inflight.engine.engine_config import InflightConfig, engine_kwargs
         from inflight.engine.client import coordinator_of, start_inflight
-        from safetensors.torch import load_file
-
+        from inflight.engine.engine_config import InflightConfig, engine_kwargs
         from inflight.trainer.native_update import register, update_info
 
         self.size, self.concurrency, self.seed, self.unit = size, concurrency, seed, commit_unit

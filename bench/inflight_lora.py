@@ -49,6 +49,7 @@ import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+
 import torch
 
 from inflight.bench.inflight import Bench
@@ -72,10 +73,10 @@ def lora_trainer(conn: Connection, base_dir: str, adapter_dir: str, out_dir: str
     os.nice(19)
     torch.set_num_threads(1)
     from inflight.adapter import ADAPTER_WEIGHTS
+    from inflight.trainer.lora_policy import adapter_weights, load_adapter_weights, load_trainable
     from inflight.transport.group_config import GroupConfig
     from inflight.transport.pusher import PushConfig, WeightPusher
     from inflight.transport.store import reserve_port
-    from inflight.trainer.lora_policy import adapter_weights, load_adapter_weights, load_trainable
 
     model = load_trainable(Path(base_dir), Path(adapter_dir))
     v0 = adapter_weights(model)
@@ -115,9 +116,9 @@ class LoRABench:
         from vllm import LLM
         from vllm.lora.request import LoRARequest
 
+        from inflight.adapter import AdapterSpec
         from inflight.engine.client import coordinator_of, policy_lora, start_inflight
         from inflight.engine.engine_config import InflightConfig, engine_kwargs
-        from inflight.adapter import AdapterSpec
 
         self.concurrency, self.seed, self.version = concurrency, 0, 0
         spec = AdapterSpec(path=str(v0))

@@ -33,8 +33,17 @@ import math
 import sys
 from pathlib import Path
 
-from inflight.bench.scale_fleet import (BUILT, SCENARIOS, VARIANTS, Plan, Scenario, bytes_row, plan, published_rows,
-                                        scenario_paths)
+from inflight.bench.scale_fleet import (
+    BUILT,
+    SCENARIOS,
+    VARIANTS,
+    Plan,
+    Scenario,
+    bytes_row,
+    plan,
+    published_rows,
+    scenario_paths,
+)
 from inflight.bench.scale_layer import layer_rows, layer_table
 from inflight.bench.scale_links import link_rows, links_table, load_links, plot_links
 from inflight.bench.scale_model import Run, simulate

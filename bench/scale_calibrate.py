@@ -92,8 +92,8 @@ def native_pack_s(model_dir: Path) -> float:
     import torch
     from safetensors.torch import load_file
 
-    from inflight.trainer.native_update import update_info
     from inflight.bench.placement import TRAINER_CORE
+    from inflight.trainer.native_update import update_info
     from inflight.transport.bucket import pack_into, plan_tensors
 
     state = load_file(str(model_dir / "model.safetensors"))

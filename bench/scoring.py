@@ -80,8 +80,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from inflight.bench.run_record import add_results_option, append_result, run_record  # noqa: E402
-from inflight.trainer.tasks import Completion, encode_prompt  # noqa: E402
 from inflight.trainer.envs.digits import RepeatDigit  # noqa: E402
+from inflight.trainer.tasks import Completion, encode_prompt  # noqa: E402
 
 GROUP = 8
 MODES = ("instant", "pool", "inline")

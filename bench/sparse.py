@@ -34,13 +34,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import zstandard
 
 from inflight.bench.run_record import add_results_option, append_result, run_record
 from inflight.protocol import BucketSpec, UpdateAnnounce
-from inflight.transport.delta import DeltaDecoder, DeltaEncoder
 from inflight.transport.bucket import dtype_name, plan_tensors, tensor_views
-
-import zstandard
+from inflight.transport.delta import DeltaDecoder, DeltaEncoder
 
 
 def run_summary(run: Path) -> dict:

@@ -19,10 +19,10 @@ import time
 
 import torch
 
+from inflight.transport.bucket import aligned_bucket_bytes
 from inflight.transport.group import WeightGroup
 from inflight.transport.group_config import GroupConfig
 from inflight.transport.listener import UpdateListener
-from inflight.transport.bucket import aligned_bucket_bytes
 from inflight.transport.peer import DictTarget
 from inflight.transport.pusher import PushConfig, WeightPusher
 from inflight.transport.store import reserve_port

@@ -59,7 +59,6 @@ from inflight.engine.engine_config import InflightConfig
 from inflight.engine.prefix_cache import PrefixCacheGuard
 from inflight.engine.prefix_cache import problems as prefix_cache_problems
 from inflight.engine.rpc import EngineState, as_result
-
 from inflight.layer_groups import Hybrid
 from inflight.protocol import (
     ENGINE_CHANNEL,

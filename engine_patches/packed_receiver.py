@@ -26,14 +26,14 @@ from typing import Any
 
 import torch
 
+from inflight.engine.commit.base import CommitFailed, CommitTarget
 from inflight.protocol import ShardPlan
 from inflight.staging import StagedVersion, StagingPool
-from inflight.transport.errors import TransportError
-from inflight.transport.schema import TensorSchema
 from inflight.transport.bucket import plan_tensors, tensor_views
-from inflight.engine.commit.base import CommitFailed, CommitTarget
+from inflight.transport.errors import TransportError
 from inflight.transport.listener import ListenerStats, nonfinite
 from inflight.transport.packed_wire import chunk_plan, nbytes_of
+from inflight.transport.schema import TensorSchema
 
 log = logging.getLogger("inflight.packed_receiver")
 

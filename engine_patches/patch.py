@@ -93,8 +93,8 @@ def _wrap_step(original_step: Any) -> Any:
 
 def _wrap_collective_rpc(original_rpc: Any) -> Any:
     from inflight.engine import rl_api
-    from inflight.engine.engine_config import InflightConfig
     from inflight.engine.coordinator import ATTR, CommitCoordinator, check_engine
+    from inflight.engine.engine_config import InflightConfig
 
     def start(self, config: InflightConfig, timeout: Any) -> list[Any]:
         coordinator = CommitCoordinator(self, config, check_engine(self.vllm_config, config, self.scheduler))

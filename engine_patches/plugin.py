@@ -18,10 +18,16 @@ def register() -> None:
     and, with ``INFLIGHT_CPU_PLAIN_GEMM=1``, the plain CPU GEMM
     (``inflight.engine.patch.use_plain_cpu_gemm``); all idempotent, as vLLM may load
     plugins twice."""
-    from inflight.engine.kv_budget import patch_available_memory
-    from inflight.engine.patch import (keep_cpu_async_scheduling, patch_engine_core, patch_inprocess_refusals,
-                                      plain_cpu_gemm_requested, use_plain_cpu_gemm)
     from vllm.platforms import current_platform
+
+    from inflight.engine.kv_budget import patch_available_memory
+    from inflight.engine.patch import (
+        keep_cpu_async_scheduling,
+        patch_engine_core,
+        patch_inprocess_refusals,
+        plain_cpu_gemm_requested,
+        use_plain_cpu_gemm,
+    )
 
     register_backend()
     patch_engine_core()

@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from inflight.transport.schema import TensorSchema
 from inflight.transport.bucket import torch_dtype
+from inflight.transport.schema import TensorSchema
 
 BACKEND = "inflight"
 """The backend's name in vLLM's registries (worker and trainer side alike)."""

@@ -37,6 +37,8 @@ from typing import Any
 
 import msgspec
 import torch
+
+from inflight.auth import read_secret
 from inflight.engine.commit.base import CommitStrategy, make_strategy
 from inflight.engine.commit.engine_checkpoint import (
     checkpoint_dir,
@@ -50,8 +52,6 @@ from inflight.engine.packed_receiver import PackedReceiver, close_wire, join_wir
 from inflight.engine.patch import count_worker_steps
 from inflight.engine.rpc import RLCallResult, StartReport, WorkerStatus
 from inflight.engine.transfer_engine import InflightWeightTransferEngine, RLApiError
-
-from inflight.auth import read_secret
 from inflight.memory import (
     BucketWindows,
     MemoryBudget,

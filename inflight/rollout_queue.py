@@ -37,7 +37,16 @@ import msgspec
 from torch.distributed import Store
 
 from inflight.auth import read_secret, seal, unseal
-from inflight.protocol import AuthError, EngineReport, ProtocolError, RolloutGroup, Sampling, decode_group, decode_report, encode
+from inflight.protocol import (
+    AuthError,
+    EngineReport,
+    ProtocolError,
+    RolloutGroup,
+    Sampling,
+    decode_group,
+    decode_report,
+    encode,
+)
 from inflight.transport.errors import TransportTimeout
 from inflight.transport.poll import poll_until
 from inflight.transport.store import wait_key

@@ -14,16 +14,15 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
-from inflight.engine.engine_config import WORKER_EXTENSION, InflightConfig, engine_kwargs
 from inflight.engine.client import inflight_status, start_inflight, stream_tagged, tagged
+from inflight.engine.engine_config import WORKER_EXTENSION, InflightConfig, engine_kwargs
 from inflight.engine.rpc import WorkerStatus
 from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, PushResult, WeightPusher

@@ -8,8 +8,8 @@ import random
 import time
 from pathlib import Path
 
-from inflight.trainer.tasks.task import EpisodeView, Prompt, Task, Turn
 from inflight.trainer.tasks.episode import EpisodeTask
+from inflight.trainer.tasks.task import EpisodeView, Prompt, Task, Turn
 
 WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "it")
 

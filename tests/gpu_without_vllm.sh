@@ -1,6 +1,6 @@
 #!/bin/bash
 # The gpu-marked tests that need no vLLM, on a CUDA machine without a package registry
-# (bash tests/gpu_without_vllm.sh tests/test_kernels.py ...; results go to $OUT when it is set):
+# (bash tests/gpu_without_vllm.sh tests/unit/test_kernels.py ...; results go to $OUT when it is set):
 # msgspec travels as a wheel in .whl (carried), the rest is the machine's image.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

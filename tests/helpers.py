@@ -16,15 +16,15 @@ import msgspec
 import torch
 
 from inflight.protocol import RolloutGroup, RolloutSample, decode_group
-from inflight.transport.group import WeightGroup
-from inflight.transport.group_config import GroupConfig
-from inflight.transport.schema import TensorSchema
-from inflight.transport.listener import UpdateListener
-from inflight.transport.peer import DictTarget
-from inflight.transport.bucket import BucketSender, Tamper
-from inflight.transport.pusher import PushConfig, WeightPusher
 from inflight.trainer.config import TrainConfig
 from inflight.trainer.config_files import config_from_dict
+from inflight.transport.bucket import BucketSender, Tamper
+from inflight.transport.group import WeightGroup
+from inflight.transport.group_config import GroupConfig
+from inflight.transport.listener import UpdateListener
+from inflight.transport.peer import DictTarget
+from inflight.transport.pusher import PushConfig, WeightPusher
+from inflight.transport.schema import TensorSchema
 
 RUN_BASE = {  # a tiny policy, short completions, small groups
     "run": {"seed": 5},

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
+from inflight.adapter import AdapterSpec
 from inflight.engine.client import coordinator_of, policy_lora, start_inflight, tagged
 from inflight.engine.engine_config import InflightConfig, engine_kwargs
 from inflight.engine.rpc import WorkerStatus, as_result
-from inflight.adapter import AdapterSpec
+from inflight.trainer.lora_policy import LoRAOptions, adapter_weights, load_adapter_weights
 from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig, WeightPusher
-from inflight.trainer.lora_policy import LoRAOptions, adapter_weights, load_adapter_weights
 
 PROMPTS = ["1+2=", "count 3 4", "the quick brown", "17+5="]
 OPTIONS = LoRAOptions(rank=8, alpha=16.0)

@@ -10,16 +10,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from inflight.adapter import AdapterSpec
+from inflight.engine.engine_config import InflightConfig
 from inflight.protocol import CommitUnit, ModelDtype, Sampling
 from inflight.settings import Backend, PushEncoding, RolloutMode, TrackerName, check_choices
+from inflight.trainer.lora_policy import LoRAOptions
 from inflight.trainer.loss_config import LossConfig
 from inflight.trainer.optim import OptimConfig
+from inflight.trainer.tasks.task_config import ArithmeticConfig, JsonlConfig, TaskConfig  # noqa: F401  (sections of TrainConfig)
+from inflight.trainer.tiny_model import TinyModelConfig
 from inflight.transport.group_config import GroupConfig
 from inflight.transport.pusher import PushConfig
-from inflight.engine.engine_config import InflightConfig
-from inflight.trainer.tasks.task_config import ArithmeticConfig, JsonlConfig, TaskConfig  # noqa: F401  (sections of TrainConfig)
-from inflight.trainer.lora_policy import LoRAOptions
-from inflight.trainer.tiny_model import TinyModelConfig
 
 
 @dataclass(frozen=True, kw_only=True)

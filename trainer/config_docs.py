@@ -3,7 +3,7 @@ key, its default and its docstring, so the reference cannot drift from the code.
 
     python -m inflight.trainer.config_docs > docs/configuration.md
 
-(``tests/test_cli.py`` fails when the file and this output differ.)
+(``tests/unit/test_cli.py`` fails when the file and this output differ.)
 """
 
 from __future__ import annotations

@@ -44,13 +44,13 @@ from tqdm import tqdm
 
 from inflight.rollout_queue import RolloutQueue
 from inflight.settings import Backend, DataPlane
-from inflight.transport.fleet_pusher import FleetPushError, FleetPusher
-from inflight.transport.group_config import GroupConfig
-from inflight.transport.pusher import PushConfig
-from inflight.transport.sources import Weights
 from inflight.trainer.config import TrainConfig
 from inflight.trainer.console import engine_log, last_error, log_tail
 from inflight.trainer.rollout.engine_process import run_engine
+from inflight.transport.fleet_pusher import FleetPusher, FleetPushError
+from inflight.transport.group_config import GroupConfig
+from inflight.transport.pusher import PushConfig
+from inflight.transport.sources import Weights
 
 log = logging.getLogger("inflight.supervisor")
 

@@ -64,8 +64,8 @@ class LoRAOptions:
 def write_first_adapter(base_dir: Path, options: LoRAOptions, out: Path, *, seed: int) -> Path:
     """Version 0 of the adapter, written as a PEFT directory before any engine starts: PEFT's
     own initialisation (A random, B zero: the policy starts as the base model)."""
-    from transformers import AutoModelForCausalLM
     from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
@@ -75,8 +75,8 @@ def write_first_adapter(base_dir: Path, options: LoRAOptions, out: Path, *, seed
 
 def load_trainable(base_dir: Path, adapter_dir: Path) -> Any:
     """The policy: the base model with the adapter of ``adapter_dir``, only the adapter trainable."""
-    from transformers import AutoModelForCausalLM
     from peft import PeftModel
+    from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)  # fp32 master weights
     return PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from inflight.protocol import RolloutGroup, Sampling
 from inflight.kernels.logprob_entropy import logprob_entropy
 from inflight.kernels.tis_loss import tis_loss
-from inflight.trainer.loss_config import LossConfig
+from inflight.protocol import RolloutGroup, Sampling
 from inflight.trainer.correction import Masks, bounds, correction_masks, seq_log_ratio, sequence_inputs
+from inflight.trainer.loss_config import LossConfig
 from inflight.trainer.metrics import by_lag, correction_stats
 from inflight.trainer.sampling_filter import filter_logits
 

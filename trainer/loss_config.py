@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from inflight.settings import check_choices
 from inflight.kernels.tis_loss import Objective
+from inflight.settings import check_choices
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
+from inflight.transport.bucket import plan_tensors, tensor_views
 from inflight.transport.group import WeightGroup
 from inflight.transport.group_config import GroupConfig
-from inflight.transport.bucket import plan_tensors, tensor_views
 
 BACKEND = "inflight_gloo"
 GROUP_NAME = "native"

@@ -10,19 +10,26 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from inflight.protocol import RolloutGroup, Sampling, TrainerOrder, TrainerPart, TrainerSave, TrainerSetup, decode_trainer_part
+from inflight.protocol import (
+    RolloutGroup,
+    Sampling,
+    TrainerOrder,
+    TrainerPart,
+    TrainerSave,
+    TrainerSetup,
+    decode_trainer_part,
+)
 from inflight.rollout_queue import RolloutBuffer
-from inflight.transport.sources import checkpoint_form, named_weights
-from inflight.trainer.lora_policy import adapter_weights, empty_trainable, load_trainable
 from inflight.trainer.checkpoint import TrainerState, load_optimizer, restore_rng, save_checkpoint, save_optimizer
 from inflight.trainer.config import TrainConfig
+from inflight.trainer.lora_policy import adapter_weights, empty_trainable, load_trainable
 from inflight.trainer.loss import Batch, collate, compute_loss, micro_batches, policy_logprobs
 from inflight.trainer.metrics import ess_warning
 from inflight.trainer.models import empty_model
@@ -30,6 +37,7 @@ from inflight.trainer.optim import learning_rate
 from inflight.trainer.ranks import GatheredWeights, TrainerRanks, decode_floats
 from inflight.trainer.routing_replay import RoutingReplay, collate_routing
 from inflight.trainer.tasks.tool_calls import use_chat_template
+from inflight.transport.sources import checkpoint_form, named_weights
 
 log = logging.getLogger("inflight.train")
 

@@ -108,8 +108,17 @@ def build_tiny_model(
     dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Write tokenizer + randomly initialised model to ``out_dir``; return the path."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

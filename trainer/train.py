@@ -31,24 +31,24 @@ from tqdm import tqdm
 
 from inflight.protocol import ProtocolError, TrainerOrder, TrainerSave, TrainerSetup, TrainerStop
 from inflight.rollout_queue import RolloutBuffer, RolloutQueue
-from inflight.transport.store import reserve_port
 from inflight.trainer.checkpoint import TrainerState, load_state, recover
 from inflight.trainer.config import TrainConfig, group_config, push_config
 from inflight.trainer.config_files import add_config_arguments, config_to_dict, load_config
 from inflight.trainer.console import BarText, Interrupt, quiet_libraries
 from inflight.trainer.fleet import EngineLost, Fleet, place, visible_gpus
+from inflight.trainer.lora_policy import write_first_adapter
 from inflight.trainer.metrics import MetricsLog, RolloutLedger, plot_run, summarize
-from inflight.trainer.trackers import check_trackers, open_trackers
 from inflight.trainer.models import resolve_model
-from inflight.trainer.tasks.tool_calls import use_chat_template
 from inflight.trainer.policy import Policy, StepResult, check_ranks
 from inflight.trainer.ranks import RankLost, TrainerRanks, launch_ranks
 from inflight.trainer.tasks import build_task
-from inflight.trainer.tasks.task import Task, encode_prompt
 from inflight.trainer.tasks.evaluate import Evaluator
+from inflight.trainer.tasks.task import Task, encode_prompt
+from inflight.trainer.tasks.tool_calls import use_chat_template
 from inflight.trainer.tiny_model import build_tiny_model, default_corpus
-from inflight.trainer.lora_policy import write_first_adapter
+from inflight.trainer.trackers import check_trackers, open_trackers
 from inflight.trainer.weight_sync import TaskFailed, WeightSync
+from inflight.transport.store import reserve_port
 
 log = logging.getLogger("inflight.train")
 

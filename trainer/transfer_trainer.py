@@ -37,9 +37,9 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 
 from inflight.engine.engine_config import InflightConfig
 from inflight.engine.transfer_engine import BACKEND
+from inflight.transport.bucket import dtype_name
 from inflight.transport.fleet_pusher import FleetPusher
 from inflight.transport.group_config import GroupConfig
-from inflight.transport.bucket import dtype_name
 from inflight.transport.pusher import PushConfig, PushResult, WeightPusher
 from inflight.transport.sources import ShardedSource, weights_of
 

@@ -40,11 +40,11 @@ from tqdm import tqdm
 
 from inflight.protocol import RolloutGroup
 from inflight.rollout_queue import RolloutBuffer, RolloutQueue
-from inflight.transport.errors import TransportTimeout
-from inflight.transport.fleet_pusher import FleetPushError, FleetPusher, collect
-from inflight.transport.pusher import PushResult
 from inflight.trainer.config import TrainConfig
 from inflight.trainer.fleet import EngineLost, Fleet
+from inflight.transport.errors import TransportTimeout
+from inflight.transport.fleet_pusher import FleetPusher, FleetPushError, collect
+from inflight.transport.pusher import PushResult
 
 
 class TaskFailed(RuntimeError):

@@ -30,8 +30,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
-from inflight.engine.commit.loaders import LoaderMapError, Shapes, copy_refusals
 
+from inflight.engine.commit.loaders import LoaderMapError, Shapes, copy_refusals
 from inflight.protocol import CommitInfo, CommitUnit, ShardPlan
 from inflight.settings import PLAIN_CPU_GEMM_ENV, CommitChoice
 from inflight.settings import CommitStrategyName as Resolved

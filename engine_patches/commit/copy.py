@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from inflight.engine.commit.loaders import LoadPlan, LoaderCall, LoaderMapError, LoaderMap, Shapes
+from inflight.engine.commit.loaders import LoaderCall, LoaderMap, LoaderMapError, LoadPlan, Shapes
 from inflight.layer_groups import LayerGroups
 from inflight.protocol import ShardPlan
 from inflight.shard_plan import Box

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from inflight.protocol import ShardPlan
-from inflight.transport.schema import TensorSchema
 from inflight.transport.bucket import dtype_name, plan_tensors, tensor_views, torch_dtype
+from inflight.transport.schema import TensorSchema
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
                        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from inflight.engine.commit.lora_plan import SlotPlan
 from inflight.adapter import AdapterSpec
+from inflight.engine.commit.lora_plan import SlotPlan
 from inflight.memory import update_bytes
 from inflight.protocol import ShardPlan
 from inflight.transport.schema import TensorSchema

@@ -91,17 +91,24 @@ Ordering invariants:
 
 from __future__ import annotations
 
-import types
 import copy
+import types
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from inflight.engine.commit.loaders import LoadPlan, LoaderMapError, LoaderMap, LoaderCall, Shapes, process_after_loading
+from inflight.engine.commit.loaders import (
+    LoaderCall,
+    LoaderMap,
+    LoaderMapError,
+    LoadPlan,
+    Shapes,
+    process_after_loading,
+)
 from inflight.layer_groups import LayerGroups
 from inflight.protocol import ShardPlan
 

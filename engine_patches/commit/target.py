@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from inflight.engine.commit.base import CommitFailed, CommitStrategy
 from inflight.engine.coordinator import outcome_key
 from inflight.engine.engine_config import InflightConfig
-
 from inflight.layer_groups import Hybrid
 from inflight.protocol import (
     CommitInfo,

@@ -41,10 +41,9 @@ import msgspec
 import torch
 import zstandard
 
-from inflight.protocol import Changed, ChecksumAlgo, Delta, SparseCodec, UpdateAnnounce
-from inflight.transport.errors import UpdateRejected
-from inflight.protocol import ALIGN
+from inflight.protocol import ALIGN, Changed, ChecksumAlgo, Delta, SparseCodec, UpdateAnnounce
 from inflight.transport.bucket import bucket_specs, checksum, dtype_name, plan_tensors, tensor_views, torch_dtype
+from inflight.transport.errors import UpdateRejected
 
 INDEX, VALUES, XOR = "@index", "@values", "@xor"
 """Suffixes of a changed tensor's wire tensors (``'<name>@index'``); no parameter name holds an ``@``."""

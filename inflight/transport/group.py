@@ -55,11 +55,10 @@ from inflight.protocol import (
 )
 from inflight.transport.data_plane import DataPlane, nccl_error_handling_once
 from inflight.transport.errors import GaveUp, TransportError, TransportTimeout, member
+from inflight.transport.group_config import GroupConfig, data_plane_address
 from inflight.transport.liveness import Heartbeat, silent_ranks
 from inflight.transport.poll import call_unless_stopped, poll_until
-from inflight.transport.group_config import GroupConfig, data_plane_address
 from inflight.transport.store import SealedStore, connect_retrying, host_store, wait_key
-
 
 INCARNATION = uuid.uuid4().hex[:12]
 """This process's id in ``Joined`` messages."""

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import PrefixStore
 
-from inflight.settings import Backend, DataPlane as ResolvedBackend, check_choices
+from inflight.settings import Backend, check_choices
+from inflight.settings import DataPlane as ResolvedBackend
 from inflight.transport.store import await_trainer_gone, connect_store
 
 log = logging.getLogger("inflight.group")

@@ -79,7 +79,7 @@ from inflight.transport.errors import TransportError, UpdateRejected
 from inflight.transport.group import Phase, WeightGroup, WorkerControl
 from inflight.transport.schema import TensorSchema
 
-__all__ = ["BucketReceiver", "CommitFailed", "CommitInfo", "CommitTarget", "ListenerStats", "StreamPreparer", "UpdateListener",
+__all__ = ["ListenerStats", "StreamPreparer", "UpdateListener",
            "nonfinite"]
 
 log = logging.getLogger("inflight.listener")

@@ -27,7 +27,6 @@ from datetime import timedelta
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
-
 _BEATS_PER_WINDOW = 4
 """A member is silent when it missed this many beats in a row: one late beat on a loaded
 machine is not death."""

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
+from inflight.protocol import CommitInfo
 from inflight.staging import StagedVersion, StagingPool
 from inflight.transport.group import WeightGroup
 from inflight.transport.group_config import GroupConfig
-from inflight.transport.schema import TensorSchema
-from inflight.protocol import CommitInfo
 from inflight.transport.listener import UpdateListener
+from inflight.transport.schema import TensorSchema
 
 
 class DictTarget:

@@ -56,8 +56,8 @@ import random
 import re
 from collections.abc import Callable, Sequence
 
-from inflight.trainer.tasks.task import EpisodeView, Prompt, Turn, lone_number
 from inflight.trainer.tasks.episode import EpisodeTask
+from inflight.trainer.tasks.task import EpisodeView, Prompt, Turn, lone_number
 from inflight.trainer.tasks.tool_calls import ToolBox, ToolError
 
 EVAL_SEED = 0xCA1C_E7A1

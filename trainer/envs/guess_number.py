@@ -55,8 +55,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from inflight.trainer.tasks.task import EpisodeView, Prompt, Turn, lone_number
 from inflight.trainer.tasks.episode import EpisodeTask
+from inflight.trainer.tasks.task import EpisodeView, Prompt, Turn, lone_number
 
 EVAL_SEED = 0x6E55_E7A1
 DEMO_SEED = 0x6E55_DE70

@@ -20,8 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from inflight.trainer.tasks.task import Prompt
 from inflight.trainer.envs.jsonl import Match, RecordsTask, to_prompt
+from inflight.trainer.tasks.task import Prompt
 
 DATA_FILES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 """Data-file suffixes ``path`` may name, and the ``datasets`` builder that reads each."""

@@ -22,6 +22,7 @@ from typing import Any
 
 from inflight.trainer.tasks.task import Completion, Prompt, Task
 
+
 def _reasoning_gym() -> Any:
     try:
         import reasoning_gym

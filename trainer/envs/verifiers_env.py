@@ -14,8 +14,8 @@ import json
 import random
 from typing import Any, ClassVar
 
-from inflight.trainer.tasks.task import EpisodeView, Prompt, Turn
 from inflight.trainer.tasks.episode import EpisodeTask
+from inflight.trainer.tasks.task import EpisodeView, Prompt, Turn
 
 HARNESS = "inflight.trainer.envs.verifiers_harness"
 

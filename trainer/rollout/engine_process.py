@@ -36,23 +36,23 @@ import random
 import signal
 import time
 from collections import deque
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from inflight.adapter import AdapterSpec
 from inflight.protocol import EngineReport, RolloutGroup, Sampling
 from inflight.rollout_queue import RolloutQueue
 from inflight.settings import Backend, choices
-from inflight.transport.errors import TransportError
-from inflight.transport.group import INCARNATION
-from inflight.transport.group_config import GroupConfig
 from inflight.trainer.config import TrainConfig, group_config, inflight_config
 from inflight.trainer.config_files import add_config_arguments, load_config
 from inflight.trainer.console import log_to_file, quiet_libraries
 from inflight.trainer.rollout.engine_env import engine_environment
 from inflight.trainer.rollout.failure_log import ScoringFailed
 from inflight.trainer.tasks.tool_calls import task_tokenizer
+from inflight.transport.errors import TransportError
+from inflight.transport.group import INCARNATION
+from inflight.transport.group_config import GroupConfig
 
 log = logging.getLogger("inflight.rollout")
 

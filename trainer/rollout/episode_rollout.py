@@ -38,8 +38,8 @@ from inflight.trainer.rollout.episode_journal import EpisodeJournal
 from inflight.trainer.rollout.failure_log import FailureLog
 from inflight.trainer.rollout.scoring_pool import ScoringPool
 from inflight.trainer.rollout.scoring_worker import engine_task_factory
-from inflight.trainer.tasks.task import Completion, Turn
 from inflight.trainer.tasks.episode import ObservationRenderer, Transcript
+from inflight.trainer.tasks.task import Completion, Turn
 from inflight.trainer.tasks.tool_calls import ToolCallParser
 
 log = logging.getLogger("inflight.rollout")

@@ -51,7 +51,7 @@ class FailureLog:
         if self.in_a_row >= limit:
             message = (f"task {task}: " + (f"{limit} episodes failed in a row" if episode else
                                              f"scoring failed for {limit} groups in a row")
-                       + f" (task.scoring.max_failed_in_a_row); the last, "
+                       + " (task.scoring.max_failed_in_a_row); the last, "
                        + (f"episode {episode}" if episode else f"group {group}") + f": {error}")
             self.on_report(EngineReport(engine_id=self.engine_id, message=message, fatal=True))
             raise ScoringFailed(message)

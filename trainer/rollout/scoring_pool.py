@@ -66,8 +66,19 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
-from inflight.trainer.rollout.scoring_worker import (JOIN_S, LIVE, WAKE_S, Scored, WorkerProcess, check_rewards, check_settings,
-                                    describe_exit, engine_task, engine_task_factory, first_line)
+from inflight.trainer.rollout.scoring_worker import (
+    JOIN_S,
+    LIVE,
+    WAKE_S,
+    Scored,
+    WorkerProcess,
+    check_rewards,
+    check_settings,
+    describe_exit,
+    engine_task,
+    engine_task_factory,
+    first_line,
+)
 from inflight.trainer.tasks.task import Completion, EpisodeView, Prompt, Task, Turn
 
 __all__ = ["ScoringPool", "Scored", "check_rewards", "engine_task", "engine_task_factory"]

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from inflight.trainer.tasks.task import Task, Turn
 from inflight.trainer.tasks.episode import check_turn
+from inflight.trainer.tasks.task import Task, Turn
 
 if TYPE_CHECKING:
     from inflight.trainer.config import TrainConfig

@@ -43,8 +43,8 @@ from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.errors import ProviderError
 
 from inflight.trainer.rollout.scoring_worker import Scored
-from inflight.trainer.tasks.task import EpisodeView, Prompt, Turn
 from inflight.trainer.tasks.episode import RetokenizationDrift, drift_position
+from inflight.trainer.tasks.task import EpisodeView, Prompt, Turn
 
 log = logging.getLogger("inflight.rollout")
 

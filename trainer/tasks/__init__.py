@@ -26,10 +26,21 @@ from inflight.trainer.envs.guess_number import GuessNumber
 from inflight.trainer.envs.hf_dataset import DatasetTask
 from inflight.trainer.envs.jsonl import SAMPLE, JsonlFormatError, JsonlTask, load_jsonl
 from inflight.trainer.envs.reasoning_mix import ReasoningGymTask
-from inflight.trainer.tasks.task import (Completion, EpisodeView, Prompt, Task, Turn, encode_prompt, final_number,
-                                         load_factory, model_stop_ids, stop_token_ids, uses_chat)
-from inflight.trainer.tasks.task_config import BUILTIN  # the task names: one home, beside the config that checks them
 from inflight.trainer.tasks.episode import EpisodeTask
+from inflight.trainer.tasks.task import (
+    Completion,
+    EpisodeView,
+    Prompt,
+    Task,
+    Turn,
+    encode_prompt,
+    final_number,
+    load_factory,
+    model_stop_ids,
+    stop_token_ids,
+    uses_chat,
+)
+from inflight.trainer.tasks.task_config import BUILTIN  # the task names: one home, beside the config that checks them
 
 if TYPE_CHECKING:
     from inflight.trainer.config import TrainConfig

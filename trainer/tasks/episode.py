@@ -33,6 +33,7 @@ from typing import Any
 
 from inflight.trainer.tasks.task import ChatMode, EpisodeView, Prompt, Task, Turn, uses_chat
 
+
 class EpisodeTask(Task):
     """Subclass this for a multi-turn task: ``sample`` opens an episode, ``turn`` answers it."""
 

@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from inflight.trainer.tasks.task import ChatMode, Completion, Prompt, Task, encode_prompt, model_stop_ids
-from inflight.trainer.tasks.task import is_episodic
 from inflight.trainer.tasks.episode import ObservationRenderer, Transcript, check_turn
+from inflight.trainer.tasks.task import ChatMode, Completion, Prompt, Task, encode_prompt, is_episodic, model_stop_ids
 from inflight.trainer.tasks.tool_calls import ToolCallParser
 
 if TYPE_CHECKING:

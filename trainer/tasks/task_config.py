@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from inflight.settings import check_choices
-from inflight.trainer.tasks.task import ChatMode
 from inflight.trainer.envs.calculator import TEMPLATE as CALCULATOR_TEMPLATE
 from inflight.trainer.envs.calculator import Calculator
 from inflight.trainer.envs.guess_number import TEMPLATE as GUESS_TEMPLATE
 from inflight.trainer.envs.guess_number import GuessNumber
 from inflight.trainer.envs.jsonl import Match
+from inflight.trainer.tasks.task import ChatMode
 from inflight.trainer.tasks.tool_calls import chat_template_text
+
 
 @dataclass(frozen=True, kw_only=True)
 class ArithmeticConfig:

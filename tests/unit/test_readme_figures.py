@@ -1,0 +1,243 @@
+"""The README's headline table against the committed data: each row either quotes figures that
+equal its JSON under ``bench/results/`` (or ``bench/``), with the command that made them, or
+says in its date cell that it has no committed JSON. No engine, no clock."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+NO_JSON = "(no committed JSON)"
+
+
+def headline_rows() -> dict[str, dict[str, str]]:
+    """The table under README's ``| what | latest figure | command | date |`` header, by its
+    first cell."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index("| what | latest figure | command | date |") + 2
+    rows = {}
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        what, figure, command, date = (c.strip() for c in line.strip("|").split(" | "))
+        rows[what] = {"figure": figure, "command": command, "date": date}
+    return rows
+
+
+def cli(command: str) -> str:
+    """A recorded ``python -m inflight.bench.X ...`` as the README writes it: ``inflight bench X ...``."""
+    return re.sub(r"^python -m inflight\.bench\.(\w+)", r"inflight bench \1", command)
+
+
+def _links(rows: dict) -> tuple[list[str], list[str]]:
+    """The shaped-link runs of 2026-11-28 (``bench/scale_slow_link_runs.json``)."""
+    runs = json.loads((ROOT / "bench" / "scale_slow_link_runs.json").read_text())["runs"]
+    first = {r["link"] or "loopback": {x["mode"]: x for x in r["rows"]} for r in runs if r["recorded"].startswith("2026-11-28")}
+    want = []
+    for rate in ("10gbit", "1gbit"):
+        inf, nat = first[rate]["inflight"]["lost_ms_per_update"], first[rate]["native@inflight"]["lost_ms_per_update"]
+        want += [f"{inf} vs {round(nat)} ms", f"({100 * inf / nat:.1f}%)"]
+    slow = first["100mbit"]
+    want += [f"native {round(slow['native@inflight']['lost_ms_per_update'])} ms",
+             f"({round(slow['inflight']['lost_ms_per_update'])} ms)"]
+    commands = [cli(r["command"]) for r in runs if r["recorded"].startswith("2026-11-28") and r["link"] == "1gbit"]
+    return want, commands
+
+
+def _scale(rows: dict) -> tuple[list[str], list[str]]:
+    """The predictions' declared misses (``bench/scale_predictions.json``)."""
+    preds = json.loads((ROOT / "bench" / "scale_predictions.json").read_text())
+    checks = sum(len([m for m in p["modes"] if m != "none_step_ms"]) for p in preds["predictions"].values())
+    return [f"**{len(preds['expected_misses'])} of {checks} checks are declared misses**"], ["inflight bench scale"]
+
+
+def _suite(rows: dict) -> tuple[list[str], list[str]]:
+    """The last fresh-clone ``make test`` recorded (``bench/results/suite.jsonl``)."""
+    runs = [json.loads(x) for x in (ROOT / "bench" / "results" / "suite.jsonl").read_text().splitlines()]
+    run = [r for r in runs if r["clone"] == "fresh"][-1]
+    return [f"{run['passed']} passed, {run['failed']} failed, {run['skipped']} `gpu`",
+            f"{round(run['wall_s'] / 60)} min ({round(run['tests_s'] / 60)} min of tests)"], [run["command"]]
+
+
+def _grpo_system(rows: dict) -> tuple[list[str], list[str]]:
+    """The last ``bench.grpo --workload system`` run with the listener on the trainer's core
+    (``bench/results/grpo.jsonl``)."""
+    runs = [json.loads(x) for x in (ROOT / "bench" / "results" / "grpo.jsonl").read_text().splitlines()]
+    run = [r for r in runs if r["workload"] == "system" and r["listener_core"] == "trainer"][-1]
+    mode = {r["mode"]: r for r in run["rows"] if r["engine"] == "cache"}
+    inf, salt, reset = mode["inflight"], mode["native-salt"], mode["native-reset"]
+    lo, hi = inf["vs_native_salt_spread"]
+    return [f"**{inf['vs_native_salt_median']}x**", f"median of {run['rounds']} rounds, rounds {lo}-{hi}",
+            f"cache hit rate {inf['hit_rate']} vs {salt['hit_rate']}", f"{reset['vs_native_salt_median']}x native-salt",
+            f"{inf['vs_none']}x the tokens/s of no updates (native-salt {salt['vs_none']}x)"], [cli(run["command"])]
+
+
+def _results(bench: str) -> list[dict]:
+    """``bench/results/<bench>.jsonl``, a run per line."""
+    return [json.loads(x) for x in (ROOT / "bench" / "results" / f"{bench}.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _train(config: str) -> dict:
+    """The last ``bench.train_record`` run of a packaged config, without overrides."""
+    return [r for r in _results("train") if r["config"] == config and not r["sets"]][-1]
+
+
+def _demo(rows: dict) -> tuple[list[str], list[str]]:
+    """``make demo`` (``inflight train --config demo``) as ``bench.train_record`` ran it."""
+    run = _train("demo")
+    s = run["summary"]
+    return [f"{s['steps']} steps", f"reward {s['reward_first_20pct']:.3f} -> {s['reward_last_20pct']:.3f}",
+            f"{100 * s['frac_samples_multi_version']:.1f}% of samples span >1 version",
+            f"engine stall {s['stall_ms_mean']:.1f} ms per update", f"{round(run['wall_s'])} s"], ["make demo", run["train"]]
+
+
+def _smollm2(rows: dict) -> tuple[list[str], list[str]]:
+    """``inflight train --config smollm2_cpu`` as ``bench.train_record`` ran it."""
+    run = _train("smollm2_cpu")
+    s = run["summary"]
+    return [f"{s['steps']} steps", f"sampled reward {s['reward_first_20pct']:.3f} -> {s['reward_last_20pct']:.3f}",
+            f"greedy held-out {s['eval_accuracy_first']:.3f} -> {s['eval_accuracy_last']:.3f}"], [run["train"]]
+
+
+def _fleet(rows: dict) -> tuple[list[str], list[str]]:
+    """``inflight train --config fleet_cpu`` as ``bench.train_record`` ran it."""
+    run = _train("fleet_cpu")
+    p = run["pushes"]
+    return [f"{run['summary']['steps']} steps", f"{p['on_every_engine']} of {p['landed']} pushes committed on all "
+            f"{p['engines']} engines"], [run["train"]]
+
+
+def _loopback_runs() -> list[dict]:
+    """The judged loopback runs of ``bench.scale`` (``bench/scale_slow_link_runs.json``)."""
+    from inflight.bench.scale_replay import judged_runs
+
+    preds = json.loads((ROOT / "bench" / "scale_predictions.json").read_text())
+    return judged_runs(preds, json.loads((ROOT / "bench" / "scale_slow_link_runs.json").read_text())["runs"])["loopback"]
+
+
+def _mode_median(runs: list[dict], mode: str, key: str) -> float:
+    import statistics
+
+    return statistics.median(next(r for r in run["rows"] if r["mode"] == mode)[key] for run in runs)
+
+
+def _loopback(rows: dict) -> tuple[list[str], list[str]]:
+    """Decode lost per update over loopback: the medians of the judged runs."""
+    runs = _loopback_runs()
+    inf, nat = _mode_median(runs, "inflight", "lost_ms_per_update"), _mode_median(runs, "native@inflight", "lost_ms_per_update")
+    return [f"in-flight **{inf:.1f} ms** vs vLLM native pause+update {nat:.1f} ms ({100 * inf / nat:.1f}%)",
+            f"medians of {len(runs)} runs"], sorted({cli(r["command"]) for r in runs})
+
+
+def _stall(rows: dict) -> tuple[list[str], list[str]]:
+    """The commit's own time and the stall at native's update steps, same runs."""
+    runs = _loopback_runs()
+    return [f"in-flight's commit {_mode_median(runs, 'inflight', 'commit_ms'):.2f} ms",
+            f"native {_mode_median(runs, 'native@inflight', 'stall_ms'):.0f} ms"], ["same"]
+
+
+def _sparse(rows: dict) -> tuple[list[str], list[str]]:
+    """``bench.sparse --run`` over a bf16, sparse ``smollm2_cpu`` run."""
+    line = [r for r in _results("sparse") if "run" in r][-1]
+    s = line["run"]
+    cfg = s["config"]
+    assert (cfg["model"]["dtype"], cfg["transport"]["encoding"]) == ("bfloat16", "sparse")
+    return [f"**{s['sent_mb']['mean']:.1f} MB** sent per update against {s['dense_mb']:.1f} MB dense "
+            f"({100 * s['sent_over_dense']:.2f}%; {100 * s['changed_frac']['mean']:.1f}% of the weights changed per step)",
+            f"over {s['sparse']} sparse pushes"], [f"inflight train --config smollm2_cpu --set model.dtype=bfloat16 "
+                                                   f"--set transport.encoding=sparse --set run.steps={cfg['run']['steps']}"]
+
+
+def _staging(rows: dict) -> tuple[list[str], list[str]]:
+    """One update's staging, engine idle (``bench.profile_staging``)."""
+    line = _results("profile_staging")[-1]
+    return [f"{line['idle']['staging total (announce to Staged)']['wall_ms']} ms wall",
+            f"median of {line['updates']} updates"], [cli(line["command"])]
+
+
+def _e2e(rows: dict) -> tuple[list[str], list[str]]:
+    """The training loop's samples/s, in-flight against batch-boundary (``bench.e2e``)."""
+    line = _results("e2e")[-1]
+    return [f"**{line['summary'][cores]['ratios']['inflight/batch']}x** {cores} cores" for cores in line["summary"]] + \
+        [f"{line['summary'][c]['ratios']['inflight/pause']}x against pause" for c in line["summary"]], [cli(line["command"])]
+
+
+def _staleness(rows: dict) -> tuple[list[str], list[str]]:
+    """Max lag 8 against batch RL (``bench.staleness``)."""
+    line = _results("staleness")[-1]
+    run = {r["run"]: r for r in line["rows"]}
+    lag, batch = run["lag8 TIS"], run["batch TIS"]
+    return [f"{line['target']} reward after {lag['samples_to_target']} samples vs {batch['samples_to_target']}",
+            f"steps of {lag['step_ms_median']} ms vs {batch['step_ms_median']} ms"], [cli(line["command"])]
+
+
+def _trainer_push(rows: dict) -> tuple[list[str], list[str]]:
+    """What a push costs the trainer (``bench.trainer_push``)."""
+    line = _results("trainer_push")[-1]
+    return [f"{line['max_extra_mib']:.1f} MiB resident at most during a push (buckets of {line['bucket_mib']:.0f} MiB), "
+            f"not the {line['model_mib']:.0f} MiB model", f"the optimizer waited {line['steps']['read_wait_s']:.2f} s"], \
+        [cli(line["command"])]
+
+
+SOURCES: dict[str, Callable[[dict], tuple[list[str], list[str]]]] = {
+    "decode time lost per update over emulated links (network namespace, `tbf`), SmolLM2-135M fp32, split cores, "
+    "same cadence": _links,
+    "GPU fleets at scale (a model, not a GPU run)": _scale,
+    "test suite, fresh clone, install included (machine otherwise idle)": _suite,
+    "GRPO groups of 8 sharing a 2048-token system prompt (32-token questions, 64 sampled), an update every 16 steps, "
+    "prefix caching on": _grpo_system,
+}
+"""Row -> what its figure cell must quote from its JSON, and the commands its command cell
+must start with (one of)."""
+
+
+def test_every_headline_figure_is_its_json_or_says_it_has_none() -> None:
+    rows = headline_rows()
+    assert set(SOURCES) <= set(rows), set(SOURCES) - set(rows)
+    for what, row in rows.items():
+        if what not in SOURCES:
+            assert row["date"].endswith(NO_JSON), f"{what!r}: no JSON checks its figure; its date cell must say {NO_JSON}"
+            continue
+        assert NO_JSON not in row["date"], what
+        quotes, commands = SOURCES[what](rows)
+        for q in quotes:
+            assert q in row["figure"], (what, q)
+        assert any(row["command"].strip("`").startswith(c) for c in commands), (what, row["command"], commands)
+
+
+def test_the_links_rows_quotes_would_catch_a_changed_figure() -> None:
+    """The check has power: the row with one measured figure altered fails it."""
+    rows = headline_rows()
+    what = next(w for w in SOURCES if w.startswith("decode time lost per update over emulated links"))
+    quotes, _ = SOURCES[what](rows)
+    altered = rows[what]["figure"].replace("186.1 vs", "186.2 vs")
+    assert altered != rows[what]["figure"] and not all(q in altered for q in quotes)
+
+
+def test_a_suite_run_is_read_from_pytests_last_line() -> None:
+    from inflight.bench.suite_record import summary
+
+    assert summary("...\n=== 844 passed, 56 skipped, 3 warnings in 2437.12s (0:40:37) ===\n") == \
+        {"passed": 844, "failed": 0, "skipped": 56, "tests_s": 2437.12}
+    assert summary("1 failed, 754 passed, 2 skipped in 100.5s")["failed"] == 1
+
+
+def test_a_training_runs_pushes_count_only_those_every_engine_committed() -> None:
+    from inflight.bench.train_record import pushes
+
+    rows = [{"pushes_landed": [[1, [1, 2]], [2, [1]]]}, {}, {"pushes_landed": [[3, [2, 1]]]}]
+    assert pushes(rows, 2) == {"engines": 2, "landed": 3, "on_every_engine": 2}
+    assert pushes(rows, 1)["on_every_engine"] == 1  # [1] alone is every engine of one
+
+
+def test_a_runs_line_is_appended_never_replacing_the_file(tmp_path: Path) -> None:
+    from inflight.bench.run_record import append_result
+
+    path = tmp_path / "x.jsonl"
+    append_result(path, {"a": 1})
+    append_result(path, {"a": 2})
+    append_result("", {"a": 3})  # '' writes nothing
+    assert [json.loads(x) for x in path.read_text().splitlines()] == [{"a": 1}, {"a": 2}]
