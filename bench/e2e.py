@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     base, about = workload(args.workload, args.steps, args.max_lag, args.prompt_tokens)
     load = [round(os.getloadavg()[0], 2)]
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [r for p in args.placement for r in interleaved(base, args.modes, args.rounds, p, args.overrides, Path(tmp))]
+        rows = [r for p in args.placement
+                for r in interleaved(base, args.modes, args.rounds, p, args.overrides, Path(tmp))]
     load.append(round(os.getloadavg()[0], 2))
     summary = summarize(rows)
     report(summary)

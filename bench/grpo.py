@@ -3,9 +3,9 @@
 In-flight commits keep the prefix cache exact across updates; vLLM users keep it correct by
 turning it off, salting requests by version, or resetting it after each update. Like for like:
 
-    python -m inflight.bench.grpo [--model smollm2|DIR | --size S] [--prompt-tokens 256 1024] [--completion-tokens 64 256]
-                         [--every 16] [--groups-in-flight 4] [--steps 768] [--rounds 3] [--placement split]
-                         [--listener-core trainer|engine]
+    python -m inflight.bench.grpo [--model smollm2|DIR | --size S] [--prompt-tokens 256 1024]
+                         [--completion-tokens 64 256] [--every 16] [--groups-in-flight 4] [--steps 768] [--rounds 3]
+                         [--placement split] [--listener-core trainer|engine]
                          [--workload fresh | system --system-tokens S | multi-turn --turns N --tool-tokens R]
 
 The workload is GRPO's: groups of ``GROUP`` (8) requests sharing one prompt, each turn sampling
@@ -396,12 +396,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="interleaved rounds the steps of each engine's modes are split into")
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES),
                     help="cache: none, inflight, native-salt, native-reset; nocache: none, inflight-nocache")
-    ap.add_argument("--listener-nice", type=int, default=19, help="InflightConfig.listener_nice, as inflight.bench.inflight's")
-    ap.add_argument("--placement", choices=PLACEMENTS, default="split", help="inflight.bench.placement: where the threads run")
+    ap.add_argument("--listener-nice", type=int, default=19,
+                    help="InflightConfig.listener_nice, as inflight.bench.inflight's")
+    ap.add_argument("--placement", choices=PLACEMENTS, default="split",
+                    help="inflight.bench.placement: where the threads run")
     ap.add_argument("--listener-core", choices=["trainer", "engine"], default="trainer",
                     help="--placement split: the in-flight listener on the trainer's core, or on the engine's, "
                          "where native's receive runs")
-    ap.add_argument("--workload", choices=KINDS, default="fresh", help="inflight.bench.grpo_workloads: what the groups hold")
+    ap.add_argument("--workload", choices=KINDS, default="fresh",
+                    help="inflight.bench.grpo_workloads: what the groups hold")
     ap.add_argument("--system-tokens", type=int, default=0, help="--workload system: the shared system prompt's tokens")
     ap.add_argument("--turns", type=int, default=1, help="--workload multi-turn: turns per episode")
     ap.add_argument("--tool-tokens", type=int, default=0, help="--workload multi-turn: each tool answer's tokens")

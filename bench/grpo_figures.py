@@ -110,7 +110,8 @@ def against_native(rows: list[dict]) -> None:
     (P, T, every), pooled and round by round (each round ran every mode once, in rotated order):
     the rounds' median and their spread (min, max)."""
     for r in rows:
-        ref = next((x for x in rows if (x["engine"], x["mode"], x["group"]) == ("cache", "native-salt", r["group"])), None)
+        ref = next((x for x in rows
+                    if (x["engine"], x["mode"], x["group"]) == ("cache", "native-salt", r["group"])), None)
         if r["engine"] != "cache" or r["mode"] in ("none", "native-salt") or ref is None:
             r["vs_native_salt"] = r["vs_native_salt_median"] = r["vs_native_salt_spread"] = None
             continue
@@ -131,7 +132,8 @@ def workload_checks(rows: list[dict], workload: str) -> list[dict]:
              "native_salt_hit_rate": next(x["hit_rate"] for x in rows if x["group"] == r["group"]
                                           and (x["engine"], x["mode"]) == ("cache", "native-salt")),
              "pass": r["vs_native_salt_median"] >= GOAL_VS_SALT}
-            for r in rows if (r["engine"], r["mode"]) == ("cache", "inflight") and r["vs_native_salt_median"] is not None]
+            for r in rows
+            if (r["engine"], r["mode"]) == ("cache", "inflight") and r["vs_native_salt_median"] is not None]
 
 
 def checks(rows: list[dict]) -> list[dict]:

@@ -51,7 +51,8 @@ class Workload:
         if (self.kind == "system") != (self.system_tokens > 0) or self.system_tokens < 0:
             raise ValueError(f"system_tokens={self.system_tokens}: >= 1 with workload 'system', 0 otherwise")
         multi = self.kind == "multi-turn"
-        if (multi and (self.turns < 2 or self.tool_tokens < 1)) or (not multi and (self.turns, self.tool_tokens) != (1, 0)):
+        if ((multi and (self.turns < 2 or self.tool_tokens < 1))
+                or (not multi and (self.turns, self.tool_tokens) != (1, 0))):
             raise ValueError(f"turns={self.turns}, tool_tokens={self.tool_tokens}: >= 2 and >= 1 with workload "
                              "'multi-turn', 1 and 0 otherwise")
 

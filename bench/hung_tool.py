@@ -111,14 +111,16 @@ def main() -> None:
         got = {}
         for mode in (("clean", "hung") if r % 2 == 0 else ("hung", "clean")):
             got[mode] = run_round(pool, args.streams, args.turns, args.tool_s, hung=mode == "hung", tag=f"r{r}{mode}")
-        rounds.append({"round": r, **{m: round(v, 2) for m, v in got.items()}, "ratio": round(got["hung"] / got["clean"], 4)})
+        rounds.append({"round": r, **{m: round(v, 2) for m, v in got.items()},
+                       "ratio": round(got["hung"] / got["clean"], 4)})
         print(json.dumps(rounds[-1]), flush=True)
     counts = dict(pool.counts)
     pool.close()
     ratios = [x["ratio"] for x in rounds]
     result = {**record, "streams": args.streams, "tool_s": args.tool_s, "turns": args.turns, "workers": args.workers,
               "max_workers": args.max_workers, "load_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
-              "cold": {m: round(v, 2) for m, v in cold.items()}, "rounds": rounds, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+              "cold": {m: round(v, 2) for m, v in cold.items()}, "rounds": rounds,
+              "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
               "ratio_max": max(ratios), "ideal_turns_per_s": round((args.streams - 1) / args.tool_s, 2),
               "pool_counts": counts}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

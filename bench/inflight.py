@@ -1,8 +1,8 @@
 """In-flight commits vs vLLM's native pause(keep)+update vs batch-boundary sync, like for like.
 
-    python -m inflight.bench.inflight [--sizes S M L MoE | --model DIR|smollm2] [--every 8 32] [--steps 768] [--rounds 4]
-                             [--commit-unit model layer] [--routing] [--placement shared|split] [--link 1gbit]
-                             [--train-steps 40 [--engines 2]]
+    python -m inflight.bench.inflight [--sizes S M L MoE | --model DIR|smollm2] [--every 8 32] [--steps 768]
+                             [--rounds 4] [--commit-unit model layer] [--routing] [--placement shared|split]
+                             [--link 1gbit] [--train-steps 40 [--engines 2]]
 
 The adapter-only rows are ``inflight.bench.inflight_lora``'s.
 
@@ -128,8 +128,9 @@ class Bench:
         self.proc.start()
         pin_trainer(self.proc.pid, placement)
         inflight_group, native_group = self.conn.recv()  # the trainer's stores, on the ports it holds
+        # layer: staged_groups=2, the default
         self.config = InflightConfig(group=inflight_group, listener_nice=listener_nice, listener_cpus=listener_cpus,
-                                     record_routing=record_routing, commit_unit=commit_unit)  # layer: staged_groups=2, the default
+                                     record_routing=record_routing, commit_unit=commit_unit)
         start_inflight(self.llm, self.config)
         if not rl_api:
             self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {
@@ -268,7 +269,8 @@ class Bench:
                                                                   max(1, sum(c["finished"] for c in chunks)), 3),
             "steps": steps, "updates": len(infos), "skipped": sum(c["skipped"] for c in chunks),
             "steps_per_update": round(steps / len(infos), 1) if infos else None,
-            "tokens": tokens, "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1), "step_ms": round(1e3 * base, 2),
+            "tokens": tokens, "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 1),
+            "step_ms": round(1e3 * base, 2),
             "stall_ms": round(statistics.median(stalls), 2) if stalls else 0.0,
             "commit_ms": round(statistics.median(r["commit_ms"] for r in infos), 3) if pushed else None,
             "push_stall_ms": round(statistics.median(r["stall_ms"] for r in infos), 3) if pushed else None,
@@ -277,7 +279,8 @@ class Bench:
             "ms_per_gb": round(1e3 * statistics.median(send) / (nbytes / 2**30), 1) if send else None,
             "lag_hist": dict(sorted(hist.items())), **self.staging_of(mode, chunks, infos),
             # inflight-native-api: the RL API's calls per update (start, update_weights, finish), on the engine thread
-            "api_ms": round(1e3 * statistics.median(a), 3) if (a := [x for c in chunks for x in c.get("api_s", ())]) else None,
+            "api_ms": (round(1e3 * statistics.median(a), 3)
+                       if (a := [x for c in chunks for x in c.get("api_s", ())]) else None),
             "_quiet": [g for c in chunks for g in c["quiet"]], "_events": [g for c in chunks for g in c["event_gaps"]],
         }
 
@@ -312,7 +315,8 @@ def bench_model(bench: Bench, everys: list[int], steps: int, rounds: int) -> lis
     rows = []
     chunk = steps // rounds
     for every in everys:
-        chunks: dict[str, list[dict]] = {m: [] for m in ("none", "inflight", "native", "native@inflight", "none@inflight")}
+        chunks: dict[str, list[dict]] = {m: [] for m in ("none", "inflight", "native", "native@inflight",
+                                                         "none@inflight")}
         for _ in range(rounds):  # interleaved: none, inflight, none@inflight, native, native@inflight, none, ...
             for mode in ("none", "inflight"):
                 chunks[mode].append(bench.run(mode, every, chunk))
@@ -386,11 +390,14 @@ def bench_routing(bench: Bench, every: int, steps: int, rounds: int) -> list[dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", nargs="*", default=["S", "M", "L"], choices=list(SIZES), help="none: only --model / training rows")
-    ap.add_argument("--model", nargs="*", default=[], help="model directories, hub ids or 'smollm2' (trainer/models.py)")
+    ap.add_argument("--sizes", nargs="*", default=["S", "M", "L"], choices=list(SIZES),
+                    help="none: only --model / training rows")
+    ap.add_argument("--model", nargs="*", default=[],
+                    help="model directories, hub ids or 'smollm2' (trainer/models.py)")
     ap.add_argument("--every", type=int, nargs="+", default=[8, 32], help="requested update cadence, engine steps")
     ap.add_argument("--steps", type=int, default=768, help="engine steps per mode")
-    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds the steps of none/inflight/native are split into")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="interleaved rounds the steps of none/inflight/native are split into")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--commit-unit", nargs="+", default=["model"], choices=["model", "layer"],
                     help="one engine per unit, each running every mode (InflightConfig.commit_unit)")
@@ -399,12 +406,15 @@ def main() -> None:
                          "the engine's own default is 0)")
     ap.add_argument("--routing", action="store_true", help="add record_routing rows on the tiny MoE")
     ap.add_argument("--link", default=None, metavar="RATE",
-                    help="the engine rows' trainer behind a shaped link (inflight.bench.slow_link; e.g. 1gbit, 100mbit; "
-                         "needs root); the training loop's rows run without it")
-    ap.add_argument("--train-steps", type=int, default=0, help="also time the training loop (0: skip); see inflight.bench.e2e")
+                    help="the engine rows' trainer behind a shaped link (inflight.bench.slow_link; e.g. 1gbit, "
+                         "100mbit; needs root); the training loop's rows run without it")
+    ap.add_argument("--train-steps", type=int, default=0,
+                    help="also time the training loop (0: skip); see inflight.bench.e2e")
     ap.add_argument("--placement", choices=PLACEMENTS, default="shared",
-                    help="inflight.bench.placement: where the engine and the trainer run (engine rows and training loop)")
-    ap.add_argument("--engines", type=int, default=1, help="with --train-steps: add a row for a fleet of this many engines")
+                    help="inflight.bench.placement: where the engine and the trainer run (engine rows and training "
+                         "loop)")
+    ap.add_argument("--engines", type=int, default=1,
+                    help="with --train-steps: add a row for a fleet of this many engines")
     ap.add_argument("--rl-api", action="store_true",
                     help="engines on vLLM's RL API's inflight backend: rows none, inflight and inflight-native-api "
                          "(the same pushes inside start / update_weights / finish); no native rows")
@@ -447,8 +457,8 @@ def main() -> None:
               f"reward last 20% {r['reward_last']} ({r['steps']} steps, {r['wall_s']} s)")
     if rows:
         plot(rows, out / "bench_inflight.png")
-    print(json.dumps({"bench": "inflight", **run, "device": "cpu", "link": args.link, "placement": args.placement, "concurrency": args.concurrency,
-                      "steps": args.steps,
+    print(json.dumps({"bench": "inflight", **run, "device": "cpu", "link": args.link, "placement": args.placement,
+                      "concurrency": args.concurrency, "steps": args.steps,
                       "rounds": args.rounds, "commit_units": args.commit_unit, "load_1m": load, "rows": rows,
                       "train": train_rows}))
 

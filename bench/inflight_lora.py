@@ -59,10 +59,12 @@ from inflight.bench.paired import PROMPT, RequestStream, interleaved
 from inflight.bench.placement import PLACEMENTS, Placement, engine_env, pin_trainer
 
 STEP_SCALE = 1e-2  # the trainer's versions: v0's tensors + this x N(0, 1) (v0's B is zero: the step is B)
-ENGINES = {"lora-inflight": ("none", "inflight-lora"), "lora-vllm": ("none", "native-lora-inplace", "native-lora-pause")}
+ENGINES = {"lora-inflight": ("none", "inflight-lora"),
+           "lora-vllm": ("none", "native-lora-inplace", "native-lora-pause")}
 FULL = {"none": "none", "inflight": "inflight-full", "native": "native-full"}  # Bench.run's modes -> row labels
-COLS = ["engine", "mode", "updates", "steps_per_update", "tok_s", "vs_none", "lost_ms_per_update", "lost_ms_per_update_capped",
-        "capped_steps", "step_ms", "stall_ms", "bytes_per_update", "write_ms", "load_ms", "pause_ms", "commit_ms"]
+COLS = ["engine", "mode", "updates", "steps_per_update", "tok_s", "vs_none", "lost_ms_per_update",
+        "lost_ms_per_update_capped", "capped_steps", "step_ms", "stall_ms", "bytes_per_update", "write_ms", "load_ms",
+        "pause_ms", "commit_ms"]
 
 
 def lora_trainer(conn: Connection, base_dir: str, adapter_dir: str, out_dir: str, push: bool) -> None:
@@ -134,7 +136,8 @@ class LoRABench:
                        max_num_seqs=concurrency, **kwargs)
         self.conn, child = mp.get_context("spawn").Pipe()
         self.proc = mp.get_context("spawn").Process(
-            target=lora_trainer, args=(child, str(base), str(v0), str(work / kind), kind == "lora-inflight"), daemon=True)
+            target=lora_trainer, args=(child, str(base), str(v0), str(work / kind), kind == "lora-inflight"),
+            daemon=True)
         self.proc.start()
         pin_trainer(self.proc.pid, placement)
         self.coordinator = None
@@ -250,11 +253,14 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", help="a model directory, hub id or 'smollm2' (trainer/models.py)")
     ap.add_argument("--every", type=int, default=4, help="requested update cadence, engine steps (every mode)")
     ap.add_argument("--steps", type=int, default=192, help="engine steps per mode")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds the steps of each engine's modes are split into")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds the steps of each engine's modes are split into")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16, help="the adapter's rank (alpha = 2 x rank)")
-    ap.add_argument("--listener-nice", type=int, default=19, help="InflightConfig.listener_nice, as inflight.bench.inflight's")
-    ap.add_argument("--placement", choices=PLACEMENTS, default="split", help="inflight.bench.placement: where the threads run")
+    ap.add_argument("--listener-nice", type=int, default=19,
+                    help="InflightConfig.listener_nice, as inflight.bench.inflight's")
+    ap.add_argument("--placement", choices=PLACEMENTS, default="split",
+                    help="inflight.bench.placement: where the threads run")
     args = ap.parse_args()
     load, t0 = [round(os.getloadavg()[0], 2)], time.perf_counter()
     base = resolve_model(args.model)
@@ -282,18 +288,20 @@ def main() -> None:
     c = checks(rows)
     print(f"{model}, adapter rank {args.rank}, every {args.every} steps, {args.steps} steps per mode in {args.rounds} "
           f"rounds; vLLM's in-place reload moved greedy log-probs by >= {reload_change:.3g} at each reload")
-    print(f"load average (1 min) at start / end: {load[0]} / {load[1]} ({os.cpu_count()} cores, placement {args.placement})")
+    print(f"load average (1 min) at start / end: {load[0]} / {load[1]} ({os.cpu_count()} cores, placement "
+          f"{args.placement})")
     print(" | ".join(COLS))
     for r in rows:
         print(" | ".join(str(r[k]) for k in COLS))
     for r in rows:
         if r["mode"] != "none":
             print(f"{r['engine']} {r['mode']}, step-paired: vs none {r['paired_vs_none']}, lost "
-                  f"{r['paired_lost_ms_per_update']} ms/update; per round: {r['round_vs_none']}, {r['round_lost_ms']} ms")
+                  f"{r['paired_lost_ms_per_update']} ms/update; per round: {r['round_vs_none']}, "
+                  f"{r['round_lost_ms']} ms")
     print(f"(a) inflight-lora tokens/s vs none's on its engine: {c['a_vs_none']} (target >= 0.97): "
           f"{['FAIL', 'PASS'][c['a_pass']]}")
-    print(f"(b) inflight-lora decode lost per update {c['b_lost_ms']} ms vs native-full's {c['b_native_full_lost_ms']} ms: "
-          f"{100 * c['b_frac']:.2f}% (target <= 5%): {['FAIL', 'PASS'][c['b_pass']]}")
+    print(f"(b) inflight-lora decode lost per update {c['b_lost_ms']} ms vs native-full's "
+          f"{c['b_native_full_lost_ms']} ms: {100 * c['b_frac']:.2f}% (target <= 5%): {['FAIL', 'PASS'][c['b_pass']]}")
     print(json.dumps({"bench": "inflight-lora", "device": "cpu", "model": model, "rank": args.rank, **run,
                       "placement": args.placement,
                       "concurrency": args.concurrency, "load_1m": load, "wall_s": round(time.perf_counter() - t0, 1),

@@ -33,7 +33,8 @@ def compare(rows: list[dict]) -> None:
         capped = [g for g in r["_quiet"] if g > cap]
         robust = sum(min(g, cap) for g in r["_quiet"]) + sum(r["_events"])
         r["capped_steps"] = len(capped)
-        none_rate = ceiling["tokens"] / sum(min(g, cap) for g in ceiling["_quiet"])  # tokens/s, none's steps capped alike
+        # tokens/s, none's steps capped alike
+        none_rate = ceiling["tokens"] / sum(min(g, cap) for g in ceiling["_quiet"])
         lost_robust = robust - r["tokens"] / none_rate
         r["lost_ms_per_update_capped"] = round(1e3 * lost_robust / r["updates"], 1) if r["updates"] else None
     for r in rows:
@@ -48,7 +49,8 @@ def plot(rows: list[dict], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [r for r in rows if not r["mode"].startswith("none") and r["updates"] and not str(r["group"]).startswith("routing")]
+    shown = [r for r in rows
+             if not r["mode"].startswith("none") and r["updates"] and not str(r["group"]).startswith("routing")]
     fig, axes = plt.subplots(1, 2, figsize=(14, 0.8 + 0.28 * len(shown)))
     labels = [f"{r['model']} [{r['engine']} engine] every {r['every']} {r['mode']} (-> {r['steps_per_update']})"
               for r in shown]

@@ -50,7 +50,7 @@ def main() -> None:
             y = torch.randint(0, v, (n,), device=device)
             row = {"tokens": n, "vocab": v, "dtype": str(dtype)[6:]}
             for impl in impls:
-                def step() -> None:
+                def step(z=z, y=y, impl=impl) -> None:
                     lp, ent = logprob_entropy(z, y, impl=impl)  # type: ignore[arg-type]
                     (lp.sum() + ent.sum()).backward()
                     z.grad = None
@@ -70,7 +70,8 @@ def main() -> None:
     for r in rows:
         print(" ".join(f"{r[c]!s:>18}" for c in cols))
     print(json.dumps({"bench": "kernels", "device": str(device), "rows": rows}))
-    bench_loss(args.loss_tokens or ([1 << 20, 1 << 23] if device.type == "cuda" else [1 << 16, 1 << 20]), device, args.reps)
+    bench_loss(args.loss_tokens or ([1 << 20, 1 << 23] if device.type == "cuda" else [1 << 16, 1 << 20]), device,
+               args.reps)
 
 
 def bench_loss(sizes: list[int], device: torch.device, reps: int) -> None:
@@ -84,7 +85,8 @@ def bench_loss(sizes: list[int], device: torch.device, reps: int) -> None:
         for objective in ("reinforce", "ppo"):
             row = {"tokens": n, "objective": objective}
             for impl in impls:
-                def step() -> None:
+                def step(logp=logp, mu=mu, adv=adv, mask=mask, n=n, lag=lag, objective=objective,
+                         impl=impl) -> None:
                     loss, _ = tis_loss(logp, mu, adv, mask, float(n), lag=lag, lag_decay=0.9,
                                        objective=objective, impl=impl)  # type: ignore[arg-type]
                     loss.backward()

@@ -1,6 +1,7 @@
 """Where one in-flight update's staging time goes, phase by phase.
 
-    python -m inflight.bench.profile_staging [--model smollm2] [--updates 4] [--steps 96] [--concurrency 32] [--no-load-plan]
+    python -m inflight.bench.profile_staging [--model smollm2] [--updates 4] [--steps 96] [--concurrency 32]
+                                             [--no-load-plan]
 
 One in-process engine on the model and a trainer process (``inflight.bench.inflight.Bench``). The
 listener's phases are wrapped with timers that read, for the calling thread, the wall
@@ -132,7 +133,8 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=4, help="updates per condition")
     ap.add_argument("--steps", type=int, default=96, help="decode steps between updates (decoding condition)")
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--no-load-plan", action="store_true", help="without the load plan: vLLM's loaders into fresh shadows")
+    ap.add_argument("--no-load-plan", action="store_true",
+                    help="without the load plan: vLLM's loaders into fresh shadows")
     add_results_option(ap, "profile_staging")
     args = ap.parse_args()
     run = run_record("profile_staging")  # the command, its start and the git revision
@@ -143,8 +145,8 @@ def main() -> None:
     rec = Recorder()
     order = install(rec)
     load = os.getloadavg()[0]
-    result: dict = {"bench": "profile_staging", **run, "updates": args.updates, "model": args.model, "load_plan": not args.no_load_plan,
-                    "load_1m": round(load, 2)}
+    result: dict = {"bench": "profile_staging", **run, "updates": args.updates, "model": args.model,
+                    "load_plan": not args.no_load_plan, "load_1m": round(load, 2)}
     with tempfile.TemporaryDirectory() as tmp:
         bench = Bench(args.model, Path(tmp), args.concurrency, seed=0, listener_nice=19)
         result["params"] = bench.params
@@ -181,14 +183,17 @@ def main() -> None:
         bench.close()
     result["load_1m_end"] = round(os.getloadavg()[0], 2)
     path = "load plan, reused buffers" if result["load_plan"] else "vLLM loaders, fresh shadows (before)"
-    show(f"{path}; idle engine, {args.model} ({result['params'] / 1e6:.1f} M params), load {load:.1f}", result["idle"], order)
+    show(f"{path}; idle engine, {args.model} ({result['params'] / 1e6:.1f} M params), load {load:.1f}", result["idle"],
+         order)
     trainer = result["idle_trainer"]
     print(f"  trainer: send {trainer['send_ms']} ms, push (announce to committed) {trainer['push_ms']} ms")
     print(f"  CPU per update, all threads: engine process {trainer['engine_process_cpu_ms']} ms, trainer's send "
-          f"{trainer['trainer_send_cpu_ms']} ms; on {os.cpu_count()} cores staging cannot take less than {trainer['floor_ms']} ms")
+          f"{trainer['trainer_send_cpu_ms']} ms; on {os.cpu_count()} cores staging cannot take less than "
+          f"{trainer['floor_ms']} ms")
     print(f"  page faults per update in the engine process: {trainer['engine_minor_faults']} "
           f"({trainer['engine_minor_faults'] * resource.getpagesize() / 2**20:.0f} MiB first touched)")
-    show(f"engine decoding {args.concurrency} requests ({result['decoding_updates']} updates)", result["decoding"], order)
+    show(f"engine decoding {args.concurrency} requests ({result['decoding_updates']} updates)", result["decoding"],
+         order)
     print(json.dumps(result))
     append_result(args.results, result)
 

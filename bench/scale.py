@@ -1,6 +1,7 @@
 """At scale, on paper: in-flight updates vs pause-based and batch-boundary sync for a fleet.
 
-    inflight bench scale [--configs bench/scenarios/*.toml] [--png docs/scale.png]   (or: python -m inflight.bench.scale ...)
+    inflight bench scale [--configs bench/scenarios/*.toml] [--png docs/scale.png]
+                                                                (or: python -m inflight.bench.scale ...)
     inflight bench scale calibrate [--parts link engine push]   # the CPU replay's micro-benchmarks (scale_calibrate)
     inflight bench scale predict                                 # its predictions, before the runs (scale_replay)
     inflight bench scale record LOG [LOG ...]                    # the inflight.bench.inflight runs they are judged on
@@ -91,7 +92,8 @@ def scenario_rows(s: Scenario) -> list[dict]:
                     "step_ms": round(1e3 * p.step(p.slots), 1), "updates": r.updates,
                     "span_s": round(r.span_s / r.updates, 2) if r.commits and r.updates else None,
                     "lost_s_per_update": round(lost, 3), "lag_mean": round(r.lag_mean, 2),
-                    "lag_p50": r.lag_quantile(0.5), "lag_p90": r.lag_quantile(0.9), "lag_max": max(r.lag_hist, default=0)}
+                    "lag_p50": r.lag_quantile(0.5), "lag_p90": r.lag_quantile(0.9),
+                    "lag_max": max(r.lag_hist, default=0)}
         rows.append(row)
     return rows
 
@@ -159,7 +161,8 @@ def sweeps(s: Scenario) -> dict:
             continue
         by_len = [gain(s.replace(lengths=s.lengths.scaled(f)), v) for f in LENGTH_FACTORS]
         by_period = [gain(s.replace(every_s=p), v) for p in PERIODS_S]
-        out[place] = {"variant": v, "by_length": [round(g, 4) for g in by_len], "by_period": [round(g, 4) for g in by_period],
+        out[place] = {"variant": v, "by_length": [round(g, 4) for g in by_len],
+                      "by_period": [round(g, 4) for g in by_period],
                       "length_factor_crossover": crossover(LENGTH_FACTORS, by_len),
                       "period_s_crossover": crossover(PERIODS_S, by_period)}
     return out
@@ -177,7 +180,8 @@ def print_tables(moved: list[dict], published: list[dict], rows: list[dict], lay
               "of it whole tensors GB", "x S / TP", "with rollback GB"],
              [[m["scenario"], m["tp"], m["checkpoint_gb"], m["link_gb"], m["rank_gb"], m["rank_whole_gb"],
                m["rank_over_even"], m["rank_rollback_gb"]] for m in moved])
-    systems, names = list(dict.fromkeys(p["system"] for p in published)), dict.fromkeys(p["scenario"] for p in published)
+    systems, names = (list(dict.fromkeys(p["system"] for p in published)),
+                      dict.fromkeys(p["scenario"] for p in published))
     markdown(["scenario"] + [f"{x}: GB/s, pause s" for x in systems],
              [[name] + [f"{p['engine_gbps']:g}, {p['pause_s']}" for x in systems for p in published
                         if p["scenario"] == name and p["system"] == x] for name in names])
@@ -186,8 +190,9 @@ def print_tables(moved: list[dict], published: list[dict], rows: list[dict], lay
         fits, updates = r["fits"], r["variant"] != "none"
         body.append([r["scenario"] if r["scenario"] != last else "", r["variant"],
                      r["slots"] if fits else "", f"{100 * r['kv_lost']:.0f}%" if fits else "",
-                     f"{r['tok_s']:,}" if fits else r["note"], r.get("vs_none"), r["stall_s"] if fits and updates else "",
-                     r.get("lost_s_per_update") if updates else "", f"{r['lag_mean']:.2f} / {r['lag_p90']}" if fits else "",
+                     f"{r['tok_s']:,}" if fits else r["note"], r.get("vs_none"),
+                     r["stall_s"] if fits and updates else "", r.get("lost_s_per_update") if updates else "",
+                     f"{r['lag_mean']:.2f} / {r['lag_p90']}" if fits else "",
                      r["staging_gb_gpu"] or "", r["host_gb_node"] or ""])
         last = r["scenario"]
     markdown(["scenario", "mode", "slots per engine", "KV lost", "fleet tokens/s", "vs none", "stall s / update",
@@ -198,7 +203,8 @@ def print_tables(moved: list[dict], published: list[dict], rows: list[dict], lay
              [[c["scenario"], c["variant"], c["pause_per_hour"],
                f"{c['pause_lag_mean']} / {c['pause_lag_p90']}, {c['pause_lag_mean_s']}",
                c["inflight_per_hour"] or "none: fewer tokens/s at every cadence",
-               f"{c['lag_mean']} / {c['lag_p90']}, {c['lag_mean_s']}" if c["inflight_per_hour"] else ""] for c in cadences])
+               f"{c['lag_mean']} / {c['lag_p90']}, {c['lag_mean_s']}" if c["inflight_per_hour"] else ""]
+              for c in cadences])
 
 
 def plot(rows: list[dict], swept: list[dict], checks: list[dict], png: Path) -> None:
@@ -270,8 +276,10 @@ def main() -> None:
         return replay(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", nargs="+", type=Path, default=scenario_paths(SCENARIOS))
-    ap.add_argument("--predictions", type=Path, default=PREDICTIONS, help="the CPU replay's predictions (scale predict)")
-    ap.add_argument("--runs", type=Path, default=RUNS, help="the inflight.bench.inflight runs they are judged on (scale record)")
+    ap.add_argument("--predictions", type=Path, default=PREDICTIONS,
+                    help="the CPU replay's predictions (scale predict)")
+    ap.add_argument("--runs", type=Path, default=RUNS,
+                    help="the inflight.bench.inflight runs they are judged on (scale record)")
     ap.add_argument("--png", type=Path, default=Path("docs/scale.png"))
     ap.add_argument("--links-png", type=Path, default=Path("docs/scale_links.png"))
     args = ap.parse_args()

@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
                 del bench
     if "push" in args.parts:
         if "engine" not in data:
-            raise SystemExit("calibrate: the push part needs the engine part's decode step model first (--parts engine)")
+            raise SystemExit("calibrate: the push part needs the engine part's decode step model first "
+                             "(--parts engine)")
         old = data.get("push", {}).get("by_rate", {})
         data["push"] = {"by_rate": old | push_part(data["engine"]["step"], tuple(args.push_rates))["by_rate"]}
     load.append(round(os.getloadavg()[0], 1))

@@ -43,7 +43,8 @@ VARIANTS = ("none", "batch", "pause", "inflight", "inflight_host", "inflight_sha
 LAYERED = ("inflight_layer", "inflight_host_layer")
 BUILT = tuple(v for v in VARIANTS if v not in LAYERED)  # the shard modes: the engine's shard-targeted transfer
 GB = 1e9
-SCENARIOS = Path(__file__).resolve().parent / "scenarios"  # package data: inflight.bench.scale runs from an installed wheel too
+# package data: inflight.bench.scale runs from an installed wheel too
+SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 TRANSFERS = "transfers.toml"  # the published update times, beside the scenarios: not a scenario
 LINKS = "links.toml"  # slower links between the pools (scale_links), beside them: not a scenario either
 
@@ -57,7 +58,8 @@ def _check_positive(obj: object, *, allow_zero: tuple[str, ...] = ()) -> None:
         v = getattr(obj, f.name)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             if v < 0 or (v == 0 and f.name not in allow_zero):
-                raise ValueError(f"{type(obj).__name__}.{f.name}={v} must be {'>= 0' if f.name in allow_zero else '> 0'}")
+                raise ValueError(f"{type(obj).__name__}.{f.name}={v} must be "
+                                 f"{'>= 0' if f.name in allow_zero else '> 0'}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -98,7 +98,8 @@ def link_rows(s: Scenario, links: list[LinkSpec], sparse_ratio: float) -> list[d
                 row[m] = round(r.tok_s / none.tok_s, 3) if r is not None and none is not None else None
                 stall = plan(at, best if m == "inflight" else m).update.stall_s if r else None
                 row[f"{m}_stall_s"] = round(stall, 3) if r else None
-                row[f"{m}_per_hour"] = round(3600 / (at.updates.every_s + (stall if m != "inflight" else 0.0)), 2) if r else None
+                row[f"{m}_per_hour"] = (round(3600 / (at.updates.every_s + (stall if m != "inflight" else 0.0)), 2)
+                                        if r else None)
             ranked = sorted((m for m in MODES if row[m]), key=lambda m: -row[m])
             row["winner"] = ranked[0] if ranked else None
             row["margin"] = round(row[ranked[0]] / row[ranked[1]], 3) if len(ranked) > 1 else None
@@ -112,9 +113,12 @@ def links_table(rows: list[dict]) -> tuple[list[str], list[list[object]]]:
             "pause: stall s, updates / h, vs none", "batch: vs none", "winner, x runner-up"]
     body, last = [], None
     for r in rows:
-        body.append([r["scenario"].split(",")[0] if r["scenario"] != last else "", r["link"], r["wire"], r["engine_gbps"],
-                     f"{r['inflight_per_hour']}, {r['inflight']} ({r['inflight_variant']})" if r["inflight"] else "does not fit",
-                     f"{r['pause_stall_s']}, {r['pause_per_hour']}, {r['pause']}", r["batch"], f"{r['winner']}, x{r['margin']}"])
+        body.append([r["scenario"].split(",")[0] if r["scenario"] != last else "", r["link"], r["wire"],
+                     r["engine_gbps"],
+                     f"{r['inflight_per_hour']}, {r['inflight']} ({r['inflight_variant']})" if r["inflight"]
+                     else "does not fit",
+                     f"{r['pause_stall_s']}, {r['pause_per_hour']}, {r['pause']}", r["batch"],
+                     f"{r['winner']}, x{r['margin']}"])
         last = r["scenario"]
     return head, body
 

@@ -141,7 +141,8 @@ class Update:
         if self.mode not in UPDATE_MODES:
             raise ValueError(f"Update.mode={self.mode!r} is not one of {UPDATE_MODES}")
         if self.mode != "none" and (self.every_steps > 0) == (self.every_s > 0):
-            raise ValueError(f"Update({self.mode}): give exactly one of every_steps={self.every_steps}, every_s={self.every_s}")
+            raise ValueError(f"Update({self.mode}): give exactly one of every_steps={self.every_steps}, "
+                             f"every_s={self.every_s}")
         for name in ("stall_s", "stage_s", "stage_cost_s", "every_s", "every_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Update.{name}={getattr(self, name)} must be >= 0")

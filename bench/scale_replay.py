@@ -1,8 +1,10 @@
 """``inflight.bench.inflight`` on this CPU, replayed from separately measured parameters: the
 predictions ``bench.scale`` is judged on, and the judging.
 
-    python -m inflight.bench.scale predict [--calibration bench/scale_calibration.json]   # -> bench/scale_predictions.json
-    python -m inflight.bench.scale record LOG [LOG ...]      # bench.inflight's last JSON line -> bench/scale_slow_link_runs.json
+    python -m inflight.bench.scale predict [--calibration bench/scale_calibration.json]
+        # -> bench/scale_predictions.json
+    python -m inflight.bench.scale record LOG [LOG ...]
+        # bench.inflight's last JSON line -> bench/scale_slow_link_runs.json
 
 The parameters come from ``scale_calibrate``'s micro-benchmarks (``bench/scale_calibration.json``),
 never from the runs predicted: the decode step of the SmolLM2 engine against the context its
@@ -38,7 +40,8 @@ from pathlib import Path
 from inflight.bench.run_record import run_record
 
 HERE = Path(__file__).resolve().parent
-CALIBRATION, PREDICTIONS, RUNS = HERE / "scale_calibration.json", HERE / "scale_predictions.json", HERE / "scale_slow_link_runs.json"
+CALIBRATION, PREDICTIONS, RUNS = (HERE / "scale_calibration.json", HERE / "scale_predictions.json",
+                                  HERE / "scale_slow_link_runs.json")
 PROMPT_TOKENS, LOW, HIGH = 8, 16, 512  # inflight.bench.paired: PROMPT, max_tokens = randint(16, 512)
 # The judged runs: each the committed command of inflight.bench.inflight whose fresh output the lead records.
 COMMAND = "python -m inflight.bench.inflight --model smollm2 --sizes --concurrency 32 --placement split"
@@ -226,7 +229,8 @@ def predict(cal: dict) -> dict:
     preds = {}
     for rate in SETTINGS:
         if rate == "loopback" or rate in cal["link"]["achieved_Bps"]:
-            preds[rate] = {"command": command(rate), "params": vars(params(cal, rate)), "modes": predict_rate(cal, rate)}
+            preds[rate] = {"command": command(rate), "params": vars(params(cal, rate)),
+                           "modes": predict_rate(cal, rate)}
     return {"band": {"floors": FLOORS, "lost_floor_of_period": LOST_FLOOR}, "expected_misses": EXPECTED_MISSES,
             "predictions": preds}
 

@@ -100,7 +100,8 @@ class Arch:
             else:  # Qwen3-MoE: every decoder_sparse_step-th layer, but for mlp_only_layers
                 step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers", ()))
                 moe = [i for i in range(layers) if experts and i not in dense and (i + 1) % step == 0]
-            return cls(model_type=mt, hidden_size=cfg["hidden_size"], num_hidden_layers=layers, num_attention_heads=heads,
+            return cls(model_type=mt, hidden_size=cfg["hidden_size"], num_hidden_layers=layers,
+                       num_attention_heads=heads,
                        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
                        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
                        intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],

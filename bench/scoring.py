@@ -342,7 +342,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=576, help="timed engine steps per mode, over all rounds")
     ap.add_argument("--rounds", type=int, default=18)
     ap.add_argument("--placement", choices=["split", "shared"], default="split",
-                    help="inflight.bench.placement: the engine on one core, the scoring processes on the other; or shared")
+                    help="inflight.bench.placement: the engine on one core, the scoring processes on the other; or "
+                         "shared")
     ap.add_argument("--out", default="runs/scoring", help="results.json goes here")
     add_results_option(ap, "scoring")
     ap.add_argument("--png", default="docs/scoring.png", help="the figure ('' for none)")
@@ -375,7 +376,9 @@ def main() -> None:
                             output_kind=RequestOutputKind.FINAL_ONLY)
 
     def scorer(sleep_s: float) -> EpisodeRollout:
-        cfg = config_from_dict({"rollout": {"group_size": GROUP}, "task": {"name": "inflight.bench.scoring:make", "completion_tokens": args.completion_tokens,
+        cfg = config_from_dict({"rollout": {"group_size": GROUP},
+                                "task": {"name": "inflight.bench.scoring:make",
+                                         "completion_tokens": args.completion_tokens,
                                          "options": {"completion_tokens": args.completion_tokens, "sleep_s": sleep_s,
                                                      "cpu": args.verifier == "cpu"},
                                          "scoring": {"workers": args.workers, "timeout_s": 10 * args.sleep_s + 30}}})
@@ -411,8 +414,9 @@ def main() -> None:
     scoring_cores = len(cpus) if cpus else (os.cpu_count() or 1)  # split: the trainer's core; shared: every core
     capacity = verifier_rate(args.workers, args.sleep_s, args.verifier == "cpu", scoring_cores)
     covered = capacity >= group_rate
-    print(f"{model}: verifier {args.sleep_s} s per group ({args.verifier}), {args.workers} scoring workers, {args.groups_in_flight} "
-          f"groups of {GROUP} x {args.completion_tokens} tokens, {args.steps // args.rounds} timed steps per mode "
+    print(f"{model}: verifier {args.sleep_s} s per group ({args.verifier}), {args.workers} scoring workers, "
+          f"{args.groups_in_flight} groups of {GROUP} x {args.completion_tokens} tokens, "
+          f"{args.steps // args.rounds} timed steps per mode "
           f"in each of {args.rounds} rounds, placement {args.placement}; load average (1 min) at the start, "
           f"after each round: {load}")
     for row in rows:

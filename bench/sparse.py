@@ -118,7 +118,8 @@ def xor_compressed(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], 
     bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
     def encode():
-        return {n: compress((t.view(bits[t.dtype]) ^ base[n].view(bits[t.dtype])).numpy().tobytes()) for n, t in new.items()}
+        return {n: compress((t.view(bits[t.dtype]) ^ base[n].view(bits[t.dtype])).numpy().tobytes())
+                for n, t in new.items()}
     blobs, enc_ms = timed(encode)
 
     def decode():
@@ -163,10 +164,12 @@ def main() -> None:
     if args.before and args.after:
         rows = compare(args.before, args.after, getattr(torch, args.dtype))
         print(f"\n{rows[0]['changed']} of {rows[0]['elements']} elements changed "
-              f"({rows[0]['changed'] / rows[0]['elements']:.4f}) in {args.dtype}; dense {rows[0]['dense_bytes'] / 1e6:.1f} MB\n")
+              f"({rows[0]['changed'] / rows[0]['elements']:.4f}) in {args.dtype}; dense "
+              f"{rows[0]['dense_bytes'] / 1e6:.1f} MB\n")
         print("| encoding | MB | of dense | encode ms | rebuild ms |\n| --- | --- | --- | --- | --- |")
         for r in rows:
-            print(f"| {r['encoding']} | {r['bytes'] / 1e6:.2f} | {r['of_dense']:.3f} | {r['encode_ms']} | {r['decode_ms']} |")
+            print(f"| {r['encoding']} | {r['bytes'] / 1e6:.2f} | {r['of_dense']:.3f} | {r['encode_ms']} | "
+                  f"{r['decode_ms']} |")
         out["encodings"] = rows
     if "run" not in out and "encodings" not in out:
         ap.error("give --run, or --before and --after")

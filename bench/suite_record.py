@@ -1,7 +1,8 @@
 """Record one ``make test`` run, for the README's suite row: its pytest summary, its wall time,
 the revision it ran and the load, appended to ``bench/results/suite.jsonl``.
 
-    python -m inflight.bench.suite_record LOG --started 2026-11-30T14:45:00Z --wall-s 2550 --clone fresh [--load 1.2 2.0] [--git REV]
+    python -m inflight.bench.suite_record LOG --started 2026-11-30T14:45:00Z --wall-s 2550 --clone fresh
+                                          [--load 1.2 2.0] [--git REV]
 
 ``LOG`` is the run's output; its last line is pytest's summary (``N passed, M skipped ... in S s``).
 """
@@ -21,7 +22,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "suite.jsonl"
 def summary(text: str) -> dict[str, float]:
     """pytest's last summary line: each outcome's count and the seconds it reports."""
     line = next(x for x in reversed(text.splitlines()) if re.search(r"\b(passed|failed)\b.* in [\d.]+s", x))
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", line)}
+    counts = {k: int(n)
+              for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", line)}
     return {"passed": 0, "failed": 0, "skipped": 0, **counts,
             "tests_s": float(re.search(r" in ([\d.]+)s", line).group(1))}
 

@@ -27,7 +27,8 @@ def pushes(rows: list[dict], engines: int) -> dict[str, int]:
     and how many of them every one of the ``engines`` committed (ranks 1..engines)."""
     landed = [p for r in rows for p in r.get("pushes_landed", [])]
     every = set(range(1, engines + 1))
-    return {"engines": engines, "landed": len(landed), "on_every_engine": sum(set(ranks) == every for _, ranks in landed)}
+    return {"engines": engines, "landed": len(landed),
+            "on_every_engine": sum(set(ranks) == every for _, ranks in landed)}
 
 
 def train(config: str, sets: list[str], out: Path) -> float:

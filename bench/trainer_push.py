@@ -78,7 +78,8 @@ def _memory_rows(pusher, model, named, pushes: int) -> list[dict]:
         t0 = time.perf_counter()
         result = pusher.push(version, model)
         rows.append({"version": version, "extra_mib": (sampler.stop() - before) / MiB,
-                     "push_s": time.perf_counter() - t0, "read_s": result.send.read_s, "sent_mib": result.send.nbytes / MiB})
+                     "push_s": time.perf_counter() - t0, "read_s": result.send.read_s,
+                     "sent_mib": result.send.nbytes / MiB})
     return rows
 
 
@@ -201,7 +202,8 @@ def main() -> None:
         print(f"| {s['step_alone_s']:.2f} | {s['step_with_push_s']:.2f} | {s['read_wait_s']:.2f} "
               f"| {s['push_async_return_s']:.3f} | {s['snapshot_s']:.2f} |")
     print(json.dumps(report))
-    append_result(args.results, {"bench": "trainer_push", **run, "load_1m": [round(load, 2), round(os.getloadavg()[0], 2)],
+    append_result(args.results, {"bench": "trainer_push", **run,
+                                 "load_1m": [round(load, 2), round(os.getloadavg()[0], 2)],
                                  "bucket_mb": args.bucket_mb, **report})
 
 

@@ -91,7 +91,8 @@ def _groups(step: int, vocab: int) -> list:
 
     g = torch.Generator().manual_seed(step)
     return [RolloutGroup(group_id=f"{step}-{i}", samples=tuple(RolloutSample(
-        sample_id=f"{step}-{i}-{j}", group_id=f"{step}-{i}", prompt_ids=torch.randint(vocab, (32,), generator=g).tolist(),
+        sample_id=f"{step}-{i}-{j}", group_id=f"{step}-{i}",
+        prompt_ids=torch.randint(vocab, (32,), generator=g).tolist(),
         token_ids=torch.randint(vocab, (64,), generator=g).tolist(), logprobs=[-2.0] * 64, versions=[0] * 64,
         reward=float(j % 2)) for j in range(4))) for i in range(4)]
 

@@ -103,9 +103,10 @@ def main() -> None:
     pusher.close()
     peer.join(60)
 
-    cols = ["model_mb", "bucket_mb", "buckets", "raw_mb_s", "bucketed_mb_s", "ratio", "push_mb_s", "pack_ms", "ms_per_gb"]
-    print(f"backend={pusher.group.backend}  reps={args.reps}  (medians; bucketed = data plane incl. packing, headers, checksums;"
-          " push = announce..commit)")
+    cols = ["model_mb", "bucket_mb", "buckets", "raw_mb_s", "bucketed_mb_s", "ratio", "push_mb_s", "pack_ms",
+            "ms_per_gb"]
+    print(f"backend={pusher.group.backend}  reps={args.reps}  (medians; bucketed = data plane incl. packing, "
+          "headers, checksums; push = announce..commit)")
     print(" ".join(f"{c:>13}" for c in cols))
     for r in rows:
         print(" ".join(f"{r[c]:>13}" for c in cols))

@@ -38,8 +38,8 @@ def engine_problems(vllm_config: Any, spec: AdapterSpec) -> list[str]:
         return ["InflightConfig.adapter is set but LoRA is off (engine_kwargs(adapter=...) enables it)"]
     problems = []
     if lc.max_loras != 1 or (lc.max_cpu_loras or lc.max_loras) != 1:
-        problems.append(f"max_loras={lc.max_loras}, max_cpu_loras={lc.max_cpu_loras}: an adapter engine has one slot and "
-                        "caches one adapter, the policy's (another would evict it)")
+        problems.append(f"max_loras={lc.max_loras}, max_cpu_loras={lc.max_cpu_loras}: an adapter engine has one slot "
+                        "and caches one adapter, the policy's (another would evict it)")
     if lc.fully_sharded_loras:
         problems.append("fully_sharded_loras=True is not supported in flight")
     shape = spec.shape()
@@ -59,16 +59,16 @@ class RequestRefused(ValueError):
 def check_request(request_id: str, lora_request: Any, spec: AdapterSpec) -> None:
     """Refuse a request that does not decode with the policy adapter, as it is live."""
     if lora_request is None:
-        raise RequestRefused(request_id, f"inflight: request {request_id} names no adapter; this engine serves the policy adapter "
-                         f"{spec.name!r} (id {spec.int_id}) in flight, and every request must name it "
+        raise RequestRefused(request_id, f"inflight: request {request_id} names no adapter; this engine serves the "
+                         f"policy adapter {spec.name!r} (id {spec.int_id}) in flight, and every request must name it "
                          f"(inflight.engine.client.policy_lora; model={spec.name!r} on vllm serve)")
     if lora_request.lora_int_id != spec.int_id or lora_request.lora_name != spec.name:
         raise RequestRefused(request_id, f"inflight: request {request_id} names adapter {lora_request.lora_name!r} (id "
                          f"{lora_request.lora_int_id}); this engine serves only the policy adapter {spec.name!r} "
                          f"(id {spec.int_id}), which another adapter would evict from its one slot")
     if getattr(lora_request, "load_inplace", False):
-        raise RequestRefused(request_id, f"inflight: request {request_id} asks to reload the policy adapter from disk (load_inplace); "
-                         "its versions arrive in flight, and a reload would serve the file's")
+        raise RequestRefused(request_id, f"inflight: request {request_id} asks to reload the policy adapter from disk "
+                         "(load_inplace); its versions arrive in flight, and a reload would serve the file's")
 
 
 def start_adapter(model_runner: Any, spec: AdapterSpec) -> tuple[TensorSchema, LoRASlotStrategy]:

@@ -91,12 +91,12 @@ def check_engine(vllm_config: Any, config: InflightConfig, scheduler: Any = None
     pc = vllm_config.parallel_config
     problems = []
     if vllm_config.scheduler_config.async_scheduling and config.record_routing:
-        problems.append("record_routing needs async_scheduling=False: routing is read after a step's forward, and under "
-                        "async scheduling the next batch's forward has already run by then")
+        problems.append("record_routing needs async_scheduling=False: routing is read after a step's forward, and "
+                        "under async scheduling the next batch's forward has already run by then")
     if pc.pipeline_parallel_size != 1:
-        problems.append(f"pipeline_parallel_size={pc.pipeline_parallel_size} is not supported: vLLM's batch queue keeps "
-                        "up to pp_size batches in flight, so there is no step boundary at which every stage is idle "
-                        "(scale with tensor parallelism or more engines)")
+        problems.append(f"pipeline_parallel_size={pc.pipeline_parallel_size} is not supported: vLLM's batch queue "
+                        "keeps up to pp_size batches in flight, so there is no step boundary at which every stage is "
+                        "idle (scale with tensor parallelism or more engines)")
     if pc.data_parallel_size != 1:
         problems.append(f"data_parallel_size={pc.data_parallel_size} is not supported: run one in-flight engine per "
                         "data-parallel replica, each with its own ranks in the weight group")
@@ -248,7 +248,8 @@ class CommitCoordinator:
         failed = {r.rank: r.error for r in results if not r.ok}
         if not failed:
             if not final:
-                kept = [as_result(r, WorkerSettleResult) for r in executor.collective_rpc("inflight_confirm", args=(version,))]
+                kept = [as_result(r, WorkerSettleResult)
+                        for r in executor.collective_rpc("inflight_confirm", args=(version,))]
                 unkept = {r.rank: r.error for r in kept if not r.ok}
                 if unkept:  # cannot happen unless a worker lost track: its live version is unknown
                     raise EngineBroken(f"commit of v{version} applied but not kept on ranks {sorted(unkept)}: {unkept}")
@@ -261,15 +262,18 @@ class CommitCoordinator:
                 raise EngineBroken(f"v{version} is live but invalidating the prefix cache failed: {e!r}") from e
             ms = 1e3 * (time.perf_counter() - t0)
             self.history.append(CommitRecord(version, via, self.steps, True, results, part, parts))
-            return EngineCommitted(version=version, step=self.steps, commit_ms=ms, tokens_at_commit=self._output_tokens(),
-                                   part=part, parts=parts, label=str(self.label))
+            return EngineCommitted(version=version, step=self.steps, commit_ms=ms,
+                                   tokens_at_commit=self._output_tokens(), part=part, parts=parts,
+                                   label=str(self.label))
         applied = [r.rank for r in results if r.applied]
         reason = "; ".join(f"worker rank {r}: {e}" for r, e in sorted(failed.items()))
         if applied:
-            back = [as_result(r, WorkerSettleResult) for r in executor.collective_rpc("inflight_rollback", args=(version,))]
+            back = [as_result(r, WorkerSettleResult)
+                    for r in executor.collective_rpc("inflight_rollback", args=(version,))]
             stuck = {r.rank: r.error for r in back if not r.ok}
             if stuck:
-                raise EngineBroken(f"commit of v{version} failed ({reason}) and rollback failed on ranks {sorted(stuck)}: {stuck}")
+                raise EngineBroken(f"commit of v{version} failed ({reason}) and rollback failed on ranks "
+                                   f"{sorted(stuck)}: {stuck}")
             reason += f"; rolled back on ranks {applied}"
         self.history.append(CommitRecord(version, via, self.steps, False, results, part, parts))
         log.warning("inflight: commit of v%d refused on engine %s: %s; still serving v%d",
@@ -342,7 +346,8 @@ class CommitCoordinator:
                         store.delete_key(k)
                     why = self._refusal(ready)
                     if why:
-                        outcome: Any = EngineCommitFailed(version=ready.version, reason=why, live_version=self.live_version)
+                        outcome: Any = EngineCommitFailed(version=ready.version, reason=why,
+                                                          live_version=self.live_version)
                     else:
                         outcome = self._request(ready)
                         if outcome is None:

@@ -167,8 +167,8 @@ class InflightConfig:
         if self.staged_groups not in (1, 2):
             raise ValueError(f"InflightConfig.staged_groups={self.staged_groups} must be 1 or 2")
         if self.adapter is not None and (self.commit not in ("auto", "lora") or self.commit_unit != "model"):
-            raise ValueError(f"InflightConfig.commit={self.commit!r}, commit_unit={self.commit_unit!r} with an adapter: "
-                             "adapter updates commit whole, into the adapter slot ('auto' or 'lora', 'model')")
+            raise ValueError(f"InflightConfig.commit={self.commit!r}, commit_unit={self.commit_unit!r} with an "
+                             "adapter: adapter updates commit whole, into the adapter slot ('auto' or 'lora', 'model')")
         if self.adapter is None and self.commit == "lora":
             raise ValueError("InflightConfig.commit='lora' needs InflightConfig.adapter (the policy adapter's spec)")
         if self.keep_base and self.commit_unit == "layer":
@@ -306,6 +306,7 @@ def engine_kwargs(*, reserve_staging: StagingIntent | InflightConfig | None = No
         intent = reserve_staging if isinstance(reserve_staging, StagingIntent) else StagingIntent.of(reserve_staging)
         additional = overrides.get("additional_config") or {}
         if not isinstance(additional, dict):
-            raise ValueError(f"engine_kwargs: additional_config={additional!r} must be a dict to carry the staging intent")
+            raise ValueError(f"engine_kwargs: additional_config={additional!r} must be a dict to carry the staging "
+                             "intent")
         kwargs["additional_config"] = {**additional, STAGING_INTENT_KEY: intent.to_dict()}
     return kwargs

@@ -59,14 +59,15 @@ def planned_need(schema: TensorSchema, strategy: CommitStrategy, plan: ShardPlan
     landing on ``data`` (the weight group's data plane): one accounting for the set-aside and
     for the reservation at ``inflight_start``, so the two agree."""
     pool_device = data if staging == "device" else torch.device("cpu")
-    where: StagingPlace = "device" if pool_device.type == engine.type else "host"  # gloo beside a GPU stages on the host
+    # gloo beside a GPU stages on the host
+    where: StagingPlace = "device" if pool_device.type == engine.type else "host"
     rollback_copy = keep_rollback and strategy.name not in ("swap", "lora")  # they roll back by module, by slot image
     groups, window = getattr(strategy, "groups", ()), getattr(strategy, "window", 0)  # a layer-granular swap
     if groups:
         rollback_copy = False
-    return staging_need(schema, plan=plan, staging=where, rollback_copy=rollback_copy, commit_bytes=strategy.held_bytes(),
-                        commit=strategy.name, bucket_bytes=bucket_bytes, plane_cuda=data.type == "cuda", mac=mac,
-                        groups=groups, window=window, base_copy=keep_base)
+    return staging_need(schema, plan=plan, staging=where, rollback_copy=rollback_copy,
+                        commit_bytes=strategy.held_bytes(), commit=strategy.name, bucket_bytes=bucket_bytes,
+                        plane_cuda=data.type == "cuda", mac=mac, groups=groups, window=window, base_copy=keep_base)
 
 
 def intended_need(worker: Any, intent: StagingIntent) -> StagingNeed:

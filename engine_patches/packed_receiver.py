@@ -191,12 +191,14 @@ class PackedReceiver:
     def _starts(self, job: WireUpdate) -> dict[str, tuple[int, ...]] | None:
         if not self.boxes:
             return None
-        return {n: tuple(self.boxes[n].start) if n in self.boxes else (0,) * len(s) for n, s in zip(job.names, job.shapes)}
+        return {n: tuple(self.boxes[n].start) if n in self.boxes else (0,) * len(s)
+                for n, s in zip(job.names, job.shapes)}
 
     def _land_all(self, job: WireUpdate, views: dict[str, torch.Tensor]) -> None:
         """Each chunk (or, unpacked, each tensor) as it arrives, into ``views``."""
         sizes = [nbytes_of(s, d) for s, d in zip(job.shapes, job.dtypes)]
-        groups = chunk_plan(sizes, self.buffer_size_bytes) if self.packed else [range(i, i + 1) for i in range(len(sizes))]
+        groups = (chunk_plan(sizes, self.buffer_size_bytes) if self.packed
+                  else [range(i, i + 1) for i in range(len(sizes))])
         refused: list[str] = []
         lengths = [sum(sizes[i] for i in chunk) for chunk in groups]
         landing = torch.empty(max(lengths, default=0), dtype=torch.uint8, device=self.device)  # one per update

@@ -126,7 +126,8 @@ def _wrap_collective_rpc(original_rpc: Any) -> Any:
 
             from inflight.engine.rpc import WorkerStatus, as_result
 
-            results = [msgspec.structs.replace(as_result(r, WorkerStatus), engine=coordinator.status()) for r in results]
+            results = [msgspec.structs.replace(as_result(r, WorkerStatus), engine=coordinator.status())
+                       for r in results]
         return results
 
     return collective_rpc

@@ -6,9 +6,9 @@ fixed when it arrives and name its tokens, its LoRA adapter and its salt, never 
 weights; the lookup happens once, when the scheduler admits it (``get_computed_blocks``);
 a full block enters the block pool's hash index when it is *scheduled* (``allocate_slots``
 -> ``coordinator.cache_blocks``), and its forward runs before the next step boundary (under
-async scheduling the batch in flight reaches each worker ahead of the commit). So at a commit, between two steps, every block in the index holds KV
-of the weights being replaced, and a request that holds KV keeps filling blocks whose
-contents depend on it. vLLM's own ``reset_prefix_cache()`` refuses while any request runs.
+async scheduling the batch in flight reaches each worker ahead of the commit). So at a commit, between two steps,
+every block in the index holds KV of the weights being replaced, and a request that holds KV keeps filling blocks
+whose contents depend on it. vLLM's own ``reset_prefix_cache()`` refuses while any request runs.
 
 ``PrefixCacheGuard.on_commit`` runs inside the commit window (the coordinator's step lock,
 the engine thread, before the next ``schedule``) and:

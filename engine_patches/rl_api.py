@@ -45,7 +45,8 @@ ATTR = "_inflight_rl_api"
 WORKER_METHODS = {"start_weight_update": "inflight_rl_start", "update_weights": "inflight_rl_update",
                   "finish_weight_update": "inflight_rl_finish"}
 """vLLM's worker methods and the worker extension's methods they become on this backend."""
-METHODS = {*WORKER_METHODS, "init_weight_transfer_engine", "start_draft_weight_update", "shutdown_weight_transfer_engine"}
+METHODS = {*WORKER_METHODS, "init_weight_transfer_engine", "start_draft_weight_update",
+           "shutdown_weight_transfer_engine"}
 
 
 @dataclass
@@ -77,7 +78,8 @@ def config_of(init_info: Any) -> InflightConfig:
     if isinstance(init_info, (str, bytes)):
         return InflightConfig.from_json(init_info)
     if not isinstance(init_info, dict):
-        raise RLApiError(f"inflight: init_info must be an InflightConfig as a JSON object, not {type(init_info).__name__}")
+        raise RLApiError(f"inflight: init_info must be an InflightConfig as a JSON object, not "
+                         f"{type(init_info).__name__}")
     return InflightConfig.from_json(msgspec.json.encode(init_info))
 
 
@@ -119,13 +121,13 @@ def _settled(rpc: Callable[..., list[Any]], method: str, kwargs: dict[str, Any] 
     raise RLApiError("; ".join(reasons))
 
 
-def _init(core: Any, kwargs: dict[str, Any], rpc: Callable[..., list[Any]], start: Callable[[InflightConfig], list[Any]],
-          coordinator: Any) -> list[Any]:
+def _init(core: Any, kwargs: dict[str, Any], rpc: Callable[..., list[Any]],
+          start: Callable[[InflightConfig], list[Any]], coordinator: Any) -> list[Any]:
     ext = core.vllm_config.parallel_config.worker_extension_cls
     if ext != WORKER_EXTENSION:
         raise RLApiError(f"inflight: the inflight backend needs the worker extension: start the engine with "
-                         f"worker_extension_cls={WORKER_EXTENSION!r} (--worker-extension-cls; engine_kwargs() sets it), "
-                         f"not {ext!r}")
+                         f"worker_extension_cls={WORKER_EXTENSION!r} (--worker-extension-cls; engine_kwargs() sets "
+                         f"it), not {ext!r}")
     init_info = (kwargs or {}).get("init_info")
     if is_packed_wire(init_info):
         config = wire_config(core, init_info)
@@ -137,7 +139,8 @@ def _init(core: Any, kwargs: dict[str, Any], rpc: Callable[..., list[Any]], star
     if coordinator is None:
         return start(config)
     if coordinator.config != config:
-        differ = [f.name for f in fields(InflightConfig) if getattr(config, f.name) != getattr(coordinator.config, f.name)]
+        differ = [f.name for f in fields(InflightConfig)
+                  if getattr(config, f.name) != getattr(coordinator.config, f.name)]
         raise RLApiError(f"inflight: init_weight_transfer_engine twice with another config (fields {differ} differ): "
                          "this engine serves one weight group; restart it to join another")
     # a restarted trainer: its workers rejoin the new store by themselves; an update the last
@@ -193,6 +196,7 @@ def check_label(core: Any, weight_version: Any, coordinator: Any) -> None:
                          "the integer version that sampled it") from None
     announced = state(core).announced
     if version != coordinator.live_version and version != announced:
-        raise RLApiError(f"inflight: weight_version={version} names no update: the engine serves v{coordinator.live_version}"
+        raise RLApiError(f"inflight: weight_version={version} names no update: the engine serves "
+                         f"v{coordinator.live_version}"
                          f"{'' if announced is None else f' and was told of v{announced}'}; the label moves to an "
                          "announced version at its commit")

@@ -98,7 +98,8 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
                 raise RLApiError(f"inflight: the trainer's group failed ({self._receiver.broken}): call "
                                  "init_weight_transfer_engine again")
             if (refused := self._receiver.take_refusal()) is not None:
-                raise RLApiError(f"inflight: {refused}; this engine serves v{self._live()} (start again to send the next)")
+                raise RLApiError(f"inflight: {refused}; this engine serves v{self._live()} (start again to send the "
+                                 "next)")
         self._session = _Session()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -193,7 +194,8 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
             dtype = getattr(torch, str(dname), None)
             own_name = self._schema.tensors[name][1]
             own = torch_dtype(own_name)
-            if not isinstance(dtype, torch.dtype) or not (dtype == own or (dtype.is_floating_point and own.is_floating_point)):
+            if (not isinstance(dtype, torch.dtype)
+                    or not (dtype == own or (dtype.is_floating_point and own.is_floating_point))):
                 raise RLApiError(f"inflight: v{info.version}: {name} travels as {dname!r}, which this engine cannot "
                                  f"take into its {own_name} (a float converts to any float; anything else must match)")
             dtypes.append(dtype)
@@ -207,8 +209,8 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
         assert self._schema is not None
         live = self._live()
         if info.version <= max(live, self._newest):
-            raise RLApiError(f"inflight: update_info.version={info.version} is not newer than v{max(live, self._newest)} "
-                             f"(this engine serves v{live}): versions only move forward")
+            raise RLApiError(f"inflight: update_info.version={info.version} is not newer than "
+                             f"v{max(live, self._newest)} (this engine serves v{live}): versions only move forward")
         tensors = self._schema.tensors
         unknown = [n for n in info.names if n not in tensors]
         if unknown:

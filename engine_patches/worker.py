@@ -107,14 +107,16 @@ class InflightWorkerExtension:
             schema, strategy = start_adapter(self.model_runner, config.adapter)
         else:
             schema = engine_schema(self.model_runner)
-            strategy = make_strategy(self.model_runner, config.commit, schema, quantized=vc.model_config.quantization is not None,
+            strategy = make_strategy(self.model_runner, config.commit, schema,
+                                    quantized=vc.model_config.quantization is not None,
                                     eager=vc.model_config.enforce_eager, commit_unit=config.commit_unit,
                                     window=config.staged_groups)
         from inflight.engine.routing import RoutingRecorder
 
         self._inflight_routing = RoutingRecorder(self.model_runner) if config.record_routing else None
         plan = strategy.shard_plan()  # what this rank's loaders read, sent to the trainer in each hello
-        pool, need = self._inflight_reserve(config, schema, strategy, device, budget, node_workers, secret is not None, plan)
+        pool, need = self._inflight_reserve(config, schema, strategy, device, budget, node_workers, secret is not None,
+                                            plan)
         target = EngineTarget(strategy, config, rank, device)
         target.execution_thread = threading.get_ident()  # collective RPCs run on the execution thread
         self._inflight_target = target
@@ -138,8 +140,8 @@ class InflightWorkerExtension:
                            plan_digest="" if plan is None else plan.digest,
                            routing=None if routing is None else (routing.layers, routing.top_k))
 
-    def _inflight_reserve(self, config: InflightConfig, schema: TensorSchema, strategy: CommitStrategy, device: torch.device,
-                          budget: MemoryBudget, node_workers: int, mac: bool,
+    def _inflight_reserve(self, config: InflightConfig, schema: TensorSchema, strategy: CommitStrategy,
+                          device: torch.device, budget: MemoryBudget, node_workers: int, mac: bool,
                           plan: ShardPlan | None) -> tuple[StagingPool, StagingNeed]:
         """Check that everything staging holds fits where it will live (``inflight.memory``),
         then allocate it now, at its exact size."""
@@ -155,14 +157,15 @@ class InflightWorkerExtension:
         pool = StagingPool(data if config.staging == "device" else torch.device("cpu"), pin=need.where == "host",
                            keep_base=config.keep_base)
         pool.reserve(need.update_bytes, need.copies)
-        pool.windows = BucketWindows.reserve(bucket_bytes, data, landing=data.type == "cuda" and need.where == "host", mac=mac)
+        pool.windows = BucketWindows.reserve(bucket_bytes, data, landing=data.type == "cuda" and need.where == "host",
+                                             mac=mac)
         if any(p.what == "rollback copy" for p in need.parts):
             # what a failed first commit restores, read now: never from disk inside the stall
             vc = self.vllm_config.model_config
             flat = pool.take(need.update_bytes)
             # with a shard plan the copy holds this rank's boxes, as the updates it stages do
-            pool.previous = StagedVersion(None, flat, 0, read_checkpoint_into(checkpoint_dir(vc.model, vc.revision), schema,
-                                                                              flat, plan))
+            pool.previous = StagedVersion(None, flat, 0, read_checkpoint_into(checkpoint_dir(vc.model, vc.revision),
+                                                                              schema, flat, plan))
         return pool, need
 
     def _inflight_serve(self, config: InflightConfig, schema: TensorSchema, rank: int, plan: ShardPlan | None) -> None:
@@ -202,7 +205,8 @@ class InflightWorkerExtension:
             log.info("inflight: rank %d joined generation %s serving v%d", rank, group.identity, target.live_version)
             target.channel = group.sub_store(f"{ENGINE_CHANNEL}/{self._inflight_engine_id}")
             target.incarnation = group.incarnation
-            self._inflight_listener = UpdateListener(group, target, schema, stats=stats, stale_timeout_s=config.stale_timeout_s,
+            self._inflight_listener = UpdateListener(group, target, schema, stats=stats,
+                                                     stale_timeout_s=config.stale_timeout_s,
                                                      check_finite=config.check_finite, pool=self._inflight_pool,
                                                      plan=plan, staged_groups=config.staged_groups)
             try:
@@ -238,7 +242,8 @@ class InflightWorkerExtension:
         init does; commits go through this engine's own channel (a store EngineCore hosts)."""
         assert config.wire is not None
         device = self._inflight_data_device(config)
-        wire = join_wire(config.wire, self.vllm_config.parallel_config, device, config.stale_timeout_s, self._inflight_stop)
+        wire = join_wire(config.wire, self.vllm_config.parallel_config, device, config.stale_timeout_s,
+                         self._inflight_stop)
         target.channel = config.group.connect(f"{ENGINE_CHANNEL}/{self._inflight_engine_id}")
         return PackedReceiver(wire, packed=config.wire.packed, buffer_size_bytes=config.wire.packed_buffer_size_bytes,
                               target=target, schema=schema, pool=self._inflight_pool, plan=plan,
@@ -283,7 +288,8 @@ class InflightWorkerExtension:
             if isinstance(info, list):
                 workers = self.vllm_config.parallel_config.world_size
                 if len(info) != workers:
-                    raise RLApiError(f"inflight: update_info is a list of {len(info)}; this engine has {workers} workers")
+                    raise RLApiError(f"inflight: update_info is a list of {len(info)}; this engine has {workers} "
+                                     "workers")
                 info = info[self.rank]
             engine.update_weights(info)
             return engine.open_version
@@ -325,7 +331,8 @@ class InflightWorkerExtension:
             started=True, rank=target.rank, joined=listener is not None, listening=self._inflight_thread.is_alive(),
             generation=listener.group.identity if listener else None, live_version=target.live_version,
             model_steps=target.model_steps, committed=stats.committed, rejections=dict(stats.rejections),
-            rejoins=stats.rejoins, dropped_staging=stats.dropped_staging, aborted=stats.aborted, last_error=stats.last_error,
+            rejoins=stats.rejoins, dropped_staging=stats.dropped_staging, aborted=stats.aborted,
+            last_error=stats.last_error,
             commits=tuple(target.commits), staging_peak_bytes=self._inflight_pool.peak_bytes)
 
     def inflight_stop(self) -> None:
@@ -383,6 +390,6 @@ def _refuse_sampling_defaults(model_config: Any) -> None:
     if transforms:
         raise RuntimeError(
             f"inflight: this engine applies sampling defaults from {model_config.generation_config!r} "
-            f"({', '.join(transforms)}) to every request that does not set them, and the trainer's log-probs apply only "
-            "what the run sets: start the engine with generation_config='vllm' (engine_kwargs() does; "
+            f"({', '.join(transforms)}) to every request that does not set them, and the trainer's log-probs apply "
+            "only what the run sets: start the engine with generation_config='vllm' (engine_kwargs() does; "
             "`--generation-config vllm` for vllm serve)")

@@ -67,7 +67,8 @@ class AdapterShape:
         config_file, weights_file = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
         for f in (config_file, weights_file):
             if not f.is_file():
-                raise ValueError(f"inflight: the adapter directory {path} has no {f.name} (write it with PEFT's save_pretrained)")
+                raise ValueError(f"inflight: the adapter directory {path} has no {f.name} (write it with PEFT's "
+                                 "save_pretrained)")
         raw = json.loads(config_file.read_text())
         problems = []
         if raw.get("peft_type", "LORA") != "LORA":
@@ -82,11 +83,13 @@ class AdapterShape:
             problems.append("trainable_token_indices (embedding rows are not an adapter slot)")
         targets = raw.get("target_modules")
         if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
-            problems.append(f"target_modules={targets!r} (need an explicit list of module names, e.g. ['q_proj', 'v_proj'])")
+            problems.append(f"target_modules={targets!r} (need an explicit list of module names, e.g. "
+                            "['q_proj', 'v_proj'])")
             targets = []
         bad = sorted(t for t in targets if any(u in t for u in UNSUPPORTED_TARGETS))
         if bad:
-            problems.append(f"target_modules {bad} (embedding, LM head and expert adapters are not supported in flight)")
+            problems.append(f"target_modules {bad} (embedding, LM head and expert adapters are not supported in "
+                            "flight)")
         ranks = [raw.get("r"), *(raw.get("rank_pattern") or {}).values()]
         if not all(type(r) is int and r >= 1 for r in ranks):
             problems.append(f"r={raw.get('r')!r}, rank_pattern={raw.get('rank_pattern')!r} (ranks must be ints >= 1)")

@@ -77,7 +77,8 @@ class LayerGroups:
         names = set(names)
         found = {self.index[n] for n in names if n in self.index}
         if len(found) != 1:
-            raise ValueError(f"a layer group's update must hold one group's tensors; these reach groups {sorted(found)}")
+            raise ValueError(f"a layer group's update must hold one group's tensors; these reach groups "
+                             f"{sorted(found)}")
         g = found.pop()
         if names != set(self.groups[g]):
             raise ValueError(f"layer group {g}: missing {sorted(set(self.groups[g]) - names)[:3]}, "

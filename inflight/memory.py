@@ -115,7 +115,8 @@ class StagingNeed:
         return sum(p.nbytes for p in self.parts if p.place == place or device.type == "cpu")
 
     def describe(self, place: StagingPlace | None = None, device: torch.device | None = None) -> str:
-        parts = [p for p in self.parts if place is None or p.place == place or (device is not None and device.type == "cpu")]
+        parts = [p for p in self.parts
+                 if place is None or p.place == place or (device is not None and device.type == "cpu")]
         total = sum(p.nbytes for p in parts)
         items = ", ".join(f"{p.what} {p.nbytes / GiB:.2f}" for p in parts if p.nbytes)
         return f"{total / GiB:.2f} GiB ({items})"
@@ -309,5 +310,6 @@ class BucketWindows:
         """The windows a GPU data plane needs (None where buckets land in the staging buffer)."""
         if plane.type != "cuda" or not (landing or mac):
             return None
-        return cls(bucket_bytes, [torch.empty(bucket_bytes, dtype=torch.uint8, device=plane) for _ in range(2 if landing else 0)],
+        return cls(bucket_bytes,
+                   [torch.empty(bucket_bytes, dtype=torch.uint8, device=plane) for _ in range(2 if landing else 0)],
                    pinned_exact(bucket_bytes) if mac else None)

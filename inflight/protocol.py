@@ -6,9 +6,11 @@ channel's types. No pickle on the wire. Channels:
 - frames (trainer -> workers, in-band on the data plane): ``BucketHeader`` + bytes, or one ``Abort``
 - replies (each worker -> trainer, on the store): ``Accepted`` | ``Staged`` | ``Rejected`` | ``Committed``
 - rollouts (engine -> trainer, the rollout queue): ``RolloutGroup`` of ``RolloutSample``; ``EngineReport``
-- trainer ranks (rank 0 <-> the others, ``inflight.trainer.ranks``): ``TrainerSetup`` | ``TrainerOrder`` | ``TrainerSave`` | ``TrainerStop``; ``TrainerPart``
-- engine (each worker <-> its engine's commit coordinator, on the store): ``CommitReady`` | ``EngineCommitted`` | ``EngineCommitFailed``;
-  the coordinator's ``collective_rpc`` results: ``WorkerCommitResult``, ``WorkerSettleResult``; a commit's ``CommitInfo``
+- trainer ranks (rank 0 <-> the others, ``inflight.trainer.ranks``): ``TrainerSetup`` | ``TrainerOrder`` |
+  ``TrainerSave`` | ``TrainerStop``; ``TrainerPart``
+- engine (each worker <-> its engine's commit coordinator, on the store): ``CommitReady`` | ``EngineCommitted`` |
+  ``EngineCommitFailed``; the coordinator's ``collective_rpc`` results: ``WorkerCommitResult``,
+  ``WorkerSettleResult``; a commit's ``CommitInfo``
 
 One update (two-phase): ``UpdateAnnounce(v)`` -> ``Accepted``/``Rejected`` from every worker
 -> each bucket's frame if all accepted, else one ``Abort`` frame -> ``Staged``/``Rejected`` ->
@@ -35,8 +37,9 @@ ModelDtype = Literal["float32", "bfloat16"]
 CastDtype = Literal[ModelDtype, "float16"]
 """The dtypes a push may cast weights to (``PushConfig.dtype``)."""
 WireDtype = Literal[CastDtype, "float64", "float8_e4m3fn", "float8_e5m2", "int64", "int32", "int8", "uint8", "bool"]
-DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
-                                  "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1}  # float8: an FP8 checkpoint's
+DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
+                                  "float8_e4m3fn": 1, "float8_e5m2": 1,  # float8: an FP8 checkpoint's
+                                  "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1}
 ALIGN = 64
 """Every tensor's offset in an update's byte stream is a multiple of this many bytes (a cache
 line; every wire dtype's size divides it), and so is every bucket's size."""
@@ -293,7 +296,8 @@ class Joined(Wire, tag="joined"):
     wire_dtypes: dict[str, str] = {}
     """Tensors an update carries in a dtype of their own (not the push's), by name: fp32 ones of a bf16 engine."""
     keeps_base: bool = False
-    """This worker keeps its live version's bytes (``InflightConfig.keep_base``): sparse updates against it can rebuild."""
+    """This worker keeps its live version's bytes (``InflightConfig.keep_base``): sparse updates against it can
+    rebuild."""
 
 
 class Accepted(Wire, tag="accepted"):
@@ -481,8 +485,8 @@ class Sampling(Struct, frozen=True, forbid_unknown_fields=True):
 
     def transforms(self) -> list[str]:
         """The transforms beyond temperature that are on, as ``name=value``."""
-        off = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "repetition_penalty": (1.0,), "presence_penalty": (0.0,),
-               "frequency_penalty": (0.0,)}
+        off = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "repetition_penalty": (1.0,),
+               "presence_penalty": (0.0,), "frequency_penalty": (0.0,)}
         return [f"{name}={getattr(self, name)}" for name, neutral in off.items() if getattr(self, name) not in neutral]
 
 

@@ -36,7 +36,8 @@ def labels_from_spans(spans: Iterable[Span] | None, num_tokens: int) -> list[str
     labels: list[str] = []
     for span in spans:
         if span.start != len(labels) or span.end < span.start:
-            raise VersionTagError(f"span {span.version}@[{span.start},{span.end}) does not continue at token {len(labels)}")
+            raise VersionTagError(f"span {span.version}@[{span.start},{span.end}) does not continue at token "
+                                  f"{len(labels)}")
         labels.extend([span.version] * (span.end - span.start))
     if len(labels) != num_tokens:
         raise VersionTagError(f"spans cover {len(labels)} tokens, completion has {num_tokens}")

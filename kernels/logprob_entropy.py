@@ -126,9 +126,9 @@ def _torch_forward(z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torc
         # e d is 0 where d = -inf (0 * -inf is nan)
         t = e.mul_(d.clamp_(min=torch.finfo(torch.float32).min)).sum(-1)
         log_s = s.log()
-        l = m[:, 0] + log_s
-        lse[i:i + step] = l
-        logp[i:i + step] = zc.gather(-1, y[i:i + step, None])[:, 0] - l
+        lse_c = m[:, 0] + log_s
+        lse[i:i + step] = lse_c
+        logp[i:i + step] = zc.gather(-1, y[i:i + step, None])[:, 0] - lse_c
         ent[i:i + step] = log_s - t / s
     return logp, ent, lse
 
@@ -166,7 +166,8 @@ class _LogprobEntropy(torch.autograd.Function):
         return bwd(z, y, lse, ent, g_logp, g_ent), None, None
 
 
-def logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, *, impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
+                    impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(..., V) logits, (...) int targets -> float32 (...) log-probs and entropies, differentiable.
 
     ``auto`` uses Triton on CUDA and the chunked torch path elsewhere.
@@ -181,7 +182,8 @@ def logprob_entropy(logits: torch.Tensor, targets: torch.Tensor, *, impl: Impl =
     lead = logits.shape[:-1]
     z = logits.reshape(-1, logits.shape[-1]).contiguous()
     y = targets.reshape(-1).to(torch.int64).contiguous()
-    lo, hi = torch.stack(torch.aminmax(y)).tolist() if y.numel() else (0, 0)  # one host sync: the kernels read z[y] unchecked
+    # one host sync: the kernels read z[y] unchecked
+    lo, hi = torch.stack(torch.aminmax(y)).tolist() if y.numel() else (0, 0)
     if not 0 <= lo <= hi < z.shape[1]:
         raise ValueError(f"targets hold {lo}..{hi}, outside the vocabulary 0..{z.shape[1] - 1} "
                          "(mask padding with a valid id, e.g. the pad token, not -100)")

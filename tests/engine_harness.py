@@ -68,7 +68,8 @@ class Harness:
         self.group = GroupConfig(port=port, world_size=2, timeout_s=timeout_s)
         try:
             self.start_report = start_inflight(self.llm, InflightConfig(  # type: ignore[arg-type]
-                group=self.group, commit=commit, keep_rollback=keep_rollback, keep_base=keep_base, commit_unit=commit_unit))
+                group=self.group, commit=commit, keep_rollback=keep_rollback, keep_base=keep_base,
+                commit_unit=commit_unit))
             self.pusher = WeightPusher(self.group, PushConfig(dtype=dtype, bucket_mb=0.25))
         except BaseException:
             # Tear the engine down now (e.g. the pusher could not host the group's store):
@@ -136,7 +137,8 @@ def _fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = t
     for prefix, by_expert in experts.items():
         order = sorted(by_expert)
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_expert[e]["gate"], by_expert[e]["up"]]) for e in order])
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_expert[e]["gate"], by_expert[e]["up"]])
+                                                     for e in order])
         out[f"{prefix}.down_proj"] = torch.stack([by_expert[e]["down"] for e in order])
     return out
 
@@ -154,7 +156,8 @@ class Reference:
         with torch.no_grad():
             result = self.model.load_state_dict({k: v.to(self.model.dtype) for k, v in state.items()}, strict=False)
         tied = getattr(self.model.config, "tie_word_embeddings", False)
-        assert not result.unexpected_keys and set(result.missing_keys) <= ({"lm_head.weight"} if tied else set()), result
+        assert (not result.unexpected_keys
+                and set(result.missing_keys) <= ({"lm_head.weight"} if tied else set())), result
         return self
 
     @torch.no_grad()
@@ -262,7 +265,7 @@ def drive(llm: Any, coordinator: Any, prompts: Sequence[str], sp: Any, *, hold_a
         k = coordinator.commits() - base
         if k < len(hold_at) and coordinator.steps - start >= hold_at[k]:
             # an event (``wait_until`` only bounds a hang): the trainer's push becoming committable
-            wait_until(lambda: coordinator.commit_pending() or coordinator.commits() - base != k or release(),
+            wait_until(lambda k=k: coordinator.commit_pending() or coordinator.commits() - base != k or release(),
                        f"commit {k + 1} to be pending at the coordinator (held at engine step {hold_at[k]})",
                        poll_s=0.001)
         for out in engine.step():
@@ -284,7 +287,7 @@ class StepPushes:
         try:
             for k, mark in enumerate(at):
                 # an event (``wait_until`` only bounds a hang): the engine reaching the step
-                wait_until(lambda: steps() >= mark, f"engine step {mark} (push {k + 1})", poll_s=0.001)
+                wait_until(lambda mark=mark: steps() >= mark, f"engine step {mark} (push {k + 1})", poll_s=0.001)
                 self.results.append(push(k))
         except BaseException as e:  # noqa: BLE001  surfaced by ``join``
             self.errors.append(e)
@@ -348,7 +351,8 @@ async def stream_across_commits(engine: Any, push: Callable[[int], Any], version
     async def consume(i: int) -> tuple[str, list[int]]:
         sp = SamplingParams(temperature=1.0, max_tokens=1000, logprobs=0, ignore_eos=True, seed=i)
         rid, seen = f"req-{i}", []
-        async with contextlib.aclosing(stream_tagged(engine, f"{i}+{i}=", sp, rid, lora_request=lora_request)) as stream:
+        async with contextlib.aclosing(stream_tagged(engine, f"{i}+{i}=", sp, rid,
+                                                     lora_request=lora_request)) as stream:
             async for out, tags in stream:
                 assert tags[: len(seen)] == seen, "a streamed tag changed after it was reported"
                 assert len(tags) == len(out.outputs[0].token_ids)

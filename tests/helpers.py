@@ -125,7 +125,8 @@ def train_beside(cfg: TrainConfig, beside: Callable[[], None], *, kill_before_la
                 buffer.drain(version)
                 t.join(0.05)
             if t.is_alive():
-                raise AssertionError(f"the fault beside the run did not come by its last step: {beside.__doc__ or beside}")
+                raise AssertionError("the fault beside the run did not come by its last step: "
+                                     f"{beside.__doc__ or beside}")
             wait_until(lambda: self.fleet.restarts or self.fleet.exit_problem(), "the fleet to see the engine's death")
         return next_batch(self, buffer, version)
 
@@ -311,7 +312,8 @@ def random_groups(g: torch.Generator, n_groups: int, size: int) -> list[RolloutG
             obs = [bool(x) for x in (torch.rand(t, generator=g) < 0.25).tolist()]
             obs[0] = False
             samples.append(RolloutSample(
-                sample_id=f"g{gi}-{si}", group_id=f"g{gi}", prompt_ids=torch.randint(3, 250, (p,), generator=g).tolist(),
+                sample_id=f"g{gi}-{si}", group_id=f"g{gi}",
+                prompt_ids=torch.randint(3, 250, (p,), generator=g).tolist(),
                 token_ids=torch.randint(3, 250, (t,), generator=g).tolist(),
                 logprobs=[0.0 if o else float(x) for o, x in zip(obs, -torch.rand(t, generator=g) * 4)],
                 versions=sorted(torch.randint(0, 3, (t,), generator=g).tolist()),

@@ -57,7 +57,8 @@ def _bench(argv: list[str]) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="benchmarks:\n" + "\n".join(f"  {n:<16} {d}" for n, d in BENCHES.items()))
     ap.add_argument("name", choices=list(BENCHES), metavar="NAME", help="one of the benchmarks below")
-    ap.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="its own arguments (inflight bench NAME --help)")
+    ap.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
+                    help="its own arguments (inflight bench NAME --help)")
     args = ap.parse_args(argv)
     sys.stdout.flush()
     # its own interpreter, exactly as `python -m inflight.bench.NAME`: its argv, its __main__ (which the

@@ -56,7 +56,8 @@ class RunConfig:
         if not self.out_dir:
             object.__setattr__(self, "out_dir", f"runs/{self.name}")
         # jsonl always: the plot, the summary and a resumed run read metrics.jsonl
-        object.__setattr__(self, "report_to", tuple(self.report_to) if "jsonl" in self.report_to else ("jsonl", *self.report_to))
+        object.__setattr__(self, "report_to",
+                           tuple(self.report_to) if "jsonl" in self.report_to else ("jsonl", *self.report_to))
         if self.steps < 1:
             raise ValueError(f"run.steps={self.steps} must be >= 1")
         if self.checkpoint_every < 0:
@@ -205,7 +206,8 @@ class EngineConfig:
     """The vLLM engine process."""
 
     spawn: bool = True
-    """Start the engines from the trainer. False: start each yourself with ``python -m inflight.trainer.rollout.engine_process``."""
+    """Start the engines from the trainer. False: start each yourself with
+    ``python -m inflight.trainer.rollout.engine_process``."""
     count: int = 1
     """Engines in the fleet. Each samples its own groups into the one rollout queue."""
     tensor_parallel_size: int = 1
@@ -309,8 +311,10 @@ class TrainConfig:
 def _check_pause(cfg: TrainConfig) -> None:
     """``rollout.mode = "pause"`` runs vLLM's native update on one in-process engine: refuse,
     by name, every setting it does not cover."""
-    refused = {"engine.count": (cfg.engine.count, 1), "engine.tensor_parallel_size": (cfg.engine.tensor_parallel_size, 1),
-               "engine.commit_unit": (cfg.engine.commit_unit, "model"), "engine.launcher": (cfg.engine.launcher, "process"),
+    refused = {"engine.count": (cfg.engine.count, 1),
+               "engine.tensor_parallel_size": (cfg.engine.tensor_parallel_size, 1),
+               "engine.commit_unit": (cfg.engine.commit_unit, "model"),
+               "engine.launcher": (cfg.engine.launcher, "process"),
                "transport.encoding": (cfg.transport.encoding, "dense"), "model.lora.rank": (cfg.model.lora.rank, 0),
                "loss.routing_replay": (cfg.loss.routing_replay, False)}
     for key, (value, needed) in refused.items():
@@ -332,13 +336,14 @@ def group_config(cfg: TrainConfig, *, port: int, backend: Backend | None = None)
 
 def push_config(cfg: TrainConfig) -> PushConfig:
     """How the trainer packs and sends this run's pushes."""
-    return PushConfig(bucket_mb=cfg.transport.bucket_mb, dtype=cfg.model.dtype, reply_timeout_s=cfg.transport.reply_timeout_s,
-                      encoding=cfg.transport.encoding)
+    return PushConfig(bucket_mb=cfg.transport.bucket_mb, dtype=cfg.model.dtype,
+                      reply_timeout_s=cfg.transport.reply_timeout_s, encoding=cfg.transport.encoding)
 
 
 def inflight_config(cfg: TrainConfig, group: GroupConfig, *, rank: int, initial_version: int,
                     adapter: AdapterSpec | None = None) -> InflightConfig:
     """What engine ``rank``'s workers need to join ``group`` and commit this run's pushes."""
-    return InflightConfig(group=group, rank=rank, initial_version=initial_version, max_bucket_mb=cfg.transport.bucket_mb,
-                          stale_timeout_s=cfg.transport.stale_timeout_s, record_routing=cfg.loss.routing_replay,
-                          commit_unit=cfg.engine.commit_unit, adapter=adapter, keep_base=cfg.transport.encoding == "sparse")
+    return InflightConfig(group=group, rank=rank, initial_version=initial_version,
+                          max_bucket_mb=cfg.transport.bucket_mb, stale_timeout_s=cfg.transport.stale_timeout_s,
+                          record_routing=cfg.loss.routing_replay, commit_unit=cfg.engine.commit_unit, adapter=adapter,
+                          keep_base=cfg.transport.encoding == "sparse")

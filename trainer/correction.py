@@ -77,21 +77,21 @@ def m2po_keep(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> 
 
 def correction_masks(log_ratio: torch.Tensor, real: torch.Tensor, lag: torch.Tensor, cfg) -> Masks:
     """The masks of the module docstring; ``cfg`` is a ``inflight.trainer.config.LossConfig``."""
-    l = log_ratio.detach()
+    log_r = log_ratio.detach()
     real = real.float()
     keep_lag = real * (lag <= cfg.max_lag).float()
     keep_veto = keep_lag
     if cfg.veto:
-        bad = ((torch.exp(l) < cfg.veto_threshold).float() * keep_lag).sum(-1) > 0
+        bad = ((torch.exp(log_r) < cfg.veto_threshold).float() * keep_lag).sum(-1) > 0
         keep_veto = keep_lag * (~bad).float()[:, None]
     keep_seq = keep_veto
     if cfg.seq_mask != "off":
-        total = (l * keep_veto).sum(-1)
+        total = (log_r * keep_veto).sum(-1)
         log_rho = total / keep_veto.sum(-1).clamp(min=1) if cfg.seq_mask == "geometric" else total
         rho = torch.exp(log_rho.double())  # float64: a product ratio may leave float32's range
         inside = (rho >= cfg.seq_mask_low) & (rho <= cfg.seq_mask_high)
         keep_seq = keep_veto * inside.float()[:, None]
-    keep_m2 = m2po_keep(l, keep_seq, cfg.m2_threshold) if cfg.m2_threshold > 0 else keep_seq
+    keep_m2 = m2po_keep(log_r, keep_seq, cfg.m2_threshold) if cfg.m2_threshold > 0 else keep_seq
     return Masks(real=real, lag=keep_lag, veto=keep_veto, seq=keep_seq, m2po=keep_m2)
 
 
@@ -108,12 +108,12 @@ def correction_loss_reference(logp: torch.Tensor, mu: torch.Tensor, adv: torch.T
     """The per-token loss of docs/training.md in plain (B, T) torch with honest autograd: at the
     sequence level the gradient flows through s_i's mean (no GSPO-token rewrite), so the
     kernel's per-token shortcut can be checked against it. ``adv`` is (B, T)."""
-    l = logp - mu
+    log_r = logp - mu
     if level == "sequence":
-        rho = torch.exp(seq_log_ratio(l, mask))[:, None].expand_as(l)
-        lag = (lag.float() * mask).amax(-1, keepdim=True).expand_as(l)
+        rho = torch.exp(seq_log_ratio(log_r, mask))[:, None].expand_as(log_r)
+        lag = (lag.float() * mask).amax(-1, keepdim=True).expand_as(log_r)
     else:
-        rho = torch.exp(l)
+        rho = torch.exp(log_r)
     per_token, _ = objective_terms(rho, adv, logp, lag, **objective.kernel_args())
     return (per_token * mask).sum() / n_tokens
 

@@ -128,7 +128,8 @@ class EngineProcess:
         self.process: mp.process.BaseProcess | None = None
         self.restarts = 0
 
-    def start(self, model_dir: Path, model_version: int, wait_for_version: int, adapter_dir: Path | None = None) -> None:
+    def start(self, model_dir: Path, model_version: int, wait_for_version: int,
+              adapter_dir: Path | None = None) -> None:
         if not self.cfg.engine.spawn:
             return
         if self.restarts == 0 and not self.cfg.run.resume:  # a new run's log; a restart's or a resume's appends
@@ -138,7 +139,8 @@ class EngineProcess:
         # it sees its parent gone (``run_engine``), or at ``Fleet.stop``
         self.process = mp.get_context("spawn").Process(
             target=run_engine, name=f"inflight-engine-{self.index}", daemon=self.cfg.engine.tensor_parallel_size == 1,
-            args=(self.cfg, str(model_dir), self.host, self.port, self.index, model_version, wait_for_version, os.getpid()),
+            args=(self.cfg, str(model_dir), self.host, self.port, self.index, model_version, wait_for_version,
+                  os.getpid()),
             kwargs={"backend": self.placement.backend, "adapter_dir": None if adapter_dir is None else str(adapter_dir),
                     "cuda_devices": engine_share(self.placement.engine_devices, self.cfg.engine.count, self.index,
                                                  self.cfg.engine.tensor_parallel_size),
@@ -151,7 +153,8 @@ class EngineProcess:
         """Why the spawned engine is not running, or None (always None without ``spawn``)."""
         if self.process is None or self.process.is_alive():
             return None
-        return f"engine {self.index} (process {self.process.pid}) exited with code {self.process.exitcode} (log: {self.log_file})"
+        return (f"engine {self.index} (process {self.process.pid}) exited with code {self.process.exitcode} "
+                f"(log: {self.log_file})")
 
     def last_lines(self) -> str:
         """The end of its log, for a report of its exit."""
@@ -256,8 +259,8 @@ class Fleet:
         ``EngineLost`` naming the engine and the last line of its log, the rest of which the
         watcher printed; the other engines are stopped."""
         try:
-            return FleetPusher(group, self.cfg.engine.tp_sizes, push, join_timeout_s=self.cfg.transport.rejoin_timeout_s,
-                               stop=self.exited)
+            return FleetPusher(group, self.cfg.engine.tp_sizes, push,
+                               join_timeout_s=self.cfg.transport.rejoin_timeout_s, stop=self.exited)
         except InterruptedError:
             problems = [f"{problem}: {last_error(e.log_file)}" for e in self.engines
                         if (problem := e.exit_problem()) is not None]
@@ -312,8 +315,9 @@ class Fleet:
         behind = [e for e, by_rank in live.items() if all(v < version for v in by_rank.values())]
         if push_behind and behind:
             event["pushed"] = [version, self.ranks_of(self._push(pusher, version, weights, behind))]
-        event.update(version=version, members=self.ranks_of(pusher.live), back_after_s=round(time.time() - event["t"], 2),
-                     restarted=sorted(dead), serving=dict(sorted(self.serving(rejoined).items())))
+        event.update(version=version, members=self.ranks_of(pusher.live),
+                     back_after_s=round(time.time() - event["t"], 2), restarted=sorted(dead),
+                     serving=dict(sorted(self.serving(rejoined).items())))
         tqdm.write(f"inflight: fleet at v{version} with engines {pusher.live} (ranks {self.ranks_of(pusher.live)})")
         return version
 
@@ -362,13 +366,15 @@ class Fleet:
                                 done=lambda: len(pusher.live) == len(self.engines))
         self._count_drops(before, set(pusher.live))
         serving = self.serving(admitted)
-        tqdm.write(f"inflight: engines {sorted(admitted)} back in their weight groups (serving {dict(sorted(serving.items()))})")
+        tqdm.write(f"inflight: engines {sorted(admitted)} back in their weight groups (serving "
+                   f"{dict(sorted(serving.items()))})")
         return serving
 
     def _count_drops(self, before: set[int], after: set[int]) -> None:
         for e in sorted(before - after):
             self.drops += 1
-            tqdm.write(f"inflight: engine {e} left out of its weight group (silent for {self.cfg.transport.reply_timeout_s}s)")
+            tqdm.write(f"inflight: engine {e} left out of its weight group (silent for "
+                       f"{self.cfg.transport.reply_timeout_s}s)")
             log.warning("engine %d dropped from its weight group", e)
 
     def stop(self, timeout_s: float = 60.0) -> None:

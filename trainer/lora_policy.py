@@ -45,8 +45,8 @@ class LoRAOptions:
 
         bad = [t for t in self.target_modules if any(u in t for u in UNSUPPORTED_TARGETS)]
         if bad:
-            raise ValueError(f"model.lora.target_modules={list(self.target_modules)}: {bad} cannot be updated in flight "
-                             "(embedding, LM head and expert adapters)")
+            raise ValueError(f"model.lora.target_modules={list(self.target_modules)}: {bad} cannot be updated in "
+                             "flight (embedding, LM head and expert adapters)")
         if self.rank > VLLM_LORA_RANKS[-1]:
             raise ValueError(f"model.lora.rank={self.rank} > {VLLM_LORA_RANKS[-1]}, the largest vLLM serves")
 

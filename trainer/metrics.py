@@ -104,8 +104,8 @@ def after_first_commit(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The steps from the first whose samples carry a version this run pushed: the steps before
     it trained only on samples decoded before any of its commits, which cannot span versions."""
     start = rows[0]["version"] - 1 if rows else 0
-    first = next((i for i, r in enumerate(rows) if max(v for vs in r["versions_by_engine"].values() for v in vs) > start),
-                 len(rows))
+    first = next((i for i, r in enumerate(rows)
+                  if max(v for vs in r["versions_by_engine"].values() for v in vs) > start), len(rows))
     return rows[first:]
 
 
@@ -124,7 +124,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "reward_first_20pct": _mean([r["reward_mean"] for r in rows[:k]]),
         "reward_last_20pct": _mean([r["reward_mean"] for r in rows[-k:]]),
         "frac_samples_multi_version": _mean([r["frac_multi_version"] for r in rows]),
-        "frac_samples_multi_version_after_first_commit": _mean([r["frac_multi_version"] for r in after_first_commit(rows)]),
+        "frac_samples_multi_version_after_first_commit": _mean([r["frac_multi_version"]
+                                                                for r in after_first_commit(rows)]),
         "max_versions_per_sample": max((r.get("max_versions_per_sample", 1) for r in rows), default=1),
         "hybrid_token_frac": _mean([r.get("hybrid_token_frac", 0.0) for r in rows]),
         "stall_ms_mean": _mean(stalls),
@@ -188,7 +189,7 @@ def _ratio_of(a: float, b: float, empty: float = 0.0) -> float:
     return a / b if b > 0 else empty
 
 
-def correction_stats(l, w, rho, low, high, *, cand, final, real, seq_sel, seq_cand, seq_final, seq_real,
+def correction_stats(log_ratio, w, rho, low, high, *, cand, final, real, seq_sel, seq_cand, seq_final, seq_real,
                      catastrophic: float) -> dict:
     """Rollout-correction metrics of one selection of tokens and samples.
 
@@ -204,7 +205,7 @@ def correction_stats(l, w, rho, low, high, *, cand, final, real, seq_sel, seq_ca
     ``seq_real`` token that have no ``seq_final`` token. All masks (B, T); ``seq_sel`` (B,) bool.
     """
     c, f = cand > 0, final > 0
-    r = torch.exp(l[c].double())
+    r = torch.exp(log_ratio[c].double())
     n_c, n_f, n_real = int(c.sum()), int(f.sum()), float(real.sum())
     wf = w[f].double()
     out = {
@@ -212,7 +213,7 @@ def correction_stats(l, w, rho, low, high, *, cand, final, real, seq_sel, seq_ca
         "ratio_mean": float(r.mean()) if n_c else 1.0,
         "ratio_std": float(r.std(unbiased=False)) if n_c else 0.0,
         "chi2_token": float((r ** 2).mean() - 1) if n_c else 0.0,
-        "kl_mu_pi": float(((r - 1) - l[c].double()).mean()) if n_c else 0.0,
+        "kl_mu_pi": float(((r - 1) - log_ratio[c].double()).mean()) if n_c else 0.0,
         "catastrophic": float((r < catastrophic).double().mean()) if n_c else 0.0,
         "ess": _ratio_of(float(wf.sum() ** 2), n_f * float((wf ** 2).sum())),
         "ess_ratio": _ratio_of(float(r.sum() ** 2), n_c * float((r ** 2).sum())),
@@ -223,7 +224,7 @@ def correction_stats(l, w, rho, low, high, *, cand, final, real, seq_sel, seq_ca
     sc = seq_cand.double()
     n_tok = sc.sum(-1)
     sel = seq_sel & (n_tok > 0)
-    sum_l = (l.double() * sc).sum(-1)[sel]
+    sum_l = (log_ratio.double() * sc).sum(-1)[sel]
     n_seq = int(sel.sum())
     out["seqs"] = n_seq
     out["chi2_seq"] = float(torch.exp(2 * sum_l.clamp(-SEQ_LOG_BOUND, SEQ_LOG_BOUND)).mean() - 1) if n_seq else 0.0
@@ -233,7 +234,7 @@ def correction_stats(l, w, rho, low, high, *, cand, final, real, seq_sel, seq_ca
     return out
 
 
-def by_lag(l, w, rho, low, high, final, real, lag, catastrophic: float) -> dict[str, dict]:
+def by_lag(log_ratio, w, rho, low, high, final, real, lag, catastrophic: float) -> dict[str, dict]:
     """``correction_stats`` per lag bucket over every real token, lag-masked ones included
     (they show what a looser max_lag would let in); a sample falls in the bucket of its
     oldest token."""
@@ -244,8 +245,9 @@ def by_lag(l, w, rho, low, high, final, real, lag, catastrophic: float) -> dict[
         if in_b.sum() == 0:
             continue
         seq_sel = (seq_lag >= lo) & (seq_lag <= hi)
-        out[name] = correction_stats(l, w, rho, low, high, cand=in_b, final=final * in_b, real=in_b, seq_sel=seq_sel,
-                                     seq_cand=real, seq_final=final, seq_real=real, catastrophic=catastrophic)
+        out[name] = correction_stats(log_ratio, w, rho, low, high, cand=in_b, final=final * in_b, real=in_b,
+                                     seq_sel=seq_sel, seq_cand=real, seq_final=final, seq_real=real,
+                                     catastrophic=catastrophic)
     return out
 
 

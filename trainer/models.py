@@ -58,7 +58,8 @@ def resolve_model(path_or_name: str) -> Path:
         return Path(snapshot_download(path_or_name, allow_patterns=_WEIGHT_FILES))
     except LocalEntryNotFoundError as e:
         raise FileNotFoundError(f"model.path={path_or_name!r}: not in the local Hugging Face cache and the hub is "
-                                f"not reachable (HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {e}") from None
+                                f"not reachable (HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): "
+                                f"{e}") from None
 
 
 def smollm2_gguf() -> Path:

@@ -328,7 +328,8 @@ class Policy:
         for r in range(1, ranks.world):
             part = decode_trainer_part(ranks.receive_bytes(r))
             routed = (routed[0] + part.routing_rows, routed[1] + part.routing_differ)
-            shares.append((decode_floats(part.logp, part.rows, part.cols), decode_floats(part.entropy, part.rows, part.cols),
+            shares.append((decode_floats(part.logp, part.rows, part.cols),
+                           decode_floats(part.entropy, part.rows, part.cols),
                            decode_floats(part.ref, part.rows, part.cols) if part.ref else None))
         logp_all, entropy_all = torch.zeros_like(batch.behaviour_logp), torch.zeros_like(batch.behaviour_logp)
         ref_all = torch.zeros_like(batch.behaviour_logp) if cfg.loss.kl_coef else None

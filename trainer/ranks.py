@@ -226,7 +226,8 @@ class TrainerRanks:
             who = _first_line(e)
             silent = self._silent(store, step) if self.rank == 0 else []
             if silent:
-                who = f"trainer rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not answer ({who})"
+                who = (f"trainer rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not answer "
+                       f"({who})")
         return RankLost(f"step {step + 1}: a collective of the trainer's ranks failed ({_first_line(error)}); {who} "
                         f"(hung or gone; run.rank_timeout_s)")
 

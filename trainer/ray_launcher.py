@@ -50,7 +50,8 @@ def connect(address: str = "") -> None:
             os.environ.setdefault(WORKER_NICENESS, "0")
         # the actors import this package from the driver's working directory, as the processes do
         ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}})
+                 runtime_env={"env_vars": {
+                     "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}})
 
 
 class _EngineActor:
@@ -98,7 +99,8 @@ class RayEngine:
             bundle["GPU"] = float(self.cfg.engine.tensor_parallel_size)
         return bundle
 
-    def start(self, model_dir: Path, model_version: int, wait_for_version: int, adapter_dir: Path | None = None) -> None:
+    def start(self, model_dir: Path, model_version: int, wait_for_version: int,
+              adapter_dir: Path | None = None) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

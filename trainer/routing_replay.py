@@ -60,7 +60,8 @@ def collate_routing(groups: Sequence[RolloutGroup], input_ids: torch.Tensor, com
     missing = [s.sample_id for s in samples if not s.routing]
     if missing:
         raise ValueError(f"loss.routing_replay=true but samples {missing[:3]} carry no routing: the engine must "
-                         "record it (InflightConfig(record_routing=True); inflight.trainer.rollout.engine_process does when replay is on)")
+                         "record it (InflightConfig(record_routing=True); inflight.trainer.rollout.engine_process does "
+                         "when replay is on)")
     shapes = {(s.routing_layers, s.routing_k) for s in samples}
     if len(shapes) != 1:
         raise ValueError(f"samples of one batch carry routing of different shapes {sorted(shapes)}")
@@ -116,20 +117,23 @@ class RoutingReplay:
         rows replayed, and the fraction where the trainer's router would have chosen another
         set of experts than the engine did."""
         rows, differ = (a + b for a, b in zip(self.counts(), more))
-        return {"routing_replayed_rows": rows, "routing_mismatch": differ / rows if rows else 0.0} if self.enabled else {}
+        return ({"routing_replayed_rows": rows, "routing_mismatch": differ / rows if rows else 0.0} if self.enabled
+                else {})
 
     def _replay(self, layer: int, router: torch.nn.Module, args: Any, output: Any) -> tuple[torch.Tensor, ...]:
         if not (isinstance(output, tuple) and len(output) == 3):
             raise RuntimeError(f"routing replay: {type(router).__name__} does not return (logits, weights, index)")
         logits, weights, index = output
         renormalize = bool(getattr(router, "norm_topk_prob", True))
-        if not torch.allclose(gate_weights(logits.detach(), index, renormalize), weights.detach(), rtol=1e-5, atol=1e-7):
+        if not torch.allclose(gate_weights(logits.detach(), index, renormalize), weights.detach(), rtol=1e-5,
+                              atol=1e-7):
             raise RuntimeError(f"routing replay: {type(router).__name__}'s gate weights are not softmax-top-k"
                                f"{' renormalised' if renormalize else ''}; replaying it would change its math")
         assert self._routing is not None
         recorded = self._routing[:, :, layer].reshape(-1, index.shape[-1]).to(index.device)
         if recorded.shape[0] != index.shape[0]:
-            raise RuntimeError(f"routing replay: {recorded.shape[0]} recorded positions, the router saw {index.shape[0]}")
+            raise RuntimeError(f"routing replay: {recorded.shape[0]} recorded positions, the router saw "
+                               f"{index.shape[0]}")
         if int(recorded.max()) >= logits.shape[-1]:
             raise ValueError(f"routing replay: expert id {int(recorded.max())} >= {logits.shape[-1]} experts")
         replay = recorded[:, 0] != NO_ROUTE

@@ -92,7 +92,8 @@ def train_tokenizer(corpus: Iterable[str], out_dir: str | Path, vocab_size: int 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|endoftext|>", pad_token="<|pad|>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|endoftext|>",
+                                   pad_token="<|pad|>")
     if chat:
         fast.chat_template = (Path(__file__).parent / "tasks" / "data" / "chatml_tools.jinja").read_text()
     fast.save_pretrained(str(out_dir))
@@ -146,7 +147,8 @@ def build_tiny_model(
     if config.chat:  # a chat turn ends at <|im_end|>: the generation config names it, as chat models' do
         from transformers import GenerationConfig
 
-        GenerationConfig(eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]).save_pretrained(str(out))
+        GenerationConfig(eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"),
+                                       tok.eos_token_id]).save_pretrained(str(out))
     return out
 
 

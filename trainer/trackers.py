@@ -8,8 +8,8 @@ dependency of the trainer (each is an extra: ``pip install 'inflight[wandb]'``).
 Names: ``<group>/<key>``, the key as in metrics.jsonl and the group one of ``train/`` (the
 loss and its importance-sampling statistics), ``rollout/`` (what was sampled: reward, lag,
 versions, the queue), ``sync/`` (weight pushes, commits, waits, the fleet) and ``eval/``
-(``eval_*``, less the prefix: ``eval/accuracy``); the step is the optimizer step (row "step 0": the evaluation before training).
-Only numbers are logged, and to TensorBoard the token lag and importance ratio histograms
+(``eval_*``, less the prefix: ``eval/accuracy``); the step is the optimizer step (row "step 0": the evaluation
+before training). Only numbers are logged, and to TensorBoard the token lag and importance ratio histograms
 (``rollout/lag_hist``, ``train/ratio_hist``); the tables of a row (``by_lag``, ...) stay in
 metrics.jsonl.
 """

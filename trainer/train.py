@@ -83,10 +83,10 @@ def train(cfg: TrainConfig, ranks: TrainerRanks | None = None) -> dict:  # ranks
     version = sync.catch_up(version)
 
     # -- 4. the loop: batch, loss, step, push, metrics, checkpoint -----------------------------------
-    done = resumed.step if resumed else 0  # optimizer steps taken
+    done = start = resumed.step if resumed else 0  # optimizer steps taken
     bar_text, ledger, interrupt = BarText(cfg.rollout.group_size), RolloutLedger(resumed), Interrupt()  # Ctrl-C: below
     try:
-        for done in (bar := tqdm(range(done + 1, cfg.run.steps + 1), desc="train", initial=done, total=cfg.run.steps,
+        for done in (bar := tqdm(range(start + 1, cfg.run.steps + 1), desc="train", initial=start, total=cfg.run.steps,
                                  dynamic_ncols=True)):  # done: the optimizer steps taken once this one is
             t0 = time.perf_counter()
             groups, version = sync.next_batch(buffer, version)
@@ -161,9 +161,11 @@ def _run_dir(cfg: TrainConfig) -> tuple[Path, Path]:
 def _policy_on_disk(cfg: TrainConfig, out: Path, ckpt_dir: Path) -> tuple[TrainerState | None, Path, Path | None, int]:
     """(the resumed state or None, the model directory the engines load, the adapter directory
     of a LoRA run, their version). A LoRA run's base never moves; its checkpoint holds the adapter.
-    A run that does not resume clears the episode journals an earlier run left (``inflight.trainer.rollout.episode_journal``)."""
+    A run that does not resume clears the episode journals an earlier run left
+    (``inflight.trainer.rollout.episode_journal``)."""
     # a crash between the renames of a checkpoint swap leaves only ``checkpoint.old``: resume from it
-    resumed = load_state(ckpt_dir) if cfg.run.resume and (recover(ckpt_dir) or (ckpt_dir / "state.json").exists()) else None
+    resumed = (load_state(ckpt_dir) if cfg.run.resume and (recover(ckpt_dir) or (ckpt_dir / "state.json").exists())
+               else None)
     _check_resume(cfg, out, ckpt_dir, resumed)
     if resumed is None:  # an earlier run's episodes in flight (inflight.trainer.rollout.episode_journal) and engine
         for journal in [*out.glob("episodes-*.journal"), *out.glob("ledger-*.json")]:  # ledgers are not this run's
@@ -218,7 +220,8 @@ def _row(done: int, version: int, result: StepResult, groups: list, t0: float, s
            "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std()),
            "max_versions_per_sample": int(max(len(set(s.versions)) for g in groups for s in g.samples)),
            "hybrid_token_frac": _hybrid_fraction(groups),
-           "wait_ms": 1e3 * sync.batch_wait_s, "push_wait_ms": 1e3 * sync.wait_s, "read_wait_ms": 1e3 * sync.read_wait_s, "step_ms": 1e3 * (time.perf_counter() - t0),
+           "wait_ms": 1e3 * sync.batch_wait_s, "push_wait_ms": 1e3 * sync.wait_s,
+           "read_wait_ms": 1e3 * sync.read_wait_s, "step_ms": 1e3 * (time.perf_counter() - t0),
            "queue_depth": queue.depth(), **buffer.stats(), **result.metrics, **sync.last,
            "engine_failures": fleet.failures, "engine_restarts": fleet.restarts, "engine_drops": fleet.drops,
            "engines_live": len(sync.pusher.live), "group_ids": [g.group_id for g in groups],
@@ -326,12 +329,12 @@ def report(cfg: TrainConfig, summary: dict) -> None:
     """What a person reads after a run, then the summary as one JSON line for scripts."""
     print(f"reward: first 20% {summary['reward_first_20pct']:.3f} -> last 20% {summary['reward_last_20pct']:.3f}; "
           f"samples spanning >1 version: {100 * summary['frac_samples_multi_version']:.1f}% "
-          f"({100 * summary['frac_samples_multi_version_after_first_commit']:.1f}% from the first step a commit reached; "
-          f"max {summary['max_versions_per_sample']} versions in one sample); "
+          f"({100 * summary['frac_samples_multi_version_after_first_commit']:.1f}% from the first step a commit "
+          f"reached; max {summary['max_versions_per_sample']} versions in one sample); "
           f"engine stall per update: {summary['stall_ms_mean']:.1f} ms mean")
     if "eval_accuracy_first" in summary:
-        print(f"eval (greedy, {summary['eval_prompts']} held-out prompts): accuracy {summary['eval_accuracy_first']:.3f} "
-              f"-> {summary['eval_accuracy_last']:.3f}")
+        print(f"eval (greedy, {summary['eval_prompts']} held-out prompts): accuracy "
+              f"{summary['eval_accuracy_first']:.3f} -> {summary['eval_accuracy_last']:.3f}")
     r = summary.get("rollout", {})
     if r.get("groups_failed") or r.get("episodes_dropped") or r.get("turns_cancelled"):
         print(f"rollout: {r.get('groups_scored', 0)} groups scored, {r.get('groups_failed', 0)} failed"

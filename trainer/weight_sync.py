@@ -117,7 +117,8 @@ class WeightSync:
         if self.native is not None:
             raise EngineLost(f"{reason} (rollout.mode='pause' does not recover a lost engine)")
         events = len(self.fleet.events)
-        version = self.fleet.recover(self.pusher, reason, version, self.weights, self.queue, lost, push_behind=push_behind)
+        version = self.fleet.recover(self.pusher, reason, version, self.weights, self.queue, lost,
+                                     push_behind=push_behind)
         new = self.fleet.events[events:]
         self.landed += [e["pushed"] for e in new if "pushed" in e]
         for e in new:

@@ -173,8 +173,8 @@ def resolve_strategy(strategy: CommitChoice, device: torch.device, quantized: bo
                          "version (the copy skips vLLM's processing of loaded weights); use 'reload'")
     if strategy == "copy" and device.type == "cpu" and cpu_prepack is not None:
         raise ValueError(f"inflight: commit='copy' is wrong on this CPU engine: vLLM prepacks its linear weights for "
-                         f"{cpu_prepack}, so a copy would write into emptied parameters; use 'swap' or 'reload', or start "
-                         f"the engine with {PLAIN_CPU_GEMM_ENV}=1 (linears keep their weights; slower GEMMs)")
+                         f"{cpu_prepack}, so a copy would write into emptied parameters; use 'swap' or 'reload', or "
+                         f"start the engine with {PLAIN_CPU_GEMM_ENV}=1 (linears keep their weights; slower GEMMs)")
     if strategy == "swap" and (device.type != "cpu" or not eager or quantized):
         raise ValueError("inflight: commit='swap' needs an eager (enforce_eager=True), unquantized CPU engine")
     return strategy
@@ -236,8 +236,8 @@ def make_strategy(model_runner: Any, strategy: CommitChoice, schema: TensorSchem
     shapes = {n: (shape, torch_dtype(dt)) for n, (shape, dt) in schema.tensors.items()}
     if commit_unit == "layer":
         if chosen not in LAYER_STRATEGIES:
-            raise ValueError("inflight: commit_unit='layer' needs the swap commit (an eager, unquantized CPU engine) or "
-                             f"the copy commit (CUDA, unquantized); this engine commits with {chosen!r}")
+            raise ValueError("inflight: commit_unit='layer' needs the swap commit (an eager, unquantized CPU engine) "
+                             f"or the copy commit (CUDA, unquantized); this engine commits with {chosen!r}")
         try:
             return strategy_class(chosen, "layer").build(model_runner, shapes, window=window)
         except LoaderMapError as e:

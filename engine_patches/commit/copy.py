@@ -220,8 +220,10 @@ class LayerCopyStrategy(CopyStrategy):
         self.groups = LayerGroups.of(shapes)
         writes = self.load_plan.writes_by_name()
         self._writes_of_group = [[i for n in names for i in writes.get(n, ())] for names in self.groups]
-        self._params_of_group = [sorted({pid for n in names for pid in self._params_of_name.get(n, ())}) for names in self.groups]
-        self._prepared: deque[tuple[int, Mapping[str, torch.Tensor], list[torch.Tensor], dict[int, torch.Tensor]]] = deque()
+        self._params_of_group = [sorted({pid for n in names for pid in self._params_of_name.get(n, ())})
+                                 for names in self.groups]
+        self._prepared: deque[tuple[int, Mapping[str, torch.Tensor], list[torch.Tensor],
+                                    dict[int, torch.Tensor]]] = deque()
         self._applied: dict[int, torch.Tensor] | None = None
 
     @classmethod

@@ -34,7 +34,8 @@ def checkpoint_dir(model: str, revision: str | None = None) -> Path:
         return Path(model)
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(model, revision=revision, local_files_only=True, allow_patterns=["*.safetensors", "*.json"]))
+    return Path(snapshot_download(model, revision=revision, local_files_only=True,
+                                  allow_patterns=["*.safetensors", "*.json"]))
 
 
 def kept_dtypes(model: torch.nn.Module, engine_dtype: torch.dtype) -> dict[str, torch.dtype]:
@@ -48,7 +49,8 @@ def engine_schema(model_runner: Any) -> TensorSchema:
     """What an update of this loaded engine must hold: its checkpoint's tensors, float ones in
     the engine's dtype or the one its parameter of that name keeps (``kept_dtypes``)."""
     mc = model_runner.model_config
-    return checkpoint_schema(checkpoint_dir(mc.model, mc.revision), mc.dtype, kept_dtypes(model_runner.get_model(), mc.dtype))
+    return checkpoint_schema(checkpoint_dir(mc.model, mc.revision), mc.dtype,
+                             kept_dtypes(model_runner.get_model(), mc.dtype))
 
 
 def checkpoint_schema(model_dir: Path, engine_dtype: torch.dtype,
@@ -61,7 +63,8 @@ def checkpoint_schema(model_dir: Path, engine_dtype: torch.dtype,
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"inflight: no *.safetensors in {model_dir}; the update schema comes from the checkpoint")
+        raise FileNotFoundError(f"inflight: no *.safetensors in {model_dir}; the update schema comes from the "
+                                "checkpoint")
     stored: dict[str, tuple[tuple[int, ...], str]] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as st:

@@ -117,7 +117,8 @@ class LoaderMap:
                 probe = torch.empty(shape, dtype=dtype, device="meta")
                 calls.clear()
                 model.load_weights(iter([(name, probe)]))
-                calls_of[name] = [cls._call_of(model, name, params[pid], pid, probe, args, kwargs) for pid, args, kwargs in calls]
+                calls_of[name] = [cls._call_of(model, name, params[pid], pid, probe, args, kwargs)
+                                  for pid, args, kwargs in calls]
             covered = {r.param_id for rs in calls_of.values() for r in rs}
             bare = [n for n, p in model.named_parameters() if id(p) not in covered]
             if bare:  # a shadow of these would stay uninitialised
@@ -193,11 +194,13 @@ class _Recorder(TorchDispatchMode):
             dst, src = (tuple(args) + (None, None))[:2]
             if (func is torch.ops.aten.copy_.default and isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)
                     and _same_storage(dst, self.target)
-                    and _same_storage(src, self.probe) and dst.dtype == src.dtype == self.target.dtype == self.probe.dtype
+                    and _same_storage(src, self.probe)
+                    and dst.dtype == src.dtype == self.target.dtype == self.probe.dtype
                     and dst.shape == src.shape):
-                self.copies.append((_view_of(dst, self.target), None if _whole(src, self.probe) else _view_of(src, self.probe)))
-            elif (func is torch.ops.aten.fill_.Scalar and isinstance(dst, torch.Tensor) and _same_storage(dst, self.target)
-                    and dst.dtype == self.target.dtype):
+                self.copies.append((_view_of(dst, self.target),
+                                    None if _whole(src, self.probe) else _view_of(src, self.probe)))
+            elif (func is torch.ops.aten.fill_.Scalar and isinstance(dst, torch.Tensor)
+                    and _same_storage(dst, self.target) and dst.dtype == self.target.dtype):
                 if dst.numel():  # an empty fill (no padding rows, the usual case) writes nothing
                     self.fills.append((_view_of(dst, self.target), float(src)))
             else:

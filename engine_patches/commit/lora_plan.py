@@ -42,7 +42,8 @@ class SlotPlan:
     """Where each slot element comes from; ``images`` applies it to one version's tensors."""
 
     def __init__(self, names: list[str], shapes: list[torch.Size], dtype: torch.dtype, device: torch.device,
-                 runs: _Runs, indexed: list[tuple[int, torch.Tensor, float]], images: list[tuple[int, torch.Size]]) -> None:
+                 runs: _Runs, indexed: list[tuple[int, torch.Tensor, float]],
+                 images: list[tuple[int, torch.Size]]) -> None:
         self.names, self._shapes, self.dtype, self.device = names, shapes, dtype, device
         self._runs, self._indexed, self._images = runs, indexed, images
         self.numel = sum(s.numel() for _, s in images)
@@ -73,7 +74,8 @@ class SlotPlan:
             if not torch.equal(torch.nonzero(v).reshape(-1), pos):
                 raise ValueError("a slot element that is not a scaled copy of one adapter element")
             gid = torch.round(v[pos] / w[pos]).to(torch.int64)  # 1-based, over every source
-            if bool((gid < 1).any()) or bool((gid > starts[-1]).any()) or not torch.equal(gid.double() * w[pos], v[pos]):
+            if (bool((gid < 1).any()) or bool((gid > starts[-1]).any())
+                    or not torch.equal(gid.double() * w[pos], v[pos])):
                 raise ValueError("a slot element is not an adapter element times its scale")
             breaks = _breaks(pos, gid, w[pos], starts)
             if pos.numel() and pos.numel() < SHORT_RUN * int(breaks.sum()):

@@ -73,8 +73,9 @@ class LoRASlotStrategy:
         self._skip = getattr(model, "lora_skip_prefixes", None)
         other = sorted(n for n, m in self._manager.modules.items() if not isinstance(m, BaseLinearLayerWithLoRA))
         if other:
-            raise RuntimeError(f"inflight: LoRA wrappers of other layouts on {other[:4]} (embeddings, LM head, experts); "
-                               "start the engine with engine_kwargs(adapter=...), which wraps only the adapter's targets")
+            raise RuntimeError(f"inflight: LoRA wrappers of other layouts on {other[:4]} (embeddings, LM head, "
+                               "experts); start the engine with engine_kwargs(adapter=...), which wraps only the "
+                               "adapter's targets")
         self._modules = sorted(self._manager.modules.items())
         self._adapter_bytes = update_bytes(schema)  # the prepared adapter: a clone of the staged tensors
         self._adapter_elements = sum(math.prod(shape) for shape, _ in schema.tensors.values())
@@ -95,8 +96,8 @@ class LoRASlotStrategy:
         first = self._from_tensors({n: t.clone() for n, t in tensors.items()})  # it scales B in place
         unplaced = sorted(set(first.loras) - {n for n, _ in self._modules})
         if unplaced:
-            raise RuntimeError(f"inflight: the adapter in {self._spec.path} covers {unplaced[:4]}, which have no LoRA slot "
-                               "in this engine (start it with engine_kwargs(adapter=...))")
+            raise RuntimeError(f"inflight: the adapter in {self._spec.path} covers {unplaced[:4]}, which have no LoRA "
+                               "slot in this engine (start it with engine_kwargs(adapter=...))")
         manager.add_adapter(first)
         manager.activate_adapter(sid)
         manager.pin_adapter(sid)
@@ -120,7 +121,8 @@ class LoRASlotStrategy:
             return None
         images = plan.images({n: t.to(plan.device) for n, t in tensors.items()})
         if len(images) != len(self._views) or not all(torch.equal(a, b) for a, b in zip(images, self._views)):
-            log.warning("inflight: LoRA updates take vLLM's loader in prepare: the copy plan does not write vLLM's slot")
+            log.warning("inflight: LoRA updates take vLLM's loader in prepare: the copy plan does not write "
+                        "vLLM's slot")
             return None
         return plan
 
@@ -166,7 +168,8 @@ class LoRASlotStrategy:
                       device: torch.device | None = None) -> Any:
         from vllm.lora.lora_model import LoRAModel
 
-        model = LoRAModel.from_lora_tensors(self._spec.int_id, tensors, self._helper, device=str(device or self._device),
+        model = LoRAModel.from_lora_tensors(self._spec.int_id, tensors, self._helper,
+                                            device=str(device or self._device),
                                             dtype=dtype or self._config.lora_dtype, model_vocab_size=self._vocab,
                                             weights_mapper=self._mapper, skip_prefixes=self._skip)
         self._manager._create_merged_loras_inplace(model)  # packs q/k/v and gate/up; folds alpha/r into B

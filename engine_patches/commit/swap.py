@@ -131,7 +131,8 @@ _NOT_HOLDERS = (torch.nn.Module, type, types.FunctionType, types.MethodType, typ
 functions and Python modules."""
 
 
-def parameter_aliases(model: torch.nn.Module, owners: list[torch.nn.Module]) -> dict[tuple[int, str], list[tuple[Any, str]]]:
+def parameter_aliases(model: torch.nn.Module,
+                      owners: list[torch.nn.Module]) -> dict[tuple[int, str], list[tuple[Any, str]]]:
     """Where else ``model`` holds a parameter object than in its module's ``_parameters``: an
     attribute of a module, or of a plain object a module holds (vLLM 0.32's MoE routers and
     routed experts keep the gate's ``e_score_correction_bias``), by the parameter's slot
@@ -590,7 +591,8 @@ class LayerSwapStrategy(SwapStrategy):
         super().__init__(model, shapes, load_plan=True)
         self.window = window
         self.groups = LayerGroups.of(shapes)
-        owner_keys = [[self._slot_key[(id(m), n)] for n, p in m._parameters.items() if p is not None] for m in self._owners]
+        owner_keys = [[self._slot_key[(id(m), n)] for n, p in m._parameters.items() if p is not None]
+                      for m in self._owners]
         filled = [{r.param_id for n in names for r in self.plan.calls[n]} for names in self.groups]
         self._members: list[list[int]] = [[] for _ in self.groups]
         for i, keys in enumerate(owner_keys):
@@ -604,7 +606,8 @@ class LayerSwapStrategy(SwapStrategy):
         for g, members in enumerate(self._members):
             keys = {k for i in members for k in owner_keys[i]}
             if not keys <= filled[g]:
-                raise LoaderMapError(f"layer group {g} ({self.groups[g][0]}, ...) leaves parameters of its modules unfilled")
+                raise LoaderMapError(f"layer group {g} ({self.groups[g][0]}, ...) leaves parameters of its modules "
+                                     "unfilled")
             self._keys.append(keys)
         self._writes_of_group = [[i for n in names for i in self._writes_of.get(n, ())] for names in self.groups]
         self._ready_groups: deque[tuple[int, list[_ModuleState]]] = deque()

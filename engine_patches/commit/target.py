@@ -124,8 +124,8 @@ class EngineTarget:
         key = f"bye/{self.rank}"
         self.channel.set(key, self.incarnation.encode())
         try:  # a coordinator busy committing answers within a step; else go on
-            poll_until(lambda: None if self.channel.check([key]) else True, timeout_s=5.0, what="the coordinator's goodbye",
-                       who=member(self.rank))
+            poll_until(lambda: None if self.channel.check([key]) else True, timeout_s=5.0,
+                       what="the coordinator's goodbye", who=member(self.rank))
         except TransportTimeout:
             pass
 
@@ -157,8 +157,8 @@ class EngineTarget:
     def refuse_commit(self, version: int, part: int, parts: int, reason: str) -> None:
         """Layer-granular: this rank refused group ``part`` after every rank accepted it. Tell
         the coordinator, so the ranks that handed the group over hear at once that it fails."""
-        self.channel.set(f"ready/{self.rank}", encode(CommitReady(rank=self.rank, version=version, part=part, parts=parts,
-                                                                  refused=reason[:200] or "refused")))
+        self.channel.set(f"ready/{self.rank}", encode(CommitReady(rank=self.rank, version=version, part=part,
+                                                                  parts=parts, refused=reason[:200] or "refused")))
 
     def finish_commit(self, pending: PendingCommit) -> CommitInfo:
         """The second half of ``commit``: wait for the engine's outcome and relay it."""
@@ -186,8 +186,8 @@ class EngineTarget:
         if not isinstance(outcome, EngineCommitted) or (outcome.version, outcome.part) != (version, ready.part):
             self._withdraw(ready)  # refused before the window (not newer than the live version)
             raise CommitFailed(getattr(outcome, "reason", f"unexpected outcome {outcome!r}"))
-        return CommitInfo(step=outcome.step, commit_ms=outcome.commit_ms, tokens_at_commit=dict(outcome.tokens_at_commit),
-                          label=outcome.label)
+        return CommitInfo(step=outcome.step, commit_ms=outcome.commit_ms,
+                          tokens_at_commit=dict(outcome.tokens_at_commit), label=outcome.label)
 
     def _withdraw(self, ready: _Candidate) -> bool:
         """Take ``ready`` back unless the execution thread took it; True if withdrawn."""
@@ -206,7 +206,8 @@ class EngineTarget:
         commit is kept at once (no ``execute_confirm``)."""
         me = threading.current_thread()
         result = functools.partial(
-            WorkerCommitResult, rank=self.rank, version=version, thread=me.name, main_thread=me is threading.main_thread(),
+            WorkerCommitResult, rank=self.rank, version=version, thread=me.name,
+            main_thread=me is threading.main_thread(),
             execution_thread=None if self.execution_thread is None else self.execution_thread == threading.get_ident())
         with self._lock:
             ready, self._ready = self._ready, None

@@ -106,7 +106,8 @@ def bucket_windows(total_bytes: int, bucket_bytes: int) -> list[tuple[int, int]]
 
 def bucket_specs(total_bytes: int, bucket_bytes: int) -> tuple[BucketSpec, ...]:
     """The ``BucketSpec`` of each of ``bucket_windows``: what an announce lists."""
-    return tuple(BucketSpec(index=i, offset=o, nbytes=n) for i, (o, n) in enumerate(bucket_windows(total_bytes, bucket_bytes)))
+    return tuple(BucketSpec(index=i, offset=o, nbytes=n)
+                 for i, (o, n) in enumerate(bucket_windows(total_bytes, bucket_bytes)))
 
 
 def aligned_bucket_bytes(nbytes: int) -> int:
@@ -151,7 +152,8 @@ def _wsum64(data: torch.Tensor) -> int:
     for words in words_parts:
         for start in range(0, words.numel(), WSUM_CHUNK_WORDS):
             w = words[start:start + WSUM_CHUNK_WORDS]
-            weights = torch.arange(w.numel(), dtype=torch.int64, device=data.device).mul_(2).add_(2 * (base + start) + 1)
+            weights = torch.arange(w.numel(), dtype=torch.int64,
+                                   device=data.device).mul_(2).add_(2 * (base + start) + 1)
             # int64 arithmetic wraps modulo 2**64 on every torch backend
             total += (w * weights).sum()
         base += words.numel()
@@ -279,7 +281,8 @@ class WindowFiller:
             if src is None:
                 src = self._held[t.name] = _box(self.source.take(t.name), t.start, t.shape)
                 if tuple(src.shape) != tuple(t.shape):
-                    raise ValueError(f"tensor {t.name!r}: shape {tuple(src.shape)} does not match layout {tuple(t.shape)}")
+                    raise ValueError(f"tensor {t.name!r}: shape {tuple(src.shape)} does not match layout "
+                                     f"{tuple(t.shape)}")
             if hi > lo:
                 dtype = torch_dtype(t.dtype)
                 with torch.no_grad():
@@ -372,7 +375,8 @@ class SendStats:
     def __add__(self, other: SendStats) -> SendStats:
         return SendStats(version=self.version, nbytes=self.nbytes + other.nbytes, buckets=self.buckets + other.buckets,
                          pack_s=self.pack_s + other.pack_s, send_s=self.send_s + other.send_s,
-                         read_s=self.read_s + other.read_s, delivered_bytes=self.delivered_bytes + other.delivered_bytes,
+                         read_s=self.read_s + other.read_s,
+                         delivered_bytes=self.delivered_bytes + other.delivered_bytes,
                          dense_bytes=self.dense_bytes + other.dense_bytes)
 
 
@@ -412,10 +416,12 @@ class BucketSender:
         wire = wire_dtypes(named, dtype, dtypes)
         tensors, total = plan_tensors((name, tuple(t.shape), wire[name]) for name, t in named.items())
         return UpdateAnnounce(version=version, total_bytes=total, bucket_bytes=self.bucket_bytes,
-                              checksum_algo=self.checksum_algo, tensors=tensors, buckets=bucket_specs(total, self.bucket_bytes))
+                              checksum_algo=self.checksum_algo, tensors=tensors,
+                              buckets=bucket_specs(total, self.bucket_bytes))
 
     def lay_out_each(self, version: int, named: Mapping[str, torch.Tensor], plans: Mapping[int, ShardPlan | None],
-                  dtype: torch.dtype | None = None, dtypes: Mapping[str, str] | None = None) -> dict[int, UpdateAnnounce]:
+                  dtype: torch.dtype | None = None,
+                  dtypes: Mapping[str, str] | None = None) -> dict[int, UpdateAnnounce]:
         """For each worker, lay out the boxes of ``named`` its shard plan asks for (in the
         update's tensor order), or the whole of ``named`` for a worker without a plan (``lay_out``):
         one announce per worker, nothing read until ``send_each``."""
@@ -429,7 +435,8 @@ class BucketSender:
             # a tensor the plan has no box for that fits goes whole (start ()): the worker refuses
             # the update naming it, as it would a broadcast one
             fit = {n: b for n, b in boxes.items() if n in named and inside(*b, named[n].shape)}
-            tensors, total = plan_tensors(((n, fit[n][1] if n in fit else tuple(t.shape), wire[n]) for n, t in named.items()),
+            tensors, total = plan_tensors(((n, fit[n][1] if n in fit else tuple(t.shape), wire[n])
+                                           for n, t in named.items()),
                                           starts={n: fit[n][0] if n in fit else () for n in named})
             out[rank] = UpdateAnnounce(version=version, total_bytes=total, bucket_bytes=self.bucket_bytes,
                                        checksum_algo=self.checksum_algo, tensors=tensors,
@@ -518,7 +525,8 @@ class BucketSender:
         for rank, announce in announces.items():
             if sent[rank] < len(announce.buckets):
                 version = announce.version
-                in_flight[rank].append([self._post(frame(Abort(version=version, reason=reason[:120]), self.group.device),
+                in_flight[rank].append([self._post(frame(Abort(version=version, reason=reason[:120]),
+                                                         self.group.device),
                                                    rank, f"abort frame of v{version}")])
         for pending in in_flight.values():
             for pair in pending:
@@ -563,8 +571,9 @@ class BucketReceiver:
         w = self.windows
         if w is None or announce.bucket_bytes <= w.bucket_bytes:
             return None
-        return (f"v{announce.version} comes in buckets of {announce.bucket_bytes} B, larger than the {w.bucket_bytes} B "
-                "this worker reserved (InflightConfig.max_bucket_mb; the trainer's bucket_mb must not exceed it)")
+        return (f"v{announce.version} comes in buckets of {announce.bucket_bytes} B, larger than the "
+                f"{w.bucket_bytes} B this worker reserved (InflightConfig.max_bucket_mb; the trainer's bucket_mb "
+                "must not exceed it)")
 
     def _landing_for(self, index: int, nbytes: int, bucket_bytes: int) -> torch.Tensor:
         if not self._landing or self._landing[0].numel() < bucket_bytes:  # sized once per bucket size
@@ -577,8 +586,9 @@ class BucketReceiver:
         no scratch memory is ever needed. A bucket larger than the whole buffer means the
         sender is not speaking this protocol."""
         if nbytes > dest.numel():
-            raise TransportError(f"{member(self.group.rank)}: a bucket of v{announce.version} declares {nbytes} B, more "
-                                 f"than the whole update ({announce.total_bytes} B); the data plane is out of step")
+            raise TransportError(f"{member(self.group.rank)}: a bucket of v{announce.version} declares {nbytes} B, "
+                                 f"more than the whole update ({announce.total_bytes} B); the data plane is out "
+                                 "of step")
         return dest[:nbytes]
 
     def receive(
@@ -652,7 +662,8 @@ class BucketReceiver:
             error: UpdateRejected | None = UpdateRejected("bad_message", f"bucket {spec.index}: {e}")
         else:
             if isinstance(frame, Abort):  # called off: refused elsewhere, or its source failed mid-stream
-                raise UpdateRejected("aborted", f"v{v} aborted by the trainer before bucket {spec.index}: {frame.reason}")
+                raise UpdateRejected("aborted", f"v{v} aborted by the trainer before bucket {spec.index}: "
+                                                f"{frame.reason}")
             header = frame
             error = self._check_header(header, spec, v)
         nbytes = spec.nbytes if header is None else header.nbytes
@@ -678,7 +689,8 @@ class BucketReceiver:
     def _verify(header: BucketHeader, window: torch.Tensor, announce: UpdateAnnounce) -> UpdateRejected | None:
         if checksum(window, announce.checksum_algo) == header.checksum:
             return None
-        return UpdateRejected("checksum", f"bucket {header.index} of v{announce.version}: {announce.checksum_algo} mismatch")
+        return UpdateRejected("checksum", f"bucket {header.index} of v{announce.version}: "
+                                          f"{announce.checksum_algo} mismatch")
 
     def _authenticate(self, header: BucketHeader, window: torch.Tensor, version: int) -> UpdateRejected | None:
         """With a secret, the bucket's bytes must carry the trainer's MAC (a valid checksum is not
@@ -689,7 +701,8 @@ class BucketReceiver:
         if window.device.type != "cpu" and self.windows is not None and self.windows.mac_host is not None:
             window = self.windows.mac_host[:window.numel()].copy_(window)  # the reserved host copy, not a new one
         rank = self.group.rank if self.group.point_to_point else None
-        if hmac.compare_digest(header.mac, bucket_mac(secret, mac_context(self.group, version, header.index, rank), window)):
+        if hmac.compare_digest(header.mac,
+                               bucket_mac(secret, mac_context(self.group, version, header.index, rank), window)):
             return None
         return UpdateRejected("unauthenticated", f"bucket {header.index} of v{version}: its bytes do not carry the "
                                                  "trainer's MAC (forged or altered in transit; INFLIGHT_SECRET)")
@@ -710,10 +723,13 @@ class BucketReceiver:
             return UpdateRejected("bucket_order", f"bucket header says v{header.version}, update is v{version}")
         if header.index != spec.index:
             return UpdateRejected(
-                "bucket_order", f"expected bucket {spec.index} of v{version}, got bucket {header.index} (duplicate or out of order)"
+                "bucket_order", f"expected bucket {spec.index} of v{version}, got bucket {header.index} "
+                                f"(duplicate or out of order)"
             )
         if header.nbytes < spec.nbytes:
-            return UpdateRejected("short_bucket", f"bucket {spec.index} of v{version}: {header.nbytes} B, announced {spec.nbytes} B")
+            return UpdateRejected("short_bucket", f"bucket {spec.index} of v{version}: {header.nbytes} B, "
+                                                  f"announced {spec.nbytes} B")
         if header.offset != spec.offset or header.nbytes != spec.nbytes:
-            return UpdateRejected("bad_layout", f"bucket {spec.index} of v{version}: header does not match the announce")
+            return UpdateRejected("bad_layout", f"bucket {spec.index} of v{version}: header does not match "
+                                                "the announce")
         return None

@@ -77,7 +77,8 @@ def _make_process_group(store: PrefixStore, rank: int, size: int, backend: Backe
         opts._timeout = timeout
         # gloo's default device binds the hostname's address (or GLOO_SOCKET_IFNAME's): a group
         # configured on loopback would still listen for bucket bytes on another interface
-        opts._devices = [ProcessGroupGloo.create_device(hostname=bind) if bind else ProcessGroupGloo.create_default_device()]
+        opts._devices = [ProcessGroupGloo.create_device(hostname=bind) if bind
+                         else ProcessGroupGloo.create_default_device()]
         impl = ProcessGroupGloo(store, rank, size, opts)
         kind = ProcessGroup.BackendType.GLOO
     else:
@@ -190,7 +191,8 @@ class DataPlane:
             if self.backend == "nccl":
                 self._poll(lambda: True if work.is_completed() else None, timeout.total_seconds(), label)
                 work.wait(timeout)  # raises the collective's own error, if it failed
-            elif self.rank != 0:  # a second past gloo's own deadline: its timeout error, which names the op, comes first
+            elif self.rank != 0:
+                # a second past gloo's own deadline: its timeout error, which names the op, comes first
                 self._beside(lambda: work.wait(timeout), timeout.total_seconds() + 1.0, label)
             else:
                 work.wait(timeout)

@@ -93,7 +93,8 @@ class DeltaEncoder:
         with self._lock:
             return version in self._versions
 
-    def record(self, version: int, named: Mapping[str, torch.Tensor], wire: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    def record(self, version: int, named: Mapping[str, torch.Tensor],
+               wire: Mapping[str, str]) -> dict[str, torch.Tensor]:
         """The wire bytes of ``version``: each tensor cast to its wire dtype (``wire``), copied
         (the caller may write its tensors once this returns); kept for the next versions."""
         with self._lock:
@@ -182,7 +183,8 @@ def _encode_xor(name: str, new: torch.Tensor, base: torch.Tensor, algo: Checksum
     if _aligned(len(frame)) >= _aligned(new.numel() * new.element_size()):
         return False
     out[name + XOR] = torch.frombuffer(bytearray(frame), dtype=torch.uint8).to(new.device)
-    changed.append(Changed(name=name, values=name + XOR, digest=checksum(flat.view(torch.uint8), algo), codec="xor_zstd"))
+    changed.append(Changed(name=name, values=name + XOR, digest=checksum(flat.view(torch.uint8), algo),
+                           codec="xor_zstd"))
     return True
 
 
@@ -200,7 +202,8 @@ class DeltaDecoder:
     by ``result_announce``) from its wire tensors in ``wire`` and the ``base`` views, as the
     wire tensors complete."""
 
-    def __init__(self, a: UpdateAnnounce, wire: torch.Tensor, result: torch.Tensor, base: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, a: UpdateAnnounce, wire: torch.Tensor, result: torch.Tensor,
+                 base: Mapping[str, torch.Tensor]) -> None:
         assert a.delta is not None
         self.announce, self.base = a, base
         self.wire = tensor_views(wire, a.tensors)
@@ -230,8 +233,9 @@ class DeltaDecoder:
             _bits(out).bitwise_xor_(self._xor(c, out))
         got = checksum(out.view(torch.uint8), self.announce.checksum_algo)
         if got != c.digest:
-            raise UpdateRejected("checksum", f"v{self.announce.version}: {c.name} rebuilt on v{self.announce.delta.base_version} "
-                                             f"has checksum {got:#x}, the trainer's is {c.digest:#x}")
+            raise UpdateRejected("checksum", f"v{self.announce.version}: {c.name} rebuilt on "
+                                             f"v{self.announce.delta.base_version} has checksum {got:#x}, the "
+                                             f"trainer's is {c.digest:#x}")
 
 
     def _xor(self, c: Changed, out: torch.Tensor) -> torch.Tensor:
@@ -240,7 +244,8 @@ class DeltaDecoder:
         try:
             raw = zstandard.ZstdDecompressor().decompress(self.wire[c.values].cpu().numpy(), max_output_size=nbytes)
         except zstandard.ZstdError as e:
-            raise UpdateRejected("bad_layout", f"v{self.announce.version}: {c.name}: its zstd frame does not decompress: {e}")
+            raise UpdateRejected("bad_layout", f"v{self.announce.version}: {c.name}: its zstd frame does not "
+                                               f"decompress: {e}") from e
         if len(raw) != nbytes:
             raise UpdateRejected("bad_layout", f"v{self.announce.version}: {c.name}: its xor has {len(raw)} bytes, "
                                                f"the tensor {nbytes}")
@@ -260,5 +265,6 @@ def base_mismatch(a: UpdateAnnounce, base: Mapping[str, torch.Tensor] | None, he
         spec = specs[c.name]
         b = base.get(c.name)
         if b is None or tuple(b.shape) != spec.shape or dtype_name(b.dtype) != spec.dtype:
-            return f"v{a.version}: {c.name} changes against v{want}, whose bytes here do not hold it as {spec.dtype}{list(spec.shape)}"
+            return (f"v{a.version}: {c.name} changes against v{want}, whose bytes here do not hold it as "
+                    f"{spec.dtype}{list(spec.shape)}")
     return None

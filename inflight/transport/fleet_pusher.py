@@ -42,6 +42,8 @@ from inflight.transport.pusher import PushConfig, PushResult, WeightPusher
 from inflight.transport.sources import ShardedSource, Weights
 from inflight.transport.store import host_store
 
+_DEFAULT_PUSH = PushConfig()
+
 
 class FleetPushError(RuntimeError):
     """Some engines did not take a push; ``landed`` did (they serve it), ``failed`` did not
@@ -56,7 +58,7 @@ class FleetPushError(RuntimeError):
 class FleetPusher:
     """Rank 0 of one weight group per engine, all hosted on one store."""
 
-    def __init__(self, group: GroupConfig, engine_tp: Sequence[int], config: PushConfig = PushConfig(),
+    def __init__(self, group: GroupConfig, engine_tp: Sequence[int], config: PushConfig = _DEFAULT_PUSH,
                  device: torch.device | None = None, *, join_timeout_s: float | None = None,
                  stop: threading.Event | None = None) -> None:
         """Host the store on ``group``'s address and form engine e's group (``group.for_engine(e,

@@ -115,7 +115,8 @@ class WeightGroup:
     def __init__(
         self, config: GroupConfig, rank: int, device: torch.device | None = None, *,
         live_version: int = 0, stop: threading.Event | None = None, join_timeout_s: float | None = None,
-        engine_ranks: tuple[int, ...] = (), secret: bytes | None | Literal["env"] = "env", plan: ShardPlan | None = None,
+        engine_ranks: tuple[int, ...] = (), secret: bytes | None | Literal["env"] = "env",
+        plan: ShardPlan | None = None,
         store: TCPStore | None = None, commit_unit: CommitUnit = "model", label: str = "",
         wire_dtypes: Mapping[str, str] | None = None, keeps_base: bool = False,
     ) -> None:
@@ -127,7 +128,8 @@ class WeightGroup:
         if self.backend == "nccl":
             nccl_error_handling_once()  # the trainer: here, at its first group; a worker: at inflight_start
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+            device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
+                      else torch.device("cpu"))
         self.device = device
         self.timeout = timedelta(seconds=config.timeout_s)
         self.secret = read_secret() if secret == "env" else secret
@@ -196,7 +198,8 @@ class WeightGroup:
             hellos = self._collect_hellos(g, want, time.monotonic() + timeout_s, stop)
             missing = sorted(require - hellos.keys())
             if missing:
-                raise TransportTimeout(f"rank 0: worker ranks {missing} did not join generation {g} within {timeout_s:.1f}s")
+                raise TransportTimeout(f"rank 0: worker ranks {missing} did not join generation {g} within "
+                                       f"{timeout_s:.1f}s")
             members = tuple(sorted(r for r, h in hellos.items() if all(e in hellos for e in (h.engine_ranks or (r,)))))
             if not members:
                 raise TransportTimeout(f"rank 0: no engine joined generation {g} whole within {timeout_s:.1f}s "
@@ -284,7 +287,8 @@ class WeightGroup:
                                      who=member(self.rank), deadline=deadline, stop=stop)
         self._root = PrefixStore(self.config.name, self._tcp)
         # beat before the hello, so rank 0 never finds a member of a generation silent
-        self._heartbeat = Heartbeat(self.config.host, self.config.port, self.config.name, self.rank, self.config.timeout_s,
+        self._heartbeat = Heartbeat(self.config.host, self.config.port, self.config.name, self.rank,
+                                    self.config.timeout_s,
                                     read=lambda store: read_generation(store, self.secret, self.config.name))
         tried: set[int] = set()
         hello = encode(Joined(rank=self.rank, live_version=live_version, incarnation=INCARNATION,
@@ -299,7 +303,8 @@ class WeightGroup:
                 self.incarnation = self._root.get("incarnation").decode()  # set before any generation opens
             except RuntimeError as e:
                 raise TransportError(f"{member(self.rank)}: the group store failed while joining: {e}") from e
-            self._root.set(f"gen{g}/hello/{self.rank}", seal(hello, self.secret, self._context(f"gen{g}/hello/{self.rank}")))
+            self._root.set(f"gen{g}/hello/{self.rank}",
+                           seal(hello, self.secret, self._context(f"gen{g}/hello/{self.rank}")))
             roster = self._wait_roster(g, deadline, stop)
             if roster is None or self.rank not in roster.members:
                 continue  # rank 0 formed g without this engine (it came too late): knock for the next
@@ -324,8 +329,9 @@ class WeightGroup:
         """The roster of g, or None if rank 0 closed g without posting one."""
         left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
         try:
-            raw = wait_key(self._root, f"gen{g}/roster", timeout_s=left, stop=stop, what=f"the roster of generation {g}",
-                           who=member(self.rank), give_up=lambda: not self._root.check([f"gen{g}/open"]))
+            raw = wait_key(self._root, f"gen{g}/roster", timeout_s=left, stop=stop,
+                           what=f"the roster of generation {g}", who=member(self.rank),
+                           give_up=lambda: not self._root.check([f"gen{g}/open"]))
             msg = decode_control(unseal(raw, self.secret, self._context(f"gen{g}/roster")))
         except GaveUp:
             return None
@@ -344,7 +350,8 @@ class WeightGroup:
             rendezvous = SealedStore(rendezvous, self.secret, self._context(f"gen{g}/pg"))
 
         def build() -> DataPlane:
-            return DataPlane(rendezvous, rank=self.rank, pg_rank=0 if self.rank == 0 else 1 + self.roster.index(self.rank),
+            return DataPlane(rendezvous, rank=self.rank,
+                             pg_rank=0 if self.rank == 0 else 1 + self.roster.index(self.rank),
                              size=1 + len(self.roster), backend=self.backend, timeout=self.timeout, device=self.device,
                              peers=self.peers, superseded=self.superseded,
                              bind=data_plane_address(self.config.host, self.rank), stop=self._stop)
@@ -436,7 +443,8 @@ Phase = Literal["ack", "staged"]
 
 def _wait_key(group: WeightGroup, key: str, timeout_s: float | None, stop: threading.Event | None, what: str,
               give_up=None) -> bytes:
-    return wait_key(group.store, key, timeout_s=timeout_s, stop=stop, what=what, who=f"rank {group.rank}", give_up=give_up)
+    return wait_key(group.store, key, timeout_s=timeout_s, stop=stop, what=what, who=f"rank {group.rank}",
+                    give_up=give_up)
 
 
 class TrainerControl:

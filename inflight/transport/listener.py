@@ -131,7 +131,8 @@ class StreamPreparer:
             self._error = UpdateRejected("prepare_failed", f"v{v}: {e!r}")
 
     def finish(self) -> UpdateRejected | None:
-        if self._error is None and not self._due:  # no buckets at all (empty tensors, or nothing changed): check what there is
+        # no buckets at all (empty tensors, or nothing changed): check what there is
+        if self._error is None and not self._due:
             try:
                 names = list(self.views) if self.decoder is None else self.decoder.decode(list(self.decoder.wire))
             except UpdateRejected as e:
@@ -312,7 +313,8 @@ class UpdateListener:
         first = staged.first_bucket_step
         steps = self.target.steps() - first
         self.control.reply(seq, Staged(rank=self.group.rank, version=a.version,
-                                       receive_ms=1e3 * (time.perf_counter() - t0), steps_during_transfer=steps), phase="staged")
+                                       receive_ms=1e3 * (time.perf_counter() - t0), steps_during_transfer=steps),
+                           phase="staged")
 
     def receive_update(self, a: UpdateAnnounce, flat: torch.Tensor,
                        rebuild: tuple[torch.Tensor, Mapping[str, torch.Tensor]] | None = None,
@@ -328,7 +330,8 @@ class UpdateListener:
         stream = StreamPreparer(self.target, a, flat, self.check_finite, decoder)
         error: UpdateRejected | None
         try:
-            self.receiver.receive(a, flat, on_bucket=lambda i: first_step.append(self.target.steps()) if i == 0 else None,
+            self.receiver.receive(a, flat,
+                                  on_bucket=lambda i: first_step.append(self.target.steps()) if i == 0 else None,
                                   on_verified=stream.verified)
             error = stream.finish()
         except UpdateRejected as e:
@@ -363,7 +366,8 @@ class UpdateListener:
         self.stats.committed += 1
         self.control.reply(seq, Committed(
             rank=self.group.rank, version=c.version, step=info.step, commit_ms=info.commit_ms,
-            steps_since_first_bucket=max(0, info.step - staged.first_bucket_step), tokens_at_commit=info.tokens_at_commit,
+            steps_since_first_bucket=max(0, info.step - staged.first_bucket_step),
+            tokens_at_commit=info.tokens_at_commit,
         ))
 
     def _leave(self, seq: int, reason: str) -> None:
@@ -417,7 +421,8 @@ class UpdateListener:
         if self._layer_failed:  # it did not: this group may not go live over it
             self.pool.give(flat)
             self.target.discard()
-            self._refuse_layer(seq, a, UpdateRejected("incomplete", f"group {a.part - 1} of v{a.version} did not commit"))
+            self._refuse_layer(seq, a, UpdateRejected("incomplete",
+                                                      f"group {a.part - 1} of v{a.version} did not commit"))
             return
         pending = self.target.begin_commit(a.version, staged, self.pool, a.part, a.parts)
         self._handed.append(_Handoff(seq, a, pending, staged.first_bucket_step))
@@ -467,7 +472,8 @@ class UpdateListener:
 
     def _layer_out_of_order(self, a: UpdateAnnounce) -> UpdateRejected | None:
         if self._layer_failed:
-            return UpdateRejected("incomplete", f"group {a.part} of v{a.version} after the update stopped: {self._layer_failed}")
+            return UpdateRejected("incomplete", f"group {a.part} of v{a.version} after the update stopped: "
+                                                f"{self._layer_failed}")
         if a.part != self._next_part:
             return UpdateRejected("bucket_order", f"group {a.part} of v{a.version}, expected group {self._next_part}")
         return None
@@ -484,7 +490,8 @@ class UpdateListener:
     def _check_announce(self, a: UpdateAnnounce) -> UpdateRejected | None:
         if a.version <= self.target.live_version:
             note = " (versions start at 1: 0 names the weights the engine loaded)" if a.version == 0 else ""
-            return UpdateRejected("stale_version", f"v{a.version} is not newer than the live v{self.target.live_version}{note}")
+            return UpdateRejected("stale_version", f"v{a.version} is not newer than the live "
+                                                   f"v{self.target.live_version}{note}")
         if self.schema is None:
             return None
         return self.schema.check(a if a.delta is None else result_announce(a), self.plan)

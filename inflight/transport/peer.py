@@ -62,7 +62,8 @@ class DictTarget:
         return CommitInfo(step=self._steps, commit_ms=1e3 * (time.perf_counter() - t0))
 
 
-def run_peer(group: GroupConfig, rank: int, out_dir: str | None, schema: dict[str, tuple[tuple[int, ...], str]] | None = None) -> None:
+def run_peer(group: GroupConfig, rank: int, out_dir: str | None,
+             schema: dict[str, tuple[tuple[int, ...], str]] | None = None) -> None:
     """Process entry point: serve updates until the trainer sends ``Shutdown``."""
     import threading
 

@@ -32,8 +32,10 @@ push sets after its last bucket is packed. On CUDA the push packs and checksums 
 its own, so sending overlaps training rather than queueing behind it on the stream training
 uses, and two CUDA events order the streams:
 
-    trainer's stream:  ... optimizer.step | begin: record `begun` | forward, backward ... | wait: wait `read` | optimizer.step
-    push's stream:                          wait `begun` | pack 0 | pack 1 | ... | pack n-1 | done: record `read`
+    trainer's stream:
+        ... optimizer.step | begin: record `begun` | forward, backward ... | wait: wait `read` | optimizer.step
+    push's stream:
+                             wait `begun` | pack 0 | pack 1 | ... | pack n-1 | done: record `read`
 
 CUDA is used only by a trainer that already initialized it (its tensors are on a GPU): a
 CPU trainer on a machine with a GPU creates no context.
@@ -283,14 +285,16 @@ def _refuse_fp8_casts(named: Mapping[str, torch.Tensor], wire: Mapping[str, str]
                              "stores (the weight in FP8 and its scales); a cast would drop the scales")
 
 
-def check_update(version: int, named: Mapping[str, torch.Tensor], device: torch.device, *, sharded: bool = False) -> None:
+def check_update(version: int, named: Mapping[str, torch.Tensor], device: torch.device, *,
+                 sharded: bool = False) -> None:
     """Refuse, naming the problem, what the engines could only refuse later or misread:
     called before anything is laid, so a bad call costs the engines nothing. ``sharded``:
     ``named`` is a ``ShardedSource``'s layout (meta tensors), checked for names and dtypes."""
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"version={version!r}: versions are integers >= 1 (0 names the weights the engines loaded)")
     if not isinstance(named, Mapping) or not named:
-        raise ValueError(f"nothing to push: named tensors is {type(named).__name__} of {len(named) if hasattr(named, '__len__') else '?'} items")
+        raise ValueError(f"nothing to push: named tensors is {type(named).__name__} of "
+                         f"{len(named) if hasattr(named, '__len__') else '?'} items")
     seen: dict[tuple, str] = {}
     for name, t in named.items():
         if not isinstance(name, str) or not name:
@@ -316,7 +320,8 @@ def check_update(version: int, named: Mapping[str, torch.Tensor], device: torch.
 
 def whole_boxes(plan: ShardPlan, named: Mapping[str, torch.Tensor]) -> bool:
     """Whether ``plan``'s boxes are the whole of every tensor (one worker per engine)."""
-    return all(not any(s.start) and tuple(s.length) == tuple(named[s.name].shape) for s in plan.shards if s.name in named)
+    return all(not any(s.start) and tuple(s.length) == tuple(named[s.name].shape)
+               for s in plan.shards if s.name in named)
 
 
 def following(a: UpdateAnnounce, plan: ShardPlan) -> UpdateAnnounce:
@@ -375,7 +380,8 @@ class WeightPusher:
         check_update(version, named, self.group.device, sharded=sharded is not None)
         source = sharded if sharded is not None else named
         plans = {r: h.plan for r, h in self.group.hellos.items()}  # point to point: None sends the whole model
-        for rank, plan in plans.items():  # a corrupted plan is the trainer's to refuse; a mismatched update, the worker's
+        # a corrupted plan is the trainer's to refuse; a mismatched update, the worker's
+        for rank, plan in plans.items():
             if plan is not None:
                 check_digest(plan, f"worker rank {rank}")
 
@@ -455,8 +461,10 @@ class WeightPusher:
     def _send_once(self, laid: UpdateLayout) -> tuple[SendStats, dict[int, Staged]]:
         version = laid.version
         try:
-            seq = self.control.post(laid.announces[None]) if None in laid.announces else self.control.post_each(laid.announces)  # type: ignore[arg-type]
-            accepted, refused = _split(self.control.replies(seq, self.config.reply_timeout_s, f"announce of v{version}"), Accepted)
+            seq = (self.control.post(laid.announces[None]) if None in laid.announces
+                   else self.control.post_each(laid.announces))  # type: ignore[arg-type]
+            accepted, refused = _split(self.control.replies(seq, self.config.reply_timeout_s,
+                                                            f"announce of v{version}"), Accepted)
             if refused:
                 self.sender.send_abort(version, "refused by " + ", ".join(member(r) for r in sorted(refused)))
                 raise PushRejected(version, "announce", refused)
@@ -468,7 +476,8 @@ class WeightPusher:
             if laid.sharded is not None:
                 laid.sharded.finish(version)
             self._reads.done()
-        staged, bad = _split(self.control.replies(seq, self.config.reply_timeout_s, f"buckets of v{version}", phase="staged"), Staged)
+        staged, bad = _split(self.control.replies(seq, self.config.reply_timeout_s, f"buckets of v{version}",
+                                                  phase="staged"), Staged)
         if bad:
             self.abort(version, "a worker failed to stage")
             raise PushRejected(version, "staging", bad)
@@ -480,7 +489,8 @@ class WeightPusher:
         try:
             if laid.sharded is not None:
                 laid.sharded.begin(version, first_use_order([a.tensors for a in announces.values()],
-                                                              [[(b.offset, b.nbytes) for b in a.buckets] for a in announces.values()]))
+                                                            [[(b.offset, b.nbytes) for b in a.buckets]
+                                                             for a in announces.values()]))
         except SourceError as e:  # the other trainer ranks are gone before any byte: call the update off
             self.sender.send_abort(version, str(e))
             raise
@@ -566,7 +576,8 @@ class WeightPusher:
             raise LayerPushIncomplete(version, landed, parts, group, why)  # type: ignore[arg-type]
         self._landed = version
         # what decoded while the update was on its way: from group 0's first bucket to the last commit
-        staged = {r: Staged(rank=r, version=version, receive_ms=1e3 * (t1 - t0), steps_during_transfer=c.steps_since_first_bucket)
+        staged = {r: Staged(rank=r, version=version, receive_ms=1e3 * (t1 - t0),
+                            steps_during_transfer=c.steps_since_first_bucket)
                   for r, c in commits.items()}
         return PushResult(version, stats, staged, commits, t1 - t0, time.perf_counter() - t1, tuple(per_group))  # type: ignore[arg-type]
 

@@ -36,14 +36,15 @@ class TensorSchema:
             boxes = {s.name: (tuple(s.start), tuple(s.length)) for s in plan.shards}
             for t in announce.tensors:
                 if t.name in boxes and (tuple(t.start), tuple(t.shape)) != boxes[t.name]:
-                    return UpdateRejected("bad_shape", f"{t.name}: box {tuple(t.start)}+{tuple(t.shape)}, this worker's plan "
-                                                       f"reads {boxes[t.name][0]}+{boxes[t.name][1]}")
+                    return UpdateRejected("bad_shape", f"{t.name}: box {tuple(t.start)}+{tuple(t.shape)}, this "
+                                                       f"worker's plan reads {boxes[t.name][0]}+{boxes[t.name][1]}")
         elif any(t.start for t in announce.tensors):
             return UpdateRejected("bad_layout", f"v{announce.version} sends boxes without a shard plan")
         names = {t.name for t in announce.tensors}
         unknown = sorted(names - self.tensors.keys())
         if unknown:
-            return UpdateRejected("unknown_tensor", f"v{announce.version} names tensors the engine does not have: {unknown[:5]}")
+            return UpdateRejected("unknown_tensor", f"v{announce.version} names tensors the engine does not have: "
+                                                    f"{unknown[:5]}")
         expected = set(self.tensors)
         if announce.parts:  # one layer group: exactly its tensors, in this engine's grouping
             groups = self.layer_groups
@@ -53,11 +54,12 @@ class TensorSchema:
             expected = set(groups[announce.part])
             foreign = sorted(names - expected)
             if foreign:
-                return UpdateRejected("bad_layout", f"group {announce.part} of v{announce.version} holds tensors of other "
-                                                    f"groups: {foreign[:5]}")
+                return UpdateRejected("bad_layout", f"group {announce.part} of v{announce.version} holds tensors of "
+                                                    f"other groups: {foreign[:5]}")
         missing = sorted(expected - names)
         if missing:
-            return UpdateRejected("missing_tensor", f"v{announce.version} lacks {len(missing)} tensors, e.g. {missing[:5]}")
+            return UpdateRejected("missing_tensor", f"v{announce.version} lacks {len(missing)} tensors, e.g. "
+                                                    f"{missing[:5]}")
         for t in announce.tensors:
             shape, dtype = self.tensors[t.name]
             if tuple(t.shape) != tuple(shape) and not announce.plan_digest:
@@ -66,5 +68,6 @@ class TensorSchema:
                 return UpdateRejected("bad_dtype", f"{t.name}: dtype {t.dtype}, engine runs {dtype}")
         bound = sum(-(-t.nbytes // ALIGN) * ALIGN for t in announce.tensors)
         if announce.total_bytes > bound:
-            return UpdateRejected("bad_layout", f"total_bytes={announce.total_bytes} exceeds the {bound} B its tensors need")
+            return UpdateRejected("bad_layout", f"total_bytes={announce.total_bytes} exceeds the {bound} B its "
+                                                "tensors need")
         return None

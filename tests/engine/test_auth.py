@@ -81,8 +81,8 @@ def test_a_group_off_loopback_without_a_secret_is_refused_unless_insecure(hold_p
 
     monkeypatch.delenv(SECRET_ENV, raising=False)
     config = GroupConfig(host="0.0.0.0", port=hold_port("0.0.0.0"), world_size=2, timeout_s=5.0)
-    with pytest.raises(ValueError, match=f"trainer rank 0: the weight group at 0.0.0.0:{config.port} is reachable from other "
-                                         f"machines and has no shared secret.*Set {SECRET_ENV}"):
+    with pytest.raises(ValueError, match=f"trainer rank 0: the weight group at 0.0.0.0:{config.port} is reachable "
+                                         f"from other machines and has no shared secret.*Set {SECRET_ENV}"):
         WeightGroup(config, 0, join_timeout_s=1.0)
     with pytest.raises(ValueError, match="worker rank 1: the weight group at 0.0.0.0.* has no shared secret"):
         WeightGroup(config, 1, join_timeout_s=1.0)
@@ -244,7 +244,8 @@ def test_forged_generation_and_rendezvous_keys_are_refused(port, monkeypatch) ->
     # the rendezvous of a data plane: rank 0's address, forged by the stray client
     stray.set("forged/pg/0/0", b"an address of the stray client's choosing")
     rendezvous = SealedStore(PrefixStore(f"{config.name}/forged/pg", worker._tcp), SECRET.encode(), "ctx")
-    with pytest.raises(TransportError, match="worker rank 1: forming a gloo group of 2 failed: ctx/0/0: unauthenticated message"):
+    with pytest.raises(TransportError,
+                       match="worker rank 1: forming a gloo group of 2 failed: ctx/0/0: unauthenticated message"):
         DataPlane(rendezvous, rank=1, pg_rank=1, size=2, backend="gloo", timeout=timedelta(seconds=60),
                   device=torch.device("cpu"), peers=[0], superseded=lambda: False)
     worker.close()

@@ -59,7 +59,8 @@ from inflight.transport.store import reserve_port, wait_key
 from inflight.transport.pusher import PushConfig, WeightPusher
 model, port = sys.argv[1], reserve_port()
 print("PORT", port, flush=True)
-pusher = WeightPusher(GroupConfig(port=port, world_size=2, timeout_s=60), PushConfig(bucket_mb=0.25), join_timeout_s=600)
+pusher = WeightPusher(GroupConfig(port=port, world_size=2, timeout_s=60), PushConfig(bucket_mb=0.25),
+                      join_timeout_s=600)
 pusher.push(1, load_file(model + "/model.safetensors"))
 print("PUSHED", flush=True)
 how = sys.stdin.readline().strip()
@@ -117,7 +118,8 @@ class _Proc:
         try:
             code = self.p.wait(timeout=WAIT_S)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"waited {WAIT_S:.0f} s for the {self.name} to exit: {self.output()[-4000:]}") from None
+            raise AssertionError(f"waited {WAIT_S:.0f} s for the {self.name} to exit: "
+                                 f"{self.output()[-4000:]}") from None
         self._reader.join(WAIT_S)
         assert not self._reader.is_alive(), f"waited {WAIT_S:.0f} s for the end of the {self.name}'s output"
         while (line := self._read.get_nowait()) is not None:

@@ -199,7 +199,8 @@ def copy_run(request) -> tuple[Path, int, dict[str, Any]]:
     model_dir = request.getfixturevalue(name)
     ctx = get_context("spawn")
     results = ctx.Queue()
-    child = ctx.Process(target=_run_and_report, args=(str(model_dir), tp, results))  # not daemonic: it starts TP workers
+    # not daemonic: it starts TP workers
+    child = ctx.Process(target=_run_and_report, args=(str(model_dir), tp, results))
     child.start()
     try:
         kind, value = results.get(timeout=900)  # a hung engine fails the test rather than the whole run
@@ -307,14 +308,16 @@ def test_copy_is_refused_on_a_cpu_engine_whose_gemm_prepacks(tiny_llama, port) -
 
     cpu = torch.device("cpu")
     assert resolve_strategy("copy", cpu, quantized=False, eager=True, cpu_prepack=None) == "copy"
-    assert resolve_strategy("auto", cpu, quantized=False, eager=True, cpu_prepack=None) == "swap"  # auto never copies on CPU
+    # auto never copies on CPU
+    assert resolve_strategy("auto", cpu, quantized=False, eager=True, cpu_prepack=None) == "swap"
     assert resolve_strategy("auto", cpu, quantized=False, eager=False, cpu_prepack=None) == "reload"
     llm = LLM(str(tiny_llama), enforce_eager=True, dtype="float32", max_model_len=256, seed=0, **engine_kwargs())
     try:
         prepack = llm.collective_rpc(_float32_prepack)[0]
         if prepack is None:
             pytest.skip("this vLLM build's CPU GEMM does not prepack float32 weights")
-        with pytest.raises(Exception, match=rf"commit='copy' is wrong on this CPU engine: .*{prepack}.*{PLAIN_CPU_GEMM_ENV}=1"):
+        with pytest.raises(Exception,
+                           match=rf"commit='copy' is wrong on this CPU engine: .*{prepack}.*{PLAIN_CPU_GEMM_ENV}=1"):
             start_inflight(llm, InflightConfig(group=GroupConfig(port=port, world_size=2, timeout_s=20), commit="copy"))
     finally:
         del llm
@@ -340,7 +343,8 @@ def test_rollback_copy_sizes_must_match_the_plan(tmp_path) -> None:
     assert torch.equal(views["a"], full["a"][2:6, 1:4]) and torch.equal(views["b"], full["b"])
     with pytest.raises(ValueError, match="this rank's boxes of the checkpoint lays out in"):
         read_checkpoint_into(tmp_path, schema, torch.zeros(update_bytes(schema), dtype=torch.uint8), plan)
-    assert read_checkpoint_into(tmp_path, schema, torch.zeros(update_bytes(schema), dtype=torch.uint8))["a"].shape == (8, 6)
+    assert read_checkpoint_into(tmp_path, schema,
+                                torch.zeros(update_bytes(schema), dtype=torch.uint8))["a"].shape == (8, 6)
 
 
 class _LoaderProperty(torch.nn.Parameter):

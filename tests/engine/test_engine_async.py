@@ -26,7 +26,7 @@ async def _sample(engine, rid: str) -> Sample:
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0, ignore_eos=True)
-    async for out in engine.generate({"prompt_token_ids": CACHE_PROMPT}, sp, rid):
+    async for out in engine.generate({"prompt_token_ids": CACHE_PROMPT}, sp, rid):  # noqa: B007  the last is read below
         pass
     t = tagged(out.outputs[0])
     return out.num_cached_tokens, t.token_ids, t.logprobs
@@ -47,14 +47,15 @@ async def _run(model_dir, port: int) -> None:
         pusher = await asyncio.to_thread(WeightPusher, group, PushConfig(bucket_mb=0.25))
         base = load_file(str(model_dir / "model.safetensors"))
         check_warm(await _sample(engine, "warm-0"), await _sample(engine, "warm-1"))
-        await stream_across_commits(engine, lambda k: pusher.push(k + 1, perturbed(base, seed=k, scale=0.02)).commits[1],
+        await stream_across_commits(engine,
+                                    lambda k: pusher.push(k + 1, perturbed(base, seed=k, scale=0.02)).commits[1],
                                     versions=3, requests=6, every=60)
 
         # the engine now serves v3 exactly
         state = perturbed(base, seed=2, scale=0.02)
         ref = Reference(model_dir, "float32").load(state)
         sp = SamplingParams(temperature=0.0, max_tokens=10, logprobs=0, ignore_eos=True)
-        async for out in engine.generate("1+2=", sp, "check"):
+        async for out in engine.generate("1+2=", sp, "check"):  # noqa: B007  the last is read below
             pass
         done = tagged(out.outputs[0])
         assert done.versions == [3] * 10

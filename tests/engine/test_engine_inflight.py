@@ -106,7 +106,8 @@ def test_ten_sparse_pushes_equal_transformers_and_a_dense_push(harness: Harness)
             _small_step(master, seed=k)
             send = h.push(master).send
             assert send.changed_frac is not None and send.nbytes < 0.5 * send.dense_bytes, send
-        want = {n: checksum(t.to(getattr(torch, h.dtype)).reshape(-1).view(torch.uint8), "xxh3") for n, t in master.items()}
+        want = {n: checksum(t.to(getattr(torch, h.dtype)).reshape(-1).view(torch.uint8), "xxh3")
+                for n, t in master.items()}
         assert _held_digests(h) == want
         sparse = h.greedy(PROMPTS)
         if h.dtype == "float32":
@@ -168,7 +169,8 @@ def test_requests_span_many_versions_with_exact_boundaries(harness: Harness) -> 
                            lambda k: h.push(perturbed(h.base, seed=100 + k, scale=0.02)).commits[1])
     sp = SamplingParams(temperature=1.0, max_tokens=n_steps, logprobs=0, ignore_eos=True, seed=7)
     # each commit lands within 30 steps of its mark, however slow the machine: see ``drive``
-    outs = drive(h.llm, coordinator, [f"{i}+{i}=" for i in range(12)], sp, hold_at=[a + 30 for a in commit_at], start=start)
+    outs = drive(h.llm, coordinator, [f"{i}+{i}=" for i in range(12)], sp, hold_at=[a + 30 for a in commit_at],
+                 start=start)
     commits = pushes.join()
     assert len(commits) == len(commit_at)
     for o in outs:
@@ -243,7 +245,8 @@ def test_decoding_continues_while_buckets_arrive(harness: Harness) -> None:
         sp = SamplingParams(temperature=1.0, max_tokens=1000, logprobs=0, ignore_eos=True, seed=3)
 
         def waiting_for_steps() -> bool:  # the sender at bucket 20, or the trainer after staging
-            return result.get("sender_waiting", False) or ("steps_staged" in result and "steps_before_commit" not in result)
+            return result.get("sender_waiting", False) or ("steps_staged" in result
+                                                           and "steps_before_commit" not in result)
 
         outs = drive(h.llm, coordinator, ["1+1=", "2+2="], sp, hold_at=[990], start=start, release=waiting_for_steps)
         pushes.join()
@@ -276,7 +279,8 @@ def test_behaviour_logprobs_honour_temperature(harness: Harness) -> None:
 
 @ONCE
 @pytest.mark.parametrize("top_k,top_p", [(8, 1.0), (0, 0.8), (12, 0.9)])
-def test_behaviour_logprobs_under_top_k_and_top_p_equal_the_trainers(harness: Harness, top_k: int, top_p: float) -> None:
+def test_behaviour_logprobs_under_top_k_and_top_p_equal_the_trainers(harness: Harness, top_k: int,
+                                                                      top_p: float) -> None:
     """The engine's processed log-probs of what it sampled under top-k/top-p, against the
     trainer's ``policy_logprobs`` of the same weights (collated as for training). A position
     whose filter cut lies within 2e-5 of a kept logit or cumulative probability may fall on
@@ -361,7 +365,8 @@ def test_engines_without_a_between_steps_boundary_are_refused(tiny_llama, port) 
         vc.parallel_config = copy.copy(real.parallel_config)
         for k, v in sizes.items():
             setattr(vc.parallel_config, k, v)
-        vc.parallel_config.world_size = vc.parallel_config.tensor_parallel_size * vc.parallel_config.pipeline_parallel_size
+        vc.parallel_config.world_size = (vc.parallel_config.tensor_parallel_size
+                                         * vc.parallel_config.pipeline_parallel_size)
         return vc
 
     with pytest.raises(RuntimeError, match="pipeline_parallel_size=2 is not supported: vLLM's batch queue"):
@@ -369,7 +374,8 @@ def test_engines_without_a_between_steps_boundary_are_refused(tiny_llama, port) 
     with pytest.raises(RuntimeError, match="data_parallel_size=2 is not supported"):
         check_engine(layout(data_parallel_size=2), config)
     assert check_engine(layout(tensor_parallel_size=2), config) == 2  # ranks 1, 2 of 3
-    with pytest.raises(RuntimeError, match=r"4 workers, which take weight-group ranks 1..4, but GroupConfig.world_size=3"):
+    with pytest.raises(RuntimeError,
+                       match=r"4 workers, which take weight-group ranks 1..4, but GroupConfig.world_size=3"):
         check_engine(layout(tensor_parallel_size=4), config)
     # async scheduling commits between batches (tests/engine/test_prefix_cache.py), but routing is read
     # after a step's forward, when the next batch's forward has already run

@@ -79,7 +79,8 @@ def test_pushes_while_decoding_land_between_steps_with_exact_tags(engine) -> Non
     n_req, seen = 0, 0
     # Keep 8 requests decoding until every push returned, so each commit lands mid-decode;
     # pushes are triggered by the steps this loop took, never by wall-clock time.
-    pushes = push_at_steps(lambda: seen, (25, 50, 75), lambda k: pusher.push(2 + k, perturbed(base, seed=50 + k, scale=0.02)))
+    pushes = push_at_steps(lambda: seen, (25, 50, 75),
+                           lambda k: pusher.push(2 + k, perturbed(base, seed=50 + k, scale=0.02)))
     while pushes.alive() or active:
         while pushes.alive() and len(active) < 8:
             rid = f"r{n_req}"

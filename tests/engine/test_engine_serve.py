@@ -36,8 +36,9 @@ def server(tiny_qwen, tmp_path):
 
 def _sample(server: str, model: str) -> Sample:
     """4 greedy tokens for ``CACHE_PROMPT`` (a prefix-cache check), through ``/v1/completions``."""
-    out = post_json(server + "/v1/completions", {"model": model, "prompt": CACHE_PROMPT, "max_tokens": 4, "temperature": 0,
-                                                 "logprobs": 0, "ignore_eos": True, "return_tokens_as_token_ids": True})
+    out = post_json(server + "/v1/completions", {"model": model, "prompt": CACHE_PROMPT, "max_tokens": 4,
+                                                 "temperature": 0, "logprobs": 0, "ignore_eos": True,
+                                                 "return_tokens_as_token_ids": True})
     choice, details = out["choices"][0], out["usage"]["prompt_tokens_details"]
     ids = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
     return details["cached_tokens"], ids, choice["logprobs"]["token_logprobs"]
@@ -48,7 +49,8 @@ def test_vllm_serve_commits_pushed_weights(server, tiny_qwen, port) -> None:
     from transformers import AutoTokenizer
 
     group = GroupConfig(port=port, world_size=2, timeout_s=60)
-    started = post_json(server + "/collective_rpc", {"method": "inflight_start", "args": [InflightConfig(group=group).to_json()]})
+    started = post_json(server + "/collective_rpc",
+                        {"method": "inflight_start", "args": [InflightConfig(group=group).to_json()]})
     assert as_result(started["results"][0], StartReport).commit == "swap"  # eager CPU engine
     pusher = WeightPusher(group, PushConfig())
     check_warm(_sample(server, str(tiny_qwen)), _sample(server, str(tiny_qwen)))

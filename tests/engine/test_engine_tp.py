@@ -73,7 +73,8 @@ class TPEngine:
         from vllm import SamplingParams
 
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
-        return [(list(o.prompt_token_ids), tagged(o.outputs[0])) for o in self.llm.generate(PROMPTS, sp, use_tqdm=False)]
+        return [(list(o.prompt_token_ids), tagged(o.outputs[0]))
+                for o in self.llm.generate(PROMPTS, sp, use_tqdm=False)]
 
     def statuses(self) -> list[WorkerStatus]:
         """Every worker's status (the workers are processes: their results arrive as maps)."""
@@ -123,7 +124,8 @@ def test_tp2_takes_updates_while_decoding_on_both_ranks_at_one_step(tp: TPEngine
                            lambda k: tp.push(perturbed(tp.base, seed=200 + k, scale=0.02)))
     sp = SamplingParams(temperature=1.0, max_tokens=110, logprobs=0, ignore_eos=True, seed=5)
     # each commit lands within 25 steps of its mark, however slow the machine (see ``drive``)
-    outs = drive(tp.llm, coordinator, [f"{i}+{i}=" for i in range(6)], sp, hold_at=[a + 25 for a in commit_at], start=start)
+    outs = drive(tp.llm, coordinator, [f"{i}+{i}=" for i in range(6)], sp, hold_at=[a + 25 for a in commit_at],
+                 start=start)
     commits = pushes.join()
     assert [r.version for r in commits] == [1, 2, 3]
     for r in commits:
@@ -133,7 +135,8 @@ def test_tp2_takes_updates_while_decoding_on_both_ranks_at_one_step(tp: TPEngine
         assert r.commits[1].tokens_at_commit == r.commits[2].tokens_at_commit
     assert_tags_change_at_commits(outs, commits, rank=1, start=start, tokens=110)
     # the prefix cache (one scheduler for both ranks) holds no KV of the earlier versions
-    check_fresh(sample(), sample(), Reference(tp.model_dir, "float32").load(perturbed(tp.base, seed=202, scale=0.02)).logprobs)
+    check_fresh(sample(), sample(),
+                Reference(tp.model_dir, "float32").load(perturbed(tp.base, seed=202, scale=0.02)).logprobs)
     _assert_matches(tp, perturbed(tp.base, seed=202, scale=0.02), 3)
     for status in tp.statuses():
         landed = [c for c in status.commits if c.ok]
@@ -147,11 +150,13 @@ def test_failure_on_one_rank_rolls_back_both_and_the_label_stays(tp: TPEngine) -
     before = tp.greedy()
     live = before[0][1].versions[0]
     assert tp.llm.collective_rpc(fail_next_commit_on_vllm_rank_1) == [0, 1]
-    with pytest.raises(PushRejected, match=r"(?s)refused at commit: .*\[commit_failed\] .*injected commit failure") as exc:
+    with pytest.raises(PushRejected,
+                       match=r"(?s)refused at commit: .*\[commit_failed\] .*injected commit failure") as exc:
         tp.push(perturbed(tp.base, seed=300, scale=0.05))
     assert exc.value.phase == "commit" and exc.value.codes == {"commit_failed"}
     reason = exc.value.rejections[1].reason
-    assert "worker rank 2: applying" in reason and "injected commit failure" in reason and "rolled back on ranks [1]" in reason
+    assert ("worker rank 2: applying" in reason and "injected commit failure" in reason
+            and "rolled back on ranks [1]" in reason)
     assert tp.coordinator.live_version == live and not tp.coordinator.broken
     after = tp.greedy()
     for (_, a), (_, b) in zip(before, after):  # the same weights on both ranks, the same label
@@ -195,7 +200,8 @@ def test_each_rank_reports_what_its_loaders_read_and_the_two_tile_every_split_te
     kinds = {n.rsplit(".", 1)[0].split(".")[-1] for n in split}
     # a Qwen3-MoE's experts are split the same way; its embeddings are tied (no lm_head); its router is read whole
     moe = any(".experts." in n for n in schema)
-    expected = {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"} | (set() if moe else {"lm_head"})
+    expected = ({"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"}
+                | (set() if moe else {"lm_head"}))
     assert kinds == expected, kinds
     # one KV head for two ranks: vLLM replicates k_proj and v_proj, and each rank reads them whole
     total = sum(math.prod(shape) * 4 for shape, _ in schema.values())

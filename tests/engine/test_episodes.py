@@ -117,7 +117,8 @@ def test_observation_tokens_receive_no_gradient(tiny_llama) -> None:
     group = RolloutGroup(group_id="g", samples=tuple(samples))
     assert decode_group(encode(group)) == group  # the queue and the checkpoint's pending groups keep the flags
     with pytest.raises(ValueError, match="observation flags"):
-        RolloutSample(**{**{f: getattr(samples[0], f) for f in samples[0].__struct_fields__}, "observation": [True] * 7})
+        RolloutSample(**{**{f: getattr(samples[0], f) for f in samples[0].__struct_fields__},
+                         "observation": [True] * 7})
     batch = collate([group], pad_id=0, normalize_std=False)
     logp, entropy = policy_logprobs(ref.model, batch, Sampling(temperature=1.0), impl="torch")
     logp.retain_grad()
@@ -215,9 +216,10 @@ def test_a_faulty_environment_fails_its_episode_and_the_ledger_balances(engine, 
     log = caplog.text
     for error in ("Echo.turn raised RuntimeError: the tool crashed", f"timeout_s={ENV_TIMEOUT_S:g}", "not a Turn",
                   "Echo.turn ran out of memory (MemoryError) under the worker's cap of memory_mb=3072 MiB"):
-        line = next((r.getMessage() for r in caplog.records if r.name == "inflight.rollout" and error in r.getMessage()), "")
-        assert re.match(r"rollout: task tests\.episode_envs:make: episode f-\w+\.[01] \(turn 1\) failed \(prompt '.*'\): "
-                        r".*; its group is dropped \(\d+ failed so far, \d+ scored\)", line), line
+        line = next((r.getMessage() for r in caplog.records
+                     if r.name == "inflight.rollout" and error in r.getMessage()), "")
+        assert re.match(r"rollout: task tests\.episode_envs:make: episode f-\w+\.[01] \(turn 1\) failed "
+                        r"\(prompt '.*'\): .*; its group is dropped \(\d+ failed so far, \d+ scored\)", line), line
     assert "Traceback (most recent call last)" in log and 'raise RuntimeError("the tool crashed")' in log
     # with on_failure = "reward", a failed episode trains with failure_reward
     d = Driver(engine, episode={"on_failure": "reward", "failure_reward": -1.0}, scoring={"timeout_s": 30.0})
@@ -275,7 +277,8 @@ def test_a_single_turn_group_is_one_request_scored_at_once_and_resumed_from_its_
     assert sorted(d.requests) == ["s1.*.0", "s2.*.0"]  # a request per group, each of n = K
     d.run(until=lambda: "s1.*.0" not in d.requests)
     sampled = [list(e.token_ids) for e in d.rollout.groups["s1"].episodes]
-    assert all(len(ids) == 6 for ids in sampled) and not any(d.rollout.groups["s2"].episodes[k].token_ids for k in (0, 1))
+    assert (all(len(ids) == 6 for ids in sampled)
+            and not any(d.rollout.groups["s2"].episodes[k].token_ids for k in (0, 1)))
     d._abort(list(d.requests))  # the process dies with s1's scoring call and s2's request
     d.rollout.pool.close()
     d.rollout.journal.close()

@@ -157,7 +157,8 @@ def test_stalled_trainer_is_dropped_and_a_restarted_one_rejoins(harness: Harness
     h.pusher.close()  # this trainer leaves; the worker waits for the next one on the same port
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    victim = ctx.Process(target=_stalling_trainer, args=(h.group, live + 1, perturbed(h.base, seed=13), ready), daemon=True)
+    victim = ctx.Process(target=_stalling_trainer, args=(h.group, live + 1, perturbed(h.base, seed=13), ready),
+                         daemon=True)
     victim.start()
     try:
         assert ready.wait(WAIT_S), f"waited {WAIT_S:.0f} s for the stalling trainer to form the group"

@@ -151,7 +151,8 @@ def test_a_malformed_dataset_line_stops_the_run_before_any_engine_starts(tmp_pat
     started = time.monotonic()
     code, console, ended = run.finish()
     assert code == 1, console
-    assert console.strip().splitlines()[-1].startswith(f"inflight train: error: task 'jsonl': {data}:3: not valid JSON"), console
+    assert console.strip().splitlines()[-1].startswith(
+        f"inflight train: error: task 'jsonl': {data}:3: not valid JSON"), console
     assert "Traceback" not in console and not (tmp_path / "run" / "engine0.pid").exists(), console  # no engine started
     assert ended - started < ERROR_WITHIN_S + 15, ended - started  # the trainer's own start-up (imports) and the cause
 
@@ -214,7 +215,8 @@ def make(tokenizer, kind):
 """
 
 
-@pytest.mark.parametrize("kind, error", [("nan", "returned reward [0] is nan: NaN and inf are not rewards"), ("raise", "raised KeyError")])
+@pytest.mark.parametrize("kind, error", [("nan", "returned reward [0] is nan: NaN and inf are not rewards"),
+                                         ("raise", "raised KeyError")])
 def test_a_reward_that_raises_or_is_not_finite_is_reported_then_stops_the_run(tmp_path, kind: str, error: str) -> None:
     """3, 4. A reward function that returns NaN, or raises: its first failure is on the trainer's
     console within seconds of the call, naming the task and the group; the engine is never
@@ -268,7 +270,8 @@ def test_ctrl_c_saves_a_checkpoint_the_plot_and_the_summary_and_resume_goes_on(t
     assert ended - sent < ERROR_WITHIN_S, [f"{t - sent:.1f} {line[-120:]}" for t, line in run.lines[-12:]]
     before = (out / "metrics.jsonl").read_text()
 
-    code, console, _ = Run(out, "--config", "demo", "--set", "run.resume=true", "--set", f"run.steps={done + 2}").finish()
+    code, console, _ = Run(out, "--config", "demo", "--set", "run.resume=true", "--set",
+                           f"run.steps={done + 2}").finish()
     assert code == 0, console
     assert (out / "metrics.jsonl").read_text().startswith(before) and [r["step"] for r in _rows(out)] == \
         list(range(1, done + 3))
@@ -284,7 +287,8 @@ def test_ctrl_c_saves_a_checkpoint_the_plot_and_the_summary_and_resume_goes_on(t
     assert summary["rollout"]["groups_trained"] == trained[-1] and summary["rollout"]["groups_scored"] == scored[-1]
     queue = summary["queue"]
     assert queue["put"] >= queue["read"] >= queue["admitted"] >= trained[-1], queue  # stale ones were admitted
-    code, console, _ = Run(out, "--config", "demo", "--set", "run.resume=true", "--set", f"run.steps={done + 2}").finish()
+    code, console, _ = Run(out, "--config", "demo", "--set", "run.resume=true", "--set",
+                           f"run.steps={done + 2}").finish()
     assert code == 1 and console.strip().splitlines()[-1].endswith(
         f"is at step {done + 2}, and run.steps={done + 2}: nothing left to train (raise run.steps to go on)"), console
 

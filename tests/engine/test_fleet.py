@@ -75,7 +75,8 @@ def test_two_engines_take_every_update_with_exact_tags_on_each(tiny_qwen, port) 
         active: list[set[str]] = [set(), set()]
         finished: list[dict] = [{}, {}]
         n_req, rounds = 0, 0
-        pushes = push_at_steps(lambda: rounds, (30, 60, 90), lambda k: pusher.push(k + 1, perturbed(base, seed=60 + k, scale=0.02)))
+        pushes = push_at_steps(lambda: rounds, (30, 60, 90),
+                               lambda k: pusher.push(k + 1, perturbed(base, seed=60 + k, scale=0.02)))
         while pushes.alive() or any(active):
             for i, engine in enumerate(engines):
                 while pushes.alive() and len(active[i]) < 4:
@@ -108,7 +109,8 @@ def test_two_engines_take_every_update_with_exact_tags_on_each(tiny_qwen, port) 
         # a version one engine refuses goes live on neither
         bad = dict(perturbed(base, seed=70, scale=0.02))
         bad["model.norm.weight"] = bad["model.norm.weight"][:-1]
-        with pytest.raises(PushRejected, match=r"update v4 refused at announce: worker rank \d: \[bad_shape\] model.norm.weight: "):
+        with pytest.raises(PushRejected, match=r"update v4 refused at announce: worker rank \d: \[bad_shape\] "
+                                               r"model.norm.weight: "):
             pusher.push(4, bad)
         assert [c.live_version for c in coordinators] == [3, 3]
     finally:
@@ -134,7 +136,8 @@ def test_an_engine_lost_mid_transfer_costs_the_fleet_one_timeout(tiny_qwen, tmp_
     pusher = FleetPusher(base, [1, 1], PushConfig(dtype="float32", bucket_mb=0.25, reply_timeout_s=timeout_s),
                          join_timeout_s=300)
     cfg = config_from_dict({"run": {"out_dir": str(tmp_path)}, "engine": {"spawn": False, "count": 2},
-                            "transport": {"collective_timeout_s": timeout_s, "reply_timeout_s": timeout_s, "stale_timeout_s": timeout_s}})
+                            "transport": {"collective_timeout_s": timeout_s, "reply_timeout_s": timeout_s,
+                                          "stale_timeout_s": timeout_s}})
     fleet = Fleet(cfg, tiny_qwen, 0, base.port, Placement(backend="gloo", engine_devices=None), tmp_path)
     weights = load_file(str(tiny_qwen / "model.safetensors"))
     try:
@@ -198,7 +201,8 @@ def test_a_killed_engine_is_restarted_while_the_other_takes_every_update(tmp_pat
     out = tmp_path / "run"
     cfg = run_config(out, steps=10, **FLEET)
 
-    def killer() -> None:  # once the trainer admitted a group of engine 1's: "both engines fed the run" is then not a race
+    # once the trainer admitted a group of engine 1's: "both engines fed the run" is then not a race
+    def killer() -> None:
         wait_rows(out, 3)
         wait_admitted("e1")
         os.kill(int((out / "engine1.pid").read_text()), signal.SIGKILL)

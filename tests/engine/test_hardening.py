@@ -56,7 +56,8 @@ def test_pusher_refuses_bad_input_by_name_and_the_engine_keeps_serving(harness: 
     h.push(perturbed(h.base, seed=1))
     live, good = h.version, perturbed(h.base, seed=2)
     name = "model.layers.0.mlp.down_proj.weight"
-    tied = {k: v for k, v in good.items() if k != "lm_head.weight"} | {"lm_head.weight": good["model.embed_tokens.weight"]}
+    tied = ({k: v for k, v in good.items() if k != "lm_head.weight"}
+            | {"lm_head.weight": good["model.embed_tokens.weight"]})
     cases = [  # (state, version, fragment the error names)
         ({}, live + 1, "nothing to push"),
         (good | {name: good[name].to(torch.int32)}, live + 1, f"{name}: dtype torch.int32 is not floating point"),
@@ -192,9 +193,11 @@ def test_engine_with_model_sampling_defaults_refuses_to_start(tiny_llama, tmp_pa
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
     gen = json.loads((model / "generation_config.json").read_text())
-    (model / "generation_config.json").write_text(json.dumps(gen | {"top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05}))
+    (model / "generation_config.json").write_text(json.dumps(gen | {"top_k": 20, "top_p": 0.8,
+                                                                    "repetition_penalty": 1.05}))
     assert engine_kwargs()["generation_config"] == "vllm"
-    llm = LLM(str(model), enforce_eager=True, dtype="float32", max_model_len=256, **engine_kwargs(generation_config="auto"))
+    llm = LLM(str(model), enforce_eager=True, dtype="float32", max_model_len=256,
+              **engine_kwargs(generation_config="auto"))
     try:
         config = InflightConfig(group=GroupConfig(port=port, world_size=2))
         with pytest.raises(Exception, match=r"top_k=20, top_p=0.8, repetition_penalty=1.05.*generation_config='vllm'"):

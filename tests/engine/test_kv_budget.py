@@ -37,7 +37,8 @@ CUDA = torch.device("cuda", 0)
 
 def _device_need(update: int) -> StagingNeed:
     """Device staging with a rollback copy: 2 x ``update`` on the device."""
-    return StagingNeed(update, 2, "device", (Part("staging", update, "device"), Part("rollback copy", update, "device")))
+    return StagingNeed(update, 2, "device",
+                       (Part("staging", update, "device"), Part("rollback copy", update, "device")))
 
 
 def test_the_kv_cache_gets_what_vllm_computed_less_staging_and_the_margin() -> None:
@@ -52,7 +53,8 @@ def test_the_kv_cache_gets_what_vllm_computed_less_staging_and_the_margin() -> N
 
 
 def test_a_budget_staging_does_not_fit_is_refused_with_the_bytes_and_a_utilization_that_fits() -> None:
-    with pytest.raises(StagingMemoryError, match=r"gpu_memory_utilization=0\.90 leaves only 1\.00 GiB of 80\.00 GiB") as exc:
+    with pytest.raises(StagingMemoryError,
+                       match=r"gpu_memory_utilization=0\.90 leaves only 1\.00 GiB of 80\.00 GiB") as exc:
         kv_cache_after_staging(GiB, _device_need(GiB), device=CUDA, total=80 * GiB, utilization=0.9)
     msg = str(exc.value)
     assert "2.00 GiB (staging 1.00, rollback copy 1.00) + 0.50 GiB margin of device memory per rank" in msg
@@ -189,7 +191,8 @@ def _kv_cache_of(worker: Any) -> tuple[int, int, int, tuple[int, int] | None]:
             None if aside is None else (aside.nbytes, aside.kv_before))
 
 
-def _boot_gpu_engine(model_dir: str, port: int, intent: bool) -> tuple[tuple[int, int, int, tuple[int, int] | None], int]:
+def _boot_gpu_engine(model_dir: str, port: int,
+                     intent: bool) -> tuple[tuple[int, int, int, tuple[int, int] | None], int]:
     """In a fresh process, so both engines are profiled from the same state: the KV cache, and
     the staging ``inflight_start`` reserved (0 without the intent)."""
     from vllm import LLM

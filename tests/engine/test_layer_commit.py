@@ -174,9 +174,11 @@ def test_hybrid_tags_rebuild_the_exact_weights(engine: LayerEngine) -> None:
     assert max(worst.values()) < EXACT, worst
     # the tag matters: one group more or less at the new version is other weights
     for by in (-1, 1):
-        shifted = _errors_by_label(e, finished, lambda s: _shifted(s, by) if ">" in s and 0 < parse_label(s).steps[-1][1] + by < len(e.groups) else s)
+        shifted = _errors_by_label(e, finished, lambda s, by=by: (
+            _shifted(s, by) if ">" in s and 0 < parse_label(s).steps[-1][1] + by < len(e.groups) else s))
         moved = [s for s in hybrids if 0 < parse_label(s).steps[-1][1] + by < len(e.groups)]
-        print(f"shifted by {by:+d} group: smallest worst error {min(shifted[s] for s in moved):.2e} over {len(moved)} labels")
+        print(f"shifted by {by:+d} group: smallest worst error {min(shifted[s] for s in moved):.2e} over "
+              f"{len(moved)} labels")
         assert moved and all(shifted[s] > 10 * EXACT for s in moved), {s: shifted[s] for s in moved}
     # staging never held more than the configured groups
     schema = TensorSchema({n: (tuple(t.shape), "float32") for n, t in e.versions[0].items()})
@@ -200,8 +202,9 @@ def test_a_group_that_fails_leaves_a_served_hybrid_and_the_next_push_completes(e
             data[0] ^= 0xFF
         return header, data
 
-    with pytest.raises(LayerPushIncomplete, match=r"(?s)update v2 stopped at layer group 2 of \d+; groups 0\.\.1 landed: "
-                                                  r".*\[checksum\]") as stopped, tampering(e.pusher, corrupt_group_2):
+    with (pytest.raises(LayerPushIncomplete, match=r"(?s)update v2 stopped at layer group 2 of \d+; groups 0\.\.1 "
+                                                   r"landed: .*\[checksum\]") as stopped,
+          tampering(e.pusher, corrupt_group_2)):
         e.push(2)
     assert stopped.value.landed == 2 and stopped.value.group == 2 and "checksum" in stopped.value.codes
     assert str(e.coordinator.label) == "1>2:2" and e.coordinator.live_version == 1
@@ -304,7 +307,8 @@ def _layer_copy_run(model_dir: str, results) -> None:
 
     os.environ["INFLIGHT_CPU_PLAIN_GEMM"] = "1"
     try:
-        e = LayerEngine(Path(model_dir), reserve_port("127.0.0.1"), commit="copy")  # the port: held until the store takes it
+        # the port: held until the store takes it
+        e = LayerEngine(Path(model_dir), reserve_port("127.0.0.1"), commit="copy")
         try:
             assert e.report.commit == "copy", e.report
             finished = _decode_across(e, pushes=[1, 2, 3], at=[5, 40, 75])
@@ -339,7 +343,8 @@ def test_layer_copy_commits_are_exact_too(tiny_llama) -> None:
     for v in (1, 2, 3):
         e.versions[v] = perturbed(e.versions[0], seed=100 + v, scale=0.05)
     e.weights_of = lambda label: LayerEngine.weights_of(e, label)
-    finished = [(p, SimpleNamespace(token_ids=toks, logprobs=lps, labels=labels)) for p, toks, lps, labels in run["finished"]]
+    finished = [(p, SimpleNamespace(token_ids=toks, logprobs=lps, labels=labels))
+                for p, toks, lps, labels in run["finished"]]
     assert len({s for _, t in finished for s in t.labels if ">" in s}) >= 8
     assert max(_errors_by_label(e, finished).values()) < EXACT
     schema = TensorSchema({n: (tuple(t.shape), "float32") for n, t in e.versions[0].items()})

@@ -57,7 +57,8 @@ def lora(request, hold_port, tmp_path_factory):
         base = request.getfixturevalue("tiny_llama")
         tp = 1
     else:
-        cfg = TinyModelConfig(arch="qwen3", hidden_size=128, num_heads=4, num_kv_heads=2, tie_word_embeddings=True, seed=3)
+        cfg = TinyModelConfig(arch="qwen3", hidden_size=128, num_heads=4, num_kv_heads=2, tie_word_embeddings=True,
+                              seed=3)
         base, tp = build_tiny_model(root / "base", default_corpus(), cfg), 2
     v0 = write_adapter(base, root / "v0", seed=11)
     with pytest.MonkeyPatch.context() as mp:
@@ -92,7 +93,8 @@ def test_adapter_updates_land_mid_decode_with_exact_tags_and_match_peft(lora: Lo
                  lora_request=lora.lora)
     commits = pushes.join()
     assert [r.version for r in commits] == [1, 2, 3]
-    assert all(r.send.nbytes == adapter_bytes for r in commits), [r.send.nbytes for r in commits]  # the adapter alone travels
+    # the adapter alone travels
+    assert all(r.send.nbytes == adapter_bytes for r in commits), [r.send.nbytes for r in commits]
     ranks = sorted(commits[0].commits)
     for r in commits:
         assert len({r.commits[k].step for k in ranks}) == 1  # every rank at one step boundary
@@ -190,7 +192,8 @@ def test_adapter_directories_the_slot_cannot_hold_are_refused_by_name(tmp_path) 
     config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "use_dora": True, "bias": "lora_only",
               "modules_to_save": ["score"], "target_modules": ["q_proj", "lm_head", "embed_tokens"]}
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=f"the adapter in {re.escape(str(tmp_path))} cannot be served in flight") as exc:
+    with pytest.raises(ValueError,
+                       match=f"the adapter in {re.escape(str(tmp_path))} cannot be served in flight") as exc:
         engine_kwargs(adapter=AdapterSpec(path=str(tmp_path)))
     for words in ("use_dora", "bias='lora_only'", "modules_to_save=['score']", "['embed_tokens', 'lm_head']"):
         assert words in str(exc.value), (words, str(exc.value))
@@ -218,7 +221,8 @@ def test_an_adapter_below_its_slot_rank_is_padded_as_vllm_pads_it(tiny_llama, ho
     try:
         assert engine.llm.collective_rpc(listener_affinity) == [[last]]  # InflightConfig.listener_cpus
         bad = dataclasses.replace(engine.config, listener_cpus=(4096,)).to_json()
-        with pytest.raises(Exception, match=r"listener_cpus=\(4096,\): this host has CPUs"):  # checked first, on the worker
+        # checked first, on the worker
+        with pytest.raises(Exception, match=r"listener_cpus=\(4096,\): this host has CPUs"):
             engine.llm.collective_rpc(_start_on_worker, args=(bad,))
         [(runs, indexed)] = engine.llm.collective_rpc(copy_plan_of)
         assert indexed > 0  # every B: runs of 4 in rows of 8

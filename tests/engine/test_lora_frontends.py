@@ -38,12 +38,12 @@ async def _run_async(base, adapter_dir, v0: dict, port: int) -> None:
         versions = [perturbed(v0, seed=60 + k, scale=0.03) for k in range(2)]
         await stream_across_commits(engine, lambda k: pusher.push(k + 1, versions[k]).commits[1], versions=2,
                                     requests=3, every=40, lora_request=lora)
-        async for refused in engine.generate("1+2=", SamplingParams(max_tokens=4), "no-adapter"):
+        async for refused in engine.generate("1+2=", SamplingParams(max_tokens=4), "no-adapter"):  # noqa: B007
             pass  # EngineCore answers the request alone, with an error finish and no token
         assert refused.finished and refused.outputs[0].finish_reason == "error" and not refused.outputs[0].token_ids
         ref = PeftReference(base, adapter_dir).load(versions[1])
         sp = SamplingParams(temperature=0.0, max_tokens=10, logprobs=0, ignore_eos=True)
-        async for out in engine.generate("1+2=", sp, "check", lora_request=lora):
+        async for out in engine.generate("1+2=", sp, "check", lora_request=lora):  # noqa: B007  the last is read below
             pass
         done = tagged(out.outputs[0])
         assert done.versions == [2] * 10
@@ -66,8 +66,9 @@ def test_vllm_serve_adapter_engine(tiny_llama, tmp_path, port) -> None:
     v0 = write_adapter(tiny_llama, tmp_path / "v0", seed=14)
     spec = AdapterSpec(path=str(tmp_path / "v0"))
     kwargs = engine_kwargs(adapter=spec)
-    flags = ["--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1", "--max-lora-rank", str(kwargs["max_lora_rank"]),
-             "--lora-target-modules", *kwargs["lora_target_modules"], "--lora-modules", f"{spec.name}={spec.path}"]
+    flags = ["--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1", "--max-lora-rank",
+             str(kwargs["max_lora_rank"]), "--lora-target-modules", *kwargs["lora_target_modules"], "--lora-modules",
+             f"{spec.name}={spec.path}"]
     with serve_process(tiny_llama, tmp_path, flags) as server:
         group = GroupConfig(port=port, world_size=2, timeout_s=60)
         config = InflightConfig(group=group, adapter=spec)

@@ -42,13 +42,16 @@ def test_named_weights_are_the_checkpoint_one_copy_per_expert(tiny_moe) -> None:
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in sent
     assert all(torch.equal(sent[k], disk[k]) for k in disk)
     # one copy of each expert: exactly the checkpoint's bytes, nothing fused sent beside them
-    assert sum(t.numel() * t.element_size() for t in sent.values()) == sum(t.numel() * t.element_size() for t in disk.values())
+    assert (sum(t.numel() * t.element_size() for t in sent.values())
+            == sum(t.numel() * t.element_size() for t in disk.values()))
     # the expert tensors are the in-memory ones, split: a change in the fused tensor reaches its expert
     with torch.no_grad():
         model.model.layers[0].mlp.experts.gate_up_proj[2, 128:] += 1.0  # rows I.. are up_proj (gate first)
     moved = named_weights(model)
-    assert torch.equal(moved["model.layers.0.mlp.experts.2.up_proj.weight"], disk["model.layers.0.mlp.experts.2.up_proj.weight"] + 1)
-    assert torch.equal(moved["model.layers.0.mlp.experts.2.gate_proj.weight"], disk["model.layers.0.mlp.experts.2.gate_proj.weight"])
+    assert torch.equal(moved["model.layers.0.mlp.experts.2.up_proj.weight"],
+                       disk["model.layers.0.mlp.experts.2.up_proj.weight"] + 1)
+    assert torch.equal(moved["model.layers.0.mlp.experts.2.gate_proj.weight"],
+                       disk["model.layers.0.mlp.experts.2.gate_proj.weight"])
 
 
 @torch.no_grad()
@@ -161,7 +164,8 @@ def test_a_bf16_engine_keeps_its_fp32_router_fp32_through_an_update(tiny_glm, po
     for f in tiny_glm.iterdir():
         if f.suffix != ".safetensors":
             (fresh_dir / f.name).write_bytes(f.read_bytes())
-    save_file({k: v.contiguous() for k, v in new.items()}, str(fresh_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in new.items()}, str(fresh_dir / "model.safetensors"),
+              metadata={"format": "pt"})
     fresh = LLM(str(fresh_dir), enforce_eager=True, dtype="bfloat16", max_model_len=1024, seed=0, **engine_kwargs())
     try:
         assert outputs(fresh) == updated
@@ -197,7 +201,7 @@ class Transposing(Unforeseen):
     """A model whose loader changes the tensor before loading it: not a plain routing."""
 
     def load_weights(self, weights):
-        for name, t in weights:
+        for _name, t in weights:
             self.w.weight_loader(self.w, t.t())
 
 

@@ -54,7 +54,8 @@ def test_ray_actors_train_and_a_killed_actor_is_restarted_while_the_other_takes_
 
     killed: list[int] = []
 
-    def killer() -> None:  # once the trainer admitted a group of engine 1's: "both engines fed the run" is then not a race
+    # once the trainer admitted a group of engine 1's: "both engines fed the run" is then not a race
+    def killer() -> None:
         wait_rows(out, 3)
         wait_admitted("e1")
         killed.append(int((out / "engine1.pid").read_text()))

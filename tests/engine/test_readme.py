@@ -34,7 +34,8 @@ def test_the_readme_worker_scripts_run_as_written(tmp_path) -> None:
     for name, proc in run.items():
         out[name] = proc.communicate(timeout=900)[0]
         assert proc.returncode == 0, (name, out[name][-3000:])
-    assert re.search(r"v1 committed at engine step \d+ tokens per request then: ", out["my_trainer.py"]), out["my_trainer.py"]
+    assert re.search(r"v1 committed at engine step \d+ tokens per request then: ",
+                     out["my_trainer.py"]), out["my_trainer.py"]
     versions = re.search(r"versions \[([\d, ]+)\]", out["my_engine.py"])
     assert versions and versions.group(1).split(", ")[-1] == "1", out["my_engine.py"][-2000:]
 
@@ -69,13 +70,15 @@ def test_the_readme_rl_api_recipe_runs_as_written(tmp_path) -> None:
                 with urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=10):
                     break
             except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+                assert server.poll() is None and time.monotonic() < deadline, (
+                    (tmp_path / "serve.log").read_text()[-3000:])
                 time.sleep(1.0)
         trainer = subprocess.run([sys.executable, "my_rl_trainer.py"], cwd=tmp_path, env=env, capture_output=True,
                                  text=True, timeout=900)
         assert trainer.returncode == 0, trainer.stdout[-2000:] + trainer.stderr[-3000:]
         assert re.search(r"v1 committed at engine step \d+", trainer.stdout), trainer.stdout
-        curl = subprocess.run(["bash", "generate.sh"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        curl = subprocess.run(["bash", "generate.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
         assert curl.returncode == 0, curl.stderr
         choice = json.loads(curl.stdout)["choices"][0]
         assert len(choice["token_ids"]) == len(choice["logprobs"]["content"]) == 8

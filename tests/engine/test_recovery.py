@@ -128,7 +128,8 @@ def test_resume_continues_without_repeating_or_dropping_groups(tmp_path, monkeyp
     assert summary_a["queue"]["rejected"] == {"nonfinite_logprob": 1, "length_mismatch": 1}
     assert len(pending_a) >= 2, "the checkpoint should hold the full queue (4, less 2 malformed at most)"
     state = json.loads((out / "checkpoint" / "state.json").read_text())
-    assert state["step"] == 3 and state["version"] == 3 and state["buffer_stats"]["rejected"] == summary_a["queue"]["rejected"]
+    assert (state["step"] == 3 and state["version"] == 3
+            and state["buffer_stats"]["rejected"] == summary_a["queue"]["rejected"])
 
     monkeypatch.setattr(policy_module, "policy_logprobs", forward)
     summary_b = train(run_config(out, steps=6, run={"resume": True}, loss={"max_lag": 8}))

@@ -28,7 +28,8 @@ from tests.helpers import wait_until
 class Rig:
     """The engine, its coordinator, the trainer and every version's weights."""
 
-    def __init__(self, llm, trainer, base: dict[str, torch.Tensor], ref: Reference, info: InflightTrainerInitInfo) -> None:
+    def __init__(self, llm, trainer, base: dict[str, torch.Tensor], ref: Reference,
+                 info: InflightTrainerInitInfo) -> None:
         self.llm, self.trainer, self.ref, self.info = llm, trainer, ref, info
         self.coordinator = coordinator_of(llm)
         self.states = {0: base}

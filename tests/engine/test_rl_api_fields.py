@@ -53,8 +53,8 @@ def test_sparse_encoding_is_a_field_of_the_init_info(tiny_qwen, port) -> None:
     llm = LLM(str(tiny_qwen), enforce_eager=True, dtype="float32", max_model_len=512, seed=0,
               **engine_kwargs(rl_api=True))
     base = load_file(str(tiny_qwen / "model.safetensors"))
-    info = InflightTrainerInitInfo(rank=0, port=port, push=PushConfig(dtype="float32", bucket_mb=0.25, encoding="sparse"),
-                                   timeout_s=60.0)
+    info = InflightTrainerInitInfo(rank=0, port=port,
+                                   push=PushConfig(dtype="float32", bucket_mb=0.25, encoding="sparse"), timeout_s=60.0)
     trainer = WeightTransferTrainerFactory.trainer_init(info, client=llm, source=base)
     try:
         ref = Reference(tiny_qwen, "float32")

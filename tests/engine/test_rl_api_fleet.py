@@ -47,8 +47,8 @@ def _step_both(llms, coordinators, marks_passed, requests: int) -> dict[int, lis
                 continue
             due = marks_passed(e)
             if due is not None:
-                wait_until(lambda: c.commit_pending() or c.commits() > due, f"engine {e}'s commit {due + 1}",
-                           poll_s=0.001)
+                wait_until(lambda c=c, due=due: c.commit_pending() or c.commits() > due,
+                           f"engine {e}'s commit {due + 1}", poll_s=0.001)
             done[e] += [o for o in llm.llm_engine.step() if o.finished]
     assert all(len(v) == requests for v in done.values())
     return done
@@ -75,7 +75,8 @@ def test_a_list_of_clients_is_a_fleet_and_every_version_lands_on_each(fleet, tin
     sp = SamplingParams(temperature=1.0, max_tokens=40, logprobs=0, ignore_eos=True)
     for e, llm in enumerate(fleet):
         for i in range(6):
-            llm.llm_engine.add_request(f"e{e}r{i}", {"prompt_token_ids": [3 + (5 * i + j) % 150 for j in range(8 + i)]}, sp)
+            llm.llm_engine.add_request(f"e{e}r{i}", {"prompt_token_ids": [3 + (5 * i + j) % 150 for j in range(8 + i)]},
+                                       sp)
 
     def due(e: int) -> int | None:
         k = coordinators[e].commits()

@@ -100,7 +100,7 @@ class RLEngineActor(LLM):
             while engine.has_unfinished_requests() and not self._stop.is_set():
                 k = coordinator.commits() - base
                 if k < len(hold_at) and self._min_tokens() >= hold_at[k]:
-                    wait_until(lambda: coordinator.commit_pending() or coordinator.commits() - base != k
+                    wait_until(lambda k=k: coordinator.commit_pending() or coordinator.commits() - base != k
                                or self._min_tokens() < self._wanted or self._stop.is_set(),
                                f"commit {k + 1} to be pending (held at {hold_at[k]} tokens)", poll_s=0.002,
                                timeout_s=WAIT_S)
@@ -232,8 +232,8 @@ def test_ray_client_pushes_five_versions_while_sixteen_requests_decode_in_an_act
         ids = ray.get(actor.run.remote(prompts, TOKENS, HOLD_AT))
         results = []
         for k, mark in enumerate(PUSH_AT):
-            wait_until(lambda: min(client.progress()["tokens"].values()) >= mark, f"every request at {mark} tokens",
-                       timeout_s=WAIT_S)
+            wait_until(lambda mark=mark: min(client.progress()["tokens"].values()) >= mark,
+                       f"every request at {mark} tokens", timeout_s=WAIT_S)
             states[k + 1] = trainer.source = perturbed(base, seed=400 + k, scale=0.02)
             results.append(trainer.send_weights())
         assert client.progress()["running"], "the requests ended before every commit landed"

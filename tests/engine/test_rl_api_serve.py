@@ -46,8 +46,8 @@ class Stream(threading.Thread):
 
     def run(self) -> None:
         body = {"request_id": self.rid, "token_ids": self.prompt, "stream": True,
-                "sampling_params": {"max_tokens": self.max_tokens, "temperature": 1.0, "logprobs": 0, "ignore_eos": True,
-                                    "seed": self.seed}}
+                "sampling_params": {"max_tokens": self.max_tokens, "temperature": 1.0, "logprobs": 0,
+                                    "ignore_eos": True, "seed": self.seed}}
         try:
             with requests.post(self.base + "/inference/v1/generate", json=body, stream=True, timeout=600) as r:
                 r.raise_for_status()
@@ -148,8 +148,8 @@ def test_episodes_over_the_server_sample_what_they_sample_in_process(server, tin
     stepped here), each request seeded from its id: the samples are the same tokens, and
     the same log-probs and version tags. A turn the server refuses (an observation past its
     context) fails its episode alone, named by its request; its group is dropped (a reply of it
-    that comes back later is dropped too), the other trains, and the ledger balances. Runs first in this module: the server serves version 0,
-    once a trainer has joined (before, its tokens are labelled vLLM's "default": refused)."""
+    that comes back later is dropped too), the other trains, and the ledger balances. Runs first in this module: the
+    server serves version 0, once a trainer has joined (before, its tokens are labelled vLLM's "default": refused)."""
     from vllm import LLM, SamplingParams
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -264,14 +264,16 @@ def test_http_client_pushes_five_versions_while_sixteen_requests_stream(server, 
     states = {0: base}
     streams: list[Stream] = []
     client = ProgressAfterStart(server, streams)
-    info = InflightTrainerInitInfo(rank=0, port=group_port, push=PushConfig(dtype="float32", bucket_mb=0.25), timeout_s=60.0)
+    info = InflightTrainerInitInfo(rank=0, port=group_port, push=PushConfig(dtype="float32", bucket_mb=0.25),
+                                   timeout_s=60.0)
     trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=base)
     # after init: what the engine sampled before it is labelled vLLM's "default", not a version
     streams += [Stream(server, i, [3 + (5 * i + j) % 250 for j in range(8 + i)], TOKENS) for i in range(16)]
     results = []
     try:
         for k in range(5):
-            wait_until(lambda: min(s.progress for s in streams) >= 16 * (k + 1) or any(not s.is_alive() for s in streams),
+            wait_until(lambda k=k: (min(s.progress for s in streams) >= 16 * (k + 1)
+                                    or any(not s.is_alive() for s in streams)),
                        f"every stream at {16 * (k + 1)} tokens")
             states[k + 1] = trainer.source = perturbed(base, seed=200 + k, scale=0.02)
             results.append(trainer.send_weights())
@@ -309,7 +311,8 @@ def test_trl_sequence_keeps_decoding_and_labels_at_the_commit(server, tiny_qwen,
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     base = load_file(str(tiny_qwen / "model.safetensors"))
-    info = InflightTrainerInitInfo(rank=0, port=group_port, push=PushConfig(dtype="float32", bucket_mb=0.25), timeout_s=60.0)
+    info = InflightTrainerInitInfo(rank=0, port=group_port, push=PushConfig(dtype="float32", bucket_mb=0.25),
+                                   timeout_s=60.0)
     trainer = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(server), source=base)
     live = trainer.version
     v = live + 1
@@ -373,7 +376,8 @@ def _unmerged_chars(tok) -> list[int]:  # noqa: ANN001
     them detokenizes and tokenizes back to the same ids, so an honest harness never drifts."""
     model = json.loads(tok.backend_tokenizer.to_str())["model"]
     merged = {ch for m in model["merges"] for part in (m.split(" ") if isinstance(m, str) else m) for ch in part}
-    chars = [c for c in "!#$%&()*+,-./:;=?@[]^_{|}~ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in merged and c in model["vocab"]]
+    chars = [c for c in "!#$%&()*+,-./:;=?@[]^_{|}~ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+             if c not in merged and c in model["vocab"]]
     assert len(chars) >= 6, chars
     return [model["vocab"][c] for c in chars]
 

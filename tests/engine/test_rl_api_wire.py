@@ -38,7 +38,8 @@ def test_chunks_follow_vllms_pack_tensors() -> None:
     gen = torch.Generator().manual_seed(0)
     for trial in range(40):
         n = int(torch.randint(1, 12, (1,), generator=gen))
-        dtypes = [(torch.float32, torch.bfloat16, torch.int64)[int(i)] for i in torch.randint(0, 3, (n,), generator=gen)]
+        dtypes = [(torch.float32, torch.bfloat16, torch.int64)[int(i)]
+                  for i in torch.randint(0, 3, (n,), generator=gen)]
         tensors = [(f"t{i}", torch.randn(int(torch.randint(1, 40, (1,), generator=gen)), generator=gen).to(d))
                    for i, d in enumerate(dtypes)]
         buffer = int(torch.randint(1, 400, (1,), generator=gen))
@@ -132,7 +133,8 @@ def test_trls_sequence_on_the_packed_wire_commits_in_flight(wired) -> None:
     llm, trainer, states, ref = wired
     coordinator = coordinator_of(llm)
     start, first = coordinator.steps, coordinator.live_version
-    sent = {first + 1: perturbed(states[0], seed=201, scale=0.02), first + 2: perturbed(states[0], seed=202, scale=0.02)}
+    sent = {first + 1: perturbed(states[0], seed=201, scale=0.02),
+            first + 2: perturbed(states[0], seed=202, scale=0.02)}
     bf16 = {k: v.to(torch.bfloat16) for k, v in perturbed(states[0], seed=203, scale=0.02).items()}
     sent[first + 3] = bf16
     states.update({v: {k: t.float() for k, t in s.items()} for v, s in sent.items()})
@@ -237,8 +239,8 @@ def test_vllms_own_nccl_producer_lands_in_flight(tiny_qwen) -> None:
     llm.finish_weight_update()
     coordinator = coordinator_of(llm)
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    wait_until(lambda: llm.generate([{"prompt_token_ids": [5, 6]}], sp, use_tqdm=False) and coordinator.live_version == 1,
-               "v1 to commit")
+    wait_until(lambda: (llm.generate([{"prompt_token_ids": [5, 6]}], sp, use_tqdm=False)
+                        and coordinator.live_version == 1), "v1 to commit")
     ref = Reference(tiny_qwen, "float32").load({k: v.cpu() for k, v in state.items()})
     (o,) = llm.generate([{"prompt_token_ids": [5, 17, 42, 9]}], sp, use_tqdm=False)
     assert list(o.outputs[0].token_ids) == ref.greedy([5, 17, 42, 9], 4)

@@ -136,7 +136,8 @@ def test_streamed_routing_covers_exactly_the_tokens_shown(fp32_engine, tiny_moe)
     commits = coordinator.commits()
     for rid, prompt in (("s0", "3+4="), ("s1", "count 1 2")):
         engine.add_request(rid, prompt, sp)
-    pushes = push_at_steps(lambda: coordinator.steps - start, [0], lambda _: fp32_engine.push(moe_trainer_model(tiny_moe, seed=6)))
+    pushes = push_at_steps(lambda: coordinator.steps - start, [0],
+                           lambda _: fp32_engine.push(moe_trainer_model(tiny_moe, seed=6)))
     counts: dict[str, list[int]] = {"s0": [], "s1": []}
     shown: dict[str, np.ndarray] = {}
     done = {}
@@ -186,7 +187,8 @@ def test_preempted_requests_keep_exact_routing(tiny_moe, port) -> None:
             for out in engine.step():
                 if out.finished:
                     done[out.request_id] = out
-            preempted |= {rid.rsplit("-", 1)[0] for rid, r in list(coordinator.core.scheduler.requests.items()) if r.num_preemptions}
+            preempted |= {rid.rsplit("-", 1)[0] for rid, r in list(coordinator.core.scheduler.requests.items())
+                          if r.num_preemptions}
     finally:
         pusher.close()
         llm.collective_rpc("inflight_stop")
@@ -204,8 +206,9 @@ def _samples(outs) -> list[RolloutGroup]:
         for i, c in enumerate(o.outputs):
             t = tagged(c)
             samples.append(RolloutSample(sample_id=f"{o.request_id}-{i}", group_id=o.request_id,
-                                         prompt_ids=list(o.prompt_token_ids), token_ids=t.token_ids, logprobs=t.logprobs,
-                                         versions=t.versions, reward=float(i), **routing_fields(c)))
+                                         prompt_ids=list(o.prompt_token_ids), token_ids=t.token_ids,
+                                         logprobs=t.logprobs, versions=t.versions, reward=float(i),
+                                         **routing_fields(c)))
         groups.append(RolloutGroup(group_id=o.request_id, samples=tuple(samples)))
     return groups
 
@@ -234,7 +237,8 @@ def test_replay_brings_the_trainer_to_the_engine(tiny_moe, port) -> None:
     stats = replay.stats()
     print(f"bf16 engine vs fp32 trainer, {int(real.sum())} tokens, routing mismatch {stats['routing_mismatch']:.4f} "
           f"of {stats['routing_replayed_rows']} rows: |logp - mu| mean/max without replay "
-          f"{gap['plain'].mean():.5f}/{gap['plain'].max():.5f}, with {gap['replay'].mean():.5f}/{gap['replay'].max():.5f}")
+          f"{gap['plain'].mean():.5f}/{gap['plain'].max():.5f}, with "
+          f"{gap['replay'].mean():.5f}/{gap['replay'].max():.5f}")
     assert stats["routing_mismatch"] > 0  # else this batch could not tell
     assert gap["replay"].mean() < gap["plain"].mean() and gap["replay"].max() < gap["plain"].max()
 
@@ -253,8 +257,8 @@ def _tiny_batch(seed: int = 0):
             rows = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(t * 2)]).reshape(t, 2, 2)
             samples.append(RolloutSample(sample_id=f"{gi}-{si}", group_id=f"g{gi}", prompt_ids=ids[:p],
                                          token_ids=ids[p:], logprobs=(-torch.rand(t, generator=g)).tolist(),
-                                         versions=[0] * t, reward=float(si + gi), routing=rows.numpy().astype("<i2").tobytes(),
-                                         routing_layers=2, routing_k=2))
+                                         versions=[0] * t, reward=float(si + gi),
+                                         routing=rows.numpy().astype("<i2").tobytes(), routing_layers=2, routing_k=2))
         groups.append(RolloutGroup(group_id=f"g{gi}", samples=tuple(samples)))
     batch = collate(groups, 2, True)
     return groups, batch, collate_routing(groups, batch.input_ids, batch.completion_ids.shape[1])
@@ -300,7 +304,8 @@ def test_replay_loss_and_gradient_match_a_reference(tiny_moe) -> None:
         if use_reference:  # each block's output replaced by the hand-written one with the same experts
             for layer, block in enumerate(blocks):
                 def hook(mod, args, out, layer=layer):
-                    own = torch.topk(torch.softmax(args[0].reshape(-1, args[0].shape[-1]) @ mod.gate.weight.t(), -1), 2).indices
+                    own = torch.topk(torch.softmax(args[0].reshape(-1, args[0].shape[-1]) @ mod.gate.weight.t(), -1),
+                                     2).indices
                     rec = routing[:, :, layer].reshape(-1, 2)
                     return _reference_moe(mod, args[0], torch.where(rec[:, :1] != NO_ROUTE, rec, own))
                 hooks.append(block.register_forward_hook(hook))
@@ -320,7 +325,7 @@ def test_replay_loss_and_gradient_match_a_reference(tiny_moe) -> None:
     torch.testing.assert_close(logp, ref_logp, atol=2e-6, rtol=0)
     torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-5)
     for n in grads:
-        torch.testing.assert_close(grads[n], ref_grads[n], atol=1e-6, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(grads[n], ref_grads[n], atol=1e-6, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
     assert ref_grads["model.layers.0.mlp.gate.weight"].abs().sum() > 0  # the router learns through its weights
 
 
@@ -340,7 +345,8 @@ def test_replaying_the_routers_own_choice_changes_nothing(tiny_moe) -> None:
         replayed, _ = policy_logprobs(model, batch, Sampling())
     assert torch.equal(plain, replayed) and replay.stats()["routing_mismatch"] == 0.0
     w = gate_weights(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), torch.tensor([[3, 0]]), True)
-    torch.testing.assert_close(w, torch.tensor([[np.e ** 3 / (np.e ** 3 + 1), 1 / (np.e ** 3 + 1)]], dtype=torch.float32))
+    torch.testing.assert_close(w, torch.tensor([[np.e ** 3 / (np.e ** 3 + 1), 1 / (np.e ** 3 + 1)]],
+                                               dtype=torch.float32))
 
 
 def test_refusals_name_what_is_missing(tiny_moe) -> None:
@@ -402,4 +408,5 @@ def test_capture_is_refused_where_its_hooks_cannot_run() -> None:
     graphs = capture_problem(V1Runner, device_type="cuda", enforce_eager=False, cudagraph_mode=CUDAGraphMode.FULL)
     assert graphs is not None and "cudagraph_mode=FULL" in graphs and "enforce_eager=True" in graphs
     assert capture_problem(V1Runner, device_type="cuda", enforce_eager=True, cudagraph_mode=CUDAGraphMode.FULL) is None
-    assert capture_problem(CPUModelRunner, device_type="cpu", enforce_eager=True, cudagraph_mode=CUDAGraphMode.NONE) is None
+    assert capture_problem(CPUModelRunner, device_type="cpu", enforce_eager=True,
+                           cudagraph_mode=CUDAGraphMode.NONE) is None

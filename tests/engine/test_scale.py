@@ -202,8 +202,8 @@ def test_bytes_per_rank_by_hand() -> None:
     a = Arch.from_config(TOY)
     # rank 0 splits: embed 64x8 + lm_head 64x8 + q 4x8 + o 8x4 + gate, up 6x8 + down 8x6
     # whole on both ranks: two layer norms and the final norm (8 each), k and v (one KV head: 4x8 each)
-    assert rank_bytes(a, 2, 0, 2) == PlanBytes(sharded=2 * (2 * 512 + 32 + 32 + 3 * 48), replicated=2 * (3 * 8 + 2 * 32),
-                                               fallback=0)
+    assert rank_bytes(a, 2, 0, 2) == PlanBytes(sharded=2 * (2 * 512 + 32 + 32 + 3 * 48),
+                                               replicated=2 * (3 * 8 + 2 * 32), fallback=0)
     assert rank_bytes(a, 2, 1, 2) == PlanBytes(sharded=2 * (2 * 288 + 32 + 32 + 3 * 48), replicated=2 * 88, fallback=0)
     assert param_count(a) == 2 * 800 + 3 * 8 + 64 + 2 * 32 + 64 + 3 * 96
     assert link_bytes(a, 2, 2) == 2 * (param_count(a) + 88)  # what both ranks read whole goes twice
@@ -243,8 +243,8 @@ def test_lag_of_a_request_by_hand() -> None:
 def test_batch_boundary_drains_then_updates() -> None:
     """Two slots, requests of 4 and 10 steps (fixed length): the update waits for both."""
     lengths = Lengths(dist="uniform", low=10, high=10)
-    r = simulate(2, StepTime(weights_max_s=0.01, weights_per_seq_s=0.01), Update(mode="batch", every_steps=3, stall_s=1.0),
-                 lengths, steps=30)
+    r = simulate(2, StepTime(weights_max_s=0.01, weights_per_seq_s=0.01),
+                 Update(mode="batch", every_steps=3, stall_s=1.0), lengths, steps=30)
     # steps 0-9 decode both requests (drain starts at 3, ends at 10), update, steps 10-19, again
     assert r.updates == 2 and r.tokens == 2 * 30 and r.lag_hist == {0: 60}
     assert r.wall_s == pytest.approx(30 * 0.01 + 2 * 1.0)
@@ -403,7 +403,8 @@ def test_a_zero_or_native_model_fails_every_rates_inflight_check(judged) -> None
         assert set(checks) == rates and not any(c["ok"] for c in checks.values()), checks
 
     def old_band(row: dict, none: dict) -> float:
-        return 0.15 * abs(row["lost_ms_per_update"]) + 0.02 * row["steps"] / row["updates"] * 1e3 * none["wall_s"] / none["steps"]
+        return (0.15 * abs(row["lost_ms_per_update"])
+                + 0.02 * row["steps"] / row["updates"] * 1e3 * none["wall_s"] / none["steps"])
 
     old_pass = set()
     for run in runs:
@@ -478,7 +479,8 @@ def test_the_predictions_are_the_calibrations(judged) -> None:
     assert judged[0]["command"] == "python -m inflight.bench.scale predict"
     for part in ("link", "engine", "push"):
         runs = [r for r in cal["runs"] if part in r["parts"] and part not in r.get("superseded", [])]
-        assert runs and all(r["command"].startswith("python -m inflight.bench.scale calibrate") and r["date"] for r in runs)
+        assert runs and all(r["command"].startswith("python -m inflight.bench.scale calibrate") and r["date"]
+                            for r in runs)
         for r in runs:
             parser().parse_args(r["command"].split()[4:])  # exits on an argument the CLI does not take
     for run in judged[1]:
@@ -535,11 +537,13 @@ def test_replay_parameters_by_hand() -> None:
            "engine": {"nbytes": 10**9, "step": {"a_s": 0.1, "c_s_per_token": 0.0, "p_s_per_request": 0.0},
                       "inflight": {"stage_s": 2.0, "first_stage_s": 3.0, "buckets": 4, "slowdown": 0.2,
                                    "push_over_stage_s": 0.2, "stall_s": 0.001},
-                      "native": {"stall_s": 2.5, "send_s": 1.05, "first_stall_s": 3.5, "first_send_s": 2.05, "pack_s": 0.05}},
+                      "native": {"stall_s": 2.5, "send_s": 1.05, "first_stall_s": 3.5, "first_send_s": 2.05,
+                                 "pack_s": 0.05}},
            "push": {"by_rate": {"1gbit": {"slowdown": 0.03}}}}
     p = params(cal, "1gbit")
     assert p.stage_s == pytest.approx(10.5) and p.first_stage_s == pytest.approx(10.5) and p.slowdown == 0.03
-    assert p.native_s == pytest.approx(2.5 - 1.05 + 0.05 + 10.0) and p.first_native_s == pytest.approx(3.5 - 2.05 + 0.05 + 10.0)
+    assert (p.native_s == pytest.approx(2.5 - 1.05 + 0.05 + 10.0)
+            and p.first_native_s == pytest.approx(3.5 - 2.05 + 0.05 + 10.0))
     assert p.pre_s == pytest.approx(0.15) and p.commit_s == 0.001
     loop = params(cal, "loopback")
     assert loop.stage_s == pytest.approx(2.5) and loop.first_stage_s == pytest.approx(3.5)
@@ -656,7 +660,8 @@ def test_a_rate_keeps_every_recorded_run(tmp_path) -> None:
 
     def log(name: str, every: int = s["every"]) -> Path:
         path = tmp_path / name
-        run = {"bench": "inflight", "steps": s["steps"], "rounds": s["rounds"], "rows": [{"every": every, "mode": "none"}]}
+        run = {"bench": "inflight", "steps": s["steps"], "rounds": s["rounds"],
+               "rows": [{"every": every, "mode": "none"}]}
         path.write_text("a line of the run's own output\n" + json.dumps(run) + "\n")
         return path
 

@@ -169,7 +169,8 @@ def test_an_fsdp2_trainer_pushes_in_flight_and_survives_losing_a_rank(tiny_llama
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank (vLLM CPU refuses TP=2 without it)
         extra = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
     vllm.envs.disable_envs_cache()
-    llm = LLM(str(tiny_llama), enforce_eager=True, dtype="float32", max_model_len=512, seed=0, **extra, **engine_kwargs())
+    llm = LLM(str(tiny_llama), enforce_eager=True, dtype="float32", max_model_len=512, seed=0, **extra,
+              **engine_kwargs())
     try:
         start_inflight(llm, InflightConfig(group=GroupConfig(port=trainer.port, world_size=1 + tp, timeout_s=120)))
         trainer.wait_ready()
@@ -179,7 +180,8 @@ def test_an_fsdp2_trainer_pushes_in_flight_and_survives_losing_a_rank(tiny_llama
         pushes = push_at_steps(lambda: coordinator.steps - start, marks,
                                lambda k: replies.append(trainer.step_and_push(k + 1)))
         sp = SamplingParams(temperature=1.0, max_tokens=70, logprobs=0, ignore_eos=True, seed=3)
-        outs = drive(llm, coordinator, [f"{i}+{i}=" for i in range(4)], sp, hold_at=[m + 25 for m in marks], start=start)
+        outs = drive(llm, coordinator, [f"{i}+{i}=" for i in range(4)], sp, hold_at=[m + 25 for m in marks],
+                     start=start)
         pushes.join()
         full = sum(t.numel() * 4 for t in load_file(str(tiny_llama / "model.safetensors")).values())
         for version, (followed, pushed) in enumerate(replies, start=1):  # sorted by kind
@@ -203,7 +205,8 @@ def test_an_fsdp2_trainer_pushes_in_flight_and_survives_losing_a_rank(tiny_llama
         assert _assert_serves(llm, tiny_llama, v2, 2) == before  # the last good version, bit for bit
         # each worker's status says the trainer called v3 off, and why
         for st in (as_result(r, WorkerStatus) for r in llm.collective_rpc("inflight_status")):
-            assert st.aborted == 1 and st.last_error.startswith("[aborted] v3: ") and "a trainer rank died" in st.last_error, st
+            assert (st.aborted == 1 and st.last_error.startswith("[aborted] v3: ")
+                    and "a trainer rank died" in st.last_error), st
     finally:
         trainer.close()
         stop_engine(llm)
@@ -252,7 +255,8 @@ def test_a_model_fused_at_load_is_refused_by_name(tiny_moe, tiny_qwen) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(tiny_moe), dtype=torch.float32)
     live = {n: p.detach() for n, p in model.named_parameters()}
     assert any(".experts.0." in n for n in named_weights(model)) and not any(".experts.0." in n for n in live)
-    with pytest.raises(ValueError, match=r"checkpoint form differs .*\.experts\.0\..* stale after the first optimizer step"):
+    with pytest.raises(ValueError,
+                       match=r"checkpoint form differs .*\.experts\.0\..* stale after the first optimizer step"):
         ShardedSource(model, None)  # type: ignore[arg-type]
     plain = AutoModelForCausalLM.from_pretrained(str(tiny_qwen), dtype=torch.float32)  # tied embeddings
     tied = {"lm_head.weight": plain.lm_head.weight.detach()}  # the embedding's memory

@@ -38,7 +38,8 @@ def test_prepared_directory_is_the_instruct_model(smollm2: Path) -> None:
 
     cfg = AutoConfig.from_pretrained(str(smollm2))
     assert cfg.architectures == ["LlamaForCausalLM"] and getattr(cfg, "quantization_config", None) is None
-    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (30, 9, 3, 49152)
+    assert ((cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size)
+            == (30, 9, 3, 49152))
     assert cfg.tie_word_embeddings
     with safe_open(str(smollm2 / "model.safetensors"), "pt") as f:
         n = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
@@ -141,7 +142,8 @@ def test_smoke_run_of_the_smollm2_config(tmp_path: Path) -> None:
     from inflight.trainer.config_files import load_config
     from inflight.trainer.train import train
 
-    cfg = load_config("smollm2_cpu", ["run.steps=2", f"run.out_dir={tmp_path / 'run'}", "eval.every=2", "eval.prompts=4"])
+    cfg = load_config("smollm2_cpu", ["run.steps=2", f"run.out_dir={tmp_path / 'run'}", "eval.every=2",
+                                      "eval.prompts=4"])
     summary = train(cfg)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["pushed_version"] == 2 and rows[-1]["stall_ms"] > 0

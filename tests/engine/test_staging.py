@@ -99,7 +99,8 @@ def test_host_memory_is_checked_for_every_worker_of_the_engine_on_the_node() -> 
     roomy_gpu = MemoryBudget(80 * GiB, 80 * GiB, 3 * GiB, 16 * GiB)
     check_fits(gpu_need, device=torch.device("cuda", 0), budget=roomy_gpu, node_workers=1, gpu_memory_utilization=0.9)
     with pytest.raises(StagingMemoryError, match="Free host memory"):
-        check_fits(gpu_need, device=torch.device("cuda", 0), budget=roomy_gpu, node_workers=2, gpu_memory_utilization=0.9)
+        check_fits(gpu_need, device=torch.device("cuda", 0), budget=roomy_gpu, node_workers=2,
+                   gpu_memory_utilization=0.9)
 
 
 def resident_fraction(t: torch.Tensor) -> float:
@@ -155,7 +156,8 @@ def test_engine_reserves_at_start_and_refuses_a_budget_it_would_not_fit(tiny_qwe
     llm = LLM(str(tiny_qwen), enforce_eager=True, dtype="float32", max_model_len=256, seed=0, **engine_kwargs())
     config = InflightConfig(group=GroupConfig(port=port, world_size=2))
     schema = checkpoint_schema(tiny_qwen, torch.float32)
-    params = sum(t.numel() * 4 for t in load_file(str(tiny_qwen / "model.safetensors")).values())  # tied: embedding once
+    # tied: embedding once
+    params = sum(t.numel() * 4 for t in load_file(str(tiny_qwen / "model.safetensors")).values())
     try:
         tight = MemoryBudget(GiB // 1024, 16 * GiB, GiB // 1024, 16 * GiB)  # forced: 1 MiB free
         monkeypatch.setattr(worker, "memory_budget", lambda device: tight)

@@ -80,7 +80,8 @@ def test_arithmetic_rewards_and_held_out_set() -> None:
     assert not {q.meta["expr"] for q in drawn} & {q.meta["expr"] for q in held}
     for q in drawn[:200]:  # every prompt is its own expression's value, operands of exactly two digits
         a, op, b = q.meta["expr"].split()
-        assert 10 <= int(a) <= 99 and 10 <= int(b) <= 99 and q.answer == str(int(a) + int(b) if op == "+" else int(a) - int(b))
+        assert (10 <= int(a) <= 99 and 10 <= int(b) <= 99
+                and q.answer == str(int(a) + int(b) if op == "+" else int(a) - int(b)))
         assert task.score([q], [_done(f"It is {q.answer}")]) == [1.0]
     with pytest.raises(ValueError, match=r"would hold out more than half of the 100 distinct problems"):
         Arithmetic(digits=1, eval_size=60)
@@ -139,7 +140,8 @@ def test_jsonl_with_a_reward_function_of_your_own(tmp_path, monkeypatch) -> None
 
     task = build_task(load_config(tmp_path / "run.toml"), tokenizer=None)
     cats, colour = task.train
-    assert task.score([cats] * 3, [_done("cat cat cat"), _done("three cat words here"), _done("dogs")]) == [2.0, 1.0, 0.0]
+    assert (task.score([cats] * 3, [_done("cat cat cat"), _done("three cat words here"), _done("dogs")])
+            == [2.0, 1.0, 0.0])
     assert task.score([colour], [_done("blue")]) == [1.0]
     with pytest.raises(ValueError, match=r"jsonl: reward='my_reward:nope': 'my_reward' has no attribute 'nope'"):
         JsonlTask(data, reward="my_reward:nope")
@@ -359,7 +361,8 @@ def _reasoning_gym_reference(text: str, entry: dict) -> float:
     from reasoning_gym.utils import extract_answer
 
     answer = extract_answer(text)
-    return 0.0 if answer is None else reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])(answer, entry)
+    return (0.0 if answer is None
+            else reasoning_gym.get_score_answer_fn(entry["metadata"]["source_dataset"])(answer, entry))
 
 
 def test_the_documented_reasoning_gym_mix_is_a_task(tmp_path) -> None:
@@ -379,7 +382,8 @@ def test_the_documented_reasoning_gym_mix_is_a_task(tmp_path) -> None:
     sources = [p.meta["entry"]["metadata"]["source_dataset"] for p in drawn]
     assert set(sources) == {"basic_arithmetic", "leg_counting"}
     assert abs(sources.count("basic_arithmetic") / 600 - 2 / 3) < 4 * (2 / 9 / 600) ** 0.5  # weights 2:1, 4 sigma
-    assert all(p.meta["entry"]["metadata"]["num_terms"] <= 2 for p in drawn if "num_terms" in p.meta["entry"]["metadata"])
+    assert all(p.meta["entry"]["metadata"]["num_terms"] <= 2
+               for p in drawn if "num_terms" in p.meta["entry"]["metadata"])
     assert drawn[0].text.startswith("Given a problem") and drawn[0].text.endswith(drawn[0].meta["entry"]["question"])
     for p in drawn[:40]:
         right, entry = p.answer, p.meta["entry"]
@@ -411,7 +415,8 @@ def test_reasoning_gym_rewards_are_its_own_not_a_number_match(tiny_tok) -> None:
         "datasets": ["spell_backward"], "system_prompt": "simple"}}})
     task = build_task(cfg, tokenizer=chat_tok)
     p = task.sample(random.Random(1))
-    assert [m["role"] for m in p.messages] == ["system", "user"] and p.messages[1]["content"] == p.meta["entry"]["question"]
+    assert ([m["role"] for m in p.messages] == ["system", "user"]
+            and p.messages[1]["content"] == p.meta["entry"]["question"])
     assert chat_tok.decode(encode_prompt(chat_tok, p, "auto")).count(p.meta["entry"]["question"]) == 1
     assert build_task(cfg, tokenizer=tiny_tok).sample(random.Random(1)).text.endswith(p.meta["entry"]["question"])
     # worked examples: reasoning-gym entries (none of them the problem) answered in tags, before it
@@ -428,13 +433,15 @@ def test_reasoning_gym_rewards_are_its_own_not_a_number_match(tiny_tok) -> None:
     with pytest.raises(ValueError, match=r"examples=1: worked examples are chat turns"):
         build_task(config_from_dict({"task": {"name": "reasoning_gym", "reasoning_gym": {"examples": 1}}}), None)
     word = p.answer
-    texts = [f"<answer>{word}</answer>", f"<answer>{word[::-1]}</answer>" if word != word[::-1] else "<answer>x</answer>"]
+    texts = [f"<answer>{word}</answer>",
+             f"<answer>{word[::-1]}</answer>" if word != word[::-1] else "<answer>x</answer>"]
     assert task.score([p] * 2, [_done(t) for t in texts]) == [1.0, _reasoning_gym_reference(texts[1], p.meta["entry"])]
     assert task.score([p], [_done(texts[1])])[0] < 1
 
 
 @pytest.mark.parametrize(("table", "named"), [
-    ({"datasets": ["basic_arithmetc"]}, r"'basic_arithmetc' is not a reasoning-gym dataset \(did you mean basic_arithmetic"),
+    ({"datasets": ["basic_arithmetc"]}, r"'basic_arithmetc' is not a reasoning-gym dataset \(did you mean "
+                                        r"basic_arithmetic"),
     ({"datasets": ["leg_counting", "leg_counting"]}, r"must name one dataset or more, each once"),
     ({"datasets": ["leg_counting"], "weights": [1, 2]}, r"weights=\[1, 2\] must have one weight per dataset \(1\)"),
     ({"datasets": ["leg_counting"], "weights": [0]}, r"weights=\[0\] must all be finite and > 0"),
@@ -453,7 +460,8 @@ def test_a_reasoning_gym_option_its_dataset_refuses_stops_the_build(tiny_tok) ->
                                          r"argument 'max_legs'"):
         build_task(cfg, tokenizer=tiny_tok)
     with pytest.raises(ValueError, match=r"system_prompt='socratic' is not one of \['DeepSeekZero', "):
-        build_task(config_from_dict({"task": {"name": "reasoning_gym", "reasoning_gym": {"system_prompt": "socratic"}}}),
+        build_task(config_from_dict({"task": {"name": "reasoning_gym",
+                                              "reasoning_gym": {"system_prompt": "socratic"}}}),
                    tokenizer=None)
 
 

@@ -131,12 +131,14 @@ def test_a_native_calculator_episode_renders_as_one_conversation(smollm2_tok) ->
     turn = task.turn(EpisodeView(prompt, (reply,), (), tool_calls=ToolCallParser("hermes", smollm2_tok).parse(reply)))
     assert turn.messages == ({"role": "tool", "content": prompt.answer},) and turn.state == {"calls": 1}
     obs_ids = ObservationRenderer(smollm2_tok, "auto").ids(turn, reply_ids, "stop")
-    whole = [*prompt.messages, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+    whole = [*prompt.messages,
+             {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
              *turn.messages]
     text = smollm2_tok.apply_chat_template(whole, tools=list(prompt.tools), tokenize=False, add_generation_prompt=True)
     assert ids + reply_ids + obs_ids == smollm2_tok(text, add_special_tokens=False).input_ids
     assert "<tools>" in smollm2_tok.decode(ids) and '"name": "calculator"' in smollm2_tok.decode(ids)
-    assert smollm2_tok.decode(obs_ids) == f"\n<|im_start|>user\n<tool_response>\n{prompt.answer}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert smollm2_tok.decode(obs_ids) == (f"\n<|im_start|>user\n<tool_response>\n{prompt.answer}\n</tool_response>"
+                                           "<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_native_calculator_turns() -> None:
@@ -154,23 +156,26 @@ def test_native_calculator_turns() -> None:
                             {"role": "tool", "content": '{"error": "calculator: division by zero"}'})
     assert two.state == {"calls": 1}  # an error is not a well-formed call
     wrong = task.turn(view("", [{"name": "calc", "arguments": {"expression": expr}}]))
-    assert json.loads(wrong.messages[0]["content"])["error"].startswith("no tool named 'calc'") and wrong.state == {"calls": 0}
+    assert (json.loads(wrong.messages[0]["content"])["error"].startswith("no tool named 'calc'")
+            and wrong.state == {"calls": 0})
     assert task.turn(view(f"answer: {p.answer}")) == Turn(done=True, reward=1.0)
     assert task.turn(view("answer: 1", state={"calls": 1})) == Turn(done=True, reward=0.2)
-    assert task.turn(view("I think so.")) == Turn(observation="Call the calculator tool, or write `answer: <number>` to "
-                                                              "give the result.", role="user")
+    assert task.turn(view("I think so.")) == Turn(observation="Call the calculator tool, or write `answer: "
+                                                              "<number>` to give the result.", role="user")
     assert task.turn(view("I think so.", state={"calls": 2}, last=True)) == Turn(done=True, reward=0.2)
 
 
 def test_native_tool_settings_are_checked_at_load(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"task.calculator.format = 'native' needs task.tool_parser"):
         config_from_dict({"task": {"name": "calculator", "calculator": {"format": "native"}}})
-    with pytest.raises(ValueError, match=r"task.chat_template='nowhere.jinja' is neither 'chatml_tools' nor a Jinja file"):
+    with pytest.raises(ValueError,
+                       match=r"task.chat_template='nowhere.jinja' is neither 'chatml_tools' nor a Jinja file"):
         config_from_dict({"task": {"chat_template": "nowhere.jinja"}})
     with pytest.raises(ValueError, match=r"format='json' must be one of \['text', 'native'\]"):
         config_from_dict({"task": {"name": "calculator", "calculator": {"format": "json"}}})
     (tmp_path / "t.jinja").write_text("{{ messages[0].content }}")
-    cfg = config_from_dict({"task": {"name": "calculator", "tool_parser": "hermes", "chat_template": str(tmp_path / "t.jinja"),
+    cfg = config_from_dict({"task": {"name": "calculator", "tool_parser": "hermes",
+                                     "chat_template": str(tmp_path / "t.jinja"),
                                      "calculator": {"format": "native"}}})
     assert cfg.task.chat_template == str(tmp_path / "t.jinja")
     with pytest.raises(ValueError, match=r"offers tools but the model has no chat template"):

@@ -53,7 +53,8 @@ def test_training_run_end_to_end(tmp_path) -> None:
     # the final model: a Hugging Face directory with its tokenizer, loaded as any other
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    final, tok = AutoModelForCausalLM.from_pretrained(out / "checkpoint"), AutoTokenizer.from_pretrained(out / "checkpoint")
+    final, tok = (AutoModelForCausalLM.from_pretrained(out / "checkpoint"),
+                  AutoTokenizer.from_pretrained(out / "checkpoint"))
     assert torch.isfinite(final(**tok("1 2 3", return_tensors="pt")).logits).all()
 
 
@@ -63,7 +64,9 @@ def test_config_errors_name_the_key(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"rollout: rollout.group_size=1: GRPO needs at least 2"):
         load_config(bad)
     bad.write_text("[loss.objective]\nname = 'sft'\n")
-    with pytest.raises(ValueError, match=r"loss.objective: loss.objective.name='sft' is not one of 'reinforce', 'ppo', 'icepop', 'none'"):
+    with pytest.raises(ValueError,
+                       match=r"loss.objective: loss.objective.name='sft' is not one of 'reinforce', 'ppo', "
+                             r"'icepop', 'none'"):
         load_config(bad)
     bad.write_text("[loss]\nmax_lag = 0\n")
     with pytest.raises(ValueError, match=r"loss.max_lag=0 with rollout.mode='inflight'"):
@@ -92,7 +95,8 @@ def test_batch_mode_samples_each_step_from_one_version(tmp_path) -> None:
     assert centre >= 0.98, [r["ratio_hist"] for r in rows]
     pushes = [r for r in rows if r.get("dense_mb")]
     assert pushes[0]["changed_frac"] is None and pushes[0]["sent_mb"] == pushes[0]["dense_mb"]  # no base yet: dense
-    assert len(pushes) >= 3 and all(0 < r["changed_frac"] <= 1 and r["sent_mb"] < r["dense_mb"] for r in pushes[1:]), pushes
+    assert len(pushes) >= 3 and all(0 < r["changed_frac"] <= 1 and r["sent_mb"] < r["dense_mb"]
+                                    for r in pushes[1:]), pushes
 
 
 def test_placement_splits_gpus_and_never_puts_nccl_on_one_device() -> None:

@@ -378,7 +378,8 @@ def test_a_two_rank_run_pushes_in_flight_and_stops_when_a_rank_dies(tmp_path) ->
     assert took < 60, took  # measured: docs/LOG.md
     for pid in (rank0, engine):  # the engine sees its trainer gone and ends by itself
         for _ in range(600):
-            if not Path(f"/proc/{pid}").exists() or "Z" in (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]):
+            if (not Path(f"/proc/{pid}").exists()
+                    or "Z" in (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3])):
                 break
             time.sleep(0.1)
         else:
@@ -421,8 +422,8 @@ def test_a_hung_rank_stops_the_run_naming_it(tmp_path) -> None:
             os.killpg(run.pid, 9)
     print(f"rank 1 stopped: rank 0 gave up {took:.1f} s later")
     # rank 1 named: by the order it did not take, or the barrier after a collective it left hanging
-    assert code != 0 and re.search(r"inflight train: error: (trainer rank 1 did not|step \d+: .*Ranks? 1 failed to pass "
-                                   r"monitoredBarrier).*run\.rank_timeout_s", err), err[-3000:]
+    assert code != 0 and re.search(r"inflight train: error: (trainer rank 1 did not|step \d+: .*Ranks? 1 failed to "
+                                   r"pass monitoredBarrier).*run\.rank_timeout_s", err), err[-3000:]
     assert "inflight train: error: trainer rank 0 of 2 stopped the run" in err
     assert took < 120, took  # the timeout, after the step in progress and the wait for its rollouts
 

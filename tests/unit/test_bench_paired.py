@@ -55,4 +55,5 @@ def test_rows_run_at_inflights_length_are_measured_against_none_over_those_steps
     assert by["inflight"]["lost_ms_per_update"] == pytest.approx(500.0)
     assert by["inflight"]["vs_none"] == pytest.approx(24.0 / 25.0, abs=1e-3)
     assert by["native"]["lost_ms_per_update"] == pytest.approx(2000.0)
-    assert by["none@inflight"]["lost_ms_per_update"] is None and by["none@inflight"]["lost_ms_per_step"] == pytest.approx(1e3 * 4.0 / 200)
+    assert (by["none@inflight"]["lost_ms_per_update"] is None
+            and by["none@inflight"]["lost_ms_per_step"] == pytest.approx(1e3 * 4.0 / 200))

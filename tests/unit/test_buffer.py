@@ -29,7 +29,8 @@ def store(port):
 
 
 def test_fifo_across_producer_and_consumer_connections(store, port) -> None:
-    producer_store = PrefixStore("test/rollout", TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)))
+    producer_store = PrefixStore("test/rollout",
+                                 TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)))
     producer, consumer = RolloutQueue(producer_store, capacity=8), RolloutQueue(store, capacity=8)
     for i in range(5):
         producer.put(_group(f"g{i}", [0, 0]))

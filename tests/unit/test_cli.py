@@ -15,8 +15,8 @@ from inflight.trainer import cli
 from inflight.trainer.config_files import CONFIG_DIR, config_names, find_config, load_config, parse_override
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGED = ["demo", "fleet_cpu", "gpu_hf_model", "smollm2_calculator_cpu", "smollm2_calculator_native_cpu", "smollm2_cpu",
-            "smollm2_guess_cpu", "smollm2_lora_cpu", "smollm2_reasoning_gym_cpu"]
+PACKAGED = ["demo", "fleet_cpu", "gpu_hf_model", "smollm2_calculator_cpu", "smollm2_calculator_native_cpu",
+            "smollm2_cpu", "smollm2_guess_cpu", "smollm2_lora_cpu", "smollm2_reasoning_gym_cpu"]
 
 
 def test_packaged_configs_are_found_by_name_and_all_load() -> None:
@@ -101,12 +101,13 @@ def test_an_override_fails_exactly_as_the_same_key_in_the_file(tmp_path: Path) -
 
 def test_inflight_help_names_every_command_without_importing_torch() -> None:
     """Through the interpreter, as the console script runs it: torch takes seconds to import."""
-    out = subprocess.run([sys.executable, "-m", "inflight.trainer.cli", "--help"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-m", "inflight.trainer.cli", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     for name in cli.COMMANDS:
         assert name in out.stdout
-    probe = ("import sys\nimport inflight.trainer.cli\ntry:\n    inflight.trainer.cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+    probe = ("import sys\nimport inflight.trainer.cli\ntry:\n    inflight.trainer.cli.main(['--help'])\n"
+             "except SystemExit:\n    pass\n"
              "print('torch imported:', 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().endswith("torch imported: False"), out.stdout + out.stderr
@@ -120,7 +121,8 @@ def test_train_and_engine_report_a_bad_config_as_a_usage_error(capsys: pytest.Ca
     with pytest.raises(SystemExit, match=USAGE_ERROR) as exit_:
         cli.main(["train", "--config", "nope"])
     assert exit_.value.code == 2
-    assert "inflight train: error: config 'nope': no packaged config of that name; packaged: demo" in capsys.readouterr().err
+    assert ("inflight train: error: config 'nope': no packaged config of that name; packaged: demo"
+            in capsys.readouterr().err)
     with pytest.raises(SystemExit, match=USAGE_ERROR):
         cli.main(["train", "--config", "demo", "--set", "run.stepz=5"])
     assert "inflight train: error: run: unknown key(s) ['stepz']" in capsys.readouterr().err
@@ -171,7 +173,8 @@ def test_the_configuration_reference_is_generated_from_the_code() -> None:
     from inflight.trainer.config_docs import render, tables
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
-    assert doc == render(), "docs/configuration.md is stale: python -m inflight.trainer.config_docs > docs/configuration.md"
+    assert doc == render(), ("docs/configuration.md is stale: python -m inflight.trainer.config_docs > "
+                             "docs/configuration.md")
     keys = {f"{name}.{key}" for name, _, rows in tables() for key, _, _ in rows}
     assert {"run.resume", "optim.micro_batches", "optim.warmup_steps", "task.episode.max_turns",
             "task.guess_number.consistency_credit", "engine.kv_cache_gb"} <= keys

@@ -32,13 +32,13 @@ KEPT = [[1, 1, 1, 1], [0, 1, 1, 0], [1, 1, 0, 0]]  # real and lag <= 2
 
 
 def _batch() -> tuple[Batch, torch.Tensor]:
-    l = torch.tensor([[0.4, 0.2, -0.2, 0.4], [-5.0, 0.1, -0.5, -9.0], [-1.0, 0.2, -9.0, -9.0]])
+    log_r = torch.tensor([[0.4, 0.2, -0.2, 0.4], [-5.0, 0.1, -0.5, -9.0], [-1.0, 0.2, -9.0, -9.0]])
     logp = torch.full((3, 4), LOG_HALF)
     batch = Batch(
         input_ids=torch.zeros(3, 5, dtype=torch.long), attention_mask=torch.ones(3, 5, dtype=torch.long),
         position_ids=torch.zeros(3, 5, dtype=torch.long), completion_ids=torch.zeros(3, 4, dtype=torch.long),
         completion_mask=torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]]),
-        behaviour_logp=logp - l, versions=torch.tensor([[4, 4, 5, 5], [2, 4, 5, 5], [5, 5, 5, 5]]),
+        behaviour_logp=logp - log_r, versions=torch.tensor([[4, 4, 5, 5], [2, 4, 5, 5], [5, 5, 5, 5]]),
         rewards=torch.zeros(3), advantages=torch.tensor(A),
     )
     return batch, logp
@@ -63,8 +63,8 @@ def test_gspo_sequence_ratio_clip_by_hand(impl: str) -> None:
     # sample 1: s = 0.819 inside [0.8, 1.1]: -s A = 2 s per token; d/dlogp_t = -A s n_i/(N n_i) = 2 s / 9
     # sample 2: s = 0.670 < 0.8, A > 0: min picks the unclipped s A: -0.5 s per token, grad -0.5 s / 9
     assert float(loss) == pytest.approx((4 * -1.1 + 2 * 2 * S[1] + 2 * -0.5 * S[2]) / 9, abs=1e-6)
-    torch.testing.assert_close(grad, _grad([[0, 0, 0, 0], [0, 2 * S[1], 2 * S[1], 0], [-0.5 * S[2], -0.5 * S[2], 0, 0]]),
-                               atol=1e-7, rtol=0)
+    torch.testing.assert_close(grad, _grad([[0, 0, 0, 0], [0, 2 * S[1], 2 * S[1], 0],
+                                            [-0.5 * S[2], -0.5 * S[2], 0, 0]]), atol=1e-7, rtol=0)
     assert m["frac_truncated_high"] == pytest.approx(4 / 8) and m["frac_truncated_low"] == pytest.approx(2 / 8)
 
 
@@ -109,10 +109,10 @@ def test_m2po_greedy_mask_by_hand() -> None:
 
 
 def test_m2po_keeps_everything_under_the_threshold_and_can_drop_all() -> None:
-    l = torch.tensor([[0.1, -0.2, 3.0]])
+    log_r = torch.tensor([[0.1, -0.2, 3.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])  # the masked 3.0 never counts
-    assert m2po_keep(l, mask, 0.026).tolist() == [[1.0, 1.0, 0.0]]  # mean (.01 + .04) / 2 = .025
-    assert m2po_keep(l, mask, 0.02).tolist() == [[1.0, 0.0, 0.0]]
+    assert m2po_keep(log_r, mask, 0.026).tolist() == [[1.0, 1.0, 0.0]]  # mean (.01 + .04) / 2 = .025
+    assert m2po_keep(log_r, mask, 0.02).tolist() == [[1.0, 0.0, 0.0]]
     assert m2po_keep(torch.tensor([[0.5, 0.5]]), torch.ones(1, 2), 0.1).tolist() == [[0.0, 0.0]]
 
 
@@ -141,13 +141,13 @@ def test_veto_drops_samples_with_a_catastrophic_kept_token() -> None:
 
 def test_metrics_by_hand() -> None:
     _, _, m = _run(objective=ObjectiveConfig(truncation=1.3), veto_threshold=0.4)
-    l = [0.4, 0.2, -0.2, 0.4, 0.1, -0.5, -1.0, 0.2]  # the kept tokens
-    r = [math.exp(x) for x in l]
+    log_r = [0.4, 0.2, -0.2, 0.4, 0.1, -0.5, -1.0, 0.2]  # the kept tokens
+    r = [math.exp(x) for x in log_r]
     mean = sum(r) / 8
     assert m["ratio_mean"] == pytest.approx(mean)
     assert m["ratio_std"] == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in r) / 8))
     assert m["chi2_token"] == pytest.approx(sum(x * x for x in r) / 8 - 1)
-    assert m["kl_mu_pi"] == pytest.approx(sum(x - 1 - y for x, y in zip(r, l)) / 8)
+    assert m["kl_mu_pi"] == pytest.approx(sum(x - 1 - y for x, y in zip(r, log_r)) / 8)
     assert m["chi2_seq"] == pytest.approx((math.exp(1.6) + math.exp(-0.8) + math.exp(-1.6)) / 3 - 1)
     assert m["ppl_ratio"] == pytest.approx((math.exp(-0.2) + math.exp(0.2) + math.exp(0.4)) / 3)
     w = [min(x, 1.3) for x in r]

@@ -119,7 +119,8 @@ def test_an_update_one_engine_refuses_lands_on_the_other(fleet) -> None:
             data[:8] ^= 0xFF
         return header, data
 
-    with pytest.raises(FleetPushError, match=r"(?s)engine 0.*checksum") as refused, tampering(pusher.pushers[0], corrupt):
+    with (pytest.raises(FleetPushError, match=r"(?s)engine 0.*checksum") as refused,
+          tampering(pusher.pushers[0], corrupt)):
         collect(2, pusher.push_async(2, perturbed(base, seed=2, scale=0.01)))
     assert sorted(refused.value.landed) == [1] and sorted(refused.value.failed) == [0]
     assert "engine 0" in str(refused.value) and "checksum" in str(refused.value)

@@ -75,8 +75,8 @@ def test_a_push_that_would_cast_to_fp8_is_refused_before_anything_is_sent(port) 
     pusher = WeightPusher(config, PushConfig(dtype="bfloat16"), join_timeout_s=30.0)
     t.join(30)
     try:
-        with pytest.raises(ValueError, match=r"layer.weight: the engine serves it as float8_e4m3fn \(an FP8 checkpoint\), "
-                                             r"this push holds torch.bfloat16: quantize on the trainer"):
+        with pytest.raises(ValueError, match=r"layer.weight: the engine serves it as float8_e4m3fn \(an FP8 "
+                                             r"checkpoint\), this push holds torch.bfloat16: quantize on the trainer"):
             pusher.push(1, {"layer.weight": torch.ones(32, 16, dtype=torch.bfloat16)})
     finally:
         workers[0].close()

@@ -215,8 +215,10 @@ def _check_compute_loss(objective: str, level: str, lag_decay: float, device: st
     logp0 = -torch.rand(b, t, generator=g) * 3
     mu = logp0 + 0.4 * torch.randn(b, t, generator=g)
     versions = 9 - torch.randint(0, 7, (b, t), generator=g)
-    batch = Batch(input_ids=torch.zeros(b, t + 1, dtype=torch.long), attention_mask=torch.ones(b, t + 1, dtype=torch.long),
-                  position_ids=torch.zeros(b, t + 1, dtype=torch.long), completion_ids=torch.zeros(b, t, dtype=torch.long),
+    batch = Batch(input_ids=torch.zeros(b, t + 1, dtype=torch.long),
+                  attention_mask=torch.ones(b, t + 1, dtype=torch.long),
+                  position_ids=torch.zeros(b, t + 1, dtype=torch.long),
+                  completion_ids=torch.zeros(b, t, dtype=torch.long),
                   completion_mask=real, behaviour_logp=mu, versions=versions, rewards=torch.zeros(b),
                   advantages=torch.randn(b, generator=g))
     obj = ObjectiveConfig(name=objective, lag_decay=lag_decay, clip_low=0.1, clip_high=0.1, truncation=1.2)  # type: ignore[arg-type]
@@ -228,7 +230,8 @@ def _check_compute_loss(objective: str, level: str, lag_decay: float, device: st
     loss.backward()
     assert 0 < m["tokens_in_loss"] < int(real.sum())  # the masks did something, and left something
     # the reference, given the same final mask (the masks are checked by hand in test_correction)
-    mask = correction_masks(lp.detach() - batch.behaviour_logp, batch.completion_mask > 0, 9 - batch.versions, cfg).final
+    mask = correction_masks(lp.detach() - batch.behaviour_logp, batch.completion_mask > 0, 9 - batch.versions,
+                            cfg).final
     lr = lp.detach().clone().requires_grad_()
     ref = correction_loss_reference(lr, batch.behaviour_logp, batch.advantages[:, None].expand_as(lr), mask,
                                     9 - batch.versions, float(real.sum()), cfg.objective, level)

@@ -153,7 +153,8 @@ def test_each_settings_choice_list_is_declared_once() -> None:
 
 
 def test_the_choice_check_finds_a_list_spelled_twice() -> None:
-    assert _spelled_twice({"a": 'X = Literal["p", "q", "r"]', "b": 'Y = Literal["q", "r"]'}) == [(["q", "r"], "a:1", "b:1")]
+    assert (_spelled_twice({"a": 'X = Literal["p", "q", "r"]', "b": 'Y = Literal["q", "r"]'})
+            == [(["q", "r"], "a:1", "b:1")])
     assert _spelled_twice({"a": 'X = Literal["p", "q"]\nY = Literal["r", X]'}) == []  # built from X: one spelling
     assert _spelled_twice({"a": 'X = Literal["p", "q"]', "b": 'Y = Literal["p", "s"]'}) == []  # one value alike
 

@@ -105,4 +105,5 @@ def test_copy_elements_reads_any_range_without_a_copy_of_the_source() -> None:
 
 
 def test_bucket_bytes_round_down_to_the_alignment() -> None:
-    assert aligned_bucket_bytes(3000) == 2944 and aligned_bucket_bytes(1) == ALIGN and aligned_bucket_bytes(4096) == 4096
+    assert (aligned_bucket_bytes(3000) == 2944 and aligned_bucket_bytes(1) == ALIGN
+            and aligned_bucket_bytes(4096) == 4096)

@@ -16,7 +16,8 @@ from inflight.transport.bucket import bucket_windows, plan_tensors
 def _announce(**over) -> P.UpdateAnnounce:
     tensors, total = plan_tensors([("a.weight", (4, 8), "float32"), ("b.bias", (3,), "bfloat16")])
     buckets = tuple(P.BucketSpec(index=i, offset=o, nbytes=n) for i, (o, n) in enumerate(bucket_windows(total, 64)))
-    fields = dict(version=3, total_bytes=total, bucket_bytes=64, checksum_algo="crc32", tensors=tensors, buckets=buckets)
+    fields = dict(version=3, total_bytes=total, bucket_bytes=64, checksum_algo="crc32", tensors=tensors,
+                  buckets=buckets)
     fields.update(over)
     return P.UpdateAnnounce(**fields)
 
@@ -41,8 +42,8 @@ MESSAGES = [
 def test_round_trip(msg) -> None:
     decode = {
         P.UpdateAnnounce: P.decode_control, P.Commit: P.decode_control, P.Abort: P.decode_control,
-        P.Shutdown: P.decode_control, P.BucketHeader: P.decode_frame, P.Accepted: P.decode_reply, P.Joined: P.decode_reply,
-        P.Staged: P.decode_reply, P.Rejected: P.decode_reply, P.Committed: P.decode_reply,
+        P.Shutdown: P.decode_control, P.BucketHeader: P.decode_frame, P.Accepted: P.decode_reply,
+        P.Joined: P.decode_reply, P.Staged: P.decode_reply, P.Rejected: P.decode_reply, P.Committed: P.decode_reply,
         P.RolloutSample: P.decode_sample,
     }[type(msg)]
     assert decode(P.encode(msg)) == msg
@@ -95,7 +96,8 @@ def test_announce_invariants() -> None:
     with pytest.raises(ValueError, match="not aligned"):
         P.TensorSpec(name="x", shape=(2,), dtype="float32", offset=2, nbytes=8)
     # the same invariants hold when the bytes come off the wire
-    raw = msgspec.msgpack.encode(msgspec.structs.asdict(good) | {"kind": "announce", "total_bytes": good.total_bytes + 64})
+    raw = msgspec.msgpack.encode(msgspec.structs.asdict(good)
+                                 | {"kind": "announce", "total_bytes": good.total_bytes + 64})
     with pytest.raises(P.ProtocolError, match="total_bytes"):
         P.decode_control(raw)
 
@@ -109,6 +111,8 @@ def test_sample_length_mismatch_is_refused() -> None:
 
 def test_protocol_imports_neither_vllm_nor_trainer() -> None:
     tree = ast.parse(Path(P.__file__).read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
     assert imported <= {"__future__", "typing", "msgspec"}, imported

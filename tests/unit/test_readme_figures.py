@@ -35,7 +35,8 @@ def cli(command: str) -> str:
 def _links(rows: dict) -> tuple[list[str], list[str]]:
     """The shaped-link runs of 2026-11-28 (``bench/scale_slow_link_runs.json``)."""
     runs = json.loads((ROOT / "bench" / "scale_slow_link_runs.json").read_text())["runs"]
-    first = {r["link"] or "loopback": {x["mode"]: x for x in r["rows"]} for r in runs if r["recorded"].startswith("2026-11-28")}
+    first = {r["link"] or "loopback": {x["mode"]: x for x in r["rows"]}
+             for r in runs if r["recorded"].startswith("2026-11-28")}
     want = []
     for rate in ("10gbit", "1gbit"):
         inf, nat = first[rate]["inflight"]["lost_ms_per_update"], first[rate]["native@inflight"]["lost_ms_per_update"]
@@ -77,7 +78,8 @@ def _grpo_system(rows: dict) -> tuple[list[str], list[str]]:
 
 def _results(bench: str) -> list[dict]:
     """``bench/results/<bench>.jsonl``, a run per line."""
-    return [json.loads(x) for x in (ROOT / "bench" / "results" / f"{bench}.jsonl").read_text().splitlines() if x.strip()]
+    return [json.loads(x) for x in (ROOT / "bench" / "results" / f"{bench}.jsonl").read_text().splitlines()
+            if x.strip()]
 
 
 def _train(config: str) -> dict:
@@ -91,7 +93,8 @@ def _demo(rows: dict) -> tuple[list[str], list[str]]:
     s = run["summary"]
     return [f"{s['steps']} steps", f"reward {s['reward_first_20pct']:.3f} -> {s['reward_last_20pct']:.3f}",
             f"{100 * s['frac_samples_multi_version']:.1f}% of samples span >1 version",
-            f"engine stall {s['stall_ms_mean']:.1f} ms per update", f"{round(run['wall_s'])} s"], ["make demo", run["train"]]
+            f"engine stall {s['stall_ms_mean']:.1f} ms per update", f"{round(run['wall_s'])} s"], \
+        ["make demo", run["train"]]
 
 
 def _smollm2(rows: dict) -> tuple[list[str], list[str]]:
@@ -115,7 +118,8 @@ def _loopback_runs() -> list[dict]:
     from inflight.bench.scale_replay import judged_runs
 
     preds = json.loads((ROOT / "bench" / "scale_predictions.json").read_text())
-    return judged_runs(preds, json.loads((ROOT / "bench" / "scale_slow_link_runs.json").read_text())["runs"])["loopback"]
+    return judged_runs(preds,
+                       json.loads((ROOT / "bench" / "scale_slow_link_runs.json").read_text())["runs"])["loopback"]
 
 
 def _mode_median(runs: list[dict], mode: str, key: str) -> float:
@@ -127,7 +131,8 @@ def _mode_median(runs: list[dict], mode: str, key: str) -> float:
 def _loopback(rows: dict) -> tuple[list[str], list[str]]:
     """Decode lost per update over loopback: the medians of the judged runs."""
     runs = _loopback_runs()
-    inf, nat = _mode_median(runs, "inflight", "lost_ms_per_update"), _mode_median(runs, "native@inflight", "lost_ms_per_update")
+    inf, nat = (_mode_median(runs, "inflight", "lost_ms_per_update"),
+                _mode_median(runs, "native@inflight", "lost_ms_per_update"))
     return [f"in-flight **{inf:.1f} ms** vs vLLM native pause+update {nat:.1f} ms ({100 * inf / nat:.1f}%)",
             f"medians of {len(runs)} runs"], sorted({cli(r["command"]) for r in runs})
 
@@ -146,9 +151,11 @@ def _sparse(rows: dict) -> tuple[list[str], list[str]]:
     cfg = s["config"]
     assert (cfg["model"]["dtype"], cfg["transport"]["encoding"]) == ("bfloat16", "sparse")
     return [f"**{s['sent_mb']['mean']:.1f} MB** sent per update against {s['dense_mb']:.1f} MB dense "
-            f"({100 * s['sent_over_dense']:.2f}%; {100 * s['changed_frac']['mean']:.1f}% of the weights changed per step)",
+            f"({100 * s['sent_over_dense']:.2f}%; {100 * s['changed_frac']['mean']:.1f}% of the weights changed "
+            "per step)",
             f"over {s['sparse']} sparse pushes"], [f"inflight train --config smollm2_cpu --set model.dtype=bfloat16 "
-                                                   f"--set transport.encoding=sparse --set run.steps={cfg['run']['steps']}"]
+                                                   "--set transport.encoding=sparse --set run.steps="
+                                                   f"{cfg['run']['steps']}"]
 
 
 def _staging(rows: dict) -> tuple[list[str], list[str]]:
@@ -162,7 +169,8 @@ def _e2e(rows: dict) -> tuple[list[str], list[str]]:
     """The training loop's samples/s, in-flight against batch-boundary (``bench.e2e``)."""
     line = _results("e2e")[-1]
     return [f"**{line['summary'][cores]['ratios']['inflight/batch']}x** {cores} cores" for cores in line["summary"]] + \
-        [f"{line['summary'][c]['ratios']['inflight/pause']}x against pause" for c in line["summary"]], [cli(line["command"])]
+        [f"{line['summary'][c]['ratios']['inflight/pause']}x against pause" for c in line["summary"]], \
+        [cli(line["command"])]
 
 
 def _staleness(rows: dict) -> tuple[list[str], list[str]]:
@@ -177,8 +185,9 @@ def _staleness(rows: dict) -> tuple[list[str], list[str]]:
 def _trainer_push(rows: dict) -> tuple[list[str], list[str]]:
     """What a push costs the trainer (``bench.trainer_push``)."""
     line = _results("trainer_push")[-1]
-    return [f"{line['max_extra_mib']:.1f} MiB resident at most during a push (buckets of {line['bucket_mib']:.0f} MiB), "
-            f"not the {line['model_mib']:.0f} MiB model", f"the optimizer waited {line['steps']['read_wait_s']:.2f} s"], \
+    return [f"{line['max_extra_mib']:.1f} MiB resident at most during a push (buckets of "
+            f"{line['bucket_mib']:.0f} MiB), not the {line['model_mib']:.0f} MiB model",
+            f"the optimizer waited {line['steps']['read_wait_s']:.2f} s"], \
         [cli(line["command"])]
 
 
@@ -199,7 +208,8 @@ def test_every_headline_figure_is_its_json_or_says_it_has_none() -> None:
     assert set(SOURCES) <= set(rows), set(SOURCES) - set(rows)
     for what, row in rows.items():
         if what not in SOURCES:
-            assert row["date"].endswith(NO_JSON), f"{what!r}: no JSON checks its figure; its date cell must say {NO_JSON}"
+            assert row["date"].endswith(NO_JSON), (f"{what!r}: no JSON checks its figure; its date cell must say "
+                                                   f"{NO_JSON}")
             continue
         assert NO_JSON not in row["date"], what
         quotes, commands = SOURCES[what](rows)

@@ -87,7 +87,8 @@ def test_a_token_the_filter_drops_leaves_the_loss_like_a_masked_one() -> None:
     dropped = torch.zeros(b, t, dtype=torch.bool)
     dropped[0, 2] = dropped[2, 0] = dropped[2, 5] = True
     ones = torch.ones(b, t)
-    batch = Batch(torch.zeros(b, 2 + t, dtype=torch.long), torch.ones(b, 2 + t), torch.zeros(b, 2 + t, dtype=torch.long),
+    batch = Batch(torch.zeros(b, 2 + t, dtype=torch.long), torch.ones(b, 2 + t),
+                  torch.zeros(b, 2 + t, dtype=torch.long),
                   torch.zeros(b, t, dtype=torch.long), ones, behaviour, torch.zeros(b, t, dtype=torch.long),
                   torch.tensor([1.0, 0.0, 0.5]), torch.tensor([1.0, -1.0, 0.3]))
     cfg = LossConfig(max_lag=4, kl_coef=0.1)

@@ -456,7 +456,8 @@ def test_a_hung_call_holds_one_worker_and_the_others_run_on_a_grown_one(tmp_path
         pool.cancel(["stuck", "after0", "never-submitted"], "group g was dropped")  # only "stuck" is pending
         [stuck] = collect(pool, ["stuck"]).values()
         assert stuck.rewards is None and stuck.cancelled and stuck.error == (
-            f"key 'stuck': cancelled while it ran (group g was dropped); its worker (pid {first}) was killed and replaced")
+            "key 'stuck': cancelled while it ran (group g was dropped); its worker (pid "
+            f"{first}) was killed and replaced")
         wait_until(lambda: gone(first) and gone(int((tmp_path / "sleeper").read_text())),
                    "the cancelled call's worker and its child to be gone")
         pool.submit("next", *group())

@@ -67,7 +67,8 @@ def test_a_plan_is_checked_by_its_digest_and_against_the_checkpoint() -> None:
     check_plan(plan, schema, "rank 1")
     again = decode_reply(encode(Joined(rank=1, live_version=0, incarnation="x", plan=plan)))
     assert again.plan == plan  # it travels in the hello as it is
-    altered = msgspec.structs.replace(plan, shards=(msgspec.structs.replace(plan.shards[0], length=(8, 4)),) + plan.shards[1:])
+    altered = msgspec.structs.replace(plan, shards=(msgspec.structs.replace(plan.shards[0], length=(8, 4)),)
+                                      + plan.shards[1:])
     with pytest.raises(ValueError, match="digest .* does not match its shards"):
         check_plan(altered, schema, "rank 1")
     with pytest.raises(ValueError, match=r"missing \['c'\]"):
@@ -121,9 +122,11 @@ def test_an_announce_is_checked_against_the_workers_own_plan() -> None:
     plan = make_plan({"a": ((4, 0), (4, 4)), "b": whole((4,))}, [])
 
     def announce(boxes: dict, digest: str) -> UpdateAnnounce:
-        tensors, total = plan_tensors(((n, b[1], "float32") for n, b in boxes.items()), starts={n: b[0] for n, b in boxes.items()})
-        return UpdateAnnounce(version=1, total_bytes=total, bucket_bytes=1 << 20, checksum_algo="crc32", tensors=tensors,
-                              buckets=(BucketSpec(index=0, offset=0, nbytes=total),), plan_digest=digest)
+        tensors, total = plan_tensors(((n, b[1], "float32") for n, b in boxes.items()),
+                                      starts={n: b[0] for n, b in boxes.items()})
+        return UpdateAnnounce(version=1, total_bytes=total, bucket_bytes=1 << 20, checksum_algo="crc32",
+                              tensors=tensors, buckets=(BucketSpec(index=0, offset=0, nbytes=total),),
+                              plan_digest=digest)
     good = {"a": ((4, 0), (4, 4)), "b": ((0,), (4,))}
     assert schema.check(announce(good, plan.digest), plan) is None
     wrong_box = schema.check(announce({"a": ((0, 0), (4, 4)), "b": ((0,), (4,))}, plan.digest), plan)
@@ -131,6 +134,8 @@ def test_an_announce_is_checked_against_the_workers_own_plan() -> None:
     other = schema.check(announce(good, "0" * 32), plan)
     assert other is not None and other.code == "bad_layout" and "follows shard plan 000" in other.reason
     unplanned = schema.check(announce(good, plan.digest), None)
-    assert unplanned is not None and unplanned.code == "bad_layout" and "this worker sent no shard plan" in unplanned.reason
+    assert (unplanned is not None and unplanned.code == "bad_layout"
+            and "this worker sent no shard plan" in unplanned.reason)
     boxes_only = schema.check(announce(good, ""), plan)
-    assert boxes_only is not None and boxes_only.code == "bad_layout" and "boxes without a shard plan" in boxes_only.reason
+    assert (boxes_only is not None and boxes_only.code == "bad_layout"
+            and "boxes without a shard plan" in boxes_only.reason)

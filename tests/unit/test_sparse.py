@@ -125,7 +125,8 @@ def test_a_rebuilt_tensor_that_is_not_the_trainers_is_refused_and_live_stays(por
         live = {n: t.clone() for n, t in pair.target.live.items()}
         pair.pool.base.views["layers.0.proj.weight"][0, 0] += 1.0  # the base bytes are not v1's any more
         _step(master, 2, frac=0.05)
-        with pytest.raises(PushRejected, match=r"\[checksum\] v2: layers.0.proj.weight rebuilt on v1 has checksum") as e:
+        with pytest.raises(PushRejected,
+                           match=r"\[checksum\] v2: layers.0.proj.weight rebuilt on v1 has checksum") as e:
             pair.pusher.push(2, master)
         assert e.value.phase == "staging"
         assert pair.target.live_version == 1
@@ -165,7 +166,8 @@ def test_the_encoder_sends_each_tensor_the_smaller_way() -> None:
     assert torch.equal(e.wire["embed.weight" + INDEX], torch.tensor([96, 97, 98, 99, 100], dtype=torch.int32))
     assert torch.equal(e.wire["embed.weight" + VALUES], new["embed.weight"][3, :5].to(torch.bfloat16))
     assert e.wire["layers.0.proj.weight" + INDEX].numel() == 0
-    assert set(e.wire) == {n + s for n in sparse for s in (INDEX, VALUES)} | {"head.bias"}  # every element changed: whole
+    # every element changed: whole
+    assert set(e.wire) == {n + s for n in sparse for s in (INDEX, VALUES)} | {"head.bias"}
     assert (e.changed, e.elements) == (5 + 7, sum(t.numel() for t in base.values()))
     assert enc.encode(3, new, wire, 0, "xxh3", "index") is None  # a base it never recorded
     x = enc.encode(3, new, wire, 2, "xxh3", "xor_zstd")  # the same changes (v2 is v1), xor-compressed
@@ -188,8 +190,8 @@ def test_an_announce_whose_delta_does_not_add_up_is_refused() -> None:
     def announce(tensors: tuple[TensorSpec, ...], total_bytes: int, changed: tuple[Changed, ...]) -> UpdateAnnounce:
         from inflight.protocol import BucketSpec
 
-        return UpdateAnnounce(version=2, total_bytes=total_bytes, bucket_bytes=4096, checksum_algo="xxh3", tensors=tensors,
-                              buckets=(BucketSpec(index=0, offset=0, nbytes=total_bytes),),
+        return UpdateAnnounce(version=2, total_bytes=total_bytes, bucket_bytes=4096, checksum_algo="xxh3",
+                              tensors=tensors, buckets=(BucketSpec(index=0, offset=0, nbytes=total_bytes),),
                               delta=Delta(base_version=1, result=result, result_bytes=total, changed=changed))
 
     with pytest.raises(ValueError, match="not an int32 index and bfloat16 values of one length"):

@@ -101,10 +101,12 @@ class Recording(DictTarget):
             raise RuntimeError("re-pack failed")
         for name, t in weights.items():
             assert torch.equal(t, self.named[name]), f"{name} fed before its bytes verified"
-        flat = torch.empty(0, dtype=torch.uint8).set_(next(iter(weights.values())).untyped_storage())  # the staging buffer
+        # the staging buffer
+        flat = torch.empty(0, dtype=torch.uint8).set_(next(iter(weights.values())).untyped_storage())
         end = max(self.layout[n].offset + self.layout[n].nbytes for n in weights)
         later = [t for t in self.layout.values() if t.offset >= end + 2 * int(BUCKET_MB * (1 << 20))]
-        landed = any(torch.equal(flat[t.offset:t.offset + t.nbytes].view(torch.float32).view(t.shape), self.named[t.name])
+        landed = any(torch.equal(flat[t.offset:t.offset + t.nbytes].view(torch.float32).view(t.shape),
+                                 self.named[t.name])
                      for t in later)
         self.ahead.append((len(later), landed))
 

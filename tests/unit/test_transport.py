@@ -259,7 +259,8 @@ def test_a_bucket_declaring_more_than_the_whole_update_breaks_the_group(port) ->
         sending = threading.Thread(target=lambda: _quietly(sender.send, announce, weights), daemon=True)
         sending.start()
         with pytest.raises(TransportError, match="declares 1024 B, more than the whole update"):
-            BucketReceiver(worker).receive(announce, flat, timeout_s=GROUP_TIMEOUT_S)  # not a timeout: the bucket's size
+            # not a timeout: the bucket's size
+            BucketReceiver(worker).receive(announce, flat, timeout_s=GROUP_TIMEOUT_S)
         worker.close()
         trainer.close()
         sending.join(30)
@@ -308,7 +309,8 @@ def test_data_sockets_bind_the_group_address_not_the_default_interface(port, mon
     # a machine whose hostname resolves to its LAN address, where gloo's default device binds
     # (this one's resolves to loopback, which would hide the difference)
     lan_device = ProcessGroupGloo.create_device  # a device listens from its creation: made only when asked for
-    monkeypatch.setattr(ProcessGroupGloo, "create_default_device", staticmethod(lambda: lan_device(hostname=outside[0])))
+    monkeypatch.setattr(ProcessGroupGloo, "create_default_device",
+                        staticmethod(lambda: lan_device(hostname=outside[0])))
     trainer, worker = form_pair(port, timeout_s=GROUP_TIMEOUT_S)
     got = torch.zeros(3)
     pending = worker.start_broadcast(got, what="a bucket")
@@ -343,7 +345,8 @@ def test_a_member_lost_after_its_hello_ends_the_formation_at_once(port, monkeypa
     worker = threading.Thread(target=_quietly, args=(WeightGroup, config, 1), daemon=True)
     worker.start()
     began = time.monotonic()
-    with pytest.raises(InterruptedError, match="trainer rank 0: stopped while waiting for generation 1's data plane to form"):
+    with pytest.raises(InterruptedError,
+                       match="trainer rank 0: stopped while waiting for generation 1's data plane to form"):
         WeightGroup(config, 0, stop=died)  # without stop's check: gloo's timeout, 120 s
     # nothing else waits for the abandoned rendezvous either (it holds a store connection of its own)
     assert time.monotonic() - began < 60
@@ -402,8 +405,9 @@ def test_a_worker_notices_its_trainers_death_by_its_store_while_the_data_plane_i
         host.join(WAIT_S)
         assert host.exitcode is not None, f"waited {WAIT_S:.0f} s for the killed store's process to end"
         died = time.monotonic()
-        with pytest.raises(TransportError, match=r"worker rank 1: the trainer is gone \(its store .* refuses connections\), "
-                                                 r"during bucket 0 of v1 from/to trainer rank 0; gloo communicator aborted"):
+        with pytest.raises(TransportError, match=r"worker rank 1: the trainer is gone \(its store .* refuses "
+                                                 r"connections\), during bucket 0 of v1 from/to trainer rank 0; gloo "
+                                                 r"communicator aborted"):
             worker.wait(posted)
         took = time.monotonic() - died
         assert took < NOTICED_S, f"{took:.1f} s"  # a beat or two, not the group's timeout (60 s)

@@ -234,7 +234,8 @@ class Calculator(EpisodeTask):
         if not self.native:
             return {"role": "assistant", "content": f"calc: {expr}"}
         return {"role": "assistant", "content": "",
-                "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": expr}}}]}
+                "tool_calls": [{"type": "function",
+                                "function": {"name": "calculator", "arguments": {"expression": expr}}}]}
 
     def _prompt(self, expr: str, value: str) -> Prompt:
         text = self.template.format(expr=expr)

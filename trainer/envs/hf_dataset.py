@@ -32,7 +32,8 @@ def _load_split(path: str, subset: str, split: str) -> Any:
     try:
         import datasets
     except ImportError:
-        raise ImportError("task.name = 'dataset' needs the datasets package: pip install 'inflight[datasets]'") from None
+        raise ImportError("task.name = 'dataset' needs the datasets package: pip install "
+                          "'inflight[datasets]'") from None
     local = Path(path).expanduser()
     if local.is_dir() and ((local / "dataset_info.json").exists() or (local / "dataset_dict.json").exists()):
         loaded = datasets.load_from_disk(str(local))

@@ -9,8 +9,9 @@ the text inside the completion's last ``<answer>...</answer>`` (reasoning-gym's
 Training entries come from ``seed``, the held-out ones from ``eval_seed``. reasoning-gym seeds
 entry ``i`` with ``seed + i``, so two seeds share entries: a training entry whose question is
 held out is never sampled, nor is one of the worked examples (``examples``: entries of
-``eval_seed + 7919`` asked and answered before the problem). Each prompt carries its entry in ``Prompt.meta["entry"]``, so a
-scoring process needs nothing but the prompt. Install with ``pip install 'inflight[reasoning_gym]'``.
+``eval_seed + 7919`` asked and answered before the problem). Each prompt carries its entry in
+``Prompt.meta["entry"]``, so a scoring process needs nothing but the prompt. Install with
+``pip install 'inflight[reasoning_gym]'``.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ class ReasoningGymTask(Task):
         if examples and not chat:
             raise ValueError(f"task.reasoning_gym.examples={examples}: worked examples are chat turns; the model has "
                              "no chat template (or task.chat = 'off'): set examples = 0")
-        self.held_out = [self.to_prompt(e) for e in
-                         composite(datasets, weights, options or {}, size=max(eval_size, 1), seed=eval_seed)][:eval_size]
+        self.held_out = [self.to_prompt(e) for e in composite(datasets, weights, options or {},
+                                                              size=max(eval_size, 1), seed=eval_seed)][:eval_size]
         self.held_questions = {p.meta["entry"]["question"] for p in self.held_out}
         self.unsampled = self.held_questions | {e["question"] for e in self.examples}
         """Never a training prompt: the held-out questions, and the worked examples' (answered in the prompt)."""

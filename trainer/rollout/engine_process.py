@@ -343,7 +343,8 @@ def run_engine(cfg: TrainConfig, model_dir: str, host: str, port: int, engine_in
         raise ValueError(f"engine index {engine_index} outside engine.count={cfg.engine.count}")
     rank = cfg.engine.ranks(engine_index)[0]  # its fleet rank: seeds differ across the fleet
     group = dataclasses.replace(group_config(cfg, port=port, backend=backend), host=host)  # the rollout queue's store
-    own = group.for_engine(engine_index, cfg.engine.tensor_parallel_size)  # its weight group: the trainer and its workers
+    # its weight group: the trainer and its workers
+    own = group.for_engine(engine_index, cfg.engine.tensor_parallel_size)
     adapter = AdapterSpec(path=adapter_dir) if adapter_dir else None
     llm = _engine(cfg, model_dir, rank, adapter)
     config = inflight_config(cfg, own, rank=1, initial_version=initial_version, adapter=adapter)

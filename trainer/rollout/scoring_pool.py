@@ -102,7 +102,8 @@ class ScoringPool:
     ``max_workers``: the most workers it grows to while calls wait (None: ``workers``)."""
 
     def __init__(self, make_task: Callable[[], Task], workers: int = 1, timeout_s: float = 30.0,
-                 memory_mb: int | None = 2048, *, start_timeout_s: float = 300.0, max_workers: int | None = None) -> None:
+                 memory_mb: int | None = 2048, *, start_timeout_s: float = 300.0,
+                 max_workers: int | None = None) -> None:
         check_settings(make_task, workers, timeout_s, memory_mb, start_timeout_s, max_workers)
         self.make_task, self.workers, self.timeout_s = make_task, workers, float(timeout_s)
         self.max_workers = workers if max_workers is None else max_workers

@@ -214,7 +214,8 @@ def _score(task: Task | None, build_error: str, key: str, data: bytes,
         cap = "no memory_mb cap" if memory_mb is None else f"the worker's cap of memory_mb={memory_mb} MiB"
         return None, f"key {key!r}: {method} ran out of memory (MemoryError) under {cap}", ""
     except (Exception, asyncio.CancelledError) as e:
-        return None, f"key {key!r}: {method} raised {type(e).__name__}: {first_line(e)}", traceback.format_exc()[-TRACE_CHARS:]
+        return (None, f"key {key!r}: {method} raised {type(e).__name__}: {first_line(e)}",
+                traceback.format_exc()[-TRACE_CHARS:])
     try:
         return (check_turn(out, last=args[0].last) if kind == "turn" else check_rewards(out, len(args[1]))), "", ""
     except ValueError as e:

@@ -12,7 +12,7 @@
 | ``guess_number`` | multi-turn: a secret in [lo, hi], higher/lower feedback (``[task.guess_number]``) | 1 for a win, closeness and consistency credit otherwise |
 | ``reasoning_gym`` | a mix of reasoning-gym datasets (``[task.reasoning_gym]``: names, weights, seeds) | the dataset's ``score_answer`` on ``<answer>`` |
 | ``pkg.module:factory`` | yours: ``factory(tokenizer=..., **task.options)`` returns a ``Task`` | yours |
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -45,7 +45,9 @@ from inflight.trainer.tasks.task_config import BUILTIN  # the task names: one ho
 if TYPE_CHECKING:
     from inflight.trainer.config import TrainConfig
 
-__all__ = ["BUILTIN", "Arithmetic", "Calculator", "Completion", "DatasetTask", "EpisodeTask", "EpisodeView", "GuessNumber", "Turn", "JsonlFormatError", "JsonlTask", "Prompt", "ReasoningGymTask", "RepeatDigit", "SAMPLE",
+__all__ = ["BUILTIN", "Arithmetic", "Calculator", "Completion", "DatasetTask", "EpisodeTask", "EpisodeView",
+           "GuessNumber", "Turn", "JsonlFormatError", "JsonlTask", "Prompt", "ReasoningGymTask", "RepeatDigit",
+           "SAMPLE",
            "Task", "build_task", "encode_prompt", "final_number", "load_factory", "load_jsonl", "model_stop_ids",
            "stop_token_ids",
            "uses_chat"]
@@ -79,7 +81,8 @@ def build_task(train_cfg: TrainConfig, tokenizer: Any) -> Task:
 
         return VerifiersTask(train_cfg)
     task = load_factory(cfg.name)(tokenizer=tokenizer, **cfg.options)
-    if not isinstance(task, Task) and not all(callable(getattr(task, m, None)) for m in ("sample", "score", "eval_prompts")):
+    if not isinstance(task, Task) and not all(callable(getattr(task, m, None))
+                                              for m in ("sample", "score", "eval_prompts")):
         raise TypeError(f"task.name={cfg.name!r} returned {type(task).__name__}, not a inflight.trainer.tasks.Task "
                         "(sample, score, eval_prompts)")
     return task
