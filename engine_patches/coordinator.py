@@ -1,45 +1,23 @@
 """The commit coordinator: the one place where an engine's staged version becomes live.
 
-One per in-flight engine, in EngineCore's process, attached to the ``EngineCore`` by the
-patch when ``inflight_start`` passes through ``EngineCore.collective_rpc``. The engine's
-workers, in whatever process vLLM's executor put them (in-process ``uni``, ``mp`` worker
-processes, ``ray`` actors), only receive, verify and prepare. When the trainer's
-``Commit(v)`` reaches a worker that has v prepared, the worker posts ``CommitReady(rank, v)``
-on its engine's channel in the group's store. The coordinator's watcher thread waits until
-every rank of the engine is ready for the same v, then asks for the commit at the next
-step boundary and posts the outcome back to the workers, which reply to the trainer.
+One per in-flight engine, in EngineCore's process, attached by the patch when ``inflight_start`` passes through
+``EngineCore.collective_rpc``. The workers only receive, verify and prepare; on the trainer's ``Commit(v)`` each
+posts ``CommitReady(rank, v)`` on its engine's channel (messages defined here, sealed as in ``inflight.protocol``);
+the watcher thread waits for all ranks, commits at the next step boundary and posts the outcome to the workers.
 
 Ordering invariants:
-- every engine step (schedule, forward, sample, label the outputs) runs under ``lock``, and
-  so does every commit, so no forward pass ever sees a half-applied update;
-- a commit runs on the engine thread, the one that drives the executor: at the start of a
-  step (patched ``EngineCore.step``) or, for an idle engine, from vLLM's idle-state
-  callbacks in the busy loop (woken by a ``WAKEUP`` request). Only an in-process
-  ``EngineCore`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, no busy loop) with no request at all
-  commits from the watcher thread instead, holding ``lock``, which no step can enter
-  meanwhile (nothing else would step it: the user's thread may be the one waiting on push);
-- a commit is ``collective_rpc("inflight_commit", v)``: every worker runs it on its own
-  execution thread, between two ``execute_model`` calls. If any rank fails, every rank that
-  applied v rolls back (``inflight_rollback``) in the same window and the label stays;
-  otherwise every rank keeps v (``inflight_confirm``: its live version and rollback copy
-  move; an engine of one rank keeps v inside ``inflight_commit``) and the label
-  (``EngineCore._weight_version``, attached to every output) moves to v in the same window:
-  tokens of the next step are tagged v, none before. So each worker's live version is the
-  label whether or not its listener ever reads the outcome;
-- in the window of every commit that goes live, before the next ``schedule``, the prefix
-  cache is invalidated (``inflight.engine.prefix_cache``);
-- if a rollback itself fails the engine holds mixed weights: it is marked broken and its
-  next step raises (fail-stop: vLLM reports the engine dead, a supervisor restarts it),
-  never serving a mix under any label;
-- store I/O (waiting for readiness, posting the outcome) happens on the watcher thread,
-  never inside the stall.
-
-The engine channel: inside one engine, through the trainer's store, each worker and the
-engine's commit coordinator talk with the messages defined here. Every worker posts
-``CommitReady`` for the version (or layer group) it staged, verified and prepared; the
-coordinator commits it on every worker at one step boundary, or on none, and posts
-``EngineCommitted`` or ``EngineCommitFailed``. Typed and sealed like the trainer's wire
-protocol (``inflight.protocol``), whose base and decoders it uses; it never reaches the trainer.
+- every engine step (schedule, forward, sample, label the outputs) and every commit runs under ``lock``;
+- a commit runs on the engine thread, at the start of a step (patched ``EngineCore.step``) or, idle, from vLLM's
+  idle-state callbacks (woken by ``WAKEUP``); only an in-process ``EngineCore`` with no request at all commits
+  from the watcher thread, holding ``lock`` (nothing else would step it);
+- a commit is ``collective_rpc("inflight_commit", v)`` on every worker's execution thread, between two
+  ``execute_model`` calls. If any rank fails, every rank that applied v rolls back in the same window and the
+  label stays; else every rank keeps v (``inflight_confirm``) and the label (``EngineCore._weight_version``) moves
+  to v in the same window: tokens of the next step are tagged v, none before, and each worker's live version is
+  the label whether or not its listener reads the outcome;
+- every commit that goes live invalidates the prefix cache in its window (``inflight.engine.prefix_cache``);
+- a rollback that fails marks the engine broken: its next step raises (fail-stop), never serving a mix;
+- store I/O (readiness, outcomes) happens on the watcher thread, never inside the stall.
 """
 
 from __future__ import annotations

@@ -1,32 +1,23 @@
 """Staging's device bytes come out of the KV cache's budget, before vLLM sizes it.
 
-Why: on a GPU vLLM gives its KV cache what ``gpu_memory_utilization`` requests less the
-weights, the activation peak of a profiled forward pass and CUDA graphs. After that the
-GPU's free memory still holds the activation peak (released, not gone): a staging buffer
-allocated into it at ``inflight_start`` takes the headroom the next long prefill needs.
-So an engine that will stage on its device must keep those bytes out of the KV cache.
-
-How a worker knows, when vLLM asks it (``determine_available_memory``, after the model is
-loaded and profiled, before ``inflight_start``), that it is an in-flight engine and what it
-will stage: ``engine_kwargs(reserve_staging=config)`` records a ``StagingIntent`` in vLLM's
-``additional_config``, which reaches every worker inside its ``VllmConfig``. The wrapper
-below then computes this rank's staging from the loaded model with the accounting
-``inflight_start`` uses (``planned_need``: the checkpoint's tensors in the engine's dtype,
-whole on every rank unless the commit has a shard plan, the rollback copy, the commit's
-own memory, the bucket windows), subtracts its device bytes and the GPU margin from what
-vLLM returns, and remembers the figure on the worker (``SetAside``). ``inflight_start``
-checks its config against that figure, not against free memory, and refuses one that needs
-more, naming both. An intent with ``staging='host'`` sets aside only the bucket windows and
+Why (the activation peak vLLM budgets for, then releases): docs/design.md. ``engine_kwargs(reserve_staging=config)``
+records a ``StagingIntent`` in vLLM's ``additional_config``, which reaches every worker inside its ``VllmConfig``.
+When vLLM asks a worker (``determine_available_memory``, after the model is loaded and profiled, before
+``inflight_start``), the wrapper below computes this rank's staging from the loaded model with the accounting
+``inflight_start`` uses (``planned_need``: the checkpoint's tensors in the engine's dtype, whole on every rank
+unless the commit has a shard plan, the rollback copy, the commit's own memory, the bucket windows), subtracts
+its device bytes and the GPU margin from what vLLM returns, and remembers the figure on the worker
+(``SetAside``). ``inflight_start`` checks its config against that figure, not against free memory, and refuses
+one that needs more, naming both. An intent with ``staging='host'`` sets aside only the bucket windows and
 checksum temporaries.
 
-Where nothing is set aside (``inflight_start`` then checks free memory, as for an engine
-built without an intent):
-- a CPU engine: vLLM CPU's worker has its own ``determine_available_memory``, which returns
-  the KV space the user set (``VLLM_CPU_KVCACHE_SPACE``); host staging is checked against
-  the node's memory at ``inflight_start``;
-- a GPU engine started with ``kv_cache_memory_bytes``: the user sized the KV cache
-  explicitly. A figure vLLM's startup plan (``VLLM_ENABLE_STARTUP_PLAN``) fills in is its
-  own profiled one, without staging: staging is set aside from it too.
+Where nothing is set aside (``inflight_start`` then checks free memory, as for an engine built without an
+intent):
+- a CPU engine: vLLM CPU's worker has its own ``determine_available_memory``, which returns the KV space the
+  user set (``VLLM_CPU_KVCACHE_SPACE``); host staging is checked against the node's memory at ``inflight_start``;
+- a GPU engine started with ``kv_cache_memory_bytes``: the user sized the KV cache explicitly. A figure vLLM's
+  startup plan (``VLLM_ENABLE_STARTUP_PLAN``) fills in is its own profiled one, without staging: staging is set
+  aside from it too.
 """
 
 from __future__ import annotations

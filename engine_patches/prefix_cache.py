@@ -1,42 +1,23 @@
 """Exact prefix caching across in-flight commits: no request admitted after a commit reuses
 KV computed, wholly or in part, under weights that are no longer live.
 
-Where vLLM 0.32 keeps the prefix cache (``vllm.v1.core``): a request's block hashes are
-fixed when it arrives and name its tokens, its LoRA adapter and its salt, never the
-weights; the lookup happens once, when the scheduler admits it (``get_computed_blocks``);
-a full block enters the block pool's hash index when it is *scheduled* (``allocate_slots``
--> ``coordinator.cache_blocks``), and its forward runs before the next step boundary (under
-async scheduling the batch in flight reaches each worker ahead of the commit). So at a commit, between two steps,
-every block in the index holds KV of the weights being replaced, and a request that holds KV keeps filling blocks
-whose contents depend on it. vLLM's own ``reset_prefix_cache()`` refuses while any request runs.
-
-``PrefixCacheGuard.on_commit`` runs inside the commit window (the coordinator's step lock,
-the engine thread, before the next ``schedule``) and:
-
-1. restarts every request caught mid-prefill (its prompt, or a recomputation after a
-   preemption, partly computed): vLLM's own preemption puts it back in the waiting queue
-   and frees its blocks, so the next step recomputes it under the new weights. A prompt's
-   KV is therefore always computed under one label, the one of the step that sampled its
-   first token: ``TaggedCompletion.prompt_label`` is that token's label;
-2. stops every request that holds KV from inserting more blocks into the index (its
-   later blocks attend to KV of the old weights): it keeps decoding on its own blocks, as
-   in-flight commits promise (stale KV, exact behaviour log-probs);
-3. drops the block pool's hash index (blocks, block tables and reference counts untouched):
-   the next admission finds only blocks computed after the commit. Requests admitted
-   together after it share their prompt's blocks as usual.
-
-A request that vLLM preempts for KV space (recompute mode) drops its KV; when it resumes,
-its prompt and every token it already sampled are recomputed under the label of the step
-that resumes it (the restart rule above keeps that recomputation within one label). Its
-earlier tokens keep the tags of the steps that sampled them; the tokens after the
-resumption attend to the recomputed KV. Where a commit fell between the two (the only case
-in which the recomputed KV differs from what the earlier tokens saw), the request is
-counted in ``PrefixCacheStats.recomputed`` and named in ``recomputed_ids``.
-
-What is guarded is checked at start (``problems``): one KV cache group of plain full
-attention, no KV connector, no fine-grained partial hash hits. Anything else (sliding
-window, hybrid or Mamba models, KV offload or transfer) keeps state this guard does not
-invalidate, and prefix caching is refused on such engines with the reason.
+At a commit, between two steps, every block in vLLM 0.32's prefix-cache index holds KV of the weights being
+replaced, and a request that holds KV keeps filling blocks that depend on it (docs/design.md; vLLM's own
+``reset_prefix_cache()`` refuses while any request runs). ``PrefixCacheGuard.on_commit`` runs inside the commit
+window (the coordinator's step lock, the engine thread, before the next ``schedule``) and:
+1. restarts every request caught mid-prefill (vLLM's own preemption: back to the waiting queue, blocks freed),
+   so a prompt's KV is always computed under one label, the one of the step that sampled its first token
+   (``TaggedCompletion.prompt_label``);
+2. stops every request that holds KV from inserting more blocks into the index: it keeps decoding on its own
+   blocks, as in-flight commits promise (stale KV, exact behaviour log-probs);
+3. drops the block pool's hash index (blocks, block tables and reference counts untouched): the next admission
+   finds only blocks computed after the commit.
+A request that vLLM preempts for KV space (recompute mode) is recomputed, prompt and sampled tokens, under the
+label of the step that resumes it; where a commit fell in between, it is counted in
+``PrefixCacheStats.recomputed`` and named in ``recomputed_ids``. Checked at start (``problems``): one KV cache
+group of plain full attention, no KV connector, no fine-grained partial hash hits; anything else (sliding
+window, hybrid or Mamba models, KV offload or transfer) keeps state this guard does not invalidate, and prefix
+caching is refused on such engines with the reason.
 """
 
 from __future__ import annotations

@@ -1,31 +1,23 @@
 """Routing capture for mixture-of-experts engines: the experts that chose every sampled token.
 
-In MoE RL the trainer's router often picks other experts than the engine did for the same
-token (numerics, and staleness in async RL), and that disagreement dominates the
-train/inference mismatch. Rollout routing replay (R3) records the engine's choices and
-makes the trainer's forward use them. vLLM 0.32's own capture (``enable_return_routed_experts``)
-needs Model Runner V2, hence Triton on a GPU, so an eager CPU engine (or a V1 GPU engine)
-records with this module instead, along the path the version tags take:
+Rollout routing replay (R3, why: docs/design.md) needs the engine's choices. vLLM 0.32's own capture
+(``enable_return_routed_experts``) needs Model Runner V2, hence Triton on a GPU, so an eager CPU engine (or a
+V1 GPU engine) records with this module instead, along the path the version tags take:
+1. worker (``RoutingRecorder``): vLLM's capture hook on every MoE router (``BaseRouter.set_capture_fn``) keeps
+   the logical top-k expert ids of each layer for the batch; a forward hook on the model then keeps, per
+   request, the row of the position whose logits sample its next token (``query_start_loc[i + 1] - 1``: the
+   last scheduled token, as vLLM's ``logits_indices``);
+2. EngineCore (``attach_routing``, called by the patched ``step`` under the coordinator's lock, right after the
+   step that ran that forward): takes the rows from worker 0 (every TP rank computes the same ids) and sets
+   them as each output's ``EngineCoreOutput.routed_experts`` (one row per new token);
+3. vLLM's output processor keeps them per request, trims them with the tokens a stop string drops, and
+   concatenates them into the finished ``CompletionOutput.routed_experts``: ``[tokens, moe_layers, k]`` int16,
+   aligned with the token ids, log-probs and version tags. A preempted request's next row comes from the
+   forward that recomputes it on resumption, as its version tag does.
 
-1. worker (``RoutingRecorder``): vLLM's capture hook on every MoE router
-   (``BaseRouter.set_capture_fn``, the hook its own capturer binds) keeps the logical top-k
-   expert ids of each layer for the batch; a forward hook on the model then keeps, per
-   request, the row of the position whose logits sample its next token
-   (``query_start_loc[i + 1] - 1``: the last scheduled token, as vLLM's ``logits_indices``);
-2. EngineCore (``attach_routing``, called by the patched ``step`` under the coordinator's
-   lock, right after the step that ran that forward): takes the rows from worker 0 (the
-   router is replicated, every TP rank computes the same ids) and sets them as each output's
-   ``EngineCoreOutput.routed_experts`` (one row per new token);
-3. vLLM's output processor keeps them per request (``routed_experts_chunks``), trims them
-   with the tokens a stop string drops, and concatenates them into the finished
-   ``CompletionOutput.routed_experts``: ``[tokens, moe_layers, k]`` int16, aligned with the
-   token ids, log-probs and version tags. A preempted request is recomputed from its prompt
-   and tokens when it resumes, and its next token's row comes from that forward, as its
-   version tag does.
-
-Row t of a completion is the routing of the forward position whose logits sampled token t,
-the position the trainer's forward scores token t at (``inflight.trainer.routing_replay``). Prompt
-positions before the last are not recorded. Layers are the MoE layers in model order.
+Row t of a completion is the routing of the forward position whose logits sampled token t, the position the
+trainer's forward scores token t at (``inflight.trainer.routing_replay``). Prompt positions before the last
+are not recorded. Layers are the MoE layers in model order.
 """
 
 from __future__ import annotations

@@ -1,27 +1,22 @@
 """The drop-in vLLM worker extension: ``--worker-extension-cls inflight.engine.worker.InflightWorkerExtension``.
 
-It only adds methods (vLLM forbids overriding worker methods from an extension), all
-called through ``collective_rpc``:
-
-- ``inflight_start(config_json)``: reserve staging memory (or refuse, naming the bytes; on
-  an engine built with a staging intent, against what was set aside before vLLM sized its
-  KV cache: ``inflight.engine.kv_budget``),
-  build the commit strategy, and start the listener thread, which joins the weight group
-  as rank ``config.rank + <vLLM worker rank>`` and stages every update while the engine
-  keeps decoding (and rejoins whenever the group fails). It passes through the patched
-  ``EngineCore.collective_rpc``, which checks the engine and attaches the commit
-  coordinator first (``inflight.engine.coordinator``);
-- ``inflight_commit(v)``, then ``inflight_confirm(v)`` or ``inflight_rollback(v)``: called
-  by the coordinator, between two engine steps, on this worker's execution thread: apply
-  the prepared version, then keep it (every rank applied it) or take it back (another rank
-  of the engine failed);
+It only adds methods (vLLM forbids overriding worker methods from an extension), all called through
+``collective_rpc``:
+- ``inflight_start(config_json)``: reserve staging memory (or refuse, naming the bytes; on an engine built with
+  a staging intent, against what was set aside before vLLM sized its KV cache: ``inflight.engine.kv_budget``),
+  build the commit strategy, and start the listener thread, which joins the weight group as rank
+  ``config.rank + <vLLM worker rank>`` and stages every update while the engine keeps decoding (and rejoins
+  whenever the group fails). It passes through the patched ``EngineCore.collective_rpc``, which checks the
+  engine and attaches the commit coordinator first (``inflight.engine.coordinator``);
+- ``inflight_commit(v)``, then ``inflight_confirm(v)`` or ``inflight_rollback(v)``: called by the coordinator,
+  between two engine steps, on this worker's execution thread: apply the prepared version, then keep it (every
+  rank applied it) or take it back (another rank of the engine failed);
 - ``inflight_status()``, ``inflight_stop()``.
 
-Ordering invariants: live weights, the live version and the rollback copy are touched
-only by ``inflight_commit``, ``inflight_confirm`` and ``inflight_rollback``, on the
-execution thread, between steps, for a version this worker fully staged and prepared and
-for which the trainer sent ``Commit``. The listener thread only stages, prepares,
-announces readiness and relays the engine's outcome.
+Ordering invariants: live weights, the live version and the rollback copy are touched only by
+``inflight_commit``, ``inflight_confirm`` and ``inflight_rollback``, on the execution thread, between steps,
+for a version this worker fully staged and prepared and for which the trainer sent ``Commit``. The listener
+thread only stages, prepares, announces readiness and relays the engine's outcome.
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """Layer groups and hybrid labels: the unit of a layer-granular commit, and what a token's tag
 says about the weights that sampled it.
 
-With ``InflightConfig(commit_unit="layer")`` an update commits one *layer group* at a time,
-in a fixed order that both sides derive from the checkpoint's tensor names alone
-(``layer_groups``): the embeddings; each decoder layer, in index order; then everything
-else (the final norm and an untied LM head). A tied LM head has no tensor of its own, so it
-moves with the embedding it reads: the two are one group by construction.
+With ``InflightConfig(commit_unit="layer")`` an update commits one *layer group* at a time, in a fixed order
+that both sides derive from the checkpoint's tensor names alone (``layer_groups``): the embeddings; each
+decoder layer, in index order; then everything else (the final norm and an untied LM head). A tied LM head
+has no tensor of its own, so it moves with the embedding it reads: the two are one group by construction.
 
-While an update is part-way, the engine serves a *hybrid*: the first n groups at the new
-version, the others at what was live before. Its label (vLLM's ``weight_version``, attached
-to every output token) spells that out, so the weights can be rebuilt from the label alone:
+While an update is part-way, the engine serves a *hybrid*: the first n groups at the new version, the
+others at what was live before. Its label (vLLM's ``weight_version``, attached to every output token)
+spells that out, so the weights can be rebuilt from the label alone:
 
     "5"            version 5, whole
     "5>6:3"        version 5 with the first 3 groups of version 6

@@ -1,48 +1,23 @@
 """The memory an in-flight worker holds beside the engine's own: every byte counted, per
 node, checked before anything is allocated, then allocated at that exact size.
 
-vLLM sizes its KV cache at engine start (``gpu_memory_utilization`` of the GPU,
-``VLLM_CPU_KVCACHE_SPACE`` on CPU) before any worker extension runs, so whatever the
-worker allocates on the first push would find the memory taken and fail mid-update.
-``inflight_start`` therefore counts what it needs (``staging_need``), refuses to start with
-the figure and a setting that would fit when it is not free (``check_fits``), and otherwise
-allocates it at once: an engine that started can always stage.
+vLLM sizes its KV cache at engine start, before any worker extension runs, so a worker that allocated on
+its first push would fail mid-update. ``inflight_start`` therefore counts what it needs (``staging_need``),
+refuses to start with the figure and a setting that would fit when it is not free (``check_fits``), and
+otherwise allocates it at once. An engine built with a staging intent (``engine_kwargs(reserve_staging=...)``)
+has its device bytes taken out of the KV cache's budget before vLLM sizes it (``kv_cache_after_staging``,
+applied by ``inflight.engine.kv_budget``), and is checked against that ``SetAside``, not free memory.
 
-On a GPU the memory free after vLLM sized its KV cache includes the activation peak vLLM
-budgeted for and released, which a later long prefill takes back: staging must not count
-it as its own. An engine built with a staging intent (``engine_kwargs(reserve_staging=...)``)
-therefore has its device bytes taken out of the KV cache's budget before vLLM sizes it
-(``kv_cache_after_staging``, applied by ``inflight.engine.kv_budget``), and ``inflight_start``
-checks its config against that ``SetAside`` instead of the free memory.
+Counted: the staging buffer (one update); the rollback copy (``keep_rollback``, ``reload`` and ``copy``
+commits); for sparse updates (``keep_base``) the live version's bytes and one update's wire bytes; the
+commit strategy's own memory (``CommitStrategy.held_bytes``); bucket windows (GPU data plane only); the
+checksum temporaries. Why each exists: docs/design.md, "Design notes by module".
 
-What a worker holds, and why each exists:
-- the staging buffer (one update): the next version lands here while the engine decodes
-  the live one; it is what lets the engine keep decoding during a transfer;
-- the rollback copy (one update; ``keep_rollback`` with the ``reload`` and ``copy``
-  commits): those commits write into the live storage, so a commit that fails on one rank
-  of an engine can only be undone on the others from a copy of the live bytes, taken
-  before the window (never read from disk inside it). The ``swap`` commit needs none: it
-  rolls back by swapping the old modules back;
-- for sparse updates (``keep_base``): the live version's bytes, the base the next update's
-  changes are written onto (the rollback copy where there is one), and the sparse update's
-  own wire bytes, received beside the version they rebuild (at most one update);
-- the commit strategy's own memory (``CommitStrategy.held_bytes``): for ``swap`` (CPU), the
-  next version loaded and re-packed for oneDNN before the commit, so the commit is an
-  attribute swap; inside the commit's window the set holds the swapped-out version instead
-  (for a rollback), so one such set exists at a time. For ``reload``, what vLLM's layerwise
-  reload materializes at the commit; ``copy`` writes into the live storage and needs none;
-- bucket windows (GPU data plane only): two landing windows when NCCL stages to host
-  memory (NCCL writes device memory only), and a host copy of a bucket to compute its MAC
-  over when a secret is set. Everywhere else a bucket lands in the staging buffer itself,
-  a bad one too (over the refused update's own bytes), so there is no scratch;
-- checksum temporaries: ``wsum64`` works through a GPU bucket in bounded chunks.
-
-Exact sizes. Pinned host memory from PyTorch's caching host allocator is rounded up to the
-next power of two (a 14.2 GiB request takes 16 GiB, 131 GiB takes 256 GiB); host buffers
-are instead plain allocations registered with CUDA (``pinned_exact``). Host buffers are
-written once when reserved, so the memory is resident from the start (an untouched
-allocation would be counted as free by the next engine starting on the node). The tensor
-parallel workers of a node share its RAM: host bytes are checked for all of them at once.
+Invariants: an engine that started can always stage. Host buffers are plain allocations of the exact size,
+registered with CUDA (``pinned_exact``), not PyTorch's power-of-two caching host allocator, and written
+once when reserved, so they are resident from the start (an untouched allocation would count as free to
+the next engine starting on the node). The tensor-parallel workers of a node share its RAM: host bytes are
+checked for all of them at once.
 """
 
 from __future__ import annotations

@@ -1,25 +1,23 @@
 """The wire protocol between the trainer and the engine workers: one module, imported by
-both sides, importing only msgspec. Every message is a frozen, tagged msgspec Struct encoded
-as msgpack, and each channel has one typed decoder, so a peer can only produce that
-channel's types. No pickle on the wire. Channels:
+both sides, importing only msgspec. Every message is a frozen, tagged msgspec Struct encoded as msgpack, and
+each channel has one typed decoder, so a peer can only produce that channel's types. No pickle. Channels:
 - control (trainer -> workers, on the store): ``UpdateAnnounce`` | ``Commit`` | ``Abort`` | ``Shutdown``
 - frames (trainer -> workers, in-band on the data plane): ``BucketHeader`` + bytes, or one ``Abort``
 - replies (each worker -> trainer, on the store): ``Accepted`` | ``Staged`` | ``Rejected`` | ``Committed``
 - rollouts (engine -> trainer, the rollout queue): ``RolloutGroup`` of ``RolloutSample``; ``EngineReport``
 - trainer ranks (rank 0 <-> the others, ``inflight.trainer.ranks``): ``TrainerSetup`` | ``TrainerOrder`` |
   ``TrainerSave`` | ``TrainerStop``; ``TrainerPart``
-- engine (each worker <-> its engine's commit coordinator, on the store): ``CommitReady`` | ``EngineCommitted`` |
-  ``EngineCommitFailed``; the coordinator's ``collective_rpc`` results: ``WorkerCommitResult``,
+- engine (each worker <-> its engine's commit coordinator, on the store): ``CommitReady`` | ``EngineCommitted``
+  | ``EngineCommitFailed``; the coordinator's ``collective_rpc`` results ``WorkerCommitResult``,
   ``WorkerSettleResult``; a commit's ``CommitInfo``
 
-One update (two-phase): ``UpdateAnnounce(v)`` -> ``Accepted``/``Rejected`` from every worker
--> each bucket's frame if all accepted, else one ``Abort`` frame -> ``Staged``/``Rejected`` ->
-``Commit(v)`` if all staged, else ``Abort(v)`` -> ``CommitReady(v)``; the coordinator commits v
-on all of its engine's workers at one step boundary, or on none -> ``Committed``/``Rejected``.
-A layer-granular update sends one announce per layer group and no ``Commit``: each worker
-posts ``CommitReady`` as a group verifies and replies ``Committed`` once it is live. Every
-worker takes every frame, so the data plane never falls out of step; frames are broadcast,
-or, when every member sent a ``ShardPlan``, sent to each worker alone (``ForEachRank``).
+One update (two-phase): ``UpdateAnnounce(v)`` -> ``Accepted``/``Rejected`` from every worker -> each bucket's
+frame if all accepted, else one ``Abort`` frame -> ``Staged``/``Rejected`` -> ``Commit(v)`` if all staged,
+else ``Abort(v)`` -> ``CommitReady(v)``; the coordinator commits v on all of its engine's workers at one step
+boundary, or on none -> ``Committed``/``Rejected``. A layer-granular update sends one announce per layer group
+and no ``Commit``: each worker posts ``CommitReady`` as a group verifies and replies ``Committed`` once it is
+live. Every worker takes every frame, so the data plane never falls out of step; frames are broadcast, or,
+when every member sent a ``ShardPlan``, sent to each worker alone (``ForEachRank``).
 """
 
 from __future__ import annotations

@@ -1,28 +1,23 @@
 """The rollout queue: engines produce ``RolloutGroup``s, the trainer consumes them.
 
-``RolloutQueue`` is a bounded FIFO on the weight group's TCPStore (torch.distributed),
-so it works on one machine and across machines alike. ``RolloutBuffer`` is the trainer's
-end: it validates every group, drops the malformed and the too stale (max-lag
-admission), and hands out batches.
+``RolloutQueue`` is a bounded FIFO on the weight group's TCPStore (torch.distributed), so it works on one
+machine and across machines alike. ``RolloutBuffer`` is the trainer's end: it validates every group, drops
+the malformed and the too stale (max-lag admission), and hands out batches.
 
 Ordering invariants:
 - items are consumed in the order their sequence numbers were claimed; one consumer;
-- a producer claims a sequence number only while ``tail - head < capacity`` (several
-  producers may overshoot by at most their number minus one), so a slow trainer stalls
-  the engines instead of growing the queue without bound;
-- a claimed slot is filled exactly once, by ``compare_set`` (first writer wins): either the
-  producer's item, or the consumer's ``HOLE`` when the producer stalled or died between
-  claim and write (``skip_stalled``). A producer that finds its slot holed re-puts the
-  item under a new number, so a frozen engine blocks no one and loses nothing;
-- the buffer admits a group only if every token's version is within ``admit_lag`` of the
-  trainer's version, and (with ``mask_lag``, the loss's max lag) one token at least is
-  within ``mask_lag``: a group the loss would mask whole is dropped as stale, not trained
-  on as an empty batch; what it admitted but has not yet handed out is ``pending`` (saved in
-  checkpoints, so a resumed run neither repeats nor drops a sample), and so are its counters;
-- with a shared secret (``INFLIGHT_SECRET``) every item is sealed for its slot in this store's
-  incarnation (the trainer's, published by the consumer; producers wait for it), so a client of
-  the store without it cannot queue samples the trainer would train on, and an item sealed for
-  an earlier run's store cannot be replayed into this one.
+- a producer claims a sequence number only while ``tail - head < capacity`` (several producers may overshoot
+  by at most their number minus one), so a slow trainer stalls the engines instead of growing the queue;
+- a claimed slot is filled exactly once, by ``compare_set`` (first writer wins): the producer's item, or the
+  consumer's ``HOLE`` when the producer stalled or died between claim and write (``skip_stalled``); a producer
+  that finds its slot holed re-puts the item under a new number: a frozen engine blocks no one, loses nothing;
+- the buffer admits a group only if every token's version is within ``admit_lag`` of the trainer's, and (with
+  ``mask_lag``, the loss's max lag) one token at least is within ``mask_lag``: a group the loss would mask
+  whole is dropped as stale, not trained on as an empty batch. What it admitted but not yet handed out
+  (``pending``) and its counters are saved in checkpoints: a resumed run neither repeats nor drops a sample;
+- with a shared secret (``INFLIGHT_SECRET``) every item is sealed for its slot in this store's incarnation
+  (the trainer's, published by the consumer; producers wait for it), so a client of the store without it
+  cannot queue samples the trainer would train on, nor replay an item sealed for an earlier run's store.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The per-token policy-gradient loss with importance correction, fused: ratio, truncation
 or masking, advantage weighting, the loss and its gradient in one pass over the tokens.
 
-Per token t (all float32; ``m_t`` already folds the completion mask, the lag mask and the
-correction masks of ``inflight.trainer.correction``):
+Per token t (all float32; ``m_t`` folds the completion, lag and correction masks of ``inflight.trainer.correction``):
     rho_t = exp(logp_t - mu_t)       token level (mu = behaviour log-prob), or
     rho_t = exp(l_t)                 when a log-ratio l_t is given (the sequence level passes
                                      l_t = log s_i, the sequence ratio of t's sample, detached)

@@ -10,20 +10,14 @@ Masks, applied in this order, each on the tokens the previous ones kept:
     veto:     drop sample i if any kept token has r_t < veto_threshold (a catastrophic token)
     Seq-MIS:  drop sample i if its ratio rho_i leaves [lo, hi], where over its kept tokens
               geometric: rho_i = exp(mean_t l_t)     product: rho_i = exp(sum_t l_t)
-    M2PO:     over all kept tokens of the batch, q_t = l_t^2. While mean(q) over the kept tokens
-              is > m2_threshold, drop the kept token of largest q (ties: lowest flat index
-              first). Equivalently: sort q descending, drop the shortest prefix whose removal
-              brings the mean of the rest to <= m2_threshold (all of them if none does).
+    M2PO:     over all kept tokens of the batch, q_t = l_t^2. While mean(q) over the kept tokens is
+              > m2_threshold, drop the kept token of largest q (ties: lowest flat index first).
 
 Sequence level (``loss.level = "sequence"``), over the final mask m_t:
     s_i = exp(sum_t m_t l_t / max(1, sum_t m_t))        (GSPO's geometric mean; padding excluded)
-and the objective sees rho_t = s_i on every token of sample i, with the sample's lag
-lag_i = max_t m_t lag_t for its lag-aware constants (so every token of a sample shares them,
-which keeps GSPO's gradient exact through the per-token kernel, see ``inflight.kernels.tis_loss``).
-
-The masks and the sequence reduction are per-sample or whole-batch reductions over a (B, T)
-tensor of float32, tiny next to the logits; they stay torch. The per-token part (ratio,
-lag-aware truncation, masking, loss and gradient) runs in ``inflight.kernels.tis_loss``.
+and the objective sees rho_t = s_i on every token of sample i, with the sample's lag lag_i = max_t m_t lag_t
+for its lag-aware constants (so every token of a sample shares them, which keeps GSPO's gradient exact through
+the per-token kernel). The masks stay torch; the per-token part runs in ``inflight.kernels.tis_loss``.
 """
 
 from __future__ import annotations

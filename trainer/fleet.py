@@ -1,31 +1,23 @@
 """Keeping the fleet: notice when an engine is gone, bring it back, keep the rest going.
 
-Each engine is in a weight group of its own with the trainer (``FleetPusher``): a lost
-engine is re-formed, dropped or let back in alone, and the others' groups are not touched.
-The trainer notices a lost engine in three places: a push that fails on it (its group
-breaks, or a worker does not reply within ``transport.reply_timeout_s``), a spawned engine
-process found dead (checked every step, and while waiting for rollouts), or an engine
-knocking to be let back into its group. ``Fleet.recover`` and ``Fleet.admit`` run then.
-Metrics name workers by fleet rank (engine i's are ``engine.ranks(i)``).
+Each engine is in a weight group of its own (``FleetPusher``): a lost one is re-formed, dropped or let back in
+alone. The trainer notices one when a push fails on it (its group breaks, or a worker's reply times out), when a
+spawned engine process is found dead (every step, and while waiting for rollouts), or when it knocks to be let back
+in: ``Fleet.recover`` and ``Fleet.admit`` run then. Metrics name workers by fleet rank (``engine.ranks(i)``).
 
 Ordering invariants of a recovery:
 1. the failure is reported first (log, progress bar, the run's ``engine_failures``);
-2. a spawned engine that died is restarted from the latest checkpoint, told to sample only
-   once a version at least as new as the trainer's current one is live on it;
-3. each lost engine that is alive is re-formed at once (it sees the failure and comes); one
-   that is dead, restarting or silent (its heartbeat stopped: see
-   ``inflight.transport.liveness``) is dropped without waiting, counted in ``engine_drops``,
-   and knocks when it is back. With no engine left there is no one else: the trainer waits
-   ``transport.rejoin_timeout_s`` for one. So a failure costs the fleet one
+2. a spawned engine that died is restarted from the latest checkpoint, told to sample only once a version at
+   least as new as the trainer's current one is live on it;
+3. each lost engine that is alive is re-formed at once; one dead, restarting or silent (its heartbeat stopped:
+   ``inflight.transport.liveness``) is dropped without waiting, counted in ``engine_drops``, and knocks when back;
+   with none left the trainer waits ``transport.rejoin_timeout_s`` for one. A failure costs the fleet one
    ``transport.reply_timeout_s`` (the wait that failed) plus the heartbeat window;
-4. live engines that do not serve the current version yet get it now, alone (each engine's
-   group is its own, so nobody else is touched); in a failed push's recovery they get the
-   version the trainer is about to push with everyone instead (``push_behind=False``).
-An engine let back in (``admit``) serves its old version under its old label until that
-push lands: never stale weights under a new label. The rollout queue lives in the
-trainer's store, so groups queued before a failure are still there afterwards; slots a
-dead or frozen producer claimed but never wrote are holed, and a frozen producer that
-wakes re-puts its group (``RolloutQueue``): nothing is lost or read twice.
+4. live engines that do not serve the current version yet get it now, alone; in a failed push's recovery they
+   get the version the trainer is about to push with everyone instead (``push_behind=False``).
+An engine let back in (``admit``) serves its old version under its old label until that push lands: never stale
+weights under a new label. Queued groups survive a failure (the queue is in the trainer's store); slots a dead or
+frozen producer claimed are holed, and one that wakes re-puts its group: nothing is lost or read twice.
 """
 
 from __future__ import annotations

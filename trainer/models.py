@@ -11,7 +11,7 @@ once into the cache (``$INFLIGHT_CACHE``, default ``~/.cache/inflight``):
 transformers reads the GGUF (with the ``gguf`` package) and dequantizes it on load, but
 then refuses to ``save_pretrained`` a model it considers quantized; rebuilding the same
 architecture from the config without ``quantization_config`` and loading the dequantized
-state dict gives an ordinary fp32 model (0.54 GB) that vLLM's CPU build serves.
+state dict gives an ordinary fp32 model that vLLM's CPU build serves.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Rollout routing replay (R3): the trainer's forward routes each sampled token to the
 experts the engine used for it.
 
-In a mixture-of-experts policy the trainer's router and the engine's disagree on some tokens
-even for the same weights (different kernels, dtypes, reduction orders) and on many more once
-the trainer has moved on (async RL): a top-k flip is a discrete jump, and it dominates the
-train/inference mismatch. R3 fixes the *selection*, never the weights: at a replayed
-position each MoE layer uses the recorded top-k expert ids, and the gate weights still come
-from the current router logits, so the router keeps learning:
+R3 fixes the *selection*, never the weights (why: docs/design.md): at a replayed position each MoE layer uses
+the recorded top-k expert ids, and the gate weights still come from the current router logits, so the router
+keeps learning:
 
     p = softmax(router_logits)              (float32, as the router computes it)
     w_j = p[e_j]  for the recorded e_1..e_k,  then / sum_j w_j  when the router renormalises

@@ -1,11 +1,10 @@
 """The engine's sampling filters, applied to the trainer's logits: temperature, top-k, top-p.
 
-Behaviour log-probs are vLLM's *processed* log-probs (``--logprobs-mode processed_logprobs``):
-the log-softmax of the logits after the filters that drew the token. The importance ratio
-pi_theta / mu compares like with like only if the trainer scores its policy under the same
-filters, so ``filter_logits`` rebuilds them from vLLM 0.32's definition
-(``vllm/v1/sample/sampler.py``: ``apply_temperature``, then
-``vllm/v1/sample/ops/topk_topp_sampler.py``: ``apply_top_k_top_p_pytorch``, the CPU path):
+Behaviour log-probs are vLLM's *processed* log-probs (``--logprobs-mode processed_logprobs``): the log-softmax of
+the logits after the filters that drew the token. The importance ratio pi_theta / mu compares like with like only if
+the trainer scores its policy under the same filters, so ``filter_logits`` rebuilds them from vLLM 0.32's definition
+(``vllm/v1/sample/sampler.py``: ``apply_temperature``, then ``vllm/v1/sample/ops/topk_topp_sampler.py``:
+``apply_top_k_top_p_pytorch``, the CPU path):
 
     z'    = z / T
     top-k: keep z'_v >= the k-th largest z' of the row (every logit tied with it is kept)
@@ -13,17 +12,12 @@ filters, so ``filter_logits`` rebuilds them from vLLM 0.32's definition
            drop the positions with c <= 1 - top_p, the largest always kept
     log pi(v) = log_softmax(z' with -inf on every dropped v)
 
-The top-p cut is found by the same float32 operations in the same order (sort, softmax,
-cumsum, compare with ``1 - top_p`` as a float32), so on the same logits the kept set is
-vLLM's. Two differences remain. Where logits tie exactly at the top-p cut, vLLM's sort (not
-stable) keeps some of them and this keeps them all: the tokens added carry the least kept
-probability. On CUDA, vLLM filters with a Triton kernel (``topk_topp_triton.py``) whose
-definition is the same but whose cut is found by other arithmetic (not measured here).
+The top-p cut is found by the same float32 operations in the same order, so on the same logits the kept set is
+vLLM's, but for exact ties at the cut and vLLM's CUDA Triton kernel (the two differences: docs/design.md).
 
-A token the current policy's filter drops has log pi = -inf: the policy can no longer
-sample it, its ratio is 0, and ``inflight.trainer.loss.compute_loss`` takes it out of the loss and
-counts it (``frac_masked_filter``). Top-k and top-p thresholds are found without
-gradients; the kept logits are differentiable as before.
+A token the current policy's filter drops has log pi = -inf: the policy can no longer sample it, its ratio is 0, and
+``inflight.trainer.loss.compute_loss`` takes it out of the loss and counts it (``frac_masked_filter``). Top-k and
+top-p thresholds are found without gradients; the kept logits are differentiable as before.
 """
 
 from __future__ import annotations

@@ -6,22 +6,18 @@ For trainers written against vLLM's API: they name the backend and keep their co
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from inflight.trainer.transfer_trainer import InflightTrainerInitInfo  # registers the backend
-
     engine = WeightTransferTrainerFactory.trainer_init(
         InflightTrainerInitInfo(rank=0, port=29600, push=PushConfig(dtype="float32")),
         client=HTTPVLLMWeightSyncClient("http://127.0.0.1:8000"), source=ModuleSource(model))
     result = engine.send_weights()  # returns once the engine serves the new version
 
-``send_weights`` drives vLLM's handshake (start, update with the update's version and
-tensors, finish with its version) and pushes the bytes on the project's transport while the
-engines decode; it returns once every engine committed, with the commit step and each
-request's tokens at the commit (``PushResult``). A list of clients (or of Ray actor handles)
-is a fleet: one weight group per engine (``FleetPusher``).
-
-Invariants: only rank 0 (``is_sender``) talks to the clients and pushes; versions move by one
-per ``send_weights`` from the newest the engines serve when the trainer joins (``initial_version``
-on fresh engines); a push that fails leaves every engine serving its
-last good version, and the session is closed without a label.
+``send_weights`` drives vLLM's handshake (start, update with the update's version and tensors, finish with its
+version) and pushes the bytes on the project's transport while the engines decode; it returns once every engine
+committed, with the commit step and each request's tokens at the commit (``PushResult``). A list of clients (or of
+Ray actor handles) is a fleet: one weight group per engine (``FleetPusher``). Invariants: only rank 0 (``is_sender``)
+talks to the clients and pushes; versions move by one per ``send_weights`` from the newest the engines serve when the
+trainer joins (``initial_version`` on fresh engines); a failed push leaves every engine serving its last good
+version, and the session is closed without a label.
 """
 
 from __future__ import annotations

@@ -1,31 +1,23 @@
 """The trainer's side of weight sync: one push in flight, fleet admission, recovery.
 
-``WeightSync`` is what ``inflight.trainer.train`` calls around each optimizer step: ``next_batch``
-before it (a lost engine found while waiting for rollouts is recovered there) and
-``push`` after it.
-
-Ordering invariants:
-- at most one push is in flight: ``push`` lands the previous one before it sends the next,
-  so the engines commit the versions in order, and every push that landed is reported once
-  (``landed``, with the pushes a recovery made);
-- the new version is scored (``score``) after the previous push landed and before the new
-  one is sent, so no transfer competes with the evaluation;
-- the optimizer writes the parameters only after the push in flight read them all
-  (``wait_reads``, called by ``Policy.step``): pushes read the live parameters, not a copy;
-- engines that knock (back from a restart or a freeze) are admitted between two pushes,
-  never during one; before the last push, every engine that can come is waited for, so a
-  run ends with the whole fleet on its last version;
-- the last step's push is waited for: the run ends on a committed version;
-- a push goes to every live engine at once, each on its own weight group, and each engine
-  commits it as soon as its own workers staged it (``FleetPusher``): no engine waits for
-  another. The engines it failed on (and a dead engine process, or an engine lost while
-  waiting for rollouts) go through ``Fleet.recover``, engine by engine, which returns the
+``WeightSync`` is what ``inflight.trainer.train`` calls around each optimizer step: ``next_batch`` before it (a
+lost engine found while waiting for rollouts is recovered there) and ``push`` after it. Ordering invariants:
+- at most one push is in flight: ``push`` lands the previous one before it sends the next, so the engines commit
+  the versions in order, and every push that landed is reported once (``landed``, with the pushes a recovery made);
+- the new version is scored (``score``) after the previous push landed and before the new one is sent, so no
+  transfer competes with the evaluation;
+- the optimizer writes the parameters only after the push in flight read them all (``wait_reads``, called by
+  ``Policy.step``): pushes read the live parameters, not a copy;
+- engines that knock (back from a restart or a freeze) are admitted between two pushes, never during one; before
+  the last push every engine that can come is waited for, and the last push is waited for: a run ends with the
+  whole fleet on its last version, committed;
+- a push goes to every live engine at once, each on its own weight group, each engine committing as soon as its
+  own workers staged it (``FleetPusher``): no engine waits for another. The engines it failed on, a dead engine
+  process and an engine lost while waiting go through ``Fleet.recover``, engine by engine, which returns the
   trainer's version (raised above any engine's); the engines it landed on report it.
-
 With ``rollout.mode = "pause"`` the same order holds, but each push is vLLM's native update
-(``inflight.trainer.native_update.NativePusher``: announced on the store, broadcast on the
-native group, live once the engine reports it after its pause); a failed one stops the run
-(``EngineLost``): pause mode has one engine and no recovery.
+(``inflight.trainer.native_update.NativePusher``: announced on the store, broadcast on the native group, live once
+the engine reports it after its pause); a failed one stops the run (``EngineLost``): one engine, no recovery.
 """
 
 from __future__ import annotations

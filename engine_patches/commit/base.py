@@ -1,25 +1,23 @@
 """How a staged version becomes live: the commit strategy interface, and the choice of one.
 
-Staged tensors carry Hugging Face checkpoint names; vLLM stacks some of them (``qkv_proj``,
-``gate_up_proj``) and, on CPU, prepacks linear weights for oneDNN (``layer.weight`` becomes
-an empty tensor). So every strategy goes through the model's own weight loaders, which
-know the name mapping and the shard offsets.
+Staged tensors carry Hugging Face checkpoint names; vLLM stacks some of them (``qkv_proj``, ``gate_up_proj``)
+and, on CPU, prepacks linear weights for oneDNN (``layer.weight`` becomes an empty tensor). So every strategy
+goes through the model's own weight loaders, which know the name mapping and the shard offsets.
 
-Phases, by thread (ordering invariant: live weights change only in ``apply``, ``restore``
-and ``undo``, on the engine's execution thread, between two steps):
-- listener thread, while the engine decodes: ``feed`` (each bucket's verified tensors),
-  ``prepare`` (after the last bucket), ``discard`` (the update was refused or superseded);
-- execution thread, inside the stall: ``apply``; after a failed ``apply``, ``restore``;
-  after a successful ``apply`` that another rank of the engine failed, ``undo``.
+Phases, by thread (ordering invariant: live weights change only in ``apply``, ``restore`` and ``undo``, on
+the engine's execution thread, between two steps):
+- listener thread, while the engine decodes: ``feed`` (each bucket's verified tensors), ``prepare`` (after
+  the last bucket), ``discard`` (the update was refused or superseded);
+- execution thread, inside the stall: ``apply``; after a failed ``apply``, ``restore``; after a successful
+  ``apply`` that another rank of the engine failed, ``undo``.
 
-Strategies, one module each, found by name in a lazy registry (``STRATEGIES``,
-``LAYER_STRATEGIES``: imported only when chosen): ``swap`` (eager CPU: load and re-pack into
-shadow modules before the commit, swap attributes at it; ``inflight.engine.commit.swap``),
-``reload`` and ``copy`` (write into the live storage at the commit;
-``inflight.engine.commit.reload``, ``inflight.engine.commit.copy``). ``swap`` and ``copy``
-replay a load plan recorded at start and so expose a shard plan (each tensor-parallel rank
-stages only what its loaders read); ``reload`` takes whole tensors. ``copy`` on CPU needs
-linears that keep their weights (``INFLIGHT_CPU_PLAIN_GEMM=1``: ``inflight.engine.patch``).
+Strategies, one module each, found by name in a lazy registry (``STRATEGIES``, ``LAYER_STRATEGIES``:
+imported only when chosen): ``swap`` (eager CPU: load and re-pack into shadow modules before the commit, swap
+attributes at it; ``inflight.engine.commit.swap``), ``reload`` and ``copy`` (write into the live storage at
+the commit; ``inflight.engine.commit.reload``, ``inflight.engine.commit.copy``). ``swap`` and ``copy`` replay
+a load plan recorded at start and so expose a shard plan (each tensor-parallel rank stages only what its
+loaders read); ``reload`` takes whole tensors. ``copy`` on CPU needs linears that keep their weights
+(``INFLIGHT_CPU_PLAIN_GEMM=1``: ``inflight.engine.patch``).
 """
 
 from __future__ import annotations

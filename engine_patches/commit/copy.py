@@ -2,33 +2,22 @@
 inside the stall, for the whole model (``CopyStrategy``) or one layer group at a time
 (``LayerCopyStrategy``, ``InflightConfig(commit_unit="layer")``).
 
-``copy`` (CUDA, unquantized; CPU with ``INFLIGHT_CPU_PLAIN_GEMM=1``): the model's own
-loaders' writes, replayed from a load plan (``inflight.engine.commit.loaders``) recorded at
-start against the live parameters: one ``torch._foreach_copy_`` from the staged tensors into
-views of the live storage (which CUDA graphs captured), the loaders' constant fills, and the
-real loaders for the tensors the plan could not prove. The plan's shard plan is what each
-tensor-parallel rank is sent and stages (and keeps as its rollback copy): only the boxes its
-loaders read. A model whose loaders cannot be recorded falls back to ``model.load_weights``
-on whole tensors (logged).
+``copy`` (CUDA, unquantized; CPU with ``INFLIGHT_CPU_PLAIN_GEMM=1``) replays the model's own loaders' writes from
+a load plan (``inflight.engine.commit.loaders``) recorded at start against the live parameters: one
+``torch._foreach_copy_`` from the staged tensors into views of the live storage (which CUDA graphs captured), the
+loaders' constant fills, and the real loaders for the tensors the plan could not prove. Each tensor-parallel rank
+stages (and keeps as its rollback copy) only the boxes its loaders read; a model whose loaders cannot be recorded
+falls back to ``model.load_weights`` on whole tensors (logged). A layer group's commit replays the same for its
+tensors only, on the forward's stream (``inflight.staging.ordered_commit``).
 
-The copy is right only where vLLM's processing of loaded weights derived nothing from them
-(``loaders.copy_refusals``; on CPU, no prepacking GEMM: ``commit.base.cpu_gemm_prepacking``),
-so the live parameters keep the checkpoint's layout after start and the recorded views stay
-valid for the engine's life.
-
-One layer group at a time: each group's commit replays the load plan's copies of that
-group's tensors only (one ``torch._foreach_copy_`` into views of the live storage, on the
-forward's stream: see ``inflight.staging.ordered_commit``), its fills, and the live loaders
-of its fallback tensors. So a group needs no processing after its copy.
-
-Ordering invariants (one layer group at a time):
-- prepared groups are applied in the order they were prepared (a FIFO), which is the order
-  the listener hands them to the engine, one at a time;
-- a group's previous bytes are copied aside when it is prepared, off the stall: the group's
-  parameters change only by its own commits, which come one update after another, so
-  these are the bytes the commit overwrites. ``undo`` (another rank failed this group) puts
-  them back; once the engine keeps the commit they are dropped. So a rank holds at most
-  ``window`` groups' copies beside the live weights, never a model's.
+Invariants: the copy is right only where vLLM's processing of loaded weights derived nothing from them
+(``loaders.copy_refusals``; on CPU, no prepacking GEMM: ``commit.base.cpu_gemm_prepacking``), so the live
+parameters keep the checkpoint's layout and the recorded views stay valid for the engine's life. One layer
+group at a time: prepared groups are applied in the order they were prepared (a FIFO, the order the listener
+hands them over, one at a time); a group's previous bytes are copied aside when it is prepared, off the
+stall (its parameters change only by its own commits, one update after another, so these are the bytes
+the commit overwrites): ``undo`` (another rank failed this group) puts them back, and once the engine keeps
+the commit they are dropped, so a rank holds at most ``window`` groups' copies beside the live weights.
 """
 
 from __future__ import annotations

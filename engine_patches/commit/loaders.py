@@ -1,40 +1,23 @@
 """How checkpoint tensors reach the parameters: the model's own loaders, learned once at
 start, replayed per update, and vLLM's processing of freshly loaded weights re-run after them.
 
-The loader map (``LoaderMap``): where each checkpoint tensor goes. The model's own
-``load_weights``, run once at start on meta tensors with recording loaders
-(``LoaderMap.record``), for the ``swap`` commit. For each checkpoint name it learns which
-parameter's loader takes it and with which arguments, positional or keyword (FusedMoE:
-``loaded_weight=``, ``expert_id=``, ...). A model whose ``load_weights`` transforms tensors on
-the way (anything but a plain loader call, or a view reading the same elements) is refused with
-``LoaderMapError``, and the caller falls back to ``reload``.
+The loader map (``LoaderMap``, for the ``swap`` commit): the model's own ``load_weights``, run once at start on
+meta tensors with recording loaders (``LoaderMap.record``), learns for each checkpoint name which parameter's
+loader takes it and with which arguments, positional or keyword (FusedMoE: ``loaded_weight=``, ``expert_id=``,
+...). A model whose ``load_weights`` transforms tensors on the way (anything but a plain loader call, or a view
+reading the same elements) is refused with ``LoaderMapError``, and the caller falls back to ``reload``.
 
-The load plan (``LoadPlan``): where each checkpoint tensor lands inside the parameters,
-learned once at start.
+The load plan (``LoadPlan``): where each checkpoint tensor lands inside the parameters, learned once at start by
+running each routed loader call under a ``TorchDispatchMode`` on a real scratch parameter and probe tensor, and
+replayed per update as one ``torch._foreach_copy_``. Invariant: a tensor is planned only when every write of its
+loaders is a plain ``copy_`` of the probe (or a view of it) into the parameter (or a view of it), with the same
+dtype; anything else keeps it on its loader. Replaying is exactly what the loader did, since where a loader
+writes depends on shapes and its arguments, never on the values it loads. Why and how: docs/design.md.
 
-Why: an update of a 30-layer model goes through ~270 vLLM weight loaders, each a few
-Python-level tensor ops (narrow, checks, copy). On an in-flight CPU engine they run on the
-listener thread, which shares the engine's GIL with decoding: every op hands the GIL back
-and forth with the decode thread, so the loaders cost far more wall time than their copies.
-The plan replaces them with one ``torch._foreach_copy_`` per update (the GIL is released
-once, for all the copies).
-
-How: at start, each routed loader call runs once under a ``TorchDispatchMode`` on a real
-scratch parameter and a real probe tensor, and the mode sees every ATen op the loader runs.
-A checkpoint tensor is planned when every write of its loaders is a plain ``copy_`` of the
-probe (or a view of it) into the parameter (or a view of it), with the same dtype: the plan
-keeps those views' shapes, strides and offsets. Anything else (a cast, a computed tensor,
-a write into any other tensor) keeps that tensor on its loader. Replaying the recorded
-copies is exactly what the loader did, since where a loader writes depends on shapes and its
-arguments, never on the values it loads; the engine tests check the result against
-transformers after updates, with the plan and without it.
-
-Post-load processing (``process_after_loading``): vLLM's processing of freshly loaded
-weights, re-run as a weight update needs it. vLLM runs each layer's
-``process_weights_after_loading`` once, after the first load (the CPU oneDNN prepack, the CPU
-MoE grouped-GEMM pack, quantization). A weight update must redo what that step derived from
-the weights, on whichever module holds the new ones; ``copy_refusals`` names the layers for
-which a plain copy, with no such processing, would be wrong.
+Post-load processing (``process_after_loading``): vLLM runs each layer's ``process_weights_after_loading`` once,
+after the first load (the CPU oneDNN prepack, the CPU MoE grouped-GEMM pack, quantization); a weight update
+re-runs what that step derived from the weights, on whichever module holds the new ones. ``copy_refusals``
+names the layers for which a plain copy, with no such processing, would be wrong.
 """
 
 from __future__ import annotations

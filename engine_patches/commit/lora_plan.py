@@ -10,7 +10,7 @@ tensor, source offset, slot offset, length, scale), or, where runs are short (an
 a lower rank than the slot pads every row of B), an index into all sources.
 
 Applying it is a zero fill, one ``_foreach_copy_``, one ``_foreach_mul_`` per scale and an
-``index_select`` per indexed image: a few milliseconds of the listener thread's time, and of
+``index_select`` per indexed image: a few tensor ops of the listener thread's time, and of
 the GIL it shares with the engine thread, instead of a Python loop over every wrapped layer.
 ``LoRASlotStrategy`` trusts a plan only once it wrote, from the first version, bit for bit
 what vLLM's own load wrote into the live slot.

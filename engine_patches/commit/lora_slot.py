@@ -1,27 +1,19 @@
 """The ``lora`` commit: an adapter version written into the engine's one LoRA slot.
 
-vLLM 0.32 keeps an active adapter in per-layer wrappers (``BaseLinearLayerWithLoRA``):
-``lora_a_stacked`` / ``lora_b_stacked``, one index per slot, read by the LoRA kernels on
-every forward with a scale of 1 (alpha/r is folded into B when an adapter is loaded).
-Beside the slot, the worker's adapter manager keeps the registered ``LoRAModel``, which it
-copies into the slot again whenever it re-activates the adapter.
-
-Phases (``inflight.engine.commit.base``):
-- ``prepare`` (listener thread, while the engine decodes): vLLM's own loader code turns
-  the staged PEFT tensors into a ``LoRAModel`` (names mapped, q/k/v and gate/up packed,
-  alpha/r folded into B, in the LoRA dtype, exactly as a load from disk), and each
-  wrapper's own ``set_lora``, run on a shallow copy of the wrapper with scratch buffers,
-  writes the slot's image (zero padding, this rank's tensor-parallel slice). Nothing live
-  is touched. The images come from a copy plan recorded from that same path at start
-  (``inflight.engine.commit.lora_plan``): a few tensor ops instead of a Python loop over
-  every wrapped layer, so the listener holds the GIL it shares with decode for milliseconds.
-- ``apply`` (execution thread, between two steps): one ``_foreach_copy_`` of the images
-  into the live slot, in place (GPU kernels and CUDA graphs hold the slot's addresses),
-  and the registered ``LoRAModel`` now holds the new version, so a re-activation replays
-  it, never an older one.
-- ``restore`` / ``undo``: the previous images and adapter back, the same way. They are the
-  live version's own (kept from its commit, or read from the slot at start): nothing is
-  copied inside the stall to make a rollback possible.
+vLLM 0.32 keeps an active adapter in per-layer wrappers (``lora_a_stacked`` / ``lora_b_stacked``, alpha/r
+folded into B), and the worker's adapter manager keeps the registered ``LoRAModel``, copied into the slot
+again whenever it re-activates the adapter (docs/design.md). Phases (``inflight.engine.commit.base``):
+- ``prepare`` (listener thread, while the engine decodes): vLLM's own loader code turns the staged PEFT tensors
+  into a ``LoRAModel`` (names mapped, q/k/v and gate/up packed, alpha/r folded into B, in the LoRA dtype,
+  exactly as a load from disk), and each wrapper's own ``set_lora``, run on a shallow copy of the wrapper with
+  scratch buffers, writes the slot's image (zero padding, this rank's tensor-parallel slice), through a copy
+  plan recorded from that same path at start (``inflight.engine.commit.lora_plan``). Nothing live is touched.
+- ``apply`` (execution thread, between two steps): one ``_foreach_copy_`` of the images into the live slot, in
+  place (GPU kernels and CUDA graphs hold the slot's addresses), and the registered ``LoRAModel`` now holds the
+  new version, so a re-activation replays it, never an older one.
+- ``restore`` / ``undo``: the previous images and adapter back, the same way. They are the live version's own
+  (kept from its commit, or read from the slot at start): nothing is copied inside the stall to make a
+  rollback possible.
 
 Ordering invariant: the slot, the registered adapter and ``_live`` change only in
 ``apply``, ``restore`` and ``undo``; ``prepare`` reads none of them.

@@ -1,92 +1,23 @@
 """The ``swap`` commit: all the work of loading a version happens before the commit, off
 the engine's critical path, and the commit itself only swaps module attributes.
 
-Why it is needed: on CPU a commit through vLLM's layerwise reload re-packs every linear
-weight for oneDNN inside the stall (tens of ms even for a tiny model; creating the oneDNN
-handles alone is ~5 ms per layer here). vLLM sends each checkpoint tensor through a
-per-parameter ``weight_loader`` that writes into whatever parameter it is handed, and the
-CPU GEMM dispatch keeps its result in plain module attributes (``cpu_linear``, an empty
-``weight``). So, in the listener thread:
+Only for eager CPU engines (compiled and CUDA graphs capture parameter storage). Why and how: docs/design.md.
+- listener thread (``SwapStrategy.feed``, bucket by bucket, then ``prepare``): fill shadow parameters by the
+  load plan recorded at start (``inflight.engine.commit.loaders``) into reused buffers (``ShadowSets``), and
+  re-pack each layer on a shallow copy as soon as the last tensor it reads is in (``Dependencies``,
+  ``Countdown``). Live modules are not touched; a failure here refuses the update;
+- commit (``SwapStrategy.apply``, under the coordinator's lock): assign the prepared parameters and attributes
+  to the live modules, keeping the previous ones for an instant rollback in the commit's window.
 
-1. ``LoaderMap.record`` (``inflight.engine.commit.loaders``, once, at start): run the
-   model's own ``load_weights`` with recording loaders to learn which parameter's loader
-   takes each checkpoint name; a model whose ``load_weights`` transforms tensors on the way
-   is refused, and the caller falls back to ``reload``.
-2. ``SwapStrategy.feed`` (bucket by bucket, during the receive) and ``prepare`` (after the
-   last bucket): fill shadow parameters (shaped from the pre-processing metadata vLLM
-   recorded at model construction) with the staged tensors, and run each layer's
-   ``process_weights_after_loading`` on a shallow copy of the layer (the re-pack) as soon
-   as its tensors are all in (``Countdown``, below). The filling replays a load
-   plan recorded once at start from the real loaders (``inflight.engine.commit.loaders``: one
-   ``_foreach_copy_`` per bucket, no Python loaders) into reused buffers
-   (``ShadowSets``, below); ``load_plan=False`` runs the loaders into fresh shadows.
-   Live modules are not touched; a failure here refuses the update.
-3. ``SwapStrategy.apply`` (under the commit coordinator's lock): assign the prepared parameters and
-   attributes to the live modules, keeping the previous ones for an instant rollback in the
-   commit's own window (another rank of the engine failed); once the engine keeps the
-   commit (``release_rollback``) they are let go, so one spare set of modules exists at a
-   time: the swapped-out one inside the window, the one being prepared outside it.
-
-Only for eager CPU engines: compiled graphs and CUDA graphs capture parameter storage, so
-there the copy-into-storage commits are the right ones.
-
-Which layers of a streamed update are complete, as its checkpoint tensors arrive
-(``Dependencies``, ``Countdown``).
-
-Why: a swap commit re-packs every layer (the CPU oneDNN handles) before the version can go
-live, and that re-pack is most of an update's staging time on a real model. The tensors
-arrive bucket by bucket, in checkpoint order, so the first layers are complete long before
-the last bucket lands. Re-packing each layer as soon as the last tensor it reads has been
-verified overlaps the re-pack with the rest of the receive, instead of running it after.
-
-A layer is re-packed from its own parameters only (``process_weights_after_loading`` of
-one module), which is what lets vLLM's own layerwise reload process a layer as soon as its
-weights are loaded; this is the same rule, applied to shadow parameters. Tied parameters
-(an LM head sharing the embedding) make a layer wait on another layer's tensors: a layer
-waits on every parameter it holds, and a parameter on every tensor whose loader writes it.
-
-Computed once per engine (``Dependencies``); each update walks a fresh ``Countdown``.
-
-Where a ``swap`` commit's prepared weights are written, reused across updates (``ShadowSets``).
-
-Why: allocating fresh shadow parameters for every update costs a page fault per 4 KiB on
-first touch (the kernel zeroes each page: ~0.1-0.2 s per 0.5 GB here), and a load plan's
-destination views would have to be rebuilt per update (Python per tensor, on the engine's
-GIL). Reused buffers have neither cost.
-
-Which buffers can be reused, learned from the first update:
-- *consumed* parameters: the CPU re-pack reads them into its own packed copy (a oneDNN
-  handle, a packed MoE weight) and the prepared module no longer holds them. One scratch
-  set serves every update: nothing live reads it.
-- *kept* parameters (embeddings, norms, biases): the prepared module holds them, so they
-  become live. They rotate through two sets: the live version's and the one being
-  prepared. Inside a commit's window the second holds the swapped-out version (for a
-  rollback); the engine keeping the commit releases it (``released``) before the next
-  update is prepared into it, so a third set is made only if one is ever still held then.
-
-A re-pack that replaces a parameter's storage in place (``param.data = ...``), or that
-keeps a tensor sharing a consumed buffer among the module's attributes, would make reuse
-wrong: either one turns reuse off for good (fresh buffers every update, as before).
-
-The ``swap`` commit one layer group at a time (``LayerSwapStrategy``,
-``InflightConfig(commit_unit="layer")``).
-
-Each layer group (``inflight.layer_groups``) is prepared as the whole model is by
-``SwapStrategy``: its staged tensors are copied into fresh shadow parameters by the load plan
-recorded at start (boxes of this rank's shard plan included), its modules are re-packed on
-shallow copies, and the commit swaps the prepared parameters and attributes into the live
-modules of that group only. So a rank holds the shadows of at most ``window`` groups, not of
-a model, and a commit's stall is one group's swap.
-
-Ordering invariants:
-- groups are prepared and applied in the order they arrive (a FIFO): the listener hands the
-  engine one group at a time, so ``apply`` always takes the oldest prepared group;
-- a group's modules are exactly the modules whose parameters its tensors fill, each module in
-  one group, and every parameter of those modules is filled by the group's tensors (checked
-  at start, or the model is refused with the reason): a swap never leaves a module half new;
-- the modules a commit swapped out are kept until the engine keeps the commit (``undo`` puts
-  them back inside the commit's window when another rank failed), then freed off the engine
-  thread, at the next ``prepare``.
+Invariants:
+- one spare set of modules exists at a time: the swapped-out one inside a commit's window (let go once the
+  engine keeps the commit, ``release_rollback``), the one being prepared outside it;
+- ``ShadowSets``: parameters the re-pack consumes share one scratch set (nothing live reads it); kept ones
+  (embeddings, norms, biases) rotate through two sets, the live version's and the one being prepared. A
+  re-pack that replaces a parameter's storage, or keeps a tensor sharing a consumed buffer, turns reuse off;
+- layer groups (``LayerSwapStrategy``) are prepared and applied in arrival order (a FIFO); a group's modules
+  are exactly those its tensors fill, wholly (checked at start): a swap never leaves a module half new; the
+  swapped-out modules are kept until the engine keeps the commit (``undo`` puts them back), then freed.
 """
 
 from __future__ import annotations

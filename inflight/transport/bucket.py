@@ -2,28 +2,22 @@
 buckets, packed as each bucket goes out, framed, checksummed and MACed; the ``BucketSender``
 that streams a version's buckets and the ``BucketReceiver`` that lands them.
 
-Layout. Each tensor occupies ``[offset, offset + nbytes)`` of the stream, offsets aligned to
-``ALIGN`` bytes, so a receiver views any tensor in place with its dtype. Buckets are
-consecutive windows of at most ``bucket_bytes``, a multiple of ``ALIGN``
-(``aligned_bucket_bytes``): every wire dtype's size divides ``ALIGN``, so bucket boundaries fall
-between elements and any bucket size works with any model. Padding is written as zeros.
+Layout. Each tensor occupies ``[offset, offset + nbytes)`` of the stream, offsets aligned to ``ALIGN`` bytes, so
+a receiver views any tensor in place with its dtype; padding is zeros. Buckets are consecutive windows of at most
+``bucket_bytes``, a multiple of ``ALIGN`` (``aligned_bucket_bytes``): every wire dtype's size divides ``ALIGN``, so
+bucket boundaries fall between elements and any bucket size works with any model.
+Packing. ``WindowFiller.fill`` (flat reference: ``pack_into``) writes one window of the stream from a ``Source``
+(cast to the wire dtype, narrowed to a shard plan's box) when its bucket is sent: the trainer never holds more
+than the buckets in flight, and reads nothing before the announce.
 
-Packing. ``WindowFiller.fill`` writes one window of the stream from a ``Source`` (cast to the
-wire dtype, narrowed to a shard plan's box) when its bucket is sent: the trainer never holds
-more than the buckets in flight, and reads nothing before the announce. ``pack_into`` is its
-flat reference.
-
-Sending (``BucketSender.send_each``): buckets go round-robin over the destinations, at most
-two in flight per destination (bucket i reuses bucket i - 2's buffer once that send
-completed); every read of the caller's tensors happens before ``on_read_done``; a source that
-fails mid-stream sends each destination with buckets left one ``Abort`` frame in place of its
-next header, and nothing after it, so the receivers stop in step.
-
-Receiving (``BucketReceiver.receive``): exactly as many buckets as announced, each of the size
-its header declares, even after a bad one (it then lands over the refused update's own bytes),
-so the group stays in lockstep and the caller gets one ``UpdateRejected`` at the end; or it
-stops at an ``Abort`` frame. Each bucket's checksum and MAC come in its header (``frame``), and
-are checked against the bytes that landed before ``on_verified`` runs.
+Sending (``BucketSender.send_each``): round-robin over the destinations, at most two buckets in flight per
+destination (bucket i reuses bucket i - 2's buffer once that send completed); every read of the caller's
+tensors happens before ``on_read_done``; a source that fails mid-stream sends each destination with buckets
+left one ``Abort`` frame in place of its next header, and nothing after it, so the receivers stop in step.
+Receiving (``BucketReceiver.receive``): exactly as many buckets as announced, each of its header's size, even
+after a bad one (landed over the refused update's own bytes), so the group stays in lockstep and the caller
+gets one ``UpdateRejected`` at the end; or it stops at an ``Abort`` frame. Each bucket's checksum and MAC come
+in its header (``frame``) and are checked against the bytes that landed before ``on_verified`` runs.
 """
 
 from __future__ import annotations

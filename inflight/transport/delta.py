@@ -1,32 +1,23 @@
 """Sparse updates: an update sent as the elements that changed against a version the engine
 already holds, on both sides of the wire.
 
-Between two RL steps many weights do not change in the engine's dtype: an Adam step at RL
-learning rates is often below bf16's resolution, so the cast of the trainer's fp32 master
-lands on the same bf16 value. A sparse update sends each tensor as its changes against the
-base, where that is smaller than the tensor itself (any other tensor travels whole), in one
-of two codecs (``SparseCodec``):
-- ``xor_zstd``: the tensor's bits xor the base's, zstd-compressed (level 1). The xor is zero
-  wherever nothing changed, and a changed bf16 element mostly moves by a few units in the
-  last place, so its xor has few bits set. Measured on SmolLM2 RL steps: 2.8% of the dense
-  bytes, against 7.0% for ``index`` (``inflight.bench.sparse``, docs/performance.md). It is
-  compressed and decompressed on the host: the codec of a gloo (host) data plane.
-- ``index``: the flat int32 indices of the elements whose bits changed and their new values,
-  ``4 + itemsize`` bytes per changed element; encoded and rebuilt on the tensors' device with
-  no host round trip: the codec of an NCCL data plane.
-The update is otherwise an ordinary one: the same announce, buckets, checksums, MAC, two
-phases and commit.
+Each tensor travels as its changes against the base where that is smaller than the tensor itself (any
+other tensor travels whole), in one of two codecs (``SparseCodec``); why it pays: docs/design.md.
+- ``xor_zstd``: the tensor's bits xor the base's, zstd-compressed (level 1) and decompressed on the host: the
+  codec of a gloo (host) data plane;
+- ``index``: the flat int32 indices of the elements whose bits changed and their new values (``4 + itemsize``
+  bytes each), encoded and rebuilt on the tensors' device, no host round trip: the codec of an NCCL data plane.
+The update is otherwise an ordinary one: the same announce, buckets, checksums, MAC, two phases and commit.
 
-Trainer (``DeltaEncoder``): keeps the wire bytes of the last ``keep`` versions it laid out
-(the cast it would have sent), and encodes the next version against the one an engine
-serves. Nothing is read from the caller's tensors after ``encode`` returns.
+Trainer (``DeltaEncoder``): keeps the wire bytes of the last ``keep`` versions it laid out (the cast it
+would have sent), and encodes the next version against the one an engine serves. Nothing is read from the
+caller's tensors after ``encode`` returns.
 
 Worker (``DeltaDecoder``): keeps the live version's bytes (``InflightConfig.keep_base``;
-``StagingPool.base_for``), and rebuilds each tensor as its wire tensors verify: the base
-copied, the changed elements written. Each rebuilt tensor's checksum must equal the one the
-trainer took of the same tensor, so a wrong base or a bad write is caught on the result,
-not the delta. A worker that does not hold the announced base version refuses the update
-(``wrong_base``), naming what it holds; the trainer then sends it dense.
+``StagingPool.base_for``), and rebuilds each tensor as its wire tensors verify: the base copied, the changed
+elements written. Each rebuilt tensor's checksum must equal the one the trainer took of the same tensor, so
+a wrong base or a bad write is caught on the result, not the delta. A worker that does not hold the announced
+base version refuses the update (``wrong_base``), naming what it holds; the trainer then sends it dense.
 """
 
 from __future__ import annotations

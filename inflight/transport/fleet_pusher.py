@@ -4,11 +4,7 @@ Each engine forms a weight group of its own with the trainer (``GroupConfig.for_
 its own key space, generations, control messages, heartbeats and data plane, the trainer
 and that engine's workers only). The groups share the trainer's one store, so a fleet
 still takes one port. Engine e's workers start with ``InflightConfig(group=
-base.for_engine(e, tp), rank=1)``.
-
-Why not one group for the fleet: one communicator for the trainer and every worker of every
-engine is a ring in which the slowest member paces every engine, a frozen member stalls
-every transfer until the timeout, and every re-formation rebuilds every engine's part.
+base.for_engine(e, tp), rank=1)``. Why not one group for the fleet: docs/design.md.
 
 Ordering invariants:
 - a push goes to every engine at once, each on its own pusher's thread, and each engine

@@ -1,29 +1,23 @@
 """The weight group: which engine workers form each generation with rank 0, and the numbered
 control messages and replies they exchange on the trainer's store.
 
-The group has two planes, both from torch.distributed: the data plane
-(``data_plane.DataPlane``: gloo or NCCL broadcasts of bucket bytes) and the control
-plane on the trainer's TCPStore (``store.py``; messages: ``TrainerControl`` and
-``WorkerControl``). ``WeightGroup`` forms generations of it: rank 0 hosts the store and
-opens each generation; workers join.
-
-Every wait has a timeout, and a timeout raises ``TransportTimeout`` naming the peer and
-what was being waited for. After a failure the group is not reused: rank 0 ``reform``s
+The group has two planes, both from torch.distributed: the data plane (``data_plane.DataPlane``: gloo or NCCL
+broadcasts of bucket bytes) and the control plane on the trainer's TCPStore (``store.py``; messages:
+``TrainerControl`` and ``WorkerControl``). ``WeightGroup`` forms generations of it: rank 0 hosts the store and
+opens each generation; workers join. Every wait has a timeout, and a timeout raises ``TransportTimeout``
+naming the peer and what was being waited for. After a failure the group is not reused: rank 0 ``reform``s
 the next generation and the workers join it (see ``WeightGroup``).
 
-Control plane ordering invariant: the trainer posts message ``seq`` only after collecting
-every reply it needs for earlier messages, and each worker reads messages strictly in
-``seq`` order, so both sides agree on the sequence without any further handshake. Keys:
-
-- ``msg/<seq>``: a control message (``UpdateAnnounce``, ``Commit``, ``Abort``, ``Shutdown``),
-  or ``ForEachRank`` when each worker's differs: worker ``rank`` reads ``msg/<seq>/<rank>``,
-  written before the marker;
+Control plane ordering invariant: the trainer posts message ``seq`` only after collecting every reply it
+needs for earlier messages, and each worker reads messages strictly in ``seq`` order, so both sides agree on
+the sequence without any further handshake. Keys:
+- ``msg/<seq>``: a control message (``UpdateAnnounce``, ``Commit``, ``Abort``, ``Shutdown``), or ``ForEachRank``
+  when each worker's differs: worker ``rank`` reads ``msg/<seq>/<rank>``, written before the marker;
 - ``rep/<seq>/<phase>/<rank>``: worker ``rank``'s reply to message ``seq`` (see ``Phase``).
 
-With a shared secret (``INFLIGHT_SECRET``) every message and reply is sealed with an HMAC
-over its bytes, its key and the group's incarnation and generation
-(``inflight.protocol.seal``): a client of the store without the secret can neither forge
-nor replay one. A message that fails the check is answered ``Rejected(unauthenticated)``.
+With a shared secret (``INFLIGHT_SECRET``) every message and reply is sealed with an HMAC over its bytes, its
+key and the group's incarnation and generation (``inflight.protocol.seal``): a client of the store without
+the secret can neither forge nor replay one; a message that fails the check is answered ``Rejected(unauthenticated)``.
 """
 
 from __future__ import annotations

@@ -1,47 +1,23 @@
 """Worker side of a weight update: a state machine that stages while the engine decodes.
 
-``UpdateListener.run`` is the body of one background thread per engine worker. It reads
-control messages in order, lands buckets in a staging buffer (``inflight.transport.bucket``),
-checks and prepares each tensor as its bucket verifies (``StreamPreparer``), and hands a complete, verified
-version to a ``CommitTarget``, which swaps it in at a step boundary.
+``UpdateListener.run``, one background thread per engine worker, reads control messages in order, lands buckets in a
+staging buffer, checks and prepares each tensor as its bucket verifies (``StreamPreparer``) and hands a verified
+version, or layer group (``_on_layer_announce``), to a ``CommitTarget``, which swaps it in at a step boundary.
 
 Ordering invariants:
-- live weights are touched only by ``CommitTarget.commit``, only for a version whose every
-  bucket arrived and matched its checksum, and only after the trainer's ``Commit``;
-- a version is accepted only if it is newer than the live one and matches the schema
-  (names, shapes, dtypes) exactly, so nothing unknown, missing or mis-shaped is staged;
-- any failure before the commit drops the staging buffer and leaves the last good version
-  live; a commit that fails restores the previous weights before replying ``Rejected``;
-- on ``Commit`` the staged version is handed to the target, which owns it from then on
-  (``CommitTarget.commit``): the listener never touches the live version or the rollback
-  copy, so losing the trainer between its ``Commit`` and the outcome leaves both right;
-- the rollback copy belongs to the worker's ``StagingPool``, not to one listener, so a
-  listener of the group's next generation can still roll back to the live version;
-- on ``Shutdown`` the worker lets go of the trainer's store before it answers ``Left``
-  (``leave``), so the trainer can close its store without a peer's read failing.
-
-Layer-granular updates (``UpdateListener._on_layer_announce``): one announce per layer group,
-each group committed by the engine as soon as it is staged and verified on every rank.
-A ``commit_unit="layer"`` update of version v arrives as ``parts`` announces (group 0, 1, ...
-in the order of ``inflight.layer_groups``), each with its own buckets. For each group the
-listener receives, verifies (checksums, finite check) and prepares it exactly like a whole
-version, then hands it to the engine (``CommitTarget.begin_commit``) without a ``Commit`` from
-the trainer: the engine's coordinator commits it at the next step boundary once every rank
-handed it over. The trainer gets one reply per group: ``Committed`` (with the label the
-engine serves from then on) or ``Rejected``.
-
-Ordering invariants of the layer path:
-- groups are taken in order: group k of v is accepted only after groups 0..k-1 of v were
-  accepted and none failed; after a failure every later group of v is refused, so the
-  engine serves the hybrid of the groups that committed (each verified) and the next
-  update completes the model;
-- at most ``staged_groups`` groups are staged on this rank: with 2, group k+1 arrives while
-  group k waits for its step boundary; group k's outcome is read before group k+1 is handed
-  over (one commit in the engine's hands at a time), and with 1 before group k+1 is accepted.
-  The trainer sends a group only once every rank accepted it, so its sending is paced by
-  the engine's commits and staging never grows with the model;
-- a group that arrived whole but fails its check or preparation is refused and never goes
-  live; groups handed over before it still commit (the engine may already have).
+- live weights are touched only by ``CommitTarget.commit``, only for a version whose every bucket arrived and
+  matched its checksum, and only after the trainer's ``Commit``; the target then owns the staged version: the
+  listener never touches the live version or the rollback copy (the worker's ``StagingPool`` holds it, not one
+  listener), so losing the trainer between its ``Commit`` and the outcome leaves both right;
+- a version is accepted only if newer than the live one and matching the schema (names, shapes, dtypes);
+- a failure before the commit drops the staging buffer and leaves the last good version live; a commit that
+  fails restores the previous weights before replying ``Rejected``; on ``Shutdown`` the worker lets go of
+  the trainer's store before it answers ``Left`` (``leave``);
+- layer path: group k of v is accepted only after groups 0..k-1 of v were and none failed; after a failure
+  every later group of v is refused (the engine serves the hybrid of the verified groups that committed). At
+  most ``staged_groups`` groups are staged on this rank, and group k's outcome is read before k+1 is handed
+  over (one commit in the engine's hands at a time; with 1, before k+1 is accepted). A group that fails its
+  check or preparation never goes live; those handed over before it still commit.
 """
 
 from __future__ import annotations

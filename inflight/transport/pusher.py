@@ -4,41 +4,20 @@ streams; the ``ReadFence`` between a push's reads and the optimizer's writes; an
 laid out (``UpdateLayout``) and came to (``PushResult``, ``PushRejected``, ``LayerPushIncomplete``).
 
 Ordering invariants (rank 0 is the only writer, so it alone decides the sequence):
-1. ``announce`` before any bucket; buckets only when *every* worker accepted, otherwise a
-   single abort frame, so all workers always join the same broadcasts;
-2. ``Commit`` only when every worker reported ``Staged``, otherwise ``Abort``: several
-   engines never end up on different versions because one of them saw a bad bucket;
-3. ``push`` returns after every worker replied ``Committed``: from then on every token the
-   engines sample is tagged with the new version.
-
-A layer-granular update (engines with ``commit_unit="layer"``, ``WeightPusher._push_layers``)
-of version v goes out as one announce per layer group, in the commit order both sides derive
-from the tensor names (``inflight.layer_groups``); each engine commits each group at its next
-step boundary once every one of its ranks staged and verified it, with no ``Commit`` from the
-trainer (``inflight.transport.listener``).
-- group k's buckets go out only once every worker accepted group k, and a worker accepts
-  it only with room to stage it: sending is paced by the engines' commits (back-pressure),
-  and a worker never stages more than its ``staged_groups``;
-- the first group any worker refuses ends the update: its buckets are replaced by an abort
-  frame, no later group is sent, and the groups before it commit (each was verified). The
-  engines serve that hybrid, and ``LayerPushIncomplete`` says how many groups landed;
-- the caller's tensors are read group by group as the buckets go out; the read fence
-  (``WeightPusher.wait_reads``) opens after the last group's buckets are packed.
-
-When a push has read the trainer's tensors (``ReadFence``): a push reads the live parameters
-as its buckets are packed, while the trainer goes on with the next forward and backward; the
-optimizer may write a parameter only after the push read it. On the host that is an event the
-push sets after its last bucket is packed. On CUDA the push packs and checksums on a stream of
-its own, so sending overlaps training rather than queueing behind it on the stream training
-uses, and two CUDA events order the streams:
-
-    trainer's stream:
-        ... optimizer.step | begin: record `begun` | forward, backward ... | wait: wait `read` | optimizer.step
-    push's stream:
-                             wait `begun` | pack 0 | pack 1 | ... | pack n-1 | done: record `read`
-
-CUDA is used only by a trainer that already initialized it (its tensors are on a GPU): a
-CPU trainer on a machine with a GPU creates no context.
+1. ``announce`` before any bucket; buckets only when *every* worker accepted, otherwise a single abort frame,
+   so all workers always join the same broadcasts;
+2. ``Commit`` only when every worker reported ``Staged``, otherwise ``Abort``: several engines never end up on
+   different versions because one of them saw a bad bucket;
+3. ``push`` returns after every worker replied ``Committed``: from then on every token the engines sample is
+   tagged with the new version;
+4. layer-granular (``_push_layers``: one announce per layer group, in ``inflight.layer_groups`` order, and no
+   ``Commit``): group k's buckets go out only once every worker accepted group k, which it does only with room
+   to stage it (``staged_groups``), so sending is paced by the engines' commits; the first group any worker
+   refuses ends the update (an abort frame for its buckets, no later group sent), the groups before it commit,
+   the engines serve that hybrid, and ``LayerPushIncomplete`` says how many groups landed;
+5. the optimizer may write a parameter only after the push read it (``ReadFence``): ``wait_reads`` opens after
+   the last bucket (of the last group) is packed. On CUDA the push packs and checksums on a stream of its own,
+   ordered against the trainer's by two events (docs/design.md); a CPU trainer creates no CUDA context.
 """
 
 from __future__ import annotations

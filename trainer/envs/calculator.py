@@ -1,50 +1,23 @@
 """``calculator``: arithmetic the policy solves by calling a calculator tool (an ``EpisodeTask``).
 
-The episode opens with a problem and a description of the tool::
-
-    What is 47 * 29? You have a calculator: write `calc: <expression>` on a line and you
-    will get its value. When you know the result, write `answer: <number>`.
-
-Each reply of the policy is answered in this order:
-
-* an ``answer: N`` line (the first ``answer:`` line) ends the episode: reward 1 if N (commas
-  dropped, ``42.0`` read as ``42``) is the problem's value. The line must hold the number
-  alone (markdown ``*`` and backticks and a final period aside): ``answer: 1320 * 60`` is no
-  answer, as ``answer: ten thousand`` is not, so a junk tail cannot ride on a right number;
-* else a ``calc: <expression>`` line (the first one) is evaluated by ``safe_eval`` and its
-  value, or ``error: ...``, is the observation, with the chat role ``tool``;
+The episode opens with a problem and a description of the tool (``template``). Each reply is answered in order:
+* an ``answer: N`` line (the first ``answer:`` line) ends the episode: reward 1 if N (commas dropped, ``42.0``
+  read as ``42``) is the problem's value. The line must hold the number alone (markdown ``*`` and backticks
+  and a final period aside): ``answer: 1320 * 60`` is no answer, as ``answer: ten thousand`` is not;
+* else a ``calc: <expression>`` line (the first one) is evaluated by ``safe_eval`` and its value, or
+  ``error: ...``, is the observation, with the chat role ``tool``;
 * else the observation (role ``user``) reminds the policy of the two forms.
+On the last turn (``EpisodeView.last``) a reply without an answer ends it too. An episode that does not end
+with the right answer earns ``tool_credit`` (< 1) once if it made at least one well-formed call (one that
+returned a value, ``calls`` in its state), else 0. ``correct`` is a right answer (reward >= 1).
 
-On the episode's last turn (``EpisodeView.last``) a reply without an answer ends it too.
-An episode that does not end with the right answer earns ``tool_credit`` if the policy made
-at least one well-formed call (one that returned a value, counted in the episode's state as
-``calls``), else 0. The credit is paid once however many calls were made, so calling is
-worth learning and spamming calls is not; a right answer earns 1 with or without the tool.
-``correct`` is a right answer (reward >= 1; ``tool_credit`` must be < 1).
-
-The calculator never runs ``eval``: the expression is parsed with ``ast`` and only int and
-float literals, ``+ - * / // %``, unary minus and parentheses are evaluated; ``**``, names,
-calls, attributes and anything else are refused, as are expressions longer than
-``max_expression_chars`` and any literal or intermediate value with more than
-``max_result_digits`` digits. Before parsing, surrounding backticks go, anything from an
-``=`` on is dropped (``47 * 29 = ?``) and ``×``/``÷`` become ``*``/``/``.
-
-Difficulty: ``digits`` (each of the two operands has exactly this many digits; 1 means 0-9)
-and ``ops`` (any of ``+ - *``). Two-digit products are out of reach of a small model's
-mental arithmetic and one copied call away with the tool. Episodes need
-``task.episode.max_turns >= 2`` for the tool to be of use (a call, then the answer).
-
-``examples`` worked episodes (a problem, ``calc: <its expression>``, the tool's value,
-``answer: <the value>``) open every prompt as chat messages before the problem, so the
-prompt needs the model's chat template (``Prompt.text`` is the problem alone, for logs).
-SmolLM2-135M-Instruct, sampled at temperature 1 on 2-digit products, makes a well-formed
-call in none of 48 first replies with the instructions alone and in about two thirds with one
-example; whole episodes (3 turns) solve 0 of 24 without the example and 15 of 24 with it
-(rewards 0, 0.2 and 1 all occur, so GRPO groups have a signal to learn from).
-``examples = 0``: the problem alone, as plain text (any model).
-
-The held-out set is drawn once from its own seed, and ``sample`` never returns one of its
-problems (nor an example's), as in ``arithmetic``.
+``safe_eval`` never runs ``eval``: it parses with ``ast`` and evaluates only int and float literals,
+``+ - * / // %``, unary minus and parentheses; anything else (``**``, names, calls, attributes), expressions
+longer than ``max_expression_chars`` and any value with more than ``max_result_digits`` digits are refused.
+Before parsing, surrounding backticks go, anything from an ``=`` on is dropped and ``×``/``÷`` become ``*``/``/``.
+Difficulty: ``digits`` per operand (1: 0-9), ``ops`` (of ``+ - *``); the tool needs ``task.episode.max_turns >= 2``.
+``examples`` worked episodes open every prompt as chat messages (0: the problem alone, as plain text). The held-out
+set is drawn once from its own seed; ``sample`` never returns one of its problems (nor an example's).
 """
 
 from __future__ import annotations

@@ -2,10 +2,9 @@
 
 Per completion token (up to ``completion_tokens``; tokens after end-of-sequence count 0):
 ``digit_credit`` if the token's text is all digits, 1.0 if it is all the digit D. The
-reward is the mean over the positions, so it ranges over [0, 1]; random play scores about
-0.05 with the demo tokenizer and ``digit_credit = 0.5``. It is checked by string comparison
-only: verifiable, no learned judge. There are only ten prompts, so evaluation runs on all
-ten and nothing is held out.
+reward is the mean over the positions, so it ranges over [0, 1]. It is checked by string
+comparison only: verifiable, no learned judge. There are only ten prompts, so evaluation
+runs on all ten and nothing is held out.
 """
 
 from __future__ import annotations

@@ -1,53 +1,23 @@
 """``guess_number``: find a secret number from higher/lower feedback (an ``EpisodeTask``).
 
-The episode opens with the rules (``template``, with ``{lo}`` and ``{hi}``)::
-
-    I am thinking of a whole number between 1 and 100. Guess it: reply with just a number,
-    and I will tell you whether my number is higher or lower.
-
-The secret is the prompt's ``meta["secret"]`` (and its ``answer``, as a string). A reply's
-guess is the reply itself read as a number, as the rules ask (``base.lone_number``: a
-reply that holds nothing else, commas dropped, ``42.0`` read as ``42``, markdown ``*``,
-backticks and a final period aside); ``My guess is 12`` or ``19? No, 12`` is no guess, so
-text around a number earns nothing (SmolLM2, trained with a lenient last-number parser,
-drifted to ``You are thinking of a whole number between 1 and 20`` as a guess of 20).
-Each reply is answered, with the chat role ``user``:
-
+The episode opens with the rules (``template``, with ``{lo}`` and ``{hi}``); the secret is the prompt's
+``meta["secret"]`` (and its ``answer``, as a string). A reply's guess is the reply itself read as a number
+(``base.lone_number``: a reply that holds nothing else, commas dropped, ``42.0`` read as ``42``, markdown ``*``,
+backticks and a final period aside), so text around a number earns nothing. Each reply is answered (role ``user``):
 * the secret: the episode ends with the win reward;
-* a whole number in [lo, hi] that is not the secret: ``higher than G`` or ``lower than G``
-  (the secret is higher, or lower, than the guess G);
+* a whole number in [lo, hi] that is not the secret: ``higher than G`` or ``lower than G`` (where the secret is);
 * a whole number outside [lo, hi]: ``G is out of range: my number is between lo and hi.``;
 * no number, or one that is not whole: ``Reply with just a whole number between lo and hi.``.
+On the last turn (``EpisodeView.last``) a reply that is not the secret ends it.
 
-On the episode's last turn (``EpisodeView.last``) a reply that is not the secret ends it.
-
-Rewards: a win on the policy's k-th reply earns ``max(1 - turn_penalty * (k - 1), 0.5)``
-(``turn_penalty`` 0: always 1). An episode that ends without a win earns
-``closeness_credit * (1 - |G - secret| / (hi - lo)) + consistency_credit * C / R`` for its
-last valid guess G (0 with none), where C of its R replies were consistent: a whole number
-inside the interval that the feedback so far leaves open (``higher than 7`` then ``lower
-than 12``: 8..11). ``closeness_credit + consistency_credit`` < 0.5, so every win earns at
-least 0.5 and every loss less, and ``correct`` (a win) is ``reward >= 0.5``. The
-consistency credit rewards what a policy must learn first, reading the feedback, where a
-win alone is too rare to learn from (SmolLM2-135M counts up past ``lower than G``).
-
-The environment keeps no state of its own: the valid guesses are read again from
-``EpisodeView.replies`` on every turn. Binary search needs ``ceil(log2(hi - lo + 2))``
-guesses (7 for 1..100): set ``task.episode.max_turns`` accordingly.
-
-``examples`` demonstration games open every prompt as chat messages: the rules, binary
-search's guesses with the environment's answers, then ``Right, my number was S. New game.``
-and the rules again, for the game to play (so the prompt needs the model's chat template;
-``Prompt.text`` is the rules alone, for logs). SmolLM2-135M-Instruct, sampled at temperature
-1, replies with a number in range to the rules alone about one time in five and follows the
-feedback (a guess on the right side) about one time in five; after one demonstration game,
-about 23 times in 24 and 2 times in 3, and whole games (8 turns) win 2 of 12 (mean reward
-0.26 with the default closeness credit; 0 wins and 0.05 without the example).
-``examples = 0``: the rules alone, as plain text.
-
-The held-out set is ``eval_size`` distinct secrets drawn once from their own seed, and
-``sample`` never draws one of them (nor a demonstration's secret), so evaluation plays
-games the policy never trained on.
+Rewards: a win on the k-th reply earns ``max(1 - turn_penalty * (k - 1), 0.5)``; an episode that ends without one
+earns ``closeness_credit * (1 - |G - secret| / (hi - lo)) + consistency_credit * C / R`` for its last valid guess G
+(0 with none), where C of its R replies were whole numbers inside the interval the feedback so far leaves open.
+``closeness_credit + consistency_credit`` < 0.5, so every win earns at least 0.5 and every loss less: ``correct`` (a
+win) is ``reward >= 0.5``. Stateless: guesses are re-read from ``EpisodeView.replies`` each turn. Binary search
+needs ``ceil(log2(hi - lo + 2))`` guesses: set ``task.episode.max_turns`` accordingly. ``examples`` demonstration
+games open every prompt as chat messages (0: the rules alone, as plain text). The held-out set is ``eval_size``
+distinct secrets drawn once from their own seed; ``sample`` never draws one of them (nor a demonstration's).
 """
 
 from __future__ import annotations

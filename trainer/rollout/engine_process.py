@@ -3,27 +3,20 @@
     inflight engine --config CONFIG --model-dir DIR --host TRAINER --port PORT [--engine-id 0] [--set KEY=VALUE ...]
     (or: python -m inflight.trainer.rollout.engine_process ...)
 
-(the trainer starts ``engine.count`` of them itself unless ``engine.spawn = false``; engine i
-forms a weight group of its own with the trainer (``GroupConfig.for_engine``), its workers
-ranks 1 .. ``tensor_parallel_size`` there, and tags its groups ``e<i>``). It drives vLLM's
-``LLMEngine`` step by step with ``in_flight_groups`` requests of ``n = group_size``
-samples in flight; whenever one finishes, its completions go to the task's scoring
-processes (``inflight.trainer.rollout.episode_rollout``: decoding never waits for a verifier), and once
-scored, with their behaviour log-probs and per-token versions, become a ``RolloutGroup`` on
-the rollout queue; a new prompt takes its place, unless that group would be older than
-``loss.max_lag`` by the time the trainer reaches it (the trainer publishes its version on
-the queue): an engine faster than its trainer waits instead of sampling what the loss
-would mask. Weight updates commit between two of these steps, without this loop noticing:
-the worker extension and EngineCore's commit coordinator do it.
+The trainer starts ``engine.count`` of them unless ``engine.spawn = false``. Engine i forms a weight group of its
+own with the trainer (``GroupConfig.for_engine``; its workers are ranks 1 .. ``tensor_parallel_size``) and tags
+its groups ``e<i>``. It drives vLLM's ``LLMEngine`` step by step with ``in_flight_groups`` requests of
+``n = group_size`` samples in flight; a finished one's completions go to the task's scoring processes
+(``inflight.trainer.rollout.episode_rollout``: decoding never waits for a verifier) and, once scored, become a
+tagged ``RolloutGroup`` on the rollout queue. A new prompt takes its place unless that group would be older than
+``loss.max_lag`` when the trainer reaches it (the trainer publishes its version on the queue): a faster engine
+waits rather than sample what the loss would mask. Updates commit between two steps without this loop noticing.
 
-``rollout.mode = "batch"`` is the synchronous baseline: sample one optimizer step's groups
-with version v, ship them, sit idle until version v+1 is live, repeat.
-
-``rollout.mode = "pause"`` is the baseline of today's async RL: the same loop as inflight,
-but updates go through vLLM's native path, which this loop runs itself between two steps
-when the trainer announces a version (``inflight.trainer.native_update.NativeUpdater``: the
-scheduler paused, running requests keeping their KV); every request it adds carries the
-``cache_salt`` of the version live then.
+``rollout.mode = "batch"`` is the synchronous baseline: sample one optimizer step's groups with version v, ship
+them, sit idle until version v+1 is live, repeat. ``rollout.mode = "pause"`` is the baseline of today's async RL:
+the same loop, but updates go through vLLM's native path, which this loop runs itself between two steps when the
+trainer announces a version (``inflight.trainer.native_update.NativeUpdater``: the scheduler paused, running
+requests keeping their KV); every request it adds carries the ``cache_salt`` of the version live then.
 """
 
 from __future__ import annotations

@@ -1,28 +1,23 @@
 """The rollout driver: every task's episodes on the in-flight engine, the environment off its thread.
 
-An episode is a prompt and the policy's replies. A single-turn task's episode is one reply,
-scored by ``Task.score``; an ``EpisodeTask``'s environment answers each reply (``turn``) until
-it ends. The engine process's rollout loop drives both through ``EpisodeRollout``::
+An episode is a prompt and the policy's replies: one, scored by ``Task.score`` (single-turn), or each answered by
+an ``EpisodeTask``'s environment (``turn``) until it ends. The rollout loop drives both (``EpisodeRollout``)::
 
-    start_group(gid, prompt, ids) --> K episodes: one request of n = K ("gid.*.0", single-turn),
-                                      or a request "gid.k.0" each (n = 1, the same prompt: the
-                                      prefix cache prefills it once)
-    engine step: turn finished    --> submit(out): reply tokens, tags and log-probs appended
-                                      to its Transcript; the environment asked in the scoring
-                                      processes (timeout, memory cap): Task.score for the
-                                      group's K replies at once, or EpisodeTask.turn; decoding goes on
-    collect(), every loop turn    --> observation: its tokens appended (masked), request
-                                      "gid.k.<turn+1>" continues the episode's token ids
-                                  --> done: the episode's reward; once all K are done, the
-                                      group is a RolloutGroup (one sample per episode)
-                                  --> failed (raised, hung, garbage, out of budget): logged and
-                                      counted; the group is dropped or the episode rewarded
-                                      ``failure_reward`` (``task.episode.on_failure``)
+    start_group(gid, prompt, ids) --> K episodes: one request of n = K ("gid.*.0", single-turn), or a
+                                      request "gid.k.0" each (n = 1; the prefix cache prefills it once)
+    engine step: turn finished    --> submit(out): reply tokens, tags and log-probs appended to its
+                                      Transcript; the environment asked in the scoring processes (timeout,
+                                      memory cap: Task.score for the K replies at once, or EpisodeTask.turn)
+    collect(), every loop turn    --> observation: its tokens appended (masked), request "gid.k.<turn+1>"
+                                      continues the episode's token ids
+                                  --> done: the episode's reward; once all K are done, the group is a
+                                      RolloutGroup (one sample per episode)
+                                  --> failed (raised, hung, garbage, out of budget): logged and counted; the
+                                      group dropped or the episode rewarded ``failure_reward`` (``on_failure``)
 
-Every token keeps the version that sampled it; an episode spans as many commits as happen
-while it runs (its tools included). ``counts`` is the episode ledger: every episode started
-is, at any moment, exactly one of running, finished, failed or dropped; the journal keeps
-it, and the episodes in flight, across the engine's processes.
+Invariants: decoding never waits for the environment; every token keeps the version that sampled it (an episode
+spans the commits made while it runs); ``counts``, the episode ledger, has every episode started in exactly one of
+running, finished, failed or dropped; the journal keeps it and the episodes in flight across engine processes.
 """
 
 from __future__ import annotations

@@ -1,54 +1,23 @@
 """Scoring off the engine's critical path: ``Task.score`` (and ``EpisodeTask.turn``) in
-worker processes. A verifier that runs code or asks a judge takes 0.1-60 s; inline, it
-would stop every sequence on the engine meanwhile::
+worker processes, since a verifier that runs code or asks a judge would, inline, stop every sequence::
 
-    pool = ScoringPool(functools.partial(engine_task, cfg, model_dir), workers=2)
-    pool.submit(group_id, prompts, completions)     # or submit_turn(key, episode); never waits
-    for scored in pool.poll():                      # what finished since the last poll; never waits
-        scored.key, scored.rewards, scored.turn, scored.error
+    pool.submit(group_id, prompts, completions)   # or submit_turn(key, episode); never waits
+    for scored in pool.poll(): ...                # scored.key, .rewards, .turn, .error; never waits
 
-Design. Each worker is a fresh interpreter in a process group of its own
-(``inflight.trainer.rollout.scoring_worker``). One thread, the collector, does everything else: it sends a
-queued call to an idle worker, waits on the workers' pipes and pidfds (and a wake-up pipe
-that ``submit`` writes to) for at most 50 ms at a time, reads results, watches deadlines.
-A call that outlives ``timeout_s`` gets its worker's process group SIGKILLed (the
-verifier's own subprocesses with it) and a fresh worker in its place; a worker that dies
-fails its call with the exit code and is replaced. The worker catches whatever the task
-raises (``MemoryError`` under the cap included), runs a returned coroutine with
-``asyncio.run``, and checks the answer (``check_rewards``: one finite float per completion;
-``check_turn``) before it answers, so a bad reward is an error naming its index, never a
-NaN in the loss. ``submit`` pickles the call (a snapshot) and appends it to the queue;
-``poll`` pops results off a deque; neither holds the lock for longer than a set or deque
-operation, and the collector never holds it while it starts, sends to or kills a worker.
-
-Ordering invariants.
-
-1. A worker holds at most one call. A call is sent only to a worker that has built its
-   task and is idle; its deadline (``timeout_s``) starts when it is sent, so time spent
-   queued behind slow calls, or while a replacement worker starts, never counts.
-2. Queued calls are sent in submission order; results come back in completion order.
-3. Every submitted key is in exactly one place: the queue, one worker's call, or the
-   result deque, until ``poll`` returns it, once. A killed or dead worker's call becomes an
-   error result before its replacement starts; ``close`` turns every call still queued or
-   running into an error result (a ``poll`` after ``close`` returns them). So submitted ==
-   returned, always, and ``pending()`` counts the difference.
-4. A result that reaches the pipe is read before the worker's death or deadline is acted
-   on: a call that answers at its deadline counts as answered.
-5. Growth: while calls wait and every worker is busy, one more worker starts, up to
-   ``max_workers``, once a call has run, or the oldest has waited, ``GROW_AFTER_S`` (a hung
-   environment holds one worker, not the others' calls, past that second). Never while a
-   worker starts: at the pool's start, or while a killed worker's replacement builds its
-   task, the calls wait for it.
-   Workers are not retired; a killed one's replacement keeps its slot.
-6. ``cancel`` takes keys out: a queued call leaves the queue, a running one's worker is
-   killed and replaced; either becomes an error result that says ``cancelled``, counted in
-   ``counts["cancelled"]`` (not ``failed``), so invariant 3 holds.
-7. A worker that cannot start (it dies, or does not report ready within
-   ``start_timeout_s``) is down; it is restarted only while calls wait, at once when no
-   other worker is alive, else at most every 30 s; and each such failure with no worker
-   alive fails the oldest waiting call: a broken task costs one call per restart, never a
-   busy loop. A ``make_task`` that raises leaves its worker alive answering every call with
-   that error (``wait_ready`` raises it).
+Workers are fresh interpreters (``scoring_worker``) that one collector thread drives (docs/design.md). Invariants:
+1. a worker holds at most one call, sent only once it built its task and is idle; its deadline (``timeout_s``)
+   starts at the send; past it, the worker's process group is SIGKILLed and a fresh worker takes its place;
+2. queued calls are sent in submission order; results come back in completion order, checked in the worker
+   (``check_rewards``, ``check_turn``): a bad reward is an error naming its index, never a NaN;
+3. every submitted key is in exactly one place (the queue, a worker's call, the result deque) until ``poll`` returns it,
+   once; a dead or killed worker's call, a ``cancel``, and at ``close`` every call left become error results;
+4. a result that reaches the pipe is read before the worker's death or deadline is acted on;
+5. while calls wait and every worker is busy, one more starts (up to ``max_workers``) once a call has run, or
+   the oldest waited, ``GROW_AFTER_S``, never while a worker starts; workers are not retired;
+6. a worker that cannot start (it dies, or is not ready within ``start_timeout_s``) is restarted only while calls
+   wait, at once when no other is alive, else at most every 30 s, each such failure with none alive failing the
+   oldest waiting call (never a busy loop); a ``make_task`` that raises answers every call with its error;
+7. the lock is held for a set or deque operation only, never while a worker starts, is sent a call or is killed.
 """
 
 from __future__ import annotations

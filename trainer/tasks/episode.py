@@ -1,27 +1,23 @@
 """Episodes: multi-turn tasks where an environment answers each of the policy's turns.
 
-An ``EpisodeTask`` opens an episode with a ``Prompt`` (``sample``, as any task) and then
-answers every turn of the policy with a ``Turn``: an observation (a tool's output, a game's
-feedback) that the policy reads before its next turn, or the end of the episode with its
-reward. ``turn`` may be a coroutine. It runs in the engine's scoring processes
-(``inflight.trainer.rollout.scoring_pool``), each call under ``task.scoring``'s timeout and memory cap, so an
-episode waiting on a tool never holds up decoding nor another episode.
+An ``EpisodeTask`` opens an episode with a ``Prompt`` (``sample``, as any task) and then answers every turn of
+the policy with a ``Turn``: an observation (a tool's output, a game's feedback) that the policy reads before its
+next turn, or the end of the episode with its reward. ``turn`` may be a coroutine. It runs in the engine's
+scoring processes (``inflight.trainer.rollout.scoring_pool``), each call under ``task.scoring``'s timeout and
+memory cap, so an episode waiting on a tool never holds up decoding nor another episode.
 
 An episode is one token sequence (``Transcript``)::
 
     prompt_ids | reply 1 (policy) | observation 1 (env) | reply 2 (policy) | ... | reply k
                  tagged, log-probs   masked from the loss
 
-Each turn of the policy is a request that continues the episode's token ids, so with prefix
-caching the history is not prefilled again. Observation tokens are rendered by the model's
-chat template (``ObservationRenderer``: the end of the policy's turn, the new message, the
-assistant's generation prompt), carry no log-prob, the version of the token before them,
-and ``observation = True``: the loss never sees them (``inflight.trainer.loss.collate``).
-
-Environments are functional: everything a turn needs is in the ``EpisodeView`` (the
-opening prompt, every reply and observation so far, and ``state``, which a ``Turn`` may
-replace). So any scoring process can answer any turn, and an episode survives the
-replacement of a worker that hung.
+Each turn of the policy is a request that continues the episode's token ids (with prefix caching the history
+is not prefilled again). Observation tokens are rendered by the model's chat template (``ObservationRenderer``:
+the end of the policy's turn, the new message, the assistant's generation prompt), carry no log-prob, the
+version of the token before them, and ``observation = True``: the loss never sees them (``loss.collate``).
+Environments are functional: everything a turn needs is in the ``EpisodeView`` (the opening prompt, every reply
+and observation so far, and ``state``, which a ``Turn`` may replace), so any scoring process can answer any
+turn, and an episode survives the replacement of a worker that hung.
 """
 
 from __future__ import annotations
