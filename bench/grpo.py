@@ -78,13 +78,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # a cacheless engine holds 8 x (P + T) per group
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from inflight.bench.grpo_figures import GROUP, achieved_cadence, positions, ramp, report, rotate  # noqa: E402
-from inflight.bench.grpo_workloads import KINDS, Workload  # noqa: E402
-from inflight.bench.inflight_trainer import trainer  # noqa: E402
-from inflight.bench.paired import per_round, row  # noqa: E402
-from inflight.bench.placement import ENGINE_CORE, PLACEMENTS, Placement, engine_env, pin_trainer  # noqa: E402
-from inflight.bench.run_record import add_results_option, append_result, run_record  # noqa: E402
-from inflight.trainer.native_update import native_update  # noqa: E402
+from inflight.bench.grpo_figures import GROUP, achieved_cadence, positions, ramp, report, rotate
+from inflight.bench.grpo_workloads import KINDS, Workload
+from inflight.bench.inflight_trainer import trainer
+from inflight.bench.paired import per_round, row
+from inflight.bench.placement import ENGINE_CORE, PLACEMENTS, Placement, engine_env, pin_trainer
+from inflight.bench.run_record import add_results_option, append_result, run_record
+from inflight.trainer.native_update import native_update
 
 ENGINES = {  # engine -> (prefix caching, Bench.run's mode -> row label)
     "cache": (True, {"none": "none", "inflight": "inflight", "native-salt": "native-salt",

@@ -40,7 +40,7 @@ from inflight.trainer.tasks.task import Completion, Prompt, Task
 class ToolTask(Task):
     """A turn that sleeps ``meta["tool_s"]``, or forever with ``meta["hang"]``."""
 
-    def sample(self, rng):  # noqa: ANN001, ANN201
+    def sample(self, rng):
         return Prompt("q")
 
     def score(self, prompts: Sequence[Prompt], completions: Sequence[Completion]) -> list[float]:

@@ -69,14 +69,14 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from inflight.bench.inflight_report import COLS, compare, plot  # noqa: E402
-from inflight.bench.inflight_trainer import trainer  # noqa: E402
-from inflight.bench.paired import RequestStream  # noqa: E402
-from inflight.bench.placement import PLACEMENTS, Placement, engine_env, pin_trainer  # noqa: E402
-from inflight.bench.run_record import run_record  # noqa: E402
-from inflight.bench.slow_link import slow_link  # noqa: E402
-from inflight.trainer.native_update import native_update  # noqa: E402
-from inflight.trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus  # noqa: E402
+from inflight.bench.inflight_report import COLS, compare, plot
+from inflight.bench.inflight_trainer import trainer
+from inflight.bench.paired import RequestStream
+from inflight.bench.placement import PLACEMENTS, Placement, engine_env, pin_trainer
+from inflight.bench.run_record import run_record
+from inflight.bench.slow_link import slow_link
+from inflight.trainer.native_update import native_update
+from inflight.trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
 
 if TYPE_CHECKING:
     from inflight.bench.slow_link import SlowLink

@@ -79,9 +79,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from inflight.bench.run_record import add_results_option, append_result, run_record  # noqa: E402
-from inflight.trainer.envs.digits import RepeatDigit  # noqa: E402
-from inflight.trainer.tasks import Completion, encode_prompt  # noqa: E402
+from inflight.bench.run_record import add_results_option, append_result, run_record
+from inflight.trainer.envs.digits import RepeatDigit
+from inflight.trainer.tasks import Completion, encode_prompt
 
 GROUP = 8
 MODES = ("instant", "pool", "inline")
@@ -96,7 +96,7 @@ class SlowVerifier(RepeatDigit):
         super().__init__(tokenizer, completion_tokens)
         self.sleep_s, self.cpu = sleep_s, cpu
 
-    def score(self, prompts, completions):  # noqa: ANN001, ANN201  (Task's signature)
+    def score(self, prompts, completions):  # (Task's signature)
         if self.cpu:
             burn_cpu(self.sleep_s)
         else:

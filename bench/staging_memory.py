@@ -22,8 +22,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # the engine in its own proc
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import psutil  # noqa: E402
-import torch  # noqa: E402
+import psutil
+import torch
 
 MiB = float(1 << 20)
 

@@ -121,7 +121,7 @@ class PackedReceiver:
                 self._refuse(job, f"the transfer failed: {e}; call init_weight_transfer_engine again")
                 log.warning("inflight: v%d's packed transfer failed (%s); still serving v%d", job.version, e,
                             self.target.live_version)
-            except Exception as e:  # noqa: BLE001 - the thread serves the next update; the engine its last version
+            except Exception as e:  # the thread serves the next update; the engine its last version
                 log.exception("inflight: v%d from the packed wire failed", job.version)
                 self._refuse(job, f"receiving it failed: {e!r}")
 
@@ -177,7 +177,7 @@ class PackedReceiver:
         if why is None:
             try:
                 self.target.prepare(job.version, views)
-            except Exception as e:  # noqa: BLE001 - any failure of preparation refuses the update alone
+            except Exception as e:  # any failure of preparation refuses the update alone
                 why = f"preparing it failed: {e!r}"
         return flat, (None if why else StagedVersion(None, flat, first_step, views)), why
 
@@ -260,5 +260,5 @@ def close_wire(wire: Any) -> None:
     """Let go of a packed-wire group (vLLM's communicator or a ``GlooWire``)."""
     try:
         wire.destroy()
-    except Exception:  # noqa: BLE001 - a broken group may refuse a clean goodbye; nothing to save
+    except Exception:  # a broken group may refuse a clean goodbye; nothing to save
         pass

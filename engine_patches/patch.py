@@ -142,7 +142,7 @@ def _wrap_shutdown(original_shutdown: Any) -> Any:
         if self.__dict__.get(ATTR) is not None:
             try:
                 self.collective_rpc("inflight_stop", timeout=15.0)  # dead workers must not hang the shutdown
-            except Exception:  # noqa: BLE001  a half-dead executor: its own shutdown reports it
+            except Exception:  # a half-dead executor: its own shutdown reports it
                 pass
         return original_shutdown(self)
 

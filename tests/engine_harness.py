@@ -289,7 +289,7 @@ class StepPushes:
                 # an event (``wait_until`` only bounds a hang): the engine reaching the step
                 wait_until(lambda mark=mark: steps() >= mark, f"engine step {mark} (push {k + 1})", poll_s=0.001)
                 self.results.append(push(k))
-        except BaseException as e:  # noqa: BLE001  surfaced by ``join``
+        except BaseException as e:  # surfaced by ``join``
             self.errors.append(e)
 
     def alive(self) -> bool:

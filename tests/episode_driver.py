@@ -120,7 +120,7 @@ def push_until_pending(engine: dict, version: int, scale: float = 0.05) -> threa
     def push() -> None:
         try:
             engine["pusher"].push(version, engine["versions"][version])
-        except BaseException as e:  # noqa: BLE001  re-raised by the test
+        except BaseException as e:  # re-raised by the test
             errors.append(e)
     thread = threading.Thread(target=push, daemon=True)
     thread.start()

@@ -22,7 +22,7 @@ class Echo(EpisodeTask):
     observation is 300 words long; ``one_hangs``: the first
     turn to create the file ``meta["marker"]`` hangs, every other one raises once it exists."""
 
-    def __init__(self, tokenizer, turns: int, prompt_chars: int) -> None:  # noqa: ANN001
+    def __init__(self, tokenizer, turns: int, prompt_chars: int) -> None:
         self.tokenizer, self.turns, self.prompt_chars = tokenizer, turns, prompt_chars
 
     def sample(self, rng: random.Random) -> Prompt:
@@ -66,7 +66,7 @@ def _one_hangs(marker: Path) -> None:
     time.sleep(3600)
 
 
-def make(tokenizer, turns: int = 3, prompt_chars: int = 300) -> Echo:  # noqa: ANN001
+def make(tokenizer, turns: int = 3, prompt_chars: int = 300) -> Echo:
     return Echo(tokenizer, turns, prompt_chars)
 
 
@@ -77,9 +77,9 @@ class Distinct(Task):
     def sample(self, rng: random.Random) -> Prompt:
         return Prompt(" ".join(rng.choice(WORDS) for _ in range(60)))
 
-    def score(self, prompts, completions) -> list[float]:  # noqa: ANN001
+    def score(self, prompts, completions) -> list[float]:
         return [len(set(c.token_ids)) + len(completions) / 1000 for c in completions]
 
 
-def make_single(tokenizer) -> Distinct:  # noqa: ANN001
+def make_single(tokenizer) -> Distinct:
     return Distinct()

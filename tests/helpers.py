@@ -115,7 +115,7 @@ def train_beside(cfg: TrainConfig, beside: Callable[[], None], *, kill_before_la
         if len(self.pending) > before:
             _ADMITTED.append(self.pending[-1].group_id)
 
-    def after_the_kill(self: WeightSync, buffer: RolloutBuffer, version: int):  # noqa: ANN202
+    def after_the_kill(self: WeightSync, buffer: RolloutBuffer, version: int):
         calls.append(version)
         if len(calls) == cfg.run.steps:
             # what ``beside`` waits for (a row, a group, a kill) comes in the run's time: this

@@ -17,22 +17,22 @@ class CalcData(vf.TaskData):
 
 class CalcTask(vf.Task[CalcData, vf.State, vf.TaskConfig]):
     @classmethod
-    def toolsets(cls, config):  # noqa: ANN001, ANN206
+    def toolsets(cls, config):
         return [CalcTools(vf.ToolsetConfig())]
 
     @vf.reward(weight=1.0)
-    async def correct(self, task, trace) -> float:  # noqa: ANN001
+    async def correct(self, task, trace) -> float:
         if task.fault == "rubric":
             raise RuntimeError("the rubric raised")
         return float(str(task.answer) in trace.last_reply)
 
     @vf.metric
-    async def turns(self, trace) -> float:  # noqa: ANN001
+    async def turns(self, trace) -> float:
         return float(trace.num_turns)
 
 
 class CalcTaskset(vf.Taskset[CalcTask, vf.TasksetConfig]):
-    def load(self):  # noqa: ANN201
+    def load(self):
         yield CalcTask(CalcData(prompt=QUESTION, system_prompt=SYSTEM, answer=10), self.config.task)
         yield CalcTask(CalcData(prompt=QUESTION, system_prompt=SYSTEM, answer=10, fault="rubric"), self.config.task)
 

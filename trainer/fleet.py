@@ -182,7 +182,7 @@ class Fleet:
         """A LoRA run: the adapter of ``model_version`` (``model_dir`` is the base, which never moves)."""
         launcher = EngineProcess
         if cfg.engine.launcher == "ray" and cfg.engine.spawn:
-            from inflight.trainer.ray_launcher import RayEngine as launcher  # noqa: N813  (Ray is an optional extra)
+            from inflight.trainer.ray_launcher import RayEngine as launcher  # (Ray is an optional extra)
         self.engines = [launcher(cfg, i, placement, cfg.transport.host, port, out) for i in range(cfg.engine.count)]
         self.failures = 0
         self.drops = 0

@@ -63,7 +63,7 @@ class _EngineActor:
     def run(self, *args: Any, **kwargs: Any) -> None:
         try:
             run_engine(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001  re-raised as its type and message
+        except Exception as e:  # re-raised as its type and message
             # Ray pickles a task's exception for the driver, and one that does not pickle (vLLM's
             # pydantic config errors) arrives as Ray's own TypeError: the log keeps the traceback,
             # the driver gets the type and message
@@ -138,7 +138,7 @@ class RayEngine:
             return None
         try:
             ray.get(self._run)
-        except Exception as e:  # noqa: BLE001  the actor died or run_engine raised: both end the engine
+        except Exception as e:  # the actor died or run_engine raised: both end the engine
             cause = getattr(e, "cause", None) or e  # a RayTaskError carries the actor's own exception
             what = " ".join(line.strip() for line in str(cause).splitlines() if line.strip())
             return f"engine {self.index} (Ray actor, process {self.pid}) ended: {what[:400]} (log: {self.log_file})"

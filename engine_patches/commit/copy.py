@@ -100,7 +100,7 @@ class CopyStrategy:
         if shapes is not None:
             try:
                 self._record(model, shapes)
-            except Exception as e:  # noqa: BLE001  load_weights on whole tensors is always right
+            except Exception as e:  # load_weights on whole tensors is always right
                 self.load_plan, self._params, self._destinations, self._fallbacks = None, {}, [], {}
                 log.warning("inflight: no load plan for the copy commit of %s (%r): every rank stages whole tensors "
                             "and the commit runs load_weights", type(model).__name__, e)

@@ -86,7 +86,7 @@ class Heartbeat:
                         self.generation = self._read(store)
                 if self._stop.wait(self._interval):
                     return
-        except Exception as e:  # noqa: BLE001  the store went away mid-beat (the trainer is gone)
+        except Exception as e:  # the store went away mid-beat (the trainer is gone)
             if not self._stop.is_set():
                 self.gone = f"its store failed: {e}".splitlines()[0]
 

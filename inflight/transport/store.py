@@ -189,7 +189,7 @@ def await_trainer_gone(host: str, port: int, name: str, incarnation: str, stop: 
                 root = PrefixStore(name, TCPStore(host, port, is_master=False, timeout=timedelta(seconds=poll_s),
                                                   wait_for_workers=False))
                 now = root.get("incarnation").decode() if root.check(["incarnation"]) else ""
-            except Exception:  # noqa: BLE001  gone while asking
+            except Exception:  # gone while asking
                 return
             finally:
                 root = None

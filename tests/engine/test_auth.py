@@ -57,7 +57,7 @@ def test_store_listens_on_loopback_unless_an_address_is_configured(host: str, ho
     def trainer() -> None:  # hosts the store, waits for the worker
         try:
             trainers.append(WeightGroup(config, 0, join_timeout_s=60.0))
-        except BaseException as e:  # noqa: BLE001  surfaced below
+        except BaseException as e:  # surfaced below
             errors.append(e)
         up.set()
 
@@ -306,7 +306,7 @@ def test_worker_with_a_secret_refuses_an_unsealed_roster(port) -> None:
     def trainer() -> None:
         try:
             WeightGroup(config, 0, join_timeout_s=60.0, secret=None)
-        except BaseException as e:  # noqa: BLE001  it refuses the worker's sealed hello
+        except BaseException as e:  # it refuses the worker's sealed hello
             hosted.append(e)
 
     t = threading.Thread(target=trainer, daemon=True)

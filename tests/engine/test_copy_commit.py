@@ -189,7 +189,7 @@ def _run_and_report(model_dir: str, tp: int, results: Any) -> None:
 
     try:
         results.put(("ok", run_copy_engine(model_dir, tp)))
-    except BaseException:  # noqa: BLE001  reported to the parent, which fails the test with it
+    except BaseException:  # reported to the parent, which fails the test with it
         results.put(("error", traceback.format_exc()))
 
 

@@ -317,7 +317,7 @@ def _layer_copy_run(model_dir: str, results) -> None:
                                 "stalls": [r.workers[0].ms for r in e.coordinator.history]}))
         finally:
             e.close()
-    except BaseException:  # noqa: BLE001  the parent fails the test with it
+    except BaseException:  # the parent fails the test with it
         results.put(("error", traceback.format_exc()))
 
 

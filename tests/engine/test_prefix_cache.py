@@ -110,7 +110,7 @@ class CacheEngine:
         def push() -> None:
             try:
                 self.pushed[version] = self.pusher.push(version, self.versions[version])
-            except BaseException as e:  # noqa: BLE001  re-raised below
+            except BaseException as e:  # re-raised below
                 errors.append(e)
         thread = threading.Thread(target=push, daemon=True)
         thread.start()

@@ -108,7 +108,7 @@ class RLEngineActor(LLM):
                     self._tokens[out.request_id] = len(out.outputs[0].token_ids)
                     if out.finished:
                         self._done[out.request_id] = out
-        except BaseException:  # noqa: BLE001  reported by ``progress``
+        except BaseException:  # reported by ``progress``
             self._error = traceback.format_exc()
 
     def progress(self) -> dict[str, Any]:

@@ -54,7 +54,7 @@ class Stream(threading.Thread):
                 for line in r.iter_lines():
                     if line.startswith(b"data: ") and line != b"data: [DONE]":
                         self._take(json.loads(line[6:])["choices"][0])
-        except BaseException as e:  # noqa: BLE001  read by the test
+        except BaseException as e:  # read by the test
             self.error = e
 
     def _take(self, choice: dict) -> None:
@@ -125,7 +125,7 @@ def _episodes(cfg, model_dir, tok, add, abort, prompts: dict, finished) -> tuple
     return samples, rollout.counts
 
 
-def _late(request_id: str, finished):  # noqa: ANN001, ANN202
+def _late(request_id: str, finished):
     """``finished``, holding back the turn ``request_id`` until a turn fails, then giving both
     at once, the failure first: a reply that arrives after its group was dropped."""
     held: list = []
@@ -192,7 +192,7 @@ def test_episodes_over_the_server_sample_what_they_sample_in_process(server, tin
     pusher = WeightPusher(group, PushConfig(dtype="float32"))
     done: list = []
 
-    def add(rid, prompt, ids, max_tokens, n) -> None:  # noqa: ANN001
+    def add(rid, prompt, ids, max_tokens, n) -> None:
         params = SamplingParams(n=n, temperature=1.0, ignore_eos=True, max_tokens=max_tokens, logprobs=0,
                                 seed=request_seed(0, rid), output_kind=RequestOutputKind.FINAL_ONLY)
         llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, params)
@@ -371,7 +371,7 @@ HARNESS_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>\n{{ m['content'] }
 """A chat template whose renderings of a growing conversation extend each other."""
 
 
-def _unmerged_chars(tok) -> list[int]:  # noqa: ANN001
+def _unmerged_chars(tok) -> list[int]:
     """Ids of printable ASCII characters no BPE merge of the tiny tokenizer touches: a reply of
     them detokenizes and tokenizes back to the same ids, so an honest harness never drifts."""
     model = json.loads(tok.backend_tokenizer.to_str())["model"]
@@ -450,7 +450,7 @@ def test_openai_harness_episode_is_one_tagged_sample(server, tiny_qwen, group_po
     ref, mask = Reference(tiny_qwen, "float32"), torch.full((len(tok),), float("-inf"), dtype=torch.float64)
     mask[allowed] = 0.0
 
-    def replayed(call, version: int) -> torch.Tensor:  # noqa: ANN001
+    def replayed(call, version: int) -> torch.Tensor:
         ref.load(states[version])
         with torch.no_grad():
             logits = ref.model(torch.tensor([call.prompt_ids + call.reply.token_ids])).logits[0].double()

@@ -192,7 +192,7 @@ def test_the_documented_tool_task_runs_as_written() -> None:
     text = (Path(__file__).parents[2] / "docs" / "training.md").read_text()
     code = text.split("### Native tool calls", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     scope: dict = {}
-    exec(compile(code, "docs/training.md", "exec"), scope)  # noqa: S102  the documented code, as a user runs it
+    exec(compile(code, "docs/training.md", "exec"), scope)  # the documented code, as a user runs it
     task = scope["Distances"]()
     prompt = task.sample(random.Random(0))
     assert prompt.tools[0]["function"]["name"] == "convert"

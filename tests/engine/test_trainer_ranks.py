@@ -233,7 +233,7 @@ def _rank_killed_mid_gather(rank: int, port: int, model_dir: str, out: str) -> N
     if rank:
         gather, taken = ShardedSource._gather, []
 
-        def dying(self, name):  # noqa: ANN001
+        def dying(self, name):
             taken.append(name)
             if self._version == 2 and len(taken) > 2 * len(self.named) + 3:  # v0 and v1 whole, then 3 of v2
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -44,7 +44,7 @@ TRANSCRIPT = ('<tool_call>\n{"name": "calc_tools_add", "arguments": {"a": 2, "b"
 """The policy's three turns; the environment answers the first two with ``5`` and ``10``."""
 
 
-def _play(cfg, tok, replies: list[list[int]]) -> tuple[list[list[int]], float | str]:  # noqa: ANN001
+def _play(cfg, tok, replies: list[list[int]]) -> tuple[list[list[int]], float | str]:
     """The environment's tokens around ``replies`` (the opening prompt, then each tool
     response as bridged), played through ``VerifiersTurns`` without an engine; and the
     reward, or the episode's error."""

@@ -167,7 +167,7 @@ def _check_settings(digits: int, ops: Sequence[str], max_result_digits: int, max
 class Calculator(EpisodeTask):
     def __init__(self, *, digits: int = 2, ops: Sequence[str] = ("*",), max_result_digits: int = 30,
                  max_expression_chars: int = 100, tool_credit: float = 0.2, template: str = TEMPLATE,
-                 examples: int = 1, format: str = "text", eval_size: int = 0) -> None:  # noqa: A002  the config's name
+                 examples: int = 1, format: str = "text", eval_size: int = 0) -> None:  # the config's name
         if format == "native" and template == TEMPLATE:
             template = NATIVE_TEMPLATE
         _check_settings(digits, ops, max_result_digits, max_expression_chars, tool_credit, template, examples, format)

@@ -114,5 +114,5 @@ def _text(data: Any) -> str:
     """A row's prompt as text, for logs."""
     try:
         return str(data.prompt_text)
-    except Exception:  # noqa: BLE001  a taskset whose prompt is not text: its repr
+    except Exception:  # a taskset whose prompt is not text: its repr
         return repr(data)[:200]

@@ -47,7 +47,7 @@ class EpisodeJournal:
         compacted to just those and opened for appending."""
         got = peek(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "ab")  # noqa: SIM115  closed by close()
+        self._file = open(self.path, "ab")  # closed by close()
         self.compact_past(got.groups, got.counts, limit_bytes=0)
         return got
 
@@ -61,7 +61,7 @@ class EpisodeJournal:
             for gid, group in groups.items():
                 f.write(_frame(("group", gid, group, counts)))
         os.replace(tmp, self.path)
-        self._file = open(self.path, "ab")  # noqa: SIM115  closed by close()
+        self._file = open(self.path, "ab")  # closed by close()
 
     def group(self, gid: str, group: Any, counts: dict[str, int]) -> None:
         """The group's whole state (it started, or one of its episodes changed)."""
@@ -105,7 +105,7 @@ def _records(data: bytes):
             return  # cut short by a kill: the episode resumes from its record before
         try:
             yield pickle.loads(data[at + _LEN.size: at + _LEN.size + n])
-        except Exception:  # noqa: BLE001  a torn record: nothing after it can be trusted
+        except Exception:  # a torn record: nothing after it can be trusted
             return
         at += _LEN.size + n
 

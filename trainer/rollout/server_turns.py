@@ -115,7 +115,7 @@ class ServerTurns:
     async def _post_abort(self, request_ids: list[str]) -> None:
         try:
             await self._http.post(self.abort_url, json={"request_ids": request_ids})
-        except Exception:  # noqa: BLE001  the server may be gone: nothing left to cancel there
+        except Exception:  # the server may be gone: nothing left to cancel there
             pass
 
     def _replies(self, payload: Mapping[str, Any], n: int) -> list[TaggedCompletion]:

@@ -180,7 +180,7 @@ class VerifiersTurns:
         self._loop.call_soon_threadsafe(self._stop.set)
         try:
             self._serving.result(timeout=60)
-        except Exception as e:  # noqa: BLE001  closing: the environment's teardown error is only logged
+        except Exception as e:  # closing: the environment's teardown error is only logged
             log.warning("rollout: verifiers environment %r stopped with %s: %s", self.env_id, type(e).__name__, e)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
@@ -218,7 +218,7 @@ class VerifiersTurns:
                 episode.rollout.cancel()
                 raise
             reward, error, trace = None, "", ""
-        except Exception as e:  # noqa: BLE001  the environment's failure is its episode's
+        except Exception as e:  # the environment's failure is its episode's
             import traceback
 
             reward, error, trace = None, f"verifiers environment {self.env_id!r}: {type(e).__name__}: {e}", \

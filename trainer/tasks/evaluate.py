@@ -88,7 +88,7 @@ def greedy_episodes(model: Any, tokenizer: Any, task: Any, prompts: Sequence[Pro
             last = e.turns >= max_turns or e.room(max_tokens, max_model_len) < 1  # the engine's rule
             try:
                 turn = _run_turn(task, e.view(last=last))
-            except Exception as err:  # noqa: BLE001  an evaluation episode that fails scores 0
+            except Exception as err:  # an evaluation episode that fails scores 0
                 log.warning("eval: %s.turn failed on %r: %s: %s", type(task).__name__, e.prompt.display[:60],
                             type(err).__name__, err)
                 e.reward = 0.0
