@@ -28,8 +28,9 @@ def headline_rows() -> dict[str, dict[str, str]]:
 
 
 def cli(command: str) -> str:
-    """A recorded ``python -m inflight.bench.X ...`` as the README writes it: ``inflight bench X ...``."""
-    return re.sub(r"^python -m inflight\.bench\.(\w+)", r"inflight bench \1", command)
+    """A recorded ``python -m inflight.bench.X ...`` as the README writes it: ``inflight bench X ...``,
+    without ``--results PATH`` (where the run's line went, not a setting of the run)."""
+    return re.sub(r" --results \S+", "", re.sub(r"^python -m inflight\.bench\.(\w+)", r"inflight bench \1", command))
 
 
 def _links(rows: dict) -> tuple[list[str], list[str]]:
@@ -73,6 +74,18 @@ def _grpo_system(rows: dict) -> tuple[list[str], list[str]]:
     lo, hi = inf["vs_native_salt_spread"]
     return [f"**{inf['vs_native_salt_median']}x**", f"median of {run['rounds']} rounds, rounds {lo}-{hi}",
             f"cache hit rate {inf['hit_rate']} vs {salt['hit_rate']}", f"{reset['vs_native_salt_median']}x native-salt",
+            f"{inf['vs_none']}x the tokens/s of no updates (native-salt {salt['vs_none']}x)"], [cli(run["command"])]
+
+
+def _grpo_multi_turn(rows: dict) -> tuple[list[str], list[str]]:
+    """The last ``bench.grpo --workload multi-turn`` run with the listener on the trainer's core."""
+    runs = [json.loads(x) for x in (ROOT / "bench" / "results" / "grpo.jsonl").read_text().splitlines()]
+    run = [r for r in runs if r["workload"] == "multi-turn" and r["listener_core"] == "trainer"][-1]
+    mode = {r["mode"]: r for r in run["rows"] if r["engine"] == "cache"}
+    inf, salt = mode["inflight"], mode["native-salt"]
+    lo, hi = inf["vs_native_salt_spread"]
+    return [f"**{inf['vs_native_salt_median']}x**", f"median of {run['rounds']} rounds, rounds {lo}-{hi}",
+            f"cache hit rate {inf['hit_rate']} vs {salt['hit_rate']}",
             f"{inf['vs_none']}x the tokens/s of no updates (native-salt {salt['vs_none']}x)"], [cli(run["command"])]
 
 
@@ -198,6 +211,8 @@ SOURCES: dict[str, Callable[[dict], tuple[list[str], list[str]]]] = {
     "test suite, fresh clone, install included (machine otherwise idle)": _suite,
     "GRPO groups of 8 sharing a 2048-token system prompt (32-token questions, 64 sampled), an update every 16 steps, "
     "prefix caching on": _grpo_system,
+    "GRPO groups of 8 in 4-turn episodes (256-token prompts; per turn 32 tokens sampled, then a 32-token tool result), "
+    "histories growing across commits, an update every 16 steps": _grpo_multi_turn,
 }
 """Row -> what its figure cell must quote from its JSON, and the commands its command cell
 must start with (one of)."""
