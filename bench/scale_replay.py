@@ -256,12 +256,20 @@ def band(values: list[float], floor: float) -> tuple[float, float]:
 
 def judged_runs(preds: dict, runs: list[dict]) -> dict[str, list[dict]]:
     """The runs each rate is judged on: those started after the predictions were written (a
-    run made before them is kept in the record, never judged by them; ``written`` None: all)."""
+    run made before them is kept in the record, never judged by them; ``written`` None: all),
+    and not ``disturbed`` (other work ran beside it on the machine: kept, with what ran, and
+    left out, whatever it measured)."""
     out: dict[str, list[dict]] = {}
     for run in runs:
-        if preds["written"] is None or run.get("started", "") > preds["written"]:
+        if (preds["written"] is None or run.get("started", "") > preds["written"]) and not run.get("disturbed"):
             out.setdefault(run.get("link") or "loopback", []).append(run)
     return out
+
+
+def disturbed_runs(preds: dict, runs: list[dict]) -> list[str]:
+    """The runs after the predictions left out as disturbed: ``rate started: what ran beside it``."""
+    return [f"{r.get('link') or 'loopback'} {r['started']}: {r['disturbed']}" for r in runs
+            if r.get("disturbed") and (preds["written"] is None or r.get("started", "") > preds["written"])]
 
 
 def judge(preds: dict, runs: list[dict]) -> list[dict]:
@@ -325,6 +333,8 @@ def validation_table(preds: dict, runs: list[dict]) -> str:
               f"{', '.join(m for m in missed if m not in declared) or 'none'}. Declared, but passed: "
               f"{', '.join(m for m in declared if m not in missed and m.split('/')[0] not in pending) or 'none'}. "
               f"Rates with no run after the predictions: {', '.join(pending) or 'none'}."]
+    if left := disturbed_runs(preds, runs):
+        lines += ["", "Left out, other work beside them: " + "; ".join(left) + "."]
     return "\n".join(lines)
 
 

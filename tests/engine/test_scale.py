@@ -469,6 +469,18 @@ def test_misses_are_declared_with_the_predictions_before_the_runs(judged) -> Non
     assert validation_table(preds, runs) in (ROOT / "docs" / "performance.md").read_text()
 
 
+def test_a_disturbed_run_is_kept_and_never_judged(judged) -> None:
+    """A run with other work beside it stays in the record and out of every band, and the table
+    names it; unmarked, the same run is judged."""
+    preds, runs = judged
+    run = next(r for r in runs if r.get("started", "") > preds["written"] and not r.get("disturbed"))
+    rate = run.get("link") or "loopback"
+    marked = [{**r, "disturbed": "a planted load"} if r is run else r for r in runs]
+    assert run not in judged_runs(preds, marked).get(rate, [])
+    assert run in judged_runs(preds, runs)[rate]
+    assert f"{rate} {run['started']}: a planted load" in validation_table(preds, marked)
+
+
 def test_the_predictions_are_the_calibrations(judged) -> None:
     """The committed predictions are what ``scale predict`` makes of the committed calibration,
     and the calibration says which command and date produced each part: commands the CLI takes."""
