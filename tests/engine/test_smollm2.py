@@ -97,8 +97,8 @@ def test_layer_commits_stage_two_groups_and_match_transformers(smollm2: Path, po
     from inflight.layer_groups import Hybrid
     from inflight.memory import update_bytes
     from inflight.transport.schema import TensorSchema
+    from tests.engine.test_layer_commit import LayerEngine
     from tests.engine_harness import Reference, push_at_steps
-    from tests.test_layer_commit import LayerEngine
 
     e = LayerEngine(smollm2, port, scale=1e-3)
     try:

@@ -99,6 +99,19 @@ def test_the_name_check_finds_a_shared_name() -> None:
     assert _shared_file_names(paths) == {"config.py": ["a/config.py", "b/config.py"]}
 
 
+def test_every_import_of_a_test_helper_names_a_file_that_exists() -> None:
+    """``from tests.x import y`` in a test names a module of ``tests/`` (a test moved between
+    tiers leaves no import of its old path behind: collection would fail on it)."""
+    missing = []
+    for path in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tests":
+                target = ROOT.joinpath(*node.module.split("."))
+                if not (target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()):
+                    missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}")
+    assert not missing, missing
+
+
 def test_the_cycle_check_finds_a_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
