@@ -56,43 +56,42 @@ def _scale(rows: dict) -> tuple[list[str], list[str]]:
     return [f"**{len(preds['expected_misses'])} of {checks} checks are declared misses**"], ["inflight bench scale"]
 
 
-def _suite(rows: dict) -> tuple[list[str], list[str]]:
-    """The last fresh-clone ``make test`` recorded (``bench/results/suite.jsonl``)."""
-    runs = [json.loads(x) for x in (ROOT / "bench" / "results" / "suite.jsonl").read_text().splitlines()]
-    run = [r for r in runs if r["clone"] == "fresh"][-1]
-    return [f"{run['passed']} passed, {run['failed']} failed, {run['skipped']} `gpu`",
-            f"{round(run['wall_s'] / 60)} min ({round(run['tests_s'] / 60)} min of tests)"], [run["command"]]
-
-
-def _grpo_system(rows: dict) -> tuple[list[str], list[str]]:
-    """The last ``bench.grpo --workload system`` run with the listener on the trainer's core
-    (``bench/results/grpo.jsonl``)."""
-    runs = [json.loads(x) for x in (ROOT / "bench" / "results" / "grpo.jsonl").read_text().splitlines()]
-    run = [r for r in runs if r["workload"] == "system" and r["listener_core"] == "trainer"][-1]
-    mode = {r["mode"]: r for r in run["rows"] if r["engine"] == "cache"}
-    inf, salt, reset = mode["inflight"], mode["native-salt"], mode["native-reset"]
-    lo, hi = inf["vs_native_salt_spread"]
-    return [f"**{inf['vs_native_salt_median']}x**", f"median of {run['rounds']} rounds, rounds {lo}-{hi}",
-            f"cache hit rate {inf['hit_rate']} vs {salt['hit_rate']}", f"{reset['vs_native_salt_median']}x native-salt",
-            f"{inf['vs_none']}x the tokens/s of no updates (native-salt {salt['vs_none']}x)"], [cli(run["command"])]
-
-
-def _grpo_multi_turn(rows: dict) -> tuple[list[str], list[str]]:
-    """The last ``bench.grpo --workload multi-turn`` run with the listener on the trainer's core."""
-    runs = [json.loads(x) for x in (ROOT / "bench" / "results" / "grpo.jsonl").read_text().splitlines()]
-    run = [r for r in runs if r["workload"] == "multi-turn" and r["listener_core"] == "trainer"][-1]
-    mode = {r["mode"]: r for r in run["rows"] if r["engine"] == "cache"}
-    inf, salt = mode["inflight"], mode["native-salt"]
-    lo, hi = inf["vs_native_salt_spread"]
-    return [f"**{inf['vs_native_salt_median']}x**", f"median of {run['rounds']} rounds, rounds {lo}-{hi}",
-            f"cache hit rate {inf['hit_rate']} vs {salt['hit_rate']}",
-            f"{inf['vs_none']}x the tokens/s of no updates (native-salt {salt['vs_none']}x)"], [cli(run["command"])]
-
-
 def _results(bench: str) -> list[dict]:
     """``bench/results/<bench>.jsonl``, a run per line."""
     return [json.loads(x) for x in (ROOT / "bench" / "results" / f"{bench}.jsonl").read_text().splitlines()
             if x.strip()]
+
+
+def _suite(rows: dict) -> tuple[list[str], list[str]]:
+    """The last fresh-clone ``make test`` recorded (``bench/results/suite.jsonl``)."""
+    run = [r for r in _results("suite") if r["clone"] == "fresh"][-1]
+    return [f"{run['passed']} passed, {run['failed']} failed, {run['skipped']} `gpu`",
+            f"{round(run['wall_s'] / 60)} min ({round(run['tests_s'] / 60)} min of tests)"], [run["command"]]
+
+
+def _grpo(workload: str) -> tuple[dict, dict[str, dict], list[str]]:
+    """The last ``bench.grpo --workload WORKLOAD`` run with the listener on the trainer's core
+    (``bench/results/grpo.jsonl``), its cache engine's rows by mode, and the quotes every GRPO
+    row makes: the ratio to native-salt with its rounds, the hit rates, the share of no updates."""
+    run = [r for r in _results("grpo") if r["workload"] == workload and r["listener_core"] == "trainer"][-1]
+    mode = {r["mode"]: r for r in run["rows"] if r["engine"] == "cache"}
+    inf, salt = mode["inflight"], mode["native-salt"]
+    lo, hi = inf["vs_native_salt_spread"]
+    return run, mode, [f"**{inf['vs_native_salt_median']}x**", f"median of {run['rounds']} rounds, rounds {lo}-{hi}",
+                       f"cache hit rate {inf['hit_rate']} vs {salt['hit_rate']}",
+                       f"{inf['vs_none']}x the tokens/s of no updates (native-salt {salt['vs_none']}x)"]
+
+
+def _grpo_system(rows: dict) -> tuple[list[str], list[str]]:
+    """The shared system prompt workload; its row also quotes native-reset."""
+    run, mode, quotes = _grpo("system")
+    return [*quotes, f"{mode['native-reset']['vs_native_salt_median']}x native-salt"], [cli(run["command"])]
+
+
+def _grpo_multi_turn(rows: dict) -> tuple[list[str], list[str]]:
+    """The multi-turn workload, histories growing across commits."""
+    run, _, quotes = _grpo("multi-turn")
+    return quotes, [cli(run["command"])]
 
 
 def _train(config: str) -> dict:
