@@ -35,13 +35,13 @@ from inflight.trainer.checkpoint import TrainerState, load_state, recover
 from inflight.trainer.config import TrainConfig, group_config, push_config
 from inflight.trainer.config_files import add_config_arguments, config_to_dict, load_config
 from inflight.trainer.console import BarText, Interrupt, quiet_libraries
+from inflight.trainer.envs import build_task
 from inflight.trainer.fleet import EngineLost, Fleet, place, visible_gpus
 from inflight.trainer.lora_policy import write_first_adapter
 from inflight.trainer.metrics import MetricsLog, RolloutLedger, plot_run, summarize
 from inflight.trainer.models import resolve_model
 from inflight.trainer.policy import Policy, StepResult, check_ranks
 from inflight.trainer.ranks import RankLost, TrainerRanks, launch_ranks
-from inflight.trainer.tasks import build_task
 from inflight.trainer.tasks.evaluate import Evaluator
 from inflight.trainer.tasks.task import Task, encode_prompt
 from inflight.trainer.tasks.tool_calls import use_chat_template

@@ -196,7 +196,7 @@ import math
 import os
 import time
 from pathlib import Path
-from inflight.trainer.tasks import RepeatDigit
+from inflight.trainer.envs import RepeatDigit
 
 class BadReward(RepeatDigit):
     def __init__(self, tokenizer, kind):
@@ -304,7 +304,7 @@ def test_a_batch_with_nothing_to_learn_is_named(tmp_path) -> None:
     the first such step says so on the console, naming the rewards and where the samples are,
     and samples.jsonl holds every sample trained on with its completion."""
     (tmp_path / "zero_reward.py").write_text(
-        "from inflight.trainer.tasks import RepeatDigit\n\n"
+        "from inflight.trainer.envs import RepeatDigit\n\n"
         "class Zero(RepeatDigit):\n"
         "    def score(self, prompts, completions):\n"
         "        return [0.0] * len(completions)\n\n"

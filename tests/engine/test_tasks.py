@@ -12,21 +12,8 @@ import sys
 import pytest
 
 from inflight.trainer.config_files import config_from_dict
-from inflight.trainer.tasks import (
-    SAMPLE,
-    Arithmetic,
-    Completion,
-    JsonlFormatError,
-    JsonlTask,
-    Prompt,
-    RepeatDigit,
-    Task,
-    build_task,
-    encode_prompt,
-    final_number,
-    load_jsonl,
-    stop_token_ids,
-)
+from inflight.trainer.envs import SAMPLE, Arithmetic, JsonlFormatError, JsonlTask, RepeatDigit, build_task, load_jsonl
+from inflight.trainer.tasks import Completion, Prompt, Task, encode_prompt, final_number, stop_token_ids
 
 
 def _done(text: str) -> Completion:
@@ -136,7 +123,7 @@ def test_jsonl_with_a_reward_function_of_your_own(tmp_path, monkeypatch) -> None
     monkeypatch.chdir(tmp_path.parent)  # the run starts elsewhere: the config's directory is searched
     monkeypatch.setattr(sys, "path", list(sys.path))
     from inflight.trainer.config_files import load_config
-    from inflight.trainer.tasks import build_task
+    from inflight.trainer.envs import build_task
 
     task = build_task(load_config(tmp_path / "run.toml"), tokenizer=None)
     cats, colour = task.train

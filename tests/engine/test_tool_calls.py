@@ -11,7 +11,8 @@ import random
 import pytest
 
 from inflight.trainer.config_files import config_from_dict
-from inflight.trainer.tasks import Calculator, encode_prompt
+from inflight.trainer.envs import Calculator
+from inflight.trainer.tasks import encode_prompt
 from inflight.trainer.tasks.episode import ObservationRenderer
 from inflight.trainer.tasks.task import EpisodeView, Turn
 from inflight.trainer.tasks.tool_calls import (

@@ -120,7 +120,8 @@ def test_placement_splits_gpus_and_never_puts_nccl_on_one_device() -> None:
 
 FAULTY_TASK = '''
 import math, pathlib, time
-from inflight.trainer.tasks import build_task, Task
+from inflight.trainer.envs import build_task
+from inflight.trainer.tasks import Task
 
 
 class Faulty(Task):

@@ -203,7 +203,7 @@ def test_the_documented_environment_and_config_play_an_episode(taught, tmp_path,
     from transformers import AutoTokenizer
 
     from inflight.trainer.config_files import load_config
-    from inflight.trainer.tasks import build_task
+    from inflight.trainer.envs import build_task
 
     (tmp_path / "calc_env.py").write_text(_documented("### A verifiers environment", "python"))
     (tmp_path / "run.toml").write_text(_documented("### A verifiers environment", "toml"))

@@ -226,7 +226,8 @@ def test_a_single_turn_task_is_a_one_turn_episode_and_a_task_answers_one_way() -
     """A task defines score() or turn(): a single-turn task's episode ends at its one reply,
     rewarded by its own score(); an episode task's turn() is its own; a task with neither is
     refused when its class is made."""
-    from inflight.trainer.tasks import Arithmetic, EpisodeView, Task
+    from inflight.trainer.envs import Arithmetic
+    from inflight.trainer.tasks import EpisodeView, Task
     from inflight.trainer.tasks.task import is_episodic
 
     task = Arithmetic(digits=2)

@@ -33,7 +33,9 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The project modules ``path`` imports (``from a.b import c`` counts ``a.b.c`` when that is a module)."""
+    """The project modules ``path`` imports (``from a.b import c`` counts ``a.b.c`` when that is a
+    module), and the packages above each: importing ``a.b.c`` runs ``a/__init__.py`` and
+    ``a/b/__init__.py`` first, so a package that imports its importer is a cycle too."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -45,8 +47,10 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
         for name in names:
             while name and name not in modules:
                 name = name.rpartition(".")[0]
-            if name:
-                found.add(name)
+            while name:
+                if name in modules:
+                    found.add(name)
+                name = name.rpartition(".")[0]
     return found
 
 
@@ -72,9 +76,14 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def _graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports, less itself and its own packages (already
+    importing when it runs)."""
+    return {m: {n for n in _imports(p, modules) if n != m and not m.startswith(n + ".")} for m, p in modules.items()}
+
+
 def test_no_import_cycle_among_the_project_modules() -> None:
-    modules = _modules()
-    graph = {m: {n for n in _imports(p, modules) if n != m and not m.startswith(n + ".")} for m, p in modules.items()}
+    graph = _graph(_modules())
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
@@ -110,6 +119,19 @@ def test_every_import_of_a_test_helper_names_a_file_that_exists() -> None:
                 if not (target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()):
                     missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}")
     assert not missing, missing
+
+
+def test_a_package_that_imports_its_importer_is_a_cycle(tmp_path: Path) -> None:
+    """``pkg/__init__.py`` imports ``other``, and ``other`` imports ``pkg.base``: importing
+    ``other`` first fails at run time (the package is half initialised), so the check finds it."""
+    (tmp_path / "pkg").mkdir()
+    files = {"pkg/__init__.py": "from other import Thing\n", "pkg/base.py": "class Base: ...\n",
+             "other.py": "from pkg.base import Base\n\nclass Thing(Base): ...\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    modules = {"pkg": tmp_path / "pkg" / "__init__.py", "pkg.base": tmp_path / "pkg" / "base.py",
+               "other": tmp_path / "other.py"}
+    assert _cycle(_graph(modules)) == ["other", "pkg", "other"]
 
 
 def test_the_cycle_check_finds_a_cycle() -> None:

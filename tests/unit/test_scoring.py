@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from inflight.trainer.envs import Arithmetic
 from inflight.trainer.rollout.scoring_pool import ScoringPool
 from inflight.trainer.rollout.scoring_worker import Scored, check_rewards, engine_task_factory
-from inflight.trainer.tasks import Arithmetic, Completion, Prompt, Task
+from inflight.trainer.tasks import Completion, Prompt, Task
 
 HANG_S = 600.0
 """What a call waits before the test calls it a hang: generous, never a timing check
@@ -397,7 +398,7 @@ def test_engine_task_factory_scores_as_the_engine_does_under_the_default_cap(tmp
     from transformers import AutoTokenizer
 
     from inflight.trainer.config_files import config_from_dict
-    from inflight.trainer.tasks import RepeatDigit
+    from inflight.trainer.envs import RepeatDigit
     from inflight.trainer.tiny_model import default_corpus, train_tokenizer
 
     train_tokenizer(default_corpus(), tmp_path)
@@ -415,7 +416,7 @@ def test_a_reasoning_gym_mix_scores_in_the_engine_pool_as_called_directly(tmp_pa
     """``task.name = "reasoning_gym"`` built as the engine builds it, in a worker under the
     default memory cap: each prompt carries its entry, and the rewards equal the task's own."""
     from inflight.trainer.config_files import config_from_dict
-    from inflight.trainer.tasks import build_task
+    from inflight.trainer.envs import build_task
     from inflight.trainer.tiny_model import default_corpus, train_tokenizer
 
     train_tokenizer(default_corpus(), tmp_path)

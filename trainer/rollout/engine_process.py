@@ -83,8 +83,9 @@ class RolloutLoop:
         from vllm.sampling_params import RequestOutputKind
 
         from inflight.engine.client import coordinator_of
+        from inflight.trainer.envs import build_task
         from inflight.trainer.rollout.episode_rollout import EpisodeRollout
-        from inflight.trainer.tasks import build_task, model_stop_ids
+        from inflight.trainer.tasks import model_stop_ids
         from inflight.trainer.tasks.task import is_episodic
 
         self.cfg, self.llm, self.group, self.parent_pid = cfg, llm, group, parent_pid

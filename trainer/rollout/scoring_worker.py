@@ -337,7 +337,7 @@ def engine_task(cfg: TrainConfig, model_dir: str) -> Task:
     """The task ``cfg`` names, as the engine builds it (``build_task``), the tokenizer read from
     ``model_dir``; the built-in tasks that need none (arithmetic, jsonl) get None and the
     worker never imports transformers."""
-    from inflight.trainer.tasks import build_task
+    from inflight.trainer.envs import build_task
 
     tokenizer = None
     if cfg.task.name not in ("arithmetic", "jsonl"):
