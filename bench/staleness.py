@@ -30,16 +30,16 @@ from typing import Any
 from inflight.bench.run_record import add_results_option, append_result, run_record
 
 ROOT = Path(__file__).resolve().parents[1]
-TIS = {"objective": "reinforce", "truncation": 2.0}
-NONE = {"objective": "none"}
+TIS = {"name": "reinforce", "truncation": 2.0}
+NONE = {"name": "none"}
 
 
-def _inflight(lag: int, tis: dict, **loss: Any) -> dict:
-    return {"rollout": {"mode": "inflight", "admit_lag": lag}, "loss": {"max_lag": lag, "tis": tis, **loss}}
+def _inflight(lag: int, objective: dict, **loss: Any) -> dict:
+    return {"rollout": {"mode": "inflight", "admit_lag": lag}, "loss": {"max_lag": lag, "objective": objective, **loss}}
 
 
 RUNS: dict[str, dict] = {
-    "batch TIS": {"rollout": {"mode": "batch"}, "loss": {"tis": TIS}},
+    "batch TIS": {"rollout": {"mode": "batch"}, "loss": {"objective": TIS}},
     "lag1 TIS": _inflight(1, TIS),
     "lag2 TIS": _inflight(2, TIS),
     "lag4 TIS": _inflight(4, TIS),
@@ -53,7 +53,7 @@ RUNS: dict[str, dict] = {
 def _merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(base.get(k, {}), v) if isinstance(v, dict) and k != "tis" else v
+        out[k] = _merge(base.get(k, {}), v) if isinstance(v, dict) and k != "objective" else v
     return out
 
 
@@ -85,13 +85,19 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def run_one(name: str, base: dict, steps: int, seed: int, out_root: Path) -> dict[str, Any]:
+def run_config(name: str, base: dict, steps: int, seed: int, out: Path) -> Any:
+    """The ``TrainConfig`` of run ``name``: ``base`` (a config file's tables) with the run's settings."""
     from inflight.trainer.config_files import config_from_dict
+
+    return config_from_dict(_merge(base, {**RUNS[name], "run": {"steps": steps, "seed": seed, "out_dir": str(out),
+                                                                 "name": f"staleness {name}"}}))
+
+
+def run_one(name: str, base: dict, steps: int, seed: int, out_root: Path) -> dict[str, Any]:
     from inflight.trainer.train import train
 
     out = out_root / name.replace(" ", "_")
-    cfg = config_from_dict(_merge(base, {**RUNS[name], "run": {"steps": steps, "seed": seed, "out_dir": str(out),
-                                                                "name": f"staleness {name}"}}))
+    cfg = run_config(name, base, steps, seed, out)
     t0 = time.perf_counter()
     summary = train(cfg)
     total_s = time.perf_counter() - t0
