@@ -50,10 +50,18 @@ def _links(rows: dict) -> tuple[list[str], list[str]]:
 
 
 def _scale(rows: dict) -> tuple[list[str], list[str]]:
-    """The predictions' declared misses (``bench/scale_predictions.json``)."""
+    """The predictions' declared misses (``bench/scale_predictions.json``), and how many checks
+    the judged runs (``bench/scale_slow_link_runs.json``) hold."""
+    from inflight.bench.scale_replay import judge, judged_runs
+
     preds = json.loads((ROOT / "bench" / "scale_predictions.json").read_text())
+    runs = json.loads((ROOT / "bench" / "scale_slow_link_runs.json").read_text())["runs"]
     checks = sum(len([m for m in p["modes"] if m != "none_step_ms"]) for p in preds["predictions"].values())
-    return [f"**{len(preds['expected_misses'])} of {checks} checks are declared misses**"], ["inflight bench scale"]
+    held = judge(preds, runs)
+    judged = sum(len(r) for r in judged_runs(preds, runs).values())
+    return [f"**{len(preds['expected_misses'])} of {checks} checks are declared misses**",
+            f"{sum(c['ok'] for c in held)} of {len(held)} checks within their bands on {judged} judged runs"], \
+        ["inflight bench scale"]
 
 
 def _results(bench: str) -> list[dict]:
@@ -69,17 +77,30 @@ def _suite(rows: dict) -> tuple[list[str], list[str]]:
             f"{round(run['wall_s'] / 60)} min ({round(run['tests_s'] / 60)} min of tests)"], [run["command"]]
 
 
+def _grpo_run(workload: str, core: str, nice: int) -> tuple[dict, dict[str, dict]]:
+    """The last ``bench.grpo --workload WORKLOAD --listener-core CORE --listener-nice NICE`` run
+    (``bench/results/grpo.jsonl``) and its cache engine's rows by mode."""
+    run = [r for r in _results("grpo")
+           if (r["workload"], r["listener_core"], r["listener_nice"]) == (workload, core, nice)][-1]
+    return run, {r["mode"]: r for r in run["rows"] if r["engine"] == "cache"}
+
+
 def _grpo(workload: str) -> tuple[dict, dict[str, dict], list[str]]:
-    """The last ``bench.grpo --workload WORKLOAD`` run with the listener on the trainer's core
-    (``bench/results/grpo.jsonl``), its cache engine's rows by mode, and the quotes every GRPO
-    row makes: the ratio to native-salt with its rounds, the hit rates, the share of no updates."""
-    run = [r for r in _results("grpo") if r["workload"] == workload and r["listener_core"] == "trainer"][-1]
-    mode = {r["mode"]: r for r in run["rows"] if r["engine"] == "cache"}
+    """The quotes every GRPO row makes: with the listener on the trainer's core, the ratio to
+    native-salt with its rounds, the hit rates and the share of no updates; with it on the
+    engine's core at the engine's priority (where and how native receives), the ratio with its
+    rounds. The trainer-core run and its rows come back for the row's own quotes."""
+    run, mode = _grpo_run(workload, "trainer", 19)
     inf, salt = mode["inflight"], mode["native-salt"]
     lo, hi = inf["vs_native_salt_spread"]
-    return run, mode, [f"**{inf['vs_native_salt_median']}x**", f"median of {run['rounds']} rounds, rounds {lo}-{hi}",
-                       f"cache hit rate {inf['hit_rate']} vs {salt['hit_rate']}",
-                       f"{inf['vs_none']}x the tokens/s of no updates (native-salt {salt['vs_none']}x)"]
+    quotes = [f"**{inf['vs_native_salt_median']}x**", f"median of {run['rounds']} rounds, rounds {lo}-{hi}",
+              f"cache hit rate {inf['hit_rate']} vs {salt['hit_rate']}",
+              f"{inf['vs_none']}x the tokens/s of no updates (native-salt {salt['vs_none']}x)"]
+    e = _grpo_run(workload, "engine", 0)[1]["inflight"]
+    lo, hi = e["vs_native_salt_spread"]
+    quotes.append(f"the listener on the engine's core at its priority, where native receives: "
+                  f"**{e['vs_native_salt_median']}x** (rounds {lo}-{hi})")
+    return run, mode, quotes
 
 
 def _grpo_system(rows: dict) -> tuple[list[str], list[str]]:
@@ -105,7 +126,9 @@ def _demo(rows: dict) -> tuple[list[str], list[str]]:
     s = run["summary"]
     return [f"{s['steps']} steps", f"reward {s['reward_first_20pct']:.3f} -> {s['reward_last_20pct']:.3f}",
             f"{100 * s['frac_samples_multi_version']:.1f}% of samples span >1 version",
-            f"engine stall {s['stall_ms_mean']:.1f} ms per update", f"{round(run['wall_s'])} s"], \
+            f"engine stall {s['stall_ms_mean']:.1f} ms per update",
+            f"{run['pushes']['on_every_engine']} of {run['pushes']['landed']} pushes committed",
+            f"{round(run['wall_s'])} s"], \
         ["make demo", run["train"]]
 
 
@@ -114,7 +137,9 @@ def _smollm2(rows: dict) -> tuple[list[str], list[str]]:
     run = _train("smollm2_cpu")
     s = run["summary"]
     return [f"{s['steps']} steps", f"sampled reward {s['reward_first_20pct']:.3f} -> {s['reward_last_20pct']:.3f}",
-            f"greedy held-out {s['eval_accuracy_first']:.3f} -> {s['eval_accuracy_last']:.3f}"], [run["train"]]
+            f"greedy held-out {s['eval_accuracy_first']:.3f} -> {s['eval_accuracy_last']:.3f}",
+            f"{run['pushes']['on_every_engine']} of {run['pushes']['landed']} pushes committed",
+            f"{round(run['wall_s'])} s", f"load {min(run['load_1m']):.1f}-{max(run['load_1m']):.1f}"], [run["train"]]
 
 
 def _fleet(rows: dict) -> tuple[list[str], list[str]]:
@@ -169,16 +194,18 @@ def _sparse(rows: dict) -> tuple[list[str], list[str]]:
 def _staging(rows: dict) -> tuple[list[str], list[str]]:
     """One update's staging, engine idle (``bench.profile_staging``)."""
     line = _results("profile_staging")[-1]
-    return [f"{line['idle']['staging total (announce to Staged)']['wall_ms']} ms wall",
-            f"median of {line['updates']} updates"], [cli(line["command"])]
+    total = "staging total (announce to Staged)"
+    return [f"{line['idle'][total]['wall_ms']} ms wall", f"median of {line['updates']} updates",
+            f"{line['decoding'][total]['wall_ms']} ms while the engine decodes"], [cli(line["command"])]
 
 
 def _e2e(rows: dict) -> tuple[list[str], list[str]]:
     """The training loop's samples/s, in-flight against batch-boundary (``bench.e2e``)."""
     line = _results("e2e")[-1]
-    return [f"**{line['summary'][cores]['ratios']['inflight/batch']}x** {cores} cores" for cores in line["summary"]] + \
-        [f"{line['summary'][c]['ratios']['inflight/pause']}x against pause" for c in line["summary"]], \
-        [cli(line["command"])]
+    ratios = {cores: line["summary"][cores]["ratios"] for cores in line["summary"]}
+    quotes = [f"**{r['inflight/batch']}x** {cores} ({r['inflight/pause']}x against pause)"
+              for cores, r in ratios.items()]
+    return [*quotes, f"medians of {line['rounds']} interleaved rounds of {line['steps']} steps"], [cli(line["command"])]
 
 
 def _staleness(rows: dict) -> tuple[list[str], list[str]]:
@@ -195,7 +222,9 @@ def _trainer_push(rows: dict) -> tuple[list[str], list[str]]:
     line = _results("trainer_push")[-1]
     return [f"{line['max_extra_mib']:.1f} MiB resident at most during a push (buckets of "
             f"{line['bucket_mib']:.0f} MiB), not the {line['model_mib']:.0f} MiB model",
-            f"the optimizer waited {line['steps']['read_wait_s']:.2f} s"], \
+            f"the optimizer waited {line['steps']['read_wait_s']:.2f} s",
+            f"an optimizer step took {line['steps']['step_with_push_s']:.2f} s with a push in flight, "
+            f"{line['steps']['step_alone_s']:.2f} s alone"], \
         [cli(line["command"])]
 
 
@@ -210,6 +239,14 @@ SOURCES: dict[str, Callable[[dict], tuple[list[str], list[str]]]] = {
     "histories growing across commits, an update every 16 steps": _grpo_multi_turn,
     "decode time lost per update over loopback, SmolLM2-135M fp32 (0.54 GB), split cores, same cadence; the stall at "
     "the commit step": _loopback,
+    "CPU demo (tiny Qwen2, 200 steps)": _demo,
+    "what a push costs the trainer, SmolLM2-135M fp32": _trainer_push,
+    "staging one 0.54 GB update, engine idle": _staging,
+    "training loop, samples/s vs batch-boundary RL": _e2e,
+    "fleet of 2 engines, 100 steps": _fleet,
+    "SmolLM2-135M on one-digit addition, 40 steps": _smollm2,
+    "staleness: max lag 8 vs batch RL": _staleness,
+    "sparse updates over 58 real RL steps, SmolLM2-135M (fp32 master, bf16 engine)": _sparse,
 }
 """Row -> what its figure cell must quote from its JSON, and the commands its command cell
 must start with (one of)."""
