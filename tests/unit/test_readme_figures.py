@@ -33,9 +33,16 @@ def cli(command: str) -> str:
     return re.sub(r" --results \S+", "", re.sub(r"^python -m inflight\.bench\.(\w+)", r"inflight bench \1", command))
 
 
+def _scale_record() -> tuple[dict, list[dict]]:
+    """``bench.scale``'s predictions (``bench/scale_predictions.json``) and every recorded run
+    (``bench/scale_slow_link_runs.json``)."""
+    return (json.loads((ROOT / "bench" / "scale_predictions.json").read_text()),
+            json.loads((ROOT / "bench" / "scale_slow_link_runs.json").read_text())["runs"])
+
+
 def _links(rows: dict) -> tuple[list[str], list[str]]:
     """The shaped-link runs of 2026-11-28 (``bench/scale_slow_link_runs.json``)."""
-    runs = json.loads((ROOT / "bench" / "scale_slow_link_runs.json").read_text())["runs"]
+    runs = _scale_record()[1]
     first = {r["link"] or "loopback": {x["mode"]: x for x in r["rows"]}
              for r in runs if r["recorded"].startswith("2026-11-28")}
     want = []
@@ -54,8 +61,7 @@ def _scale(rows: dict) -> tuple[list[str], list[str]]:
     the judged runs (``bench/scale_slow_link_runs.json``) hold."""
     from inflight.bench.scale_replay import judge, judged_runs
 
-    preds = json.loads((ROOT / "bench" / "scale_predictions.json").read_text())
-    runs = json.loads((ROOT / "bench" / "scale_slow_link_runs.json").read_text())["runs"]
+    preds, runs = _scale_record()
     checks = sum(len([m for m in p["modes"] if m != "none_step_ms"]) for p in preds["predictions"].values())
     held = judge(preds, runs)
     judged = sum(len(r) for r in judged_runs(preds, runs).values())
@@ -154,9 +160,7 @@ def _loopback_runs() -> list[dict]:
     """The judged loopback runs of ``bench.scale`` (``bench/scale_slow_link_runs.json``)."""
     from inflight.bench.scale_replay import judged_runs
 
-    preds = json.loads((ROOT / "bench" / "scale_predictions.json").read_text())
-    return judged_runs(preds,
-                       json.loads((ROOT / "bench" / "scale_slow_link_runs.json").read_text())["runs"])["loopback"]
+    return judged_runs(*_scale_record())["loopback"]
 
 
 def _mode_median(runs: list[dict], mode: str, key: str) -> float:
