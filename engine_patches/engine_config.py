@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 import msgspec
 
 from inflight.adapter import AdapterSpec
+from inflight.engine.prefix_cache import caching_off_reason
 from inflight.protocol import CommitUnit
 from inflight.settings import Backend, CommitChoice, StagingPlace, check_choices
 from inflight.transport.group_config import GroupConfig
+
+log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "inflight.engine.worker.InflightWorkerExtension"
 STAGING_INTENT_KEY = "inflight_staging"
@@ -261,15 +266,20 @@ class StagingIntent:
             raise ValueError(f"additional_config[{STAGING_INTENT_KEY!r}]: {e}") from None
 
 
-def engine_kwargs(*, reserve_staging: StagingIntent | InflightConfig | None = None, adapter: AdapterSpec | None = None,
+def engine_kwargs(*, model: str | os.PathLike | None = None,
+                  reserve_staging: StagingIntent | InflightConfig | None = None, adapter: AdapterSpec | None = None,
                   rl_api: bool = False, **overrides: object) -> dict[str, object]:
     """Engine arguments an in-flight engine needs, for ``LLM(...)`` / ``AsyncEngineArgs(...)``.
 
+    - with ``model`` (a directory or a hub id): the model, and prefix caching decided for it;
     - the worker extension that receives and commits weights;
     - prefix caching on: every commit invalidates it exactly, in the commit's window
       (``inflight.engine.prefix_cache``), so the K samples of a group share their prompt's
-      prefill and no request admitted after a commit reuses KV of earlier weights;
-      ``enable_prefix_caching=False`` turns it off;
+      prefill and no request admitted after a commit reuses KV or recurrent state of earlier
+      weights, on full, sliding-window, chunked local and hybrid (Mamba, convolution, linear
+      attention) models alike; ``enable_prefix_caching=False`` turns it off. With ``model``,
+      where the model's config shows caching cannot run or be kept exact here
+      (``prefix_cache.caching_off_reason``), it is off and one logged line says why;
     - async scheduling as vLLM chooses it (on a GPU, on; vLLM's CPU build turns it off): a
       commit sits between one batch's sampling and the next one's forward, and each batch's
       tokens carry the label of the weights that computed them (``inflight.engine.batch_labels``);
@@ -301,6 +311,12 @@ def engine_kwargs(*, reserve_staging: StagingIntent | InflightConfig | None = No
                       lora_target_modules=list(shape.target_modules), fully_sharded_loras=False)
     if rl_api:
         kwargs["weight_transfer_config"] = {"backend": "inflight"}
+    if model is not None:
+        kwargs["model"] = os.fspath(model)
+        reason = None if "enable_prefix_caching" in overrides else caching_off_reason(os.fspath(model))
+        if reason is not None:
+            log.warning("inflight: prefix caching off for %s: %s", kwargs["model"], reason)
+            kwargs["enable_prefix_caching"] = False
     kwargs.update(overrides)
     if reserve_staging is not None:
         intent = reserve_staging if isinstance(reserve_staging, StagingIntent) else StagingIntent.of(reserve_staging)

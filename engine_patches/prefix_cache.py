@@ -1,23 +1,17 @@
 """Exact prefix caching across in-flight commits: no request admitted after a commit reuses
-KV computed, wholly or in part, under weights that are no longer live.
+KV or recurrent state computed, wholly or in part, under weights that are no longer live.
 
-At a commit, between two steps, every block in vLLM 0.32's prefix-cache index holds KV of the weights being
-replaced, and a request that holds KV keeps filling blocks that depend on it (docs/design.md; vLLM's own
-``reset_prefix_cache()`` refuses while any request runs). ``PrefixCacheGuard.on_commit`` runs inside the commit
-window (the coordinator's step lock, the engine thread, before the next ``schedule``) and:
-1. restarts every request caught mid-prefill (vLLM's own preemption: back to the waiting queue, blocks freed),
-   so a prompt's KV is always computed under one label, the one of the step that sampled its first token
-   (``TaggedCompletion.prompt_label``);
-2. stops every request that holds KV from inserting more blocks into the index: it keeps decoding on its own
-   blocks, as in-flight commits promise (stale KV, exact behaviour log-probs);
-3. drops the block pool's hash index (blocks, block tables and reference counts untouched): the next admission
-   finds only blocks computed after the commit.
-A request that vLLM preempts for KV space (recompute mode) is recomputed, prompt and sampled tokens, under the
-label of the step that resumes it; where a commit fell in between, it is counted in
-``PrefixCacheStats.recomputed`` and named in ``recomputed_ids``. Checked at start (``problems``): one KV cache
-group of plain full attention, no KV connector, no fine-grained partial hash hits; anything else (sliding
-window, hybrid or Mamba models, KV offload or transfer) keeps state this guard does not invalidate, and prefix
-caching is refused on such engines with the reason.
+``PrefixCacheGuard.on_commit`` runs inside the commit window (the coordinator's step lock, the engine thread,
+before the next ``schedule``) and: 1. restarts every request caught mid-prefill (vLLM's own preemption), so a
+prompt's KV is computed under one label, the first token's (``TaggedCompletion.prompt_label``); 2. stops every
+request that holds KV from inserting more blocks into the index (it decodes on, on its own blocks: stale KV,
+exact behaviour log-probs); 3. drops the block pool's hash index (blocks, tables and reference counts untouched).
+Every KV cache group of an engine shares that one pool and enters its index through
+``KVCacheCoordinator.cache_blocks``, so the steps hold for every manager whose reusable state is all in the
+index (``GUARDED_MANAGERS``). A request vLLM preempts for KV space is recomputed under the label of the step
+that resumes it; where a commit fell in between it is counted in ``PrefixCacheStats.recomputed``. ``problems``
+checks the engine at start; ``caching_off_reason`` says, from a model's config alone, where
+``engine_kwargs(model=...)`` turns caching off instead. Why and how: docs/design.md.
 """
 
 from __future__ import annotations
@@ -30,22 +24,65 @@ import msgspec
 
 from inflight.engine.rpc import PrefixCacheStats
 
+GUARDED_MANAGERS = ("FullAttentionManager", "SlidingWindowManager", "ChunkedLocalAttentionManager", "MambaManager")
+"""vLLM 0.32's KV cache managers (``vllm/v1/core/single_type_kv_cache_manager.py``) whose reusable state
+is all in the block pool's hash index and enters it through ``KVCacheCoordinator.cache_blocks``: full
+attention; sliding-window and chunked local attention (the blocks a window still needs); Mamba,
+short-convolution and linear-attention state (``MambaManager``: state at block boundaries, whole
+blocks or, with fine-grained hits, partial ones)."""
+
+CPU_MAMBA2_MODEL_TYPES = frozenset({"falcon_h1", "granitemoehybrid", "mamba2", "nemotron_h", "zamba2"})
+"""Model types whose vLLM 0.32 models have Mamba2 mixers (``MambaMixer2``). With prefix caching vLLM
+keeps their state in "align" mode, which needs the scan's state at each block boundary; the CPU scan
+(``ops/cpu/mamba_ssm.py``) returns only the final state, so the first prompt longer than a block fails."""
+
+CPU_SHORT_CONV_MODEL_TYPES = frozenset({"lfm2", "lfm2_moe"})
+"""Model types whose vLLM 0.32 models keep short-convolution state (``ShortConv``). On CPU a prompt
+served that state from the cache does not continue as the prompt computed whole did, before any
+commit (docs/LOG.md): caching would make behaviour log-probs inexact."""
+
+
+def caching_off_reason(model: str) -> str | None:
+    """Why prefix caching must be off for ``model`` (a local directory or a hub id) on this
+    platform, from its config alone, or None (caching on; ``problems`` checks the engine at
+    start). A config that cannot be read gives None: the start-time check still holds."""
+    from transformers import AutoConfig
+    from vllm.platforms import current_platform
+
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError):
+        return None
+    if not current_platform.is_cpu():
+        return None
+    text = getattr(config, "get_text_config", lambda: config)()
+    model_type = getattr(text, "model_type", None)
+    layers = getattr(text, "layer_types", None) or ()
+    mamba_layers = {"mamba", "linear_attention"} & set(layers)  # Granite-4 names them either way; some have none
+    if model_type in CPU_MAMBA2_MODEL_TYPES and (model_type != "granitemoehybrid" or mamba_layers):
+        return (f"{model_type}'s Mamba2 layers: vLLM 0.32's CPU scan returns no state at block boundaries, which "
+                "its prefix caching (mamba_cache_mode='align') needs; the first prompt longer than a block would "
+                "fail")
+    if model_type in CPU_SHORT_CONV_MODEL_TYPES:
+        return (f"{model_type}'s short convolutions: on vLLM 0.32's CPU build, convolution state served from the "
+                "prefix cache does not reproduce the prompt computed whole, so behaviour log-probs would be inexact")
+    return None
+
 
 def problems(scheduler: Any) -> list[str]:
     """Why this engine's prefix cache cannot be kept exact across commits ([] if it can)."""
-    from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
-    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-
     manager = scheduler.kv_cache_manager
     if not manager.enable_caching:
         return []
     found = []
     coordinator = manager.coordinator
-    kinds = [type(m).__name__ for m in getattr(coordinator, "single_type_managers", ())]
-    if type(coordinator) is not UnitaryKVCacheCoordinator or kinds != [FullAttentionManager.__name__]:
-        found.append(f"KV cache managers {kinds} (only one group of plain full attention is guarded)")
-    if getattr(coordinator, "enable_partial_hash_hits", False):
-        found.append("fine-grained partial hash hits are on")
+    groups = coordinator.kv_cache_config.kv_cache_groups
+    cached = [m for m, g in zip(coordinator.single_type_managers, groups) if g.kv_cache_spec.prefix_cacheable]
+    others = sorted({type(m).__name__ for m in cached} - set(GUARDED_MANAGERS))
+    if others:
+        found.append(f"KV cache managers {others} (guarded: {', '.join(GUARDED_MANAGERS)})")
+    if any(m.block_pool is not coordinator.block_pool for m in coordinator.single_type_managers):
+        found.append("a KV cache group keeps its blocks in a second pool")
     if getattr(scheduler, "connector", None) is not None:
         found.append("a KV connector (offload or transfer) holds KV this guard does not invalidate")
     if found:

@@ -224,11 +224,9 @@ def replay(ref: Reference, weights_of: Callable[[str], dict[str, torch.Tensor]],
     positions the weights of the step that processed them: the prompt under
     ``prompt_label`` (``TaggedCompletion.prompt_label``: the first token's, whose step
     prefilled it, prefix-cache hits included), token j as input under token j+1's label."""
-    from transformers import DynamicCache
-
     inputs = prompt + tokens[:-1]
     step_label = [labels[0] if prompt_label is None else prompt_label] * len(prompt) + labels[1:]
-    cache, rows, start = DynamicCache(), [], 0
+    cache, rows, start = None, [], 0  # the model's own cache: KV, sliding windows, convolution or SSM state
     with torch.no_grad():
         while start < len(inputs):
             end = start
@@ -236,6 +234,7 @@ def replay(ref: Reference, weights_of: Callable[[str], dict[str, torch.Tensor]],
                 end += 1
             ref.load(weights_of(step_label[start]))
             out = ref.model(torch.tensor([inputs[start:end]]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
             rows.append(out.logits[0].double())
             start = end
     logits = torch.cat(rows)[len(prompt) - 1:]

@@ -228,7 +228,8 @@ class EngineConfig:
     prefix_caching: bool = True
     """vLLM's automatic prefix caching: the ``group_size`` samples of a group share their
     prompt's prefill. Every commit invalidates it exactly (``inflight.engine.prefix_cache``);
-    False prefills every sample's prompt itself."""
+    False prefills every sample's prompt itself. True leaves it on unless the model rules it out
+    (``engine_kwargs(model=...)`` logs why)."""
     commit_unit: CommitUnit = "model"
     """What an engine commits at once (``InflightConfig.commit_unit``): the whole model, or one
     layer group per step boundary (staging of two groups, a stall of one group's swap; tokens

@@ -1,9 +1,12 @@
 """Tiny causal LMs and a locally trained tokenizer, written to a directory vLLM can load.
 
 Nothing here touches a hub: the tokenizer is a byte-level BPE trained with ``tokenizers``
-on a corpus given by the caller, and the model is a randomly initialised Qwen2 or Llama
-built from a config (Qwen2, Llama, Qwen3, or a Qwen3 mixture-of-experts). ``head_dim`` must be 32
-or more because vLLM's CPU attention backend refuses 16.
+on a corpus given by the caller, and the model is randomly initialised from a config: Qwen2,
+Llama, Qwen3, a Qwen3 mixture-of-experts, or one whose KV cache vLLM splits into several groups
+(Gemma-2's sliding-window and full layers; Llama-4's chunked local and full layers; LFM2's short
+convolutions, whose state vLLM keeps as Mamba state, beside full attention; Granite-4's Mamba2
+layers beside full attention).
+``head_dim`` must be 32 or more because vLLM's CPU attention backend refuses 16.
 """
 
 from __future__ import annotations
@@ -27,9 +30,12 @@ CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<to
 class TinyModelConfig:
     """Shape of a tiny test/demo model."""
 
-    arch: Literal["qwen2", "llama", "qwen3", "qwen3_moe"] = "qwen2"
-    """Architecture: qwen2 (qkv bias), llama (no bias), qwen3 (q/k norms, no bias) or qwen3_moe
-    (qwen3 with every MLP a sparse MoE)."""
+    arch: Literal["qwen2", "llama", "qwen3", "qwen3_moe", "gemma2", "llama4", "lfm2", "granitemoehybrid"] = "qwen2"
+    """Architecture: qwen2 (qkv bias), llama (no bias), qwen3 (q/k norms, no bias), qwen3_moe
+    (qwen3 with every MLP a sparse MoE), gemma2 (sliding-window and full attention layers in
+    turn), llama4 (chunked local attention, every fourth and the last layer full attention, the
+    last layer's MLP a sparse MoE), lfm2 (short-convolution and full attention layers in turn) or
+    granitemoehybrid (Mamba2 and full attention layers in turn)."""
     hidden_size: int = 128
     """Model width."""
     num_layers: int = 2
@@ -52,6 +58,10 @@ class TinyModelConfig:
     """qwen3_moe only: experts each token is routed to (top-k)."""
     moe_intermediate_size: int = 128
     """qwen3_moe only: width of each expert's MLP."""
+    sliding_window: int = 128
+    """gemma2 only: the tokens a sliding-window layer attends to (vLLM CPU's KV block is 128)."""
+    attention_chunk_size: int = 128
+    """llama4 only: the chunk a chunked local attention layer attends within."""
     chat: bool = False
     """A chat model: ChatML's and Hermes tool calls' special tokens (``CHAT_TOKENS``) in the
     tokenizer, and the ChatML tool template (``trainer/tasks/data/chatml_tools.jinja``) as its
@@ -66,6 +76,12 @@ class TinyModelConfig:
         if not 1 <= self.experts_per_token <= self.num_experts:
             raise ValueError(f"model.tiny.experts_per_token={self.experts_per_token} must be in "
                              f"1..num_experts={self.num_experts}")
+        for key in ("sliding_window", "attention_chunk_size"):
+            if type(value := getattr(self, key)) is not int or value < 1:
+                raise ValueError(f"model.tiny.{key}={value!r} must be a whole number >= 1")
+        if self.arch in ("gemma2", "lfm2") and not self.tie_word_embeddings:
+            raise ValueError(f"model.tiny.tie_word_embeddings=False: vLLM 0.32's {self.arch} always ties its LM head "
+                             "to the embedding")
         if self.moe_intermediate_size < 1:
             raise ValueError(f"model.tiny.moe_intermediate_size={self.moe_intermediate_size} must be >= 1")
         if self.hidden_size % self.num_heads:
@@ -141,15 +157,74 @@ def build_tiny_model(
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
             **common, num_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
             moe_intermediate_size=config.moe_intermediate_size, decoder_sparse_step=1, norm_topk_prob=True))
+    elif config.arch in _HYBRIDS:
+        model = _HYBRIDS[config.arch](config, common)
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     model.to(dtype).save_pretrained(str(out), safe_serialization=True)
+    if config.arch == "lfm2":  # vLLM 0.32 reads these, as LiquidAI's released configs carry them
+        _add_to_config(out, conv_dim=config.hidden_size, conv_dim_out=config.hidden_size,
+                       block_dim=config.hidden_size)
     if config.chat:  # a chat turn ends at <|im_end|>: the generation config names it, as chat models' do
         from transformers import GenerationConfig
 
         GenerationConfig(eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"),
                                        tok.eos_token_id]).save_pretrained(str(out))
     return out
+
+
+def _alternating(n: int, first: str, second: str) -> list[str]:
+    return [first if i % 2 == 0 else second for i in range(n)]
+
+
+def _gemma2(config: TinyModelConfig, common: dict) -> torch.nn.Module:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return Gemma2ForCausalLM(Gemma2Config(**common, sliding_window=config.sliding_window, layer_types=_alternating(
+        config.num_layers, "sliding_attention", "full_attention")))
+
+
+def _lfm2(config: TinyModelConfig, common: dict) -> torch.nn.Module:
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    kept = {k: v for k, v in common.items() if k != "head_dim"}
+    return Lfm2ForCausalLM(Lfm2Config(**kept, layer_types=_alternating(config.num_layers, "conv", "full_attention"),
+                                      conv_L_cache=4, block_auto_adjust_ff_dim=False))
+
+
+def _granitemoehybrid(config: TinyModelConfig, common: dict) -> torch.nn.Module:
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    kept = {k: v for k, v in common.items() if k != "head_dim"}
+    return GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+        **kept, shared_intermediate_size=config.intermediate_size, num_local_experts=0, num_experts_per_tok=0,
+        layer_types=_alternating(config.num_layers, "mamba", "attention"), position_embedding_type="rope",
+        mamba_n_heads=4, mamba_d_head=config.hidden_size // 2, mamba_d_state=16, mamba_n_groups=1,
+        mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64))
+
+
+def _llama4(config: TinyModelConfig, common: dict) -> torch.nn.Module:
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    n = config.num_layers
+    full = [i for i in range(n) if (i + 1) % 4 == 0 or i == n - 1]
+    return Llama4ForCausalLM(Llama4TextConfig(
+        **common, intermediate_size_mlp=config.intermediate_size, num_local_experts=config.num_experts,
+        # one MoE layer, the last: vLLM reads the step, transformers the list
+        num_experts_per_tok=1, moe_layers=[n - 1], interleave_moe_layer_step=n,
+        no_rope_layers=[0 if i in full else 1 for i in range(n)], attention_chunk_size=config.attention_chunk_size,
+        use_qk_norm=False, attn_temperature_tuning=False))
+
+
+_HYBRIDS = {"gemma2": _gemma2, "llama4": _llama4, "lfm2": _lfm2, "granitemoehybrid": _granitemoehybrid}
+"""Builders of the architectures whose KV cache vLLM splits into more than one group."""
+
+
+def _add_to_config(out: Path, **fields: int) -> None:
+    import json
+
+    path = out / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}, indent=2))
 
 
 def default_corpus() -> list[str]:

@@ -90,6 +90,22 @@ def parameter_aliases(model: torch.nn.Module,
         visit(module, 0)
     return found
 
+def parameter_views(model: torch.nn.Module, owners: list[torch.nn.Module]) -> list[str]:
+    """The buffers of ``model`` that read a parameter's storage (vLLM 0.32's Mamba2 mixer keeps
+    ``conv_weights``, a view of ``conv1d.weight``), as ``"buffer <- parameter"``. A swap gives
+    the parameter new storage and such a buffer would go on reading the old weights."""
+    storage_of = {p.untyped_storage().data_ptr(): f"{type(m).__name__}.{n}" for m in owners
+                  for n, p in m._parameters.items() if p is not None and p.device.type != "meta" and p.numel()}
+    views = []
+    for module_name, module in model.named_modules():
+        for name, b in module._buffers.items():
+            if b is not None and b.device.type != "meta" and b.numel():
+                param = storage_of.get(b.untyped_storage().data_ptr())
+                if param is not None:
+                    views.append(f"{module_name}.{name} <- {param}")
+    return views
+
+
 # which layers are complete (readiness) -------------------------------------------------------
 
 class Dependencies:
@@ -252,8 +268,11 @@ class SwapStrategy:
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         self.model = model
-        self.plan = LoaderMap.record(model, shapes)
         self._owners: list[torch.nn.Module] = [m for m in model.modules() if m._parameters]
+        if views := parameter_views(model, self._owners):
+            raise LoaderMapError(f"buffers read parameters' storage, which a swap replaces: {', '.join(views[:3])}"
+                                 + (f" and {len(views) - 3} more" if len(views) > 3 else ""))
+        self.plan = LoaderMap.record(model, shapes)
         # Slots are (module, name), fixed now: a swap replaces the parameter objects, and a
         # tied parameter's slots share one key (the id of the object they shared at start).
         self._slot_key: dict[tuple[int, str], int] = {}

@@ -396,9 +396,10 @@ def _engine(cfg: TrainConfig, model_dir: str, rank: int, adapter: AdapterSpec | 
 
         register()
         extra["weight_transfer_config"] = {"backend": BACKEND}
-    return LLM(model_dir, dtype=cfg.model.dtype, max_num_seqs=cfg.engine.max_num_seqs,
-               max_model_len=cfg.engine.max_model_len, seed=cfg.run.seed + rank, **extra,
-               **engine_kwargs(adapter=adapter, enable_prefix_caching=cfg.engine.prefix_caching))
+    if not cfg.engine.prefix_caching:  # otherwise on, unless the model rules it out (``engine_kwargs``)
+        extra["enable_prefix_caching"] = False
+    return LLM(dtype=cfg.model.dtype, max_num_seqs=cfg.engine.max_num_seqs, max_model_len=cfg.engine.max_model_len,
+               seed=cfg.run.seed + rank, **engine_kwargs(model=model_dir, adapter=adapter, **extra))
 
 
 def may_start_group(*, ahead: int, trainer_version: int | None, live_version: int, groups_per_step: int,
