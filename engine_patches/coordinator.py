@@ -37,6 +37,8 @@ from inflight.engine.engine_config import InflightConfig
 from inflight.engine.prefix_cache import PrefixCacheGuard
 from inflight.engine.prefix_cache import problems as prefix_cache_problems
 from inflight.engine.rpc import EngineState, as_result
+from inflight.engine.spec_decode import SpecDecodeMeter
+from inflight.engine.spec_decode import problems as spec_decode_problems
 from inflight.layer_groups import Hybrid
 from inflight.protocol import (
     ENGINE_CHANNEL,
@@ -80,8 +82,7 @@ def check_engine(vllm_config: Any, config: InflightConfig, scheduler: Any = None
                         "data-parallel replica, each with its own ranks in the weight group")
     if scheduler is not None:
         problems.extend(prefix_cache_problems(scheduler))
-    if vllm_config.speculative_config is not None:
-        problems.append("speculative decoding is not supported")
+    problems.extend(spec_decode_problems(vllm_config, record_routing=config.record_routing))
     if config.require_processed_logprobs and vllm_config.model_config.logprobs_mode != "processed_logprobs":
         problems.append(f"logprobs_mode is {vllm_config.model_config.logprobs_mode!r}, need 'processed_logprobs'")
     if config.adapter is not None:
@@ -149,6 +150,7 @@ class CommitCoordinator:
         self.history: list[CommitRecord] = []
         self.prefix_cache = PrefixCacheGuard(core.scheduler)  # every commit invalidates it, in its window
         self.batch_labels = BatchLabels(core)  # async scheduling: each batch labelled by the weights it ran on
+        self.spec_decode = SpecDecodeMeter(core.scheduler) if core.vllm_config.speculative_config else None
         self._busy_loop = isinstance(core, EngineCoreProc)
         self._pending: _CommitRequest | None = None
         self._slot = threading.Lock()  # guards _pending: taken once, by whichever thread runs it
@@ -184,7 +186,8 @@ class CommitCoordinator:
 
     def status(self) -> EngineState:
         return EngineState(live_version=self.live_version, steps=self.steps, broken=self.broken, commits=self.commits(),
-                           label=str(self.label), prefix_cache=self.prefix_cache.stats)
+                           label=str(self.label), prefix_cache=self.prefix_cache.stats,
+                           spec_decode=self.spec_decode.stats() if self.spec_decode is not None else ())
 
     # -- engine thread ------------------------------------------------------------------------
     @contextmanager

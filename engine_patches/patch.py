@@ -80,8 +80,13 @@ def _wrap_step(original_step: Any) -> Any:
         if coordinator is None:
             return original_step(self)
         with coordinator.step() as report:
+            meter = coordinator.spec_decode  # speculation runs with synchronous steps only (``check_engine``)
+            if meter is not None:
+                meter.before_step()
             outputs, executed = original_step(self)
             report(executed)
+            if executed and meter is not None:
+                meter.after_step(outputs, coordinator.live_version)
             if executed and coordinator.config.record_routing:  # the rows of this forward, before the next one
                 from inflight.engine.routing import attach_routing
 

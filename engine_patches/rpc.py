@@ -83,6 +83,28 @@ class PrefixCacheStats(_Result):
     """What the last invalidation took inside the commit window."""
 
 
+class VersionSpecStats(_Result):
+    """Speculative decoding under one live version (``inflight.engine.spec_decode``)."""
+
+    version: NonNeg
+    steps: NonNeg = 0
+    """Request-steps that emitted tokens under this version (a request in one engine step)."""
+    emitted: NonNeg = 0
+    """Tokens those request-steps emitted."""
+    drafted: NonNeg = 0
+    """Draft tokens they verified."""
+    accepted: NonNeg = 0
+    """Draft tokens they accepted."""
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+
 class EngineState(_Result):
     """The engine's commit coordinator, as ``inflight_status`` reports it."""
 
@@ -93,6 +115,8 @@ class EngineState(_Result):
     label: str = ""
     """The version label outputs carry now (a hybrid mid layer-granular update)."""
     prefix_cache: PrefixCacheStats = PrefixCacheStats()
+    spec_decode: tuple[VersionSpecStats, ...] = ()
+    """Per live version, oldest first (at most ``spec_decode.KEPT_VERSIONS``); empty without speculation."""
 
 
 class WorkerStatus(_Result):

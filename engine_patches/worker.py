@@ -46,6 +46,7 @@ from inflight.engine.kv_budget import SET_ASIDE_ATTR, planned_need
 from inflight.engine.packed_receiver import PackedReceiver, close_wire, join_wire
 from inflight.engine.patch import count_worker_steps
 from inflight.engine.rpc import RLCallResult, StartReport, WorkerStatus
+from inflight.engine.spec_decode import fix_cpu_expand_kernel_vllm_0_32
 from inflight.engine.transfer_engine import InflightWeightTransferEngine, RLApiError
 from inflight.memory import (
     BucketWindows,
@@ -91,6 +92,7 @@ class InflightWorkerExtension:
         budget, node_workers = memory_budget(device), _same_node_workers()
         vc = self.vllm_config
         _refuse_sampling_defaults(vc.model_config)
+        fix_cpu_expand_kernel_vllm_0_32(vc)
         rank = config.rank + self.rank
         secret = read_secret()  # once: the environment at the engine's start decides
         if config.group.resolved_backend() == "nccl":

@@ -230,6 +230,11 @@ class EngineConfig:
     prompt's prefill. Every commit invalidates it exactly (``inflight.engine.prefix_cache``);
     False prefills every sample's prompt itself. True leaves it on unless the model rules it out
     (``engine_kwargs(model=...)`` logs why)."""
+    speculative_tokens: int = 0
+    """Draft tokens n-gram prompt lookup proposes per step (vLLM's ``speculative_config`` with
+    method ``ngram``: 1-3 token n-grams of the prompt and the completion so far); 0 turns
+    speculation off. Each accepted token carries the label of the step that verified it
+    (``inflight.engine.spec_decode``); the engine then steps synchronously."""
     commit_unit: CommitUnit = "model"
     """What an engine commits at once (``InflightConfig.commit_unit``): the whole model, or one
     layer group per step boundary (staging of two groups, a stall of one group's swap; tokens
@@ -253,6 +258,8 @@ class EngineConfig:
         for key in ("count", "tensor_parallel_size", "max_num_seqs", "kv_cache_gb"):
             if type(value := getattr(self, key)) is not int or value < 1:
                 raise ValueError(f"engine.{key}={value!r} must be a whole number >= 1")
+        if type(self.speculative_tokens) is not int or self.speculative_tokens < 0:
+            raise ValueError(f"engine.speculative_tokens={self.speculative_tokens!r} must be a whole number >= 0")
         if type(self.max_model_len) is not int or self.max_model_len < 2:
             raise ValueError(f"engine.max_model_len={self.max_model_len!r} must be a whole number >= 2")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -292,6 +299,9 @@ class TrainConfig:
                              "the trainer by 1 at least; use max_lag >= 1, or rollout.mode='batch'")
         if self.rollout.mode == "pause":
             _check_pause(self)
+        if self.engine.speculative_tokens and self.loss.routing_replay:
+            raise ValueError(f"engine.speculative_tokens={self.engine.speculative_tokens} with loss.routing_replay: "
+                             "routing is recorded for one token per step (set one of them off)")
         if self.model.lora.enabled and (self.loss.routing_replay or self.engine.commit_unit != "model"):
             raise ValueError("model.lora.rank > 0: an adapter run commits the whole adapter at once and replays no "
                              "routing (set loss.routing_replay=false, engine.commit_unit='model')")

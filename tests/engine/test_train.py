@@ -71,9 +71,27 @@ def test_config_errors_name_the_key(tmp_path) -> None:
     bad.write_text("[loss]\nmax_lag = 0\n")
     with pytest.raises(ValueError, match=r"loss.max_lag=0 with rollout.mode='inflight'"):
         load_config(bad)
+    bad.write_text("[engine]\nspeculative_tokens = 3\n[loss]\nrouting_replay = true\n")
+    with pytest.raises(ValueError, match=r"engine.speculative_tokens=3 with loss.routing_replay"):
+        load_config(bad)
+    bad.write_text("[engine]\nspeculative_tokens = -1\n")
+    with pytest.raises(ValueError, match=r"engine.speculative_tokens=-1 must be a whole number >= 0"):
+        load_config(bad)
     bad.write_text("[optim]\nlearning_rate = 1\n")
     with pytest.raises(ValueError, match=r"optim: unknown key\(s\) \['learning_rate'\]"):
         load_config(bad)
+
+
+def test_a_run_with_ngram_speculation_trains_on_its_tagged_samples(tmp_path) -> None:
+    """``engine.speculative_tokens``: the engine speculates (n-gram lookup), every push commits
+    and every step trains on samples tagged by version, as without speculation."""
+    cfg = config_from_dict({**SMALL, "run": {**SMALL["run"], "steps": 3, "out_dir": str(tmp_path / "run")},
+                            "engine": {"speculative_tokens": 3}})
+    summary = train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [1, 2, 3] and rows[-1]["pushed_version"] == 3
+    assert all(r["tokens_in_loss"] > 0 and sum(r["ratio_hist"]) > 0 for r in rows)
+    assert summary["max_versions_per_sample"] >= 1
 
 
 def test_batch_mode_samples_each_step_from_one_version(tmp_path) -> None:

@@ -391,6 +391,10 @@ def _engine(cfg: TrainConfig, model_dir: str, rank: int, adapter: AdapterSpec | 
         extra["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
     if cfg.loss.routing_replay:  # routing is read after a step's forward: one batch in flight at a time
         extra["async_scheduling"] = False
+    if cfg.engine.speculative_tokens:  # n-gram lookup; speculation runs with synchronous steps
+        extra.update(async_scheduling=False, speculative_config={
+            "method": "ngram", "num_speculative_tokens": cfg.engine.speculative_tokens, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1})
     if cfg.rollout.mode == "pause":  # vLLM's native update path, over gloo (``inflight.trainer.native_update``)
         from inflight.trainer.native_update import BACKEND, register
 

@@ -1,0 +1,112 @@
+"""Speculative decoding on an in-flight engine (``inflight.engine.spec_decode``), on a real vLLM
+CPU engine: n-gram prompt lookup proposing 3 tokens a step, sampling at temperature 1, prefix
+caching on (two requests per prompt, the second served a block from the cache), three commits
+while 4 requests decode. The model is a tiny fp32 Llama whose LM head
+is sharpened (x40), so it repeats itself and the proposals are accepted.
+
+- Speculation runs: more than one token per request per decode step.
+- A transformers replay from the tags reproduces every behaviour log-prob within 1e-4 (the
+  target's processed log-prob at each position); tags shifted by one version do not.
+- A commit never splits a step's tokens: the tokens each step emitted carry one version, and
+  the tags change at the token counts each commit reported.
+- The engine's status counts, per version, the request-steps and tokens the test saw, and the
+  drafts verified and accepted.
+- Without ``spec_decode.fix_cpu_expand_kernel_vllm_0_32`` vLLM 0.32's CPU sampler draws
+  speculated tokens from uninitialised temperatures (NaN log-probs): the replay would fail.
+Pushes and commits follow engine steps and events, never wall-clock time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from inflight.engine.client import tagged
+from inflight.trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
+from tests.cache_harness import BLOCK, EXACT, CacheEngine, check_tags_change_at_commits, joined, start_cache_engine
+from tests.engine_harness import Reference, replay
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module")
+def repeating_llama(tmp_path_factory) -> Path:
+    """A tiny Llama with its LM head scaled x40: sharp distributions, so its samples repeat."""
+    out = build_tiny_model(tmp_path_factory.mktemp("repeating_llama"), default_corpus(), TinyModelConfig(
+        arch="llama", hidden_size=128, num_heads=2, num_kv_heads=1, tie_word_embeddings=False, seed=1))
+    state = load_file(str(out / "model.safetensors"))
+    state["lm_head.weight"] = state["lm_head.weight"] * 40
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _counts(e: CacheEngine) -> dict[str, int]:
+    """Tokens each request has emitted so far (user ids)."""
+    live = {k.rsplit("-", 1)[0]: r.num_output_tokens for k, r in e.scheduler.requests.items()}
+    return {rid: live.get(rid, len(e.done[rid].outputs[0].token_ids) if rid in e.done else 0) for rid in e.prompts}
+
+
+def _step(e: CacheEngine, history: dict[str, list[int]]) -> None:
+    """One engine step, recording each request's token count after it when it changed."""
+    e.step()
+    for rid, n in _counts(e).items():
+        if n != history[rid][-1]:
+            history[rid].append(n)
+
+
+def test_ngram_speculation_is_tagged_and_replays_exactly_across_commits(repeating_llama, port) -> None:
+    e = start_cache_engine(repeating_llama, port, "sync", max_model_len=1024, speculative_config=NGRAM)
+    try:
+        g = torch.Generator().manual_seed(5)
+        for pair in range(2):  # two requests per prompt: the second is served its first block from the cache
+            prompt = torch.randint(3, 250, (150,), generator=g).tolist()
+            for i in (2 * pair, 2 * pair + 1):
+                e.add(f"s{i}", prompt, 96)
+        history = {rid: [0] for rid in e.prompts}
+        for v in (1, 2, 3):
+            for _ in range(6):
+                _step(e, history)
+            thread = e.push_until_pending(v)
+            _step(e, history)  # the commit lands at this step's boundary
+            joined(thread)
+        while e.llm.llm_engine.has_unfinished_requests():
+            _step(e, history)
+
+        ref = Reference(repeating_llama, "float32")
+        weights = lambda label: e.versions[int(label)]  # noqa: E731
+        steps = tokens = 0
+        worst, shifted = 0.0, []
+        by_version: dict[int, list[int]] = {v: [0, 0] for v in range(4)}  # request-steps, tokens emitted
+        for rid, counts in history.items():
+            t = tagged(e.done[rid].outputs[0])
+            assert counts[-1] == len(t.token_ids) == 96 and set(t.versions) == {0, 1, 2, 3}, (rid, t.versions)
+            for a, b in zip(counts[:-1], counts[1:]):
+                assert len(set(t.versions[a:b])) == 1, (rid, a, b, t.versions[a:b])
+                by_version[t.versions[a]][0] += 1
+                by_version[t.versions[a]][1] += b - a
+                if a > 0:  # a decode step (the first emitted the prefill's token)
+                    steps, tokens = steps + 1, tokens + b - a
+            got = torch.tensor(t.logprobs, dtype=torch.float64)
+            assert torch.isfinite(got).all(), rid
+            want = replay(ref, weights, e.prompts[rid], t.token_ids, t.labels, t.prompt_label)
+            worst = max(worst, float((got - want).abs().max()))
+            moved = [str(max(0, int(label) - 1)) for label in t.labels]  # each token one version early
+            wrong = replay(ref, weights, e.prompts[rid], t.token_ids, moved, t.prompt_label)
+            shifted.append(float((got - wrong).abs().max()))
+        print(f"{tokens / steps:.2f} tokens per decode step over {steps} steps; worst |engine - replay| {worst:.2e}; "
+              f"tags shifted by one version: smallest worst error {min(shifted):.2e}")
+        assert tokens / steps > 1.05, "speculation did not run"  # exactly 1 without it
+        assert worst < EXACT
+        assert min(shifted) > 10 * EXACT
+        check_tags_change_at_commits(e)
+        meter = e.coordinator.status().spec_decode  # what the worker's status reports, per version
+        assert [(s.version, s.steps, s.emitted) for s in meter] == [(v, *by_version[v]) for v in range(4)], meter
+        assert all(s.accepted == s.emitted - s.steps and 0 <= s.accepted <= s.drafted for s in meter), meter
+        assert sum(s.accepted for s in meter) > 0
+        print("acceptance per version:", [f"v{s.version} {s.acceptance:.3f}" for s in meter])
+        assert sorted(e.done[f"s{i}"].num_cached_tokens for i in range(4)) == [0, 0, BLOCK, BLOCK]
+    finally:
+        e.close()
