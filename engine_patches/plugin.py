@@ -14,7 +14,8 @@ def register() -> None:
     step-boundary patch and the in-process refusal patch (``inflight.engine.patch``), the KV
     cache budget patch (``inflight.engine.kv_budget``), in the OpenAI server the version
     spans on its completions (``inflight.engine.openai_spans``), on CPU the async-scheduling
-    switch (``keep_cpu_async_scheduling``, inert unless ``INFLIGHT_CPU_ASYNC_SCHEDULING=1``),
+    switch (``keep_cpu_async_scheduling``, inert unless ``INFLIGHT_CPU_ASYNC_SCHEDULING=1``)
+    and the kernel-rebind mend (``spec_decode.tolerate_foreign_objects_in_kernel_rebind_vllm_0_32``),
     and, with ``INFLIGHT_CPU_PLAIN_GEMM=1``, the plain CPU GEMM
     (``inflight.engine.patch.use_plain_cpu_gemm``); all idempotent, as vLLM may load
     plugins twice."""
@@ -28,11 +29,13 @@ def register() -> None:
         plain_cpu_gemm_requested,
         use_plain_cpu_gemm,
     )
+    from inflight.engine.spec_decode import tolerate_foreign_objects_in_kernel_rebind_vllm_0_32
 
     register_backend()
     patch_engine_core()
     if current_platform.is_cpu():
         keep_cpu_async_scheduling()
+        tolerate_foreign_objects_in_kernel_rebind_vllm_0_32()
     patch_inprocess_refusals()
     if "vllm.entrypoints.openai" in sys.modules:  # the OpenAI server's process (its other processes import it too)
         from inflight.engine.openai_spans import patch_openai_spans

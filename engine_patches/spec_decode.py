@@ -8,9 +8,9 @@ emits was computed by the weights live at that step and carries that step's labe
 input at position j is still processed by the step that samples token j+1: the replay rule
 of an engine without speculation holds unchanged (``tests/engine_harness.py: replay``). A
 commit lands between two steps and cannot split a step's tokens. Proposers with no weights of
-their own (n-gram prompt lookup) are exact across commits as they are; a proposer with weights
-(a draft model, EAGLE, MTP) would propose from weights the trainer has moved past, and is
-refused by name until its weights travel with the update.
+their own (n-gram prompt lookup) are exact across commits as they are; a draft model's
+weights travel with every update and go live with the target's (``commit.drafted``). EAGLE and
+MTP heads, which share the target's layers, are refused by name.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ from inflight.engine.rpc import VersionSpecStats
 KEPT_VERSIONS = 64
 """The newest versions whose speculation ``SpecDecodeMeter`` reports."""
 
-WEIGHTLESS_METHODS = ("ngram",)
-"""vLLM 0.32 ``speculative_config.method`` values whose proposer has no weights to update."""
+IN_FLIGHT_METHODS = ("ngram", "draft_model")
+"""vLLM 0.32 ``speculative_config.method`` values whose proposals stay exact across commits:
+n-gram lookup has no weights; a draft model's travel with every update and commit with the
+target's (``inflight.engine.commit.drafted``)."""
 
 
 def problems(vllm_config: Any, *, record_routing: bool) -> list[str]:
@@ -35,9 +37,9 @@ def problems(vllm_config: Any, *, record_routing: bool) -> list[str]:
     if spec is None:
         return []
     found = []
-    if spec.method not in WEIGHTLESS_METHODS:
+    if spec.method not in IN_FLIGHT_METHODS:
         found.append(f"speculative_config.method={spec.method!r}: its proposer's weights are not updated in flight "
-                     f"(supported: {', '.join(WEIGHTLESS_METHODS)})")
+                     f"(supported: {', '.join(IN_FLIGHT_METHODS)})")
     if vllm_config.scheduler_config.async_scheduling:
         found.append("speculative decoding with async scheduling is untested here (start with async_scheduling=False)")
     if record_routing:
@@ -116,3 +118,42 @@ def _expand(output: Any, input_val: Any, cu_num_tokens: Any, replace_from: Any, 
     values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
     values = values.repeat_interleave(counts)
     output[: values.numel()] = values.to(output.dtype)
+
+
+def tolerate_foreign_objects_in_kernel_rebind_vllm_0_32() -> None:
+    """vLLM 0.32.0's CPU platform, at every engine's start, points every module-level reference
+    to a Triton kernel at its CPU stand-in (``triton_utils.dispatcher._rebind_kernels``),
+    reading each object's ``vars(value).get("kernel")``. Once an n-gram proposer ran in the
+    process, numba's llvmlite is imported, whose wrapped C functions answer ``vars`` with an
+    object that has no ``get``: every later engine in that process fails to start. The same
+    scan, skipping such objects; installed by the plugin on CPU; idempotent."""
+    import sys
+
+    from vllm.triton_utils import dispatcher
+
+    if getattr(dispatcher._rebind_kernels, "__inflight_tolerant__", False):
+        return
+
+    def rebind(overrides: list) -> None:
+        originals = {id(original): wrapper for original, wrapper in overrides}
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not namespace:
+                continue
+            for attr, value in list(namespace.items()):
+                wrapper = originals.get(id(value))
+                if wrapper is not None:
+                    setattr(module, attr, wrapper)
+                    continue
+                inner = getattr(value, "__dict__", None)
+                if not isinstance(inner, dict):  # the llvmlite case, or no instance dict at all
+                    continue
+                wrapper = originals.get(id(inner.get("kernel")))
+                if wrapper is None:
+                    continue
+                value.kernel = wrapper
+                if not isinstance(value, type):
+                    value.__dict__.pop("_kernel_arg_names", None)
+
+    rebind.__inflight_tolerant__ = True  # type: ignore[attr-defined]
+    dispatcher._rebind_kernels = rebind

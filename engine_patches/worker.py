@@ -34,10 +34,10 @@ import msgspec
 import torch
 
 from inflight.auth import read_secret
-from inflight.engine.commit.base import CommitStrategy, make_strategy
+from inflight.engine.commit.base import CommitStrategy
+from inflight.engine.commit.drafted import start_model
 from inflight.engine.commit.engine_checkpoint import (
     checkpoint_dir,
-    engine_schema,
     read_checkpoint_into,
 )
 from inflight.engine.commit.target import EngineTarget
@@ -102,12 +102,8 @@ class InflightWorkerExtension:
             from inflight.engine.adapter_engine import start_adapter
 
             schema, strategy = start_adapter(self.model_runner, config.adapter)
-        else:
-            schema = engine_schema(self.model_runner)
-            strategy = make_strategy(self.model_runner, config.commit, schema,
-                                    quantized=vc.model_config.quantization is not None,
-                                    eager=vc.model_config.enforce_eager, commit_unit=config.commit_unit,
-                                    window=config.staged_groups)
+        else:  # the target, and a draft model where vLLM runs one
+            schema, strategy = start_model(self.model_runner, config, vc)
         from inflight.engine.routing import RoutingRecorder
 
         self._inflight_routing = RoutingRecorder(self.model_runner) if config.record_routing else None

@@ -83,10 +83,11 @@ class CacheEngine:
         """vLLM's request for the user's id ``rid`` (internal ids are ``rid-<suffix>``)."""
         return next(r for k, r in self.scheduler.requests.items() if k.rsplit("-", 1)[0] == rid)
 
-    def push_until_pending(self, version: int) -> threading.Thread:
-        """Push ``version`` from a trainer thread and return once every rank staged it and its
-        commit waits for the next step boundary (an event; the deadline only fails a hang)."""
-        self.versions[version] = perturbed(self.versions[0], seed=300 + version)
+    def push_until_pending(self, version: int, state: dict[str, torch.Tensor] | None = None) -> threading.Thread:
+        """Push ``version`` (``state``, or by default the first version perturbed) from a trainer
+        thread and return once every rank staged it and its commit waits for the next step
+        boundary (an event; the deadline only fails a hang)."""
+        self.versions[version] = perturbed(self.versions[0], seed=300 + version) if state is None else state
         errors: list[BaseException] = []
 
         def push() -> None:

@@ -11,6 +11,11 @@ is sharpened (x40), so it repeats itself and the proposals are accepted.
   the tags change at the token counts each commit reported.
 - The engine's status counts, per version, the request-steps and tokens the test saw, and the
   drafts verified and accepted.
+- A draft model (a copy of the target) travels with every update and commits with the target:
+  its acceptance holds across commits, and falls to nearly none once it is frozen while the
+  target moves. An update without the draft is refused by name; the engine serves on.
+- A second engine starts in this process after the n-gram one (whose numba import broke vLLM
+  0.32's CPU kernel rebinding: ``spec_decode.tolerate_foreign_objects_in_kernel_rebind_vllm_0_32``).
 - Without ``spec_decode.fix_cpu_expand_kernel_vllm_0_32`` vLLM 0.32's CPU sampler draws
   speculated tokens from uninitialised temperatures (NaN log-probs): the replay would fail.
 Pushes and commits follow engine steps and events, never wall-clock time.
@@ -25,9 +30,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from inflight.engine.client import tagged
+from inflight.engine.commit.drafted import DRAFT_PREFIX
 from inflight.trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
 from tests.cache_harness import BLOCK, EXACT, CacheEngine, check_tags_change_at_commits, joined, start_cache_engine
-from tests.engine_harness import Reference, replay
+from tests.engine_harness import Reference, perturbed, replay
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -108,5 +114,64 @@ def test_ngram_speculation_is_tagged_and_replays_exactly_across_commits(repeatin
         assert sum(s.accepted for s in meter) > 0
         print("acceptance per version:", [f"v{s.version} {s.acceptance:.3f}" for s in meter])
         assert sorted(e.done[f"s{i}"].num_cached_tokens for i in range(4)) == [0, 0, BLOCK, BLOCK]
+    finally:
+        e.close()
+
+
+def test_a_draft_model_commits_with_its_target_and_keeps_its_acceptance(repeating_llama, tmp_path, port) -> None:
+    """The draft is a copy of the target: while every update carries the draft beside the
+    target, the draft proposes the target's own most likely tokens, and the target accepts
+    them at the rate it gives them. Frozen at an older version, the same draft proposes tokens
+    the moved target rejects: acceptance falls to nearly none. Tags and log-probs replay
+    exactly throughout."""
+    import shutil
+
+    draft_dir = tmp_path / "draft"
+    shutil.copytree(repeating_llama, draft_dir)
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
+    e = start_cache_engine(repeating_llama, port, "sync", max_model_len=1024, speculative_config=spec)
+    try:
+        base = e.versions[0]
+        assert e.started.schema_tensors == 2 * len(base)  # the target's tensors and the draft's
+        g = torch.Generator().manual_seed(6)
+        for i in range(4):
+            e.add(f"d{i}", torch.randint(3, 250, (40,), generator=g).tolist(), 160)
+        history = {rid: [0] for rid in e.prompts}
+        targets = {0: base}
+        for v in (1, 2, 3, 4, 5):  # the draft follows the target up to v3, then stays there
+            for _ in range(6):
+                _step(e, history)
+            targets[v] = perturbed(base, seed=300 + v)
+            draft = targets[min(v, 3)]
+            pushed = {**targets[v], **{f"{DRAFT_PREFIX}{n}": t.clone() for n, t in draft.items()}}
+            thread = e.push_until_pending(v, pushed)
+            _step(e, history)
+            joined(thread)
+        while e.llm.llm_engine.has_unfinished_requests():
+            _step(e, history)
+
+        ref = Reference(repeating_llama, "float32")
+        worst = 0.0
+        for rid in history:
+            t = tagged(e.done[rid].outputs[0])
+            assert set(t.versions) == set(range(6)), (rid, t.versions)
+            want = replay(ref, lambda label: targets[int(label)], e.prompts[rid], t.token_ids, t.labels, t.prompt_label)
+            worst = max(worst, float((torch.tensor(t.logprobs, dtype=torch.float64) - want).abs().max()))
+        meter = {s.version: s for s in e.coordinator.status().spec_decode}
+        print(f"worst |engine - replay| {worst:.2e}; acceptance per version:",
+              [f"v{v} {s.acceptance:.3f} ({s.tokens_per_step:.2f} tokens/step)" for v, s in meter.items()])
+        assert worst < EXACT
+        # vLLM's draft proposes its most likely token, which the target accepts with its probability there
+        assert all(meter[v].acceptance > 0.3 for v in range(4)), meter  # the draft committed with the target
+        assert all(meter[v].acceptance < 0.05 for v in (4, 5)), meter  # frozen at v3
+        check_tags_change_at_commits(e)
+
+        # an update without the draft is refused by name, and the engine serves on at v5
+        with pytest.raises(Exception, match=DRAFT_PREFIX) as refused:
+            e.pusher.push(6, {n: t.clone() for n, t in targets[5].items()})
+        print("refused:", str(refused.value)[:300])
+        e.add("after", e.prompts["d0"], 8)
+        e.finish()
+        assert set(tagged(e.done["after"].outputs[0]).versions) == {5}
     finally:
         e.close()

@@ -17,10 +17,11 @@ def _config(method: str | None, *, async_scheduling: bool = False) -> SimpleName
     return SimpleNamespace(speculative_config=spec, scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
 
 
-def test_ngram_runs_in_flight_and_proposers_with_weights_are_refused_by_name() -> None:
+def test_ngram_and_draft_models_run_in_flight_and_eagle_and_mtp_are_refused_by_name() -> None:
     assert problems(_config(None), record_routing=True) == []
-    assert problems(_config("ngram"), record_routing=False) == []
-    for method in ("draft_model", "eagle", "eagle3", "mtp"):
+    for method in ("ngram", "draft_model"):
+        assert problems(_config(method), record_routing=False) == []
+    for method in ("eagle", "eagle3", "mtp"):
         (why,) = problems(_config(method), record_routing=False)
         assert f"speculative_config.method={method!r}" in why and "not updated in flight" in why
     (why,) = problems(_config("ngram", async_scheduling=True), record_routing=False)
