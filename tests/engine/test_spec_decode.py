@@ -175,3 +175,39 @@ def test_a_draft_model_commits_with_its_target_and_keeps_its_acceptance(repeatin
         assert set(tagged(e.done["after"].outputs[0]).versions) == {5}
     finally:
         e.close()
+
+
+def test_a_smaller_draft_of_the_same_tokenizer_replays_exactly(repeating_llama, tmp_path, port) -> None:
+    """A one-layer draft, half as wide, built from its own config on the target's tokenizer:
+    the target's tokens and log-probs replay from their tags across commits whatever the
+    draft proposes, each update carrying the draft's own (perturbed) weights."""
+    draft_dir = build_tiny_model(tmp_path / "small_draft", default_corpus(), TinyModelConfig(
+        arch="llama", hidden_size=64, num_heads=1, num_kv_heads=1, num_layers=1, intermediate_size=128,
+        tie_word_embeddings=False, seed=4))
+    draft0 = load_file(str(draft_dir / "model.safetensors"))
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
+    e = start_cache_engine(repeating_llama, port, "sync", max_model_len=1024, speculative_config=spec)
+    try:
+        assert e.started.schema_tensors == len(e.versions[0]) + len(draft0)
+        targets = {0: e.versions[0]}
+        g = torch.Generator().manual_seed(8)
+        for i in range(2):
+            e.add(f"m{i}", torch.randint(3, 250, (40,), generator=g).tolist(), 64)
+        for v in (1, 2, 3):
+            e.step(5)
+            targets[v] = perturbed(targets[0], seed=300 + v)
+            draft = {f"{DRAFT_PREFIX}{n}": t for n, t in perturbed(draft0, seed=400 + v).items()}
+            thread = e.push_until_pending(v, {**targets[v], **draft})
+            e.step()
+            joined(thread)
+        e.finish()
+        ref = Reference(repeating_llama, "float32")
+        for rid in ("m0", "m1"):
+            t = tagged(e.done[rid].outputs[0])
+            assert set(t.versions) == {0, 1, 2, 3}, t.versions
+            want = replay(ref, lambda label: targets[int(label)], e.prompts[rid], t.token_ids, t.labels, t.prompt_label)
+            assert float((torch.tensor(t.logprobs, dtype=torch.float64) - want).abs().max()) < EXACT
+        meter = e.coordinator.status().spec_decode
+        assert sum(s.drafted for s in meter) > 0 and [s.version for s in meter] == [0, 1, 2, 3], meter
+    finally:
+        e.close()
