@@ -4,6 +4,7 @@ interpreter here)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -31,21 +32,19 @@ def test_ngram_and_draft_models_run_in_flight_and_eagle_and_mtp_are_refused_by_n
 
 
 def _vllm_expand_kernel(tmp_path):
-    """vLLM 0.32's ``expand_kernel``, its source compiled by the real Triton (vLLM's CPU build
-    imports a placeholder instead), to run in Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    """vLLM 0.32's ``expand_kernel``, its source (read from vLLM's file: once an engine started
+    in the process, the module holds the CPU platform's stand-in instead) compiled by the real
+    Triton, to run in Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    import ast
     import importlib.util
-    import inspect
-    import textwrap
 
-    from vllm.triton_utils import dispatcher
     from vllm.v1.sample import rejection_sampler
 
-    kernel = rejection_sampler.expand_kernel  # or, once an engine started here, the CPU platform's stand-in for it
-    if isinstance(kernel, dispatcher.KernelOverride):
-        kernel, _ = dispatcher._registry["vllm.v1.sample.rejection_sampler.expand_kernel"]
-    source = textwrap.dedent(inspect.getsource(kernel))
+    text = Path(rejection_sampler.__file__).read_text()
+    (node,) = [n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == "expand_kernel"]
     path = tmp_path / "vllm_expand_kernel.py"
-    path.write_text("import triton\nimport triton.language as tl\n\n\n" + source)
+    path.write_text("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+                    + ast.get_source_segment(text, node) + "\n")
     spec = importlib.util.spec_from_file_location("vllm_expand_kernel", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
