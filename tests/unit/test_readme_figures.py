@@ -236,7 +236,7 @@ SOURCES: dict[str, Callable[[dict], tuple[list[str], list[str]]]] = {
     "decode time lost per update over emulated links (network namespace, `tbf`), SmolLM2-135M fp32, split cores, "
     "same cadence": _links,
     "GPU fleets at scale (a model, not a GPU run)": _scale,
-    "test suite, fresh clone, install included (machine otherwise idle)": _suite,
+    "test suite, fresh clone (install included unless its `.venv` was there)": _suite,
     "GRPO groups of 8 sharing a 2048-token system prompt (32-token questions, 64 sampled), an update every 16 steps, "
     "prefix caching on": _grpo_system,
     "GRPO groups of 8 in 4-turn episodes (256-token prompts; per turn 32 tokens sampled, then a 32-token tool result), "
