@@ -1,5 +1,6 @@
-"""Speculative decoding on an in-flight engine: which proposers are exact across commits, and
-the one vLLM 0.32 CPU defect that makes sampled speculation inexact.
+"""Speculative decoding on an in-flight engine: which proposers are exact across commits, what
+they accept per version, and the two vLLM 0.32 CPU defects on its path (an expand kernel that
+leaves sampled speculation's temperatures unset; a kernel rebinding that fails after numba).
 
 A speculative step verifies its draft tokens in one forward of the target and accepts a prefix
 of them (vLLM's rejection sampler: the accepted and recovered tokens are distributed as the
