@@ -313,7 +313,7 @@ def engine_kwargs(*, model: str | os.PathLike | None = None,
         kwargs["weight_transfer_config"] = {"backend": "inflight"}
     if model is not None:
         kwargs["model"] = os.fspath(model)
-        reason = None if "enable_prefix_caching" in overrides else caching_off_reason(os.fspath(model))
+        reason = None if "enable_prefix_caching" in overrides else caching_off_reason(kwargs["model"])
         if reason is not None:
             log.warning("inflight: prefix caching off for %s: %s", kwargs["model"], reason)
             kwargs["enable_prefix_caching"] = False

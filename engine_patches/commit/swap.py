@@ -90,6 +90,7 @@ def parameter_aliases(model: torch.nn.Module,
         visit(module, 0)
     return found
 
+
 def parameter_views(model: torch.nn.Module, owners: list[torch.nn.Module]) -> list[str]:
     """The buffers of ``model`` that read a parameter's storage (vLLM 0.32's Mamba2 mixer keeps
     ``conv_weights``, a view of ``conv1d.weight``), as ``"buffer <- parameter"``. A swap gives
