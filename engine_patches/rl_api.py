@@ -11,7 +11,7 @@ engine steps; on this backend the patch (``inflight.engine.patch``) hands them h
   decodes (``wire_config``); again, they join the new trainer's group;
 - ``start_weight_update``, ``update_weights``, ``finish_weight_update``: the worker extension's
   ``inflight_rl_*`` methods, each of which returns at once (``inflight.engine.transfer_engine``);
-- ``start_draft_weight_update``: refused by name (speculative decoding is refused at start);
+- ``start_draft_weight_update``: refused by name (a draft's tensors travel in the target's update);
 - ``shutdown_weight_transfer_engine``: ``inflight_stop``;
 - ``set_weight_version(v)`` (``finish_weight_update(weight_version)``, ``/update_weight_version``): accepted only
   for the version the engine serves or the update it was told of, and never moves the label: the coordinator
@@ -85,8 +85,9 @@ def call(core: Any, method: str, kwargs: dict[str, Any], rpc: Callable[..., list
     if method == "init_weight_transfer_engine":
         return _init(core, kwargs, rpc, start, coordinator)
     if method == "start_draft_weight_update":
-        raise RLApiError("inflight: start_draft_weight_update: draft model updates are refused, as speculative "
-                         "decoding is on an in-flight engine")
+        raise RLApiError("inflight: start_draft_weight_update: draft model updates are refused apart from the "
+                         "target's: a draft's tensors travel in the target's update, named 'draft.<name>', and "
+                         "commit with it (inflight.engine.commit.drafted)")
     if coordinator is None:
         raise RLApiError(f"inflight: {method} before init_weight_transfer_engine")
     if method == "shutdown_weight_transfer_engine":

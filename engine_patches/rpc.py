@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec import Struct
 
-from inflight.protocol import NonNeg, WorkerCommitResult
+from inflight.protocol import NonNeg, VersionSpecStats, WorkerCommitResult
 
 R = TypeVar("R")
 
@@ -81,28 +81,6 @@ class PrefixCacheStats(_Result):
     """The last of those (up to 64), by vLLM request id."""
     last_commit_us: float = 0.0
     """What the last invalidation took inside the commit window."""
-
-
-class VersionSpecStats(_Result):
-    """Speculative decoding under one live version (``inflight.engine.spec_decode``)."""
-
-    version: NonNeg
-    steps: NonNeg = 0
-    """Request-steps that emitted tokens under this version (a request in one engine step)."""
-    emitted: NonNeg = 0
-    """Tokens those request-steps emitted."""
-    drafted: NonNeg = 0
-    """Draft tokens they verified."""
-    accepted: NonNeg = 0
-    """Draft tokens they accepted."""
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.emitted / self.steps if self.steps else 0.0
 
 
 class EngineState(_Result):

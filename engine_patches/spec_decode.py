@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from inflight.engine.rpc import VersionSpecStats
+from inflight.protocol import VersionSpecStats
 
 KEPT_VERSIONS = 64
 """The newest versions whose speculation ``SpecDecodeMeter`` reports."""
@@ -41,6 +41,9 @@ def problems(vllm_config: Any, *, record_routing: bool) -> list[str]:
     if spec.method not in IN_FLIGHT_METHODS:
         found.append(f"speculative_config.method={spec.method!r}: its proposer's weights are not updated in flight "
                      f"(supported: {', '.join(IN_FLIGHT_METHODS)})")
+    if getattr(spec, "use_heterogeneous_vocab", False):
+        found.append("speculative_config.use_heterogeneous_vocab=True: a draft of another vocabulary (its tokens "
+                     "mapped to the target's) is not run in flight; use a draft of the target's tokenizer")
     if vllm_config.scheduler_config.async_scheduling:
         found.append("speculative decoding with async scheduling is untested here (start with async_scheduling=False)")
     if record_routing:

@@ -488,6 +488,29 @@ class Sampling(Struct, frozen=True, forbid_unknown_fields=True):
         return [f"{name}={getattr(self, name)}" for name, neutral in off.items() if getattr(self, name) not in neutral]
 
 
+class VersionSpecStats(Struct, frozen=True, forbid_unknown_fields=True):
+    """Speculative decoding under one live version (``inflight.engine.spec_decode``): in the
+    worker's status, and with each rollout group the engine ships (``RolloutGroup.engine_spec``)."""
+
+    version: NonNeg
+    steps: NonNeg = 0
+    """Request-steps that emitted tokens under this version (a request in one engine step)."""
+    emitted: NonNeg = 0
+    """Tokens those request-steps emitted."""
+    drafted: NonNeg = 0
+    """Draft tokens they verified."""
+    accepted: NonNeg = 0
+    """Draft tokens they accepted."""
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+
 class RolloutGroup(Wire, tag="group"):
     """All samples drawn for one prompt (a GRPO group), sent together once the last finishes."""
 
@@ -502,6 +525,9 @@ class RolloutGroup(Wire, tag="group"):
     """The engine's rollout totals when it shipped this group: groups scored and failed, and
     for a multi-turn task its episodes started, finished, failed, dropped and shipped
     (``inflight.trainer.rollout.episode_rollout.EpisodeRollout.counts``). Empty: not reported."""
+    engine_spec: tuple[VersionSpecStats, ...] = ()
+    """The engine's speculative decoding when it shipped this group, per live version, oldest
+    first, counted since the engine started (``EngineState.spec_decode``). Empty: no speculation."""
 
     def __post_init__(self) -> None:
         for s in self.samples:

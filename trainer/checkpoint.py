@@ -115,10 +115,12 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, che
     set_optimizer_state_dict(model, optimizer, state)
 
 
-def save_checkpoint(path: Path, model, tokenizer, write_optimizer: Callable[[Path], None], state: TrainerState) -> None:
+def save_checkpoint(path: Path, model, tokenizer, write_optimizer: Callable[[Path], None], state: TrainerState,
+                    extra: Callable[[Path], None] | None = None) -> None:
     """``model`` (a Hugging Face model, or a PEFT adapter) and ``tokenizer`` saved, the optimizer
-    written by ``write_optimizer(directory)`` (``save_optimizer``, on every rank), then ``state``:
-    the whole swapped into ``path`` at once."""
+    written by ``write_optimizer(directory)`` (``save_optimizer``, on every rank), what ``extra``
+    writes into the checkpoint's directory (a draft model: ``draft/``), then ``state``: the whole
+    swapped into ``path`` at once."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -126,6 +128,8 @@ def save_checkpoint(path: Path, model, tokenizer, write_optimizer: Callable[[Pat
     model.save_pretrained(str(tmp), safe_serialization=True)
     tokenizer.save_pretrained(str(tmp))
     write_optimizer(tmp / "optimizer")
+    if extra is not None:
+        extra(tmp)
     (tmp / "state.json").write_text(json.dumps({
         "step": state.step,
         "version": state.version,

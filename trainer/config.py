@@ -233,8 +233,9 @@ class EngineConfig:
     speculative_tokens: int = 0
     """Draft tokens n-gram prompt lookup proposes per step (vLLM's ``speculative_config`` with
     method ``ngram``: 1-3 token n-grams of the prompt and the completion so far); 0 turns
-    speculation off. Each accepted token carries the label of the step that verified it
-    (``inflight.engine.spec_decode``); the engine then steps synchronously."""
+    n-gram speculation off (a draft model is ``draft``'s). Each accepted token carries the
+    label of the step that verified it (``inflight.engine.spec_decode``); the engine then steps
+    synchronously."""
     commit_unit: CommitUnit = "model"
     """What an engine commits at once (``InflightConfig.commit_unit``): the whole model, or one
     layer group per step boundary (staging of two groups, a stall of one group's swap; tokens
@@ -279,6 +280,46 @@ class EngineConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DraftConfig:
+    """A draft model the engines speculate with (vLLM's ``draft_model`` method), trained online by
+    distillation from the policy's own samples and pushed with every update: it commits with the
+    policy at the same step boundary (``inflight.engine.commit.drafted``), so it never proposes
+    from weights the engine dropped. Off unless ``path`` or ``layers`` names one."""
+
+    path: str = ""
+    """A draft checkpoint (a directory or a hub id) of the policy's tokenizer; empty: none, or the
+    one ``layers`` builds."""
+    layers: int = 0
+    """Build the draft from the policy itself: its embeddings, its first ``layers`` decoder
+    layers, its final norm and LM head (``inflight.trainer.draft``). 0: build none."""
+    speculative_tokens: int = 3
+    """Tokens the draft proposes per engine step; the policy verifies them all in that step."""
+    train: bool = True
+    """Distill the draft each step: cross-entropy on the batch's sampled completion tokens, the
+    policy's own samples (the draft's loss is logged as ``draft_loss``). False: it stays as it
+    started, and is still pushed with every update (the frozen control)."""
+    learning_rate: float = 1e-3
+    """AdamW's learning rate for the draft (its own optimizer, on the trainer's rank 0)."""
+    steps_per_update: int = 1
+    """Distillation steps on each batch, between two pushes."""
+
+    def __post_init__(self) -> None:
+        if type(self.layers) is not int or self.layers < 0:
+            raise ValueError(f"draft.layers={self.layers!r} must be a whole number >= 0")
+        if self.path and self.layers:
+            raise ValueError(f"draft.path={self.path!r} and draft.layers={self.layers}: name one draft, not both")
+        for key in ("speculative_tokens", "steps_per_update"):
+            if type(value := getattr(self, key)) is not int or value < 1:
+                raise ValueError(f"draft.{key}={value!r} must be a whole number >= 1")
+        if not self.learning_rate > 0:
+            raise ValueError(f"draft.learning_rate={self.learning_rate} must be > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path or self.layers)
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -289,6 +330,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
 
     def __post_init__(self) -> None:
         # an in-flight engine samples with a version the trainer has already moved past, and
@@ -302,6 +344,8 @@ class TrainConfig:
         if self.engine.speculative_tokens and self.loss.routing_replay:
             raise ValueError(f"engine.speculative_tokens={self.engine.speculative_tokens} with loss.routing_replay: "
                              "routing is recorded for one token per step (set one of them off)")
+        if self.draft.enabled:
+            _check_draft(self)
         if self.model.lora.enabled and (self.loss.routing_replay or self.engine.commit_unit != "model"):
             raise ValueError("model.lora.rank > 0: an adapter run commits the whole adapter at once and replays no "
                              "routing (set loss.routing_replay=false, engine.commit_unit='model')")
@@ -319,19 +363,42 @@ class TrainConfig:
                              f"batch: it needs optim.micro_batches=1, not {self.optim.micro_batches}")
 
 
+def _whole_model_settings(cfg: TrainConfig) -> dict[str, tuple[object, object]]:
+    """Settings -> (their value, what a whole-model update on one worker per engine needs)."""
+    return {"engine.tensor_parallel_size": (cfg.engine.tensor_parallel_size, 1),
+            "engine.commit_unit": (cfg.engine.commit_unit, "model"),
+            "transport.encoding": (cfg.transport.encoding, "dense"), "model.lora.rank": (cfg.model.lora.rank, 0),
+            "loss.routing_replay": (cfg.loss.routing_replay, False)}
+
+
+def _refuse_unless(needs: dict[str, tuple[object, object]], why: str, instead: str) -> None:
+    """``ValueError`` naming the first setting of ``needs`` that is not what it needs, ``why``, and
+    what to set it to (or ``instead``)."""
+    for key, (value, needed) in needs.items():
+        if value != needed:
+            raise ValueError(f"{key}={value!r} {why}; set {key}={needed!r}, or {instead}")
+
+
+def _check_draft(cfg: TrainConfig) -> None:
+    """A draft model speculates on whole-model, whole-weight pushes of one engine process per
+    engine: refuse, by name, every setting it does not cover."""
+    if cfg.engine.speculative_tokens:
+        raise ValueError(f"engine.speculative_tokens={cfg.engine.speculative_tokens} (n-gram lookup) with a draft "
+                         "model: an engine speculates one way; the draft's count is draft.speculative_tokens")
+    _refuse_unless(_whole_model_settings(cfg), "with a draft model (draft.path / draft.layers): the draft commits "
+                   "whole, with the whole policy, on one worker per engine", "no draft")
+    if cfg.rollout.mode == "pause":
+        raise ValueError("rollout.mode='pause' with a draft model (draft.path / draft.layers): vLLM's native update "
+                         "carries no draft; use rollout.mode='inflight' or 'batch', or no draft")
+
+
 def _check_pause(cfg: TrainConfig) -> None:
     """``rollout.mode = "pause"`` runs vLLM's native update on one in-process engine: refuse,
     by name, every setting it does not cover."""
-    refused = {"engine.count": (cfg.engine.count, 1),
-               "engine.tensor_parallel_size": (cfg.engine.tensor_parallel_size, 1),
-               "engine.commit_unit": (cfg.engine.commit_unit, "model"),
-               "engine.launcher": (cfg.engine.launcher, "process"),
-               "transport.encoding": (cfg.transport.encoding, "dense"), "model.lora.rank": (cfg.model.lora.rank, 0),
-               "loss.routing_replay": (cfg.loss.routing_replay, False)}
-    for key, (value, needed) in refused.items():
-        if value != needed:
-            raise ValueError(f"{key}={value!r} with rollout.mode='pause': the native pause-and-update path runs on "
-                             f"one whole-model engine; set {key}={needed!r}, or rollout.mode='inflight'")
+    _refuse_unless({"engine.count": (cfg.engine.count, 1), "engine.launcher": (cfg.engine.launcher, "process"),
+                    **_whole_model_settings(cfg)},
+                   "with rollout.mode='pause': the native pause-and-update path runs on one whole-model engine",
+                   "rollout.mode='inflight'")
     if cfg.loss.max_lag < 1:
         raise ValueError(f"loss.max_lag={cfg.loss.max_lag} with rollout.mode='pause': samples drawn ahead lag the "
                          "trainer by 1 at least; use max_lag >= 1, or rollout.mode='batch'")

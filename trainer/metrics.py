@@ -49,7 +49,8 @@ class MetricsLog:
 
 class RolloutLedger:
     """The engines' rollout totals (``RolloutGroup.engine_ledger``, the latest of each engine,
-    summed) beside what the trainer trained on: ``rollout/`` metrics of every step.
+    summed) beside what the trainer trained on: ``rollout/`` metrics of every step; with them
+    the engines' speculation (``SpeculationTally``).
 
     Every total goes on across a resume: the engines keep theirs in the run directory
     (the episode journals, ``episodes-e<i>.journal``), this side's are in the checkpoint
@@ -62,6 +63,7 @@ class RolloutLedger:
         self.groups_trained = int(state.get("groups_trained", 0))
         self.episodes_trained = int(state.get("episodes_trained", 0))
         self.queue_base: dict[str, int] = dict(state.get("queue", {"put": 0, "read": 0}))
+        self.speculation = SpeculationTally()  # the engines' speculative decoding, by version
 
     def state(self, queue: Any) -> dict:
         """What a checkpoint keeps; ``queue``: the run's ``RolloutQueue``."""
@@ -88,7 +90,35 @@ class RolloutLedger:
         out["rollout_groups_trained"] = self.groups_trained
         if "episodes_started" in totals:
             out["rollout_episodes_trained"] = self.episodes_trained
-        return out
+        return {**out, **self.speculation.update(groups)}
+
+
+class SpeculationTally:
+    """The engines' speculative decoding as metrics (``RolloutGroup.engine_spec``, the latest of
+    each engine, summed over the engines by version): ``spec_acceptance`` and
+    ``spec_tokens_per_step`` under the newest version that verified drafts (still counting: it
+    is live), and ``spec_by_version``, each version's ``[acceptance, tokens per step]``: one
+    entry per update. Empty without speculation."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, tuple] = {}
+
+    def update(self, groups: list) -> dict[str, Any]:
+        for g in groups:
+            if g.engine_spec:
+                self.latest[g.engine_id] = g.engine_spec
+        totals: dict[int, list[int]] = {}  # version -> [request-steps, emitted, drafted, accepted]
+        for stats in self.latest.values():
+            for s in stats:
+                t = totals.setdefault(s.version, [0, 0, 0, 0])
+                for i, n in enumerate((s.steps, s.emitted, s.drafted, s.accepted)):
+                    t[i] += n
+        by_version = {v: [t[3] / t[2], t[1] / t[0]] for v, t in sorted(totals.items()) if t[2] and t[0]}
+        if not by_version:
+            return {}
+        newest = by_version[max(by_version)]
+        return {"spec_acceptance": newest[0], "spec_tokens_per_step": newest[1],
+                "spec_by_version": {str(v): [round(a, 4), round(k, 4)] for v, (a, k) in by_version.items()}}
 
 
 def _mean(xs: list[float]) -> float:

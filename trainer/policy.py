@@ -345,13 +345,13 @@ class Policy:
         return float(loss), {**metrics, **self.replay.stats(routed)}, batch
 
     def save(self, path: Path, step: int, version: int, buffer: RolloutBuffer,
-             ledger: Callable[[], dict] | None = None) -> None:
+             ledger: Callable[[], dict] | None = None, extra: Callable[[Path], None] | None = None) -> None:
         """A checkpoint: weights, optimizer, RNG, the rollout groups admitted but not yet trained
-        on, and the trainer's side of the rollout ledger."""
+        on, the trainer's side of the rollout ledger, and what ``extra(directory)`` writes."""
         buffer.drain(version)  # queued groups live in this process's store: keep them with the checkpoint
         save_checkpoint(path, self.unwrapped, self.tokenizer, self.write_optimizer, TrainerState(
             step=step, version=version, python_rng=random.getstate(), torch_rng=torch.get_rng_state(),
-            buffer_stats=buffer.stats(), pending=list(buffer.pending), ledger=ledger() if ledger else {}))
+            buffer_stats=buffer.stats(), pending=list(buffer.pending), ledger=ledger() if ledger else {}), extra)
 
     def write_optimizer(self, directory: Path) -> None:
         """The optimizer's state into ``directory``, every rank its shard (rank 0 tells the others)."""

@@ -23,6 +23,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from inflight.trainer.checkpoint import TrainerState, load_state, recover
 from inflight.trainer.config import TrainConfig, group_config, push_config
 from inflight.trainer.config_files import add_config_arguments, config_to_dict, load_config
 from inflight.trainer.console import BarText, Interrupt, quiet_libraries
+from inflight.trainer.draft import DraftTrainer, write_initial_draft
 from inflight.trainer.envs import build_task
 from inflight.trainer.fleet import EngineLost, Fleet, place, visible_gpus
 from inflight.trainer.lora_policy import write_first_adapter
@@ -60,6 +62,7 @@ def train(cfg: TrainConfig, ranks: TrainerRanks | None = None) -> dict:  # ranks
     # -- 1. the policy on disk, 2. the engine processes (the fleet) --------------------------------
     resumed, model_dir, adapter_dir, version = _policy_on_disk(cfg, out, ckpt_dir)
     task = _task_before_engines(cfg, model_dir)  # a bad task module, dataset line or prompt length stops here
+    draft = _draft_before_engines(cfg, model_dir, ckpt_dir if resumed else None)  # draft.*: on disk for the engines
     port = cfg.transport.port or reserve_port(cfg.transport.host)  # held until the trainer's store takes it
     placement = place(cfg.transport.backend, spawn=cfg.engine.spawn, gpus=visible_gpus())
     fleet = Fleet(cfg, model_dir, version, port, placement, out, adapter_dir)
@@ -76,10 +79,8 @@ def train(cfg: TrainConfig, ranks: TrainerRanks | None = None) -> dict:  # ranks
                            pending=resumed.pending if resumed else (), stats=resumed.buffer_stats if resumed else None)
     metrics = MetricsLog(out / "metrics.jsonl", append=resumed is not None,
                          trackers=open_trackers(cfg, out, resumed=resumed is not None))  # run.report_to
-    evaluator = Evaluator(cfg, policy.tokenizer, task, model_dir) if cfg.eval.every else None  # greedy, held out
-    if evaluator is not None and resumed is None:  # row "step 0": the policy before any update
-        metrics.write({"step": 0, "version": version, **evaluator(policy.unwrapped)})
-    sync = WeightSync(cfg, pusher, fleet, queue, policy.weights)
+    evaluator = _evaluator(cfg, policy, task, model_dir, metrics, version, first=resumed is None)  # greedy, held out
+    sync = WeightSync(cfg, pusher, fleet, queue, _pushed(policy, draft))
     version = sync.catch_up(version)
 
     # -- 4. the loop: batch, loss, step, push, metrics, checkpoint -----------------------------------
@@ -91,14 +92,15 @@ def train(cfg: TrainConfig, ranks: TrainerRanks | None = None) -> dict:  # ranks
             t0 = time.perf_counter()
             groups, version = sync.next_batch(buffer, version)
             result = policy.step(groups, version, done - 1, before_write=sync.wait_reads)
+            drafted = draft.step(groups) if draft is not None else {}  # the last push read its weights: above
             version += 1
             score = (lambda: evaluator(policy.unwrapped)) if evaluator is not None and evaluator.due(done) else dict
             version, evaluation = sync.push(version, last=done == cfg.run.steps, score=score)
             metrics.write(row := {**_row(done, version, result, groups, t0, sync, buffer, queue, fleet),
-                                  **ledger.update(groups), **evaluation}, groups)  # and the samples, to samples.jsonl
+                                  **ledger.update(groups), **drafted, **evaluation}, groups)  # and samples.jsonl
             bar.set_postfix_str(bar_text(row), refresh=False)
             if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0:
-                policy.save(ckpt_dir, done, version, buffer, lambda: ledger.state(queue))
+                policy.save(ckpt_dir, done, version, buffer, lambda: ledger.state(queue), _draft_saver(draft))
                 fleet.restart_from(ckpt_dir, version)
             if interrupt.asked:  # Ctrl-C: stop after a whole step, its push landed; leave everything below behind
                 version = sync.land(version)
@@ -111,7 +113,7 @@ def train(cfg: TrainConfig, ranks: TrainerRanks | None = None) -> dict:  # ranks
         metrics.close()  # the experiment trackers' files, finished
 
     # -- 5. what we leave behind ---------------------------------------------------------------------
-    _save_last(policy, ckpt_dir, done, version, buffer, lambda: ledger.state(queue))
+    _save_last(policy, ckpt_dir, done, version, buffer, lambda: ledger.state(queue), _draft_saver(draft))
     return _summary(out, metrics, ledger.queue_totals(queue), buffer, fleet, interrupted=done < cfg.run.steps)
 
 
@@ -136,6 +138,40 @@ def _task_before_engines(cfg: TrainConfig, model_dir: Path) -> Task:
         raise SetupError(f"task {cfg.task.name!r}: a prompt of {longest} tokens and task.completion_tokens="
                          f"{cfg.task.completion_tokens} exceed engine.max_model_len={cfg.engine.max_model_len}")
     return task
+
+
+def _draft_before_engines(cfg: TrainConfig, model_dir: Path, checkpoint: Path | None) -> DraftTrainer | None:
+    """The run's draft (``draft``), trained here; the engines load it from disk: a resumed
+    checkpoint's ``draft/``, else ``<run.out_dir>/draft_init``, written here before they start
+    (``inflight.trainer.draft.draft_dir``). A draft that cannot be built or loaded: ``SetupError``."""
+    if not cfg.draft.enabled:
+        return None
+    try:
+        if checkpoint is not None and (checkpoint / "draft" / "config.json").exists():
+            return DraftTrainer(cfg, checkpoint / "draft")
+        return DraftTrainer(cfg, write_initial_draft(cfg, model_dir))
+    except (ValueError, OSError) as e:
+        raise SetupError(f"draft: {e}") from None
+
+
+def _evaluator(cfg: TrainConfig, policy: Policy, task: Task, model_dir: Path, metrics: MetricsLog, version: int, *,
+               first: bool) -> Evaluator | None:
+    """``eval``'s greedy evaluation on held-out prompts (None: off); a run that does not resume
+    writes its row "step 0" here: the policy before any update."""
+    evaluator = Evaluator(cfg, policy.tokenizer, task, model_dir) if cfg.eval.every else None
+    if evaluator is not None and first:
+        metrics.write({"step": 0, "version": version, **evaluator(policy.unwrapped)})
+    return evaluator
+
+
+def _pushed(policy: Policy, draft: DraftTrainer | None) -> Callable[[], dict[str, torch.Tensor]]:
+    """What each push sends: the policy's tensors, and a draft's beside them (``draft.<name>``)."""
+    return policy.weights if draft is None else lambda: {**policy.weights(), **draft.weights()}
+
+
+def _draft_saver(draft: DraftTrainer | None) -> Callable[[Path], None] | None:
+    """What a checkpoint writes of the draft: ``draft/`` in its directory."""
+    return None if draft is None else lambda directory: draft.save(directory / "draft")
 
 
 def _save_last(policy: Policy, *save: Any) -> None:

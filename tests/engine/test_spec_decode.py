@@ -209,5 +209,20 @@ def test_a_smaller_draft_of_the_same_tokenizer_replays_exactly(repeating_llama, 
             assert float((torch.tensor(t.logprobs, dtype=torch.float64) - want).abs().max()) < EXACT
         meter = e.coordinator.status().spec_decode
         assert sum(s.drafted for s in meter) > 0 and [s.version for s in meter] == [0, 1, 2, 3], meter
+
+        # a draft of another architecture (the target's own layers as the draft), and an update
+        # for a version the engine has already passed, are refused by name; the engine serves on at v3
+        other = {f"{DRAFT_PREFIX}{n}": t.clone() for n, t in targets[0].items()}
+        unknown = r"\[unknown_tensor\] v4 names tensors .*'draft\.model\.layers\.1\."
+        with pytest.raises(Exception, match=unknown) as refused:
+            e.pusher.push(4, {**targets[3], **other})
+        print("refused:", str(refused.value)[:300])
+        with pytest.raises(Exception, match=r"\[stale_version\] v2 is not newer than the live v3") as refused:
+            e.pusher.push(2, {**targets[2], **{f"{DRAFT_PREFIX}{n}": t for n, t in draft0.items()}})
+        print("refused:", str(refused.value)[:300])
+        e.add("after", e.prompts["m0"], 8)
+        e.finish()
+        assert set(tagged(e.done["after"].outputs[0]).versions) == {3}
+        assert e.coordinator.status().live_version == 3
     finally:
         e.close()

@@ -92,6 +92,34 @@ def test_a_run_with_ngram_speculation_trains_on_its_tagged_samples(tmp_path) -> 
     assert [r["version"] for r in rows] == [1, 2, 3] and rows[-1]["pushed_version"] == 3
     assert all(r["tokens_in_loss"] > 0 and sum(r["ratio_hist"]) > 0 for r in rows)
     assert summary["max_versions_per_sample"] >= 1
+    # the engine's speculation in the training metrics, one entry per version that verified drafts
+    # (the tiny policy's samples at temperature 1 seldom repeat, so n-gram drafts are seldom accepted)
+    assert all(0 <= r["spec_acceptance"] <= 1 and r["spec_tokens_per_step"] >= 1 for r in rows), rows
+    assert {"0", "1", "2"} <= set(rows[-1]["spec_by_version"]) and "draft_loss" not in rows[-1]
+
+
+def test_a_run_with_a_draft_model_distills_it_and_pushes_it_with_the_policy(tmp_path) -> None:
+    """``draft.layers``: the engines speculate with a one-layer draft cut from the policy; the
+    trainer distills it on each batch (``draft_loss`` falls over the run on the tiny task) and
+    every push carries it, so the engine verifies its drafts under each version it commits."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    cfg = config_from_dict({**SMALL, "run": {**SMALL["run"], "steps": 4, "out_dir": str(out)},
+                            "rollout": {**SMALL["rollout"], "temperature": 0.25},  # sharp: drafts are accepted
+                            "draft": {"layers": 1, "learning_rate": 3e-3, "steps_per_update": 2}})
+    train(cfg)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4] and rows[-1]["pushed_version"] == 4
+    assert all(r["tokens_in_loss"] > 0 and r["draft_loss"] > 0 and 0 <= r["draft_top1"] <= 1 for r in rows)
+    assert all(r["draft_loss_last"] < r["draft_loss"] for r in rows)  # each batch: distillation lowers its loss
+    by_version = rows[-1]["spec_by_version"]  # drafts verified under the first weights and pushed versions
+    assert {"0", "1", "2"} <= set(by_version), by_version
+    assert by_version["0"][1] > 1.05 and all(0 < a <= 1 for a, _ in by_version.values()), by_version
+    init, last = load_file(str(out / "draft_init" / "model.safetensors")), load_file(
+        str(out / "checkpoint" / "draft" / "model.safetensors"))
+    assert sorted(init) == sorted(last) and any(not torch.equal(init[n], last[n]) for n in init)  # it trained
+    assert (out / "checkpoint" / "draft" / "optimizer.pt").exists()
 
 
 def test_batch_mode_samples_each_step_from_one_version(tmp_path) -> None:

@@ -13,8 +13,8 @@ import torch
 from inflight.engine.spec_decode import _expand, problems
 
 
-def _config(method: str | None, *, async_scheduling: bool = False) -> SimpleNamespace:
-    spec = None if method is None else SimpleNamespace(method=method)
+def _config(method: str | None, *, async_scheduling: bool = False, other_vocab: bool = False) -> SimpleNamespace:
+    spec = None if method is None else SimpleNamespace(method=method, use_heterogeneous_vocab=other_vocab)
     return SimpleNamespace(speculative_config=spec, scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
 
 
@@ -29,6 +29,8 @@ def test_ngram_and_draft_models_run_in_flight_and_eagle_and_mtp_are_refused_by_n
     assert "async scheduling" in why
     (why,) = problems(_config("ngram"), record_routing=True)
     assert "record_routing" in why
+    (why,) = problems(_config("draft_model", other_vocab=True), record_routing=False)
+    assert why.startswith("speculative_config.use_heterogeneous_vocab=True: a draft of another vocabulary")
 
 
 def _vllm_expand_kernel(tmp_path):

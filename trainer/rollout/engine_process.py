@@ -33,6 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from inflight.adapter import AdapterSpec
 from inflight.protocol import EngineReport, RolloutGroup, Sampling
 from inflight.rollout_queue import RolloutQueue
@@ -259,6 +261,8 @@ class RolloutLoop:
     def _ship(self, item: RolloutGroup, *, wait: bool) -> bool | None:
         """Queue a finished group, across a trainer restart if need be. True: queued; None: the
         queue is full and ``wait`` is False; False: stop."""
+        if self.coordinator.spec_decode is not None:  # what the engine's speculation did so far, per version
+            item = msgspec.structs.replace(item, engine_spec=self.coordinator.spec_decode.stats())
         while True:
             try:
                 self.queue.put(item, timeout_s=(0.05 if self.native is not None else 1.0) if wait else 0.0)
@@ -395,6 +399,12 @@ def _engine(cfg: TrainConfig, model_dir: str, rank: int, adapter: AdapterSpec | 
         extra.update(async_scheduling=False, speculative_config={
             "method": "ngram", "num_speculative_tokens": cfg.engine.speculative_tokens, "prompt_lookup_max": 3,
             "prompt_lookup_min": 1})
+    if cfg.draft.enabled:  # the run's draft (``inflight.trainer.draft``), committed with every update
+        from inflight.trainer.draft import draft_dir
+
+        extra.update(async_scheduling=False, speculative_config={
+            "method": "draft_model", "model": str(draft_dir(cfg, model_dir)),
+            "num_speculative_tokens": cfg.draft.speculative_tokens})
     if cfg.rollout.mode == "pause":  # vLLM's native update path, over gloo (``inflight.trainer.native_update``)
         from inflight.trainer.native_update import BACKEND, register
 
