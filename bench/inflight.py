@@ -79,6 +79,8 @@ from inflight.trainer.native_update import native_update
 from inflight.trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from inflight.bench.slow_link import SlowLink
     from inflight.protocol import CommitUnit
 
@@ -96,7 +98,8 @@ class Bench:
 
     def __init__(self, size: str, work: Path, concurrency: int, seed: int, listener_nice: int,
                  record_routing: bool = False, commit_unit: CommitUnit = "model", placement: Placement = "shared",
-                 link: SlowLink | None = None, rl_api: bool = False) -> None:
+                 link: SlowLink | None = None, rl_api: bool = False, engine_args: dict | None = None,
+                 make_stream: Callable[..., RequestStream] = RequestStream) -> None:
         from safetensors.torch import load_file
         from vllm import LLM
 
@@ -105,6 +108,7 @@ class Bench:
         from inflight.trainer.native_update import register, update_info
 
         self.size, self.concurrency, self.seed, self.unit = size, concurrency, seed, commit_unit
+        self.make_stream = make_stream  # (engine, mode, seed, concurrency) -> a chunk's requests: paired's by default
         if size in SIZES:
             model_dir = build_tiny_model(work / size, default_corpus(), SIZES[size])
         else:  # --model: a directory, hub id or "smollm2"
@@ -120,8 +124,10 @@ class Bench:
         # --rl-api: the inflight backend of vLLM's RL API (inflight-native-api rows); else inflight_gloo (native rows)
         self.rl_api = rl_api
         transfer = {} if rl_api else {"weight_transfer_config": {"backend": "inflight_gloo"}}
-        self.llm = LLM(str(model_dir), enforce_eager=True, dtype="float32", max_model_len=640, seed=seed,
-                       max_num_seqs=concurrency, **transfer, **engine_kwargs(rl_api=rl_api))
+        # engine_args: more engine arguments, or others in place of these (inflight.bench.spec's speculation)
+        args = {"enforce_eager": True, "dtype": "float32", "max_model_len": 640, "seed": seed,
+                "max_num_seqs": concurrency, **transfer, **engine_kwargs(rl_api=rl_api), **(engine_args or {})}
+        self.llm = LLM(str(model_dir), **args)
         self.conn, child = mp.get_context("spawn").Pipe()
         self.proc = mp.get_context("spawn").Process(target=trainer, args=(child, str(model_dir), link, not rl_api),
                                                       daemon=True)
@@ -172,7 +178,7 @@ class Bench:
         and the staging peak."""
         from inflight.versions import tags_from_spans
 
-        stream = RequestStream(self.llm.llm_engine, mode, self.seed, self.concurrency)
+        stream = self.make_stream(self.llm.llm_engine, mode, self.seed, self.concurrency)
         lags: list[int] = []
         cues: list[int] = []  # the step intervals (1-based) a push was sent before
         st = {"routed": 0, "finished": 0, "skipped": 0}

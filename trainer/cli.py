@@ -20,6 +20,8 @@ BENCHES = {
     "inflight": "in-flight vs native pause+update vs batch-boundary, like for like",
     "inflight_lora": "adapter-only in-flight vs vLLM's own adapter reload vs whole-model updates",
     "grpo": "GRPO groups on shared prompts: in-flight with prefix caching vs vLLM's salted and reset caches",
+    "spec": "n-gram speculation on a copy-heavy workload, with and without it: in-flight vs native pause",
+    "draft_acceptance": "a draft distilled online vs one frozen at version 0, against a draft of the final policy",
     "transport": "bucketed transfer vs a raw broadcast",
     "slow_link": "a shaped link between network namespaces (tbf): its achieved bytes/s",
     "sparse": "sparse updates on real RL steps: bytes against dense, the encodings compared, CPU cost",
