@@ -68,9 +68,10 @@ def run(config: TrainConfig, mode: str, out: Path) -> dict:
 
 
 def by_version(rows: list[dict], window: int) -> dict:
-    """Engine acceptance per version (the last row holds every version's final tally), and the
-    medians of the first and the last ``window`` versions."""
-    tally = {int(v): a for v, (a, _) in rows[-1].get("spec_by_version", {}).items()}
+    """Engine acceptance per version, and the medians of the first and the last ``window``
+    versions. A row holds the engines' newest 64 versions (``spec_decode.KEPT_VERSIONS``): each
+    version's tally is the last row's that holds it."""
+    tally = {int(v): a for row in rows for v, (a, _) in row.get("spec_by_version", {}).items()}
     versions = sorted(tally)
     first, last = [tally[v] for v in versions[:window]], [tally[v] for v in versions[-window:]]
     return {"acceptance": {str(v): tally[v] for v in versions}, "first": statistics.median(first),
