@@ -132,6 +132,7 @@ def tolerate_foreign_objects_in_kernel_rebind_vllm_0_32() -> None:
     object that has no ``get``: every later engine in that process fails to start. The same
     scan, skipping such objects; installed by the plugin on CPU; idempotent."""
     import sys
+    import warnings
 
     from vllm.triton_utils import dispatcher
 
@@ -139,7 +140,11 @@ def tolerate_foreign_objects_in_kernel_rebind_vllm_0_32() -> None:
         return
 
     def rebind(overrides: list) -> None:
-        originals = {id(original): wrapper for original, wrapper in overrides}
+        with warnings.catch_warnings():  # reading a module's deprecated attributes warns (torch.distributed.reduce_op)
+            warnings.simplefilter("ignore")
+            _rebind({id(original): wrapper for original, wrapper in overrides})
+
+    def _rebind(originals: dict) -> None:
         for module in list(sys.modules.values()):
             namespace = getattr(module, "__dict__", None)
             if not namespace:
