@@ -95,7 +95,8 @@ def test_a_run_with_ngram_speculation_trains_on_its_tagged_samples(tmp_path) -> 
     # the engine's speculation in the training metrics, one entry per version that verified drafts
     # (the tiny policy's samples at temperature 1 seldom repeat, so n-gram drafts are seldom accepted)
     assert all(0 <= r["spec_acceptance"] <= 1 and r["spec_tokens_per_step"] >= 1 for r in rows), rows
-    assert {"0", "1", "2"} <= set(rows[-1]["spec_by_version"]) and "draft_loss" not in rows[-1]
+    assert "0" in rows[-1]["spec_by_version"] and set(rows[-1]["spec_by_version"]) <= {"0", "1", "2", "3"}
+    assert "draft_loss" not in rows[-1]
 
 
 def test_a_run_with_a_draft_model_distills_it_and_pushes_it_with_the_policy(tmp_path) -> None:
@@ -110,11 +111,15 @@ def test_a_run_with_a_draft_model_distills_it_and_pushes_it_with_the_policy(tmp_
                             "draft": {"layers": 1, "learning_rate": 3e-3, "steps_per_update": 2}})
     train(cfg)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # every push landed: the engine refuses an update that lacks the draft's tensors
     assert [r["version"] for r in rows] == [1, 2, 3, 4] and rows[-1]["pushed_version"] == 4
     assert all(r["tokens_in_loss"] > 0 and r["draft_loss"] > 0 and 0 <= r["draft_top1"] <= 1 for r in rows)
     assert all(r["draft_loss_last"] < r["draft_loss"] for r in rows)  # each batch: distillation lowers its loss
-    by_version = rows[-1]["spec_by_version"]  # drafts verified under the first weights and pushed versions
-    assert {"0", "1", "2"} <= set(by_version), by_version
+    # a draft proposes at every decode step, so every version that sampled a trained token verified
+    # drafts before its group shipped, and the last row's tally (the engine's newest) holds it
+    by_version = rows[-1]["spec_by_version"]
+    sampled = {str(v) for r in rows for vs in r["versions_by_engine"].values() for v in vs}
+    assert "0" in sampled and sampled <= set(by_version), (sampled, by_version)
     assert by_version["0"][1] > 1.05 and all(0 < a <= 1 for a, _ in by_version.values()), by_version
     init, last = load_file(str(out / "draft_init" / "model.safetensors")), load_file(
         str(out / "checkpoint" / "draft" / "model.safetensors"))
