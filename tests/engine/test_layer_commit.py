@@ -41,7 +41,7 @@ from tests.engine_harness import (
     replay,
     stop_engine,
 )
-from tests.helpers import tampering
+from tests.helpers import tampering, wait_until
 
 EXACT = 1e-4  # fp32 behaviour log-probs against transformers (measured <= 2e-6 on whole versions)
 
@@ -92,7 +92,10 @@ def engine(tiny_llama, port):
 
 
 def _decode_across(e: LayerEngine, pushes: list[int], at: list[int], requests: int = 4, tokens: int = 150) -> list:
-    """Decode ``requests`` sampled requests while the pushes land; their tagged completions."""
+    """Decode ``requests`` sampled requests while the pushes land; their tagged completions.
+    From 10 steps past the last push's mark the engine steps only as each of the outstanding
+    layer groups becomes committable, so every update lands whole while the requests decode
+    however slowly the machine stages (an event, never a deadline)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -106,7 +109,12 @@ def _decode_across(e: LayerEngine, pushes: list[int], at: list[int], requests: i
     start = e.coordinator.steps
     trainer = push_at_steps(lambda: e.coordinator.steps - start, at, lambda k: e.push(pushes[k]))
     done = {}
+    last = str(pushes[-1]) if pushes else None
     while engine.has_unfinished_requests():
+        if last is not None and e.coordinator.steps - start >= at[-1] + 10 and str(e.coordinator.label) != last:
+            label = str(e.coordinator.label)
+            wait_until(lambda label=label: e.coordinator.commit_pending() or str(e.coordinator.label) != label,
+                       f"a layer group of v{last} to be committable (held at label {label})", poll_s=0.001)
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = (prompts[out.request_id], tagged(out.outputs[0]))
