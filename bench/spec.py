@@ -112,14 +112,13 @@ def copy_prompt(seed: int, n: int, episodes: int) -> tuple[str, str]:
 
 
 def ngram_draft(context: list[int], k: int, n_min: int = 1, n_max: int = 3) -> list[int]:
-    """vLLM's n-gram proposal for ``context``: the longest suffix of ``n_max``..``n_min`` tokens
-    that occurs earlier (its first occurrence), and up to ``k`` tokens after it ([] if none)."""
-    for n in range(min(n_max, len(context) - 1), n_min - 1, -1):
-        suffix = context[-n:]
-        for s in range(len(context) - n):
-            if context[s:s + n] == suffix:
-                return context[s + n:s + n + k]
-    return []
+    """vLLM's own n-gram proposal for ``context`` (``NgramProposer``'s search): the longest
+    suffix of ``n_max``..``n_min`` tokens that occurs earlier (its first occurrence), and up to
+    ``k`` tokens after it ([] if none)."""
+    import numpy as np
+    from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as propose
+
+    return propose(np.asarray(context, dtype=np.int64), n_min, n_max, len(context) + k, k).tolist()
 
 
 def copy_ceiling(prompt: list[int], completion: list[int], k: int) -> dict[str, int]:

@@ -526,7 +526,7 @@ class RolloutGroup(Wire, tag="group"):
     for a multi-turn task its episodes started, finished, failed, dropped and shipped
     (``inflight.trainer.rollout.episode_rollout.EpisodeRollout.counts``). Empty: not reported."""
     engine_spec: tuple[VersionSpecStats, ...] = ()
-    """The engine's speculative decoding when it shipped this group, per live version, oldest
+    """The engine's speculative decoding when this group finished, per live version, oldest
     first, counted since the engine started (``EngineState.spec_decode``). Empty: no speculation."""
 
     def __post_init__(self) -> None:

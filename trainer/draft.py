@@ -8,8 +8,9 @@ tokens (the environment's tokens of an episode excluded). Its loss on each batch
 before the draft trains on it: fresh samples of the newest policy, so it tracks how far the
 draft is from the policy it serves.
 
-Where the engines read it (``draft_dir``): a checkpoint's ``draft/`` when they restart from one,
-else ``<run.out_dir>/draft_init``, written once before the engines start (``write_initial_draft``).
+Where the engines read it, and the trainer starts from (``draft_dir``): a checkpoint's ``draft/``
+when they start from one, else ``<run.out_dir>/draft_init``, written once before the engines
+start (``write_initial_draft``).
 """
 
 from __future__ import annotations
@@ -29,13 +30,19 @@ if TYPE_CHECKING:
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
-def draft_dir(cfg: TrainConfig, model_dir: str | Path) -> Path:
-    """The draft an engine serving ``model_dir`` loads: the trainer checkpoint's own (a
-    checkpoint holds ``state.json`` and, in a drafted run, ``draft/``), else the run's first."""
+def checkpoint_draft(model_dir: str | Path) -> Path | None:
+    """The draft a trainer checkpoint at ``model_dir`` holds (``state.json`` beside ``draft/``),
+    or None: not a checkpoint, or one of a run without a draft."""
     checkpoint = Path(model_dir)
     if (checkpoint / "state.json").exists() and (checkpoint / "draft" / "config.json").exists():
         return checkpoint / "draft"
-    return Path(cfg.run.out_dir) / "draft_init"
+    return None
+
+
+def draft_dir(cfg: TrainConfig, model_dir: str | Path) -> Path:
+    """The draft an engine serving ``model_dir`` loads, and the trainer trains on from: the
+    checkpoint's own (``checkpoint_draft``), else the run's first."""
+    return checkpoint_draft(model_dir) or Path(cfg.run.out_dir) / "draft_init"
 
 
 def write_initial_draft(cfg: TrainConfig, model_dir: Path) -> Path:
@@ -47,10 +54,10 @@ def write_initial_draft(cfg: TrainConfig, model_dir: Path) -> Path:
     from inflight.trainer.models import resolve_model
 
     out = Path(cfg.run.out_dir) / "draft_init"
-    if cfg.draft.path:
-        model = AutoModelForCausalLM.from_pretrained(str(resolve_model(cfg.draft.path)), dtype=torch.float32)
-    else:
-        model = truncated_draft(model_dir, cfg.draft.layers)
+    if not cfg.draft.path:  # cut from the policy: its vocabulary
+        truncated_draft(model_dir, cfg.draft.layers).save_pretrained(str(out), safe_serialization=True)
+        return out
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model(cfg.draft.path)), dtype=torch.float32)
     target_vocab = AutoConfig.from_pretrained(str(model_dir)).vocab_size
     if model.config.vocab_size != target_vocab:
         raise ValueError(f"draft.path={cfg.draft.path!r}: a vocabulary of {model.config.vocab_size} tokens, the "

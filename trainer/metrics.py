@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from inflight.protocol import VersionSpecStats
 from inflight.trainer.trackers import Trackers
 
 
@@ -101,24 +102,24 @@ class SpeculationTally:
     entry per update. Empty without speculation."""
 
     def __init__(self) -> None:
-        self.latest: dict[str, tuple] = {}
+        self.latest: dict[str, tuple[VersionSpecStats, ...]] = {}
 
     def update(self, groups: list) -> dict[str, Any]:
         for g in groups:
             if g.engine_spec:
                 self.latest[g.engine_id] = g.engine_spec
-        totals: dict[int, list[int]] = {}  # version -> [request-steps, emitted, drafted, accepted]
-        for stats in self.latest.values():
-            for s in stats:
-                t = totals.setdefault(s.version, [0, 0, 0, 0])
-                for i, n in enumerate((s.steps, s.emitted, s.drafted, s.accepted)):
-                    t[i] += n
-        by_version = {v: [t[3] / t[2], t[1] / t[0]] for v, t in sorted(totals.items()) if t[2] and t[0]}
-        if not by_version:
+        totals: dict[int, VersionSpecStats] = {}
+        for s in (s for stats in self.latest.values() for s in stats):
+            t = totals.get(s.version, VersionSpecStats(version=s.version))
+            totals[s.version] = VersionSpecStats(version=s.version, steps=t.steps + s.steps,
+                                                 emitted=t.emitted + s.emitted, drafted=t.drafted + s.drafted,
+                                                 accepted=t.accepted + s.accepted)
+        verified = [t for _, t in sorted(totals.items()) if t.drafted and t.steps]
+        if not verified:
             return {}
-        newest = by_version[max(by_version)]
-        return {"spec_acceptance": newest[0], "spec_tokens_per_step": newest[1],
-                "spec_by_version": {str(v): [round(a, 4), round(k, 4)] for v, (a, k) in by_version.items()}}
+        return {"spec_acceptance": verified[-1].acceptance, "spec_tokens_per_step": verified[-1].tokens_per_step,
+                "spec_by_version": {str(t.version): [round(t.acceptance, 4), round(t.tokens_per_step, 4)]
+                                    for t in verified}}
 
 
 def _mean(xs: list[float]) -> float:

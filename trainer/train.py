@@ -36,7 +36,7 @@ from inflight.trainer.checkpoint import TrainerState, load_state, recover
 from inflight.trainer.config import TrainConfig, group_config, push_config
 from inflight.trainer.config_files import add_config_arguments, config_to_dict, load_config
 from inflight.trainer.console import BarText, Interrupt, quiet_libraries
-from inflight.trainer.draft import DraftTrainer, write_initial_draft
+from inflight.trainer.draft import DraftTrainer, checkpoint_draft, write_initial_draft
 from inflight.trainer.envs import build_task
 from inflight.trainer.fleet import EngineLost, Fleet, place, visible_gpus
 from inflight.trainer.lora_policy import write_first_adapter
@@ -62,7 +62,7 @@ def train(cfg: TrainConfig, ranks: TrainerRanks | None = None) -> dict:  # ranks
     # -- 1. the policy on disk, 2. the engine processes (the fleet) --------------------------------
     resumed, model_dir, adapter_dir, version = _policy_on_disk(cfg, out, ckpt_dir)
     task = _task_before_engines(cfg, model_dir)  # a bad task module, dataset line or prompt length stops here
-    draft = _draft_before_engines(cfg, model_dir, ckpt_dir if resumed else None)  # draft.*: on disk for the engines
+    draft = _draft_before_engines(cfg, model_dir)  # draft.*: on disk for the engines
     port = cfg.transport.port or reserve_port(cfg.transport.host)  # held until the trainer's store takes it
     placement = place(cfg.transport.backend, spawn=cfg.engine.spawn, gpus=visible_gpus())
     fleet = Fleet(cfg, model_dir, version, port, placement, out, adapter_dir)
@@ -140,16 +140,15 @@ def _task_before_engines(cfg: TrainConfig, model_dir: Path) -> Task:
     return task
 
 
-def _draft_before_engines(cfg: TrainConfig, model_dir: Path, checkpoint: Path | None) -> DraftTrainer | None:
-    """The run's draft (``draft``), trained here; the engines load it from disk: a resumed
-    checkpoint's ``draft/``, else ``<run.out_dir>/draft_init``, written here before they start
-    (``inflight.trainer.draft.draft_dir``). A draft that cannot be built or loaded: ``SetupError``."""
+def _draft_before_engines(cfg: TrainConfig, model_dir: Path) -> DraftTrainer | None:
+    """The run's draft (``draft``), trained here from where the engines load it
+    (``inflight.trainer.draft.draft_dir``): the checkpoint's ``draft/`` when ``model_dir`` is
+    one, else ``<run.out_dir>/draft_init``, written here before they start. A draft that cannot
+    be built or loaded: ``SetupError``."""
     if not cfg.draft.enabled:
         return None
     try:
-        if checkpoint is not None and (checkpoint / "draft" / "config.json").exists():
-            return DraftTrainer(cfg, checkpoint / "draft")
-        return DraftTrainer(cfg, write_initial_draft(cfg, model_dir))
+        return DraftTrainer(cfg, checkpoint_draft(model_dir) or write_initial_draft(cfg, model_dir))
     except (ValueError, OSError) as e:
         raise SetupError(f"draft: {e}") from None
 

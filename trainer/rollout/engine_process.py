@@ -164,7 +164,7 @@ class RolloutLoop:
         while True:
             if self.native is not None:
                 self._native_update()
-            self.backlog.extend(self.episodes.collect())
+            self.backlog.extend(map(self._with_spec_stats, self.episodes.collect()))
             if not self._ship_backlog():
                 return
             if self.backlog:
@@ -247,6 +247,12 @@ class RolloutLoop:
             self.prompts.pop(rid, None)
 
     # -- the queue, across trainer restarts ---------------------------------------------------
+    def _with_spec_stats(self, group: RolloutGroup) -> RolloutGroup:
+        """``group`` with the engine's speculation so far, per version (``RolloutGroup.engine_spec``)."""
+        if self.coordinator.spec_decode is None:
+            return group
+        return msgspec.structs.replace(group, engine_spec=self.coordinator.spec_decode.stats())
+
     def _ship_backlog(self) -> bool:
         """Queue what the backlog holds while there is room; False: stop."""
         while self.backlog:
@@ -261,8 +267,6 @@ class RolloutLoop:
     def _ship(self, item: RolloutGroup, *, wait: bool) -> bool | None:
         """Queue a finished group, across a trainer restart if need be. True: queued; None: the
         queue is full and ``wait`` is False; False: stop."""
-        if self.coordinator.spec_decode is not None:  # what the engine's speculation did so far, per version
-            item = msgspec.structs.replace(item, engine_spec=self.coordinator.spec_decode.stats())
         while True:
             try:
                 self.queue.put(item, timeout_s=(0.05 if self.native is not None else 1.0) if wait else 0.0)
