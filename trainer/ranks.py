@@ -8,7 +8,8 @@ metrics; every other rank follows its orders (``inflight.trainer.train.follow_ra
 
 Invariants:
 - the policy, its gradients, its optimizer state and the KL reference are sharded
-  (``fully_shard`` per decoder layer, then the root), and each gradient is a sum over ranks:
+  (``fully_shard`` per decoder layer, then the root; a MoE layer's experts by expert, each
+  rank computing its own: ``inflight.trainer.expert_parallel``), and each gradient is a sum over ranks:
   every rank's loss is already divided by the whole batch's tokens, so N ranks take the
   step one process would (``shard``);
 - every rank gets whole groups of each batch (``rows``), contiguous in the batch's order;
@@ -97,11 +98,16 @@ class TrainerRanks:
                    gathers=dist.new_group(backend="gloo", timeout=timeout),
                    checks=dist.new_group(backend="gloo", timeout=timeout), timeout=timeout)
 
-    def shard(self, model: torch.nn.Module, compute_dtype: str = "float32") -> torch.nn.Module:
+    def shard(self, model: torch.nn.Module, compute_dtype: str = "float32", expert_parallel: bool = True
+              ) -> torch.nn.Module:
         """``model`` sharded in place: each decoder layer (``_no_split_modules``) its own FSDP
         unit, then the root; gradients summed over ranks, not averaged. ``compute_dtype``
-        ``bfloat16``: parameters gathered in bf16, gradients reduced and outputs returned in fp32."""
+        ``bfloat16``: parameters gathered in bf16, gradients reduced and outputs returned in fp32.
+        ``expert_parallel`` (on several ranks, a MoE model): each MoE layer's experts sharded by
+        expert first (``inflight.trainer.expert_parallel``), which FSDP then leaves alone."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from inflight.trainer.expert_parallel import shard_experts
 
         layers = set(getattr(model, "_no_split_modules", None) or ())
         units = [m for m in model.modules() if type(m).__name__ in layers]
@@ -114,9 +120,11 @@ class TrainerRanks:
             layer = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
             root = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
                                                       output_dtype=torch.float32)}
+        experts = shard_experts(model, self.mesh, self.device) if expert_parallel and self.world > 1 else []
+        ignored = {"ignored_params": set(experts)} if experts else {}
         for unit in units:
-            fully_shard(unit, mesh=self.mesh, **layer)
-        fully_shard(model, mesh=self.mesh, **root)
+            fully_shard(unit, mesh=self.mesh, **ignored, **layer)
+        fully_shard(model, mesh=self.mesh, **ignored, **root)
         for unit in [*units, model]:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
@@ -308,11 +316,13 @@ class GatheredWeights:
         return self.copy
 
 
-def launch_ranks(n: int, argv: list[str], prog: str) -> int | str:
+def launch_ranks(n: int, argv: list[str], prog: str, facts: dict | None = None) -> int | str:
     """``inflight train --nproc N``: N ranks of ``python -m inflight.trainer.train`` (``argv``
     without ``--nproc``) on this machine, under torch's elastic agent (``torchrun --standalone
     --max-restarts 0``): one rank that fails stops the others. Returns 0, or the line naming the
-    rank that failed first."""
+    rank that failed first; of a rank killed by SIGKILL, whether the kernel's OOM killer did it
+    (``inflight.trainer.memory_watch``), what lowers its memory and where to resume (``facts``:
+    ``inflight.trainer.supervisor.run_facts``)."""
     import signal
     import sys
     import uuid
@@ -321,13 +331,17 @@ def launch_ranks(n: int, argv: list[str], prog: str) -> int | str:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from inflight.trainer.memory_watch import ChildrenWatch
+    from inflight.trainer.supervisor import rank_killed
+
     args = _without_nproc(argv)
     os.environ["INFLIGHT_PROG"] = prog  # the ranks' errors name the command the user ran
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2, start_method="spawn",
                           shutdown_timeout=STOP_TIMEOUT_S)
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "inflight.trainer.train", *args)
+        with ChildrenWatch() as watch:  # the ranks' memory, looked at while they run
+            elastic_launch(config, sys.executable)("-u", "-m", "inflight.trainer.train", *args)
     except SignalException as e:  # Ctrl-C: the agent passed it on to the ranks; rank 0 said where it stopped
         return 130 if e.sigval == signal.SIGINT else f"{prog}: stopped by {e.sigval.name}"
     except ChildFailedError as e:
@@ -336,6 +350,8 @@ def launch_ranks(n: int, argv: list[str], prog: str) -> int | str:
             return 130
         if rank == 0 and failure.exitcode == 1:  # rank 0 stopped the run; its error, above, says why
             return f"{prog}: error: trainer rank 0 of {n} stopped the run (its error is above); the others were stopped"
+        if failure.exitcode == -signal.SIGKILL:
+            return rank_killed(prog, rank, n, watch.death(failure.pid), facts or {})
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         return f"{prog}: error: trainer rank {rank} of {n} failed first ({how}); the others were stopped"
     return 0

@@ -240,8 +240,10 @@ def _check_layout(name: str, t: Any, ranks: list[int]) -> None:
 
 def _gather_dtensor(t: Any, group: dist.ProcessGroup, world: int) -> torch.Tensor:
     """The global tensor of a DTensor sharded on dim d (``torch.chunk`` layout, as DTensor and
-    FSDP2 shard) or replicated, gathered over ``group`` (not the mesh's own group) on the host
-    (``check_gather_backend``): a GPU shard is copied out first, on the push's stream."""
+    FSDP2 shard) or replicated, on the group's rank 0 (``group``, not the mesh's own group),
+    on the host (``check_gather_backend``): each rank's shard goes to rank 0 alone (a gather,
+    not an all-gather), so the other ranks return their own shard. A GPU shard is copied out
+    first, on the push's stream."""
     from torch.distributed.tensor import Replicate
 
     local = t.to_local()
@@ -254,6 +256,9 @@ def _gather_dtensor(t: Any, group: dist.ProcessGroup, world: int) -> torch.Tenso
     sizes = [max(0, min(chunk, full - r * chunk)) for r in range(world)]
     padded = local.new_zeros((*local.shape[:d], chunk, *local.shape[d + 1:]))
     padded.narrow(d, 0, local.shape[d]).copy_(local)
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
+    root = dist.get_rank(group) == 0
+    parts = [torch.empty_like(padded) for _ in range(world)] if root else None
+    dist.gather(padded, parts, group=group, group_dst=0)
+    if not root:
+        return local
     return torch.cat([p.narrow(d, 0, n) for p, n in zip(parts, sizes)], dim=d)
