@@ -31,6 +31,7 @@ BENCHES = {
     "profile_staging": "one update's staging time, phase by phase and thread by thread",
     "staging_memory": "what an engine's staging costs in resident memory vs what it accounts",
     "trainer_push": "what a push costs the trainer: resident memory, optimizer step time (--nproc N: on N ranks)",
+    "trainer_step": "the trainer's optimizer step on a config's batches: padded, packed, prefix-shared side by side",
     "trainer_ranks": "N trainer ranks against one: bytes held per rank, the gather into rank 0's push copy",
     "trainer_ranks_e2e": "inflight train on N ranks against one, alternated: reward per step, versions per sample",
     "kernels": "the Triton kernels vs their references",
@@ -43,6 +44,10 @@ BENCHES = {
 
 
 def _train(argv: list[str]) -> None:
+    from inflight.trainer.supervisor import supervise, supervising
+
+    if supervising(argv):  # the trainer in a child process, watched from here without torch
+        sys.exit(supervise(argv, prog="inflight train"))
     from inflight.trainer.train import main
 
     main(argv, prog="inflight train")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -38,6 +39,7 @@ from inflight.rollout_queue import RolloutQueue
 from inflight.settings import Backend, DataPlane
 from inflight.trainer.config import TrainConfig
 from inflight.trainer.console import engine_log, last_error, log_tail
+from inflight.trainer.memory_watch import LOOK_EVERY_S, MemoryWatch, killed_by_oom, not_by_oom
 from inflight.trainer.rollout.engine_process import run_engine
 from inflight.transport.fleet_pusher import FleetPusher, FleetPushError
 from inflight.transport.group_config import GroupConfig
@@ -118,6 +120,8 @@ class EngineProcess:
         self.log_file = engine_log(out, index)
         """Where the spawned process writes its output (its console is the trainer's no more)."""
         self.process: mp.process.BaseProcess | None = None
+        self.memory: MemoryWatch | None = None
+        """The running process's memory, looked at by the fleet's watcher (``look_at_memory``)."""
         self.restarts = 0
 
     def start(self, model_dir: Path, model_version: int, wait_for_version: int,
@@ -139,14 +143,37 @@ class EngineProcess:
                     "log_file": str(self.log_file)},
         )
         self.process.start()
+        self.memory = MemoryWatch(self.process.pid)
         self.pid_file.write_text(str(self.process.pid))
+
+    def look_at_memory(self) -> None:
+        """One look at the running process's memory, by the fleet's watcher."""
+        if self.memory is not None:
+            self.memory.look()
+
+    def why_exited(self, pid: int, code: int) -> str:
+        """What ended process ``pid`` of this engine with exit code ``code``: a SIGKILL says
+        whether the kernel's out-of-memory killer did it (``inflight.trainer.memory_watch``)."""
+        if code != -signal.SIGKILL or self.memory is None or self.memory.pid != pid:
+            return f"engine {self.index} (process {pid}) exited with code {code}"
+        death = self.memory.death()  # judged once, at the first look after the kill
+        if not death.oom:
+            return f"engine {self.index} (process {pid}) exited with code {code} ({not_by_oom(death)})"
+        engine = self.cfg.engine
+        return (f"engine {self.index} (process {pid}) {killed_by_oom(death)}: lower engine.kv_cache_gb (now "
+                f"{engine.kv_cache_gb}) or run fewer engines on this machine (engine.count={engine.count})")
+
+    def killed_by_oom(self, pid: int, code: int) -> bool:
+        """Whether process ``pid`` of this engine, which exited with ``code``, was killed by the
+        kernel's OOM killer (``why_exited`` says so)."""
+        return (code == -signal.SIGKILL and self.memory is not None and self.memory.pid == pid
+                and self.memory.death().oom)
 
     def exit_problem(self) -> str | None:
         """Why the spawned engine is not running, or None (always None without ``spawn``)."""
         if self.process is None or self.process.is_alive():
             return None
-        return (f"engine {self.index} (process {self.process.pid}) exited with code {self.process.exitcode} "
-                f"(log: {self.log_file})")
+        return f"{self.why_exited(self.process.pid, self.process.exitcode)} (log: {self.log_file})"
 
     def last_lines(self) -> str:
         """The end of its log, for a report of its exit."""
@@ -214,35 +241,39 @@ class Fleet:
             threading.Thread(target=self._watch, name="inflight-engine-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        """Report each spawned engine that fails (a process that exits with a code other than
-        0, which is a stop the trainer asked for; a Ray actor whose run ends) at once, with
-        the end of its log. An engine that fails at start-up does so while the trainer waits
-        up to ``transport.rejoin_timeout_s`` for it to join, and nothing else would say why
-        meanwhile; a recovery's report names only the log."""
+        """Look at each spawned engine's memory every ``LOOK_EVERY_S``, and report each that fails
+        (a process that exits with a code other than 0, which is a stop the trainer asked for; a
+        Ray actor whose run ends) at once, with the end of its log; one the kernel's OOM killer
+        killed, in one line naming its memory (its log has nothing to add). An engine that fails
+        at start-up does so while the trainer waits up to ``transport.rejoin_timeout_s`` for it to
+        join, and nothing else would say why meanwhile; a recovery's report names only the log."""
         reported: set[tuple[int, int | None]] = set()
-        while not self._stopping.wait(0.5):
+        while not self._stopping.wait(LOOK_EVERY_S):
             for e in self.engines:
-                problem = self._failed(e, reported)
-                if problem is not None and not self._stopping.is_set():
-                    tqdm.write(f"inflight: {problem}; {e.last_lines()}")
+                if isinstance(e, EngineProcess):
+                    e.look_at_memory()
+                failed = self._failed(e, reported)
+                if failed is not None and not self._stopping.is_set():
+                    problem, oom = failed
+                    tqdm.write(f"inflight: {problem}" if oom else f"inflight: {problem}; {e.last_lines()}")
                     self.exited.set()
 
-    def _failed(self, e: EngineProcess, reported: set[tuple[int, int | None]]) -> str | None:
+    def _failed(self, e: EngineProcess, reported: set[tuple[int, int | None]]) -> tuple[str, bool] | None:
         """Engine ``e``'s failure (an ``EngineProcess`` or a ``RayEngine``, alike), once per
-        process (a restart starts another), or None."""
+        process (a restart starts another), and whether the OOM killer did it; or None."""
         p = e.process  # a restart replaces it; this one is kept while looked at
         if p is None:  # a Ray actor: its run's end is its exit (``RayEngine.exit_problem``)
             if (e.index, e.pid) in reported or (problem := e.exit_problem()) is None:
                 return None
             reported.add((e.index, e.pid))
-            return problem
+            return problem, False
         # its sentinel: reaping it here (``is_alive``) would race the main thread's reaping
         if (e.index, p.pid) in reported or not ready([p.sentinel], timeout=0):
             return None
         reported.add((e.index, p.pid))
         while (code := p.exitcode) is None and not self._stopping.wait(0.05):
             pass  # the main thread is reaping it at the same moment: its return code comes
-        return f"engine {e.index} (process {p.pid}) exited with code {code}" if code else None
+        return (e.why_exited(p.pid, code), e.killed_by_oom(p.pid, code)) if code else None
 
     def connect(self, group: GroupConfig, push: PushConfig) -> FleetPusher:
         """Host a weight group per engine on ``group``'s store and wait up to
@@ -285,6 +316,7 @@ class Fleet:
         dead = self._restart_dead(version)
         if dead:  # their claimed-but-unwritten slots; a live producer that loses one re-puts
             queue.fill_holes()
+            event["exits"] = list(dead.values())  # why each restarted engine exited (a push failure does not say)
         lost = set(lost) | set(dead)
         for e in sorted(lost):
             # a failed transfer does not say why: the heartbeats say who is dead or frozen. Asked
@@ -313,17 +345,19 @@ class Fleet:
         tqdm.write(f"inflight: fleet at v{version} with engines {pusher.live} (ranks {self.ranks_of(pusher.live)})")
         return version
 
-    def _restart_dead(self, version: int) -> list[int]:
-        """Restart every spawned engine whose process exited, told to sample from ``version`` on."""
-        dead = [e for e in self.engines if e.exit_problem() is not None]
-        for e in dead:
+    def _restart_dead(self, version: int) -> dict[int, str]:
+        """Restart every spawned engine whose process exited, told to sample from ``version`` on;
+        why each exited, by engine."""
+        dead = {e.index: problem for e in self.engines if (problem := e.exit_problem()) is not None}
+        for index, problem in dead.items():
+            e = self.engines[index]
             if e.restarts >= self.cfg.engine.max_restarts:
-                raise EngineLost(f"{e.exit_problem()}; already restarted {e.restarts} times (engine.max_restarts); "
+                raise EngineLost(f"{problem}; already restarted {e.restarts} times (engine.max_restarts); "
                                  f"{e.last_lines()}")
             e.restarts += 1
             e.wait(5)
             e.start(self.model_dir, self.model_version, version, self.adapter_dir)
-        return [e.index for e in dead]
+        return dead
 
     def _let_in(self, pusher: FleetPusher, timeout_s: float, done: Callable[[], bool]) -> dict[int, dict[int, int]]:
         """Let in the engines that knock (at least one look), until ``done()`` or ``timeout_s``
