@@ -90,8 +90,7 @@ def smollm2_system(min_tokens: int) -> dict[str, Any]:
             "task": {"name": "arithmetic", "completion_tokens": 12, "arithmetic": {"template": template}},
             "rollout": {"group_size": 8, "groups_per_step": 2, "in_flight_groups": 2, "queue_capacity": 4,
                         "admit_lag": 8},
-            # a sample's logits over a 49k vocabulary at 500+ positions: two samples per pass
-            "optim": {"lr": 3e-5, "micro_batches": 8}, "transport": {"bucket_mb": 64},
+            "optim": {"lr": 3e-5}, "transport": {"bucket_mb": 64},
             "engine": {"max_num_seqs": 32, "max_model_len": 2 * min_tokens + 64},
             "meta": {"prompt_tokens_min": shortest, "preamble_rules": rules}}
 

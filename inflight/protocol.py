@@ -610,6 +610,9 @@ class TrainerPart(Wire, tag="trainer_part"):
     """Routing replay (``loss.routing_replay``): the (token, MoE layer) rows r replayed, and
     those where r's router would have chosen other experts than the engine did."""
     routing_differ: NonNeg = 0
+    tokens: NonNeg = 0
+    """The tokens r ran forward as laid out, and of those the ones before a completion."""
+    prompt_tokens: NonNeg = 0
 
 
 ControlMessage = Union[UpdateAnnounce, ForEachRank, Commit, Abort, Shutdown, Roster]

@@ -46,6 +46,8 @@ elements that changed (``inflight.transport.delta``)."""
 RolloutMode = Literal["inflight", "batch", "pause"]
 """In-flight sampling, the synchronous batch-boundary baseline, or async sampling with vLLM's
 native pause-and-update path (the baseline of today's async RL frameworks)."""
+Packing = Literal["padded", "packed", "prefix_shared"]
+"""How the trainer lays a micro-batch out for its forward pass (``inflight.trainer.packed_batch``)."""
 TrackerName = Literal["jsonl", "tensorboard", "wandb", "trackio"]
 """Where the trainer's metrics go (``inflight.trainer.trackers``): metrics.jsonl, or an experiment tracker."""
 

@@ -320,3 +320,43 @@ def random_groups(g: torch.Generator, n_groups: int, size: int) -> list[RolloutG
                 reward=float(torch.rand(1, generator=g)), observation=obs))
         groups.append(RolloutGroup(group_id=f"g{gi}", samples=tuple(samples)))
     return groups
+
+
+def shared_prompt_groups(g: torch.Generator, n_groups: int, size: int, *, vocab: int = 250, prompt: tuple = (3, 20),
+                         completion: tuple = (1, 13), routers: int = 0, experts: int = 4) -> list[RolloutGroup]:
+    """GRPO groups as an engine returns them: every sample of a group shares its group's prompt
+    (prompts of ``prompt`` tokens), every other sample opens with the same 3 tokens (a shared
+    history past the prompt), completions of ``completion`` tokens, some of them the
+    environment's (observation), versions 0-2, random behaviour log-probs and rewards. With
+    ``routers`` MoE layers, each token's recorded routing (2 of ``experts``; the shared opening
+    routed alike, so its positions stay shareable)."""
+    import msgspec
+
+    groups = []
+    for gi in range(n_groups):
+        ids = torch.randint(3, vocab, (int(torch.randint(*prompt, (1,), generator=g)),), generator=g).tolist()
+        stem = torch.randint(3, vocab, (3,), generator=g).tolist()
+        stem_route = torch.rand(3, routers, experts, generator=g).argsort(-1)[..., :2]
+        samples = []
+        for si in range(size):
+            t = int(torch.randint(*completion, (1,), generator=g))
+            tokens = torch.randint(3, vocab, (t,), generator=g).tolist()
+            if si % 2:
+                tokens = (stem + tokens)[:max(t, 4)]
+            t = len(tokens)
+            obs = [bool(x) for x in (torch.rand(t, generator=g) < 0.25).tolist()]
+            obs[0] = False
+            s = RolloutSample(
+                sample_id=f"g{gi}-{si}", group_id=f"g{gi}", prompt_ids=ids, token_ids=tokens,
+                logprobs=[0.0 if o else float(x) for o, x in zip(obs, -torch.rand(t, generator=g) * 4)],
+                versions=sorted(torch.randint(0, 3, (t,), generator=g).tolist()),
+                reward=float(torch.rand(1, generator=g)), observation=obs)
+            if routers:
+                route = torch.rand(t, routers, experts, generator=g).argsort(-1)[..., :2]
+                if si % 2:
+                    route[:3] = stem_route[:t]
+                s = msgspec.structs.replace(s, routing=route.to(torch.int16).numpy().tobytes(), routing_layers=routers,
+                                            routing_k=2)
+            samples.append(s)
+        groups.append(RolloutGroup(group_id=f"g{gi}", samples=tuple(samples)))
+    return groups

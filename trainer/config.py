@@ -35,8 +35,10 @@ class RunConfig:
     """Optimizer steps (= weight versions pushed)."""
     seed: int = 0
     """Seeds python, torch and the engine's sampler."""
-    checkpoint_every: int = 0
-    """Save a checkpoint every N steps (0: only at the end)."""
+    checkpoint_every: int = 10
+    """Save a checkpoint every N steps (0: only at the end), so a crash (the kernel's out-of-memory
+    killer, a lost machine) loses at most N steps: ``run.resume = true`` goes on from it, and an
+    engine that dies restarts from it. Each one writes the weights and the optimizer's state."""
     resume: bool = False
     """Continue from ``out_dir/checkpoint`` if it exists."""
     report_to: tuple[TrackerName, ...] = ("jsonl",)
@@ -354,14 +356,10 @@ class TrainConfig:
         if self.task.completion_tokens >= self.engine.max_model_len:
             raise ValueError(f"task.completion_tokens={self.task.completion_tokens} leaves no room for a prompt in "
                              f"engine.max_model_len={self.engine.max_model_len}")
-        samples = self.rollout.group_size * self.rollout.groups_per_step
-        if self.optim.micro_batches > samples:
-            raise ValueError(f"optim.micro_batches={self.optim.micro_batches} is more than a step's {samples} samples "
-                             "(rollout.group_size * rollout.groups_per_step)")
-        if self.optim.micro_batches > 1 and self.loss.m2_threshold > 0:
-            raise ValueError(f"loss.m2_threshold={self.loss.m2_threshold} masks tokens by a moment of the whole "
-                             f"batch: it needs optim.micro_batches=1, not {self.optim.micro_batches}")
-
+        if self.optim.micro_batch_tokens < self.engine.max_model_len and self.loss.m2_threshold == 0:
+            raise ValueError(f"optim.micro_batch_tokens={self.optim.micro_batch_tokens} is below "
+                             f"engine.max_model_len={self.engine.max_model_len}: a sample that long could not be "
+                             f"trained in one pass; set optim.micro_batch_tokens >= {self.engine.max_model_len}")
 
 def _whole_model_settings(cfg: TrainConfig) -> dict[str, tuple[object, object]]:
     """Settings -> (their value, what a whole-model update on one worker per engine needs)."""

@@ -158,8 +158,9 @@ class Interrupt:
 class BarText:
     """The training bar's text after the step counts: mean reward and samples trained per wall
     second over the last ``window`` steps, the last row's mean lag and engine stall (the
-    commit of the push that landed last; "-" before the first), and the failed episodes so
-    far once there are any (a single-turn group that fails is its K episodes)."""
+    commit of the push that landed last; "-" before the first), its step time with the share
+    spent waiting for rollouts and its peak resident memory, and the failed episodes so far
+    once there are any (a single-turn group that fails is its K episodes)."""
 
     def __init__(self, group_size: int, window: int = 20) -> None:
         self.group_size = group_size
@@ -173,6 +174,8 @@ class BarText:
         (t0, n0), (t1, n1) = self.marks[0], self.marks[-1]
         stall = row.get("stall_ms")
         failed = row.get("rollout_episodes_failed", 0)  # a group's failure is its episodes'; counted once
+        step_ms = row.get("step_ms", 0.0)
         return (f"reward {sum(self.rewards) / len(self.rewards):.2f} lag {row['lag_mean']:.1f} "
-                f"stall {'-' if stall is None else f'{stall:.1f}ms'} {(n1 - n0) / max(t1 - t0, 1e-9):.1f} samples/s"
-                + (f" failed {failed}" if failed else ""))
+                f"stall {'-' if stall is None else f'{stall:.1f}ms'} {(n1 - n0) / max(t1 - t0, 1e-9):.1f} samples/s "
+                f"step {1e-3 * step_ms:.1f}s (wait {100 * row.get('wait_ms', 0.0) / max(step_ms, 1e-9):.0f}%) "
+                f"peak {row.get('peak_rss_gb', 0.0):.1f}GB" + (f" failed {failed}" if failed else ""))

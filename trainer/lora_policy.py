@@ -95,10 +95,18 @@ def empty_trainable(base_dir: Path, adapter_dir: Path) -> Any:
 
 
 def adapter_weights(model: Any) -> dict[str, torch.Tensor]:
-    """The adapter's tensors under the names PEFT saves them (no copy: the live parameters)."""
+    """The adapter's tensors under the names PEFT saves them, as the live parameters (never a
+    copy: peft 0.22 returns full copies of FSDP2-sharded parameters, which a caller holding
+    them would read stale after the next step). PEFT's name of a parameter drops ``.<adapter>``."""
     from peft import get_peft_model_state_dict
 
-    return {name: t.detach() for name, t in get_peft_model_state_dict(model).items()}
+    saved = list(get_peft_model_state_dict(model))
+    tag = f".{model.active_adapter}"
+    live = {name.replace(tag, ""): p.detach() for name, p in model.named_parameters() if tag in name}
+    missing = [n for n in saved if n not in live]
+    if missing:
+        raise ValueError(f"adapter tensors PEFT saves that are no live parameter: {missing[:4]}")
+    return {n: live[n] for n in saved}
 
 
 def load_adapter_weights(model: Any, weights: dict[str, torch.Tensor]) -> None:

@@ -85,23 +85,19 @@ def collate(groups: Sequence[RolloutGroup], pad_id: int, normalize_std: bool) ->
                  rewards.reshape(-1), advantages)
 
 
-def micro_batches(batch: Batch, n: int) -> list[tuple[slice, Batch]]:
-    """``batch`` as ``n`` micro-batches of consecutive rows (sizes differ by at most one), each
-    trimmed to its own rows' padding: ``(rows, micro)``, where ``micro``'s completion columns
-    are the first ``micro.completion_ids.shape[1]`` of ``batch``'s. Advantages come from the
-    whole batch, so a micro-batch may split a GRPO group."""
+def padded_rows(batch: Batch, start: int, stop: int, *, inputs: bool = True) -> tuple[Batch, slice]:
+    """Rows ``start..stop`` of ``batch`` trimmed to their own padding, and the columns of
+    ``batch``'s inputs they keep: their completion columns are the first
+    ``completion_ids.shape[1]`` of ``batch``'s. ``inputs=False``: their per-token targets only,
+    the padded inputs left empty (a packed layout feeds the model instead)."""
     p_len = batch.input_ids.shape[1] - batch.completion_ids.shape[1]
-    out = []
-    for idx in torch.arange(batch.input_ids.shape[0]).tensor_split(n):
-        rows = slice(int(idx[0]), int(idx[-1]) + 1)
-        att = batch.attention_mask[rows]
-        p, t = int(att[:, :p_len].sum(-1).max()), max(1, int(att[:, p_len:].sum(-1).max()))
-        cols = slice(p_len - p, p_len + t)
-        out.append((rows, Batch(batch.input_ids[rows, cols], att[:, cols], batch.position_ids[rows, cols],
-                                batch.completion_ids[rows, :t], batch.completion_mask[rows, :t],
-                                batch.behaviour_logp[rows, :t], batch.versions[rows, :t], batch.rewards[rows],
-                                batch.advantages[rows])))
-    return out
+    rows = slice(start, stop)
+    att = batch.attention_mask[rows]
+    p, t = int(att[:, :p_len].sum(-1).max()), max(1, int(att[:, p_len:].sum(-1).max()))
+    cols = slice(p_len - p, p_len + t) if inputs else slice(0, 0)
+    return Batch(batch.input_ids[rows, cols], att[:, cols], batch.position_ids[rows, cols],
+                 batch.completion_ids[rows, :t], batch.completion_mask[rows, :t], batch.behaviour_logp[rows, :t],
+                 batch.versions[rows, :t], batch.rewards[rows], batch.advantages[rows]), cols
 
 
 def policy_logprobs(model: torch.nn.Module, batch: Batch, sampling: Sampling, impl: str = "auto"):
@@ -110,7 +106,7 @@ def policy_logprobs(model: torch.nn.Module, batch: Batch, sampling: Sampling, im
     policy's filter drops the token."""
     t_len = batch.completion_ids.shape[1]
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                logits_to_keep=t_len + 1)
+                logits_to_keep=t_len + 1, use_cache=False)
     logits = filter_logits(out.logits[:, :t_len], sampling)  # (B, T, V): positions P-1 .. P+T-2 predict the completion
     return logprob_entropy(logits, batch.completion_ids, impl=impl)  # type: ignore[arg-type]
 
@@ -133,7 +129,7 @@ def compute_loss(logp: torch.Tensor, entropy: torch.Tensor, batch: Batch, *, ver
     # a token the policy's top-k/top-p drops has ratio 0: out of the loss (a finite stand-in keeps 0 * inf out)
     filtered = real & torch.isneginf(logp.detach())
     scored = real & ~filtered
-    logp = torch.where(filtered, batch.behaviour_logp, logp)
+    logp = torch.where(scored, logp, batch.behaviour_logp)  # and padding, whose pad token a filter may drop too
     log_ratio = logp.detach() - batch.behaviour_logp
     masks = correction_masks(log_ratio, scored, lag, cfg)
     mask = masks.final

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -12,16 +13,32 @@ from inflight.protocol import VersionSpecStats
 from inflight.trainer.trackers import Trackers
 
 
+def _keep_samples(path: Path, through: int) -> None:
+    """``samples.jsonl`` without the lines of steps after ``through``."""
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines(keepends=True)
+                 if line.strip() and json.loads(line).get("step", 0) <= through]
+        path.write_text("".join(lines))
+
+
 class MetricsLog:
     """Appends one JSON object per step; ``rows`` keeps them for the plot and the summary; each
     row also goes to the run's experiment trackers (``inflight.trainer.trackers``), closed by ``close``."""
 
-    def __init__(self, path: Path, *, append: bool = False, trackers: Trackers | None = None) -> None:
+    def __init__(self, path: Path, *, append: bool = False, trackers: Trackers | None = None,
+                 through: int | None = None) -> None:
+        """``append``: go on after the rows there; ``through``: keeping only those of steps up to
+        this one (a resume from that step's checkpoint: the steps a crashed run wrote after it
+        are trained again, and must not appear twice)."""
         self.path = Path(path)
         self.trackers = trackers if trackers is not None else Trackers([])
         self.rows: list[dict[str, Any]] = []
         if append and self.path.exists():
             self.rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            if through is not None:
+                self.rows = [r for r in self.rows if r.get("step", 0) <= through]
+                self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+                _keep_samples(self.path.with_name("samples.jsonl"), through)
         else:
             self.path.write_text("")
             self.path.with_name("samples.jsonl").write_text("")
@@ -165,11 +182,35 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "ess_mean": _mean([r["ess"] for r in rows]),
         "ess_low_steps": sum(bool(r.get("ess_low")) for r in rows),
         "frac_masked_mean": _mean([r.get("frac_masked", r["frac_masked_lag"]) for r in rows]),
+        **step_time(rows),
         **({"eval_accuracy_first": evals[0]["eval_accuracy"], "eval_accuracy_last": evals[-1]["eval_accuracy"],
             "eval_reward_first": evals[0]["eval_reward"], "eval_reward_last": evals[-1]["eval_reward"],
             "eval_versions": [evals[0]["version"], evals[-1]["version"]], "eval_prompts": evals[-1]["eval_prompts"]}
            if evals else {}),
     }
+
+
+STEP_PARTS = ("step_ms", "wait_ms", "forward_ms", "backward_ms", "reference_ms", "optimizer_ms", "push_wait_ms",
+              "read_wait_ms")
+"""Where a step's wall time goes (docs/training.md): ``wait_ms`` for rollouts, the trainer's
+passes and optimizer, and what the push in flight held it (``push_wait_ms``, ``read_wait_ms``)."""
+
+
+def step_time(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary's medians of where each step went, the share of the run's step time spent
+    waiting for rollouts (near 0: the loop is trainer-bound), throughput and peak memory."""
+    rows = [r for r in rows if "forward_ms" in r]
+    if not rows:
+        return {}
+    med = lambda key: statistics.median(r.get(key, 0.0) or 0.0 for r in rows)  # noqa: E731
+    engine = [r["engine_tokens_per_s"] for r in rows if r.get("engine_tokens_per_s") is not None]
+    return {**{f"{k}_median": med(k) for k in STEP_PARTS},
+            "wait_share": sum(r["wait_ms"] for r in rows) / max(sum(r["step_ms"] for r in rows), 1e-9),
+            "trainer_tokens_per_s_median": med("trainer_tokens_per_s"),
+            "trainer_prompt_tokens_median": med("trainer_prompt_tokens"),
+            "trainer_completion_tokens_median": med("trainer_completion_tokens"),
+            "engine_tokens_per_s_median": statistics.median(engine) if engine else None,
+            "peak_rss_gb_max": max(r.get("peak_rss_gb", 0.0) for r in rows)}
 
 
 def plot_run(rows: list[dict[str, Any]], png: Path, title: str = "") -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from inflight.protocol import ModelDtype
-from inflight.settings import check_choices
+from inflight.settings import Packing, check_choices
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,11 +32,30 @@ class OptimConfig:
     """Adam betas."""
     grad_clip: float = 1.0
     """Max global grad norm (0: off)."""
-    micro_batches: int = 1
-    """Forward and backward passes per step: the step's samples split into this many
-    micro-batches of consecutive rows, each trimmed to its own padding, their gradients
-    accumulated (the loss normalized by the whole batch's tokens, so the step equals one
-    pass). Peak memory falls with it: logits are (samples, tokens, vocabulary)."""
+    packing: Packing = "prefix_shared"
+    """How a micro-batch's samples are laid out for the forward pass (``inflight.trainer.packed_batch``):
+    ``padded`` rows, each prompt left-padded to the longest and attention masked (the
+    reference); ``packed``, every sample's tokens concatenated without padding, positions
+    restarting per sample, attention kept inside each sample; ``prefix_shared``, packed with
+    each group's shared prefix (its prompt, and any history its samples share) run forward
+    once and attended to by every sample that shares it. A model that cannot take a layout
+    falls back to the next simpler one, saying why once."""
+    micro_batch_tokens: int = 8192
+    """Tokens one forward and backward pass may hold (as laid out: a shared prefix counts
+    once; padded rows count their padding). A step's samples are cut into micro-batches of
+    whole samples under this budget, their gradients accumulated (the loss normalized by the
+    whole batch's tokens, so the step equals one pass). Activation memory grows with it."""
+    activation_checkpointing: bool = True
+    """Keep only each decoder layer's input for the backward pass and recompute the layer
+    there: about a tenth of the activation memory for about a third more forward compute."""
+    head_chunk_tokens: int = 256
+    """Tokens whose LM-head logits exist at once (``inflight.kernels.logprob_head``): the head,
+    log-prob and entropy run in chunks of this many rows, recomputed in the backward pass,
+    so no (tokens, vocabulary) logits tensor is ever whole."""
+    expert_parallel: bool = True
+    """On several trainer ranks, shard each MoE layer's experts by expert (each rank owns
+    experts / ranks of them, tokens dispatched to their owner all-to-all) instead of
+    all-gathering every expert with the layer (FSDP). No effect on one rank or a dense model."""
     compute_dtype: ModelDtype = "float32"
     """What the forward and backward passes compute in. ``bfloat16``: FSDP2's mixed precision
     (``MixedPrecisionPolicy``) on every rank, one included: each layer's parameters are
@@ -55,9 +74,10 @@ class OptimConfig:
             raise ValueError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1)")
         if type(self.warmup_steps) is not int or self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be a whole number >= 0")
-        if type(self.micro_batches) is not int or self.micro_batches < 1:
-            raise ValueError(f"optim.micro_batches={self.micro_batches} must be a whole number >= 1")
-
+        for name in ("micro_batch_tokens", "head_chunk_tokens"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"optim.{name}={value} must be a whole number >= 1")
 
 def learning_rate(cfg: Any, step: int) -> float:
     """The learning rate of optimizer step ``step`` (0 for the first) of the run ``cfg`` (a

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,15 +28,18 @@ from inflight.protocol import (
     decode_trainer_part,
 )
 from inflight.rollout_queue import RolloutBuffer
+from inflight.trainer.accumulate import Accumulator, Score, Scores
 from inflight.trainer.checkpoint import TrainerState, load_optimizer, restore_rng, save_checkpoint, save_optimizer
 from inflight.trainer.config import TrainConfig
+from inflight.trainer.host_memory import restart_peak, return_freed_memory, step_memory
 from inflight.trainer.lora_policy import adapter_weights, empty_trainable, load_trainable
-from inflight.trainer.loss import Batch, collate, compute_loss, micro_batches, policy_logprobs
+from inflight.trainer.loss import Batch, collate, compute_loss
 from inflight.trainer.metrics import ess_warning
 from inflight.trainer.models import empty_model
 from inflight.trainer.optim import learning_rate
+from inflight.trainer.packed_forward import checkpoint_layers, use_packing
 from inflight.trainer.ranks import GatheredWeights, TrainerRanks, decode_floats
-from inflight.trainer.routing_replay import RoutingReplay, collate_routing
+from inflight.trainer.routing_replay import RoutingReplay
 from inflight.trainer.tasks.tool_calls import use_chat_template
 from inflight.transport.sources import checkpoint_form, named_weights
 
@@ -71,6 +75,7 @@ class Policy:
         self.device = ranks.device if ranks else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cpu":
             torch.set_num_threads(1)  # leave the other core(s) to the engine
+            return_freed_memory()  # the resident set follows the live tensors: no step keeps the last one's
         resume = resumed is not None if resume is None else resume
         if ranks is not None:
             check_ranks(cfg, ranks.world)
@@ -82,18 +87,22 @@ class Policy:
         self.lora, self.adapter_dir = adapter_dir is not None, adapter_dir
         state_dir = adapter_dir or model_dir  # a LoRA run's checkpoint is its adapter's directory
         # loss.kl_coef's frozen reference model (a LoRA run's: the base, adapter off)
-        self.model, self.reference = self._placed(self._load(model_dir, adapter_dir, reference_dir))
+        self.model, self.reference = self._placed(self._prepared(self._load(model_dir, adapter_dir, reference_dir)))
         self.gathered: GatheredWeights | None = None
         if ranks is not None:
             self.gathered = GatheredWeights(ranks, self._live())
             self.gathered.gather(0)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.optim.lr,
-                                           betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
+                                           betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay,
+                                           fused=True)  # one kernel per tensor: no temporaries of the moments
         if resume:
             load_optimizer(self.model, self.optimizer, state_dir)
         if resumed is not None:
             restore_rng(resumed)
         self.replay = RoutingReplay(self.model, enabled=cfg.loss.routing_replay)
+        self.accumulator = Accumulator(self.model, self._reference_scores if cfg.loss.kl_coef else None, self.replay,
+                                       cfg.loss, cfg.rollout.sampling(), self.packing, cfg.optim.micro_batch_tokens,
+                                       cfg.optim.head_chunk_tokens, self.device)
         self.flat_steps = 0  # steps in a row whose every group's samples scored alike (zero advantages)
         self._eval_model: torch.nn.Module | None = None
 
@@ -106,6 +115,21 @@ class Policy:
             models.append(_model(reference_dir or model_dir, None, empty=empty).eval().requires_grad_(False))
         return models
 
+    def _prepared(self, models: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        """``models`` set up to train as ``optim`` says, before any is sharded: the layout their
+        forward takes (``optim.packing``, or a simpler one the model needs, said once) and the
+        policy's decoder layers checkpointed (``optim.activation_checkpointing``)."""
+        packing, why = self.cfg.optim.packing, None
+        for model in models:
+            packing, why = use_packing(model, packing)
+        if why is not None and (self.ranks is None or self.ranks.rank == 0):
+            log.warning("optim.packing=%r: %s, so the trainer pads its batches (optim.packing='padded')",
+                        self.cfg.optim.packing, why)
+        self.packing = packing
+        if self.cfg.optim.activation_checkpointing:
+            checkpoint_layers(models[0])
+        return models
+
     def _placed(self, models: list[torch.nn.Module]) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         """``_load``'s models on this process's device: with ranks, sharded layer by layer
         before any leaves the host (FSDP moves each unit's shards), then every rank's shards
@@ -115,22 +139,20 @@ class Policy:
                 model.to(self.device)
                 continue
             full = model.state_dict() if self.ranks.rank == 0 else None
-            self.ranks.shard(model, self.cfg.optim.compute_dtype)
+            self.ranks.shard(model, self.cfg.optim.compute_dtype, expert_parallel=self.cfg.optim.expert_parallel)
             self.ranks.fill_from_rank_0(model, full)
             del full
         return models[0], models[1] if len(models) > 1 else None
 
     @torch.no_grad()
-    def reference_logprobs(self, batch: Batch) -> torch.Tensor | None:
-        """The reference policy's log-probs of ``batch``'s tokens (None without ``loss.kl_coef``),
-        at the sampling temperature and without top-k/top-p, so every token has one."""
-        if not self.cfg.loss.kl_coef:
-            return None
+    def _reference_scores(self, score: Score) -> torch.Tensor:
+        """The KL reference's log-probs of a micro-batch (``score`` runs it under a model), at
+        the sampling temperature and without top-k/top-p, so every token has one."""
         unfiltered = Sampling(temperature=self.cfg.rollout.temperature)
         if self.reference is None:  # LoRA: the base is the model with its adapter off (on every rank)
             with self.model.disable_adapter():
-                return policy_logprobs(self.model, batch, unfiltered)[0]
-        return policy_logprobs(self.reference, batch, unfiltered)[0]
+                return score(self.model, unfiltered)[0]
+        return score(self.reference, unfiltered)[0]
 
     @property
     def unwrapped(self) -> torch.nn.Module:
@@ -180,6 +202,7 @@ class Policy:
 
     def _step(self, groups: list[RolloutGroup], version: int, step: int, before_write: Callable[[], object]
               ) -> StepResult:
+        restart_peak()
         if self.ranks is None:
             loss, metrics, batch = self.accumulate(groups, version)
         else:
@@ -193,15 +216,22 @@ class Policy:
             log.warning("step %d: every group's samples scored alike (rewards %s): %s (what the policy samples, and "
                         "its rewards: samples.jsonl)", step + 1, rewards, "no learning signal in this batch"
                         if self.flat_steps == 1 else f"still no learning signal, {self.flat_steps} steps in a row")
+        t0 = time.perf_counter()
         grad_norm = self._clip()
         metrics["lr"] = self._set_lr(step)
         if self.gathered is None:
+            t1 = time.perf_counter()
             before_write()
+            t0 += time.perf_counter() - t1  # waiting for a push's reads is not the optimizer's
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        metrics["optimizer_ms"] = 1e3 * (time.perf_counter() - t0)
         if self.gathered is not None:
             before_write()
+            t1 = time.perf_counter()
             self.gathered.gather(step + 1)
+            metrics["gather_ms"] = 1e3 * (time.perf_counter() - t1)
+        metrics.update(step_memory())
         return StepResult(loss, grad_norm, batch, metrics)
 
     def close(self) -> None:
@@ -222,12 +252,13 @@ class Policy:
         self.ranks.check_in(order.step)
         groups = list(order.groups)
         batch = collate(groups, self.tokenizer.pad_token_id, self.cfg.loss.normalize_std)
-        logp, entropy, ref = self._backward(batch, order.version, order.n_tokens, order.passes,
-                                            self._step_routing(groups, batch))
-        (rows, cols), (routed, differ) = logp.shape, self.replay.counts()
-        self.ranks.send(TrainerPart(rows=rows, cols=cols, logp=_raw(logp), entropy=_raw(entropy),
-                                    ref=b"" if ref is None else _raw(ref), routing_rows=routed,
-                                    routing_differ=differ), 0)
+        micro = self.accumulator.plan(groups, order.passes, whole=self._whole_batch)
+        scores = self.accumulator.run(groups, batch, order.version, order.n_tokens, micro)
+        (rows, cols), (routed, differ) = scores.logp.shape, self.replay.counts()
+        t = scores.times
+        self.ranks.send(TrainerPart(rows=rows, cols=cols, logp=_raw(scores.logp), entropy=_raw(scores.entropy),
+                                    ref=b"" if scores.ref is None else _raw(scores.ref), routing_rows=routed,
+                                    routing_differ=differ, tokens=t.tokens, prompt_tokens=t.prompt_tokens), 0)
         self._clip()
         self._set_lr(order.step)
         self.optimizer.step()
@@ -253,96 +284,68 @@ class Policy:
         torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
         return float(norm)
 
+    @property
+    def _whole_batch(self) -> bool:
+        """The loss needs the whole batch in one pass: M2PO's mask is a moment of all its tokens."""
+        return self.cfg.loss.m2_threshold > 0
+
     def accumulate(self, groups: list[RolloutGroup], version: int) -> tuple[float, dict[str, Any], Batch]:
         """The gradient of the step's loss on ``groups``, accumulated into the parameters'
-        ``.grad`` over ``optim.micro_batches`` forward/backward passes (the loss normalized by
-        the whole batch's tokens, so the sum is the one-batch gradient); returns the loss, the
-        whole batch's metrics and the batch."""
+        ``.grad`` over micro-batches of at most ``optim.micro_batch_tokens`` (the loss normalized
+        by the whole batch's tokens, so the sum is the one-batch gradient); returns the loss, the
+        whole batch's metrics (with where the step went) and the batch."""
         cfg = self.cfg
         batch = collate(groups, self.tokenizer.pad_token_id, cfg.loss.normalize_std)
-        routing = self._step_routing(groups, batch)
-        passes = min(cfg.optim.micro_batches, batch.input_ids.shape[0])
-        if passes == 1:  # one pass: the loss and its metrics at once
-            batch = batch.to(self.device)
-            with self.replay.replaying(routing):
-                logp, entropy = policy_logprobs(self.model, batch, cfg.rollout.sampling())
-            loss, metrics = compute_loss(logp, entropy, batch, version=version, cfg=cfg.loss,
-                                         ref_logp=self.reference_logprobs(batch))
-            loss.backward()
-            return float(loss.detach()), {**metrics, **self.replay.stats()}, batch
         n_tokens = float((batch.completion_mask > 0).sum().clamp(min=1))
-        logp_all, entropy_all, ref_all = self._backward(batch, version, n_tokens, passes, routing)
-        with torch.no_grad():  # the whole batch's loss and metrics, from the micro-batches' log-probs
-            loss, metrics = compute_loss(logp_all, entropy_all, batch, version=version, cfg=cfg.loss, ref_logp=ref_all)
-        return float(loss), {**metrics, **self.replay.stats()}, batch
+        scores = self.accumulator.run(groups, batch, version, n_tokens,
+                                      self.accumulator.plan(groups, whole=self._whole_batch))
+        return self._whole_loss(scores, batch, version, self.replay.stats())
 
-    def _backward(self, batch: Batch, version: int, n_tokens: float, passes: int, routing: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Backward of ``batch``'s share of a loss over ``n_tokens`` tokens, in ``passes``
-        micro-batches; the batch's (B, T) log-probs, entropies and reference log-probs, on the host."""
-        cfg = self.cfg
-        logp_all, entropy_all = torch.zeros_like(batch.behaviour_logp), torch.zeros_like(batch.behaviour_logp)
-        ref_all = torch.zeros_like(batch.behaviour_logp) if cfg.loss.kl_coef else None
-        width = batch.input_ids.shape[1] - batch.completion_ids.shape[1]
-        for rows, micro in micro_batches(batch, passes):
-            micro, t = micro.to(self.device), micro.completion_ids.shape[1]
-            p = micro.input_ids.shape[1] - t  # the micro-batch's columns of the whole batch's routing
-            part_routing = None if routing is None else routing[rows, width - p: width + t]
-            with self.replay.replaying(part_routing):
-                logp, entropy = policy_logprobs(self.model, micro, cfg.rollout.sampling())
-            ref = self.reference_logprobs(micro)
-            part, _ = compute_loss(logp, entropy, micro, version=version, cfg=cfg.loss, n_tokens=n_tokens,
-                                   ref_logp=ref, with_metrics=False)
-            part.backward()
-            logp_all[rows, :t], entropy_all[rows, :t] = logp.detach().cpu(), entropy.detach().cpu()
-            if ref_all is not None:
-                ref_all[rows, :t] = ref.cpu()
-        return logp_all, entropy_all, ref_all
-
-    def _step_routing(self, groups: list[RolloutGroup], batch: Batch) -> torch.Tensor | None:
-        """``groups``' recorded routing, collated like ``batch`` (None without routing replay),
-        for one step's gradient on this rank: the replay's counts start over here, once a step."""
-        self.replay.reset()
-        if not self.replay.enabled:
-            return None
-        return collate_routing(groups, batch.input_ids, batch.completion_ids.shape[1])
+    def _whole_loss(self, scores: Scores, batch: Batch, version: int, routing: dict[str, float]
+                    ) -> tuple[float, dict[str, Any], Batch]:
+        """The whole batch's loss and metrics from every micro-batch's (and rank's) log-probs."""
+        with torch.no_grad():
+            loss, metrics = compute_loss(scores.logp, scores.entropy, batch, version=version, cfg=self.cfg.loss,
+                                         ref_logp=scores.ref)
+        return float(loss), {**metrics, **routing, **scores.times.as_metrics(), "packing": self.packing}, batch
 
     def _accumulate_on_ranks(self, groups: list[RolloutGroup], version: int, step: int
                              ) -> tuple[float, dict[str, Any], Batch]:
         """Rank 0's ``accumulate``: each rank its whole groups (``TrainerRanks.rows``), every
-        loss over the whole batch's tokens; the whole batch's loss and metrics from every
-        rank's log-probs."""
+        loss over the whole batch's tokens, the same number of passes on every rank; the whole
+        batch's loss and metrics from every rank's log-probs."""
         ranks, cfg = self.ranks, self.cfg
         assert ranks is not None
         batch = collate(groups, self.tokenizer.pad_token_id, cfg.loss.normalize_std)
         n_tokens = float((batch.completion_mask > 0).sum().clamp(min=1))
         parts = ranks.rows(groups)
-        passes = max(1, min(cfg.optim.micro_batches, *(sum(len(g.samples) for g in p) for p in parts)))
+        passes = max(len(self.accumulator.plan(p, whole=self._whole_batch)) for p in parts)
         for r in range(1, ranks.world):
             ranks.send(TrainerOrder(step=step, version=version, groups=tuple(parts[r]), n_tokens=n_tokens,
                                     passes=passes), r)
         ranks.check_in(step)
         mine = collate(parts[0], self.tokenizer.pad_token_id, cfg.loss.normalize_std)
-        shares = [self._backward(mine, version, n_tokens, passes, self._step_routing(parts[0], mine))]
-        routed = (0, 0)  # the other ranks' routing replay counts
+        own = self.accumulator.run(parts[0], mine, version, n_tokens,
+                                   self.accumulator.plan(parts[0], passes, whole=self._whole_batch))
+        shares, routed = [(own.logp, own.entropy, own.ref)], (0, 0)  # routed: the other ranks' replay counts
         for r in range(1, ranks.world):
             part = decode_trainer_part(ranks.receive_bytes(r))
             routed = (routed[0] + part.routing_rows, routed[1] + part.routing_differ)
+            own.times.tokens += part.tokens
+            own.times.prompt_tokens += part.prompt_tokens
             shares.append((decode_floats(part.logp, part.rows, part.cols),
                            decode_floats(part.entropy, part.rows, part.cols),
                            decode_floats(part.ref, part.rows, part.cols) if part.ref else None))
-        logp_all, entropy_all = torch.zeros_like(batch.behaviour_logp), torch.zeros_like(batch.behaviour_logp)
-        ref_all = torch.zeros_like(batch.behaviour_logp) if cfg.loss.kl_coef else None
+        whole = Scores(torch.zeros_like(batch.behaviour_logp), torch.zeros_like(batch.behaviour_logp),
+                       torch.zeros_like(batch.behaviour_logp) if cfg.loss.kl_coef else None, own.times)
         start = 0
         for logp, entropy, ref in shares:
             rows, t = slice(start, start + logp.shape[0]), logp.shape[1]
-            logp_all[rows, :t], entropy_all[rows, :t] = logp, entropy
-            if ref_all is not None and ref is not None:
-                ref_all[rows, :t] = ref
+            whole.logp[rows, :t], whole.entropy[rows, :t] = logp, entropy
+            if whole.ref is not None and ref is not None:
+                whole.ref[rows, :t] = ref
             start = rows.stop
-        with torch.no_grad():
-            loss, metrics = compute_loss(logp_all, entropy_all, batch, version=version, cfg=cfg.loss, ref_logp=ref_all)
-        return float(loss), {**metrics, **self.replay.stats(routed)}, batch
+        return self._whole_loss(whole, batch, version, self.replay.stats(routed))
 
     def save(self, path: Path, step: int, version: int, buffer: RolloutBuffer,
              ledger: Callable[[], dict] | None = None, extra: Callable[[Path], None] | None = None) -> None:

@@ -81,6 +81,7 @@ class RoutingReplay:
             raise ValueError(f"loss.routing_replay=true but {type(model).__name__} has no sparse-MoE router to replay")
         self._routing: torch.Tensor | None = None
         self._counts = torch.zeros(3, dtype=torch.long)  # replayed rows, rows whose expert set differed, router calls
+        self._counting = True
 
     @contextmanager
     def replaying(self, routing: torch.Tensor | None) -> Iterator[None]:
@@ -98,6 +99,16 @@ class RoutingReplay:
             for h in hooks:
                 h.remove()
             self._routing = None
+
+    @contextmanager
+    def counting(self, on: bool) -> Iterator[None]:
+        """Inside, replays are counted only if ``on``: a checkpointed layer recomputing in the
+        backward pass replays what its forward already counted."""
+        before, self._counting = self._counting, on
+        try:
+            yield
+        finally:
+            self._counting = before
 
     def reset(self) -> None:
         """Start counting anew (``stats``): at the start of each optimizer step."""
@@ -136,5 +147,6 @@ class RoutingReplay:
         replay = recorded[:, 0] != NO_ROUTE
         chosen = torch.where(replay[:, None], recorded, index)
         same = torch.sort(chosen, -1).values.eq(torch.sort(index, -1).values).all(-1)
-        self._counts += torch.tensor([int(replay.sum()), int((replay & ~same).sum()), 1])
+        if self._counting:
+            self._counts += torch.tensor([int(replay.sum()), int((replay & ~same).sum()), 1])
         return logits, gate_weights(logits, chosen, renormalize), chosen

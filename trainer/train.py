@@ -44,6 +44,7 @@ from inflight.trainer.metrics import MetricsLog, RolloutLedger, plot_run, summar
 from inflight.trainer.models import resolve_model
 from inflight.trainer.policy import Policy, StepResult, check_ranks
 from inflight.trainer.ranks import RankLost, TrainerRanks, launch_ranks
+from inflight.trainer.supervisor import run_facts, supervise, supervising, write_facts
 from inflight.trainer.tasks.evaluate import Evaluator
 from inflight.trainer.tasks.task import Task, encode_prompt
 from inflight.trainer.tasks.tool_calls import use_chat_template
@@ -77,7 +78,7 @@ def train(cfg: TrainConfig, ranks: TrainerRanks | None = None) -> dict:  # ranks
     buffer = RolloutBuffer(queue, admit_lag=cfg.rollout.admit_lag, mask_lag=cfg.loss.max_lag,
                            group_size=cfg.rollout.group_size, sampling=cfg.rollout.sampling(),
                            pending=resumed.pending if resumed else (), stats=resumed.buffer_stats if resumed else None)
-    metrics = MetricsLog(out / "metrics.jsonl", append=resumed is not None,
+    metrics = MetricsLog(out / "metrics.jsonl", append=resumed is not None, through=resumed.step if resumed else None,
                          trackers=open_trackers(cfg, out, resumed=resumed is not None))  # run.report_to
     evaluator = _evaluator(cfg, policy, task, model_dir, metrics, version, first=resumed is None)  # greedy, held out
     sync = WeightSync(cfg, pusher, fleet, queue, _pushed(policy, draft))
@@ -96,10 +97,10 @@ def train(cfg: TrainConfig, ranks: TrainerRanks | None = None) -> dict:  # ranks
             version += 1
             score = (lambda: evaluator(policy.unwrapped)) if evaluator is not None and evaluator.due(done) else dict
             version, evaluation = sync.push(version, last=done == cfg.run.steps, score=score)
-            metrics.write(row := {**_row(done, version, result, groups, t0, sync, buffer, queue, fleet),
-                                  **ledger.update(groups), **drafted, **evaluation}, groups)  # and samples.jsonl
-            bar.set_postfix_str(bar_text(row), refresh=False)
-            if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0:
+            metrics.write(row := _with_rate({**_row(done, version, result, groups, t0, sync, buffer, queue, fleet),
+                                             **ledger.update(groups), **drafted, **evaluation}, metrics.rows), groups)
+            bar.set_postfix_str(bar_text(row), refresh=False)  # metrics.write: and samples.jsonl
+            if cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0 and done < cfg.run.steps:
                 policy.save(ckpt_dir, done, version, buffer, lambda: ledger.state(queue), _draft_saver(draft))
                 fleet.restart_from(ckpt_dir, version)
             if interrupt.asked:  # Ctrl-C: stop after a whole step, its push landed; leave everything below behind
@@ -251,7 +252,7 @@ def _row(done: int, version: int, result: StepResult, groups: list, t0: float, s
     step (the last row: two; a recovery's push of the current version too), as [version, ranks];
     ``engines_rejoined`` what members reported serving when a generation formed."""
     batch = result.batch
-    row = {"step": done, "version": version, "loss": result.loss, "grad_norm": result.grad_norm,
+    row = {"step": done, "time": time.time(), "version": version, "loss": result.loss, "grad_norm": result.grad_norm,
            "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std()),
            "max_versions_per_sample": int(max(len(set(s.versions)) for g in groups for s in g.samples)),
            "hybrid_token_frac": _hybrid_fraction(groups),
@@ -263,6 +264,22 @@ def _row(done: int, version: int, result: StepResult, groups: list, t0: float, s
            "dropped_ids": buffer.dropped_ids, "versions_by_engine": _versions_by_engine(groups),
            "pushes_landed": sync.take_landed(), "engines_rejoined": sync.take_rejoined()}
     buffer.dropped_ids = []
+    m = result.metrics
+    compute_s = 1e-3 * sum(m.get(k, 0.0) for k in ("forward_ms", "backward_ms", "reference_ms", "optimizer_ms"))
+    row["trainer_tokens_per_s"] = m.get("trainer_tokens", 0) / compute_s if compute_s > 0 else 0.0
+    return row
+
+
+def _with_rate(row: dict, rows: list[dict]) -> dict:
+    """``row`` with ``engine_tokens_per_s``: the fleet's completion tokens shipped per second
+    since the last row of ``rows`` (``rollout_tokens_shipped``: every engine's, dropped groups'
+    too); None for a first row, and after an engine restarted its count."""
+    before = next((r for r in reversed(rows) if "time" in r and "rollout_tokens_shipped" in r), None)
+    row["engine_tokens_per_s"] = None
+    if before is not None and "rollout_tokens_shipped" in row:
+        elapsed = row["time"] - before["time"]
+        shipped = row["rollout_tokens_shipped"] - before["rollout_tokens_shipped"]
+        row["engine_tokens_per_s"] = shipped / elapsed if elapsed > 0 and shipped >= 0 else None
     return row
 
 
@@ -322,7 +339,11 @@ def follow_rank_0(cfg: TrainConfig, ranks: TrainerRanks) -> None:
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """``inflight train`` (``prog``) and ``python -m inflight.trainer.train``: train, then print
     the summary. ``--nproc N`` runs N trainer ranks here (``launch_ranks``); under ``torchrun``
-    each process is one rank."""
+    each process is one rank. One process runs as a thin parent's child (``supervisor``), which
+    names a death by the OOM killer."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if supervising(argv):  # ``python -m inflight.trainer.train`` as ``inflight train``: the trainer is a child
+        sys.exit(supervise(argv, prog or os.environ.get("INFLIGHT_PROG") or Path(sys.argv[0]).name))
     ap = argparse.ArgumentParser(prog=prog or os.environ.get("INFLIGHT_PROG"), description=__doc__.splitlines()[0])
     add_config_arguments(ap)
     ap.add_argument("--nproc", type=int, default=1, metavar="N",
@@ -335,7 +356,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if args.nproc < 1:
         ap.error(f"--nproc={args.nproc} must be >= 1")
     if args.nproc > 1:
-        sys.exit(launch_ranks(args.nproc, [a for a in (argv if argv is not None else sys.argv[1:])], ap.prog))
+        sys.exit(launch_ranks(args.nproc, argv, ap.prog, run_facts(cfg)))
+    write_facts(cfg)  # for the parent's line, if it dies by a signal
     logging.basicConfig(level=logging.WARNING)
     ranks = TrainerRanks.from_env(cfg.run.rank_timeout_s)
     try:

@@ -21,18 +21,23 @@ import torch
 
 from inflight.protocol import RolloutGroup
 from inflight.transport.store import release_port, reserve_port
-from tests.helpers import random_groups
+from tests.helpers import shared_prompt_groups
 
 STEPS = 5
 SETTINGS = {
     "plain": {},
-    "micro_batches": {"optim": {"micro_batches": 3}},
+    "micro_batches": {"optim": {"micro_batch_tokens": 40}, "engine": {"max_model_len": 40},
+                      "task": {"completion_tokens": 16}},
     "kl": {"loss": {"kl_coef": 0.05}},
     "lora": {"model": {"lora": {"rank": 4, "alpha": 8.0}}, "loss": {"kl_coef": 0.05}},
     # lr 1e-4: Adam's first step moves a weight by lr * g / (|g| + eps), so where a gradient is
     # near eps, rounding-level differences between the two sums move it by a share of lr
     # (at 1e-3, 1.3e-5 in one of the MoE's k_proj elements)
-    "routing_replay": {"loss": {"routing_replay": True}, "optim": {"micro_batches": 2, "lr": 1e-4}},
+    "routing_replay": {"loss": {"routing_replay": True}, "optim": {"micro_batch_tokens": 64, "lr": 1e-4},
+                       "engine": {"max_model_len": 40}, "task": {"completion_tokens": 16}},
+    # the trainer as it was: rows padded, whole logits, every activation kept (on one process;
+    # ``test_packed_ranks_take_the_padded_steps`` runs the default layout on two against it)
+    "padded": {"optim": {"packing": "padded", "activation_checkpointing": False}},
 }
 """Each is ``_config``'s base with these sections merged in; ``lora``: an adapter trains on a
 frozen base (``Policy``'s ``adapter_dir``), its KL reference the base with the adapter off."""
@@ -42,21 +47,9 @@ tied embeddings and qkv biases, one tensor under two names when rank 0 fills the
 
 
 def _groups(step: int, routers: int = 0) -> list[RolloutGroup]:
-    """Step ``step``'s batch: 4 groups of 3 (``random_groups``); with ``routers`` MoE layers,
-    each token's recorded routing: 2 distinct experts of 4 in each, at random."""
-    import msgspec
-
-    groups = random_groups(torch.Generator().manual_seed(100 + step), 4, 3)
-    if not routers:
-        return groups
-    g = torch.Generator().manual_seed(200 + step)
-
-    def routed(s):
-        experts = torch.rand(len(s.token_ids), routers, 4, generator=g).argsort(-1)[..., :2]
-        return msgspec.structs.replace(s, routing=experts.to(torch.int16).numpy().tobytes(), routing_layers=routers,
-                                       routing_k=2)
-
-    return [RolloutGroup(group_id=gr.group_id, samples=tuple(routed(s) for s in gr.samples)) for gr in groups]
+    """Step ``step``'s batch: 4 groups of 3, each of one prompt (``shared_prompt_groups``); with
+    ``routers`` MoE layers, each token's recorded routing: 2 distinct experts of 4 in each."""
+    return shared_prompt_groups(torch.Generator().manual_seed(100 + step), 4, 3, routers=routers)
 
 
 def _config(model_dir: str, setting: dict):
@@ -190,6 +183,14 @@ def test_two_ranks_take_the_steps_of_one_process(request, tmp_path, name: str) -
     first, last = one[0]["weights"], one[-1]["weights"]
     assert all(float((first[k] - last[k]).abs().max()) > 1e-4 for k in first if "norm" not in k)
     assert all(r["grad_norm"] > 0 and r["loss"] != 0 for r in one)
+
+
+def test_packed_ranks_take_the_padded_steps(tiny_llama, tmp_path) -> None:
+    """Two ranks packed, prefix-shared and checkpointed (the defaults) take the steps of one
+    padded process with every activation kept: the trainer before packing."""
+    one = _one_process(tiny_llama, SETTINGS["padded"], (None, 0, STEPS, None))
+    two = _on_ranks(tiny_llama, SETTINGS["micro_batches"], (None, 0, STEPS, None), tmp_path / "two.pt")
+    _assert_same(one, two)
 
 
 def test_bf16_compute_on_one_rank_and_two(tiny_qwen, tmp_path) -> None:

@@ -16,7 +16,8 @@ from inflight.trainer.config_files import CONFIG_DIR, config_names, find_config,
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGED = ["demo", "fleet_cpu", "gpu_hf_model", "smollm2_calculator_cpu", "smollm2_calculator_native_cpu",
-            "smollm2_cpu", "smollm2_guess_cpu", "smollm2_lora_cpu", "smollm2_reasoning_gym_cpu"]
+            "smollm2_cpu", "smollm2_guess_cpu", "smollm2_leg_counting_cpu", "smollm2_lora_cpu",
+            "smollm2_reasoning_gym_cpu"]
 
 
 def test_packaged_configs_are_found_by_name_and_all_load() -> None:
@@ -41,7 +42,8 @@ def test_an_unknown_name_lists_the_packaged_ones() -> None:
     with pytest.raises(FileNotFoundError, match=r"config 'dmeo': no packaged config of that name; packaged: "
                                                  r"demo, fleet_cpu, gpu_hf_model, smollm2_calculator_cpu, "
                                                  r"smollm2_calculator_native_cpu, smollm2_cpu, smollm2_guess_cpu, "
-                                                 r"smollm2_lora_cpu, smollm2_reasoning_gym_cpu"):
+                                                 r"smollm2_leg_counting_cpu, smollm2_lora_cpu, "
+                                                 r"smollm2_reasoning_gym_cpu"):
         find_config("dmeo")
 
 
@@ -117,18 +119,20 @@ USAGE_ERROR = "^2$"
 """What a ``SystemExit`` of argparse's usage error says: its exit code (the message goes to stderr)."""
 
 
-def test_train_and_engine_report_a_bad_config_as_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_and_engine_report_a_bad_config_as_a_usage_error(capfd: pytest.CaptureFixture[str]) -> None:
+    """``inflight train``'s error comes from its trainer, a child process (``supervisor``): read from
+    the file descriptor, which the child shares."""
     with pytest.raises(SystemExit, match=USAGE_ERROR) as exit_:
         cli.main(["train", "--config", "nope"])
     assert exit_.value.code == 2
     assert ("inflight train: error: config 'nope': no packaged config of that name; packaged: demo"
-            in capsys.readouterr().err)
+            in capfd.readouterr().err)
     with pytest.raises(SystemExit, match=USAGE_ERROR):
         cli.main(["train", "--config", "demo", "--set", "run.stepz=5"])
-    assert "inflight train: error: run: unknown key(s) ['stepz']" in capsys.readouterr().err
+    assert "inflight train: error: run: unknown key(s) ['stepz']" in capfd.readouterr().err
     with pytest.raises(SystemExit, match=USAGE_ERROR):
         cli.main(["engine", "--config", "demo", "--set", "run.steps=0", "--model-dir", "x", "--port", "1"])
-    assert "inflight engine: error: run: run.steps=0 must be >= 1" in capsys.readouterr().err
+    assert "inflight engine: error: run: run.steps=0 must be >= 1" in capfd.readouterr().err
 
 
 def test_prepare_model_prints_the_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -176,6 +180,6 @@ def test_the_configuration_reference_is_generated_from_the_code() -> None:
     assert doc == render(), ("docs/configuration.md is stale: python -m inflight.trainer.config_docs > "
                              "docs/configuration.md")
     keys = {f"{name}.{key}" for name, _, rows in tables() for key, _, _ in rows}
-    assert {"run.resume", "optim.micro_batches", "optim.warmup_steps", "task.episode.max_turns",
+    assert {"run.resume", "optim.micro_batch_tokens", "optim.packing", "optim.warmup_steps", "task.episode.max_turns",
             "task.guess_number.consistency_credit", "engine.kv_cache_gb"} <= keys
     assert all(meaning for _, _, rows in tables() for _, _, meaning in rows)  # every key has its docstring

@@ -158,26 +158,29 @@ def test_left_padding_does_not_change_the_policy(tiny_qwen) -> None:
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_micro_batches_accumulate_the_one_batch_gradient(tiny_llama, level: str) -> None:
-    """``optim.micro_batches = 4`` (splitting GRPO groups, each micro-batch trimmed to its own
-    padding) accumulates the gradient of one pass over the whole batch: fp32, within 1e-5;
-    the loss and the step's metrics are the whole batch's."""
+    """Padded micro-batches of at most ``optim.micro_batch_tokens`` (splitting GRPO groups, each
+    micro-batch trimmed to its own padding) accumulate the gradient of one pass over the whole
+    batch: fp32, within 1e-5; the loss and the step's metrics are the whole batch's."""
     from dataclasses import replace
     from pathlib import Path
 
     from inflight.trainer.config_files import config_from_dict
-    from inflight.trainer.loss import micro_batches
+    from inflight.trainer.loss import padded_rows
     from inflight.trainer.policy import Policy
 
     threads = torch.get_num_threads()
     cfg = config_from_dict({"model": {"path": str(tiny_llama)}, "rollout": {"group_size": 5, "groups_per_step": 3},
-                            "loss": {"entropy_coef": 0.01, "level": level, "max_lag": 1}})
+                            "loss": {"entropy_coef": 0.01, "level": level, "max_lag": 1},
+                            "optim": {"packing": "padded"}, "engine": {"max_model_len": 24},
+                            "task": {"completion_tokens": 12}})
     try:
         policy = Policy(cfg, Path(tiny_llama), None)
         groups = random_groups(torch.Generator().manual_seed(3), 3, 5)
-        runs = []
-        for n in (1, 4):
-            policy.cfg = replace(cfg, optim=replace(cfg.optim, micro_batches=n))
+        runs, passes = [], []
+        for budget in (10_000, 80):
+            policy.accumulator = replace(policy.accumulator, budget=budget)
             loss, metrics, _ = policy.accumulate(groups, version=2)
+            passes.append(metrics["micro_batches"])
             runs.append((loss, metrics, {k: p.grad.clone() for k, p in policy.unwrapped.named_parameters()}))
             policy.optimizer.zero_grad(set_to_none=True)
     finally:
@@ -189,10 +192,13 @@ def test_micro_batches_accumulate_the_one_batch_gradient(tiny_llama, level: str)
     worst = max(float((g1[k] - g4[k]).abs().max() / g1[k].abs().max().clamp(min=1e-12)) for k in g1)
     assert worst < 1e-5, worst
     assert all(float(g.abs().max()) > 0 for g in g1.values())
+    assert passes[0] == 1 and passes[1] >= 3, passes
     batch = collate(groups, 0, normalize_std=False)
-    parts = micro_batches(batch, 4)
-    assert [p.input_ids.shape[0] for _, p in parts] == [4, 4, 4, 3]
-    assert any(p.input_ids.shape[1] < batch.input_ids.shape[1] for _, p in parts)  # trimmed to its own padding
+    part, cols = padded_rows(batch, 4, 8)
+    assert part.input_ids.shape[0] == 4 and part.input_ids.shape[1] <= batch.input_ids.shape[1]
+    widths = [padded_rows(batch, i, i + 1)[0].input_ids.shape[1] for i in range(batch.input_ids.shape[0])]
+    assert min(widths) < batch.input_ids.shape[1]  # a row alone is trimmed to its own padding
+    assert cols.stop - cols.start == part.input_ids.shape[1]
 
 
 @pytest.mark.parametrize("micro", [1, 3])
@@ -211,7 +217,9 @@ def test_the_kl_penalty_against_a_direct_computation(tiny_llama, micro: int) -> 
 
     threads = torch.get_num_threads()
     cfg = config_from_dict({"model": {"path": str(tiny_llama)}, "rollout": {"group_size": 5, "groups_per_step": 3},
-                            "loss": {"kl_coef": 0.1, "max_lag": 1}, "optim": {"micro_batches": micro}})
+                            "loss": {"kl_coef": 0.1, "max_lag": 1}, "engine": {"max_model_len": 24},
+                            "task": {"completion_tokens": 12},
+                            "optim": {"micro_batch_tokens": 10_000 if micro == 1 else 30}})
     try:
         policy = Policy(cfg, Path(tiny_llama), None)
         with torch.no_grad():  # the policy has moved away from its first weights

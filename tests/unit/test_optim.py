@@ -39,15 +39,19 @@ def test_learning_rate_schedule(schedule: str, after_warmup) -> None:
     ({"schedule": "step"}, r"optim.schedule='step' is not one of 'constant', 'linear', 'cosine'"),
     ({"warmup_steps": -1}, r"optim.warmup_steps=-1 must be a whole number >= 0"),
     ({"warmup_steps": 10}, r"optim.warmup_steps=10 must be below run.steps=10"),
-    ({"micro_batches": 0}, r"optim.micro_batches=0 must be a whole number >= 1"),
-    ({"micro_batches": 65}, r"optim.micro_batches=65 is more than a step's 64 samples"),
+    ({"micro_batch_tokens": 0}, r"optim.micro_batch_tokens=0 must be a whole number >= 1"),
+    ({"head_chunk_tokens": 0}, r"optim.head_chunk_tokens=0 must be a whole number >= 1"),
+    ({"micro_batch_tokens": 255}, r"optim.micro_batch_tokens=255 is below engine.max_model_len=256: a sample that "
+                                  r"long could not be trained in one pass; set optim.micro_batch_tokens >= 256"),
+    ({"packing": "flat"}, r"optim.packing='flat' is not one of 'padded', 'packed', 'prefix_shared'"),
 ])
 def test_optimizer_settings_are_checked(optim: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         _cfg(**optim)
 
 
-def test_m2po_needs_the_whole_batch_in_one_pass() -> None:
-    with pytest.raises(ValueError, match=r"loss.m2_threshold=0.04 masks tokens by a moment of the whole batch: it "
-                                         r"needs optim.micro_batches=1, not 2"):
-        config_from_dict({"loss": {"m2_threshold": 0.04}, "optim": {"micro_batches": 2}})
+def test_m2po_trains_the_whole_batch_in_one_pass() -> None:
+    """M2PO's mask is a moment of every token of the batch: its steps take one pass whatever
+    the budget, so a budget below a sample is no refusal there."""
+    cfg = config_from_dict({"loss": {"m2_threshold": 0.04}, "optim": {"micro_batch_tokens": 64}})
+    assert cfg.optim.micro_batch_tokens == 64

@@ -111,6 +111,8 @@ class RolloutLoop:
         self._turn_params: dict[tuple[int, int], Any] = {}
         self.prompts: dict[str, Any] = {}
         self.backlog: deque[RolloutGroup] = deque()
+        self.tokens_shipped = 0
+        """Completion tokens of every group this process queued (its ledger's ``tokens_shipped``)."""
         self.counter = 0
         self.steps = 0
         self._next_version = 0
@@ -265,11 +267,15 @@ class RolloutLoop:
         return True
 
     def _ship(self, item: RolloutGroup, *, wait: bool) -> bool | None:
-        """Queue a finished group, across a trainer restart if need be. True: queued; None: the
+        """Queue a finished group, across a trainer restart if need be, its ledger counting the
+        completion tokens this engine has shipped (``tokens_shipped``). True: queued; None: the
         queue is full and ``wait`` is False; False: stop."""
+        tokens = self.tokens_shipped + sum(len(s.token_ids) for s in item.samples)
+        item = msgspec.structs.replace(item, engine_ledger={**item.engine_ledger, "tokens_shipped": tokens})
         while True:
             try:
                 self.queue.put(item, timeout_s=(0.05 if self.native is not None else 1.0) if wait else 0.0)
+                self.tokens_shipped = tokens
                 return True
             except TimeoutError:  # the queue is full: the trainer is busy, or done with us
                 if not wait:
