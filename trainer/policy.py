@@ -31,6 +31,7 @@ from inflight.rollout_queue import RolloutBuffer
 from inflight.trainer.accumulate import Accumulator, Score, Scores
 from inflight.trainer.checkpoint import TrainerState, load_optimizer, restore_rng, save_checkpoint, save_optimizer
 from inflight.trainer.config import TrainConfig
+from inflight.trainer.expert_parallel import all_to_all_bytes
 from inflight.trainer.host_memory import restart_peak, return_freed_memory, step_memory
 from inflight.trainer.lora_policy import adapter_weights, empty_trainable, load_trainable
 from inflight.trainer.loss import Batch, collate, compute_loss
@@ -232,6 +233,8 @@ class Policy:
             self.gathered.gather(step + 1)
             metrics["gather_ms"] = 1e3 * (time.perf_counter() - t1)
         metrics.update(step_memory())
+        if sent := all_to_all_bytes(self.model, reset=True):  # this rank's expert dispatch, forward and backward
+            metrics["expert_all_to_all_mb"] = sum(sent.values()) / 2**20
         return StepResult(loss, grad_norm, batch, metrics)
 
     def close(self) -> None:

@@ -38,10 +38,12 @@ from inflight.trainer.config_files import add_config_arguments, config_to_dict, 
 from inflight.trainer.console import BarText, Interrupt, quiet_libraries
 from inflight.trainer.draft import DraftTrainer, checkpoint_draft, write_initial_draft
 from inflight.trainer.envs import build_task
+from inflight.trainer.expert_parallel import check_expert_parallel
 from inflight.trainer.fleet import EngineLost, Fleet, place, visible_gpus
 from inflight.trainer.lora_policy import write_first_adapter
+from inflight.trainer.memory_plan import check_fits
 from inflight.trainer.metrics import MetricsLog, RolloutLedger, plot_run, summarize
-from inflight.trainer.models import resolve_model
+from inflight.trainer.models import empty_model, resolve_model
 from inflight.trainer.policy import Policy, StepResult, check_ranks
 from inflight.trainer.ranks import RankLost, TrainerRanks, launch_ranks
 from inflight.trainer.supervisor import run_facts, supervise, supervising, write_facts
@@ -64,6 +66,7 @@ def train(cfg: TrainConfig, ranks: TrainerRanks | None = None) -> dict:  # ranks
     resumed, model_dir, adapter_dir, version = _policy_on_disk(cfg, out, ckpt_dir)
     task = _task_before_engines(cfg, model_dir)  # a bad task module, dataset line or prompt length stops here
     draft = _draft_before_engines(cfg, model_dir)  # draft.*: on disk for the engines
+    memory = _trainer_before_engines(cfg, model_dir, ranks)  # a trainer that cannot fit or shard stops here
     port = cfg.transport.port or reserve_port(cfg.transport.host)  # held until the trainer's store takes it
     placement = place(cfg.transport.backend, spawn=cfg.engine.spawn, gpus=visible_gpus())
     fleet = Fleet(cfg, model_dir, version, port, placement, out, adapter_dir)
@@ -73,11 +76,7 @@ def train(cfg: TrainConfig, ranks: TrainerRanks | None = None) -> dict:  # ranks
     policy = Policy(cfg, model_dir, resumed, adapter_dir, ranks=ranks,  # loss.kl_coef's reference: the first weights
                     reference_dir=_base_model(cfg, out) if resumed and cfg.loss.kl_coef else None)
     pusher = fleet.connect(group_config(cfg, port=port, backend=placement.backend), push_config(cfg))
-    queue = RolloutQueue(pusher.sub_store("rollout"), cfg.rollout.queue_capacity,
-                         incarnation=pusher.incarnation)  # items sealed for another run's store are refused
-    buffer = RolloutBuffer(queue, admit_lag=cfg.rollout.admit_lag, mask_lag=cfg.loss.max_lag,
-                           group_size=cfg.rollout.group_size, sampling=cfg.rollout.sampling(),
-                           pending=resumed.pending if resumed else (), stats=resumed.buffer_stats if resumed else None)
+    queue, buffer = _rollout_queue(cfg, pusher, resumed)
     metrics = MetricsLog(out / "metrics.jsonl", append=resumed is not None, through=resumed.step if resumed else None,
                          trackers=open_trackers(cfg, out, resumed=resumed is not None))  # run.report_to
     evaluator = _evaluator(cfg, policy, task, model_dir, metrics, version, first=resumed is None)  # greedy, held out
@@ -115,7 +114,17 @@ def train(cfg: TrainConfig, ranks: TrainerRanks | None = None) -> dict:  # ranks
 
     # -- 5. what we leave behind ---------------------------------------------------------------------
     _save_last(policy, ckpt_dir, done, version, buffer, lambda: ledger.state(queue), _draft_saver(draft))
-    return _summary(out, metrics, ledger.queue_totals(queue), buffer, fleet, interrupted=done < cfg.run.steps)
+    return _summary(out, metrics, ledger.queue_totals(queue), buffer, fleet, memory, interrupted=done < cfg.run.steps)
+
+
+def _rollout_queue(cfg: TrainConfig, pusher: Any, resumed: TrainerState | None) -> tuple[RolloutQueue, RolloutBuffer]:
+    """The rollout queue on the store the trainer hosts (items sealed for another run's store
+    are refused), and the buffer admitting its groups (a resume's pending ones first)."""
+    queue = RolloutQueue(pusher.sub_store("rollout"), cfg.rollout.queue_capacity, incarnation=pusher.incarnation)
+    buffer = RolloutBuffer(queue, admit_lag=cfg.rollout.admit_lag, mask_lag=cfg.loss.max_lag,
+                           group_size=cfg.rollout.group_size, sampling=cfg.rollout.sampling(),
+                           pending=resumed.pending if resumed else (), stats=resumed.buffer_stats if resumed else None)
+    return queue, buffer
 
 
 class SetupError(ValueError):
@@ -139,6 +148,21 @@ def _task_before_engines(cfg: TrainConfig, model_dir: Path) -> Task:
         raise SetupError(f"task {cfg.task.name!r}: a prompt of {longest} tokens and task.completion_tokens="
                          f"{cfg.task.completion_tokens} exceed engine.max_model_len={cfg.engine.max_model_len}")
     return task
+
+
+def _trainer_before_engines(cfg: TrainConfig, model_dir: Path, ranks: TrainerRanks | None) -> dict[str, Any]:
+    """The trainer's planned peak (``inflight.trainer.memory_plan``), checked against what the
+    machine gives it, and on several ranks an MoE policy's experts checked shardable by expert,
+    before any engine starts: ``SetupError`` naming the setting to change."""
+    world = ranks.world if ranks else 1
+    try:
+        if world > 1 and cfg.optim.expert_parallel:
+            check_expert_parallel(empty_model(model_dir), world)
+        p = check_fits(cfg, model_dir, world)
+    except ValueError as e:
+        raise SetupError(str(e)) from None
+    return {"peak_gb": p.peak / 1e9, "available_gb": p.available / 1e9, "micro_tokens": p.micro_tokens,
+            **{f"{k}_gb": v / 1e9 for k, v in p.parts.items()}}
 
 
 def _draft_before_engines(cfg: TrainConfig, model_dir: Path) -> DraftTrainer | None:
@@ -283,8 +307,8 @@ def _with_rate(row: dict, rows: list[dict]) -> dict:
     return row
 
 
-def _summary(out: Path, metrics: MetricsLog, queue: dict[str, int], buffer: RolloutBuffer, fleet: Fleet, *,
-             interrupted: bool) -> dict:
+def _summary(out: Path, metrics: MetricsLog, queue: dict[str, int], buffer: RolloutBuffer, fleet: Fleet,
+             memory: dict[str, Any], *, interrupted: bool) -> dict:
     plot_run(metrics.rows, out / "training.png", title=out.name)
     summary = summarize(metrics.rows)
     # the queue's ledger: every slot claimed ("put") was read, and each read is accounted for
@@ -292,6 +316,7 @@ def _summary(out: Path, metrics: MetricsLog, queue: dict[str, int], buffer: Roll
     summary["rollout"] = _rollout_totals(metrics.rows)  # scored, failed, dropped, cancelled: every engine's
     summary["engine_events"] = fleet.events
     summary["interrupted"] = interrupted  # stopped by Ctrl-C before run.steps
+    summary["memory_plan"] = memory  # the trainer's planned peak, part by part (inflight.trainer.memory_plan)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
