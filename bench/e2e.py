@@ -25,7 +25,11 @@ shared cores, or a core each.
 Workloads: ``tiny`` (the default: the tiny demo model on one-digit addition, the default
 config) and ``smollm2-system`` (SmolLM2-135M-Instruct, ``inflight prepare-model smollm2``;
 groups of 8, every prompt at least ``--prompt-tokens`` long, a long shared preamble of
-instructions before each problem, so a prefix cache has most of every prompt to reuse).
+instructions before each problem, so a prefix cache has most of every prompt to reuse) and
+``smollm2-leg-counting`` (the packaged ``smollm2_leg_counting_cpu``: a new user's first
+config, reasoning-gym's leg_counting with two worked examples, groups of 8, 64 completion
+tokens). Each run's row says how much of its steps' time the trainer waited for rollouts
+(``wait_share``: near 0, the loop is trainer-bound) and how long the trainer itself took.
 Writes ``bench_e2e.json`` (the command line, start time, git revision, load averages, every
 run and the summary) and ``bench_e2e.png`` in ``--out``, appends all but the runs to
 ``bench/results/e2e.jsonl`` (``--results``); prints a table and one JSON line.
@@ -46,7 +50,9 @@ from inflight.bench.placement import PLACEMENTS, Placement, pinned_processes
 from inflight.bench.run_record import add_results_option, append_result, run_record
 
 MODES = ("inflight", "pause", "batch")
-WORKLOADS = ("tiny", "smollm2-system")
+WORKLOADS = ("tiny", "smollm2-system", "smollm2-leg-counting")
+LEG_COUNTING = "smollm2_leg_counting_cpu"
+"""The ``smollm2-leg-counting`` workload: a new user's first SmolLM2 config, as packaged."""
 RULES = (
     "Read the whole problem before you answer, and answer the question that is asked.",
     "Work with whole numbers only; there are no fractions, decimals or units in these problems.",
@@ -95,9 +101,21 @@ def smollm2_system(min_tokens: int) -> dict[str, Any]:
             "meta": {"prompt_tokens_min": shortest, "preamble_rules": rules}}
 
 
+def packaged(name: str) -> dict[str, Any]:
+    """A packaged config's tables as its file sets them (``run`` aside: each mode sets its own)."""
+    import tomllib
+
+    from inflight.trainer.config_files import find_config
+
+    data = tomllib.loads(find_config(name).read_text())
+    data.pop("run", None)
+    return data
+
+
 def workload(name: str, steps: int, max_lag: int, min_tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the config tables every mode shares, what to record about the workload)."""
-    base: dict[str, Any] = {} if name == "tiny" else smollm2_system(min_tokens)
+    base: dict[str, Any] = ({} if name == "tiny" else smollm2_system(min_tokens) if name == "smollm2-system"
+                            else packaged(LEG_COUNTING))
     meta = base.pop("meta", {})
     base["run"] = {"steps": steps}
     base["loss"] = {"max_lag": max_lag}
@@ -141,8 +159,14 @@ def figures(log: list[dict], cfg: Any, **about: Any) -> dict[str, Any]:
             "steps": len(steps), "samples_s": round(samples / max(wall, 1e-9), 2), "wall_s": round(wall, 1),
             "total_s": round(about["total"], 1), "load_1m": round(about["load"], 2),
             "step_ms": round(1e3 * wall / max(1, len(timed)), 1),
-            # trainer time waiting for rollouts: what the overlap can hide
+            # trainer time waiting for rollouts: what the overlap can hide; its share of the steps'
+            # time (near 0: the loop is trainer-bound) and where the rest went
             "wait_ms": round(statistics.fmean(r.get("wait_ms", 0.0) for r in timed), 1) if timed else None,
+            "wait_share": round(sum(r.get("wait_ms", 0.0) for r in timed) / max(1e3 * wall, 1e-9), 3),
+            "trainer_ms": round(statistics.median(sum(r.get(k, 0.0) for k in ("forward_ms", "backward_ms",
+                                                                                "reference_ms", "optimizer_ms"))
+                                                  for r in timed), 1) if timed else None,
+            "peak_rss_gb": max((r.get("peak_rss_gb", 0.0) for r in timed), default=None),
             "stall_ms": round(statistics.median(stalls), 2) if stalls else None,
             "reward_first": round(statistics.fmean(r["reward_mean"] for r in steps[:k]), 3),
             "reward_last": round(statistics.fmean(r["reward_mean"] for r in steps[-k:]), 3),
@@ -188,6 +212,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                          "samples_s_max": max(rates), "samples_s_rounds": rates,
                          "stall_ms": statistics.median(stalls) if stalls else None,
                          "wait_ms": statistics.median(r["wait_ms"] for r in mine if r["wait_ms"] is not None),
+                         "wait_share": statistics.median(r.get("wait_share", 0.0) for r in mine),
+                         "trainer_ms": statistics.median(r.get("trainer_ms") or 0.0 for r in mine),
                          "reward_first": statistics.median(r["reward_first"] for r in mine),
                          "reward_last": statistics.median(r["reward_last"] for r in mine)}
         ratios = {f"inflight/{m}": round(per["inflight"]["samples_s"] / per[m]["samples_s"], 3)
