@@ -161,6 +161,12 @@ def check_fits(cfg: Any, model_dir: Path, world: int = 1, available: int | None 
     p = plan(cfg, model_dir, world, available=available)
     if p.peak <= p.available:
         return p
+    if available is None and p.available < PROCESS_BYTES:
+        machine, engines = available_bytes(), engine_bytes(cfg, p.parts["weights"] * world)
+        raise ValueError(f"the {cfg.engine.count} engine(s) this run spawns on this machine's CPU would take "
+                         f"{engines / 2**30:.1f} GiB of its {machine / 2**30:.1f} GiB (engine.kv_cache_gb="
+                         f"{cfg.engine.kv_cache_gb} each, their weights and staging), leaving the trainer nothing: "
+                         "lower engine.kv_cache_gb or engine.count")
     head = f"the trainer would need {p.describe()} at a pass of {p.micro_tokens} tokens"
     if cfg.loss.m2_threshold == 0 and (budget := fitting_budget(cfg, model_dir, world, p.available)) is not None:
         raise ValueError(f"{head}: set optim.micro_batch_tokens={budget} (now {cfg.optim.micro_batch_tokens})")

@@ -77,3 +77,11 @@ def test_inflight_train_refuses_a_config_that_cannot_fit_before_any_engine_start
     assert "the trainer would need" in run.stderr and "set optim.micro_batch_tokens=" in run.stderr, run.stderr[-2000:]
     assert not list(out.glob("engine*.log")), "an engine started before the refusal"
     print(f"refused after {elapsed:.1f} s")
+
+
+def test_engines_that_take_the_machine_are_named(tiny_llama) -> None:
+    """Spawned CPU engines whose KV caches alone exceed the machine: the setting named is theirs."""
+    cfg = config_from_dict({"model": {"path": str(tiny_llama)}, "engine": {"kv_cache_gb": 100_000}})
+    with pytest.raises(ValueError, match=r"engine\(s\) this run spawns .* engine.kv_cache_gb=100000 each.*lower "
+                                         r"engine.kv_cache_gb or engine.count"):
+        check_fits(cfg, tiny_llama)
