@@ -82,6 +82,6 @@ def test_inflight_train_refuses_a_config_that_cannot_fit_before_any_engine_start
 def test_engines_that_take_the_machine_are_named(tiny_llama) -> None:
     """Spawned CPU engines whose KV caches alone exceed the machine: the setting named is theirs."""
     cfg = config_from_dict({"model": {"path": str(tiny_llama)}, "engine": {"kv_cache_gb": 100_000}})
-    with pytest.raises(ValueError, match=r"engine\(s\) this run spawns .* engine.kv_cache_gb=100000 each.*lower "
+    with pytest.raises(ValueError, match=r"engine\(s\) this run spawns .*\(engine.kv_cache_gb=100000 each.*lower "
                                          r"engine.kv_cache_gb or engine.count"):
         check_fits(cfg, tiny_llama)
