@@ -95,13 +95,21 @@ def _probed_rank(rank: int, port: int, model_dir: str, setting: dict, plan: tupl
     """``test_trainer_ranks._rank`` with ``_install_probes``' probes; each rank saves what they
     saw, and its all-to-all bytes, to ``out.<rank>``. ``mutant``: expert e's tokens go to rank
     e % world, not to the rank whose block holds e."""
-    from inflight.trainer import expert_parallel
+    from inflight.trainer import expert_parallel, policy
 
     if mutant:
         expert_parallel.owner = lambda experts, per_rank: experts % world
-    seen = _install_probes(plan[0] or model_dir)
+    seen, sent = _install_probes(plan[0] or model_dir), {}
+
+    def counted(model, reset: bool = False) -> dict[str, int]:  # rank 0 reads, and resets, every step's
+        out = expert_parallel.all_to_all_bytes(model, reset=reset)
+        for name, b in out.items():
+            sent[name] = sent.get(name, 0) + b
+        return out
+    policy.all_to_all_bytes = counted
     _rank(rank, port, model_dir, setting, plan, out, None, world)
-    seen["all_to_all"] = expert_parallel.all_to_all_bytes(seen.pop("model"))
+    counted(seen.pop("model"))  # what no step read: a following rank's, and rank 0's after its last step
+    seen["all_to_all"] = sent
     torch.save(seen, f"{out}.{rank}")
 
 

@@ -85,8 +85,9 @@ def test_an_actor_whose_engine_fails_at_start_stops_the_run_with_its_error(tmp_p
     from inflight.trainer.fleet import EngineLost
     from inflight.trainer.train import train
 
+    # optim.micro_batch_tokens follows, or the trainer refuses the config before any engine starts
     cfg = run_config(tmp_path / "run", steps=2, engine={"launcher": "ray", "max_model_len": 1 << 20},
-                     transport={"rejoin_timeout_s": 1500.0})
+                     optim={"micro_batch_tokens": 1 << 20}, transport={"rejoin_timeout_s": 1500.0})
     t0 = time.monotonic()
     with pytest.raises(EngineLost, match=r"engine 0 \(Ray actor, process \d+\) ended: ValidationError: .*"
                        r"User-specified max_model_len \(1048576\) is greater than the derived.*before joining"):

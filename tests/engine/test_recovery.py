@@ -107,7 +107,7 @@ def test_resume_continues_without_repeating_or_dropping_groups(tmp_path, monkeyp
     out = tmp_path / "run"
     # a loose max lag lets the engine run ahead of the trainer (inflight.trainer.rollout.engine_process.may_start_group)
     first = run_config(out, steps=3, transport={"port": port}, loss={"max_lag": 8})
-    forward, calls = policy_module.policy_logprobs, []
+    forward, calls = policy_module.collate, []  # called once a step, before its forward
 
     def last_step_waits_for_a_full_queue(*args, **kwargs):
         calls.append(1)
@@ -116,7 +116,7 @@ def test_resume_continues_without_repeating_or_dropping_groups(tmp_path, monkeyp
             wait_until(lambda: queue.depth() >= 4, "a full rollout queue (4 groups) before the last step", poll_s=0.01)
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(policy_module, "policy_logprobs", last_step_waits_for_a_full_queue)
+    monkeypatch.setattr(policy_module, "collate", last_step_waits_for_a_full_queue)
 
     def inject() -> None:  # malformed rollouts arrive on the queue while the first run trains
         wait_rows(out, 1)
@@ -131,7 +131,7 @@ def test_resume_continues_without_repeating_or_dropping_groups(tmp_path, monkeyp
     assert (state["step"] == 3 and state["version"] == 3
             and state["buffer_stats"]["rejected"] == summary_a["queue"]["rejected"])
 
-    monkeypatch.setattr(policy_module, "policy_logprobs", forward)
+    monkeypatch.setattr(policy_module, "collate", forward)
     summary_b = train(run_config(out, steps=6, run={"resume": True}, loss={"max_lag": 8}))
     rows_b = metrics_rows(out)[len(rows_a):]
     assert [r["step"] for r in rows_b] == [4, 5, 6] and [r["version"] for r in rows_b] == [4, 5, 6]

@@ -35,7 +35,7 @@ from tests.helpers import WAIT_S
 
 pytest.importorskip("verifiers")
 
-EXACT = 1e-4
+EXACT = 1e-5  # fp32 behaviour log-probs of a tiny model against transformers (measured <= 1e-6)
 ENV = {"name": "verifiers", "env_id": "tests.vf_calc_env", "options": {}, "completion_tokens": 96,
        "episode": {"max_turns": 4, "max_tokens": 600}}
 TRANSCRIPT = ('<tool_call>\n{"name": "calc_tools_add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>',
@@ -161,7 +161,7 @@ def test_a_verifiers_environment_runs_in_flight_and_replays_from_its_tags(engine
     assert len(pushes) == 2 and [g.group_id for g in d.groups] == ["a"]
     ref = Reference(engine["model_dir"], "float32")
     weights = lambda label: engine["versions"][int(label)]  # noqa: E731
-    spans = []
+    spans, worst, closest = [], 0.0, float("inf")
     for s in d.groups[0].samples:
         assert s.prompt_ids + s.token_ids == taught["ids"], s.sample_id  # the taught transcript, sampled
         assert s.reward == 1.0
@@ -174,13 +174,16 @@ def test_a_verifiers_environment_runs_in_flight_and_replays_from_its_tags(engine
             want = replay(ref, weights, context, s.token_ids[a:b], labels, labels[0])
             err = float((torch.tensor(s.logprobs[a:b], dtype=torch.float64) - want).abs().max())
             assert err < EXACT, (s.sample_id, a, b, labels, err)
+            worst = max(worst, err)
             if labels != ["0"] * len(labels):  # the tags matter: the first weights miss the tolerance
                 stale = replay(ref, weights, context, s.token_ids[a:b], ["0"] * len(labels), "0")
                 stale_err = float((torch.tensor(s.logprobs[a:b], dtype=torch.float64) - stale).abs().max())
                 assert stale_err > max(EXACT, 10 * err), (s.sample_id, a, stale_err, err)
+                closest = min(closest, stale_err)
         policy = [v for v, o in zip(s.versions, s.observation, strict=True) if not o]
         assert policy == sorted(policy), policy
         spans.append(len(set(policy)))
+    print(f"worst tagged replay error {worst:.1e}; the closest replay under the first weights misses by {closest:.1e}")
     assert max(spans) == 3, spans  # an episode sampled by v0, v1 and v2: it spans both commits
     failure = [r.getMessage() for r in caplog.records if "episode f." in r.getMessage()]
     assert len(failure) == 1 and "verifiers environment 'tests.vf_calc_env'" in failure[0] \
