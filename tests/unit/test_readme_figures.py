@@ -29,8 +29,9 @@ def headline_rows() -> dict[str, dict[str, str]]:
 
 def cli(command: str) -> str:
     """A recorded ``python -m inflight.bench.X ...`` as the README writes it: ``inflight bench X ...``,
-    without ``--results PATH`` (where the run's line went, not a setting of the run)."""
-    return re.sub(r" --results \S+", "", re.sub(r"^python -m inflight\.bench\.(\w+)", r"inflight bench \1", command))
+    without ``--results PATH`` or ``--out PATH`` (where the run's line and rows went, not settings
+    of the run)."""
+    return re.sub(r" --(?:results|out) \S+", "", re.sub(r"^python -m inflight\.bench\.(\w+)", r"inflight bench \1", command))
 
 
 def _scale_record() -> tuple[dict, list[dict]]:
@@ -205,11 +206,41 @@ def _staging(rows: dict) -> tuple[list[str], list[str]]:
 
 def _e2e(rows: dict) -> tuple[list[str], list[str]]:
     """The training loop's samples/s, in-flight against batch-boundary (``bench.e2e``)."""
-    line = _results("e2e")[-1]
+    line = [r for r in _results("e2e") if r.get("workload", "tiny") == "tiny"][-1]
     ratios = {cores: line["summary"][cores]["ratios"] for cores in line["summary"]}
     quotes = [f"**{r['inflight/batch']}x** {cores} ({r['inflight/pause']}x against pause)"
               for cores, r in ratios.items()]
     return [*quotes, f"medians of {line['rounds']} interleaved rounds of {line['steps']} steps"], [cli(line["command"])]
+
+
+def _trainer_step(rows: dict) -> tuple[list[str], list[str]]:
+    """One optimizer step of the leg-counting config, padded, packed and prefix-shared
+    (``bench.trainer_step``)."""
+    line = _results("trainer_step")[-1]
+    s = {mode: line["summary"][mode] for mode in ("padded", "packed", "prefix_shared")}
+    shared, padded = s["prefix_shared"], s["padded"]
+    return [f"prefix-shared **{shared['step_s']['median']:.1f} s** per step "
+            f"({shared['vs_padded']['step_time']:.2f}x padded's {padded['step_s']['median']:.1f} s)",
+            f"peak **{shared['peak_rss_gb']['median']:.2f} GB** resident (padded {padded['peak_rss_gb']['median']:.2f} "
+            f"GB, packed {s['packed']['peak_rss_gb']['median']:.2f} GB)",
+            f"{shared['trainer_tokens']:.0f} tokens as laid out against padded's {padded['trainer_tokens']:.0f}",
+            f"prompts once per group ({shared['prompt_passes']:.3f} of a pass per sample)",
+            f"medians of {line['rounds']} interleaved rounds of {line['steps']} steps",
+            f"load {min(line['load']):.1f}-{max(line['load']):.1f}"], [cli(line["command"])]
+
+
+def _e2e_leg_counting(rows: dict) -> tuple[list[str], list[str]]:
+    """The training loop on the leg-counting config (``bench.e2e --workload smollm2-leg-counting``):
+    whether it is trainer-bound, and the ratios."""
+    line = [r for r in _results("e2e") if r.get("workload") == "smollm2-leg-counting"][-1]
+    (cores, s), = line["summary"].items()
+    m, r = s["modes"], s["ratios"]
+    return [f"{cores}: in-flight **{r['inflight/pause']}x** pause, **{r['inflight/batch']}x** batch-boundary "
+            f"({m['inflight']['samples_s']}, {m['pause']['samples_s']} and {m['batch']['samples_s']} samples/s)",
+            f"the trainer waited {100 * m['inflight']['wait_share']:.0f}% of in-flight's steps and "
+            f"{100 * m['pause']['wait_share']:.0f}% of pause's, {100 * m['batch']['wait_share']:.0f}% of batch's",
+            f"median trainer step {m['inflight']['trainer_ms'] / 1e3:.1f} s in-flight",
+            f"medians of {line['rounds']} interleaved rounds of {line['steps']} steps"], [cli(line["command"])]
 
 
 def _staleness(rows: dict) -> tuple[list[str], list[str]]:
@@ -250,6 +281,10 @@ SOURCES: dict[str, Callable[[dict], tuple[list[str], list[str]]]] = {
     "fleet of 2 engines, 100 steps": _fleet,
     "SmolLM2-135M on one-digit addition, 40 steps": _smollm2,
     "staleness: max lag 8 vs batch RL": _staleness,
+    "training loop on SmolLM2-135M fp32, reasoning-gym leg counting (the trainer row's config), one engine":
+    _e2e_leg_counting,
+    "one trainer step, SmolLM2-135M fp32 on reasoning-gym leg counting (2 groups of 8, ~330-token prompts, 64 "
+    "completion tokens), one process": _trainer_step,
     "sparse updates over 58 real RL steps, SmolLM2-135M (fp32 master, bf16 engine)": _sparse,
 }
 """Row -> what its figure cell must quote from its JSON, and the commands its command cell
