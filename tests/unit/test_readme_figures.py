@@ -31,7 +31,8 @@ def cli(command: str) -> str:
     """A recorded ``python -m inflight.bench.X ...`` as the README writes it: ``inflight bench X ...``,
     without ``--results PATH`` or ``--out PATH`` (where the run's line and rows went, not settings
     of the run)."""
-    return re.sub(r" --(?:results|out) \S+", "", re.sub(r"^python -m inflight\.bench\.(\w+)", r"inflight bench \1", command))
+    named = re.sub(r"^python -m inflight\.bench\.(\w+)", r"inflight bench \1", command)
+    return re.sub(r" --(?:results|out) \S+", "", named)
 
 
 def _scale_record() -> tuple[dict, list[dict]]:
