@@ -49,7 +49,8 @@ def patch_engine_core() -> None:
       ``collective_rpc`` routes vLLM's RL API calls to the worker extension;
       ``set_weight_version`` accepts only a label the next commit (or the live weights) bears
       and leaves the label to the commit; ``pause_scheduler(mode="keep")`` does not stop
-      decoding (``sleep``'s own pause still does).
+      decoding (``sleep``'s own pause still does). A refusal of either leaves an EngineCore
+      process with its HTTP status in its text (``inflight.engine.rl_status``).
 
     Idempotent; raises if vLLM's EngineCore no longer has these methods. Must run before an
     EngineCore binds ``self.step_fn`` in ``__init__``, which the ``vllm.general_plugins``
@@ -100,6 +101,8 @@ def _wrap_collective_rpc(original_rpc: Any) -> Any:
     from inflight.engine import rl_api
     from inflight.engine.coordinator import ATTR, CommitCoordinator, check_engine
     from inflight.engine.engine_config import InflightConfig
+    from inflight.engine.rl_status import crossing
+    from inflight.engine.transfer_engine import RLApiError
 
     def start(self, config: InflightConfig, timeout: Any) -> list[Any]:
         coordinator = CommitCoordinator(self, config, check_engine(self.vllm_config, config, self.scheduler))
@@ -116,8 +119,11 @@ def _wrap_collective_rpc(original_rpc: Any) -> Any:
                 raise RuntimeError("inflight: already started on this engine")
             return start(self, InflightConfig.from_json(args[0]), timeout)
         if method in rl_api.METHODS and rl_api.uses_backend(self):
-            return rl_api.call(self, method, kwargs or {}, lambda m, a, k: collective_rpc(self, m, timeout, a, k),
-                               lambda config: start(self, config, timeout), coordinator)
+            try:
+                return rl_api.call(self, method, kwargs or {}, lambda m, a, k: collective_rpc(self, m, timeout, a, k),
+                                   lambda config: start(self, config, timeout), coordinator)
+            except RLApiError as e:
+                raise crossing(self, e) from None
         if coordinator is None:
             return original_rpc(self, method, timeout, args, kwargs)
         if method == "inflight_stop":
@@ -171,12 +177,17 @@ def _wrap_preprocess(original_preprocess: Any) -> Any:
 def _wrap_set_weight_version(original: Any) -> Any:
     from inflight.engine import rl_api
     from inflight.engine.coordinator import ATTR
+    from inflight.engine.rl_status import crossing
+    from inflight.engine.transfer_engine import RLApiError
 
     def set_weight_version(self, weight_version):
         if not rl_api.uses_backend(self):
             return original(self, weight_version)
         # the coordinator moves the label at the commit: a label set now would tag the old weights' tokens
-        rl_api.check_label(self, weight_version, self.__dict__.get(ATTR))
+        try:
+            rl_api.check_label(self, weight_version, self.__dict__.get(ATTR))
+        except RLApiError as e:
+            raise crossing(self, e) from None
         return None
 
     return set_weight_version

@@ -13,7 +13,8 @@ def register() -> None:
     """Register the ``inflight`` weight-transfer backend (``register_backend``); apply the
     step-boundary patch and the in-process refusal patch (``inflight.engine.patch``), the KV
     cache budget patch (``inflight.engine.kv_budget``), in the OpenAI server the version
-    spans on its completions (``inflight.engine.openai_spans``), on CPU the async-scheduling
+    spans on its completions (``inflight.engine.openai_spans``) and the RL routes' 4xx
+    answers (``inflight.engine.rl_status``), on CPU the async-scheduling
     switch (``keep_cpu_async_scheduling``, inert unless ``INFLIGHT_CPU_ASYNC_SCHEDULING=1``)
     and the kernel-rebind mend (``spec_decode.tolerate_foreign_objects_in_kernel_rebind_vllm_0_32``),
     and, with ``INFLIGHT_CPU_PLAIN_GEMM=1``, the plain CPU GEMM
@@ -39,8 +40,10 @@ def register() -> None:
     patch_inprocess_refusals()
     if "vllm.entrypoints.openai" in sys.modules:  # the OpenAI server's process (its other processes import it too)
         from inflight.engine.openai_spans import patch_openai_spans
+        from inflight.engine.rl_status import patch_rl_status_codes
 
         patch_openai_spans()
+        patch_rl_status_codes()
     patch_available_memory()
     if plain_cpu_gemm_requested():
         use_plain_cpu_gemm()

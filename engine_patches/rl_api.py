@@ -29,7 +29,7 @@ from typing import Any, Callable
 import msgspec
 
 from inflight.engine.engine_config import WORKER_EXTENSION, InflightConfig
-from inflight.engine.transfer_engine import BACKEND, RLApiError
+from inflight.engine.transfer_engine import BACKEND, ENGINE_SETUP, OUT_OF_ORDER, RLApiError
 
 log = logging.getLogger("inflight.rl_api")
 
@@ -69,12 +69,14 @@ def state(core: Any) -> RLApiState:
 
 def config_of(init_info: Any) -> InflightConfig:
     """``init_info`` (an ``InflightConfig`` as a JSON object or string) as the config it names."""
-    if isinstance(init_info, (str, bytes)):
-        return InflightConfig.from_json(init_info)
-    if not isinstance(init_info, dict):
+    if not isinstance(init_info, (str, bytes, dict)):
         raise RLApiError(f"inflight: init_info must be an InflightConfig as a JSON object, not "
                          f"{type(init_info).__name__}")
-    return InflightConfig.from_json(msgspec.json.encode(init_info))
+    try:
+        return InflightConfig.from_json(init_info if isinstance(init_info, (str, bytes))
+                                        else msgspec.json.encode(init_info))
+    except (ValueError, msgspec.MsgspecError) as e:
+        raise RLApiError(f"inflight: init_info: {e}") from None
 
 
 def call(core: Any, method: str, kwargs: dict[str, Any], rpc: Callable[..., list[Any]],
@@ -89,7 +91,7 @@ def call(core: Any, method: str, kwargs: dict[str, Any], rpc: Callable[..., list
                          "target's: a draft's tensors travel in the target's update, named 'draft.<name>', and "
                          "commit with it (inflight.engine.commit.drafted)")
     if coordinator is None:
-        raise RLApiError(f"inflight: {method} before init_weight_transfer_engine")
+        raise RLApiError(f"inflight: {method} before init_weight_transfer_engine", OUT_OF_ORDER)
     if method == "shutdown_weight_transfer_engine":
         return rpc("inflight_stop", (), None)
     results = _settled(rpc, WORKER_METHODS[method], kwargs)  # between two steps, as every RPC on an in-flight engine
@@ -113,7 +115,7 @@ def _settled(rpc: Callable[..., list[Any]], method: str, kwargs: dict[str, Any] 
         rpc("inflight_rl_abandon", (), None)
         reasons.append(f"(ranks {sorted(r.rank for r in results if r.ok)} had taken it: the update is dropped on every "
                        "rank; start again)")
-    raise RLApiError("; ".join(reasons))
+    raise RLApiError("; ".join(reasons), max(r.status for r in refused))
 
 
 def _init(core: Any, kwargs: dict[str, Any], rpc: Callable[..., list[Any]],
@@ -122,7 +124,7 @@ def _init(core: Any, kwargs: dict[str, Any], rpc: Callable[..., list[Any]],
     if ext != WORKER_EXTENSION:
         raise RLApiError(f"inflight: the inflight backend needs the worker extension: start the engine with "
                          f"worker_extension_cls={WORKER_EXTENSION!r} (--worker-extension-cls; engine_kwargs() sets "
-                         f"it), not {ext!r}")
+                         f"it), not {ext!r}", ENGINE_SETUP)
     init_info = (kwargs or {}).get("init_info")
     if is_packed_wire(init_info):
         config = wire_config(core, init_info)
@@ -137,7 +139,7 @@ def _init(core: Any, kwargs: dict[str, Any], rpc: Callable[..., list[Any]],
         differ = [f.name for f in fields(InflightConfig)
                   if getattr(config, f.name) != getattr(coordinator.config, f.name)]
         raise RLApiError(f"inflight: init_weight_transfer_engine twice with another config (fields {differ} differ): "
-                         "this engine serves one weight group; restart it to join another")
+                         "this engine serves one weight group; restart it to join another", OUT_OF_ORDER)
     # a restarted trainer: its workers rejoin the new store by themselves; an update the last
     # trainer left open is gone with it
     log.info("inflight: init_weight_transfer_engine again with the same config: a new trainer; open updates dropped")
@@ -183,7 +185,7 @@ def check_label(core: Any, weight_version: Any, coordinator: Any) -> None:
     announced; an accepted one changes nothing now (the commit moves the label)."""
     if coordinator is None:
         raise RLApiError("inflight: set_weight_version before init_weight_transfer_engine: the label of an in-flight "
-                         "engine moves only with a commit")
+                         "engine moves only with a commit", OUT_OF_ORDER)
     try:
         version = int(str(weight_version))
     except ValueError:
@@ -194,4 +196,4 @@ def check_label(core: Any, weight_version: Any, coordinator: Any) -> None:
         raise RLApiError(f"inflight: weight_version={version} names no update: the engine serves "
                          f"v{coordinator.live_version}"
                          f"{'' if announced is None else f' and was told of v{announced}'}; the label moves to an "
-                         "announced version at its commit")
+                         "announced version at its commit", OUT_OF_ORDER)

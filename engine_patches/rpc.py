@@ -56,6 +56,8 @@ class RLCallResult(_Result):
     rank: NonNeg
     ok: bool = True
     error: str = ""
+    status: int = 400
+    """A refusal's HTTP status (``inflight.engine.transfer_engine.RLApiError.status``)."""
     version: NonNeg | None = None
     """``update_weights``: the version of the update this worker was told of."""
 

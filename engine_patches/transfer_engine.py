@@ -52,8 +52,23 @@ class InflightUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list[str] = field(default_factory=list)
 
 
+BAD_INPUT, OUT_OF_ORDER, ENGINE_SETUP = 400, 409, 500
+"""An ``RLApiError``'s ``status``: the call's input is wrong; the call comes out of order (an
+update not open, or open already; before the engine's start; a version or config the engine's
+state refuses); the engine itself was started wrong."""
+
+
 class RLApiError(ValueError):
-    """A call of vLLM's RL API that this engine refuses; the message names the problem and the fix."""
+    """A call of vLLM's RL API that this engine refuses; the message names the problem and the
+    fix, ``status`` (``BAD_INPUT``, ``OUT_OF_ORDER``, ``ENGINE_SETUP``) is the HTTP status the
+    OpenAI server answers it with (``inflight.engine.rl_status``)."""
+
+    def __init__(self, message: str, status: int = BAD_INPUT) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.args[0], self.status)
 
 
 @dataclass
@@ -89,12 +104,13 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
     def start_weight_update(self) -> None:
         self._check_started("start_weight_update")
         if self._session is not None:
-            raise RLApiError("inflight: start_weight_update while an update is open: call finish_weight_update first")
+            raise RLApiError("inflight: start_weight_update while an update is open: call finish_weight_update first",
+                             OUT_OF_ORDER)
         if self._receiver is not None:
             if self._receiver.broken:
                 self._receiver.take_refusal()  # the update the failure took down: reported by this error
                 raise RLApiError(f"inflight: the trainer's group failed ({self._receiver.broken}): call "
-                                 "init_weight_transfer_engine again")
+                                 "init_weight_transfer_engine again", OUT_OF_ORDER)
             if (refused := self._receiver.take_refusal()) is not None:
                 raise RLApiError(f"inflight: {refused}; this engine serves v{self._live()} (start again to send the "
                                  "next)")
@@ -104,10 +120,10 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
         """Check ``update_info`` and record it; the bytes are the listener's to receive."""
         self._check_started("update_weights")
         if self._session is None:
-            raise RLApiError("inflight: update_weights before start_weight_update")
+            raise RLApiError("inflight: update_weights before start_weight_update", OUT_OF_ORDER)
         if self._session.update is not None:
             raise RLApiError(f"inflight: update_weights twice in one update (v{self._session.update.version} is open): "
-                             "an update is announced once, whole")
+                             "an update is announced once, whole", OUT_OF_ORDER)
         if self._receiver is not None:
             info = self._wire_update_info(update_info)
         else:
@@ -124,11 +140,11 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
     def finish_weight_update(self) -> None:
         self._check_started("finish_weight_update")
         if self._session is None:
-            raise RLApiError("inflight: finish_weight_update without start_weight_update")
+            raise RLApiError("inflight: finish_weight_update without start_weight_update", OUT_OF_ORDER)
         session, self._session = self._session, None  # closed either way: the next start opens a new one
         if session.update is None:
             raise RLApiError("inflight: finish_weight_update without update_weights: the update is closed unannounced "
-                             "(announce its version and tensors between start and finish)")
+                             "(announce its version and tensors between start and finish)", OUT_OF_ORDER)
         if self._receiver is not None:
             self._receiver.finish(session.update.version)
 
@@ -201,14 +217,15 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
 
     def _check_started(self, call: str) -> None:
         if self._schema is None:
-            raise RLApiError(f"inflight: {call} before init_weight_transfer_engine")
+            raise RLApiError(f"inflight: {call} before init_weight_transfer_engine", OUT_OF_ORDER)
 
     def _check_update(self, info: InflightUpdateInfo) -> None:
         assert self._schema is not None
         live = self._live()
         if info.version <= max(live, self._newest):
             raise RLApiError(f"inflight: update_info.version={info.version} is not newer than "
-                             f"v{max(live, self._newest)} (this engine serves v{live}): versions only move forward")
+                             f"v{max(live, self._newest)} (this engine serves v{live}): versions only move forward",
+                             OUT_OF_ORDER)
         tensors = self._schema.tensors
         unknown = [n for n in info.names if n not in tensors]
         if unknown:

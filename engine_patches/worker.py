@@ -47,7 +47,7 @@ from inflight.engine.packed_receiver import PackedReceiver, close_wire, join_wir
 from inflight.engine.patch import count_worker_steps
 from inflight.engine.rpc import RLCallResult, StartReport, WorkerStatus
 from inflight.engine.spec_decode import fix_cpu_expand_kernel_vllm_0_32
-from inflight.engine.transfer_engine import InflightWeightTransferEngine, RLApiError
+from inflight.engine.transfer_engine import ENGINE_SETUP, InflightWeightTransferEngine, RLApiError
 from inflight.memory import (
     BucketWindows,
     MemoryBudget,
@@ -300,14 +300,15 @@ class InflightWorkerExtension:
         try:
             version = call(self._inflight_rl_engine())
         except RLApiError as e:
-            return RLCallResult(rank=rank, ok=False, error=str(e))
+            return RLCallResult(rank=rank, ok=False, error=str(e), status=e.status)
         return RLCallResult(rank=rank, version=version)
 
     def _inflight_rl_engine(self) -> InflightWeightTransferEngine:
         engine = getattr(self, "weight_transfer_engine", None)
         if not isinstance(engine, InflightWeightTransferEngine):
             raise RLApiError(f"inflight: this worker's weight-transfer engine is {type(engine).__name__}, not the "
-                             "inflight backend's: start the engine with weight_transfer_config={'backend': 'inflight'}")
+                             "inflight backend's: start the engine with weight_transfer_config={'backend': 'inflight'}",
+                             ENGINE_SETUP)
         return engine
 
     def inflight_take_routing(self) -> tuple[list[str], Any]:

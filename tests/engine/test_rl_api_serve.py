@@ -347,6 +347,63 @@ def test_trl_sequence_keeps_decoding_and_labels_at_the_commit(server, tiny_qwen,
     assert requests.get(server + "/is_paused", timeout=60).json() == {"is_paused": False}
 
 
+def _misuses(base: dict, live: int, port: int) -> list[tuple[str, dict | None, int, str]]:
+    """Issue 52's misuses in an order the engine can take them: (route, body, status, what the
+    message says). The update opened by the one good call is closed by the last misuse."""
+    nxt = update_info(live + 1, base, "float32")
+    name, shape = nxt["names"][0], nxt["shapes"][0]
+    unknown = {**nxt, "names": ["model.no_such.weight"] + nxt["names"][1:]}
+    reshaped = {**nxt, "shapes": [[3, 3]] + nxt["shapes"][1:]}
+    return [("/update_weights", {"update_info": nxt}, 409, "inflight: update_weights before start_weight_update"),
+            ("/finish_weight_update", None, 409, "inflight: finish_weight_update without start_weight_update"),
+            ("/update_weight_version", {"new_version": str(live + 7)}, 409, f"weight_version={live + 7} names no "
+             "update"),
+            ("/update_weight_version", {"new_version": "step-3"}, 400, "weight_version='step-3' must be an integer"),
+            ("/start_draft_weight_update", None, 400, "draft model updates are refused"),
+            ("/init_weight_transfer_engine", {"init_info": {"group": {"port": port + 1, "world_size": 2}}}, 409,
+             "init_weight_transfer_engine twice with another config (fields ['group'] differ)"),
+            ("/init_weight_transfer_engine", {"init_info": {"no_such_field": 1}}, 400, "no_such_field"),
+            ("/start_weight_update", None, 200, ""),
+            ("/start_weight_update", None, 409, "start_weight_update while an update is open"),
+            ("/update_weights", {"update_info": unknown}, 400, "names tensors this engine does not have"),
+            ("/update_weights", {"update_info": reshaped}, 400, f"{name} has shape (3, 3), this engine's is "
+             f"{tuple(shape)}"),
+            ("/update_weights", {"update_info": update_info(live, base, "float32")}, 409,
+             f"update_info.version={live} is not newer"),
+            ("/finish_weight_update", None, 409, "finish_weight_update without update_weights")]
+
+
+def test_each_misuse_answers_its_status_with_its_message(server, tiny_qwen, group_port) -> None:
+    """A client's mistake on the RL routes answers 4xx (409 a call out of order or against the
+    engine's state, 400 bad input), its body the refusal's own message (no utility-call prefix,
+    no status mark); vLLM's ``HTTPVLLMWeightSyncClient`` raises with the status, the message in
+    its response. The engine serves its version on."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    base = load_file(str(tiny_qwen / "model.safetensors"))
+    info = InflightTrainerInitInfo(rank=0, port=group_port, push=PushConfig(dtype="float32", bucket_mb=0.25),
+                                   timeout_s=60.0)
+    client = HTTPVLLMWeightSyncClient(server)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=base)
+    live = trainer.version
+    try:
+        for path, body, status, says in _misuses(base, live, group_port):
+            r = _post(server, path, **({} if body is None else {"json": body}))
+            assert r.status_code == status, (path, body and list(body), r.status_code, r.text)
+            if status != 200:
+                error = r.json()["error"]
+                assert error["code"] == status and error["message"].startswith("inflight: "), (path, error)
+                assert says in error["message"] and "(HTTP" not in error["message"], (path, error["message"])
+        with pytest.raises(requests.HTTPError, match="409 Client Error: Conflict") as raised:
+            client.update_weights(update_info(live + 1, base, "float32"))
+        assert "update_weights before start_weight_update" in raised.value.response.json()["error"]["message"]
+    finally:
+        trainer.shutdown()
+    assert requests.get(server + "/weight_info", timeout=60).json() == {"weight_version": str(live)}
+    assert Stream(server, 77, [5, 6, 7], 8).finished()  # and decodes
+
+
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 """The tiny model's tokenizer has no chat template: the request brings one."""
 
