@@ -46,9 +46,12 @@ def run_config(out: Path, steps: int, **sections) -> TrainConfig:
 
 
 def metrics_rows(out: Path) -> list[dict]:
-    """The rows the run in ``out`` has written so far (none before its first)."""
+    """The rows the run in ``out`` has written so far (none before its first): whole lines
+    only, as a row being written may be read half-way (a thread that waits on rows died of
+    that read once, leaving the engine it froze frozen)."""
     path = out / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(x) for x in text.splitlines(keepends=True) if x.endswith("\n")]
 
 
 WAIT_S = 600.0
@@ -105,7 +108,15 @@ def train_beside(cfg: TrainConfig, beside: Callable[[], None], *, kill_before_la
     from inflight.trainer.train import train
     from inflight.trainer.weight_sync import WeightSync
 
-    t = threading.Thread(target=beside, daemon=True)
+    failed: list[BaseException] = []
+
+    def run_beside() -> None:  # its error is the test's: re-raised once the run ends
+        try:
+            beside()
+        except BaseException as e:
+            failed.append(e)
+            raise
+    t = threading.Thread(target=run_beside, daemon=True)
     next_batch, admit, calls = WeightSync.next_batch, RolloutBuffer._admit, []
     _ADMITTED.clear()
 
@@ -139,6 +150,8 @@ def train_beside(cfg: TrainConfig, beside: Callable[[], None], *, kill_before_la
     finally:
         WeightSync.next_batch, RolloutBuffer._admit = next_batch, admit  # type: ignore[method-assign]
     t.join(5)
+    if failed:
+        raise AssertionError(f"what ran beside the run failed: {failed[0]!r}") from failed[0]
     return summary, metrics_rows(Path(cfg.run.out_dir))
 
 

@@ -327,7 +327,13 @@ class Fleet:
                 pusher.rejoin(e, self.cfg.transport.reply_timeout_s, require=False)
         if not pusher.live:  # nobody else to go on with: wait for them
             timeout_s = self.cfg.transport.rejoin_timeout_s
-            self._let_in(pusher, timeout_s, done=lambda: bool(pusher.live))
+
+            def restart_late() -> None:  # one whose sockets closed before it could be reaped, dropped above
+                if late := self._restart_dead(version):
+                    dead.update(late)
+                    queue.fill_holes()
+                    event["exits"] = list(dead.values())
+            self._let_in(pusher, timeout_s, done=lambda: bool(pusher.live), each_look=restart_late)
             if not pusher.live:
                 raise EngineLost(f"no engine rejoined its weight group within transport.rejoin_timeout_s={timeout_s}s")
         self._count_drops(before, set(pusher.live))
@@ -359,12 +365,14 @@ class Fleet:
             e.start(self.model_dir, self.model_version, version, self.adapter_dir)
         return dead
 
-    def _let_in(self, pusher: FleetPusher, timeout_s: float, done: Callable[[], bool]) -> dict[int, dict[int, int]]:
+    def _let_in(self, pusher: FleetPusher, timeout_s: float, done: Callable[[], bool],
+                each_look: Callable[[], None] = lambda: None) -> dict[int, dict[int, int]]:
         """Let in the engines that knock (at least one look), until ``done()`` or ``timeout_s``
-        passed; what each engine let in serves."""
+        passed, calling ``each_look()`` before each look; what each engine let in serves."""
         deadline = time.monotonic() + timeout_s
         admitted: dict[int, dict[int, int]] = {}
         while True:
+            each_look()
             for e in pusher.knocking():
                 if versions := pusher.rejoin(e, self.cfg.transport.reply_timeout_s, require=False):
                     admitted[e] = versions
