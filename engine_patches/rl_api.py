@@ -29,7 +29,8 @@ from typing import Any, Callable
 import msgspec
 
 from inflight.engine.engine_config import WORKER_EXTENSION, InflightConfig
-from inflight.engine.transfer_engine import BACKEND, ENGINE_SETUP, OUT_OF_ORDER, RLApiError
+from inflight.engine.rpc import ENGINE_SETUP, OUT_OF_ORDER
+from inflight.engine.transfer_engine import BACKEND, RLApiError
 
 log = logging.getLogger("inflight.rl_api")
 

@@ -47,6 +47,13 @@ class StartReport(_Result):
     """Filled by the client: every worker's rank (one per tensor parallel rank)."""
 
 
+BAD_INPUT, OUT_OF_ORDER, ENGINE_SETUP = 400, 409, 500
+"""A refused RL API call's HTTP status (``RLCallResult.status``, ``inflight.engine.transfer_engine.
+RLApiError.status``): the call's input is wrong; the call comes out of order (an update not
+open, or open already; before the engine's start; a version or config the engine's state
+refuses); the engine itself was started wrong."""
+
+
 class RLCallResult(_Result):
     """``inflight_rl_*``: one worker's part of a call of vLLM's RL API on the ``inflight``
     backend (``inflight.engine.transfer_engine``). A refusal comes back as ``ok=False`` with
@@ -56,8 +63,8 @@ class RLCallResult(_Result):
     rank: NonNeg
     ok: bool = True
     error: str = ""
-    status: int = 400
-    """A refusal's HTTP status (``inflight.engine.transfer_engine.RLApiError.status``)."""
+    status: int = BAD_INPUT
+    """A refusal's HTTP status."""
     version: NonNeg | None = None
     """``update_weights``: the version of the update this worker was told of."""
 

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
+from inflight.engine.rpc import BAD_INPUT, OUT_OF_ORDER
 from inflight.transport.bucket import torch_dtype
 from inflight.transport.schema import TensorSchema
 
@@ -52,16 +53,10 @@ class InflightUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list[str] = field(default_factory=list)
 
 
-BAD_INPUT, OUT_OF_ORDER, ENGINE_SETUP = 400, 409, 500
-"""An ``RLApiError``'s ``status``: the call's input is wrong; the call comes out of order (an
-update not open, or open already; before the engine's start; a version or config the engine's
-state refuses); the engine itself was started wrong."""
-
-
 class RLApiError(ValueError):
     """A call of vLLM's RL API that this engine refuses; the message names the problem and the
-    fix, ``status`` (``BAD_INPUT``, ``OUT_OF_ORDER``, ``ENGINE_SETUP``) is the HTTP status the
-    OpenAI server answers it with (``inflight.engine.rl_status``)."""
+    fix, ``status`` (``inflight.engine.rpc.BAD_INPUT``, ``OUT_OF_ORDER``, ``ENGINE_SETUP``) is the
+    HTTP status the OpenAI server answers it with (``inflight.engine.rl_status``)."""
 
     def __init__(self, message: str, status: int = BAD_INPUT) -> None:
         super().__init__(message)

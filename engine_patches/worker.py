@@ -45,9 +45,9 @@ from inflight.engine.engine_config import InflightConfig, PackedWireConfig
 from inflight.engine.kv_budget import SET_ASIDE_ATTR, planned_need
 from inflight.engine.packed_receiver import PackedReceiver, close_wire, join_wire
 from inflight.engine.patch import count_worker_steps
-from inflight.engine.rpc import RLCallResult, StartReport, WorkerStatus
+from inflight.engine.rpc import ENGINE_SETUP, RLCallResult, StartReport, WorkerStatus
 from inflight.engine.spec_decode import fix_cpu_expand_kernel_vllm_0_32
-from inflight.engine.transfer_engine import ENGINE_SETUP, InflightWeightTransferEngine, RLApiError
+from inflight.engine.transfer_engine import InflightWeightTransferEngine, RLApiError
 from inflight.memory import (
     BucketWindows,
     MemoryBudget,

@@ -205,9 +205,14 @@ def _staging(rows: dict) -> tuple[list[str], list[str]]:
             f"{line['decoding'][total]['wall_ms']} ms while the engine decodes"], [cli(line["command"])]
 
 
+def _last_e2e(workload: str) -> dict:
+    """The last ``bench.e2e`` run of ``workload``."""
+    return [r for r in _results("e2e") if r["workload"] == workload][-1]
+
+
 def _e2e(rows: dict) -> tuple[list[str], list[str]]:
     """The training loop's samples/s, in-flight against batch-boundary (``bench.e2e``)."""
-    line = [r for r in _results("e2e") if r.get("workload", "tiny") == "tiny"][-1]
+    line = _last_e2e("tiny")
     ratios = {cores: line["summary"][cores]["ratios"] for cores in line["summary"]}
     quotes = [f"**{r['inflight/batch']}x** {cores} ({r['inflight/pause']}x against pause)"
               for cores, r in ratios.items()]
@@ -233,7 +238,7 @@ def _trainer_step(rows: dict) -> tuple[list[str], list[str]]:
 def _e2e_leg_counting(rows: dict) -> tuple[list[str], list[str]]:
     """The training loop on the leg-counting config (``bench.e2e --workload smollm2-leg-counting``):
     whether it is trainer-bound, and the ratios."""
-    line = [r for r in _results("e2e") if r.get("workload") == "smollm2-leg-counting"][-1]
+    line = _last_e2e("smollm2-leg-counting")
     (cores, s), = line["summary"].items()
     m, r = s["modes"], s["ratios"]
     return [f"{cores}: in-flight **{r['inflight/pause']}x** pause, **{r['inflight/batch']}x** batch-boundary "

@@ -6,7 +6,8 @@ import pickle
 from http import HTTPStatus
 
 from inflight.engine.rl_status import answered
-from inflight.engine.transfer_engine import OUT_OF_ORDER, RLApiError
+from inflight.engine.rpc import OUT_OF_ORDER
+from inflight.engine.transfer_engine import RLApiError
 
 
 def test_a_marked_refusal_becomes_vllms_graceful_error_with_its_status_and_message() -> None:
