@@ -80,9 +80,15 @@ def test_the_readme_rl_api_recipe_runs_as_written(tmp_path) -> None:
         curl = subprocess.run(["bash", "generate.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=300)
         assert curl.returncode == 0, curl.stderr
-        choice = json.loads(curl.stdout)["choices"][0]
+        generated, end = json.JSONDecoder().raw_decode(curl.stdout)
+        choice = generated["choices"][0]
         assert len(choice["token_ids"]) == len(choice["logprobs"]["content"]) == 8
         assert choice["weight_versions"] == [{"version": "1", "start": 0, "end": 8}], choice
+        final = curl.stdout[end:].strip()  # the streamed completion's one chunk with spans: its last
+        assert final.startswith("data: ") and "\n" not in final, curl.stdout
+        streamed = json.loads(final[len("data: "):])["choices"][0]
+        assert streamed["finish_reason"] == "length", streamed
+        assert streamed["weight_versions"] == [{"version": "1", "start": 0, "end": 8}], streamed
     finally:
         os.killpg(server.pid, 15)
         try:

@@ -421,6 +421,42 @@ def test_openai_endpoints_return_version_spans(server, tiny_qwen) -> None:
         "chat_template": CHAT_TEMPLATE}).json()
     assert "choices" in chat, chat
     assert chat["choices"][0]["weight_versions"] == [{"version": live, "start": 0, "end": 4}], chat
+    stops = list(range(0, 256, 6))  # the tiny model samples one of these every few tokens: lengths differ
+    finals = _final_chunks(server + "/v1/completions", {
+        "model": model, "prompt": ["1+2=", "3+4+5="], "max_tokens": 12, "n": 2, "seed": 0, "logprobs": 0,
+        "stop_token_ids": stops})
+    assert sorted(finals) == [0, 1, 2, 3], finals  # two prompts, two choices each: one final chunk per choice
+    assert len({n for _, n in finals.values()}) > 1, finals  # so a span given to the wrong choice shows
+    for choice, n in finals.values():
+        assert choice["weight_versions"] == [{"version": live, "start": 0, "end": n}], (n, choice)
+    finals = _final_chunks(server + "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": "1+2="}], "max_tokens": 12, "n": 2, "seed": 1,
+        "logprobs": True, "stop_token_ids": stops, "chat_template": CHAT_TEMPLATE})
+    assert sorted(finals) == [0, 1] and len({n for _, n in finals.values()}) > 1, finals
+    for choice, n in finals.values():
+        assert choice["weight_versions"] == [{"version": live, "start": 0, "end": n}], (n, choice)
+
+
+def _final_chunks(url: str, body: dict) -> dict[int, tuple[dict, int]]:
+    """A streamed request's final chunk of each choice (the one with its ``finish_reason``) and the
+    number of tokens the choice streamed (its chunks' log-probs), by index; no earlier chunk
+    carries spans."""
+    finals: dict[int, tuple[dict, int]] = {}
+    counts: dict[int, int] = {}
+    with requests.post(url, json={**body, "stream": True}, stream=True, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines(decode_unicode=True):
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[len("data: "):]).get("choices", []):
+                lp = choice.get("logprobs") or {}
+                counts[choice["index"]] = counts.get(choice["index"], 0) + len(lp.get("tokens") or lp.get("content")
+                                                                               or ())
+                if choice.get("finish_reason") is None:
+                    assert "weight_versions" not in choice, choice
+                else:
+                    finals[choice["index"]] = (choice, counts[choice["index"]])
+    return finals
 
 
 HARNESS_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>\n{{ m['content'] }}\n{% endfor %}"
