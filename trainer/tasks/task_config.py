@@ -14,6 +14,8 @@ from inflight.trainer.envs.calculator import Calculator
 from inflight.trainer.envs.guess_number import TEMPLATE as GUESS_TEMPLATE
 from inflight.trainer.envs.guess_number import GuessNumber
 from inflight.trainer.envs.jsonl import Match
+from inflight.trainer.envs.openenv_env import OpenEnvConfig
+from inflight.trainer.envs.skyrl_gym_env import SkyRLGymConfig
 from inflight.trainer.tasks.task import ChatMode
 from inflight.trainer.tasks.tool_calls import chat_template_text
 
@@ -293,7 +295,7 @@ class VerifiersConfig:
 
 
 BUILTIN = ("repeat_digit", "arithmetic", "jsonl", "dataset", "calculator", "guess_number", "reasoning_gym",
-           "verifiers")
+           "verifiers", "openenv", "skyrl_gym")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
@@ -302,8 +304,8 @@ class TaskConfig:
     """What the policy is trained on (``trainer/tasks``)."""
 
     name: str = "repeat_digit"
-    """repeat_digit | arithmetic | jsonl | dataset | calculator | guess_number | reasoning_gym | verifiers, or your own
-    ``pkg.module:factory`` (called as ``factory(tokenizer=..., **options)``, returning a
+    """repeat_digit | arithmetic | jsonl | dataset | calculator | guess_number | reasoning_gym | verifiers | openenv |
+    skyrl_gym, or your own ``pkg.module:factory`` (called as ``factory(tokenizer=..., **options)``, returning a
     ``inflight.trainer.tasks.Task``)."""
     completion_tokens: int = 16
     """Most tokens sampled per completion (generation also stops at the model's end-of-sequence)."""
@@ -329,6 +331,10 @@ class TaskConfig:
     ``vf.Taskset`` (verifiers' ``taskset.id``)."""
     verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)
     """verifiers only: the renderer and the taskset's config."""
+    openenv: OpenEnvConfig = field(default_factory=OpenEnvConfig)
+    """openenv only: the OpenEnv server, its action and observation fields, the seeds."""
+    skyrl_gym: SkyRLGymConfig = field(default_factory=SkyRLGymConfig)
+    """skyrl_gym only: the skyrl-gym environment, the SkyRL dataset rows, its env_config."""
     options: dict[str, Any] = field(default_factory=dict)
     """A ``module:factory`` task only: keyword arguments of the factory."""
     tool_parser: str = ""
