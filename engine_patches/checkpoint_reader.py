@@ -116,6 +116,7 @@ class CheckpointReader(UpdateQueue):
         super().__init__(target=target, pool=pool, stats=stats)
         self.schema, self.plan, self.check_finite = schema, plan, check_finite
         self._newest = target.live_version  # the newest version queued here
+        self._last: tuple[Path, int] | None = None  # the last directory queued, and its version
 
     def check(self, weight_dir: Any, version: Any = None, newer_than: int = -1) -> DirUpdate:
         """``weight_dir`` as a job, its headers checked (on the calling thread: it answers the
@@ -131,9 +132,24 @@ class CheckpointReader(UpdateQueue):
         check_directory(path, self.schema)
         return DirUpdate(v, weight_dir=path)
 
+    def taken(self, weight_dir: Any, version: Any = None) -> int | None:
+        """The version of ``weight_dir`` if it is the directory queued last (at ``version``, if
+        given): a client's retry of a call whose answer it lost, answered as the first was."""
+        if self._last is None or not isinstance(weight_dir, (str, Path)) or not str(weight_dir):
+            return None
+        same = Path(weight_dir).resolve() == self._last[0] and version in (None, self._last[1])
+        return self._last[1] if same else None
+
     def expect(self, job: Job) -> None:
+        assert isinstance(job, DirUpdate)
         self._newest = max(self._newest, job.version)
+        self._last = (job.weight_dir.resolve(), job.version)
         super().expect(job)
+
+    def _refuse(self, job: Job, why: str) -> None:
+        if self._last is not None and self._last[1] == job.version:
+            self._last = None  # a retry of a refused directory is checked (and refused) again
+        super()._refuse(job, why)
 
     def abandon(self) -> None:
         super().abandon()

@@ -335,6 +335,8 @@ class InflightWorkerExtension:
             if (refused := reader.take_refusal()) is not None:
                 raise RLApiError(f"inflight: {refused}; this engine serves v{self._inflight_target.live_version} "
                                  f"({weight_path} was not taken: call again to send it)", OUT_OF_ORDER)
+            if (again := reader.taken(weight_path, version)) is not None:  # a retry: queued or live already
+                return RLCallResult(rank=rank, version=again)
             job = reader.check(weight_path, version)
         except RLApiError as e:
             return RLCallResult(rank=rank, ok=False, error=str(e), status=e.status)

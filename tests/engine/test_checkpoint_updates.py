@@ -154,7 +154,8 @@ def test_bad_directories_are_refused_by_name_and_the_engine_serves_on(engine) ->
     """Refused by the call itself (400), naming the tensor or file: a missing tensor, a
     wrong shape, a truncated shard; by either path. 409: a version not newer than the live
     one. A NaN is found by the read: the next call reports it (409). The engine serves its
-    last version throughout, tags unchanged, and a good directory after them lands."""
+    last version throughout, tags unchanged; a good directory after them lands, and a retry
+    of its call is answered without a second commit."""
     llm, states, ref, root = engine
     live = _started(engine)
     v, base = live + 1, states[0]
@@ -188,6 +189,47 @@ def test_bad_directories_are_refused_by_name_and_the_engine_serves_on(engine) ->
     wait_until(reported, "the reader to refuse the NaN directory")
     _serving(llm, states, ref, live)
     states[v + 1] = perturbed(base, seed=302, scale=0.02)
-    update_from_path(llm, write_checkpoint(root / f"step_{v + 1}", states[v + 1]))
+    good = write_checkpoint(root / f"step_{v + 1}", states[v + 1])
+    update_from_path(llm, good)
     wait_until(lambda: coordinator_of(llm).live_version == v + 1, f"step_{v + 1} to commit")
+    commits = coordinator_of(llm).commits()
+    update_from_path(llm, good)  # a client's retry (prime-rl's retries a lost answer): answered, nothing queued
     _serving(llm, states, ref, v + 1)
+    assert coordinator_of(llm).commits() == commits
+
+
+def test_prime_rls_sequence_over_http(tiny_qwen, tmp_path) -> None:
+    """``vllm serve`` in its own processes, driven as prime-rl's orchestrator drives its
+    server: ``/pause?mode=keep``, the update (prime-rl's route is ``engine_client.collective_rpc
+    ("update_weights_from_path", args=(weight_dir,))``, which vLLM's ``/collective_rpc`` runs
+    as is), ``/resume``. A bad directory answers 400 with the tensor's name; a request
+    decodes while paused; the good directory's version becomes the label."""
+    import requests
+
+    from tests.engine_harness import serve_process
+
+    base = load_file(str(tiny_qwen / "model.safetensors"))
+    names = list(base)
+    bad = write_checkpoint(tmp_path / "bad" / "step_1", {n: base[n] for n in names if n != names[0]})
+    good = write_checkpoint(tmp_path / "step_1", perturbed(base, seed=501, scale=0.02))
+    flags = ["--weight-transfer-config", '{"backend": "inflight"}']
+    with serve_process(tiny_qwen, tmp_path, flags) as server:
+        def update(weight_dir: Path) -> requests.Response:
+            return requests.post(server + "/collective_rpc", json={"method": "update_weights_from_path",
+                                                                   "args": [str(weight_dir)]}, timeout=60)
+
+        def completes() -> bool:
+            body = {"model": str(tiny_qwen), "prompt": [5, 17, 42], "max_tokens": 4, "temperature": 0.0}
+            return requests.post(server + "/v1/completions", json=body, timeout=60).status_code == 200
+
+        assert requests.post(server + "/pause", params={"mode": "keep", "clear_cache": "false"},
+                             timeout=60).status_code == 200
+        r = update(bad)
+        assert r.status_code == 400, r.text
+        assert f"missing tensor {names[0]}" in r.json()["error"]["message"], r.text
+        assert update(good).status_code == 200
+        assert completes()  # keep-paused, the engine decodes
+        assert requests.post(server + "/resume", timeout=60).status_code == 200
+        label = lambda: requests.get(server + "/weight_info", timeout=60).json()["weight_version"]  # noqa: E731
+        wait_until(lambda: label() == "1", "step_1 to commit")
+        assert completes()
