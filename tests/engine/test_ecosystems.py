@@ -10,8 +10,9 @@ as its own uvicorn server on loopback, as any OpenEnv server would.
 - Bad settings (an environment id skyrl-gym does not register, a URL where no OpenEnv server answers, an
   action field the server's schema lacks) stop the build naming the setting and the value.
 - ``inflight train`` trains 5 steps on each: every episode took the environment's two turns, every token is
-  tagged, and each trained sample's reward is what the environment returns when its replies, as sampled,
-  are played again directly against it (an OpenEnv session of the episode's seed; a skyrl-gym env of its row).
+  tagged, the environment's tokens are out of the loss, and each trained sample's reward is what the
+  environment returns when its replies, as sampled, are played again directly against it (an OpenEnv
+  session of the episode's seed; a skyrl-gym env of its row).
 """
 
 from __future__ import annotations
@@ -233,6 +234,11 @@ def _train(tmp_path, monkeypatch, task: dict) -> tuple[dict, list[dict], Path]:
     rows = [r for r in metrics_rows(out) if r["step"] > 0]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     check_tags(summary, rows, cfg.loss.max_lag)
+    groups = {g.group_id: g for g in ADMITTED}
+    for r in rows:  # the loss saw the policy's tokens of the step's episodes, and none of the environment's
+        samples = [s for g in r["group_ids"] for s in groups[g].samples]
+        assert all(any(s.observation) for s in samples), r["group_ids"]
+        assert r["tokens_in_loss"] == sum(s.observation.count(False) for s in samples), r
     return summary, rows, out
 
 
