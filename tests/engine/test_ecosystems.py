@@ -129,6 +129,7 @@ def test_skyrl_gym_shipped_envs_reward_an_episode_as_skyrl_gym_does(tmp_path, re
     ({"path": ""}, "task.skyrl_gym.path is empty"),
     ({"rows": [{"prompt": "x", "env_class": "serch"}]}, "row 0: env_class='serch' is not a skyrl-gym environment"),
     ({"rows": [{"prompt": []}]}, "row 0: 'prompt' must be a non-empty string or list"),
+    ({"env": "gsm8k_multi_turn"}, "row 0: skyrl-gym 'gsm8k_multi_turn' refused it (KeyError: 'extra_info')"),
 ])
 def test_a_bad_skyrl_gym_table_stops_the_build_naming_it(tmp_path, table, named) -> None:
     from inflight.trainer.config_files import config_from_dict

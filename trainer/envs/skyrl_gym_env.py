@@ -138,8 +138,9 @@ class SkyRLGymTask(EpisodeTask):
                 raise ValueError(f"{WHERE}: {eval_size} eval prompts leave none of the {len(rows)} rows of "
                                  f"{cfg.path!r} to train on (set {WHERE}.eval_path)")
             rows, held = (rows[:-eval_size], rows[-eval_size:]) if eval_size else (rows, [])
-        self.train = [self.to_prompt(r) for r in rows]
-        self.held_out = [self.to_prompt(r) for r in held]
+        self.train = [self.to_prompt(r, f"{cfg.path} row {i}") for i, r in enumerate(rows)]
+        self.held_out = [self.to_prompt(r, f"{cfg.eval_path or cfg.path} row {i + (0 if cfg.eval_path else len(rows))}")
+                         for i, r in enumerate(held)]
 
     def make(self, row: Mapping[str, Any]) -> Any:
         """The row's environment, as SkyRL's generator makes it."""
@@ -149,14 +150,18 @@ class SkyRLGymTask(EpisodeTask):
         check_env(row["env_class"], "env_class")  # registered in this process too (an entry point)
         return gym.make(row["env_class"], env_config=OmegaConf.create(self.env_config), extras=dict(row))
 
-    def to_prompt(self, row: dict[str, Any]) -> Prompt:
-        """The row's opening: its environment's ``init`` of the row's prompt."""
-        env = self.make(row)
+    def to_prompt(self, row: dict[str, Any], where: str = "a row") -> Prompt:
+        """The row's opening: its environment's ``init`` of the row's prompt; ValueError naming ``where``
+        when the environment refuses the row (a field it needs missing)."""
         try:
-            messages, _ = env.init(_messages(row["prompt"], "a row"))
-        finally:
-            env.close()
-        return Prompt(messages=tuple(_messages(messages, f"{row['env_class']}.init")), meta={"row": row})
+            env = self.make(row)
+            try:
+                messages, _ = env.init(_messages(row["prompt"], where))
+            finally:
+                env.close()
+        except Exception as e:  # the environment's own check of its extras: an assert, a KeyError, ...
+            raise ValueError(f"{where}: skyrl-gym {row['env_class']!r} refused it ({type(e).__name__}: {e})") from e
+        return Prompt(messages=tuple(_messages(messages, f"{where}: {row['env_class']}.init")), meta={"row": row})
 
     def sample(self, rng: random.Random) -> Prompt:
         return self.train[rng.randrange(len(self.train))]
