@@ -198,6 +198,7 @@ def test_bad_directories_are_refused_by_name_and_the_engine_serves_on(engine) ->
     assert coordinator_of(llm).commits() == commits
 
 
+@pytest.mark.slow  # an engine of its own, in prime-rl's deployment's processes (server, EngineCore, worker)
 def test_prime_rls_sequence_over_http(tiny_qwen, tmp_path) -> None:
     """``vllm serve`` in its own processes, driven as prime-rl's orchestrator drives its
     server: ``/pause?mode=keep``, the update (prime-rl's route is ``engine_client.collective_rpc
