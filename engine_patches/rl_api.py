@@ -1,25 +1,19 @@
 """vLLM's RL API on an engine whose weight-transfer backend is ``inflight``: EngineCore's side.
 
-Clients of vLLM's API (``/pause``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
-``/resume``; ``LLM``'s methods; ``TrainerWeightTransferEngine``) reach EngineCore as utility calls between two
-engine steps; on this backend the patch (``inflight.engine.patch``) hands them here:
-- ``init_weight_transfer_engine(init_info)``: an ``InflightConfig`` (a JSON object, or that object as a string)
-  starts the engine as ``inflight_start`` does; the same config again (a restarted trainer) drops an update its
-  predecessor left open; another config is refused, naming the fields that differ. Or ``init_info`` is what
-  vLLM's ``nccl`` backend's trainers send (``master_address``, ``master_port``, ``rank_offset``, ``world_size``,
-  ``packed``...): the workers join that trainer's group and receive its packed broadcast while the engine
-  decodes (``wire_config``); again, they join the new trainer's group. Or ``init_info`` is
-  ``{"checkpoints": true}``: the engine reads each update from the directory ``update_info.weight_dir``
-  names (``checkpoint_config``; ``inflight.engine.checkpoint_reader``);
-- ``start_weight_update``, ``update_weights``, ``finish_weight_update``: the worker extension's
-  ``inflight_rl_*`` methods, each of which returns at once (``inflight.engine.transfer_engine``);
-- ``start_draft_weight_update``: refused by name (a draft's tensors travel in the target's update);
-- ``shutdown_weight_transfer_engine``: ``inflight_stop``;
-- ``set_weight_version(v)`` (``finish_weight_update(weight_version)``, ``/update_weight_version``): accepted only
-  for the version the engine serves or the update it was told of, and never moves the label: the coordinator
-  moves it at the commit, in the commit's window, so no token the old weights sampled carries it;
-- ``pause_scheduler(mode="keep")``: decoding goes on (the one deviation from vLLM's semantics, the backend's
-  opt-in); ``is_scheduler_paused`` says so. ``abort`` and ``wait`` still pause.
+The API's calls (``/pause``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
+``/resume``; ``LLM``'s methods; ``TrainerWeightTransferEngine``) reach EngineCore between two engine
+steps, and the patch (``inflight.engine.patch``) hands them here:
+- ``init_weight_transfer_engine(init_info)``: an ``InflightConfig`` starts the engine (the same config
+  again drops an update a restarted trainer left open; another is refused, naming the fields that
+  differ); vLLM's ``nccl`` init info joins that trainer's group for its packed broadcast
+  (``wire_config``); ``{"checkpoints": true}`` reads each update from ``update_info.weight_dir``
+  (``checkpoint_config``; ``inflight.engine.checkpoint_reader``);
+- start, update, finish: the worker extension's ``inflight_rl_*`` methods, each returning at once;
+  a draft's own update is refused (its tensors travel in the target's); shutdown is ``inflight_stop``;
+- ``set_weight_version(v)``: accepted only for the version served or the update announced, and never
+  moves the label: the coordinator moves it at the commit, so no token old weights sampled carries it;
+- ``pause_scheduler(mode="keep")``: decoding goes on (the backend's one opt-in deviation from vLLM);
+  ``is_scheduler_paused`` says so; ``abort`` and ``wait`` still pause.
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
 """The ``inflight`` backend of vLLM's weight-transfer API, worker side: ``InflightWeightTransferEngine``.
 
-vLLM builds one per worker from ``--weight-transfer-config '{"backend": "inflight"}'`` (``WeightTransferEngineFactory``;
-the plugin registers the name in every vLLM process). On an engine with this backend, EngineCore routes the
-RL API's calls to the worker extension (``inflight.engine.rl_api``), which hands each to this object:
+vLLM builds one per worker from ``--weight-transfer-config '{"backend": "inflight"}'`` (the plugin
+registers the name in every vLLM process); the worker extension (``inflight.engine.rl_api``) hands it
+the RL API's calls. ``init_weight_transfer_engine`` is ``inflight_start`` (an ``InflightConfig``: the
+listener joins the trainer's weight group; vLLM's ``nccl`` init info: a ``PackedReceiver`` takes its
+packed broadcast). ``start_weight_update`` opens a session, ``update_weights(update_info)`` checks what
+the update carries (``InflightUpdateInfo``, or a ``weight_dir``: ``inflight.engine.checkpoint_reader``)
+against this worker's tensors and version, ``finish_weight_update`` closes it. Each returns at once;
+the bytes are staged off the step loop and commit at a step boundary (``inflight.engine.coordinator``).
 
-- ``init_weight_transfer_engine(init_info)`` is ``inflight_start``: ``init_info`` is an ``InflightConfig`` as a
-  JSON object, and the listener joins the trainer's weight group; or it is the init info of vLLM's ``nccl``
-  backend, and a ``PackedReceiver`` joins that trainer's group and takes its packed broadcast
-  (``inflight.engine.packed_receiver``);
-- ``start_weight_update`` opens a session, ``update_weights(update_info)`` checks what the update will carry
-  (``InflightUpdateInfo``; or a checkpoint directory, ``weight_dir``: ``inflight.engine.checkpoint_reader``)
-  against this worker's tensors and live version, ``finish_weight_update`` closes the session. Each returns at
-  once: the bytes arrive on the listener thread, which stages, verifies and prepares
-  them while the engine decodes; the commit lands at a step boundary once every worker has staged
-  (``inflight.engine.coordinator``).
-
-Invariants: none of these methods touches live weights, staging or the label; a session's version is newer
-than every version this worker served or was told of; a refused start or update leaves the session as it was
-(the client may retry), and ``finish`` always closes it; the engine serves its last good version throughout.
-On the nccl wire an update that staged but did not commit is reported by the next ``start_weight_update``.
+Invariants: none of these touches live weights, staging or the label; a session's version is newer
+than every version served or announced; a refused start or update leaves the session as it was, and
+``finish`` always closes it; on the nccl wire an update that staged but did not commit is reported by
+the next ``start_weight_update``.
 """
 
 from __future__ import annotations
