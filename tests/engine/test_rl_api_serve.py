@@ -26,7 +26,8 @@ from tests.engine_harness import Reference, perturbed, replay, serve_process
 from tests.helpers import WAIT_S, wait_until
 
 BACKEND_FLAGS = ["--weight-transfer-config", '{"backend": "inflight"}', "--enable-scale-out", "--max-model-len", "1024",
-                 "--trust-request-chat-template"]  # the tiny tokenizer has no chat template: a request brings one
+                 "--trust-request-chat-template",  # the tiny tokenizer has no chat template: a request brings one
+                 "--return-tokens-as-token-ids"]  # as renderers (verifiers' TrainClient) read log-probs
 TOKENS = 990
 """Each request's length: long enough for every push to land while it decodes."""
 
@@ -422,19 +423,28 @@ def test_openai_endpoints_return_version_spans(server, tiny_qwen) -> None:
     assert "choices" in chat, chat
     assert chat["choices"][0]["weight_versions"] == [{"version": live, "start": 0, "end": 4}], chat
     stops = list(range(0, 256, 6))  # the tiny model samples one of these every few tokens: lengths differ
-    finals = _final_chunks(server + "/v1/completions", {
-        "model": model, "prompt": ["1+2=", "3+4+5="], "max_tokens": 12, "n": 2, "seed": 0, "logprobs": 0,
+    finals = _varied_final_chunks(server + "/v1/completions", {
+        "model": model, "prompt": ["1+2=", "3+4+5="], "max_tokens": 12, "n": 2, "logprobs": 0,
         "stop_token_ids": stops})
     assert sorted(finals) == [0, 1, 2, 3], finals  # two prompts, two choices each: one final chunk per choice
-    assert len({n for _, n in finals.values()}) > 1, finals  # so a span given to the wrong choice shows
     for choice, n in finals.values():
         assert choice["weight_versions"] == [{"version": live, "start": 0, "end": n}], (n, choice)
-    finals = _final_chunks(server + "/v1/chat/completions", {
-        "model": model, "messages": [{"role": "user", "content": "1+2="}], "max_tokens": 12, "n": 2, "seed": 1,
+    finals = _varied_final_chunks(server + "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": "1+2="}], "max_tokens": 12, "n": 2,
         "logprobs": True, "stop_token_ids": stops, "chat_template": CHAT_TEMPLATE})
-    assert sorted(finals) == [0, 1] and len({n for _, n in finals.values()}) > 1, finals
+    assert sorted(finals) == [0, 1], finals
     for choice, n in finals.values():
         assert choice["weight_versions"] == [{"version": live, "start": 0, "end": n}], (n, choice)
+
+
+def _varied_final_chunks(url: str, body: dict) -> dict[int, tuple[dict, int]]:
+    """``_final_chunks`` of the first seed whose choices streamed different numbers of tokens
+    (whatever weights the server has now), so a span given to the wrong choice shows."""
+    for seed in range(16):
+        finals = _final_chunks(url, {**body, "seed": seed})
+        if len({n for _, n in finals.values()}) > 1:
+            return finals
+    raise AssertionError(f"16 seeds, every choice of each the same length: {finals}")
 
 
 def _final_chunks(url: str, body: dict) -> dict[int, tuple[dict, int]]:
@@ -554,3 +564,100 @@ def test_openai_harness_episode_is_one_tagged_sample(server, tiny_qwen, group_po
         torch.testing.assert_close(got, replayed(call, versions[k]), atol=1e-4, rtol=0)
         other = versions[k - 1] if k else versions[1]
         assert (got - replayed(call, other)).abs().max() > 1e-3, k
+
+
+def _replay_sample(ref, states: dict, sample, mask: torch.Tensor, shift: int = 0) -> list[tuple[torch.Tensor, ...]]:
+    """Each reply of ``sample`` (a run of tokens not observed) as (behaviour log-probs, a
+    transformers replay over the whole context under the version its tags name, ``shift``
+    versions on)."""
+    out, tokens, k = [], sample.token_ids, 0
+    order = sorted(states)
+    while k < len(tokens):
+        if sample.observation and sample.observation[k]:
+            k += 1
+            continue
+        end = k
+        while end < len(tokens) and not (sample.observation and sample.observation[end]):
+            end += 1
+        version = order[(order.index(sample.versions[k]) + shift) % len(order)]
+        assert set(sample.versions[k:end]) == {sample.versions[k]}, sample.versions[k:end]
+        ref.load(states[version])
+        context = sample.prompt_ids + tokens[:end]
+        with torch.no_grad():
+            logits = ref.model(torch.tensor([context])).logits[0].double()
+        rows = logits[len(sample.prompt_ids) + k - 1:len(context) - 1] + mask
+        got = torch.log_softmax(rows, -1).gather(-1, torch.tensor(tokens[k:end])[:, None])[:, 0]
+        out.append((torch.tensor(sample.logprobs[k:end], dtype=torch.float64), got))
+        k = end
+    return out
+
+
+def test_verifiers_own_harness_over_the_server(server, tiny_qwen, group_port) -> None:
+    """A verifiers environment runs with its own harness (``tests.vf_two_turn_harness``: the
+    ``openai`` SDK against verifiers' interception server), its model calls made by verifiers'
+    own clients against the engine's server: ``TrainClient`` (renderers, ``/inference/v1/generate``)
+    and ``EvalClient`` (``/v1/chat/completions``). A trainer commits a version between the two
+    turns. Each episode is one sample: both replies tagged with the version that sampled them,
+    the user turn between them masked, the rubric's reward; a transformers replay of each reply
+    under its tags matches the behaviour log-probs within 1e-4, and under the tags shifted by
+    one version does not."""
+    import asyncio
+
+    import verifiers.v1 as vf
+    from transformers import AutoTokenizer
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import tests.vf_two_turn_harness as harness
+    from inflight.trainer.envs.verifiers_env import plugin_id
+    from inflight.trainer.rollout.verifiers_server import ServerEpisodes
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_qwen))
+    allowed = _unmerged_chars(tok)
+    base = load_file(str(tiny_qwen / "model.safetensors"))
+    info = InflightTrainerInitInfo(rank=0, port=group_port, push=PushConfig(dtype="float32"), timeout_s=60.0)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(server), source=base)
+    env = vf.load_environment(vf.resolve_env_config({
+        "taskset": {"id": plugin_id("tests.vf_two_turn_env")},
+        "agent": {"harness": {"id": plugin_id("tests.vf_two_turn_harness")}, "runtime": {"type": "subprocess"}}}))
+    sampling = vf.SamplingConfig(max_tokens=6, temperature=1.0, allowed_token_ids=allowed, ignore_eos=True,
+                                 chat_template=HARNESS_TEMPLATE)
+    clients = {"train": vf.TrainClientConfig(base_url=server + "/v1",
+                                             renderer={"name": "default", "chat_template": HARNESS_TEMPLATE}),
+               "eval": vf.EvalClientConfig(base_url=server + "/v1")}
+    states: dict[int, dict] = {}
+
+    def commit() -> None:
+        trainer.source = perturbed(base, seed=500 + len(states), scale=0.02)
+        trainer.send_weights()
+        states[trainer.version] = trainer.source
+
+    async def episodes() -> dict:
+        async with env.serving():
+            return {name: await ServerEpisodes(env, vf.ModelContext(model=str(tiny_qwen), client=client,
+                                                                    sampling=sampling), "tests.vf_two_turn_env")
+                    .run(list(env.taskset)[0], group_id=name, sample_id=f"{name}-0")
+                    for name, client in clients.items()}
+    try:
+        trainer.send_weights()  # the base weights: what each turn is sampled by is known
+        states[trainer.version] = base
+        harness.between_turns = commit
+        samples = asyncio.run(episodes())
+    finally:
+        harness.between_turns = None
+        trainer.shutdown()
+    mask = torch.full((len(tok),), float("-inf"), dtype=torch.float64)
+    mask[allowed] = 0.0
+    ref = Reference(tiny_qwen, "float32")
+    for name, (sample,) in samples.items():
+        observed = tok.encode("\n<user>\nand now 0\n<assistant>\n")
+        assert sample.reward == 1.0 and sample.prompt_ids == tok.encode(HARNESS_TEMPLATE.replace(
+            "{% for m in messages %}<{{ m['role'] }}>\n{{ m['content'] }}\n{% endfor %}", "<user>\ncount the cats\n")
+            .replace("{% if add_generation_prompt %}<assistant>\n{% endif %}", "<assistant>\n")), (name, sample)
+        assert sample.observation == [False] * 6 + [True] * len(observed) + [False] * 6, (name, sample.observation)
+        assert sample.token_ids[6:6 + len(observed)] == observed, name
+        first, second = sample.versions[0], sample.versions[-1]
+        assert second == first + 1 and sample.versions[:6] == [first] * 6, (name, sample.versions)
+        for got, replayed in _replay_sample(ref, states, sample, mask):
+            torch.testing.assert_close(got, replayed, atol=1e-4, rtol=0)
+        assert all((got - wrong).abs().max() > 1e-3 for got, wrong in _replay_sample(ref, states, sample, mask, 1))

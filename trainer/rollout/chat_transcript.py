@@ -1,13 +1,16 @@
-"""An agent harness's episode on the engine's OpenAI server, recorded as one tagged sample.
+"""An agent harness's episode on the engine's server, recorded as one tagged sample.
 
 A harness written against the ``openai`` SDK (or anything that takes an ``httpx`` client)
 talks to an in-flight engine's ``vllm serve`` unchanged: its client gets
 ``ChatTranscript.http_client()`` (or ``async_http_client()``). Every ``/v1/chat/completions``
-call then goes out with ``return_token_ids`` and ``logprobs`` and comes back with the
-server's prompt ids, reply ids, the reply's behaviour log-probs and its ``weight_versions``
-spans; the transcript keeps them, turn by turn, and ``sample`` returns the episode as one
+call then goes out with ``return_token_ids`` and ``logprobs``; a ``/inference/v1/generate``
+call (verifiers' ``TrainClient``, renderers) goes as it is. Each comes back with the prompt
+ids, reply ids, the reply's behaviour log-probs and its ``weight_versions`` spans; the
+transcript keeps them, turn by turn, and ``sample`` returns the episode as one
 ``RolloutSample``: the first prompt, then every reply (tagged) and the tokens the harness
 added between them (observations: masked, log-prob 0, the version of the token before).
+``SessionTranscripts`` keeps one transcript per episode of a client that many share, by the
+session header its calls carry (verifiers' ``X-Session-ID``).
 
 Invariants: turn k+1's prompt ids begin with turn k's prompt and reply ids exactly (no
 re-tokenization drift); a call that breaks this is answered with HTTP 400 naming the turn
@@ -18,7 +21,7 @@ and ``n > 1`` are refused in the same way: an episode is one reply per call.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +33,9 @@ from inflight.trainer.rollout.server_turns import tagged_choice
 from inflight.trainer.tasks.episode import drift_position
 
 CHAT_PATH = "/chat/completions"
+GENERATE_PATH = "/inference/v1/generate"
+SESSION_HEADER = "X-Session-ID"
+"""verifiers' session header: the rollout (its trace) a model call belongs to."""
 
 
 @dataclass(frozen=True)
@@ -51,32 +57,39 @@ class ChatTranscript:
     # -- what the harness's client uses -----------------------------------------------------
     def http_client(self, **kwargs: Any) -> httpx.Client:
         """An ``httpx.Client`` whose chat completions this transcript records (``kwargs`` go to it)."""
-        return httpx.Client(transport=_Recording(self, httpx.HTTPTransport()), **kwargs)
+        return httpx.Client(transport=_Recording(lambda _: self, httpx.HTTPTransport()), **kwargs)
 
     def async_http_client(self, **kwargs: Any) -> httpx.AsyncClient:
         """``http_client`` for asyncio harnesses (``openai.AsyncOpenAI(http_client=...)``)."""
-        return httpx.AsyncClient(transport=_AsyncRecording(self, httpx.AsyncHTTPTransport()), **kwargs)
+        return httpx.AsyncClient(transport=_AsyncRecording(lambda _: self, httpx.AsyncHTTPTransport()), **kwargs)
 
     # -- the record ---------------------------------------------------------------------------
-    def outgoing(self, body: dict[str, Any]) -> dict[str, Any]:
-        """A chat request as it goes to the server: token ids and log-probs asked for.
-        ValueError for what an episode cannot record (streaming, several choices)."""
+    def outgoing(self, body: dict[str, Any], *, generate: bool = False) -> dict[str, Any]:
+        """A request as it goes to the server: a chat request with token ids and log-probs
+        asked for, a generate request as it is. ValueError for what an episode cannot record
+        (streaming, several choices, a generate request without its prompt's token ids)."""
+        params = (body.get("sampling_params") or {}) if generate else body
         if body.get("stream"):
-            raise ValueError("a streamed chat completion (stream=True) is not recorded: call without streaming")
-        if int(body.get("n") or 1) != 1:
-            raise ValueError(f"n={body['n']}: an episode takes one reply per call")
+            raise ValueError("a streamed request (stream=True) is not recorded: call without streaming")
+        if int(params.get("n") or 1) != 1:
+            raise ValueError(f"n={params['n']}: an episode takes one reply per call")
+        if generate:
+            if not isinstance(body.get("token_ids"), list):
+                raise ValueError("a generate request without token_ids is not recorded")
+            return {**body, "output_mode": "text"}  # log-probs as "token_id:N" (renderers reads them so)
         return {**body, "return_token_ids": True, "logprobs": True, "top_logprobs": 0}
 
-    def record(self, response: Mapping[str, Any]) -> ChatCall:
-        """Add one call's response (the JSON body); ValueError naming the call's fault,
+    def record(self, response: Mapping[str, Any], prompt_ids: list[int] | None = None) -> ChatCall:
+        """Add one call's response (the JSON body; ``prompt_ids``: the request's, where the
+        response may not repeat them); ValueError naming the call's fault,
         ``RetokenizationDrift``'s message for a prompt that does not continue the episode."""
         turn = len(self.calls)
         choices = response.get("choices") or []
-        if len(choices) != 1 or response.get("prompt_token_ids") is None:
+        prompt_ids = list(response.get("prompt_token_ids") or prompt_ids or [])
+        if len(choices) != 1 or not prompt_ids:
             raise ValueError(f"{self.name}, turn {turn}: {len(choices)} choices, prompt ids "
-                             f"{'missing' if response.get('prompt_token_ids') is None else 'present'} "
+                             f"{'present' if prompt_ids else 'missing'} "
                              "(is it an in-flight engine's server, called with return_token_ids?)")
-        prompt_ids = list(response["prompt_token_ids"])
         try:
             reply = tagged_choice(choices[0])
         except ValueError as e:
@@ -130,13 +143,39 @@ class ChatTranscript:
         return httpx.Response(400, json={"error": {"message": why, "type": "BadRequestError", "code": 400}})
 
 
-def _outgoing(transcript: ChatTranscript, request: httpx.Request) -> httpx.Request | httpx.Response | None:
-    """What a transport sends for ``request``: None (not a chat completion: as it is), the
-    chat request as ``ChatTranscript.outgoing`` rewrites it, or the transcript's refusal."""
-    if request.method != "POST" or not request.url.path.endswith(CHAT_PATH):
-        return None
+class SessionTranscripts:
+    """One ``ChatTranscript`` per session of a client that many episodes share: a call goes to
+    the transcript of its ``X-Session-ID`` header (a call without one is refused)."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, ChatTranscript] = {}
+
+    def of(self, request: httpx.Request) -> ChatTranscript:
+        session = request.headers.get(SESSION_HEADER, "")
+        if session not in self.sessions:
+            self.sessions[session] = ChatTranscript(f"session {session!r}" if session else "a call without a session")
+            if not session:
+                self.sessions[session].failure = f"a model call without its {SESSION_HEADER} header"
+        return self.sessions[session]
+
+    def async_http_client(self, **kwargs: Any) -> httpx.AsyncClient:
+        """An ``httpx.AsyncClient`` whose model calls these transcripts record, by session."""
+        return httpx.AsyncClient(transport=_AsyncRecording(self.of, httpx.AsyncHTTPTransport()), **kwargs)
+
+
+def _is_recorded(request: httpx.Request) -> bool:
+    path = request.url.path
+    return request.method == "POST" and (path.endswith(CHAT_PATH) or path.endswith(GENERATE_PATH))
+
+
+def _outgoing(transcript: ChatTranscript, request: httpx.Request) -> httpx.Request | httpx.Response:
+    """What a transport sends for a recorded ``request``: as ``ChatTranscript.outgoing``
+    rewrites it, or the transcript's refusal."""
+    if transcript.failure:
+        return transcript.refused(transcript.failure)
+    generate = request.url.path.endswith(GENERATE_PATH)
     try:
-        body = transcript.outgoing(json.loads(request.content or b"{}"))
+        body = transcript.outgoing(json.loads(request.content or b"{}"), generate=generate)
     except ValueError as e:
         return transcript.refused(f"{transcript.name}: {e}")
     headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
@@ -144,48 +183,50 @@ def _outgoing(transcript: ChatTranscript, request: httpx.Request) -> httpx.Reque
 
 
 class _Recording(httpx.BaseTransport):
-    def __init__(self, transcript: ChatTranscript, inner: httpx.BaseTransport) -> None:
-        self.transcript, self.inner = transcript, inner
+    def __init__(self, pick: Callable[[httpx.Request], ChatTranscript], inner: httpx.BaseTransport) -> None:
+        self.pick, self.inner = pick, inner
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        outgoing = _outgoing(self.transcript, request)
+        if not _is_recorded(request):
+            return self.inner.handle_request(request)
+        transcript = self.pick(request)
+        outgoing = _outgoing(transcript, request)
         if isinstance(outgoing, httpx.Response):
             return outgoing
-        if outgoing is None:
-            return self.inner.handle_request(request)
         response = self.inner.handle_request(outgoing)
         response.read()
-        return _recorded(self.transcript, response)
+        return _recorded(transcript, outgoing, response)
 
     def close(self) -> None:
         self.inner.close()
 
 
 class _AsyncRecording(httpx.AsyncBaseTransport):
-    def __init__(self, transcript: ChatTranscript, inner: httpx.AsyncBaseTransport) -> None:
-        self.transcript, self.inner = transcript, inner
+    def __init__(self, pick: Callable[[httpx.Request], ChatTranscript], inner: httpx.AsyncBaseTransport) -> None:
+        self.pick, self.inner = pick, inner
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        outgoing = _outgoing(self.transcript, request)
+        if not _is_recorded(request):
+            return await self.inner.handle_async_request(request)
+        transcript = self.pick(request)
+        outgoing = _outgoing(transcript, request)
         if isinstance(outgoing, httpx.Response):
             return outgoing
-        if outgoing is None:
-            return await self.inner.handle_async_request(request)
         response = await self.inner.handle_async_request(outgoing)
         await response.aread()
-        return _recorded(self.transcript, response)
+        return _recorded(transcript, outgoing, response)
 
     async def aclose(self) -> None:
         await self.inner.aclose()
 
 
-def _recorded(transcript: ChatTranscript, response: httpx.Response) -> httpx.Response:
+def _recorded(transcript: ChatTranscript, request: httpx.Request, response: httpx.Response) -> httpx.Response:
     """``response`` after the transcript took it: as it came where the server refused the call,
     HTTP 400 where the transcript refuses what came back."""
     if response.status_code != 200:
         return response
     try:
-        transcript.record(response.json())
+        transcript.record(response.json(), json.loads(request.content).get("token_ids"))
     except ValueError as e:
         return transcript.refused(str(e))
     headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-encoding")}
