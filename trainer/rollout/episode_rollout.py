@@ -327,7 +327,6 @@ class EpisodeRollout:
     def _end(self, gid: str, k: int, turn: Turn) -> None:
         self.groups[gid].episodes[k].end(turn)
         self._episode_done(gid, k, "finished")
-        self.failures.success()
 
     def _fail(self, gid: str, k: int, error: str, trace: str = "") -> None:
         self._episode_done(gid, k, "failed")
@@ -385,6 +384,7 @@ class EpisodeRollout:
 
     def _finish(self, gid: str) -> RolloutGroup:
         group = self.groups.pop(gid)
+        self.failures.finished(gid)  # a group with no failed episode ends a run of failed ones
         self.counts["groups_scored"] += 1
         self.counts["shipped"] += len(group.episodes)
         if self.journal is not None:

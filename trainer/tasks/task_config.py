@@ -224,8 +224,9 @@ class ScoringConfig:
     1 GiB of it on CPU); None: no cap. A call past it fails its group."""
     max_failed_in_a_row: int = 16
     """Groups whose scoring failed one after the other (an error, a timeout, a reward that is
-    not a finite number) before the run stops with the last one's message (the engine reports
-    it to the trainer; nothing is restarted)."""
+    not a finite number; a multi-turn group counts once, at its first failed episode, and one
+    that finishes with none starts the count again) before the run stops with the last one's
+    message (the engine reports it to the trainer; nothing is restarted)."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
