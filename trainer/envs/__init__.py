@@ -61,7 +61,7 @@ def build_task(train_cfg: Any, tokenizer: Any) -> Task:
     if cfg.name == "verifiers":
         from inflight.trainer.envs.verifiers_env import VerifiersTask
 
-        return VerifiersTask(train_cfg)
+        return VerifiersTask(train_cfg, tokenizer)
     if cfg.name == "openenv":
         from inflight.trainer.envs.openenv_env import OpenEnvTask
 

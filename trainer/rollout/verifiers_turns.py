@@ -12,11 +12,16 @@ turn of an in-flight episode::
                                  Scored(gid.k.t, Turn(observation_ids=the new tokens)), or
                                  the episode ends: Scored(gid.k.t, Turn(done, reward))
 
+Each rollout is one episode per seat the policy plays (``task.verifiers.seats``): episodes
+gid.k of seat ``k % seats``, a rollout started once its last seat's episode is open; a seat's
+model calls (its trace's) are that episode's turns, and its trace's reward that episode's.
+
 Invariants. Turn t+1's prompt ids begin with turn t's prompt and reply ids exactly (the
 renderer bridges from them); a prompt that does not is refused by name (re-tokenization
-drift), and so fails its episode. A rollout that ends with an error (its rubric raised, a
-tool server failed) fails its episode, named by the environment, the error and its
-traceback. One ``Scored`` answers each ``open`` and each ``submit_turn``. The harness's
+drift), and so fails its rollout's episodes. The environment's wait (``timeout_s``) runs
+only while the engine samples none of the rollout's seats. A rollout that ends with an error
+(its rubric raised, a tool server failed) fails its episodes, named by the environment, the
+error and its traceback. One ``Scored`` answers each ``open`` and each ``submit_turn``. The harness's
 coroutines do not survive their process: episodes of an earlier process are not resumed.
 """
 
@@ -76,22 +81,35 @@ def route_model_calls() -> None:
 @dataclass
 class _Episode:
     key: str
-    """``"<gid>.<k>"``."""
+    """``"<gid>.<k>"``: one seat of one rollout."""
+    seat: str = "agent"
     context: list[int] | None = None
     """The last turn's prompt and reply ids: the next prompt must begin with them."""
     turn: int = -1
     """The turn whose answer the environment owes (-1: the opening prompt)."""
     reply: asyncio.Future | None = None
-    running: asyncio.Future | Any = None
-    failure: str = ""
     waits_on_engine: bool = False
-    rollout: Any = None
+    spent: bool = False
+    """The driver took the last turn (``EpisodeView.last``): a further model call is refused."""
+    rollout: _Rollout | None = None
+
+
+@dataclass
+class _Rollout:
+    """One rollout of the environment (verifiers' ``run_slot``): an episode per seat the policy plays."""
+
+    episodes: list[_Episode]
+    running: asyncio.Future | Any = None
+    task: Any = None
     """The rollout's task (verifiers' ``run_slot``)."""
+    failure: str = ""
+    on_engine: int = 0
+    """Its seats' model calls the engine is sampling: the environment waits on none of them at 0."""
+    last: _Episode | None = None
+    """The seat whose reply the environment took last."""
     deadline: Any = None
     """The ``asyncio.TimerHandle`` of the environment's wait (``timeout_s``)."""
     traces: list = field(default_factory=list)
-    spent: bool = False
-    """The driver took the last turn (``EpisodeView.last``): a further model call is refused."""
 
 
 class VerifiersTurns:
@@ -101,15 +119,17 @@ class VerifiersTurns:
     resumable = False
 
     def __init__(self, cfg: Any, tokenizer: Any, engine_id: str) -> None:
-        from inflight.trainer.envs.verifiers_env import make_renderer, take_environment
+        from inflight.trainer.envs.verifiers_env import policy_seats, take_environment, taskset_rows
+        from inflight.trainer.envs.verifiers_render import make_renderer
 
         route_model_calls()
         self._pythonpath = _share_sys_path()
         self.env_id, self.timeout_s = cfg.task.env_id, cfg.task.scoring.timeout_s
         self.env = take_environment(cfg)
-        self.tasks = list(self.env.taskset)
+        self.tasks = taskset_rows(self.env, cfg)
+        self.seats = policy_seats(cfg)
         v = cfg.task.verifiers
-        self.renderer = make_renderer(tokenizer, v.renderer, v.renderer_options)
+        self.renderer = make_renderer(tokenizer, v.renderer, v.renderer_options, cfg.task.tool_parser)
         self.url = f"{SCHEME}{engine_id}-{id(self):x}"
         _CLIENTS[self.url] = EngineClient(self)
         self.ctx = vf.ModelContext(model="policy", client=vf.TrainClientConfig(base_url=self.url),
@@ -137,12 +157,20 @@ class VerifiersTurns:
         raise TimeoutError(f"verifiers environment {self.env_id!r} did not start serving in {timeout_s:g} s")
 
     def open(self, key: str, prompt: Prompt) -> None:
-        """Start episode ``key`` (``"<gid>.<k>"``) of taskset row ``prompt.meta["row"]``."""
-        episode = _Episode(key)
+        """Start episode ``key`` (``"<gid>.<k>"``) of taskset row ``prompt.meta["row"]``: seat
+        ``k % seats`` of a rollout, which starts once its last seat's episode is open."""
+        gid, k = key.rsplit(".", 1)
+        n = len(self.seats)
+        episode = _Episode(key, seat=self.seats[int(k) % n])
         with self._lock:
             self.episodes[key] = episode
+            if int(k) % n != n - 1:
+                return
+            rollout = _Rollout([self.episodes[f"{gid}.{j}"] for j in range(int(k) - n + 1, int(k) + 1)])
+        for e in rollout.episodes:
+            e.rollout = rollout
         task = self.tasks[int(prompt.meta["row"])]
-        episode.running = asyncio.run_coroutine_threadsafe(self._run(episode, task), self._loop)
+        rollout.running = asyncio.run_coroutine_threadsafe(self._run(rollout, task), self._loop)
 
     def submit_turn(self, key: str, view: EpisodeView) -> None:
         """Turn ``key``'s reply (``view.reply_ids``, ``view.reply_logprobs``) goes to the harness."""
@@ -168,15 +196,15 @@ class VerifiersTurns:
                 episode = self.episodes.pop(key.rsplit(".", 1)[0], None)
                 if episode is not None and not episode.waits_on_engine:
                     self._done.append(Scored(key, None, why, cancelled=True))
-            if episode is not None:
-                episode.running.cancel()
+            if episode is not None and episode.rollout is not None:
+                episode.rollout.running.cancel()
 
     def pending(self) -> int:
         return sum(not e.waits_on_engine for e in self.episodes.values())
 
     def close(self) -> None:
-        for episode in list(self.episodes.values()):
-            episode.running.cancel()
+        for rollout in {id(e.rollout): e.rollout for e in self.episodes.values() if e.rollout}.values():
+            rollout.running.cancel()
         self._loop.call_soon_threadsafe(self._stop.set)
         try:
             self._serving.result(timeout=60)
@@ -201,55 +229,67 @@ class VerifiersTurns:
             self._ready.set()
             await self._stop.wait()
 
-    async def _run(self, episode: _Episode, task: Any) -> None:
-        """One rollout of ``task``; its end (reward or failure) answers the last turn. Each answer
-        of the environment to a reply takes at most ``timeout_s`` (its opening, which starts its
-        tool servers, is bounded by verifiers' own ``timeout``)."""
+    async def _run(self, rollout: _Rollout, task: Any) -> None:
+        """One rollout of ``task``; its end (each seat's reward, or the failure) answers each
+        seat's last turn. Each answer of the environment to a reply takes at most ``timeout_s``
+        (its opening, which starts its tool servers, is bounded by verifiers' own ``timeout``)."""
         def minted(trace: Any) -> None:
-            self._by_trace[trace.id] = episode
-            episode.traces.append(trace.id)
+            rollout.traces.append(trace.id)
+            seat = getattr(trace.agent, "name", "agent")
+            if seat in self.seats:  # a seat the policy does not play calls its own model
+                self._by_trace[trace.id] = rollout.episodes[self.seats.index(seat)]
 
-        episode.rollout = asyncio.ensure_future(self.env.run_slot(self.env.slots(task, 1)[0], self.ctx,
-                                                                  on_trace=minted))
+        rollout.task = asyncio.ensure_future(self.env.run_slot(self.env.slots(task, 1)[0], self.ctx,
+                                                               on_trace=minted))
         try:
-            reward, error, trace = _outcome(await episode.rollout, self.env_id)
+            outcomes = _outcomes(await rollout.task, self.env_id, self.seats)
         except asyncio.CancelledError:
-            if not episode.failure:  # cancelled by EpisodeRollout: nothing to answer
-                episode.rollout.cancel()
+            if not rollout.failure:  # cancelled by EpisodeRollout: nothing to answer
+                rollout.task.cancel()
                 raise
-            reward, error, trace = None, "", ""
-        except Exception as e:  # the environment's failure is its episode's
+            outcomes = [(None, "", "")] * len(self.seats)
+        except Exception as e:  # the environment's failure is its episodes'
             import traceback
 
-            reward, error, trace = None, f"verifiers environment {self.env_id!r}: {type(e).__name__}: {e}", \
-                traceback.format_exc()
+            outcomes = [(None, f"verifiers environment {self.env_id!r}: {type(e).__name__}: {e}",
+                         traceback.format_exc())] * len(self.seats)
         finally:
-            self._unwatch(episode)
-            for trace_id in episode.traces:
+            self._unwatch(rollout)
+            for trace_id in rollout.traces:
                 self._by_trace.pop(trace_id, None)
-        if episode.failure:  # refused or timed out here (drift, the budget, a hang): named by us
-            error, trace, reward = episode.failure, "", None
-        turn = Turn(done=True, reward=reward) if reward is not None else None
-        self._answer(episode, Scored(f"{episode.key}.{episode.turn}", None, error, turn=turn, trace=trace))
+        for episode, (reward, error, trace) in zip(rollout.episodes, outcomes, strict=True):
+            if rollout.failure:  # refused or timed out here (drift, the budget, a hang): named by us
+                error, trace, reward = rollout.failure, "", None
+            elif reward is not None and episode.context is None:
+                reward, error = None, f"verifiers environment {self.env_id!r}: seat {episode.seat!r} took no turn"
+            turn = Turn(done=True, reward=reward) if reward is not None else None
+            self._answer(episode, Scored(f"{episode.key}.{episode.turn}", None, error, turn=turn, trace=trace))
 
-    def _watch(self, episode: _Episode) -> None:
-        """The environment has the episode now: it answers within ``timeout_s`` or the episode fails."""
-        self._unwatch(episode)
-        episode.deadline = self._loop.call_later(self.timeout_s, self._timed_out, episode)
+    def _watch(self, rollout: _Rollout) -> None:
+        """The environment has the rollout now (the engine samples none of its seats): it
+        answers within ``timeout_s`` or its episodes fail."""
+        self._unwatch(rollout)
+        if rollout.on_engine == 0:
+            rollout.deadline = self._loop.call_later(self.timeout_s, self._timed_out, rollout)
 
-    def _unwatch(self, episode: _Episode) -> None:
-        if episode.deadline is not None:
-            episode.deadline.cancel()
-            episode.deadline = None
+    def _unwatch(self, rollout: _Rollout) -> None:
+        if rollout.deadline is not None:
+            rollout.deadline.cancel()
+            rollout.deadline = None
 
-    def _timed_out(self, episode: _Episode) -> None:
-        episode.failure = (f"verifiers environment {self.env_id!r}: its answer to turn {episode.turn} took longer "
+    def _timed_out(self, rollout: _Rollout) -> None:
+        turn = rollout.last.turn if rollout.last is not None else -1
+        rollout.failure = (f"verifiers environment {self.env_id!r}: its answer to turn {turn} took longer "
                            f"than task.scoring.timeout_s={self.timeout_s:g} (a tool or the rubric hung)")
-        episode.rollout.cancel()
+        rollout.task.cancel()
 
     def _reply(self, episode: _Episode, reply: tuple) -> None:
-        """The engine's reply reaches the harness; the environment has the episode again."""
-        self._watch(episode)
+        """The engine's reply reaches the harness; the environment has the rollout again."""
+        rollout = episode.rollout
+        assert rollout is not None
+        rollout.on_engine -= 1
+        rollout.last = episode
+        self._watch(rollout)
         _resolve(episode.reply, reply)
 
     def _answer(self, episode: _Episode, scored: Scored) -> None:
@@ -261,21 +301,24 @@ class VerifiersTurns:
                     del self.episodes[episode.key]
 
     async def model_call(self, session_id: str | None, prompt_ids: list[int]) -> tuple[list[int], list[float], str]:
-        """One model call of the rollout ``session_id``: the prompt goes to the engine as the
-        episode's next turn; returns the reply's ids, log-probs and finish reason."""
+        """One model call of the seat whose trace is ``session_id``: the prompt goes to the
+        engine as its episode's next turn; returns the reply's ids, log-probs and finish reason."""
         episode = self._by_trace.get(session_id or "")
-        if episode is None:
-            raise RuntimeError(f"a model call of an unknown rollout ({session_id!r})")
+        if episode is None or episode.rollout is None:
+            raise RuntimeError(f"a model call of an unknown rollout ({session_id!r}), or of a seat the policy does "
+                               f"not play (task.verifiers.seats={list(self.seats)})")
+        rollout = episode.rollout
         if episode.spent:  # a 4xx: the harness stops, the rubric scores what there is
             raise ProviderError("the episode's turns or tokens are spent (task.episode)", status_code=400)
         context = episode.context or []
         if (at := drift_position(prompt_ids, context)) is not None:
-            episode.failure = (f"verifiers environment {self.env_id!r}: re-tokenization drift at turn "
+            rollout.failure = (f"verifiers environment {self.env_id!r}: re-tokenization drift at turn "
                                f"{episode.turn + 1}: its prompt ids differ from the episode's token ids at "
                                f"position {at} of {len(context)} (the renderer did not bridge from them)")
-            raise RetokenizationDrift(episode.failure)
+            raise RetokenizationDrift(rollout.failure)
         episode.reply = asyncio.get_running_loop().create_future()
-        self._unwatch(episode)  # the engine has it now
+        rollout.on_engine += 1
+        self._unwatch(rollout)  # the engine has it now
         self._answer(episode, Scored(f"{episode.key}.{episode.turn}", None,
                                      turn=Turn(observation_ids=list(prompt_ids[len(context):]))))
         ids, logprobs, finish_reason, last = await episode.reply
@@ -306,18 +349,27 @@ def _resolve(future: asyncio.Future | None, value: Any) -> None:
         future.set_result(value)
 
 
-def _outcome(episode: Any, env_id: str) -> tuple[float | None, str, str]:
-    """A finished verifiers ``Episode`` -> (reward, error, traceback)."""
+def _outcomes(episode: Any, env_id: str, seats: Sequence[str]) -> list[tuple[float | None, str, str]]:
+    """A finished verifiers ``Episode`` -> (reward, error, traceback) of each seat of ``seats``;
+    an error anywhere in it is every seat's."""
     errors = list(episode.errors) + [e for t in episode.traces for e in t.errors]
     if errors:
         e = errors[0]
-        return None, f"verifiers environment {env_id!r}: {e.type}: {e.message}", e.traceback or ""
+        return [(None, f"verifiers environment {env_id!r}: {e.type}: {e.message}", e.traceback or "")] * len(seats)
     if not episode.traces:
-        return None, f"verifiers environment {env_id!r}: the episode ran no agent", ""
-    reward = episode.traces[0].reward
-    if reward is None:
-        return None, f"verifiers environment {env_id!r}: its rubric gave no reward", ""
-    return float(reward), "", ""
+        return [(None, f"verifiers environment {env_id!r}: the episode ran no agent", "")] * len(seats)
+    by_seat = {getattr(t.agent, "name", "agent"): t for t in episode.traces}
+    out: list[tuple[float | None, str, str]] = []
+    for seat in seats:
+        trace = by_seat.get(seat)
+        named = f" (seat {seat!r})" if len(seats) > 1 else ""
+        if trace is None:
+            out.append((None, f"verifiers environment {env_id!r}: seat {seat!r} ran no agent", ""))
+        elif trace.reward is None:
+            out.append((None, f"verifiers environment {env_id!r}: its rubric gave no reward{named}", ""))
+        else:
+            out.append((float(trace.reward), "", ""))
+    return out
 
 
 class EngineClient(vf.Client):

@@ -278,21 +278,42 @@ class VerifiersConfig:
     """The ``verifiers`` task (``inflight.trainer.envs.verifiers_env``): a verifiers 0.4
     environment (``task.env_id``), its model calls sampled by the engine."""
 
-    renderer: str = "qwen3"
-    """The ``renderers`` renderer (its config ``name``: ``qwen3`` for ChatML with Hermes tool
-    calls, ``llama-3``, ``glm-5``, ...) that turns each model call into token ids and bridges
-    each turn from the last one's ids."""
+    renderer: str = "auto"
+    """The ``renderers`` renderer that turns each model call into token ids and bridges each
+    turn from the last one's ids. auto: renderers' renderer for a model it knows by name
+    (Qwen3, Llama 3, GLM, ...), else template. template: the policy's chat template
+    (``task.chat_template``'s when set), each turn the episode's ids and the template's text
+    for the new messages. Or a renderers config ``name`` (``qwen3``, ``llama-3``, ``glm-5``,
+    ``default``: the chat template re-rendered each turn); one that does not fit the
+    tokenizer is refused at the start."""
     renderer_options: dict[str, Any] = field(default_factory=dict)
-    """The renderer config's other fields (``default``, the model's own chat template: its
-    ``tool_parser``, e.g. ``{tool_parser = "qwen3"}``)."""
+    """A named renderer's other config fields (``default``: its ``tool_parser``, e.g.
+    ``{tool_parser = "qwen3"}``). With ``task.tool_parser`` set, replies' tool calls are read
+    from their text by that vLLM parser instead (a ``<tool_call>`` spelled in several tokens
+    included); template without one reads them with ``hermes`` where its tool prompt asks for
+    ``<tool_call>`` blocks."""
     taskset: dict[str, Any] = field(default_factory=dict)
     """The taskset's own config (``vf.TasksetConfig`` fields), besides its ``id``."""
+    env: dict[str, Any] = field(default_factory=dict)
+    """The environment's own config (``vf.EnvConfig`` fields besides the taskset: its knobs,
+    a seat the policy does not play, e.g. ``{player1 = {model = "..."}}``)."""
+    seats: tuple[str, ...] = ()
+    """The seats (the environment's agent roles) the policy plays; empty: every one. Each seat
+    of a rollout is one episode of its group (``rollout.group_size`` a multiple of them)."""
+    max_rows: int = 0
+    """At most this many of the taskset's rows (0: all; an infinite taskset takes 1024)."""
 
     def __post_init__(self) -> None:
         if not self.renderer:
-            raise ValueError("task.verifiers.renderer must name a renderers config (e.g. 'qwen3')")
+            raise ValueError("task.verifiers.renderer must be 'auto', 'template' or a renderers config (e.g. 'qwen3')")
         if "id" in self.taskset:
             raise ValueError(f"task.verifiers.taskset.id={self.taskset['id']!r}: the taskset is task.env_id")
+        if "taskset" in self.env:
+            raise ValueError("task.verifiers.env.taskset: the taskset is task.env_id and task.verifiers.taskset")
+        if len(set(self.seats)) != len(self.seats):
+            raise ValueError(f"task.verifiers.seats={list(self.seats)} names a seat twice")
+        if self.max_rows < 0:
+            raise ValueError(f"task.verifiers.max_rows={self.max_rows} must be >= 0 (0: all)")
 
 
 BUILTIN = ("repeat_digit", "arithmetic", "jsonl", "dataset", "calculator", "guess_number", "reasoning_gym",
