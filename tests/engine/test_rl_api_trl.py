@@ -242,7 +242,7 @@ def check_samples(tiny_qwen, samples: list, state: dict) -> None:
     ref = Reference(tiny_qwen, "float32").load(state)
     for s in samples:
         ids, mask = torch.as_tensor(s.input_ids), torch.as_tensor(s.completion_mask).bool()
-        assert int(mask.sum()) == 8, s
+        assert 1 <= int(mask.sum()) <= 8, s  # 8 tokens, or fewer ending in EOS
         with torch.no_grad():
             logits = ref.model(ids[None]).logits[0].double()
         want = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
