@@ -1,28 +1,22 @@
 """A verifiers 0.4 environment's episodes, as ``EpisodeRollout``'s environment side.
 
-A verifiers environment owns its loop: its harness calls the model, runs the tools and asks
-the rubric for the reward. Here it runs unchanged on an event loop of its own (a thread of
-the engine process), and every model call of it (``vf.Client.get_response``) becomes one
-turn of an in-flight episode::
+The environment runs unchanged on an event loop of its own (a thread of the engine process):
+its harness calls the model, runs the tools and asks the rubric for the reward, and every
+model call of it (``vf.Client.get_response``) becomes one turn of an in-flight episode.
+``open(gid.k)`` answers with the opening prompt's ids (``Scored(gid.k.-1)``); each
+``submit_turn(gid.k.t)`` hands the tagged reply to the harness, whose next call gives the new
+tokens (``Scored(gid.k.t)``) or whose end gives ``Turn(done, reward)``.
 
-    open(gid.k)               -> the harness renders its first prompt: Scored(gid.k.-1,
-                                 Turn(observation_ids=prompt)): the episode's prompt ids
-    submit_turn(gid.k.t, view)-> the reply (tagged tokens, sampled by the engine) goes back to
-                                 the harness as the model's answer; its next call gives
-                                 Scored(gid.k.t, Turn(observation_ids=the new tokens)), or
-                                 the episode ends: Scored(gid.k.t, Turn(done, reward))
+A rollout is one episode per seat the policy plays (``task.verifiers.seats``): gid.k is seat
+``k % seats``, and the rollout starts once its last seat's episode is open; a seat's trace's
+model calls are its episode's turns, the trace's reward its reward.
 
-Each rollout is one episode per seat the policy plays (``task.verifiers.seats``): episodes
-gid.k of seat ``k % seats``, a rollout started once its last seat's episode is open; a seat's
-model calls (its trace's) are that episode's turns, and its trace's reward that episode's.
-
-Invariants. Turn t+1's prompt ids begin with turn t's prompt and reply ids exactly (the
-renderer bridges from them); a prompt that does not is refused by name (re-tokenization
-drift), and so fails its rollout's episodes. The environment's wait (``timeout_s``) runs
-only while the engine samples none of the rollout's seats. A rollout that ends with an error
-(its rubric raised, a tool server failed) fails its episodes, named by the environment, the
-error and its traceback. One ``Scored`` answers each ``open`` and each ``submit_turn``. The harness's
-coroutines do not survive their process: episodes of an earlier process are not resumed.
+Invariants. Turn t+1's prompt ids begin with turn t's prompt and reply ids exactly; a prompt
+that does not is refused by name (re-tokenization drift) and fails its rollout's episodes, as
+an error of the rollout does (named by the environment, the error and its traceback). The
+environment's wait (``timeout_s``) runs only while the engine samples none of its seats. One
+``Scored`` answers each ``open`` and each ``submit_turn``. Episodes of an earlier process are
+not resumed (the harness's coroutines die with it).
 """
 
 from __future__ import annotations
