@@ -241,6 +241,19 @@ def replay(ref: Reference, weights_of: Callable[[str], dict[str, torch.Tensor]],
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
+def check_serving(llm: Any, states: dict, ref: Any, live: int) -> None:
+    """The engine serves ``live``: its label, its tags, and transformers' greedy tokens on its weights."""
+    from vllm import SamplingParams
+
+    from inflight.engine.client import coordinator_of
+
+    assert coordinator_of(llm).live_version == live and llm.get_weight_version() == str(live)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
+    (o,) = llm.generate([{"prompt_token_ids": [5, 17, 42, 9]}], sp, use_tqdm=False)
+    assert set(tagged(o.outputs[0]).versions) == {live}
+    assert list(o.outputs[0].token_ids) == ref.load(states[live]).greedy([5, 17, 42, 9], 6)
+
+
 def drive(llm: Any, coordinator: Any, prompts: Sequence[str], sp: Any, *, hold_at: Sequence[int], start: int,
           release: Callable[[], bool] = lambda: False, lora_request: Any = None) -> list:
     """Run ``prompts`` to completion on an engine whose EngineCore is in this process, step

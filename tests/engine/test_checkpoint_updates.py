@@ -22,7 +22,7 @@ from inflight.engine.client import coordinator_of, tagged
 from inflight.engine.engine_config import engine_kwargs
 from inflight.engine.transfer_engine import RLApiError
 from inflight.versions import is_monotone
-from tests.engine_harness import Reference, drive, perturbed, push_at_steps, replay
+from tests.engine_harness import Reference, check_serving, drive, perturbed, push_at_steps, replay
 from tests.helpers import wait_until
 
 
@@ -60,17 +60,6 @@ def engine(tiny_qwen, tmp_path_factory):
         llm.collective_rpc("inflight_stop")
     del llm
     gc.collect()
-
-
-def _serving(llm, states, ref, live: int) -> None:
-    """The engine serves ``live``: its label, its tags, and transformers' greedy tokens on its weights."""
-    from vllm import SamplingParams
-
-    assert coordinator_of(llm).live_version == live and llm.get_weight_version() == str(live)
-    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
-    (o,) = llm.generate([{"prompt_token_ids": [5, 17, 42, 9]}], sp, use_tqdm=False)
-    assert set(tagged(o.outputs[0]).versions) == {live}
-    assert list(o.outputs[0].token_ids) == ref.load(states[live]).greedy([5, 17, 42, 9], 6)
 
 
 def test_checkpoint_directories_commit_in_flight(engine) -> None:
@@ -131,7 +120,7 @@ def test_checkpoint_directories_commit_in_flight(engine) -> None:
         torch.testing.assert_close(torch.tensor(t.logprobs, dtype=torch.float64), want, atol=1e-4, rtol=0)
         off = replay(ref, weights_of, prompt, t.token_ids, t.labels[1:] + t.labels[-1:], t.prompt_label)
         assert (torch.tensor(t.logprobs, dtype=torch.float64) - off).abs().max() > 1e-3
-    _serving(llm, states, ref, 4)
+    check_serving(llm, states, ref, 4)
 
 
 def _started(engine) -> int:
@@ -175,7 +164,7 @@ def test_bad_directories_are_refused_by_name_and_the_engine_serves_on(engine) ->
     _refusal(lambda: llm.update_weights({"update_info": {"weight_dir": str(unnamed), "version": live}}),
              f"v{live}, not newer", 409)
     _refusal(lambda: llm.finish_weight_update(), "without update_weights", 409)
-    _serving(llm, states, ref, live)
+    check_serving(llm, states, ref, live)
 
     poisoned = perturbed(base, seed=301, scale=0.02)
     poisoned[names[-1]].view(-1)[7] = float("nan")
@@ -187,14 +176,14 @@ def test_bad_directories_are_refused_by_name_and_the_engine_serves_on(engine) ->
             update_from_path(llm, old)
         return "NaN or Inf" in str(e.value)
     wait_until(reported, "the reader to refuse the NaN directory")
-    _serving(llm, states, ref, live)
+    check_serving(llm, states, ref, live)
     states[v + 1] = perturbed(base, seed=302, scale=0.02)
     good = write_checkpoint(root / f"step_{v + 1}", states[v + 1])
     update_from_path(llm, good)
     wait_until(lambda: coordinator_of(llm).live_version == v + 1, f"step_{v + 1} to commit")
     commits = coordinator_of(llm).commits()
     update_from_path(llm, good)  # a client's retry (prime-rl's retries a lost answer): answered, nothing queued
-    _serving(llm, states, ref, v + 1)
+    check_serving(llm, states, ref, v + 1)
     assert coordinator_of(llm).commits() == commits
 
 

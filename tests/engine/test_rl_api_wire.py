@@ -23,7 +23,7 @@ from inflight.engine.client import coordinator_of, tagged
 from inflight.engine.engine_config import engine_kwargs
 from inflight.engine.transfer_engine import RLApiError
 from inflight.transport.packed_wire import GlooWire, chunk_plan, send_packed
-from tests.engine_harness import Reference, drive, perturbed, push_at_steps, replay
+from tests.engine_harness import Reference, check_serving, drive, perturbed, push_at_steps, replay
 from tests.helpers import wait_until
 
 BUFFER = 192 * 1024
@@ -112,17 +112,6 @@ def wired(tiny_qwen, hold_port):
     gc.collect()
 
 
-def _serving(llm, states, ref, live: int) -> None:
-    """The engine serves ``live``: label, and greedy tokens of transformers on its weights."""
-    from vllm import SamplingParams
-
-    assert coordinator_of(llm).live_version == live and llm.get_weight_version() == str(live)
-    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
-    (o,) = llm.generate([{"prompt_token_ids": [5, 17, 42, 9]}], sp, use_tqdm=False)
-    assert set(tagged(o.outputs[0]).versions) == {live}
-    assert list(o.outputs[0].token_ids) == ref.load(states[live]).greedy([5, 17, 42, 9], 6)
-
-
 def test_trls_sequence_on_the_packed_wire_commits_in_flight(wired) -> None:
     """Three versions (the third sent in bfloat16, cast by the receiver) land while 16 requests
     decode; each lands with engine steps between its start and its commit, the label moves
@@ -160,7 +149,7 @@ def test_trls_sequence_on_the_packed_wire_commits_in_flight(wired) -> None:
         torch.testing.assert_close(torch.tensor(t.logprobs, dtype=torch.float64), want, atol=1e-4, rtol=0)
         off = replay(ref, weights_of, prompt, t.token_ids, t.labels[1:] + t.labels[-1:], t.prompt_label)
         assert (torch.tensor(t.logprobs, dtype=torch.float64) - off).abs().max() > 1e-3
-    _serving(llm, states, ref, first + 3)
+    check_serving(llm, states, ref, first + 3)
 
 
 def test_bad_updates_on_the_wire_are_refused_by_name_and_the_engine_serves_on(wired, hold_port) -> None:
@@ -190,7 +179,7 @@ def test_bad_updates_on_the_wire_are_refused_by_name_and_the_engine_serves_on(wi
     llm.finish_weight_update()
     with pytest.raises(RLApiError, match=f"v{live + 1} did not commit: {names[-1]} has NaN or Inf"):
         wait_until(lambda: _refused_start(llm), "the receiver to refuse the poisoned update")
-    _serving(llm, states, ref, live)
+    check_serving(llm, states, ref, live)
 
     trainer.close()  # a restarted trainer: a new group on a new port
     trainer.port = hold_port()
@@ -198,7 +187,7 @@ def test_bad_updates_on_the_wire_are_refused_by_name_and_the_engine_serves_on(wi
     states[live + 2] = perturbed(base, seed=302, scale=0.02)  # v{live + 1} was refused: numbers are never reused
     trainer.send(states[live + 2])
     wait_until(lambda: coordinator_of(llm).live_version == live + 2, "the new trainer's update to commit")
-    _serving(llm, states, ref, live + 2)
+    check_serving(llm, states, ref, live + 2)
 
 
 def _refused_start(llm) -> bool:
@@ -265,14 +254,14 @@ def test_a_trainer_gone_mid_transfer_leaves_the_engine_serving(wired, hold_port)
     llm.finish_weight_update()
     with pytest.raises(RLApiError, match="the trainer's group failed .*call init_weight_transfer_engine again"):
         wait_until(lambda: _refused_start(llm), "the receiver to find the trainer gone")
-    _serving(llm, states, ref, live)
+    check_serving(llm, states, ref, live)
     trainer.port = hold_port()
     trainer.init()
     v = coordinator.live_version + 2  # the lost update's number is not reused
     states[v] = perturbed(base, seed=602, scale=0.02)
     trainer.send(states[v])
     wait_until(lambda: coordinator.live_version == v, "the new trainer's update to commit")
-    _serving(llm, states, ref, v)
+    check_serving(llm, states, ref, v)
 
 
 def test_a_packed_chunk_lands_whole_even_where_a_tensor_starts_unaligned(hold_port) -> None:

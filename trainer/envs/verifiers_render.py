@@ -68,30 +68,13 @@ class _TextParser:
         self.calls = ToolCallParser(name, tokenizer)  # the name checked against vLLM's registry
 
     def parse(self, text: str) -> tuple[str, list[Any]]:
-        import json
-        import logging
-
         from renderers.base import ParsedToolCall, ToolCallParseStatus
 
-        logger = logging.getLogger("vllm.tool_parsers")
-        level = logger.level
-        logger.setLevel(logging.CRITICAL)  # a call that does not parse is the policy's: no traceback per reply
-        try:
-            got = self.calls.parser.extract_tool_calls(text, self.calls._request)
-        finally:
-            logger.setLevel(level)
-        if not got.tools_called:
-            return text, []
-        calls = []
-        for call in got.tool_calls:
-            try:
-                arguments = json.loads(call.function.arguments)
-            except (TypeError, ValueError):
-                arguments = call.function.arguments
-            ok = isinstance(arguments, dict)
-            calls.append(ParsedToolCall(raw=call.function.arguments, name=call.function.name, arguments=arguments,
-                                        status=ToolCallParseStatus.OK if ok else ToolCallParseStatus.INVALID_JSON))
-        return got.content or "", calls
+        content, calls = self.calls.extract(text)
+        return content, [ParsedToolCall(raw=raw, name=name, arguments=arguments,
+                                        status=ToolCallParseStatus.OK if isinstance(arguments, dict)
+                                        else ToolCallParseStatus.INVALID_JSON)
+                         for name, raw, arguments in calls]
 
 
 def _read_calls(parser: _TextParser, renderer: Any, parsed: Any, token_ids: list[int]) -> Any:

@@ -122,6 +122,11 @@ class ToolCallParser:
         self._request = ChatCompletionRequest(messages=[], model="inflight")
 
     def parse(self, text: str) -> tuple[dict[str, Any], ...]:
+        return tuple({"name": name, "arguments": arguments} for name, _, arguments in self.extract(text)[1])
+
+    def extract(self, text: str) -> tuple[str, list[tuple[str, str, Any]]]:
+        """A reply's text -> its content (the text besides the calls; all of it without calls)
+        and its calls as (name, raw arguments, arguments parsed where they are JSON)."""
         logger = logging.getLogger("vllm.tool_parsers")
         level = logger.level
         logger.setLevel(logging.CRITICAL)  # a call that does not parse is the policy's: no traceback per reply
@@ -130,15 +135,15 @@ class ToolCallParser:
         finally:
             logger.setLevel(level)
         if not got.tools_called:
-            return ()
+            return text, []
         calls = []
         for call in got.tool_calls:
             try:
                 arguments = json.loads(call.function.arguments)
             except (TypeError, ValueError):
                 arguments = call.function.arguments
-            calls.append({"name": call.function.name, "arguments": arguments})
-        return tuple(calls)
+            calls.append((call.function.name, call.function.arguments, arguments))
+        return got.content or "", calls
 
 
 def chat_template_text(name_or_path: str) -> str:
