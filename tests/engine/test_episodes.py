@@ -258,7 +258,8 @@ def test_a_hung_tool_holds_one_worker_and_its_dropped_group_turn_is_cancelled(en
     assert pool["cancelled"] == 1 and pool["timeouts"] == 0 and pool["grown"] >= 1, pool
     [line] = [r.getMessage() for r in caplog.records if "the other episode's tool hangs" in r.getMessage()]
     assert re.match(r"rollout: task tests\.episode_envs:make: episode h\.[01] \(turn 1\) failed \(prompt '.*'\): "
-                    r"Echo\.turn raised RuntimeError: the other episode's tool hangs; its group is dropped "
+                    r"Echo\.turn raised RuntimeError: the other episode's tool hangs \(at tests/episode_envs\.py:\d+ "
+                    r"in _one_hangs\); its group is dropped "
                     r"\(1 failed so far, \d+ scored\)\nTraceback \(most recent call last\):", line), line
 
 

@@ -101,7 +101,8 @@ def test_a_short_run_reports_to_tensorboard_wandb_and_trackio(tmp_path: Path, mo
     monkeypatch.delenv("WANDB_MODE", raising=False)
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
-    assert "trackio" not in sys.modules  # it reads TRACKIO_DIR once, at import, which the run does
+    for name in [m for m in sys.modules if m == "trackio" or m.startswith("trackio.")]:
+        monkeypatch.delitem(sys.modules, name)  # trackio reads TRACKIO_DIR once, at import (TRL imports it): afresh
     monkeypatch.setenv("TRACKIO_DIR", str(out / "trackio"))
     from inflight.trainer.train import train
 
