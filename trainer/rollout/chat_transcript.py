@@ -168,9 +168,10 @@ def _is_recorded(request: httpx.Request) -> bool:
     return request.method == "POST" and (path.endswith(CHAT_PATH) or path.endswith(GENERATE_PATH))
 
 
-def _outgoing(transcript: ChatTranscript, request: httpx.Request) -> httpx.Request | httpx.Response:
+def _outgoing(transcript: ChatTranscript, request: httpx.Request) -> httpx.Response | tuple[httpx.Request, Any]:
     """What a transport sends for a recorded ``request``: as ``ChatTranscript.outgoing``
-    rewrites it, or the transcript's refusal."""
+    rewrites it, with the prompt ids a generate request carries (the response need not repeat
+    them; None for a chat request), or the transcript's refusal."""
     if transcript.failure:
         return transcript.refused(transcript.failure)
     generate = request.url.path.endswith(GENERATE_PATH)
@@ -179,7 +180,8 @@ def _outgoing(transcript: ChatTranscript, request: httpx.Request) -> httpx.Reque
     except ValueError as e:
         return transcript.refused(f"{transcript.name}: {e}")
     headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
-    return httpx.Request(request.method, request.url, headers=headers, json=body, extensions=request.extensions)
+    sent = httpx.Request(request.method, request.url, headers=headers, json=body, extensions=request.extensions)
+    return sent, body.get("token_ids") if generate else None
 
 
 class _Recording(httpx.BaseTransport):
@@ -193,9 +195,10 @@ class _Recording(httpx.BaseTransport):
         outgoing = _outgoing(transcript, request)
         if isinstance(outgoing, httpx.Response):
             return outgoing
-        response = self.inner.handle_request(outgoing)
+        sent, prompt_ids = outgoing
+        response = self.inner.handle_request(sent)
         response.read()
-        return _recorded(transcript, outgoing, response)
+        return _recorded(transcript, prompt_ids, response)
 
     def close(self) -> None:
         self.inner.close()
@@ -212,21 +215,22 @@ class _AsyncRecording(httpx.AsyncBaseTransport):
         outgoing = _outgoing(transcript, request)
         if isinstance(outgoing, httpx.Response):
             return outgoing
-        response = await self.inner.handle_async_request(outgoing)
+        sent, prompt_ids = outgoing
+        response = await self.inner.handle_async_request(sent)
         await response.aread()
-        return _recorded(transcript, outgoing, response)
+        return _recorded(transcript, prompt_ids, response)
 
     async def aclose(self) -> None:
         await self.inner.aclose()
 
 
-def _recorded(transcript: ChatTranscript, request: httpx.Request, response: httpx.Response) -> httpx.Response:
+def _recorded(transcript: ChatTranscript, prompt_ids: Any, response: httpx.Response) -> httpx.Response:
     """``response`` after the transcript took it: as it came where the server refused the call,
     HTTP 400 where the transcript refuses what came back."""
     if response.status_code != 200:
         return response
     try:
-        transcript.record(response.json(), json.loads(request.content).get("token_ids"))
+        transcript.record(response.json(), prompt_ids)
     except ValueError as e:
         return transcript.refused(str(e))
     headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-encoding")}

@@ -70,14 +70,14 @@ class ServerEpisodes:
         """One episode of ``task`` (``env.run_slot``): a sample per trace (seat) in the order
         verifiers finished them. ValueError naming the trace where one cannot become a sample."""
         episode = await self.env.run_slot(self.env.slots(task, 1)[0], self.ctx)
+        transcripts = [self.transcripts.sessions.pop(trace.id, None) for trace in episode.traces]  # none kept
         if episode.errors:
             e = episode.errors[0]
             raise ValueError(f"verifiers environment {self.name!r}: {e.type}: {e.message}")
-        return [self._sample(trace, group_id=group_id, sample_id=f"{sample_id}.{k}" if k else sample_id)
-                for k, trace in enumerate(episode.traces)]
+        return [self._sample(trace, transcript, group_id=group_id, sample_id=f"{sample_id}.{k}" if k else sample_id)
+                for k, (trace, transcript) in enumerate(zip(episode.traces, transcripts))]
 
-    def _sample(self, trace: Any, *, group_id: str, sample_id: str) -> RolloutSample:
-        transcript = self.transcripts.sessions.pop(trace.id, None)
+    def _sample(self, trace: Any, transcript: Any, *, group_id: str, sample_id: str) -> RolloutSample:
         where = f"verifiers environment {self.name!r}, trace {trace.id} ({getattr(trace.agent, 'name', 'agent')})"
         if trace.errors:
             e = trace.errors[0]
